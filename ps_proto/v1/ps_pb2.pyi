@@ -1,0 +1,310 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Dtype(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DTYPE_UNSPECIFIED: _ClassVar[Dtype]
+    DTYPE_FLOAT32: _ClassVar[Dtype]
+    DTYPE_FLOAT16: _ClassVar[Dtype]
+    DTYPE_BFLOAT16: _ClassVar[Dtype]
+    DTYPE_FLOAT64: _ClassVar[Dtype]
+
+class Mode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    MODE_UNSPECIFIED: _ClassVar[Mode]
+    MODE_SYNC: _ClassVar[Mode]
+    MODE_ASYNC: _ClassVar[Mode]
+    MODE_SSP: _ClassVar[Mode]
+    MODE_EASGD: _ClassVar[Mode]
+
+class WorkerState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    WORKER_STATE_UNSPECIFIED: _ClassVar[WorkerState]
+    WORKER_STATE_PENDING: _ClassVar[WorkerState]
+    WORKER_STATE_LIVE: _ClassVar[WorkerState]
+    WORKER_STATE_EVICTED: _ClassVar[WorkerState]
+    WORKER_STATE_LEFT: _ClassVar[WorkerState]
+DTYPE_UNSPECIFIED: Dtype
+DTYPE_FLOAT32: Dtype
+DTYPE_FLOAT16: Dtype
+DTYPE_BFLOAT16: Dtype
+DTYPE_FLOAT64: Dtype
+MODE_UNSPECIFIED: Mode
+MODE_SYNC: Mode
+MODE_ASYNC: Mode
+MODE_SSP: Mode
+MODE_EASGD: Mode
+WORKER_STATE_UNSPECIFIED: WorkerState
+WORKER_STATE_PENDING: WorkerState
+WORKER_STATE_LIVE: WorkerState
+WORKER_STATE_EVICTED: WorkerState
+WORKER_STATE_LEFT: WorkerState
+
+class Partition(_message.Message):
+    __slots__ = ("key", "offset", "length", "dtype", "data")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    offset: int
+    length: int
+    dtype: Dtype
+    data: bytes
+    def __init__(self, key: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., dtype: _Optional[_Union[Dtype, str]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class ParameterSpec(_message.Message):
+    __slots__ = ("key", "shape", "dtype")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: Dtype
+    def __init__(self, key: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[Dtype, str]] = ...) -> None: ...
+
+class OptimizerSpec(_message.Message):
+    __slots__ = ("name", "kwargs")
+    class KwargsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    KWARGS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    kwargs: _containers.ScalarMap[str, float]
+    def __init__(self, name: _Optional[str] = ..., kwargs: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
+class PlanInfo(_message.Message):
+    __slots__ = ("specs", "num_shards", "partition_bytes", "digest")
+    SPECS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    PARTITION_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    specs: _containers.RepeatedCompositeFieldContainer[ParameterSpec]
+    num_shards: int
+    partition_bytes: int
+    digest: str
+    def __init__(self, specs: _Optional[_Iterable[_Union[ParameterSpec, _Mapping]]] = ..., num_shards: _Optional[int] = ..., partition_bytes: _Optional[int] = ..., digest: _Optional[str] = ...) -> None: ...
+
+class ClusterConfig(_message.Message):
+    __slots__ = ("mode", "num_workers", "lease_timeout_seconds")
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    mode: Mode
+    num_workers: int
+    lease_timeout_seconds: float
+    def __init__(self, mode: _Optional[_Union[Mode, str]] = ..., num_workers: _Optional[int] = ..., lease_timeout_seconds: _Optional[float] = ...) -> None: ...
+
+class JoinRequest(_message.Message):
+    __slots__ = ("rank", "num_workers", "incarnation")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    num_workers: int
+    incarnation: int
+    def __init__(self, rank: _Optional[int] = ..., num_workers: _Optional[int] = ..., incarnation: _Optional[int] = ...) -> None: ...
+
+class JoinResponse(_message.Message):
+    __slots__ = ("shard_index", "num_shards", "config", "initialized", "version", "plan_digest", "clock")
+    SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_FIELD_NUMBER: _ClassVar[int]
+    INITIALIZED_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    PLAN_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    CLOCK_FIELD_NUMBER: _ClassVar[int]
+    shard_index: int
+    num_shards: int
+    config: ClusterConfig
+    initialized: bool
+    version: int
+    plan_digest: str
+    clock: int
+    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., config: _Optional[_Union[ClusterConfig, _Mapping]] = ..., initialized: _Optional[bool] = ..., version: _Optional[int] = ..., plan_digest: _Optional[str] = ..., clock: _Optional[int] = ...) -> None: ...
+
+class InitHeader(_message.Message):
+    __slots__ = ("rank", "incarnation", "plan", "optimizer")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    PLAN_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    incarnation: int
+    plan: PlanInfo
+    optimizer: OptimizerSpec
+    def __init__(self, rank: _Optional[int] = ..., incarnation: _Optional[int] = ..., plan: _Optional[_Union[PlanInfo, _Mapping]] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ...) -> None: ...
+
+class InitRequest(_message.Message):
+    __slots__ = ("header", "partition")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    PARTITION_FIELD_NUMBER: _ClassVar[int]
+    header: InitHeader
+    partition: Partition
+    def __init__(self, header: _Optional[_Union[InitHeader, _Mapping]] = ..., partition: _Optional[_Union[Partition, _Mapping]] = ...) -> None: ...
+
+class InitResponse(_message.Message):
+    __slots__ = ("applied", "version", "plan_digest")
+    APPLIED_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    PLAN_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    applied: bool
+    version: int
+    plan_digest: str
+    def __init__(self, applied: _Optional[bool] = ..., version: _Optional[int] = ..., plan_digest: _Optional[str] = ...) -> None: ...
+
+class PushHeader(_message.Message):
+    __slots__ = ("rank", "incarnation", "clock", "version", "plan_digest")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    CLOCK_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    PLAN_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    incarnation: int
+    clock: int
+    version: int
+    plan_digest: str
+    def __init__(self, rank: _Optional[int] = ..., incarnation: _Optional[int] = ..., clock: _Optional[int] = ..., version: _Optional[int] = ..., plan_digest: _Optional[str] = ...) -> None: ...
+
+class PushRequest(_message.Message):
+    __slots__ = ("header", "partition")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    PARTITION_FIELD_NUMBER: _ClassVar[int]
+    header: PushHeader
+    partition: Partition
+    def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., partition: _Optional[_Union[Partition, _Mapping]] = ...) -> None: ...
+
+class PushResponse(_message.Message):
+    __slots__ = ("version", "duplicate", "staleness")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATE_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    duplicate: bool
+    staleness: int
+    def __init__(self, version: _Optional[int] = ..., duplicate: _Optional[bool] = ..., staleness: _Optional[int] = ...) -> None: ...
+
+class PullRequest(_message.Message):
+    __slots__ = ("rank", "incarnation", "min_version", "plan_digest")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    MIN_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PLAN_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    incarnation: int
+    min_version: int
+    plan_digest: str
+    def __init__(self, rank: _Optional[int] = ..., incarnation: _Optional[int] = ..., min_version: _Optional[int] = ..., plan_digest: _Optional[str] = ...) -> None: ...
+
+class PullResponse(_message.Message):
+    __slots__ = ("version", "partition")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    PARTITION_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    partition: Partition
+    def __init__(self, version: _Optional[int] = ..., partition: _Optional[_Union[Partition, _Mapping]] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("rank", "incarnation")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    incarnation: int
+    def __init__(self, rank: _Optional[int] = ..., incarnation: _Optional[int] = ...) -> None: ...
+
+class HeartbeatResponse(_message.Message):
+    __slots__ = ("version", "state")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    state: WorkerState
+    def __init__(self, version: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ...) -> None: ...
+
+class LeaveRequest(_message.Message):
+    __slots__ = ("rank", "incarnation")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    incarnation: int
+    def __init__(self, rank: _Optional[int] = ..., incarnation: _Optional[int] = ...) -> None: ...
+
+class LeaveResponse(_message.Message):
+    __slots__ = ("version",)
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    def __init__(self, version: _Optional[int] = ...) -> None: ...
+
+class WorkerStatus(_message.Message):
+    __slots__ = ("rank", "incarnation", "clock", "state", "last_seen_seconds_ago", "pushes")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    CLOCK_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEEN_SECONDS_AGO_FIELD_NUMBER: _ClassVar[int]
+    PUSHES_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    incarnation: int
+    clock: int
+    state: WorkerState
+    last_seen_seconds_ago: float
+    pushes: int
+    def __init__(self, rank: _Optional[int] = ..., incarnation: _Optional[int] = ..., clock: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., last_seen_seconds_ago: _Optional[float] = ..., pushes: _Optional[int] = ...) -> None: ...
+
+class ShardStatus(_message.Message):
+    __slots__ = ("shard_index", "num_shards", "config", "initialized", "version", "plan_digest", "num_partitions", "num_elements", "parameter_bytes", "optimizer", "workers", "received_bytes", "sent_bytes", "rejected_requests", "uptime_seconds", "round_ranks")
+    SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_FIELD_NUMBER: _ClassVar[int]
+    INITIALIZED_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    PLAN_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    NUM_PARTITIONS_FIELD_NUMBER: _ClassVar[int]
+    NUM_ELEMENTS_FIELD_NUMBER: _ClassVar[int]
+    PARAMETER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    RECEIVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SENT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ROUND_RANKS_FIELD_NUMBER: _ClassVar[int]
+    shard_index: int
+    num_shards: int
+    config: ClusterConfig
+    initialized: bool
+    version: int
+    plan_digest: str
+    num_partitions: int
+    num_elements: int
+    parameter_bytes: int
+    optimizer: OptimizerSpec
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
+    received_bytes: int
+    sent_bytes: int
+    rejected_requests: int
+    uptime_seconds: float
+    round_ranks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., config: _Optional[_Union[ClusterConfig, _Mapping]] = ..., initialized: _Optional[bool] = ..., version: _Optional[int] = ..., plan_digest: _Optional[str] = ..., num_partitions: _Optional[int] = ..., num_elements: _Optional[int] = ..., parameter_bytes: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., received_bytes: _Optional[int] = ..., sent_bytes: _Optional[int] = ..., rejected_requests: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., round_ranks: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class GetStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetStatusResponse(_message.Message):
+    __slots__ = ("status",)
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    status: ShardStatus
+    def __init__(self, status: _Optional[_Union[ShardStatus, _Mapping]] = ...) -> None: ...

@@ -1,0 +1,1 @@
+"""grpc-ps shard: one process holding a set of parameter partitions and their optimizer."""

@@ -1,0 +1,39 @@
+"""``ps-server``: run one shard until SIGTERM or Ctrl-C."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+
+from ps_server.config import config_from_args
+from ps_server.server import start_server
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point. Prints ``ps-server: shard K/S listening on HOST:PORT`` once serving."""
+    config, log_level = config_from_args(argv)
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        running = start_server(config)
+    except RuntimeError as exc:
+        print(f"ps-server: {exc}", file=sys.stderr)
+        return 1
+    print(f"ps-server: shard {config.shard_index}/{config.num_shards} listening on {running.address}", flush=True)
+    done = threading.Event()
+
+    def on_signal(signum: int, frame: object) -> None:
+        logging.getLogger("ps_server").info("signal %d: shutting down", signum)
+        done.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    done.wait()
+    running.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

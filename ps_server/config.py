@@ -1,0 +1,125 @@
+"""The shard's settings: one frozen, validated dataclass built from flags and their PS_* twins."""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from ps_server.core.errors import InvalidRequestError
+from ps_server.flags import FlagParser
+from ps_server.shard import MODES
+
+LOOPBACK_NAMES = {"localhost", "ip6-localhost"}
+
+
+def is_loopback(host: str) -> bool:
+    """True for 127.0.0.0/8, ::1 and localhost."""
+    if host in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Settings of one shard process.
+
+    Raises:
+        InvalidRequestError: any value out of range, in a full sentence.
+    """
+
+    shard_index: int
+    num_shards: int
+    num_workers: int
+    mode: str = "sync"
+    host: str = "127.0.0.1"
+    port: int = 50051
+    lease_timeout: float = 10.0
+    token: str = ""
+    admin_token: str = ""
+    insecure: bool = False
+    max_message_bytes: int = 16 * 1024 * 1024
+    max_workers_threads: int = 0
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise InvalidRequestError(f"Unknown mode {self.mode!r}; expected one of {', '.join(MODES)}.")
+        if self.mode != "sync":
+            raise InvalidRequestError(
+                f"Mode {self.mode!r} is not available in this release yet; use --mode sync."
+            )
+        if self.num_shards < 1:
+            raise InvalidRequestError(f"--num-shards must be >= 1, got {self.num_shards}.")
+        if not 0 <= self.shard_index < self.num_shards:
+            raise InvalidRequestError(
+                f"--shard-index must be in 0..{self.num_shards - 1} for --num-shards {self.num_shards}, "
+                f"got {self.shard_index}."
+            )
+        if not 1 <= self.num_workers <= 4096:
+            raise InvalidRequestError(f"--num-workers must be in 1..4096, got {self.num_workers}.")
+        if not 0 <= self.port <= 65535:
+            raise InvalidRequestError(f"--port must be in 0..65535, got {self.port}.")
+        if not self.lease_timeout > 0:
+            raise InvalidRequestError(f"--lease-timeout must be > 0 seconds, got {self.lease_timeout}.")
+        if self.max_message_bytes < 1024 * 1024:
+            raise InvalidRequestError(f"--max-message-bytes must be >= 1 MiB, got {self.max_message_bytes}.")
+        if not is_loopback(self.host) and not (self.token and self.admin_token) and not self.insecure:
+            raise InvalidRequestError(
+                f"Refusing to serve on non-loopback address {self.host!r} without both PS_TOKEN and "
+                "PS_ADMIN_TOKEN: set them (or --token/--admin-token), or pass --insecure on a trusted network."
+            )
+
+    @property
+    def threads(self) -> int:
+        """Server thread pool size: every worker may hold a pull and a push, plus admin calls."""
+        return self.max_workers_threads or max(16, 2 * self.num_workers + 8)
+
+
+def server_parser(environ: Mapping[str, str] | None = None) -> FlagParser:
+    """The ``ps-server`` flags (DESIGN section 10)."""
+    p = FlagParser(prog="ps-server", description="Run one shard of a grpc-ps parameter server.", environ=environ)
+    p.flag("--shard-index", type=int, required=True, help="this shard's index, 0..num_shards-1")
+    p.flag("--num-shards", type=int, required=True, help="number of shards in the cluster")
+    p.flag("--num-workers", type=int, required=True, help="number of worker ranks in the cluster")
+    p.flag("--mode", default="sync", choices=MODES, help="consistency model")
+    p.flag("--host", default="127.0.0.1", help="address to bind; non-loopback needs tokens or --insecure")
+    p.flag("--port", type=int, default=50051, help="gRPC port; 0 picks a free port and prints it")
+    p.flag("--lease-timeout", type=float, default=10.0, help="seconds without a heartbeat before a rank is evicted")
+    p.flag("--token", default="", help="bearer token workers must send to ParameterService")
+    p.flag("--admin-token", default="", help="bearer token operators must send to Admin")
+    p.flag("--insecure", switch=True, help="allow a non-loopback bind without tokens")
+    p.flag("--max-message-bytes", type=int, default=16 * 1024 * 1024, help="largest gRPC message accepted, bytes")
+    p.flag("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"), help="log level")
+    return p
+
+
+def config_from_args(
+    argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
+) -> tuple[ServerConfig, str]:
+    """Parse ``argv`` (and twins) into a validated config and the log level.
+
+    Raises:
+        SystemExit: bad flags, with a message on stderr.
+    """
+    parser = server_parser(environ)
+    args = parser.parse_args(argv)
+    try:
+        config = ServerConfig(
+            shard_index=args.shard_index,
+            num_shards=args.num_shards,
+            num_workers=args.num_workers,
+            mode=args.mode,
+            host=args.host,
+            port=args.port,
+            lease_timeout=args.lease_timeout,
+            token=args.token,
+            admin_token=args.admin_token,
+            insecure=args.insecure,
+            max_message_bytes=args.max_message_bytes,
+        )
+    except InvalidRequestError as exc:
+        parser.error(str(exc))
+    return config, args.log_level

@@ -1,0 +1,1 @@
+"""The pure core shared by shards and workers: plan, codecs, errors, optimizer specs (no grpc)."""

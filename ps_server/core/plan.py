@@ -1,0 +1,152 @@
+"""The partition plan: a deterministic map partition -> shard (DESIGN section 6).
+
+Every parameter is flattened and cut into partitions of at most ``partition_bytes``; walking
+parameters in declaration order, each partition goes to the shard holding the fewest bytes so far
+(ties to the lowest shard index). Workers and shards compute the same plan from the same inputs
+and compare its digest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from ps_server.core.codec import itemsize
+from ps_server.core.errors import InvalidRequestError
+
+DEFAULT_PARTITION_BYTES = 4 * 1024 * 1024
+"""Default upper bound of one partition's payload, in bytes (4 MiB)."""
+
+MAX_PARTITION_BYTES = 64 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class ParameterSpec:
+    """One parameter: ``key`` from ``model.named_parameters()``, its shape and wire dtype name
+    (one of ``float32``, ``float16``, ``bfloat16``, ``float64``)."""
+
+    key: str
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def numel(self) -> int:
+        """Number of elements of the flattened parameter."""
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class PartitionSlice:
+    """Elements ``[offset, offset + length)`` of the flattened parameter ``key``, owned by ``shard``."""
+
+    key: str
+    offset: int
+    length: int
+    shard: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The partitions of a model over ``num_shards`` shards; build with :func:`make_plan`."""
+
+    specs: tuple[ParameterSpec, ...]
+    num_shards: int
+    partition_bytes: int
+    partitions: tuple[PartitionSlice, ...]
+    digest: str
+
+    def owned_by(self, shard: int) -> tuple[PartitionSlice, ...]:
+        """Partitions of ``shard`` in plan order."""
+        return tuple(p for p in self.partitions if p.shard == shard)
+
+    def spec(self, key: str) -> ParameterSpec:
+        """The spec of ``key``.
+
+        Raises:
+            InvalidRequestError: ``key`` is not a parameter of this plan.
+        """
+        for s in self.specs:
+            if s.key == key:
+                return s
+        raise InvalidRequestError(f"Unknown parameter {key!r}; the plan has {len(self.specs)} parameters.")
+
+    def shard_bytes(self) -> list[int]:
+        """Payload bytes held by each shard, indexed by shard."""
+        loads = [0] * self.num_shards
+        by_key = {s.key: s for s in self.specs}
+        for p in self.partitions:
+            loads[p.shard] += p.length * itemsize(by_key[p.key].dtype)
+        return loads
+
+
+def plan_digest(specs: Sequence[ParameterSpec], num_shards: int, partition_bytes: int) -> str:
+    """Hex sha256 of the canonical JSON of the plan's inputs (the plan is a pure function of them)."""
+    canonical = json.dumps(
+        {
+            "v": 1,
+            "num_shards": num_shards,
+            "partition_bytes": partition_bytes,
+            "specs": [[s.key, list(s.shape), s.dtype] for s in specs],
+        },
+        separators=(",", ":"),
+    )
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def make_plan(
+    specs: Iterable[ParameterSpec], num_shards: int, partition_bytes: int = DEFAULT_PARTITION_BYTES
+) -> Plan:
+    """Cut parameters into partitions and assign them to shards by least load in bytes.
+
+    Args:
+        specs: parameters in declaration order; keys must be unique.
+        num_shards: number of shards, >= 1.
+        partition_bytes: upper bound of one partition's payload in bytes; at least one element.
+
+    Returns:
+        The plan, with its digest.
+
+    Raises:
+        InvalidRequestError: no parameters, duplicate keys, an empty or unsupported parameter, or
+            ``num_shards``/``partition_bytes`` out of range.
+    """
+    specs = tuple(specs)
+    if num_shards < 1:
+        raise InvalidRequestError(f"num_shards must be >= 1, got {num_shards}.")
+    if not 1 <= partition_bytes <= MAX_PARTITION_BYTES:
+        raise InvalidRequestError(
+            f"partition_bytes must be in [1, {MAX_PARTITION_BYTES}], got {partition_bytes}."
+        )
+    if not specs:
+        raise InvalidRequestError("The model has no parameters; nothing to serve.")
+    seen: set[str] = set()
+    loads = [0] * num_shards
+    partitions: list[PartitionSlice] = []
+    for spec in specs:
+        if not spec.key:
+            raise InvalidRequestError("A parameter has an empty key.")
+        if spec.key in seen:
+            raise InvalidRequestError(f"Parameter {spec.key!r} appears twice; keys must be unique.")
+        seen.add(spec.key)
+        if any(d < 0 for d in spec.shape):
+            raise InvalidRequestError(f"Parameter {spec.key!r} has a negative dimension {spec.shape}.")
+        size = itemsize(spec.dtype)
+        numel = spec.numel
+        if numel == 0:
+            raise InvalidRequestError(f"Parameter {spec.key!r} is empty; remove it from the model.")
+        per_part = max(1, partition_bytes // size)
+        for offset in range(0, numel, per_part):
+            length = min(per_part, numel - offset)
+            shard = min(range(num_shards), key=lambda k: (loads[k], k))
+            loads[shard] += length * size
+            partitions.append(PartitionSlice(spec.key, offset, length, shard))
+    return Plan(
+        specs=specs,
+        num_shards=num_shards,
+        partition_bytes=partition_bytes,
+        partitions=tuple(partitions),
+        digest=plan_digest(specs, num_shards, partition_bytes),
+    )

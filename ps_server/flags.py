@@ -1,0 +1,73 @@
+"""Command-line flags with ``PS_*`` environment twins, defined in one place for every command.
+
+``--num-workers`` has the twin ``PS_NUM_WORKERS``; a flag on the command line wins over its twin,
+and the twin wins over the default. ``--help`` shows each twin.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+TRUE = {"1", "true", "yes", "on"}
+FALSE = {"0", "false", "no", "off", ""}
+
+
+def env_name(flag: str) -> str:
+    """``--num-workers`` -> ``PS_NUM_WORKERS``."""
+    return "PS_" + flag.lstrip("-").upper().replace("-", "_")
+
+
+class FlagParser(argparse.ArgumentParser):
+    """An ArgumentParser whose :meth:`flag` adds an option with a ``PS_*`` twin.
+
+    Args:
+        environ: where twins are read (``os.environ`` by default; injected in tests).
+    """
+
+    def __init__(self, *args: Any, environ: Mapping[str, str] | None = None, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        super().__init__(*args, **kwargs)
+        self.environ = os.environ if environ is None else environ
+        self.twins: list[tuple[str, str, str]] = []  # (flag, env, help) for the README table
+
+    def flag(
+        self,
+        name: str,
+        *,
+        type: Callable[[str], Any] = str,
+        default: Any = None,
+        help: str,
+        required: bool = False,
+        choices: Any = None,
+        switch: bool = False,
+    ) -> None:
+        """Add ``name`` with its twin. ``switch=True`` makes a boolean ``store_true`` flag whose
+        twin takes 1/0, true/false, yes/no, on/off.
+
+        Raises:
+            SystemExit: through ``self.error`` when the twin's value does not parse.
+        """
+        env = env_name(name)
+        raw = self.environ.get(env)
+        if raw is not None:
+            if switch:
+                if raw.strip().lower() not in TRUE | FALSE:
+                    self.error(f"{env}={raw!r} is not a boolean; use 1 or 0.")
+                default = raw.strip().lower() in TRUE
+            else:
+                try:
+                    default = type(raw)
+                except (TypeError, ValueError) as exc:
+                    self.error(f"{env}={raw!r} is invalid for {name}: {exc}")
+                if choices is not None and default not in choices:
+                    self.error(f"{env}={raw!r} is invalid for {name}; choose from {', '.join(map(str, choices))}.")
+            required = False
+        self.twins.append((name, env, help))
+        text = f"{help} [env {env}]"
+        if switch:
+            self.add_argument(name, action="store_true", default=bool(default), help=text)
+        else:
+            self.add_argument(name, type=type, default=default, required=required, choices=choices, help=text)

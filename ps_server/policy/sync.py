@@ -1,0 +1,99 @@
+"""Synchronous (BSP) rounds: one gradient per live rank per round, summed in rank order.
+
+Round ``t`` collects the pushes with clock ``t``. When every expected rank has pushed, the
+gradients are summed **in rank order** (never arrival order), divided by their count, and handed
+back for one optimizer step; the version becomes ``t + 1``. Because the order of floating-point
+additions is fixed, the result is bitwise identical whatever the arrival timing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+
+import torch
+
+from ps_server.core.errors import PreconditionError, StalePushError
+
+Gradients = Sequence[torch.Tensor]
+"""One 1-D tensor per partition owned by the shard, in plan order."""
+
+
+def aggregate(grads_by_rank: Mapping[int, Gradients]) -> list[torch.Tensor]:
+    """Mean of the ranks' gradients, summed in ascending rank order.
+
+    Args:
+        grads_by_rank: rank -> gradients; every rank's list has the same shapes and dtypes.
+
+    Returns:
+        New tensors, one per partition: ``(g[r0] + g[r1] + ...) / len(grads_by_rank)``.
+
+    Raises:
+        ValueError: no ranks.
+    """
+    if not grads_by_rank:
+        raise ValueError("aggregate() needs at least one rank's gradients.")
+    ranks = sorted(grads_by_rank)
+    out = [g.clone() for g in grads_by_rank[ranks[0]]]
+    for r in ranks[1:]:
+        for acc, g in zip(out, grads_by_rank[r], strict=True):
+            acc.add_(g)
+    if len(ranks) > 1:
+        for acc in out:
+            acc.div_(len(ranks))
+    return out
+
+
+class SyncRounds:
+    """The open round of a shard in sync mode.
+
+    Args:
+        round: the round (= version) to start at.
+    """
+
+    def __init__(self, round: int = 0) -> None:
+        self.round = round
+        self.pending: dict[int, Gradients] = {}
+
+    def add(self, rank: int, clock: int, grads: Gradients) -> None:
+        """Hold ``rank``'s gradients for the round ``clock``.
+
+        Raises:
+            StalePushError: ``clock`` is an already closed round.
+            PreconditionError: ``clock`` is a future round, or ``rank`` already pushed this round.
+        """
+        if clock < self.round:
+            raise StalePushError(
+                f"Round {clock} is closed (the shard is at round {self.round}); pull version "
+                f"{self.round} and push clock {self.round}."
+            )
+        if clock > self.round:
+            raise PreconditionError(
+                f"Push for round {clock} but the shard is at round {self.round}; pull version {clock} first."
+            )
+        if rank in self.pending:
+            raise PreconditionError(
+                f"Rank {rank} already pushed round {clock} under another incarnation; wait for the next round."
+            )
+        self.pending[rank] = grads
+
+    def close_if_complete(self, expected: Iterable[int]) -> list[torch.Tensor] | None:
+        """Close the round when every expected rank has pushed.
+
+        Args:
+            expected: ranks the round waits for (live, or not yet joined). Pushes already held from
+                ranks no longer expected still count.
+
+        Returns:
+            The rank-ordered mean gradients, and the round advances; or None while waiting. A round
+            with no pushes never closes.
+        """
+        if not self.pending or not set(expected) <= self.pending.keys():
+            return None
+        mean = aggregate(self.pending)
+        self.pending = {}
+        self.round += 1
+        return mean
+
+    def waiting_for(self, expected: Iterable[int]) -> list[int]:
+        """Expected ranks that have not pushed the open round, ascending."""
+        return sorted(set(expected) - self.pending.keys())

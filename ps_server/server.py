@@ -1,0 +1,121 @@
+"""Server factory: one shard's gRPC server with health, reflection and token checks."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from ps_proto.v1 import ps_pb2, ps_pb2_grpc
+from ps_server.auth import TokenInterceptor
+from ps_server.config import ServerConfig
+from ps_server.servicer import AdminServicer, Counters, ParameterServicer
+from ps_server.shard import Shard
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAMES = (
+    ps_pb2.DESCRIPTOR.services_by_name["ParameterService"].full_name,
+    ps_pb2.DESCRIPTOR.services_by_name["Admin"].full_name,
+)
+
+
+class ShardServer:
+    """A running shard: gRPC server, state, and the lease reaper.
+
+    Use :func:`start_server`; call :meth:`stop` to shut down.
+    """
+
+    def __init__(self, config: ServerConfig, server: grpc.Server, port: int, shard: Shard,
+                 health_servicer: health.HealthServicer, counters: Counters) -> None:
+        self.config = config
+        self.server = server
+        self.port = port
+        self.shard = shard
+        self.health = health_servicer
+        self.counters = counters
+        self._stopping = threading.Event()
+        self._reaper = threading.Thread(target=self._reap, name=f"lease-reaper-{config.shard_index}", daemon=True)
+        self._reaper.start()
+
+    @property
+    def address(self) -> str:
+        """``host:port`` that clients dial."""
+        host = self.config.host
+        host = "127.0.0.1" if host in ("0.0.0.0", "") else host
+        return f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
+
+    def _reap(self) -> None:
+        interval = max(0.05, min(1.0, self.config.lease_timeout / 4))
+        while not self._stopping.wait(interval):
+            self.shard.expire_leases()
+
+    def stop(self, grace: float = 2.0) -> None:
+        """Mark NOT_SERVING, wake waiters with UNAVAILABLE, and stop within ``grace`` seconds."""
+        self._stopping.set()
+        self.health.enter_graceful_shutdown()
+        self.shard.close()
+        self.server.stop(grace).wait(grace + 1)
+        log.info("shard %d stopped", self.config.shard_index)
+
+    def wait(self) -> None:
+        self.server.wait_for_termination()
+
+
+def start_server(config: ServerConfig, shard: Shard | None = None) -> ShardServer:
+    """Build, bind and start a shard's server.
+
+    Args:
+        config: validated settings; ``port=0`` picks a free port.
+        shard: state to serve (a fresh :class:`Shard` by default).
+
+    Returns:
+        The running server; ``.port`` is the bound port.
+
+    Raises:
+        RuntimeError: the address could not be bound.
+    """
+    shard = shard or Shard(
+        config.shard_index, config.num_shards, config.num_workers, config.mode, config.lease_timeout
+    )
+    counters = Counters()
+    options = [
+        ("grpc.max_receive_message_length", config.max_message_bytes),
+        ("grpc.max_send_message_length", config.max_message_bytes),
+        ("grpc.so_reuseport", 0),
+    ]
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=config.threads, thread_name_prefix=f"shard{config.shard_index}"),
+        interceptors=[TokenInterceptor(config.token, config.admin_token,
+                                       on_refused=lambda code: counters.add(rejected=1))],
+        options=options,
+        maximum_concurrent_rpcs=config.threads * 4,
+    )
+    ps_pb2_grpc.add_ParameterServiceServicer_to_server(ParameterServicer(shard, counters), server)
+    ps_pb2_grpc.add_AdminServicer_to_server(AdminServicer(shard, counters), server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (*SERVICE_NAMES, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+        server,
+    )
+    host = config.host
+    bind = f"[{host}]:{config.port}" if ":" in host else f"{host}:{config.port}"
+    try:
+        port = server.add_insecure_port(bind)
+    except RuntimeError as exc:
+        raise RuntimeError(f"Could not bind {bind}: {exc}; is the port in use?") from exc
+    if port == 0:
+        raise RuntimeError(f"Could not bind {bind}; is the port in use?")
+    server.start()
+    for name in ("", *SERVICE_NAMES):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    log.info(
+        "shard %d/%d serving %s on %s:%d for %d workers",
+        config.shard_index, config.num_shards, config.mode, host, port, config.num_workers,
+    )
+    return ShardServer(config, server, port, shard, health_servicer, counters)

@@ -1,0 +1,261 @@
+"""gRPC servicers of a shard: decode, call :class:`~ps_server.shard.Shard`, encode.
+
+Domain errors become status codes through :data:`STATUS_CODES`, the one table of the mapping.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+import grpc
+
+from ps_proto.v1 import ps_pb2, ps_pb2_grpc
+from ps_server.core import errors
+from ps_server.core.partitions import WirePartition
+from ps_server.shard import Shard, StatusView, WorkerState
+from ps_server.wire import (
+    NAME_TO_DTYPE,
+    NAME_TO_MODE,
+    optimizer_from_proto,
+    optimizer_to_proto,
+    partition_from_proto,
+    specs_from_proto,
+)
+
+log = logging.getLogger(__name__)
+
+STATUS_CODES: tuple[tuple[type[errors.PSError], grpc.StatusCode], ...] = (
+    (errors.InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
+    (errors.PreconditionError, grpc.StatusCode.FAILED_PRECONDITION),
+    (errors.StalePushError, grpc.StatusCode.ABORTED),
+    (errors.WaitTimeoutError, grpc.StatusCode.DEADLINE_EXCEEDED),
+    (errors.ShuttingDownError, grpc.StatusCode.UNAVAILABLE),
+)
+"""Domain error class -> gRPC status code (first match wins)."""
+
+WORKER_STATES = {
+    WorkerState.PENDING: ps_pb2.WORKER_STATE_PENDING,
+    WorkerState.LIVE: ps_pb2.WORKER_STATE_LIVE,
+    WorkerState.EVICTED: ps_pb2.WORKER_STATE_EVICTED,
+    WorkerState.LEFT: ps_pb2.WORKER_STATE_LEFT,
+}
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def status_code(exc: errors.PSError) -> grpc.StatusCode:
+    """The status code of a domain error."""
+    for cls, code in STATUS_CODES:
+        if isinstance(exc, cls):
+            return code
+    return grpc.StatusCode.INTERNAL
+
+
+class Counters:
+    """Bytes and refusals of one shard, shared by its servicers (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.received_bytes = 0
+        self.sent_bytes = 0
+        self.rejected = 0
+
+    def add(self, received: int = 0, sent: int = 0, rejected: int = 0) -> None:
+        with self._lock:
+            self.received_bytes += received
+            self.sent_bytes += sent
+            self.rejected += rejected
+
+
+def _refuse(servicer: Any, name: str, exc: errors.PSError, context: grpc.ServicerContext) -> None:
+    servicer.counters.add(rejected=1)
+    code = status_code(exc)
+    level = logging.INFO if code == grpc.StatusCode.DEADLINE_EXCEEDED else logging.WARNING
+    log.log(level, "%s refused (%s): %s", name, code.name, exc)
+    context.abort(code, str(exc))
+
+
+def _maps_errors(method: F) -> F:
+    """Unary or client-streaming method: a domain error becomes ``context.abort`` with its code."""
+
+    @functools.wraps(method)
+    def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
+        try:
+            return method(self, request, context)
+        except errors.PSError as exc:
+            _refuse(self, method.__name__, exc, context)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _maps_stream_errors(method: F) -> F:
+    """Server-streaming method: like :func:`_maps_errors`, for errors raised while iterating."""
+
+    @functools.wraps(method)
+    def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+        try:
+            yield from method(self, request, context)
+        except errors.PSError as exc:
+            _refuse(self, method.__name__, exc, context)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _read_stream(
+    request_iterator: Iterator[Any], counters: Counters, what: str
+) -> tuple[Any, list[WirePartition]]:
+    """Split a client stream into its header and partitions; count received bytes.
+
+    Raises:
+        InvalidRequestError: the first message is not a header, or a later one is.
+    """
+    header = None
+    parts: list[WirePartition] = []
+    received = 0
+    for msg in request_iterator:
+        received += msg.ByteSize()
+        kind = msg.WhichOneof("payload")
+        if header is None:
+            if kind != "header":
+                raise errors.InvalidRequestError(f"A {what} stream must start with a header message.")
+            header = msg.header
+        elif kind == "partition":
+            parts.append(partition_from_proto(msg.partition))
+        else:
+            raise errors.InvalidRequestError(f"A {what} stream carries one header, then only partitions.")
+    counters.add(received=received)
+    if header is None:
+        raise errors.InvalidRequestError(f"The {what} stream was empty; send a header, then partitions.")
+    return header, parts
+
+
+def _deadline(context: grpc.ServicerContext) -> float | None:
+    remaining = context.time_remaining()
+    return None if remaining is None or remaining > 1e9 else max(0.0, remaining - 0.05)
+
+
+class ParameterServicer(ps_pb2_grpc.ParameterServiceServicer):
+    """ps.v1.ParameterService over one :class:`Shard`."""
+
+    def __init__(self, shard: Shard, counters: Counters) -> None:
+        self.shard = shard
+        self.counters = counters
+
+    def _config(self) -> ps_pb2.ClusterConfig:
+        return ps_pb2.ClusterConfig(
+            mode=NAME_TO_MODE[self.shard.mode],
+            num_workers=self.shard.num_workers,
+            lease_timeout_seconds=self.shard.lease_timeout,
+        )
+
+    @_maps_errors
+    def Join(self, request: ps_pb2.JoinRequest, context: grpc.ServicerContext) -> ps_pb2.JoinResponse:
+        info = self.shard.join(request.rank, request.num_workers, request.incarnation)
+        return ps_pb2.JoinResponse(
+            shard_index=self.shard.shard_index,
+            num_shards=self.shard.num_shards,
+            config=self._config(),
+            initialized=info.initialized,
+            version=info.version,
+            plan_digest=info.plan_digest,
+            clock=info.clock,
+        )
+
+    @_maps_errors
+    def Init(self, request_iterator: Iterator[ps_pb2.InitRequest], context: grpc.ServicerContext) -> ps_pb2.InitResponse:
+        header, parts = _read_stream(request_iterator, self.counters, "Init")
+        self.shard._check_rank(header.rank)
+        applied, version, digest = self.shard.init(
+            specs_from_proto(header.plan.specs),
+            header.plan.num_shards,
+            header.plan.partition_bytes,
+            header.plan.digest,
+            optimizer_from_proto(header.optimizer),
+            parts,
+        )
+        return ps_pb2.InitResponse(applied=applied, version=version, plan_digest=digest)
+
+    @_maps_errors
+    def Push(self, request_iterator: Iterator[ps_pb2.PushRequest], context: grpc.ServicerContext) -> ps_pb2.PushResponse:
+        header, parts = _read_stream(request_iterator, self.counters, "Push")
+        result = self.shard.push(header.rank, header.incarnation, header.clock, header.version, header.plan_digest, parts)
+        return ps_pb2.PushResponse(version=result.version, duplicate=result.duplicate, staleness=result.staleness)
+
+    @_maps_stream_errors
+    def Pull(self, request: ps_pb2.PullRequest, context: grpc.ServicerContext) -> Iterator[ps_pb2.PullResponse]:
+        version, parts = self.shard.pull(
+            request.rank, request.incarnation, request.min_version, request.plan_digest, _deadline(context)
+        )
+        dtypes = {s.key: NAME_TO_DTYPE[s.dtype] for s in self.shard.plan.specs} if self.shard.plan else {}
+        for part, data in parts:
+            msg = ps_pb2.PullResponse(
+                version=version,
+                partition=ps_pb2.Partition(
+                    key=part.key, offset=part.offset, length=part.length, dtype=dtypes[part.key], data=data
+                ),
+            )
+            self.counters.add(sent=msg.ByteSize())
+            yield msg
+
+    @_maps_errors
+    def Heartbeat(self, request: ps_pb2.HeartbeatRequest, context: grpc.ServicerContext) -> ps_pb2.HeartbeatResponse:
+        version, state = self.shard.heartbeat(request.rank, request.incarnation)
+        return ps_pb2.HeartbeatResponse(version=version, state=WORKER_STATES[state])
+
+    @_maps_errors
+    def Leave(self, request: ps_pb2.LeaveRequest, context: grpc.ServicerContext) -> ps_pb2.LeaveResponse:
+        return ps_pb2.LeaveResponse(version=self.shard.leave(request.rank, request.incarnation))
+
+
+def status_to_proto(view: StatusView, counters: Counters, uptime: float) -> ps_pb2.ShardStatus:
+    """ShardStatus message of a status snapshot."""
+    return ps_pb2.ShardStatus(
+        shard_index=view.shard_index,
+        num_shards=view.num_shards,
+        config=ps_pb2.ClusterConfig(
+            mode=NAME_TO_MODE[view.mode], num_workers=view.num_workers, lease_timeout_seconds=view.lease_timeout
+        ),
+        initialized=view.initialized,
+        version=view.version,
+        plan_digest=view.plan_digest,
+        num_partitions=view.num_partitions,
+        num_elements=view.num_elements,
+        parameter_bytes=view.parameter_bytes,
+        optimizer=optimizer_to_proto(view.optimizer) if view.optimizer else None,
+        workers=[
+            ps_pb2.WorkerStatus(
+                rank=w.rank,
+                incarnation=w.incarnation,
+                clock=w.clock,
+                state=WORKER_STATES[w.state],
+                last_seen_seconds_ago=w.last_seen_seconds_ago,
+                pushes=w.pushes,
+            )
+            for w in view.workers
+        ],
+        received_bytes=counters.received_bytes,
+        sent_bytes=counters.sent_bytes,
+        rejected_requests=counters.rejected,
+        uptime_seconds=uptime,
+        round_ranks=view.round_ranks,
+    )
+
+
+class AdminServicer(ps_pb2_grpc.AdminServicer):
+    """ps.v1.Admin over one :class:`Shard`."""
+
+    def __init__(self, shard: Shard, counters: Counters) -> None:
+        self.shard = shard
+        self.counters = counters
+        self.started = time.monotonic()
+
+    @_maps_errors
+    def GetStatus(self, request: ps_pb2.GetStatusRequest, context: grpc.ServicerContext) -> ps_pb2.GetStatusResponse:
+        return ps_pb2.GetStatusResponse(
+            status=status_to_proto(self.shard.status(), self.counters, time.monotonic() - self.started)
+        )

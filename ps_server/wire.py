@@ -1,0 +1,72 @@
+"""Conversions between the core's types and ps.v1 messages (shared by shard and worker)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from ps_proto.v1 import ps_pb2
+from ps_server.core.errors import InvalidRequestError
+from ps_server.core.optimizer import OptimizerSpec
+from ps_server.core.partitions import WirePartition
+from ps_server.core.plan import ParameterSpec, Plan
+
+DTYPE_TO_NAME = {
+    ps_pb2.DTYPE_FLOAT32: "float32",
+    ps_pb2.DTYPE_FLOAT16: "float16",
+    ps_pb2.DTYPE_BFLOAT16: "bfloat16",
+    ps_pb2.DTYPE_FLOAT64: "float64",
+}
+NAME_TO_DTYPE = {v: k for k, v in DTYPE_TO_NAME.items()}
+MODE_TO_NAME = {
+    ps_pb2.MODE_SYNC: "sync",
+    ps_pb2.MODE_ASYNC: "async",
+    ps_pb2.MODE_SSP: "ssp",
+    ps_pb2.MODE_EASGD: "easgd",
+}
+NAME_TO_MODE = {v: k for k, v in MODE_TO_NAME.items()}
+
+
+def dtype_name(value: int) -> str:
+    """Wire dtype name of a ``ps.v1.Dtype`` value.
+
+    Raises:
+        InvalidRequestError: DTYPE_UNSPECIFIED or unknown.
+    """
+    try:
+        return DTYPE_TO_NAME[value]
+    except KeyError:
+        raise InvalidRequestError(
+            f"Partition dtype {value} is unspecified or unknown; set it to one of "
+            f"{', '.join(ps_pb2.Dtype.Name(v) for v in DTYPE_TO_NAME)}."
+        ) from None
+
+
+def partition_from_proto(msg: ps_pb2.Partition) -> WirePartition:
+    """Core partition of a message (no copy of the payload)."""
+    return WirePartition(msg.key, msg.offset, msg.length, dtype_name(msg.dtype), msg.data)
+
+
+def specs_from_proto(msgs: Iterable[ps_pb2.ParameterSpec]) -> list[ParameterSpec]:
+    return [ParameterSpec(m.key, tuple(m.shape), dtype_name(m.dtype)) for m in msgs]
+
+
+def plan_to_proto(plan: Plan) -> ps_pb2.PlanInfo:
+    return ps_pb2.PlanInfo(
+        specs=[ps_pb2.ParameterSpec(key=s.key, shape=s.shape, dtype=NAME_TO_DTYPE[s.dtype]) for s in plan.specs],
+        num_shards=plan.num_shards,
+        partition_bytes=plan.partition_bytes,
+        digest=plan.digest,
+    )
+
+
+def optimizer_from_proto(msg: ps_pb2.OptimizerSpec) -> OptimizerSpec:
+    """Validated optimizer spec of a message.
+
+    Raises:
+        InvalidRequestError: see :class:`OptimizerSpec`.
+    """
+    return OptimizerSpec(msg.name, dict(msg.kwargs))
+
+
+def optimizer_to_proto(spec: OptimizerSpec) -> ps_pb2.OptimizerSpec:
+    return ps_pb2.OptimizerSpec(name=spec.name, kwargs=dict(spec.kwargs))

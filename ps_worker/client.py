@@ -1,0 +1,392 @@
+"""``PSClient``: a worker's connection to every shard of a grpc-ps cluster (DESIGN section 9).
+
+One channel per shard; pushes and pulls go to all shards in parallel, each as a stream of
+partitions. Tensors may live on any device: device tensors are staged through pinned host memory
+with ``non_blocking=True`` copies.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from concurrent import futures
+from typing import Any
+
+import grpc
+import torch
+
+from ps_proto.v1 import ps_pb2, ps_pb2_grpc
+from ps_server.core.codec import decode, dtype_name, encode
+from ps_server.core.optimizer import OptimizerSpec
+from ps_server.core.plan import DEFAULT_PARTITION_BYTES, ParameterSpec, PartitionSlice, Plan, make_plan
+from ps_server.wire import MODE_TO_NAME, NAME_TO_DTYPE, optimizer_to_proto, plan_to_proto
+from ps_worker.retry import backoff_delays, retry_call
+
+log = logging.getLogger(__name__)
+
+MESSAGE_OVERHEAD = 64 * 1024
+"""Bytes allowed above ``partition_bytes`` for a message's header fields."""
+
+
+def model_specs(named: Sequence[tuple[str, torch.Tensor]]) -> list[ParameterSpec]:
+    """Specs of ``model.named_parameters()``, in declaration order.
+
+    Raises:
+        InvalidRequestError: a dtype grpc-ps does not transport.
+    """
+    return [ParameterSpec(k, tuple(t.shape), dtype_name(t.dtype)) for k, t in named]
+
+
+class PSClient:
+    """A worker's handle on all shards.
+
+    Args:
+        servers: ``host:port`` of every shard, in shard-index order.
+        rank: this worker's rank, ``0 <= rank < num_workers``.
+        num_workers: ranks in the cluster.
+        incarnation: grows each time this rank restarts; default: wall-clock microseconds, which
+            grows across restarts without any stored state.
+        token: bearer token for ParameterService (``PS_TOKEN``), or None.
+        timeout: per-RPC deadline in seconds; a sync pull waits at most this long for its round.
+        retry_deadline: seconds to keep retrying UNAVAILABLE (backoff with jitter).
+        partition_bytes: largest partition payload in bytes (all workers must agree).
+
+    Raises:
+        ValueError: bad arguments.
+    """
+
+    def __init__(
+        self,
+        servers: Sequence[str],
+        rank: int,
+        num_workers: int,
+        *,
+        incarnation: int | None = None,
+        token: str | None = None,
+        timeout: float = 60.0,
+        retry_deadline: float = 30.0,
+        partition_bytes: int = DEFAULT_PARTITION_BYTES,
+    ) -> None:
+        if not servers:
+            raise ValueError("PSClient needs at least one shard address (host:port).")
+        if not 0 <= rank < num_workers:
+            raise ValueError(f"rank must be in 0..{num_workers - 1}, got {rank}.")
+        self.servers = list(servers)
+        self.rank = rank
+        self.num_workers = num_workers
+        self.incarnation = time.time_ns() // 1000 if incarnation is None else incarnation
+        self.timeout = timeout
+        self.retry_deadline = retry_deadline
+        self.partition_bytes = partition_bytes
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        limit = partition_bytes + MESSAGE_OVERHEAD
+        options = [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
+        self._channels = [grpc.insecure_channel(addr, options=options) for addr in self.servers]
+        self._stubs = [ps_pb2_grpc.ParameterServiceStub(ch) for ch in self._channels]
+        self._pool = futures.ThreadPoolExecutor(max_workers=len(self.servers), thread_name_prefix="ps-client")
+        self.plan: Plan | None = None
+        self.mode = ""
+        self.lease_timeout = 10.0
+        self.clock = 0
+        self.version = 0
+        self.pushed_bytes = 0
+        self.pulled_bytes = 0
+        self._host: dict[str, torch.Tensor] = {}
+        self._heartbeat_stop = threading.Event()
+        self._heartbeat: threading.Thread | None = None
+        self._closed = False
+
+    # ------------------------------------------------------------------ helpers
+    @property
+    def num_shards(self) -> int:
+        return len(self.servers)
+
+    def _each_shard(self, fn: Any) -> list[Any]:
+        """Run ``fn(shard_index)`` for every shard in parallel; re-raise the first error."""
+        return [f.result() for f in [self._pool.submit(fn, k) for k in range(self.num_shards)]]
+
+    def _call(self, fn: Any, what: str) -> Any:
+        return retry_call(fn, self.retry_deadline, what)
+
+    def _require_plan(self) -> Plan:
+        if self.plan is None:
+            raise RuntimeError("Call client.init(model, optimizer=...) before push or pull.")
+        return self.plan
+
+    # ------------------------------------------------------------------ membership and init
+    def join(self) -> list[ps_pb2.JoinResponse]:
+        """Join every shard (waiting up to ``retry_deadline`` for shards that are still starting).
+
+        Raises:
+            grpc.RpcError: a shard refused the join.
+            RuntimeError: the shards disagree on mode or their indices do not match ``servers``.
+        """
+        req = ps_pb2.JoinRequest(rank=self.rank, num_workers=self.num_workers, incarnation=self.incarnation)
+
+        def one(k: int) -> ps_pb2.JoinResponse:
+            return self._call(
+                lambda: self._stubs[k].Join(req, timeout=self.timeout, metadata=self._metadata, wait_for_ready=True),
+                f"Join {self.servers[k]}",
+            )
+
+        replies = self._each_shard(one)
+        for k, r in enumerate(replies):
+            if r.shard_index != k or r.num_shards != self.num_shards:
+                raise RuntimeError(
+                    f"{self.servers[k]} is shard {r.shard_index} of {r.num_shards}, but it is listed at "
+                    f"position {k} of {self.num_shards}; list every shard in shard-index order."
+                )
+        modes = {r.config.mode for r in replies}
+        if len(modes) != 1:
+            raise RuntimeError(f"Shards disagree on the mode ({sorted(MODE_TO_NAME[m] for m in modes)}).")
+        self.mode = MODE_TO_NAME[replies[0].config.mode]
+        self.lease_timeout = replies[0].config.lease_timeout_seconds or 10.0
+        self.clock = max(r.clock for r in replies)
+        self._start_heartbeat()
+        return replies
+
+    def init(
+        self,
+        model: torch.nn.Module,
+        optimizer: Mapping[str, Any] | None = None,
+        *,
+        init_timeout: float = 120.0,
+    ) -> None:
+        """Join every shard; rank 0 writes the initial values and optimizer spec, every rank then
+        pulls them into ``model`` so all ranks start from identical weights.
+
+        Args:
+            model: its ``named_parameters()`` define the plan (float32/float16/bfloat16/float64).
+            optimizer: ``{"name": "sgd", "lr": 0.1, ...}`` (see ``ps_server.core.optimizer``);
+                used by rank 0 only. Default ``{"name": "sgd", "lr": 0.1}``.
+            init_timeout: seconds ranks other than 0 wait for rank 0's Init.
+
+        Raises:
+            InvalidRequestError: a bad optimizer spec or unsupported parameter dtype.
+            grpc.RpcError: FAILED_PRECONDITION on a plan mismatch, and other refusals.
+            TimeoutError: rank 0 did not initialize the shards in time.
+        """
+        spec = dict(optimizer or {"name": "sgd", "lr": 0.1})
+        opt = OptimizerSpec(str(spec.pop("name")), {k: float(v) for k, v in spec.items()})
+        named = list(model.named_parameters())
+        self.plan = make_plan(model_specs(named), self.num_shards, self.partition_bytes)
+        self._host = {}
+        replies = self.join()
+        if self.rank == 0:
+            values = {k: p for k, p in named}
+            self._each_shard(lambda k: self._init_shard(k, values, opt))
+        else:
+            self._wait_initialized(replies, init_timeout)
+        params = {k: p.data for k, p in named}
+        self.pull(params, min_version=0)
+        self.clock = max(self.clock, self.version) if self.mode == "sync" else self.clock
+
+    def _init_shard(self, k: int, values: Mapping[str, torch.Tensor], opt: OptimizerSpec) -> None:
+        plan = self._require_plan()
+        header = ps_pb2.InitHeader(
+            rank=self.rank, incarnation=self.incarnation, plan=plan_to_proto(plan), optimizer=optimizer_to_proto(opt)
+        )
+
+        def stream() -> Iterator[ps_pb2.InitRequest]:
+            yield ps_pb2.InitRequest(header=header)
+            for part, msg in self._partitions_of(k, values):
+                yield ps_pb2.InitRequest(partition=msg)
+
+        reply = self._call(
+            lambda: self._stubs[k].Init(stream(), timeout=self.timeout, metadata=self._metadata), f"Init {self.servers[k]}"
+        )
+        log.info("rank %d: shard %d init %s", self.rank, k, "applied" if reply.applied else "already done")
+
+    def _wait_initialized(self, replies: list[ps_pb2.JoinResponse], init_timeout: float) -> None:
+        plan = self._require_plan()
+        stop = time.monotonic() + init_timeout
+        delays = backoff_delays(base=0.02, cap=0.5)
+        for k in range(self.num_shards):
+            reply = replies[k]
+            while not reply.initialized:
+                if time.monotonic() > stop:
+                    raise TimeoutError(
+                        f"Shard {self.servers[k]} was not initialized within {init_timeout:.0f} s; is rank 0 running?"
+                    )
+                time.sleep(next(delays))
+                req = ps_pb2.JoinRequest(rank=self.rank, num_workers=self.num_workers, incarnation=self.incarnation)
+                reply = self._call(lambda k=k, req=req: self._stubs[k].Join(req, timeout=self.timeout,
+                                                                            metadata=self._metadata), "Join")
+            if reply.plan_digest != plan.digest:
+                raise RuntimeError(
+                    f"Shard {self.servers[k]} holds plan {reply.plan_digest[:12]} but this model's plan is "
+                    f"{plan.digest[:12]}; every worker must build the same model."
+                )
+
+    # ------------------------------------------------------------------ heartbeats
+    def _start_heartbeat(self) -> None:
+        if self._heartbeat is None:
+            self._heartbeat = threading.Thread(target=self._beat, name=f"ps-heartbeat-{self.rank}", daemon=True)
+            self._heartbeat.start()
+
+    def _beat(self) -> None:
+        req = ps_pb2.HeartbeatRequest(rank=self.rank, incarnation=self.incarnation)
+        while not self._heartbeat_stop.wait(self.lease_timeout / 3):
+            for k, stub in enumerate(self._stubs):
+                try:
+                    stub.Heartbeat(req, timeout=max(1.0, self.lease_timeout / 3), metadata=self._metadata)
+                except grpc.RpcError as exc:
+                    log.debug("heartbeat to %s failed: %s", self.servers[k], exc.code())
+
+    # ------------------------------------------------------------------ data path
+    def _host_flat(self, key: str, t: torch.Tensor) -> torch.Tensor:
+        """A 1-D CPU tensor holding ``t``'s values (a view for CPU tensors, pinned staging otherwise)."""
+        if t.device.type == "cpu":
+            return t.detach().reshape(-1)
+        buf = self._host.get(key)
+        if buf is None or buf.numel() != t.numel() or buf.dtype != t.dtype:
+            buf = torch.empty(t.numel(), dtype=t.dtype, pin_memory=torch.cuda.is_available())
+            self._host[key] = buf
+        buf.copy_(t.detach().reshape(-1), non_blocking=True)
+        return buf
+
+    def _partitions_of(
+        self, k: int, flats: Mapping[str, torch.Tensor]
+    ) -> Iterator[tuple[PartitionSlice, ps_pb2.Partition]]:
+        plan = self._require_plan()
+        dtypes = {s.key: NAME_TO_DTYPE[s.dtype] for s in plan.specs}
+        for part in plan.owned_by(k):
+            flat = flats[part.key].detach().reshape(-1)
+            data = encode(flat[part.offset: part.offset + part.length])
+            yield part, ps_pb2.Partition(
+                key=part.key, offset=part.offset, length=part.length, dtype=dtypes[part.key], data=data
+            )
+
+    def _stage(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        plan = self._require_plan()
+        missing = [s.key for s in plan.specs if s.key not in tensors]
+        if missing:
+            raise KeyError(f"push/pull needs every parameter of the plan; missing {missing[:4]}")
+        flats = {s.key: self._host_flat(s.key, tensors[s.key]) for s in plan.specs}
+        if any(t.device.type == "cuda" for t in tensors.values()):
+            torch.cuda.synchronize()
+        return flats
+
+    def push(self, grads: Mapping[str, torch.Tensor]) -> list[ps_pb2.PushResponse]:
+        """Send one gradient per parameter to every shard, stamped (rank, incarnation, clock);
+        the clock then advances by one. Retries resend the same stamp, so nothing applies twice.
+
+        Args:
+            grads: key -> gradient with the parameter's shape and dtype (any device).
+
+        Returns:
+            Each shard's answer, in shard order.
+
+        Raises:
+            grpc.RpcError: INVALID_ARGUMENT, FAILED_PRECONDITION, ABORTED (too stale: pull, then
+                push the next clock) and others after retries.
+        """
+        plan = self._require_plan()
+        flats = self._stage(grads)
+        header = ps_pb2.PushHeader(
+            rank=self.rank, incarnation=self.incarnation, clock=self.clock, version=self.version,
+            plan_digest=plan.digest,
+        )
+        sent = [0] * self.num_shards
+
+        def one(k: int) -> ps_pb2.PushResponse:
+            msgs = [ps_pb2.PushRequest(partition=m) for _, m in self._partitions_of(k, flats)]
+            sent[k] = sum(len(m.partition.data) for m in msgs)
+
+            def stream() -> Iterator[ps_pb2.PushRequest]:
+                yield ps_pb2.PushRequest(header=header)
+                yield from msgs
+
+            return self._call(
+                lambda: self._stubs[k].Push(stream(), timeout=self.timeout, metadata=self._metadata),
+                f"Push {self.servers[k]}",
+            )
+
+        try:
+            replies = self._each_shard(one)
+        finally:
+            self.pushed_bytes += sum(sent)
+        self.clock += 1
+        return replies
+
+    def pull(self, out: Mapping[str, torch.Tensor], min_version: int | None = None) -> int:
+        """Copy the current parameters into ``out`` (in place, any device).
+
+        Args:
+            out: key -> tensor of the parameter's shape and dtype, written in place.
+            min_version: wait until every shard reaches this version; default: in sync mode the
+                round after this worker's last push (``clock``), otherwise no wait.
+
+        Returns:
+            The lowest version among the shards.
+
+        Raises:
+            grpc.RpcError: DEADLINE_EXCEEDED if the round does not complete within ``timeout``.
+        """
+        plan = self._require_plan()
+        if min_version is None:
+            min_version = self.clock if self.mode == "sync" else 0
+        device_out = {k: t for k, t in out.items() if t.device.type != "cpu"}
+        flats = {
+            s.key: (self._host_flat(s.key, out[s.key]) if s.key in device_out else out[s.key].data.reshape(-1))
+            for s in plan.specs
+        }
+        if any(flat.data_ptr() != out[k].data_ptr() and k not in device_out for k, flat in flats.items()):
+            raise ValueError("pull() writes in place and needs contiguous CPU tensors or device tensors.")
+        req = ps_pb2.PullRequest(
+            rank=self.rank, incarnation=self.incarnation, min_version=min_version, plan_digest=plan.digest
+        )
+        dtypes = {s.key: s.dtype for s in plan.specs}
+        owned = [{(p.key, p.offset): p.length for p in plan.owned_by(k)} for k in range(self.num_shards)]
+
+        def one(k: int) -> tuple[int, int]:
+            def attempt() -> tuple[int, int]:
+                version, received, seen = 0, 0, 0
+                for reply in self._stubs[k].Pull(req, timeout=self.timeout, metadata=self._metadata):
+                    p = reply.partition
+                    length = owned[k].get((p.key, p.offset))
+                    if length != p.length or p.dtype != NAME_TO_DTYPE[dtypes[p.key]]:
+                        raise RuntimeError(f"Shard {self.servers[k]} sent a partition outside the plan: {p.key}")
+                    flats[p.key][p.offset: p.offset + p.length].copy_(decode(p.data, dtypes[p.key], p.length))
+                    version, received, seen = reply.version, received + len(p.data), seen + 1
+                if seen != len(owned[k]):
+                    raise RuntimeError(f"Shard {self.servers[k]} sent {seen} of {len(owned[k])} partitions.")
+                return version, received
+
+            return self._call(attempt, f"Pull {self.servers[k]}")
+
+        results = self._each_shard(one)
+        self.pulled_bytes += sum(r[1] for r in results)
+        for key, t in device_out.items():
+            t.copy_(flats[key].view(t.shape), non_blocking=True)
+        if device_out:
+            torch.cuda.synchronize()
+        self.version = min(r[0] for r in results)
+        return self.version
+
+    # ------------------------------------------------------------------ shutdown
+    def close(self) -> None:
+        """Leave every shard (best effort), stop heartbeats and close the channels. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._heartbeat_stop.set()
+        req = ps_pb2.LeaveRequest(rank=self.rank, incarnation=self.incarnation)
+        for k, stub in enumerate(self._stubs):
+            try:
+                stub.Leave(req, timeout=5.0, metadata=self._metadata)
+            except grpc.RpcError as exc:
+                log.info("leave %s: %s", self.servers[k], exc.code())
+        if self._heartbeat is not None:
+            self._heartbeat.join(timeout=5.0)
+        self._pool.shutdown(wait=True)
+        for ch in self._channels:
+            ch.close()
+
+    def __enter__(self) -> PSClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,291 @@
+"""``ps-launch``: the embedded default. Shards and workers as local processes on 127.0.0.1.
+
+Starts S ``ps-server`` processes on free ports, then W ``ps-worker`` processes; shows live
+progress (tqdm, one bar per rank, on stderr); prints a final summary on stdout (``--json``: one
+JSON object on the last line). Exits non-zero when any process fails and never leaves a process
+behind: children are ended on exit, errors and Ctrl-C, and get SIGTERM if the launcher is killed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from tqdm import tqdm
+
+from ps_server.flags import FlagParser
+from ps_server.shard import MODES
+from ps_worker.workloads import WORKLOADS
+
+LISTENING = re.compile(r"listening on (\S+)")
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
+    """Ask Linux to send SIGTERM to this child when the launcher dies (even by SIGKILL)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass
+
+
+def launch_parser(environ: Mapping[str, str] | None = None) -> FlagParser:
+    """The ``ps-launch`` flags (DESIGN section 10)."""
+    p = FlagParser(prog="ps-launch", description="Run a grpc-ps cluster and a training job on this machine.",
+                   environ=environ)
+    p.flag("--shards", type=int, default=2, help="number of shard processes")
+    p.flag("--workers", type=int, default=2, help="number of worker processes")
+    p.flag("--mode", default="sync", choices=MODES, help="consistency model")
+    p.flag("--steps", type=int, default=300, help="steps per worker")
+    p.flag("--batch-size", type=int, default=32, help="samples per step per worker")
+    p.flag("--optimizer", default="sgd", choices=("sgd", "adam", "adamw", "adagrad", "rmsprop"),
+           help="server-side optimizer")
+    p.flag("--lr", type=float, default=0.1, help="learning rate")
+    p.flag("--momentum", type=float, default=0.9, help="momentum (sgd, rmsprop)")
+    p.flag("--seed", type=int, default=0, help="seed of model initialization and data shuffling")
+    p.flag("--slow-rank", type=int, default=-1, help="make this rank a straggler")
+    p.flag("--slow-ms", type=float, default=0.0, help="milliseconds the straggler sleeps before each push")
+    p.flag("--timeout", type=float, default=60.0, help="per-RPC deadline of workers, seconds")
+    p.flag("--log-dir", default="", help="directory for each process's log (default: a temporary directory)")
+    p.flag("--json", switch=True, help="print the summary as one JSON object on the last line of stdout")
+    p.flag("--no-progress", switch=True, help="no progress bars")
+    p.add_argument("workload", nargs="?", default=p.environ.get("PS_WORKLOAD", "digits"),
+                   choices=sorted(WORKLOADS), help="built-in workload [env PS_WORKLOAD]")
+    return p
+
+
+@dataclass
+class Child:
+    """One started process and where its output goes."""
+
+    name: str
+    proc: subprocess.Popen[str]
+    log_path: Path
+    log_file: IO[str]
+    events: list[dict[str, Any]] = field(default_factory=list)
+
+
+class Cluster:
+    """Local shard and worker processes; :meth:`stop` ends every one of them."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.children: list[Child] = []
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+
+    def spawn(self, name: str, argv: Sequence[str]) -> Child:
+        log_path = self.log_dir / f"{name}.log"
+        log_file = open(log_path, "w")  # noqa: SIM115 - closed in stop()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", *argv], stdout=subprocess.PIPE, stderr=log_file, text=True,
+            env=self.env, preexec_fn=_die_with_parent, start_new_session=True,
+        )
+        child = Child(name, proc, log_path, log_file)
+        self.children.append(child)
+        return child
+
+    def start_shards(self, n: int, workers: int, mode: str, deadline: float = 60.0) -> list[str]:
+        """Start ``n`` shards on free ports; returns their addresses in shard order.
+
+        Raises:
+            RuntimeError: a shard exited or did not report its port in time.
+        """
+        shards = [
+            self.spawn(f"shard-{k}", ["ps_server.cli", "--shard-index", str(k), "--num-shards", str(n),
+                                      "--num-workers", str(workers), "--mode", mode,
+                                      "--host", "127.0.0.1", "--port", "0"])
+            for k in range(n)
+        ]
+        found: queue.Queue[tuple[int, str | None]] = queue.Queue()
+        for k, child in enumerate(shards):
+            threading.Thread(target=self._read_address, args=(k, child, found), daemon=True).start()
+        addresses: dict[int, str] = {}
+        stop = time.monotonic() + deadline
+        while len(addresses) < n:
+            try:
+                k, addr = found.get(timeout=max(0.01, stop - time.monotonic()))
+            except queue.Empty:
+                raise RuntimeError(f"Shards did not start within {deadline:.0f} s; see {self.log_dir}") from None
+            if addr is None:
+                raise RuntimeError(f"shard-{k} exited before serving:\n{tail(shards[k].log_path)}")
+            addresses[k] = addr
+        return [addresses[k] for k in range(n)]
+
+    @staticmethod
+    def _read_address(k: int, child: Child, found: queue.Queue[tuple[int, str | None]]) -> None:
+        assert child.proc.stdout is not None
+        for line in child.proc.stdout:
+            m = LISTENING.search(line)
+            if m:
+                found.put((k, m.group(1)))
+                break
+        else:
+            found.put((k, None))
+            return
+        for line in child.proc.stdout:  # keep draining so the shard never blocks on stdout
+            child.log_file.write(line)
+
+    def stop(self, grace: float = 5.0) -> None:
+        """SIGTERM every live child, wait ``grace`` seconds, SIGKILL what is left."""
+        for c in self.children:
+            if c.proc.poll() is None:
+                c.proc.send_signal(signal.SIGTERM)
+        stop = time.monotonic() + grace
+        for c in self.children:
+            try:
+                c.proc.wait(timeout=max(0.01, stop - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                c.proc.kill()
+                c.proc.wait(timeout=5)
+            c.log_file.close()
+
+
+def tail(path: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def read_events(child: Child, events: queue.Queue[tuple[str, dict[str, Any]]]) -> None:
+    """Forward a worker's JSON lines to ``events``; other lines go to its log."""
+    assert child.proc.stdout is not None
+    for line in child.proc.stdout:
+        try:
+            event = json.loads(line)
+        except json.JSONDecodeError:
+            child.log_file.write(line)
+            continue
+        events.put((child.name, event))
+    events.put((child.name, {"event": "exit"}))
+
+
+def summarize(args: Any, done: list[dict[str, Any]], wall: float, addresses: list[str]) -> dict[str, Any]:
+    """The run's summary from every worker's final report."""
+    done = sorted(done, key=lambda d: d["rank"])
+    total_steps = sum(d["steps"] for d in done)
+    return {
+        "workload": args.workload,
+        "mode": args.mode,
+        "shards": args.shards,
+        "workers": args.workers,
+        "steps": args.steps,
+        "batch_size": args.batch_size,
+        "final_loss": sum(d["final_loss"] for d in done) / len(done),
+        "accuracy": done[0]["accuracy"],
+        "accuracy_per_rank": [d["accuracy"] for d in done],
+        "wall_seconds": wall,
+        "train_seconds": max(d["wall_seconds"] for d in done),
+        "steps_per_second": total_steps / max(d["wall_seconds"] for d in done),
+        "samples_per_second": sum(d["samples_per_second"] for d in done),
+        "pushed_bytes": sum(d["pushed_bytes"] for d in done),
+        "pulled_bytes": sum(d["pulled_bytes"] for d in done),
+        "version": done[0]["version"],
+        "params_sha256": done[0]["params_sha256"],
+        "params_sha256_per_rank": [d["params_sha256"] for d in done],
+        "servers": addresses,
+    }
+
+
+def print_summary(s: dict[str, Any], out: IO[str]) -> None:
+    mib = 1024 * 1024
+    rows = [
+        ("workload", f"{s['workload']} ({s['mode']}, {s['shards']} shards x {s['workers']} workers)"),
+        ("steps per worker", f"{s['steps']} (batch {s['batch_size']})"),
+        ("final loss", f"{s['final_loss']:.4f} (mean of the last 10 steps, all ranks)"),
+        ("held-out accuracy", f"{s['accuracy']:.4f}"),
+        ("wall time", f"{s['wall_seconds']:.1f} s (training {s['train_seconds']:.1f} s)"),
+        ("throughput", f"{s['steps_per_second']:.1f} steps/s, {s['samples_per_second']:.0f} samples/s"),
+        ("bytes moved", f"pushed {s['pushed_bytes'] / mib:.1f} MiB, pulled {s['pulled_bytes'] / mib:.1f} MiB"),
+        ("final version", str(s["version"])),
+        ("params sha256", s["params_sha256"]),
+    ]
+    width = max(len(k) for k, _ in rows)
+    print("grpc-ps run summary", file=out)
+    for k, v in rows:
+        print(f"  {k:<{width}}  {v}", file=out)
+
+
+def run(args: Any) -> int:
+    """Start the cluster, watch the workers, summarize. Returns the exit status."""
+    if args.shards < 1 or args.workers < 1 or args.steps < 1:
+        print("ps-launch: --shards, --workers and --steps must be >= 1.", file=sys.stderr)
+        return 2
+    log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="ps-launch-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    cluster = Cluster(log_dir)
+    bars: list[tqdm] = []
+    started = time.perf_counter()
+    try:
+        addresses = cluster.start_shards(args.shards, args.workers, args.mode)
+        print(f"ps-launch: {args.shards} shards on {', '.join(addresses)}; logs in {log_dir}", file=sys.stderr)
+        events: queue.Queue[tuple[str, dict[str, Any]]] = queue.Queue()
+        workers = []
+        for r in range(args.workers):
+            argv = ["ps_worker.cli", "--servers", ",".join(addresses), "--rank", str(r),
+                    "--num-workers", str(args.workers), "--steps", str(args.steps),
+                    "--batch-size", str(args.batch_size), "--optimizer", args.optimizer, "--lr", str(args.lr),
+                    "--momentum", str(args.momentum), "--seed", str(args.seed), "--timeout", str(args.timeout),
+                    "--slow-rank", str(args.slow_rank), "--slow-ms", str(args.slow_ms), "--events", args.workload]
+            child = cluster.spawn(f"worker-{r}", argv)
+            workers.append(child)
+            threading.Thread(target=read_events, args=(child, events), daemon=True).start()
+        bars = [tqdm(total=args.steps, desc=f"rank {r}", position=r, unit="step", file=sys.stderr,
+                     disable=args.no_progress or None, dynamic_ncols=True, leave=False) for r in range(args.workers)]
+        done: dict[str, dict[str, Any]] = {}
+        exited: set[str] = set()
+        while len(exited) < len(workers):
+            name, event = events.get()
+            rank = int(name.split("-")[1])
+            if event.get("event") == "step":
+                bars[rank].n = event["step"]
+                bars[rank].set_postfix(loss=f"{event['loss']:.4f}", refresh=True)
+            elif event.get("event") == "done":
+                done[name] = event
+            elif event.get("event") == "exit":
+                exited.add(name)
+                code = workers[rank].proc.wait(timeout=30)
+                if code != 0 or name not in done:
+                    raise RuntimeError(f"{name} failed (exit {code}):\n{tail(workers[rank].log_path)}")
+        wall = time.perf_counter() - started
+    except RuntimeError as exc:
+        for b in bars:
+            b.close()
+        print(f"ps-launch: {exc}\nlogs in {log_dir}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\nps-launch: interrupted; stopping every process", file=sys.stderr)
+        return 130
+    finally:
+        cluster.stop()
+    for b in bars:
+        b.close()
+    summary = summarize(args, list(done.values()), wall, addresses)
+    print_summary(summary, sys.stdout)
+    if args.json:
+        print(json.dumps(summary), flush=True)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point."""
+    args = launch_parser().parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda signum, frame: (_ for _ in ()).throw(KeyboardInterrupt()))
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

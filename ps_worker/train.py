@@ -1,0 +1,125 @@
+"""The training loop of ``ps-worker``: DistributedSampler data, DistributedOptimizer steps."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, DistributedSampler
+
+from ps_worker.client import PSClient
+from ps_worker.optimizer import DistributedOptimizer
+from ps_worker.workloads.base import Workload
+
+
+@dataclass
+class TrainSummary:
+    """What one worker reports at the end (bytes are payload bytes; seconds are wall time)."""
+
+    rank: int
+    steps: int
+    final_loss: float
+    accuracy: float
+    eval_loss: float
+    wall_seconds: float
+    steps_per_second: float
+    samples_per_second: float
+    pushed_bytes: int
+    pulled_bytes: int
+    version: int
+    params_sha256: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def params_sha256(model: torch.nn.Module) -> str:
+    """sha256 over every parameter's raw bytes in declaration order (bitwise identity check)."""
+    h = hashlib.sha256()
+    for key, p in model.named_parameters():
+        h.update(key.encode())
+        h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def batches(loader: DataLoader, sampler: DistributedSampler) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Endless batches; each pass over the data is a new sampler epoch (new shuffle)."""
+    epoch = 0
+    while True:
+        sampler.set_epoch(epoch)
+        yield from loader
+        epoch += 1
+
+
+def train(
+    workload: Workload,
+    client: PSClient,
+    *,
+    steps: int,
+    batch_size: int,
+    optimizer: dict[str, Any],
+    seed: int = 0,
+    device: str = "cpu",
+    on_step: Callable[[int, float], None] | None = None,
+    before_push: Callable[[int], None] | None = None,
+) -> TrainSummary:
+    """Initialize through ``client`` and train ``steps`` steps.
+
+    Args:
+        workload: model, data, loss, evaluation.
+        client: not yet initialized; closed by the caller.
+        steps: optimizer steps (pushes) of this worker.
+        batch_size: samples per step on this worker.
+        optimizer: server-side optimizer spec (used by rank 0's Init).
+        seed: model initialization and sampler shuffling seed (same on every rank).
+        device: where the model runs (``cpu`` or ``cuda``).
+        on_step: called with (step, loss) after every step.
+        before_push: called with the step before each push (straggler injection).
+    """
+    torch.manual_seed(seed)
+    model = workload.model().to(device)
+    train_set, held_out = workload.datasets()
+    client.init(model, optimizer)
+    opt = DistributedOptimizer(model, client)
+    sampler = DistributedSampler(
+        train_set, num_replicas=client.num_workers, rank=client.rank, shuffle=True, seed=seed, drop_last=True
+    )
+    loader = DataLoader(train_set, batch_size=batch_size, sampler=sampler, drop_last=True)
+    losses: list[float] = []
+    start = time.perf_counter()
+    data = batches(loader, sampler)
+    model.train()
+    for step in range(steps):
+        x, y = next(data)
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        opt.zero_grad()
+        loss = workload.loss(model, x, y)
+        loss.backward()
+        if before_push is not None:
+            before_push(step)
+        opt.step()
+        losses.append(float(loss.detach()))
+        if on_step is not None:
+            on_step(step + 1, losses[-1])
+    wall = time.perf_counter() - start
+    model.eval()
+    metrics = workload.evaluate(model.cpu(), held_out)
+    tail = losses[-10:] or [float("nan")]
+    return TrainSummary(
+        rank=client.rank,
+        steps=steps,
+        final_loss=sum(tail) / len(tail),
+        accuracy=metrics.get("accuracy", float("nan")),
+        eval_loss=metrics.get("loss", float("nan")),
+        wall_seconds=wall,
+        steps_per_second=steps / wall if wall > 0 else 0.0,
+        samples_per_second=steps * batch_size / wall if wall > 0 else 0.0,
+        pushed_bytes=client.pushed_bytes,
+        pulled_bytes=client.pulled_bytes,
+        version=client.version,
+        params_sha256=params_sha256(model),
+    )
