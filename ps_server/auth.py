@@ -19,7 +19,7 @@ ADMIN_PREFIX = "/ps.v1.Admin/"
 def _bearer(metadata: tuple[tuple[str, Any], ...] | None) -> str | None:
     for key, value in metadata or ():
         if key == "authorization" and isinstance(value, str) and value.startswith("Bearer "):
-            return value[len("Bearer "):]
+            return value[len("Bearer ") :]
     return None
 
 
@@ -57,7 +57,8 @@ class TokenInterceptor(grpc.ServerInterceptor):
         self.on_refused = on_refused
 
     def intercept_service(
-        self, continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
         details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler | None:
         handler = continuation(details)
@@ -80,7 +81,10 @@ class TokenInterceptor(grpc.ServerInterceptor):
         if given is not None and any(_matches(given, t) for t in accepted):
             return handler
         if given is not None and method.startswith(ADMIN_PREFIX) and _matches(given, self.token):
-            code, msg = grpc.StatusCode.PERMISSION_DENIED, f"{method} needs {what}; the worker token may not call Admin."
+            code, msg = (
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"{method} needs {what}; the worker token may not call Admin.",
+            )
         elif given is None:
             code, msg = grpc.StatusCode.UNAUTHENTICATED, f"{method} needs 'authorization: Bearer <token>' with {what}."
         else:

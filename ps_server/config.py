@@ -48,9 +48,7 @@ class ServerConfig:
         if self.mode not in MODES:
             raise InvalidRequestError(f"Unknown mode {self.mode!r}; expected one of {', '.join(MODES)}.")
         if self.mode != "sync":
-            raise InvalidRequestError(
-                f"Mode {self.mode!r} is not available in this release yet; use --mode sync."
-            )
+            raise InvalidRequestError(f"Mode {self.mode!r} is not available in this release yet; use --mode sync.")
         if self.num_shards < 1:
             raise InvalidRequestError(f"--num-shards must be >= 1, got {self.num_shards}.")
         if not 0 <= self.shard_index < self.num_shards:

@@ -30,8 +30,15 @@ class ShardServer:
     Use :func:`start_server`; call :meth:`stop` to shut down.
     """
 
-    def __init__(self, config: ServerConfig, server: grpc.Server, port: int, shard: Shard,
-                 health_servicer: health.HealthServicer, counters: Counters) -> None:
+    def __init__(
+        self,
+        config: ServerConfig,
+        server: grpc.Server,
+        port: int,
+        shard: Shard,
+        health_servicer: health.HealthServicer,
+        counters: Counters,
+    ) -> None:
         self.config = config
         self.server = server
         self.port = port
@@ -79,9 +86,7 @@ def start_server(config: ServerConfig, shard: Shard | None = None) -> ShardServe
     Raises:
         RuntimeError: the address could not be bound.
     """
-    shard = shard or Shard(
-        config.shard_index, config.num_shards, config.num_workers, config.mode, config.lease_timeout
-    )
+    shard = shard or Shard(config.shard_index, config.num_shards, config.num_workers, config.mode, config.lease_timeout)
     counters = Counters()
     options = [
         ("grpc.max_receive_message_length", config.max_message_bytes),
@@ -90,8 +95,9 @@ def start_server(config: ServerConfig, shard: Shard | None = None) -> ShardServe
     ]
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=config.threads, thread_name_prefix=f"shard{config.shard_index}"),
-        interceptors=[TokenInterceptor(config.token, config.admin_token,
-                                       on_refused=lambda code: counters.add(rejected=1))],
+        interceptors=[
+            TokenInterceptor(config.token, config.admin_token, on_refused=lambda code: counters.add(rejected=1))
+        ],
         options=options,
         maximum_concurrent_rpcs=config.threads * 4,
     )
@@ -116,6 +122,11 @@ def start_server(config: ServerConfig, shard: Shard | None = None) -> ShardServe
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info(
         "shard %d/%d serving %s on %s:%d for %d workers",
-        config.shard_index, config.num_shards, config.mode, host, port, config.num_workers,
+        config.shard_index,
+        config.num_shards,
+        config.mode,
+        host,
+        port,
+        config.num_workers,
     )
     return ShardServer(config, server, port, shard, health_servicer, counters)

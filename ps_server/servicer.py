@@ -106,9 +106,7 @@ def _maps_stream_errors(method: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-def _read_stream(
-    request_iterator: Iterator[Any], counters: Counters, what: str
-) -> tuple[Any, list[WirePartition]]:
+def _read_stream(request_iterator: Iterator[Any], counters: Counters, what: str) -> tuple[Any, list[WirePartition]]:
     """Split a client stream into its header and partitions; count received bytes.
 
     Raises:
@@ -167,7 +165,9 @@ class ParameterServicer(ps_pb2_grpc.ParameterServiceServicer):
         )
 
     @_maps_errors
-    def Init(self, request_iterator: Iterator[ps_pb2.InitRequest], context: grpc.ServicerContext) -> ps_pb2.InitResponse:
+    def Init(
+        self, request_iterator: Iterator[ps_pb2.InitRequest], context: grpc.ServicerContext
+    ) -> ps_pb2.InitResponse:
         header, parts = _read_stream(request_iterator, self.counters, "Init")
         self.shard._check_rank(header.rank)
         applied, version, digest = self.shard.init(
@@ -181,9 +181,13 @@ class ParameterServicer(ps_pb2_grpc.ParameterServiceServicer):
         return ps_pb2.InitResponse(applied=applied, version=version, plan_digest=digest)
 
     @_maps_errors
-    def Push(self, request_iterator: Iterator[ps_pb2.PushRequest], context: grpc.ServicerContext) -> ps_pb2.PushResponse:
+    def Push(
+        self, request_iterator: Iterator[ps_pb2.PushRequest], context: grpc.ServicerContext
+    ) -> ps_pb2.PushResponse:
         header, parts = _read_stream(request_iterator, self.counters, "Push")
-        result = self.shard.push(header.rank, header.incarnation, header.clock, header.version, header.plan_digest, parts)
+        result = self.shard.push(
+            header.rank, header.incarnation, header.clock, header.version, header.plan_digest, parts
+        )
         return ps_pb2.PushResponse(version=result.version, duplicate=result.duplicate, staleness=result.staleness)
 
     @_maps_stream_errors

@@ -240,7 +240,9 @@ class Shard:
                     evicted.append(m.rank)
                     log.warning(
                         "shard %d: rank %d evicted after %.1f s without a heartbeat",
-                        self.shard_index, m.rank, now - m.last_seen,
+                        self.shard_index,
+                        m.rank,
+                        now - m.last_seen,
                     )
             if evicted:
                 self._advance()
@@ -291,7 +293,11 @@ class Shard:
             self.plan, self.store = plan, store
             log.info(
                 "shard %d: initialized with %d partitions (%d bytes), plan %s, optimizer %s",
-                self.shard_index, len(store.partitions), store.num_bytes, plan.digest[:12], optimizer.name,
+                self.shard_index,
+                len(store.partitions),
+                store.num_bytes,
+                plan.digest[:12],
+                optimizer.name,
             )
             self._cond.notify_all()
             return True, self.version, plan.digest

@@ -21,9 +21,7 @@ class ParameterStore:
         optimizer: the validated optimizer spec.
     """
 
-    def __init__(
-        self, plan: Plan, shard_index: int, values: Sequence[torch.Tensor], optimizer: OptimizerSpec
-    ) -> None:
+    def __init__(self, plan: Plan, shard_index: int, values: Sequence[torch.Tensor], optimizer: OptimizerSpec) -> None:
         self.plan = plan
         self.partitions: tuple[PartitionSlice, ...] = plan.owned_by(shard_index)
         dtypes = {s.key: torch_dtype(s.dtype) for s in plan.specs}

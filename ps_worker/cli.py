@@ -22,15 +22,20 @@ log = logging.getLogger("ps_worker")
 
 def worker_parser(environ: Mapping[str, str] | None = None) -> FlagParser:
     """The ``ps-worker`` flags (DESIGN section 10)."""
-    p = FlagParser(prog="ps-worker", description="Train a built-in workload as one rank of a grpc-ps cluster.",
-                   environ=environ)
+    p = FlagParser(
+        prog="ps-worker", description="Train a built-in workload as one rank of a grpc-ps cluster.", environ=environ
+    )
     p.flag("--servers", required=True, help="HOST:PORT of every shard, comma-separated, in shard-index order")
     p.flag("--rank", type=int, required=True, help="this worker's rank, 0..num_workers-1")
     p.flag("--num-workers", type=int, required=True, help="number of worker ranks")
     p.flag("--steps", type=int, default=300, help="optimizer steps (pushes) to run")
     p.flag("--batch-size", type=int, default=32, help="samples per step on this worker")
-    p.flag("--optimizer", default="sgd", choices=("sgd", "adam", "adamw", "adagrad", "rmsprop"),
-           help="server-side torch.optim optimizer (sent by rank 0 at Init)")
+    p.flag(
+        "--optimizer",
+        default="sgd",
+        choices=("sgd", "adam", "adamw", "adagrad", "rmsprop"),
+        help="server-side torch.optim optimizer (sent by rank 0 at Init)",
+    )
     p.flag("--lr", type=float, default=0.1, help="learning rate")
     p.flag("--momentum", type=float, default=0.9, help="momentum (sgd, rmsprop)")
     p.flag("--seed", type=int, default=0, help="seed of model initialization and data shuffling")
@@ -42,8 +47,13 @@ def worker_parser(environ: Mapping[str, str] | None = None) -> FlagParser:
     p.flag("--slow-ms", type=float, default=0.0, help="milliseconds the slow rank sleeps before each push")
     p.flag("--events", switch=True, help="print one JSON object per step on stdout (used by ps-launch)")
     p.flag("--log-level", default="WARNING", choices=("DEBUG", "INFO", "WARNING", "ERROR"), help="log level")
-    p.add_argument("workload", nargs="?", default=p.environ.get("PS_WORKLOAD", "digits"),
-                   choices=sorted(WORKLOADS), help="built-in workload [env PS_WORKLOAD]")
+    p.add_argument(
+        "workload",
+        nargs="?",
+        default=p.environ.get("PS_WORKLOAD", "digits"),
+        choices=sorted(WORKLOADS),
+        help="built-in workload [env PS_WORKLOAD]",
+    )
     return p
 
 
@@ -78,13 +88,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.rank == args.slow_rank and args.slow_ms > 0:
             time.sleep(args.slow_ms / 1000)
 
-    client = PSClient(servers, args.rank, args.num_workers, incarnation=args.incarnation,
-                      token=args.token or None, timeout=args.timeout)
+    client = PSClient(
+        servers,
+        args.rank,
+        args.num_workers,
+        incarnation=args.incarnation,
+        token=args.token or None,
+        timeout=args.timeout,
+    )
     try:
         summary = train(
-            workload, client, steps=args.steps, batch_size=args.batch_size,
-            optimizer=optimizer_spec(args.optimizer, args.lr, args.momentum), seed=args.seed, device=device,
-            on_step=on_step, before_push=before_push,
+            workload,
+            client,
+            steps=args.steps,
+            batch_size=args.batch_size,
+            optimizer=optimizer_spec(args.optimizer, args.lr, args.momentum),
+            seed=args.seed,
+            device=device,
+            on_step=on_step,
+            before_push=before_push,
         )
     except grpc.RpcError as exc:
         print(f"ps-worker rank {args.rank}: {exc.code().name}: {exc.details()}", file=sys.stderr)

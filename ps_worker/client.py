@@ -191,11 +191,12 @@ class PSClient:
 
         def stream() -> Iterator[ps_pb2.InitRequest]:
             yield ps_pb2.InitRequest(header=header)
-            for part, msg in self._partitions_of(k, values):
+            for _part, msg in self._partitions_of(k, values):
                 yield ps_pb2.InitRequest(partition=msg)
 
         reply = self._call(
-            lambda: self._stubs[k].Init(stream(), timeout=self.timeout, metadata=self._metadata), f"Init {self.servers[k]}"
+            lambda: self._stubs[k].Init(stream(), timeout=self.timeout, metadata=self._metadata),
+            f"Init {self.servers[k]}",
         )
         log.info("rank %d: shard %d init %s", self.rank, k, "applied" if reply.applied else "already done")
 
@@ -212,8 +213,9 @@ class PSClient:
                     )
                 time.sleep(next(delays))
                 req = ps_pb2.JoinRequest(rank=self.rank, num_workers=self.num_workers, incarnation=self.incarnation)
-                reply = self._call(lambda k=k, req=req: self._stubs[k].Join(req, timeout=self.timeout,
-                                                                            metadata=self._metadata), "Join")
+                reply = self._call(
+                    lambda k=k, req=req: self._stubs[k].Join(req, timeout=self.timeout, metadata=self._metadata), "Join"
+                )
             if reply.plan_digest != plan.digest:
                 raise RuntimeError(
                     f"Shard {self.servers[k]} holds plan {reply.plan_digest[:12]} but this model's plan is "
@@ -254,9 +256,12 @@ class PSClient:
         dtypes = {s.key: NAME_TO_DTYPE[s.dtype] for s in plan.specs}
         for part in plan.owned_by(k):
             flat = flats[part.key].detach().reshape(-1)
-            data = encode(flat[part.offset: part.offset + part.length])
-            yield part, ps_pb2.Partition(
-                key=part.key, offset=part.offset, length=part.length, dtype=dtypes[part.key], data=data
+            data = encode(flat[part.offset : part.offset + part.length])
+            yield (
+                part,
+                ps_pb2.Partition(
+                    key=part.key, offset=part.offset, length=part.length, dtype=dtypes[part.key], data=data
+                ),
             )
 
     def _stage(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -286,7 +291,10 @@ class PSClient:
         plan = self._require_plan()
         flats = self._stage(grads)
         header = ps_pb2.PushHeader(
-            rank=self.rank, incarnation=self.incarnation, clock=self.clock, version=self.version,
+            rank=self.rank,
+            incarnation=self.incarnation,
+            clock=self.clock,
+            version=self.version,
             plan_digest=plan.digest,
         )
         sent = [0] * self.num_shards
@@ -349,7 +357,7 @@ class PSClient:
                     length = owned[k].get((p.key, p.offset))
                     if length != p.length or p.dtype != NAME_TO_DTYPE[dtypes[p.key]]:
                         raise RuntimeError(f"Shard {self.servers[k]} sent a partition outside the plan: {p.key}")
-                    flats[p.key][p.offset: p.offset + p.length].copy_(decode(p.data, dtypes[p.key], p.length))
+                    flats[p.key][p.offset : p.offset + p.length].copy_(decode(p.data, dtypes[p.key], p.length))
                     version, received, seen = reply.version, received + len(p.data), seen + 1
                 if seen != len(owned[k]):
                     raise RuntimeError(f"Shard {self.servers[k]} sent {seen} of {len(owned[k])} partitions.")

@@ -44,15 +44,20 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child before e
 
 def launch_parser(environ: Mapping[str, str] | None = None) -> FlagParser:
     """The ``ps-launch`` flags (DESIGN section 10)."""
-    p = FlagParser(prog="ps-launch", description="Run a grpc-ps cluster and a training job on this machine.",
-                   environ=environ)
+    p = FlagParser(
+        prog="ps-launch", description="Run a grpc-ps cluster and a training job on this machine.", environ=environ
+    )
     p.flag("--shards", type=int, default=2, help="number of shard processes")
     p.flag("--workers", type=int, default=2, help="number of worker processes")
     p.flag("--mode", default="sync", choices=MODES, help="consistency model")
     p.flag("--steps", type=int, default=300, help="steps per worker")
     p.flag("--batch-size", type=int, default=32, help="samples per step per worker")
-    p.flag("--optimizer", default="sgd", choices=("sgd", "adam", "adamw", "adagrad", "rmsprop"),
-           help="server-side optimizer")
+    p.flag(
+        "--optimizer",
+        default="sgd",
+        choices=("sgd", "adam", "adamw", "adagrad", "rmsprop"),
+        help="server-side optimizer",
+    )
     p.flag("--lr", type=float, default=0.1, help="learning rate")
     p.flag("--momentum", type=float, default=0.9, help="momentum (sgd, rmsprop)")
     p.flag("--seed", type=int, default=0, help="seed of model initialization and data shuffling")
@@ -62,8 +67,13 @@ def launch_parser(environ: Mapping[str, str] | None = None) -> FlagParser:
     p.flag("--log-dir", default="", help="directory for each process's log (default: a temporary directory)")
     p.flag("--json", switch=True, help="print the summary as one JSON object on the last line of stdout")
     p.flag("--no-progress", switch=True, help="no progress bars")
-    p.add_argument("workload", nargs="?", default=p.environ.get("PS_WORKLOAD", "digits"),
-                   choices=sorted(WORKLOADS), help="built-in workload [env PS_WORKLOAD]")
+    p.add_argument(
+        "workload",
+        nargs="?",
+        default=p.environ.get("PS_WORKLOAD", "digits"),
+        choices=sorted(WORKLOADS),
+        help="built-in workload [env PS_WORKLOAD]",
+    )
     return p
 
 
@@ -90,8 +100,13 @@ class Cluster:
         log_path = self.log_dir / f"{name}.log"
         log_file = open(log_path, "w")  # noqa: SIM115 - closed in stop()
         proc = subprocess.Popen(
-            [sys.executable, "-m", *argv], stdout=subprocess.PIPE, stderr=log_file, text=True,
-            env=self.env, preexec_fn=_die_with_parent, start_new_session=True,
+            [sys.executable, "-m", *argv],
+            stdout=subprocess.PIPE,
+            stderr=log_file,
+            text=True,
+            env=self.env,
+            preexec_fn=_die_with_parent,
+            start_new_session=True,
         )
         child = Child(name, proc, log_path, log_file)
         self.children.append(child)
@@ -104,9 +119,24 @@ class Cluster:
             RuntimeError: a shard exited or did not report its port in time.
         """
         shards = [
-            self.spawn(f"shard-{k}", ["ps_server.cli", "--shard-index", str(k), "--num-shards", str(n),
-                                      "--num-workers", str(workers), "--mode", mode,
-                                      "--host", "127.0.0.1", "--port", "0"])
+            self.spawn(
+                f"shard-{k}",
+                [
+                    "ps_server.cli",
+                    "--shard-index",
+                    str(k),
+                    "--num-shards",
+                    str(n),
+                    "--num-workers",
+                    str(workers),
+                    "--mode",
+                    mode,
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    "0",
+                ],
+            )
             for k in range(n)
         ]
         found: queue.Queue[tuple[int, str | None]] = queue.Queue()
@@ -235,16 +265,51 @@ def run(args: Any) -> int:
         events: queue.Queue[tuple[str, dict[str, Any]]] = queue.Queue()
         workers = []
         for r in range(args.workers):
-            argv = ["ps_worker.cli", "--servers", ",".join(addresses), "--rank", str(r),
-                    "--num-workers", str(args.workers), "--steps", str(args.steps),
-                    "--batch-size", str(args.batch_size), "--optimizer", args.optimizer, "--lr", str(args.lr),
-                    "--momentum", str(args.momentum), "--seed", str(args.seed), "--timeout", str(args.timeout),
-                    "--slow-rank", str(args.slow_rank), "--slow-ms", str(args.slow_ms), "--events", args.workload]
+            argv = [
+                "ps_worker.cli",
+                "--servers",
+                ",".join(addresses),
+                "--rank",
+                str(r),
+                "--num-workers",
+                str(args.workers),
+                "--steps",
+                str(args.steps),
+                "--batch-size",
+                str(args.batch_size),
+                "--optimizer",
+                args.optimizer,
+                "--lr",
+                str(args.lr),
+                "--momentum",
+                str(args.momentum),
+                "--seed",
+                str(args.seed),
+                "--timeout",
+                str(args.timeout),
+                "--slow-rank",
+                str(args.slow_rank),
+                "--slow-ms",
+                str(args.slow_ms),
+                "--events",
+                args.workload,
+            ]
             child = cluster.spawn(f"worker-{r}", argv)
             workers.append(child)
             threading.Thread(target=read_events, args=(child, events), daemon=True).start()
-        bars = [tqdm(total=args.steps, desc=f"rank {r}", position=r, unit="step", file=sys.stderr,
-                     disable=args.no_progress or None, dynamic_ncols=True, leave=False) for r in range(args.workers)]
+        bars = [
+            tqdm(
+                total=args.steps,
+                desc=f"rank {r}",
+                position=r,
+                unit="step",
+                file=sys.stderr,
+                disable=args.no_progress or None,
+                dynamic_ncols=True,
+                leave=False,
+            )
+            for r in range(args.workers)
+        ]
         done: dict[str, dict[str, Any]] = {}
         exited: set[str] = set()
         while len(exited) < len(workers):

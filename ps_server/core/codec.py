@@ -38,9 +38,7 @@ def torch_dtype(name: str) -> torch.dtype:
     try:
         return DTYPES[name]
     except KeyError:
-        raise InvalidRequestError(
-            f"Unsupported dtype {name!r}; expected one of {', '.join(sorted(DTYPES))}."
-        ) from None
+        raise InvalidRequestError(f"Unsupported dtype {name!r}; expected one of {', '.join(sorted(DTYPES))}.") from None
 
 
 def dtype_name(dtype: torch.dtype) -> str:

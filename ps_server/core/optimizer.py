@@ -27,10 +27,14 @@ _KWARGS: dict[str, dict[str, type]] = {
     "sgd": {"lr": float, "momentum": float, "dampening": float, "weight_decay": float, "nesterov": bool},
     "adam": {"lr": float, "beta1": float, "beta2": float, "eps": float, "weight_decay": float, "amsgrad": bool},
     "adamw": {"lr": float, "beta1": float, "beta2": float, "eps": float, "weight_decay": float, "amsgrad": bool},
-    "adagrad": {"lr": float, "lr_decay": float, "weight_decay": float, "initial_accumulator_value": float,
-                "eps": float},
-    "rmsprop": {"lr": float, "alpha": float, "eps": float, "weight_decay": float, "momentum": float,
-                "centered": bool},
+    "adagrad": {
+        "lr": float,
+        "lr_decay": float,
+        "weight_decay": float,
+        "initial_accumulator_value": float,
+        "eps": float,
+    },
+    "rmsprop": {"lr": float, "alpha": float, "eps": float, "weight_decay": float, "momentum": float, "centered": bool},
 }
 
 

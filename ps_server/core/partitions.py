@@ -24,9 +24,7 @@ class WirePartition:
     data: bytes
 
 
-def match_partitions(
-    plan: Plan, shard_index: int, received: Iterable[WirePartition], what: str
-) -> list[torch.Tensor]:
+def match_partitions(plan: Plan, shard_index: int, received: Iterable[WirePartition], what: str) -> list[torch.Tensor]:
     """Check that ``received`` is exactly the shard's partitions, each well-formed and finite.
 
     Args:
@@ -51,7 +49,8 @@ def match_partitions(
         if part.key not in dtypes:
             raise UnknownKeyError(
                 f"Unknown parameter {part.key!r}; this cluster's plan has "
-                f"{', '.join(sorted(dtypes)[:8])}{'…' if len(dtypes) > 8 else ''}. Rebuild the plan from the same model."
+                f"{', '.join(sorted(dtypes)[:8])}{'…' if len(dtypes) > 8 else ''}. "
+                "Rebuild the plan from the same model."
             )
         i = index.get((part.key, part.offset))
         if i is None or owned[i].length != part.length:
@@ -73,6 +72,7 @@ def match_partitions(
     if missing:
         raise InvalidRequestError(
             f"The request misses {len(missing)} of this shard's {len(owned)} partitions "
-            f"({', '.join(missing[:4])}{'…' if len(missing) > 4 else ''}); send every partition the plan gives shard {shard_index}."
+            f"({', '.join(missing[:4])}{'…' if len(missing) > 4 else ''}); "
+            f"send every partition the plan gives shard {shard_index}."
         )
     return [t for t in out if t is not None]

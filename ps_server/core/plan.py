@@ -96,9 +96,7 @@ def plan_digest(specs: Sequence[ParameterSpec], num_shards: int, partition_bytes
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
-def make_plan(
-    specs: Iterable[ParameterSpec], num_shards: int, partition_bytes: int = DEFAULT_PARTITION_BYTES
-) -> Plan:
+def make_plan(specs: Iterable[ParameterSpec], num_shards: int, partition_bytes: int = DEFAULT_PARTITION_BYTES) -> Plan:
     """Cut parameters into partitions and assign them to shards by least load in bytes.
 
     Args:
@@ -117,9 +115,7 @@ def make_plan(
     if num_shards < 1:
         raise InvalidRequestError(f"num_shards must be >= 1, got {num_shards}.")
     if not 1 <= partition_bytes <= MAX_PARTITION_BYTES:
-        raise InvalidRequestError(
-            f"partition_bytes must be in [1, {MAX_PARTITION_BYTES}], got {partition_bytes}."
-        )
+        raise InvalidRequestError(f"partition_bytes must be in [1, {MAX_PARTITION_BYTES}], got {partition_bytes}.")
     if not specs:
         raise InvalidRequestError("The model has no parameters; nothing to serve.")
     seen: set[str] = set()

@@ -20,9 +20,7 @@ class DigitsWorkload:
     hidden = 128
 
     def model(self) -> torch.nn.Module:
-        return torch.nn.Sequential(
-            torch.nn.Linear(64, self.hidden), torch.nn.ReLU(), torch.nn.Linear(self.hidden, 10)
-        )
+        return torch.nn.Sequential(torch.nn.Linear(64, self.hidden), torch.nn.ReLU(), torch.nn.Linear(self.hidden, 10))
 
     def datasets(self) -> tuple[Dataset, Dataset]:
         x, y = load_digits(return_X_y=True)
