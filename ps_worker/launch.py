@@ -110,6 +110,7 @@ class Cluster:
         )
         child = Child(name, proc, log_path, log_file)
         self.children.append(child)
+        print(f"ps-launch: started {name} (pid {proc.pid})", file=sys.stderr, flush=True)
         return child
 
     def start_shards(self, n: int, workers: int, mode: str, deadline: float = 60.0) -> list[str]:
@@ -313,7 +314,10 @@ def run(args: Any) -> int:
         done: dict[str, dict[str, Any]] = {}
         exited: set[str] = set()
         while len(exited) < len(workers):
-            name, event = events.get()
+            try:
+                name, event = events.get(timeout=0.5)
+            except queue.Empty:
+                continue
             rank = int(name.split("-")[1])
             if event.get("event") == "step":
                 bars[rank].n = event["step"]
@@ -348,7 +352,13 @@ def run(args: Any) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point."""
     args = launch_parser().parse_args(argv)
-    signal.signal(signal.SIGTERM, lambda signum, frame: (_ for _ in ()).throw(KeyboardInterrupt()))
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    # Installed explicitly: a launcher started from a script may inherit SIGINT as ignored.
+    signal.signal(signal.SIGINT, interrupt)
+    signal.signal(signal.SIGTERM, interrupt)
     return run(args)
 
 

@@ -38,7 +38,7 @@ class ParameterSpec:
         return math.prod(self.shape)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, order=True)
 class PartitionSlice:
     """Elements ``[offset, offset + length)`` of the flattened parameter ``key``, owned by ``shard``."""
 

@@ -1,0 +1,28 @@
+"""Print the README's table of every command's flags and PS_* twins (from the parsers themselves)."""
+
+from __future__ import annotations
+
+from ps_server.config import server_parser
+from ps_server.flags import FlagParser
+from ps_worker.cli import worker_parser
+from ps_worker.launch import launch_parser
+
+
+def parsers() -> dict[str, FlagParser]:
+    """Every command's parser, read with an empty environment so defaults are the real ones."""
+    return {"ps-server": server_parser({}), "ps-worker": worker_parser({}), "ps-launch": launch_parser({})}
+
+
+def table() -> str:
+    rows = ["| command | flag | environment twin | default | meaning |", "|---|---|---|---|---|"]
+    for command, parser in parsers().items():
+        defaults = {a.option_strings[0]: a.default for a in parser._actions if a.option_strings}
+        for flag, env, help_text in parser.twins:
+            default = defaults.get(flag)
+            shown = "—" if default in (None, "") else f"`{default}`"
+            rows.append(f"| `{command}` | `{flag}` | `{env}` | {shown} | {help_text} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(table())

@@ -1,0 +1,164 @@
+"""ps-launch as a user runs it: real processes, real data, a summary, nothing left behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+LAUNCH = [sys.executable, "-m", "ps_worker.launch"]
+
+
+def pids(stderr: str) -> list[int]:
+    return [int(p) for p in re.findall(r"started \S+ \(pid (\d+)\)", stderr)]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def assert_all_gone(stderr: str, expected: int) -> None:
+    started = pids(stderr)
+    assert len(started) == expected, stderr
+    assert not [p for p in started if alive(p)], "ps-launch left processes behind"
+
+
+@pytest.mark.slow
+def test_default_digits_run_reaches_95_percent(tmp_path) -> None:
+    out = subprocess.run(
+        [
+            *LAUNCH,
+            "--shards",
+            "2",
+            "--workers",
+            "2",
+            "--mode",
+            "sync",
+            "--json",
+            "--no-progress",
+            "--log-dir",
+            str(tmp_path),
+            "digits",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert summary["accuracy"] >= 0.95, summary
+    assert summary["version"] == summary["steps"] == 300
+    assert len(set(summary["params_sha256_per_rank"])) == 1  # sync: every rank ends on the same bits
+    assert summary["pushed_bytes"] > 0 and summary["pulled_bytes"] > 0 and summary["steps_per_second"] > 0
+    assert "held-out accuracy" in out.stdout
+    assert_all_gone(out.stderr, expected=4)
+
+
+@pytest.mark.slow
+def test_same_seed_gives_bitwise_identical_runs_with_a_straggler(tmp_path) -> None:
+    digests = []
+    for run, slow in enumerate((0, 3)):
+        out = subprocess.run(
+            [
+                *LAUNCH,
+                "--shards",
+                "2",
+                "--workers",
+                "2",
+                "--steps",
+                "40",
+                "--json",
+                "--no-progress",
+                "--slow-rank",
+                "1",
+                "--slow-ms",
+                str(slow),
+                "--log-dir",
+                str(tmp_path / str(run)),
+                "digits",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert out.returncode == 0, out.stderr[-3000:]
+        digests.append(json.loads(out.stdout.strip().splitlines()[-1])["params_sha256"])
+    assert digests[0] == digests[1]
+
+
+def test_failing_worker_fails_the_launch_and_stops_everything(tmp_path) -> None:
+    out = subprocess.run(
+        [
+            *LAUNCH,
+            "--shards",
+            "1",
+            "--workers",
+            "2",
+            "--steps",
+            "5",
+            "--lr",
+            "-1",
+            "--no-progress",
+            "--log-dir",
+            str(tmp_path),
+            "digits",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 1
+    assert "worker-0 failed" in out.stderr and "finite number >= 0" in out.stderr
+    assert_all_gone(out.stderr, expected=3)
+
+
+def test_ctrl_c_stops_every_process(tmp_path) -> None:
+    proc = subprocess.Popen(
+        [
+            *LAUNCH,
+            "--shards",
+            "1",
+            "--workers",
+            "1",
+            "--steps",
+            "100000",
+            "--no-progress",
+            "--log-dir",
+            str(tmp_path),
+            "digits",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not (tmp_path / "worker-0.log").exists():
+            time.sleep(0.05)  # polling for the worker to start, bounded by the deadline
+        assert (tmp_path / "worker-0.log").exists()
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+    assert proc.returncode == 130, stderr
+    assert "interrupted" in stderr
+    assert_all_gone(stderr, expected=2)
+
+
+def test_bad_arguments_are_refused_before_starting_anything() -> None:
+    out = subprocess.run([*LAUNCH, "--shards", "0", "digits"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and ">= 1" in out.stderr
+    out = subprocess.run([*LAUNCH, "nosuchworkload"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "invalid choice" in out.stderr

@@ -1,0 +1,24 @@
+"""The README's flags table is generated from the parsers and must not drift from them."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_flags_table_is_current() -> None:
+    spec = importlib.util.spec_from_file_location("flags_table", ROOT / "scripts" / "flags_table.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    readme = (ROOT / "README.md").read_text()
+    current = readme.split("<!-- flags:begin -->\n", 1)[1].split("\n<!-- flags:end -->", 1)[0]
+    assert current == module.table(), "regenerate the table with `python scripts/flags_table.py`"
+
+
+def test_quickstart_has_the_two_commands() -> None:
+    quickstart = (ROOT / "README.md").read_text().split("## Quickstart", 1)[1].split("\n## ", 1)[0]
+    assert "ps-launch --shards 2 --workers 2 --mode sync digits" in quickstart
+    assert "bash .ci/run" in quickstart

@@ -1,0 +1,83 @@
+"""Tensor codecs and partition matching: raw little-endian bytes, exact validation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ps_server.core.codec import DTYPES, decode, encode
+from ps_server.core.errors import InvalidRequestError, UnknownKeyError
+from ps_server.core.partitions import WirePartition, match_partitions
+from ps_server.core.plan import ParameterSpec, make_plan
+
+
+@pytest.mark.parametrize("name", sorted(DTYPES))
+def test_roundtrip_is_bit_exact(name: str) -> None:
+    t = torch.randn(1000).to(DTYPES[name])
+    data = encode(t)
+    assert isinstance(data, bytes) and len(data) == 1000 * t.element_size()
+    assert torch.equal(decode(data, name, 1000), t)
+
+
+def test_bytes_are_little_endian_float32() -> None:
+    assert encode(torch.tensor([1.0], dtype=torch.float32)) == b"\x00\x00\x80\x3f"
+
+
+def test_wrong_byte_count_is_refused() -> None:
+    with pytest.raises(InvalidRequestError, match="need 16"):
+        decode(b"\x00" * 15, "float32", 4)
+
+
+def test_encode_refuses_non_flat_tensors() -> None:
+    with pytest.raises(ValueError):
+        encode(torch.zeros(2, 2))
+
+
+PLAN = make_plan([ParameterSpec("w", (10,), "float32"), ParameterSpec("b", (3,), "float32")], 1, 16)
+
+
+def parts(**override: object) -> list[WirePartition]:
+    out = []
+    for p in PLAN.owned_by(0):
+        fields = {
+            "key": p.key,
+            "offset": p.offset,
+            "length": p.length,
+            "dtype": "float32",
+            "data": encode(torch.ones(p.length)),
+        }
+        out.append(WirePartition(**fields))
+    if override:
+        first = out[0]
+        out[0] = WirePartition(**{**first.__dict__, **override})
+    return out
+
+
+def test_match_returns_plan_order() -> None:
+    received = parts()[::-1]
+    tensors = match_partitions(PLAN, 0, received, "gradient")
+    assert [t.numel() for t in tensors] == [p.length for p in PLAN.owned_by(0)]
+
+
+@pytest.mark.parametrize(
+    ("override", "error", "message"),
+    [
+        ({"key": "nope"}, UnknownKeyError, "Unknown parameter 'nope'"),
+        ({"offset": 1}, UnknownKeyError, "not one this shard"),
+        ({"length": 3, "data": encode(torch.ones(3))}, UnknownKeyError, "not one this shard"),
+        ({"dtype": "float16", "data": encode(torch.ones(4, dtype=torch.float16))}, InvalidRequestError, "dtype"),
+        ({"data": b"\x00" * 3}, InvalidRequestError, "bytes"),
+        ({"data": encode(torch.tensor([1.0, float("nan"), 0.0, 0.0]))}, InvalidRequestError, "NaN"),
+        ({"data": encode(torch.tensor([1.0, float("inf"), 0.0, 0.0]))}, InvalidRequestError, "NaN or infinity"),
+    ],
+)
+def test_bad_partitions_are_refused(override, error, message) -> None:
+    with pytest.raises(error, match=message):
+        match_partitions(PLAN, 0, parts(**override), "gradient")
+
+
+def test_missing_and_duplicated_partitions_are_refused() -> None:
+    with pytest.raises(InvalidRequestError, match="misses 1"):
+        match_partitions(PLAN, 0, parts()[1:], "gradient")
+    with pytest.raises(InvalidRequestError, match="twice"):
+        match_partitions(PLAN, 0, parts() + parts()[:1], "gradient")

@@ -1,0 +1,54 @@
+"""Flags, their PS_* twins, and config validation."""
+
+from __future__ import annotations
+
+import pytest
+
+from ps_server.config import ServerConfig, config_from_args, is_loopback
+from ps_server.core.errors import InvalidRequestError
+
+BASE = ["--shard-index", "0", "--num-shards", "2", "--num-workers", "2"]
+
+
+def test_env_twins_fill_in_and_flags_win() -> None:
+    env = {"PS_SHARD_INDEX": "1", "PS_NUM_SHARDS": "2", "PS_NUM_WORKERS": "4", "PS_PORT": "123", "PS_INSECURE": "1"}
+    config, _ = config_from_args([], environ=env)
+    assert (config.shard_index, config.num_workers, config.port, config.insecure) == (1, 4, 123, True)
+    config, _ = config_from_args(["--port", "7"], environ=env)
+    assert config.port == 7
+
+
+def test_bad_twin_value_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        config_from_args(BASE, environ={"PS_PORT": "eighty"})
+    assert "PS_PORT='eighty'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"mode": "ssp2"}, "Unknown mode 'ssp2'; expected one of async, easgd, ssp, sync."),
+        ({"shard_index": 2}, "--shard-index must be in 0..1"),
+        ({"num_workers": 0}, "--num-workers"),
+        ({"lease_timeout": 0}, "--lease-timeout"),
+        ({"host": "0.0.0.0"}, "Refusing to serve on non-loopback address"),
+        ({"host": "0.0.0.0", "token": "t"}, "without both PS_TOKEN and PS_ADMIN_TOKEN"),
+    ],
+)
+def test_invalid_configs_are_refused_in_a_full_sentence(kwargs, message) -> None:
+    fields = {"shard_index": 0, "num_shards": 2, "num_workers": 2, **kwargs}
+    with pytest.raises(InvalidRequestError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        ServerConfig(**fields)
+
+
+def test_non_loopback_is_allowed_with_tokens_or_insecure() -> None:
+    ServerConfig(0, 1, 1, host="0.0.0.0", token="a", admin_token="b")
+    ServerConfig(0, 1, 1, host="0.0.0.0", insecure=True)
+
+
+@pytest.mark.parametrize(
+    ("host", "loop"),
+    [("127.0.0.1", True), ("127.3.2.1", True), ("::1", True), ("localhost", True), ("0.0.0.0", False), ("ps-0", False)],
+)
+def test_is_loopback(host: str, loop: bool) -> None:
+    assert is_loopback(host) is loop

@@ -1,0 +1,170 @@
+"""The shard state machine without gRPC: joins, init, idempotent pushes, rounds, leases."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from ps_server.core.codec import encode
+from ps_server.core.errors import (
+    InvalidRequestError,
+    NotInitializedError,
+    PlanMismatchError,
+    PreconditionError,
+    StalePushError,
+    WaitTimeoutError,
+)
+from ps_server.core.optimizer import OptimizerSpec
+from ps_server.core.partitions import WirePartition
+from ps_server.core.plan import ParameterSpec, make_plan
+from ps_server.shard import Shard, WorkerState
+
+SPECS = [ParameterSpec("w", (6,), "float32"), ParameterSpec("b", (2,), "float32")]
+PLAN = make_plan(SPECS, 1, 16)
+SGD = OptimizerSpec("sgd", {"lr": 0.5})
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def wire(fill: float) -> list[WirePartition]:
+    return [
+        WirePartition(p.key, p.offset, p.length, "float32", encode(torch.full((p.length,), fill)))
+        for p in PLAN.owned_by(0)
+    ]
+
+
+def values(shard: Shard) -> torch.Tensor:
+    _, parts = shard.pull(0, 1, 0, PLAN.digest, timeout=1.0)
+    return torch.cat([torch.frombuffer(bytearray(data), dtype=torch.float32) for _, data in parts])
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def shard(clock: FakeClock) -> Shard:
+    s = Shard(0, 1, 2, "sync", lease_timeout=10.0, now=clock)
+    s.join(0, 2, 1)
+    s.join(1, 2, 1)
+    s.init(SPECS, 1, 16, PLAN.digest, SGD, wire(1.0))
+    return s
+
+
+def test_push_before_init_is_refused_and_changes_nothing(clock: FakeClock) -> None:
+    s = Shard(0, 1, 2, "sync", now=clock)
+    s.join(0, 2, 1)
+    with pytest.raises(NotInitializedError, match="rank 0 must call Init"):
+        s.push(0, 1, 0, 0, PLAN.digest, wire(1.0))
+    assert s.status().version == 0 and s.status().workers[0].pushes == 0
+
+
+def test_sync_round_applies_the_rank_ordered_mean(shard: Shard) -> None:
+    shard.push(1, 1, 0, 0, PLAN.digest, wire(3.0))
+    assert shard.version == 0 and shard.status().round_ranks == (1,)
+    shard.push(0, 1, 0, 0, PLAN.digest, wire(1.0))
+    assert shard.version == 1
+    assert torch.equal(values(shard), torch.full((8,), 1.0 - 0.5 * 2.0))
+
+
+def test_duplicate_push_is_answered_once_and_applied_once(shard: Shard) -> None:
+    first = shard.push(0, 1, 0, 0, PLAN.digest, wire(1.0))
+    again = shard.push(0, 1, 0, 0, PLAN.digest, wire(1.0))
+    assert again.duplicate and not first.duplicate and again.version == first.version
+    assert shard.status().workers[0].pushes == 1
+    shard.push(1, 1, 0, 0, PLAN.digest, wire(1.0))
+    assert shard.version == 1
+    late_dup = shard.push(0, 1, 0, 0, PLAN.digest, wire(1.0))
+    assert late_dup.duplicate and shard.version == 1
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "message"),
+    [
+        (lambda s: s.push(2, 1, 0, 0, PLAN.digest, wire(1.0)), InvalidRequestError, "out of range"),
+        (lambda s: s.push(0, 1, 0, 0, "f" * 64, wire(1.0)), PlanMismatchError, "does not match"),
+        (lambda s: s.push(0, 1, 0, 0, PLAN.digest, wire(float("nan"))), InvalidRequestError, "NaN"),
+        (lambda s: s.push(0, 1, 3, 0, PLAN.digest, wire(1.0)), PreconditionError, "pull version 3"),
+        (lambda s: s.push(0, 0, 0, 0, PLAN.digest, wire(1.0)), PreconditionError, "superseded"),
+        (lambda s: s.join(0, 3, 1), InvalidRequestError, "num_workers=2"),
+        (lambda s: s.init(SPECS[:1], 1, 16, make_plan(SPECS[:1], 1, 16).digest, SGD, []), PlanMismatchError, "match"),
+    ],
+)
+def test_bad_requests_change_nothing(shard: Shard, call, error, message) -> None:
+    before = shard.status()
+    with pytest.raises(error, match=message):
+        call(shard)
+    after = shard.status()
+    assert (after.version, after.round_ranks, after.workers) == (before.version, before.round_ranks, before.workers)
+    assert torch.equal(values(shard), torch.ones(8))
+
+
+def test_init_is_first_writer_wins(shard: Shard) -> None:
+    applied, version, digest = shard.init(SPECS, 1, 16, PLAN.digest, SGD, wire(7.0))
+    assert not applied and digest == PLAN.digest
+    assert torch.equal(values(shard), torch.ones(8))
+
+
+def test_stale_round_push_is_aborted(shard: Shard) -> None:
+    shard.push(0, 1, 0, 0, PLAN.digest, wire(1.0))
+    shard.push(1, 1, 0, 0, PLAN.digest, wire(1.0))
+    with pytest.raises(StalePushError, match="closed"):
+        shard.join(0, 2, 2)  # a restarted rank 0 replays clock 0 under a new incarnation
+        shard.push(0, 2, 0, 0, PLAN.digest, wire(2.0))
+
+
+def test_pull_waits_for_the_round_and_times_out_naming_the_laggard(shard: Shard) -> None:
+    shard.push(0, 1, 0, 0, PLAN.digest, wire(1.0))
+    with pytest.raises(WaitTimeoutError, match=r"ranks \[1\]"):
+        shard.pull(0, 1, 1, PLAN.digest, timeout=0.0)
+    got: list[int] = []
+    waiter = threading.Thread(target=lambda: got.append(shard.pull(0, 1, 1, PLAN.digest, timeout=10.0)[0]))
+    waiter.start()
+    shard.push(1, 1, 0, 0, PLAN.digest, wire(1.0))
+    waiter.join(timeout=10.0)
+    assert got == [1]
+
+
+def test_lapsed_lease_evicts_and_the_round_goes_on(shard: Shard, clock: FakeClock) -> None:
+    shard.push(0, 1, 0, 0, PLAN.digest, wire(1.0))
+    clock.t += 5
+    shard.heartbeat(0, 1)
+    clock.t += 6  # rank 1 silent for 11 s > 10 s lease, rank 0 for 6 s
+    assert shard.expire_leases() == [1]
+    assert shard.version == 1
+    assert [w.state for w in shard.status().workers] == [WorkerState.LIVE, WorkerState.EVICTED]
+    with pytest.raises(PreconditionError, match="call Join again"):
+        shard.push(1, 1, 0, 0, PLAN.digest, wire(1.0))
+    shard.join(1, 2, 2)  # comes back with a higher incarnation and is counted again
+    assert shard.status().workers[1].clock == 1
+    shard.push(0, 1, 1, 1, PLAN.digest, wire(1.0))
+    assert shard.version == 1
+    shard.push(1, 2, 1, 1, PLAN.digest, wire(1.0))
+    assert shard.version == 2
+
+
+def test_close_wakes_waiters(shard: Shard) -> None:
+    from ps_server.core.errors import ShuttingDownError
+
+    errors: list[Exception] = []
+
+    def wait() -> None:
+        try:
+            shard.pull(0, 1, 5, PLAN.digest, timeout=10.0)
+        except ShuttingDownError as exc:
+            errors.append(exc)
+
+    t = threading.Thread(target=wait)
+    t.start()
+    shard.close()
+    t.join(timeout=10.0)
+    assert len(errors) == 1
