@@ -7,8 +7,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from ps_server.core.errors import InvalidRequestError
+from ps_server.core.modes import MODES, ModeSettings
 from ps_server.flags import FlagParser
-from ps_server.shard import MODES
 
 LOOPBACK_NAMES = {"localhost", "ip6-localhost"}
 
@@ -43,12 +43,18 @@ class ServerConfig:
     insecure: bool = False
     max_message_bytes: int = 16 * 1024 * 1024
     max_workers_threads: int = 0
+    sync_quorum: int = 0
+    round_timeout: float = 0.0
+    max_staleness: int = -1
+    staleness_lr: str = ""
+    staleness: int = 0
+    moving_rate: float | None = None
+    communication_period: int = 10
+    easgd_sync: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise InvalidRequestError(f"Unknown mode {self.mode!r}; expected one of {', '.join(MODES)}.")
-        if self.mode != "sync":
-            raise InvalidRequestError(f"Mode {self.mode!r} is not available in this release yet; use --mode sync.")
         if self.num_shards < 1:
             raise InvalidRequestError(f"--num-shards must be >= 1, got {self.num_shards}.")
         if not 0 <= self.shard_index < self.num_shards:
@@ -69,6 +75,26 @@ class ServerConfig:
                 f"Refusing to serve on non-loopback address {self.host!r} without both PS_TOKEN and "
                 "PS_ADMIN_TOKEN: set them (or --token/--admin-token), or pass --insecure on a trusted network."
             )
+        self.mode_settings()  # validates the mode parameters
+
+    def mode_settings(self) -> ModeSettings:
+        """The consistency model and its parameters.
+
+        Raises:
+            InvalidRequestError: a parameter out of range.
+        """
+        return ModeSettings(
+            mode=self.mode,
+            num_workers=self.num_workers,
+            sync_quorum=self.sync_quorum,
+            round_timeout=self.round_timeout,
+            max_staleness=self.max_staleness,
+            staleness_lr=self.staleness_lr,
+            staleness=self.staleness,
+            moving_rate=self.moving_rate,
+            communication_period=self.communication_period,
+            easgd_sync=self.easgd_sync,
+        )
 
     @property
     def threads(self) -> int:
@@ -90,6 +116,34 @@ def server_parser(environ: Mapping[str, str] | None = None) -> FlagParser:
     p.flag("--admin-token", default="", help="bearer token operators must send to Admin")
     p.flag("--insecure", switch=True, help="allow a non-loopback bind without tokens")
     p.flag("--max-message-bytes", type=int, default=16 * 1024 * 1024, help="largest gRPC message accepted, bytes")
+    p.flag(
+        "--sync-quorum",
+        type=int,
+        default=0,
+        help="sync: apply a round after the first K pushes, drop late ones (0 = every live rank)",
+    )
+    p.flag(
+        "--round-timeout",
+        type=float,
+        default=0.0,
+        help="sync: seconds after which ranks missing from an open round are reported (0 = never)",
+    )
+    p.flag(
+        "--max-staleness",
+        type=int,
+        default=-1,
+        help="async: refuse gradients more than S versions old with ABORTED (-1 = no bound)",
+    )
+    p.flag(
+        "--staleness-lr",
+        default="",
+        choices=("", "inverse"),
+        help="async: 'inverse' scales the learning rate by 1/max(1, staleness)",
+    )
+    p.flag("--staleness", type=int, default=0, help="ssp: the staleness bound s in clocks")
+    p.flag("--moving-rate", type=float, default=None, help="easgd: moving rate alpha (default 0.9/num_workers)")
+    p.flag("--communication-period", type=int, default=10, help="easgd: local steps tau between exchanges")
+    p.flag("--easgd-sync", switch=True, help="easgd: apply one period's exchanges together in rank order")
     p.flag("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"), help="log level")
     return p
 
@@ -117,6 +171,14 @@ def config_from_args(
             admin_token=args.admin_token,
             insecure=args.insecure,
             max_message_bytes=args.max_message_bytes,
+            sync_quorum=args.sync_quorum,
+            round_timeout=args.round_timeout,
+            max_staleness=args.max_staleness,
+            staleness_lr=args.staleness_lr,
+            staleness=args.staleness,
+            moving_rate=args.moving_rate,
+            communication_period=args.communication_period,
+            easgd_sync=args.easgd_sync,
         )
     except InvalidRequestError as exc:
         parser.error(str(exc))

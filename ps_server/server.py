@@ -38,6 +38,7 @@ class ShardServer:
         shard: Shard,
         health_servicer: health.HealthServicer,
         counters: Counters,
+        stopping: threading.Event,
     ) -> None:
         self.config = config
         self.server = server
@@ -45,7 +46,7 @@ class ShardServer:
         self.shard = shard
         self.health = health_servicer
         self.counters = counters
-        self._stopping = threading.Event()
+        self._stopping = stopping
         self._reaper = threading.Thread(target=self._reap, name=f"lease-reaper-{config.shard_index}", daemon=True)
         self._reaper.start()
 
@@ -86,7 +87,7 @@ def start_server(config: ServerConfig, shard: Shard | None = None) -> ShardServe
     Raises:
         RuntimeError: the address could not be bound.
     """
-    shard = shard or Shard(config.shard_index, config.num_shards, config.num_workers, config.mode, config.lease_timeout)
+    shard = shard or Shard(config.shard_index, config.num_shards, config.mode_settings(), config.lease_timeout)
     counters = Counters()
     options = [
         ("grpc.max_receive_message_length", config.max_message_bytes),
@@ -102,7 +103,8 @@ def start_server(config: ServerConfig, shard: Shard | None = None) -> ShardServe
         maximum_concurrent_rpcs=config.threads * 4,
     )
     ps_pb2_grpc.add_ParameterServiceServicer_to_server(ParameterServicer(shard, counters), server)
-    ps_pb2_grpc.add_AdminServicer_to_server(AdminServicer(shard, counters), server)
+    stopping = threading.Event()
+    ps_pb2_grpc.add_AdminServicer_to_server(AdminServicer(shard, counters, stopping), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
@@ -129,4 +131,4 @@ def start_server(config: ServerConfig, shard: Shard | None = None) -> ShardServe
         port,
         config.num_workers,
     )
-    return ShardServer(config, server, port, shard, health_servicer, counters)
+    return ShardServer(config, server, port, shard, health_servicer, counters, stopping)

@@ -16,9 +16,12 @@ import grpc
 
 from ps_proto.v1 import ps_pb2, ps_pb2_grpc
 from ps_server.core import errors
+from ps_server.core.modes import ModeSettings
 from ps_server.core.partitions import WirePartition
+from ps_server.core.plan import PartitionSlice
 from ps_server.shard import Shard, StatusView, WorkerState
 from ps_server.wire import (
+    MODE_TO_NAME,
     NAME_TO_DTYPE,
     NAME_TO_MODE,
     optimizer_from_proto,
@@ -137,6 +140,32 @@ def _deadline(context: grpc.ServicerContext) -> float | None:
     return None if remaining is None or remaining > 1e9 else max(0.0, remaining - 0.05)
 
 
+def cluster_config(settings: ModeSettings, lease_timeout: float, learning_rate: float) -> ps_pb2.ClusterConfig:
+    """The ClusterConfig message of the settings in force."""
+    return ps_pb2.ClusterConfig(
+        mode=NAME_TO_MODE[settings.mode],
+        num_workers=settings.num_workers,
+        lease_timeout_seconds=lease_timeout,
+        learning_rate=learning_rate,
+        sync_quorum=settings.sync_quorum,
+        round_timeout_seconds=settings.round_timeout,
+        max_staleness=settings.max_staleness,
+        staleness_lr=settings.staleness_lr,
+        staleness=settings.staleness,
+        moving_rate=settings.alpha,
+        communication_period=settings.communication_period,
+        easgd_sync=settings.easgd_sync,
+    )
+
+
+def partition_messages(shard: Shard, parts: list[tuple[PartitionSlice, bytes]]) -> Iterator[ps_pb2.Partition]:
+    """Partition messages of (slice, raw bytes) pairs of ``shard``'s plan."""
+    assert shard.plan is not None
+    dtypes = {s.key: NAME_TO_DTYPE[s.dtype] for s in shard.plan.specs}
+    for part, data in parts:
+        yield ps_pb2.Partition(key=part.key, offset=part.offset, length=part.length, dtype=dtypes[part.key], data=data)
+
+
 class ParameterServicer(ps_pb2_grpc.ParameterServiceServicer):
     """ps.v1.ParameterService over one :class:`Shard`."""
 
@@ -144,20 +173,13 @@ class ParameterServicer(ps_pb2_grpc.ParameterServiceServicer):
         self.shard = shard
         self.counters = counters
 
-    def _config(self) -> ps_pb2.ClusterConfig:
-        return ps_pb2.ClusterConfig(
-            mode=NAME_TO_MODE[self.shard.mode],
-            num_workers=self.shard.num_workers,
-            lease_timeout_seconds=self.shard.lease_timeout,
-        )
-
     @_maps_errors
     def Join(self, request: ps_pb2.JoinRequest, context: grpc.ServicerContext) -> ps_pb2.JoinResponse:
         info = self.shard.join(request.rank, request.num_workers, request.incarnation)
         return ps_pb2.JoinResponse(
             shard_index=self.shard.shard_index,
             num_shards=self.shard.num_shards,
-            config=self._config(),
+            config=cluster_config(self.shard.settings, self.shard.lease_timeout, self.shard.learning_rate()),
             initialized=info.initialized,
             version=info.version,
             plan_digest=info.plan_digest,
@@ -169,7 +191,7 @@ class ParameterServicer(ps_pb2_grpc.ParameterServiceServicer):
         self, request_iterator: Iterator[ps_pb2.InitRequest], context: grpc.ServicerContext
     ) -> ps_pb2.InitResponse:
         header, parts = _read_stream(request_iterator, self.counters, "Init")
-        self.shard._check_rank(header.rank)
+        self.shard.check_rank(header.rank)
         applied, version, digest = self.shard.init(
             specs_from_proto(header.plan.specs),
             header.plan.num_shards,
@@ -185,24 +207,35 @@ class ParameterServicer(ps_pb2_grpc.ParameterServiceServicer):
         self, request_iterator: Iterator[ps_pb2.PushRequest], context: grpc.ServicerContext
     ) -> ps_pb2.PushResponse:
         header, parts = _read_stream(request_iterator, self.counters, "Push")
-        result = self.shard.push(
-            header.rank, header.incarnation, header.clock, header.version, header.plan_digest, parts
+        r = self.shard.push(header.rank, header.incarnation, header.clock, header.version, header.plan_digest, parts)
+        return ps_pb2.PushResponse(
+            version=r.version,
+            duplicate=r.duplicate,
+            staleness=r.staleness,
+            dropped=r.dropped,
+            mode=NAME_TO_MODE[r.mode],
         )
-        return ps_pb2.PushResponse(version=result.version, duplicate=result.duplicate, staleness=result.staleness)
 
     @_maps_stream_errors
     def Pull(self, request: ps_pb2.PullRequest, context: grpc.ServicerContext) -> Iterator[ps_pb2.PullResponse]:
         version, parts = self.shard.pull(
             request.rank, request.incarnation, request.min_version, request.plan_digest, _deadline(context)
         )
-        dtypes = {s.key: NAME_TO_DTYPE[s.dtype] for s in self.shard.plan.specs} if self.shard.plan else {}
-        for part, data in parts:
-            msg = ps_pb2.PullResponse(
-                version=version,
-                partition=ps_pb2.Partition(
-                    key=part.key, offset=part.offset, length=part.length, dtype=dtypes[part.key], data=data
-                ),
-            )
+        for partition in partition_messages(self.shard, parts):
+            msg = ps_pb2.PullResponse(version=version, partition=partition)
+            self.counters.add(sent=msg.ByteSize())
+            yield msg
+
+    @_maps_stream_errors
+    def Exchange(
+        self, request_iterator: Iterator[ps_pb2.ExchangeRequest], context: grpc.ServicerContext
+    ) -> Iterator[ps_pb2.ExchangeResponse]:
+        header, parts = _read_stream(request_iterator, self.counters, "Exchange")
+        version, d = self.shard.exchange(
+            header.rank, header.incarnation, header.clock, header.plan_digest, parts, _deadline(context)
+        )
+        for partition in partition_messages(self.shard, d):
+            msg = ps_pb2.ExchangeResponse(version=version, partition=partition)
             self.counters.add(sent=msg.ByteSize())
             yield msg
 
@@ -216,14 +249,32 @@ class ParameterServicer(ps_pb2_grpc.ParameterServiceServicer):
         return ps_pb2.LeaveResponse(version=self.shard.leave(request.rank, request.incarnation))
 
 
+def staleness_summary(counts: dict[int, int]) -> ps_pb2.StalenessSummary:
+    """Exact percentiles of a histogram of staleness values."""
+    total = sum(counts.values())
+    if not total:
+        return ps_pb2.StalenessSummary()
+    ordered = sorted(counts.items())
+
+    def quantile(q: float) -> float:
+        rank, seen = q * (total - 1), 0
+        for value, n in ordered:
+            seen += n
+            if seen > rank:
+                return float(value)
+        return float(ordered[-1][0])
+
+    return ps_pb2.StalenessSummary(
+        count=total, p50=quantile(0.5), p90=quantile(0.9), p99=quantile(0.99), max=ordered[-1][0]
+    )
+
+
 def status_to_proto(view: StatusView, counters: Counters, uptime: float) -> ps_pb2.ShardStatus:
     """ShardStatus message of a status snapshot."""
     return ps_pb2.ShardStatus(
         shard_index=view.shard_index,
         num_shards=view.num_shards,
-        config=ps_pb2.ClusterConfig(
-            mode=NAME_TO_MODE[view.mode], num_workers=view.num_workers, lease_timeout_seconds=view.lease_timeout
-        ),
+        config=cluster_config(view.settings, view.lease_timeout, view.learning_rate),
         initialized=view.initialized,
         version=view.version,
         plan_digest=view.plan_digest,
@@ -247,19 +298,75 @@ def status_to_proto(view: StatusView, counters: Counters, uptime: float) -> ps_p
         rejected_requests=counters.rejected,
         uptime_seconds=uptime,
         round_ranks=view.round_ranks,
+        pending_mode=NAME_TO_MODE[view.pending_mode] if view.pending_mode else ps_pb2.MODE_UNSPECIFIED,
+        max_clock_gap=view.max_clock_gap,
+        rejected_pushes=view.rejected_pushes,
+        staleness=staleness_summary(view.staleness),
+        round_age_seconds=view.round_age_seconds,
+        round_waiting_for=view.round_waiting_for,
     )
+
+
+UPDATABLE = {
+    "sync_quorum": "sync_quorum",
+    "round_timeout_seconds": "round_timeout",
+    "max_staleness": "max_staleness",
+    "staleness_lr": "staleness_lr",
+    "staleness": "staleness",
+    "moving_rate": "moving_rate",
+    "communication_period": "communication_period",
+}
+"""UpdateConfigRequest field -> ModeSettings attribute."""
 
 
 class AdminServicer(ps_pb2_grpc.AdminServicer):
     """ps.v1.Admin over one :class:`Shard`."""
 
-    def __init__(self, shard: Shard, counters: Counters) -> None:
+    def __init__(self, shard: Shard, counters: Counters, stopping: threading.Event | None = None) -> None:
         self.shard = shard
         self.counters = counters
         self.started = time.monotonic()
+        self.stopping = stopping or threading.Event()
+
+    def _status(self) -> ps_pb2.ShardStatus:
+        return status_to_proto(self.shard.status(), self.counters, time.monotonic() - self.started)
 
     @_maps_errors
     def GetStatus(self, request: ps_pb2.GetStatusRequest, context: grpc.ServicerContext) -> ps_pb2.GetStatusResponse:
-        return ps_pb2.GetStatusResponse(
-            status=status_to_proto(self.shard.status(), self.counters, time.monotonic() - self.started)
+        return ps_pb2.GetStatusResponse(status=self._status())
+
+    @_maps_stream_errors
+    def WatchStatus(
+        self, request: ps_pb2.WatchStatusRequest, context: grpc.ServicerContext
+    ) -> Iterator[ps_pb2.WatchStatusResponse]:
+        interval = request.interval_seconds or 1.0
+        if not 0.1 <= interval <= 3600:
+            raise errors.InvalidRequestError(f"interval_seconds must be in [0.1, 3600], got {interval}.")
+        while context.is_active() and not self.stopping.is_set():
+            yield ps_pb2.WatchStatusResponse(status=self._status())
+            self.stopping.wait(interval)
+
+    @_maps_errors
+    def UpdateConfig(
+        self, request: ps_pb2.UpdateConfigRequest, context: grpc.ServicerContext
+    ) -> ps_pb2.UpdateConfigResponse:
+        changes = {attr: getattr(request, name) for name, attr in UPDATABLE.items() if request.HasField(name)}
+        if request.mode != ps_pb2.MODE_UNSPECIFIED and request.mode not in MODE_TO_NAME:
+            raise errors.InvalidRequestError(f"Unknown mode {request.mode}.")
+        settings = self.shard.update_config(
+            mode=MODE_TO_NAME.get(request.mode, ""),
+            learning_rate=request.learning_rate if request.HasField("learning_rate") else None,
+            **changes,
         )
+        view = self.shard.status()
+        return ps_pb2.UpdateConfigResponse(
+            config=cluster_config(settings, self.shard.lease_timeout, view.learning_rate),
+            pending_mode=NAME_TO_MODE[view.pending_mode] if view.pending_mode else ps_pb2.MODE_UNSPECIFIED,
+        )
+
+    @_maps_errors
+    def EvictWorker(
+        self, request: ps_pb2.EvictWorkerRequest, context: grpc.ServicerContext
+    ) -> ps_pb2.EvictWorkerResponse:
+        previous, version = self.shard.evict(request.rank)
+        return ps_pb2.EvictWorkerResponse(previous_state=WORKER_STATES[previous], version=version)

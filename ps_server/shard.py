@@ -1,8 +1,8 @@
 """The state of one shard: membership, versions, idempotent pushes and waits, under one condition.
 
 The servicer decodes a request and calls one method here; each method validates everything before
-it touches state, so a refused request changes nothing. Policies (``ps_server.policy``) decide
-when gradients apply; the store applies them.
+it touches state, so a refused request changes nothing. The pure policies in ``ps_server.policy``
+decide when and how updates apply; the store applies them.
 """
 
 from __future__ import annotations
@@ -11,9 +11,12 @@ import enum
 import logging
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
+
+import torch
 
 from ps_server.core.errors import (
     InvalidRequestError,
@@ -21,17 +24,21 @@ from ps_server.core.errors import (
     PlanMismatchError,
     PreconditionError,
     ShuttingDownError,
+    StalePushError,
     WaitTimeoutError,
 )
+from ps_server.core.modes import MODES, ModeSettings
 from ps_server.core.optimizer import OptimizerSpec
 from ps_server.core.partitions import WirePartition, match_partitions
 from ps_server.core.plan import ParameterSpec, PartitionSlice, Plan, make_plan
+from ps_server.policy import asynchronous, easgd, ssp
 from ps_server.policy.sync import SyncRounds
 from ps_server.store import ParameterStore
 
 log = logging.getLogger(__name__)
 
-MODES = ("async", "easgd", "ssp", "sync")
+__all__ = ["MODES", "Shard", "WorkerState", "PushResult", "StatusView", "MemberView"]
+
 PUSH_HISTORY = 64
 """Answers remembered per rank for duplicate pushes (retries resend the same clock)."""
 
@@ -45,11 +52,14 @@ class WorkerState(enum.Enum):
 
 @dataclass(frozen=True)
 class PushResult:
-    """Answer to a push: the version it was accepted at and its staleness in versions."""
+    """Answer to a push: the version it was accepted at, its staleness in versions, whether it
+    repeated an earlier push, and whether a quorum round had closed without it (dropped)."""
 
     version: int
     staleness: int = 0
     duplicate: bool = False
+    dropped: bool = False
+    mode: str = "sync"
 
 
 @dataclass
@@ -63,6 +73,8 @@ class Member:
     last_seen: float | None = None
     pushes: int = 0
     history: OrderedDict[tuple[int, int], PushResult] = field(default_factory=OrderedDict)
+    # EASGD: (incarnation, clock) -> (version, d) of the last exchange, for retries.
+    last_exchange: tuple[tuple[int, int], int, list[torch.Tensor]] | None = None
 
 
 @dataclass(frozen=True)
@@ -89,9 +101,9 @@ class StatusView:
 
     shard_index: int
     num_shards: int
-    mode: str
-    num_workers: int
+    settings: ModeSettings
     lease_timeout: float
+    learning_rate: float
     initialized: bool
     version: int
     plan_digest: str
@@ -101,6 +113,20 @@ class StatusView:
     optimizer: OptimizerSpec | None
     workers: tuple[MemberView, ...]
     round_ranks: tuple[int, ...]
+    round_waiting_for: tuple[int, ...]
+    round_age_seconds: float
+    pending_mode: str
+    max_clock_gap: int
+    rejected_pushes: dict[str, int]
+    staleness: dict[int, int]
+
+    @property
+    def mode(self) -> str:
+        return self.settings.mode
+
+    @property
+    def num_workers(self) -> int:
+        return self.settings.num_workers
 
 
 class Shard:
@@ -109,8 +135,7 @@ class Shard:
     Args:
         shard_index: this shard, ``0 <= shard_index < num_shards``.
         num_shards: shards in the cluster.
-        num_workers: ranks in the cluster.
-        mode: consistency model, one of :data:`MODES`.
+        settings: the consistency model and its parameters (also gives ``num_workers``).
         lease_timeout: seconds of silence after which a live rank is evicted.
         now: monotonic clock in seconds (injected for tests).
     """
@@ -119,17 +144,14 @@ class Shard:
         self,
         shard_index: int,
         num_shards: int,
-        num_workers: int,
-        mode: str = "sync",
+        settings: ModeSettings,
         lease_timeout: float = 10.0,
         now: Callable[[], float] = time.monotonic,
     ) -> None:
-        if mode not in MODES:
-            raise InvalidRequestError(f"Unknown mode {mode!r}; expected one of {', '.join(MODES)}.")
         self.shard_index = shard_index
         self.num_shards = num_shards
-        self.num_workers = num_workers
-        self.mode = mode
+        self.settings = settings
+        self.num_workers = settings.num_workers
         self.lease_timeout = lease_timeout
         self._now = now
         self._cond = threading.Condition()
@@ -138,7 +160,18 @@ class Shard:
         self.store: ParameterStore | None = None
         self.version = 0
         self.rounds = SyncRounds()
-        self.members = [Member(rank=r) for r in range(num_workers)]
+        self.round_opened: float | None = None
+        self.round_reported = False
+        self.pending_mode = ""
+        self.max_clock_gap = 0
+        self.rejected: Counter[str] = Counter()
+        self.staleness_counts: Counter[int] = Counter()
+        self.exchange_results: dict[int, tuple[int, list[torch.Tensor]]] = {}
+        self.members = [Member(rank=r) for r in range(self.num_workers)]
+
+    @property
+    def mode(self) -> str:
+        return self.settings.mode
 
     # ----------------------------------------------------------------- validation helpers
     def _check_rank(self, rank: int, incarnation: int | None = None) -> Member:
@@ -154,6 +187,10 @@ class Shard:
                 f"{member.incarnation}; this process is stale and should exit."
             )
         return member
+
+    def check_rank(self, rank: int) -> None:
+        """Raise InvalidRequestError when ``rank`` is out of range."""
+        self._check_rank(rank)
 
     def _check_live(self, member: Member, incarnation: int) -> None:
         if member.state is not WorkerState.LIVE or incarnation != member.incarnation:
@@ -175,11 +212,17 @@ class Shard:
         return self.plan
 
     def _expected(self) -> list[int]:
-        """Ranks a sync round waits for: joined and live, or not joined yet."""
+        """Ranks rounds and SSP reads wait for: joined and live, or not joined yet."""
         return [m.rank for m in self.members if m.state in (WorkerState.PENDING, WorkerState.LIVE)]
 
     def _touch(self, member: Member) -> None:
         member.last_seen = self._now()
+
+    def _remember(self, member: Member, incarnation: int, clock: int, result: PushResult) -> PushResult:
+        member.history[(incarnation, clock)] = result
+        while len(member.history) > PUSH_HISTORY:
+            member.history.popitem(last=False)
+        return result
 
     # ----------------------------------------------------------------- membership
     def join(self, rank: int, num_workers: int, incarnation: int) -> JoinInfo:
@@ -196,8 +239,12 @@ class Shard:
             )
         with self._cond:
             member = self._check_rank(rank, incarnation)
-            if incarnation > member.incarnation or member.state is not WorkerState.LIVE:
+            if incarnation != member.incarnation or member.state is not WorkerState.LIVE:
                 log.info("shard %d: rank %d joined (incarnation %d)", self.shard_index, rank, incarnation)
+                if incarnation != member.incarnation and self.mode == "ssp":
+                    # a restarted rank resumes at the slowest live clock, so it neither blocks nor races
+                    others = [m.clock for m in self.members if m.state is WorkerState.LIVE and m is not member]
+                    member.clock = min(others, default=member.clock)
             member.incarnation = incarnation
             member.state = WorkerState.LIVE
             self._touch(member)
@@ -229,20 +276,42 @@ class Shard:
                 self._advance()
             return self.version
 
+    def evict(self, rank: int) -> tuple[WorkerState, int]:
+        """Operator eviction: stop counting ``rank`` now. Returns (previous state, version)."""
+        with self._cond:
+            member = self._check_rank(rank)
+            previous = member.state
+            if previous in (WorkerState.LIVE, WorkerState.PENDING):
+                member.state = WorkerState.EVICTED
+                log.warning("shard %d: rank %d evicted by an operator", self.shard_index, rank)
+                self._advance()
+            return previous, self.version
+
     def expire_leases(self) -> list[int]:
-        """Evict live ranks silent for longer than the lease timeout; returns the evicted ranks."""
+        """Evict live ranks silent for longer than the lease timeout and report ranks missing from
+        a sync round older than the round timeout; returns the evicted ranks."""
         with self._cond:
             now = self._now()
             evicted = []
             for m in self.members:
-                if m.state is WorkerState.LIVE and m.last_seen is not None and now - m.last_seen > self.lease_timeout:
+                silent = None if m.last_seen is None else now - m.last_seen
+                if m.state is WorkerState.LIVE and silent is not None and silent > self.lease_timeout:
                     m.state = WorkerState.EVICTED
                     evicted.append(m.rank)
                     log.warning(
-                        "shard %d: rank %d evicted after %.1f s without a heartbeat",
+                        "shard %d: rank %d evicted after %.1f s without a heartbeat", self.shard_index, m.rank, silent
+                    )
+            timeout = self.settings.round_timeout
+            if timeout and self.round_opened is not None and not self.round_reported:
+                if now - self.round_opened > timeout:
+                    self.round_reported = True
+                    self.rejected["round_timeout"] += 1
+                    log.warning(
+                        "shard %d: round %d open for %.1f s, waiting for ranks %s",
                         self.shard_index,
-                        m.rank,
-                        now - m.last_seen,
+                        self.rounds.round,
+                        now - self.round_opened,
+                        self.rounds.waiting_for(self._expected()),
                     )
             if evicted:
                 self._advance()
@@ -315,48 +384,119 @@ class Shard:
         """Accept ``rank``'s gradients for ``clock``; a repeated (rank, incarnation, clock) is
         answered with the original result and applied once.
 
+        sync: held for round ``clock``, applied when the round closes. async: applied at once,
+        refused when too stale. ssp: applied at once. easgd: refused (workers call Exchange).
+
         Raises:
             InvalidRequestError: bad rank or partitions. NotInitializedError, PlanMismatchError,
-            PreconditionError: not initialized, other plan, not joined. StalePushError: round closed.
+            PreconditionError: not initialized, other plan, not joined, easgd mode.
+            StalePushError: sync round closed (no quorum), or async staleness above the bound.
         """
         with self._cond:
             plan = self._check_plan(digest)
             member = self._check_rank(rank, incarnation)
             seen = member.history.get((incarnation, clock))
             if seen is not None:
-                return PushResult(seen.version, seen.staleness, duplicate=True)
+                return PushResult(seen.version, seen.staleness, True, seen.dropped, self.mode)
             self._check_live(member, incarnation)
         grads = match_partitions(plan, self.shard_index, partitions, "gradient")
         with self._cond:
             self._check_live(member, incarnation)
             seen = member.history.get((incarnation, clock))
             if seen is not None:
-                return PushResult(seen.version, seen.staleness, duplicate=True)
-            self.rounds.add(rank, clock, grads)
-            result = PushResult(version=self.version, staleness=0)
-            member.clock = clock + 1
+                return PushResult(seen.version, seen.staleness, True, seen.dropped, self.mode)
+            result = self._accept(member, clock, grad_version, grads)
+            member.clock = max(member.clock, clock + 1)
             member.pushes += 1
-            member.history[(incarnation, clock)] = result
-            while len(member.history) > PUSH_HISTORY:
-                member.history.popitem(last=False)
             self._touch(member)
+            self._remember(member, incarnation, clock, result)
             self._advance()
             return result
 
+    def _accept(self, member: Member, clock: int, grad_version: int, grads: list[torch.Tensor]) -> PushResult:
+        """Apply or hold one push under the lock, per mode."""
+        assert self.store is not None
+        mode = self.mode
+        if mode == "easgd":
+            raise PreconditionError("This cluster runs easgd: workers call Exchange every tau steps, not Push.")
+        if mode == "sync":
+            if clock < self.rounds.round and self.settings.quorum:
+                self.rejected["late"] += 1
+                log.info(
+                    "shard %d: rank %d's push for closed round %d dropped (quorum %d)",
+                    self.shard_index,
+                    member.rank,
+                    clock,
+                    self.settings.quorum,
+                )
+                return PushResult(self.version, staleness=self.rounds.round - clock, dropped=True, mode=mode)
+            self.rounds.add(member.rank, clock, grads)
+            if self.round_opened is None:
+                self.round_opened, self.round_reported = self._now(), False
+            return PushResult(self.version, mode=mode)
+        tau = asynchronous.staleness(self.version, grad_version)
+        if mode == "async":
+            try:
+                asynchronous.check_staleness(tau, self.settings.max_staleness)
+            except StalePushError:
+                self.rejected["stale"] += 1
+                raise
+            self.store.apply(grads, lr_scale=asynchronous.lr_scale(tau, self.settings.staleness_lr))
+        else:  # ssp: apply at once; reads are bounded instead
+            self.store.apply(grads)
+        self.version += 1
+        self.staleness_counts[tau] += 1
+        return PushResult(self.version, staleness=tau, mode=mode)
+
     def _advance(self) -> None:
-        """Close the sync round if it is complete; wake waiters. Caller holds the lock."""
-        if self.mode == "sync" and self.store is not None:
-            mean = self.rounds.close_if_complete(self._expected())
+        """Close a complete sync round, apply a pending mode switch at a round boundary, and wake
+        waiters. Caller holds the lock."""
+        if self.store is not None and self.mode == "sync":
+            mean = self.rounds.close_if_complete(self._expected(), self.settings.quorum)
             if mean is not None:
                 self.store.apply(mean)
                 self.version = self.rounds.round
+                self.round_opened = None
                 log.debug("shard %d: round %d applied", self.shard_index, self.version - 1)
+        if self.store is not None and self.mode == "easgd" and self.settings.easgd_sync:
+            held = self.rounds.take_if_complete(self._expected())
+            if held is not None:
+                for rank, d in easgd.exchange_round(self.store.tensors, held, self.settings.alpha).items():
+                    self.exchange_results[rank] = (self.rounds.round, d)
+                self.version = self.rounds.round
+        if self.pending_mode and not self.rounds.pending:
+            log.info(
+                "shard %d: mode %s -> %s at version %d", self.shard_index, self.mode, self.pending_mode, self.version
+            )
+            self.settings = self.settings.updated(mode=self.pending_mode)
+            self.pending_mode = ""
+            self.rounds = SyncRounds(round=self.version)
+            for m in self.members:
+                m.clock = max(m.clock, self.version) if self.mode == "sync" else m.clock
         self._cond.notify_all()
+
+    def _wait(self, ready: Callable[[], bool], deadline: float | None, describe: Callable[[], str]) -> None:
+        """Wait on the condition until ``ready()``; caller holds the lock.
+
+        Raises:
+            ShuttingDownError: the shard is closing. WaitTimeoutError: ``deadline`` passed.
+        """
+        while not ready():
+            if self._closed:
+                raise ShuttingDownError(f"Shard {self.shard_index} is shutting down; retry against its restart.")
+            remaining = None if deadline is None else deadline - self._now()
+            if remaining is not None and remaining <= 0:
+                raise WaitTimeoutError(describe())
+            self._cond.wait(remaining)
 
     def pull(
         self, rank: int, incarnation: int, min_version: int, digest: str, timeout: float | None
     ) -> tuple[int, list[tuple[PartitionSlice, bytes]]]:
-        """Wait until the version is at least ``min_version``, then copy out every partition.
+        """Wait until this rank may read, then copy out every partition.
+
+        sync: waits for version >= ``min_version``. ssp: waits until the slowest live rank's clock
+        is >= this rank's clock - s (the clock is the shard's own count of the rank's pushes).
+        async and easgd: no wait.
 
         Args:
             timeout: seconds to wait at most; None waits until the shard closes.
@@ -365,59 +505,184 @@ class Shard:
             (version, [(partition, raw bytes)]) in plan order, from one consistent snapshot.
 
         Raises:
-            WaitTimeoutError: ``min_version`` not reached in time. ShuttingDownError: closing.
+            WaitTimeoutError: not readable in time. ShuttingDownError: closing.
             NotInitializedError, PlanMismatchError, InvalidRequestError, PreconditionError.
         """
         deadline = None if timeout is None else self._now() + timeout
         with self._cond:
             self._check_plan(digest)
             member = self._check_rank(rank, incarnation)
-            if member.state is WorkerState.LIVE and member.incarnation == incarnation:
+            joined = member.state is WorkerState.LIVE and member.incarnation == incarnation
+            if joined:
                 self._touch(member)
-            while self.version < min_version:
-                if self._closed:
-                    raise ShuttingDownError(f"Shard {self.shard_index} is shutting down; retry against its restart.")
-                remaining = None if deadline is None else deadline - self._now()
-                if remaining is not None and remaining <= 0:
-                    waiting = self.rounds.waiting_for(self._expected())
-                    raise WaitTimeoutError(
-                        f"Version {min_version} not reached in {timeout:.1f} s (shard {self.shard_index} is at "
-                        f"{self.version}; round waits for ranks {waiting}); check those workers."
+
+            def clocks() -> list[int]:
+                return [self.members[r].clock for r in self._expected()]
+
+            def ready() -> bool:
+                if self.mode == "sync":
+                    return self.version >= min_version
+                if self.mode == "ssp" and joined:
+                    return ssp.can_read(member.clock, clocks(), self.settings.staleness)
+                return True
+
+            def describe() -> str:
+                if self.mode == "ssp":
+                    return (
+                        f"Rank {rank} at clock {member.clock} may read once every live rank reaches clock "
+                        f"{member.clock - self.settings.staleness} (slowest: {ssp.slowest(clocks())}); "
+                        "check the slow workers."
                     )
-                self._cond.wait(remaining)
+                return (
+                    f"Version {min_version} not reached in {timeout:.1f} s (shard {self.shard_index} is at "
+                    f"{self.version}; round waits for ranks {self.rounds.waiting_for(self._expected())}); "
+                    "check those workers."
+                )
+
+            self._wait(ready, deadline, describe)
+            if self.mode == "ssp" and joined:
+                self.max_clock_gap = max(self.max_clock_gap, ssp.read_gap(member.clock, clocks()))
             assert self.store is not None
             return self.version, list(zip(self.store.partitions, self.store.snapshot(), strict=True))
 
+    def exchange(
+        self,
+        rank: int,
+        incarnation: int,
+        clock: int,
+        digest: str,
+        partitions: Sequence[WirePartition],
+        timeout: float | None,
+    ) -> tuple[int, list[tuple[PartitionSlice, bytes]]]:
+        """EASGD exchange: take the worker's x, return d = alpha (x - center); center += d.
+
+        Async (Algorithm 1): applied at once, atomically. Sync (``easgd_sync``): waits until every
+        live rank sent its x for period ``clock``, then applies them together in rank order. A
+        repeated (rank, incarnation, clock) gets the original d and changes nothing.
+
+        Raises:
+            PreconditionError: not in easgd mode, not joined. WaitTimeoutError: sync period not
+            complete in time. InvalidRequestError, NotInitializedError, PlanMismatchError.
+        """
+        deadline = None if timeout is None else self._now() + timeout
+        with self._cond:
+            plan = self._check_plan(digest)
+            if self.mode != "easgd":
+                raise PreconditionError(f"Exchange is for easgd; this cluster runs {self.mode}: push and pull.")
+            member = self._check_rank(rank, incarnation)
+            last = member.last_exchange
+            if last is not None and last[0] == (incarnation, clock):
+                return self._encode(last[1], last[2])
+            self._check_live(member, incarnation)
+        x = match_partitions(plan, self.shard_index, partitions, "parameter")
+        with self._cond:
+            self._check_live(member, incarnation)
+            assert self.store is not None
+            if self.settings.easgd_sync:
+                self.exchange_results.pop(rank, None)
+                self.rounds.add(rank, clock, [t.clone() for t in x])
+                self._advance()
+                self._wait(
+                    lambda: rank in self.exchange_results,
+                    deadline,
+                    lambda: (
+                        f"EASGD period {clock} waits for ranks "
+                        f"{self.rounds.waiting_for(self._expected())}; check those workers."
+                    ),
+                )
+                version, d = self.exchange_results.pop(rank)
+            else:
+                d = easgd.exchange(self.store.tensors, x, self.settings.alpha)
+                self.version += 1
+                version = self.version
+            member.last_exchange = ((incarnation, clock), version, d)
+            member.clock = max(member.clock, clock + 1)
+            member.pushes += 1
+            self._touch(member)
+            self._cond.notify_all()
+            return self._encode(version, d)
+
+    def _encode(self, version: int, tensors: list[torch.Tensor]) -> tuple[int, list[tuple[PartitionSlice, bytes]]]:
+        from ps_server.core.codec import encode
+
+        assert self.store is not None
+        return version, [(p, encode(t)) for p, t in zip(self.store.partitions, tensors, strict=True)]
+
     # ----------------------------------------------------------------- admin
+    def update_config(self, mode: str = "", learning_rate: float | None = None, **changes: Any) -> ModeSettings:
+        """Change mode parameters and the learning rate at once; a mode switch waits for the next
+        round boundary (at once when no sync round is open).
+
+        Returns:
+            The settings in force (a pending switch shows in :meth:`status`).
+
+        Raises:
+            InvalidRequestError: a value out of range, an unknown mode, or a switch into or out of
+                easgd; nothing changes.
+        """
+        with self._cond:
+            settings = self.settings.updated(**changes)
+            if mode:
+                settings.updated(mode=mode)  # validate the switch now
+            if learning_rate is not None:
+                if not (learning_rate >= 0 and learning_rate < float("inf")):
+                    raise InvalidRequestError(f"learning_rate must be a finite number >= 0, got {learning_rate}.")
+                if self.store is None:
+                    raise NotInitializedError("Set the learning rate after Init: the optimizer does not exist yet.")
+                for group in self.store.optimizer.param_groups:
+                    group["lr"] = learning_rate
+            self.settings = settings
+            if mode and mode != self.mode:
+                self.pending_mode = mode
+            log.info(
+                "shard %d: config now %s%s",
+                self.shard_index,
+                self.settings,
+                f", switching to {mode} at the next round boundary" if self.pending_mode else "",
+            )
+            self._advance()
+            return self.settings
+
+    def learning_rate(self) -> float:
+        """The optimizer's learning rate in force (0 before Init)."""
+        return float(self.store.optimizer.param_groups[0]["lr"]) if self.store else 0.0
+
     def status(self) -> StatusView:
         """A consistent snapshot for operators."""
         with self._cond:
             now = self._now()
+            store = self.store
             return StatusView(
                 shard_index=self.shard_index,
                 num_shards=self.num_shards,
-                mode=self.mode,
-                num_workers=self.num_workers,
+                settings=self.settings,
                 lease_timeout=self.lease_timeout,
+                learning_rate=self.learning_rate(),
                 initialized=self.plan is not None,
                 version=self.version,
                 plan_digest=self.plan.digest if self.plan else "",
-                num_partitions=len(self.store.partitions) if self.store else 0,
-                num_elements=self.store.num_elements if self.store else 0,
-                parameter_bytes=self.store.num_bytes if self.store else 0,
-                optimizer=self.store.optimizer_spec if self.store else None,
+                num_partitions=len(store.partitions) if store else 0,
+                num_elements=store.num_elements if store else 0,
+                parameter_bytes=store.num_bytes if store else 0,
+                optimizer=store.optimizer_spec if store else None,
                 workers=tuple(
                     MemberView(
-                        rank=m.rank,
-                        incarnation=m.incarnation,
-                        clock=m.clock,
-                        state=m.state,
-                        last_seen_seconds_ago=-1.0 if m.last_seen is None else now - m.last_seen,
-                        pushes=m.pushes,
+                        m.rank,
+                        m.incarnation,
+                        m.clock,
+                        m.state,
+                        -1.0 if m.last_seen is None else now - m.last_seen,
+                        m.pushes,
                     )
                     for m in self.members
                 ),
                 round_ranks=tuple(sorted(self.rounds.pending)),
+                round_waiting_for=tuple(self.rounds.waiting_for(self._expected())) if self.rounds.pending else (),
+                round_age_seconds=0.0 if self.round_opened is None else now - self.round_opened,
+                pending_mode=self.pending_mode,
+                max_clock_gap=self.max_clock_gap,
+                rejected_pushes=dict(self.rejected),
+                staleness=dict(self.staleness_counts),
             )
 
     def close(self) -> None:

@@ -10,7 +10,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent import futures
 from typing import Any
 
@@ -88,11 +89,17 @@ class PSClient:
         self._pool = futures.ThreadPoolExecutor(max_workers=len(self.servers), thread_name_prefix="ps-client")
         self.plan: Plan | None = None
         self.mode = ""
+        self.config = ps_pb2.ClusterConfig()
         self.lease_timeout = 10.0
         self.clock = 0
+        self.exchanges = 0
         self.version = 0
+        self.versions = [0] * len(self.servers)
         self.pushed_bytes = 0
         self.pulled_bytes = 0
+        self.staleness: Counter[int] = Counter()
+        self.refused_pushes = 0
+        self.dropped_pushes = 0
         self._host: dict[str, torch.Tensor] = {}
         self._heartbeat_stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
@@ -103,9 +110,12 @@ class PSClient:
     def num_shards(self) -> int:
         return len(self.servers)
 
-    def _each_shard(self, fn: Any) -> list[Any]:
-        """Run ``fn(shard_index)`` for every shard in parallel; re-raise the first error."""
-        return [f.result() for f in [self._pool.submit(fn, k) for k in range(self.num_shards)]]
+    def _each_shard(self, fn: Callable[[int], Any]) -> list[Any]:
+        """Run ``fn(shard_index)`` for every shard in parallel; once all are done, re-raise the first
+        error in shard order."""
+        pending = [self._pool.submit(fn, k) for k in range(self.num_shards)]
+        futures.wait(pending)
+        return [f.result() for f in pending]
 
     def _call(self, fn: Any, what: str) -> Any:
         return retry_call(fn, self.retry_deadline, what)
@@ -141,9 +151,13 @@ class PSClient:
         modes = {r.config.mode for r in replies}
         if len(modes) != 1:
             raise RuntimeError(f"Shards disagree on the mode ({sorted(MODE_TO_NAME[m] for m in modes)}).")
+        self.config = replies[0].config
         self.mode = MODE_TO_NAME[replies[0].config.mode]
         self.lease_timeout = replies[0].config.lease_timeout_seconds or 10.0
-        self.clock = max(r.clock for r in replies)
+        if self.mode == "easgd":
+            self.exchanges = max(r.clock for r in replies)
+        else:
+            self.clock = max(r.clock for r in replies)
         self._start_heartbeat()
         return replies
 
@@ -290,16 +304,16 @@ class PSClient:
         """
         plan = self._require_plan()
         flats = self._stage(grads)
-        header = ps_pb2.PushHeader(
-            rank=self.rank,
-            incarnation=self.incarnation,
-            clock=self.clock,
-            version=self.version,
-            plan_digest=plan.digest,
-        )
         sent = [0] * self.num_shards
 
         def one(k: int) -> ps_pb2.PushResponse:
+            header = ps_pb2.PushHeader(
+                rank=self.rank,
+                incarnation=self.incarnation,
+                clock=self.clock,
+                version=self.versions[k],
+                plan_digest=plan.digest,
+            )
             msgs = [ps_pb2.PushRequest(partition=m) for _, m in self._partitions_of(k, flats)]
             sent[k] = sum(len(m.partition.data) for m in msgs)
 
@@ -314,9 +328,22 @@ class PSClient:
 
         try:
             replies = self._each_shard(one)
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.ABORTED:  # too stale: the step is done, its gradient refused
+                self.refused_pushes += 1
+                self.clock += 1
+            raise
         finally:
             self.pushed_bytes += sum(sent)
         self.clock += 1
+        first = replies[0]
+        if first.dropped:
+            self.dropped_pushes += 1
+        elif not first.duplicate and self.mode != "sync":
+            self.staleness[int(first.staleness)] += 1
+        if first.mode and MODE_TO_NAME.get(first.mode, self.mode) != self.mode:
+            log.info("rank %d: the cluster switched from %s to %s", self.rank, self.mode, MODE_TO_NAME[first.mode])
+            self.mode = MODE_TO_NAME[first.mode]
         return replies
 
     def pull(self, out: Mapping[str, torch.Tensor], min_version: int | None = None) -> int:
@@ -371,7 +398,66 @@ class PSClient:
             t.copy_(flats[key].view(t.shape), non_blocking=True)
         if device_out:
             torch.cuda.synchronize()
-        self.version = min(r[0] for r in results)
+        self.versions = [r[0] for r in results]
+        self.version = min(self.versions)
+        if self.mode == "sync":  # a rank that missed rounds (quorum) computes on the round it pulled
+            self.clock = max(self.clock, self.version)
+        return self.version
+
+    def exchange(self, params: Mapping[str, torch.Tensor]) -> int:
+        """EASGD exchange: send the parameters x, receive d = alpha (x - center), set x -= d in place.
+
+        (Async EASGD, Zhang, Choromanska, LeCun 2015, Algorithm 1; with ``--easgd-sync`` the shard
+        applies every live rank's exchange of the period together, eqs. 5-6.)
+
+        Args:
+            params: key -> parameter tensor (any device), updated in place.
+
+        Returns:
+            The lowest shard version (count of center updates) after the exchange.
+
+        Raises:
+            grpc.RpcError: FAILED_PRECONDITION when the cluster is not in easgd mode, and others.
+        """
+        plan = self._require_plan()
+        flats = self._stage(params)
+        dtypes = {s.key: s.dtype for s in plan.specs}
+        owned = [{(p.key, p.offset): p.length for p in plan.owned_by(k)} for k in range(self.num_shards)]
+        header = ps_pb2.ExchangeHeader(
+            rank=self.rank, incarnation=self.incarnation, clock=self.exchanges, plan_digest=plan.digest
+        )
+        diffs: dict[str, torch.Tensor] = {s.key: torch.zeros_like(flats[s.key]) for s in plan.specs}
+
+        def one(k: int) -> tuple[int, int, int]:
+            msgs = [ps_pb2.ExchangeRequest(partition=m) for _, m in self._partitions_of(k, flats)]
+
+            def attempt() -> tuple[int, int, int]:
+                def stream() -> Iterator[ps_pb2.ExchangeRequest]:
+                    yield ps_pb2.ExchangeRequest(header=header)
+                    yield from msgs
+
+                version, received, seen = 0, 0, 0
+                for reply in self._stubs[k].Exchange(stream(), timeout=self.timeout, metadata=self._metadata):
+                    p = reply.partition
+                    if owned[k].get((p.key, p.offset)) != p.length:
+                        raise RuntimeError(f"Shard {self.servers[k]} sent a partition outside the plan: {p.key}")
+                    diffs[p.key][p.offset : p.offset + p.length].copy_(decode(p.data, dtypes[p.key], p.length))
+                    version, received, seen = reply.version, received + len(p.data), seen + 1
+                if seen != len(owned[k]):
+                    raise RuntimeError(f"Shard {self.servers[k]} sent {seen} of {len(owned[k])} partitions.")
+                return version, sum(len(m.partition.data) for m in msgs), received
+
+            return self._call(attempt, f"Exchange {self.servers[k]}")
+
+        results = self._each_shard(one)
+        self.exchanges += 1
+        self.pushed_bytes += sum(r[1] for r in results)
+        self.pulled_bytes += sum(r[2] for r in results)
+        with torch.no_grad():
+            for key, t in params.items():
+                t.sub_(diffs[key].view(t.shape).to(t.device, non_blocking=True))
+        self.versions = [r[0] for r in results]
+        self.version = min(self.versions)
         return self.version
 
     # ------------------------------------------------------------------ shutdown

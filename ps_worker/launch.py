@@ -24,8 +24,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+import grpc
 from tqdm import tqdm
 
+from ps_proto.v1 import ps_pb2, ps_pb2_grpc
 from ps_server.flags import FlagParser
 from ps_server.shard import MODES
 from ps_worker.workloads import WORKLOADS
@@ -64,6 +66,14 @@ def launch_parser(environ: Mapping[str, str] | None = None) -> FlagParser:
     p.flag("--slow-rank", type=int, default=-1, help="make this rank a straggler")
     p.flag("--slow-ms", type=float, default=0.0, help="milliseconds the straggler sleeps before each push")
     p.flag("--timeout", type=float, default=60.0, help="per-RPC deadline of workers, seconds")
+    p.flag("--sync-quorum", type=int, default=0, help="sync: close a round after the first K pushes (0 = all)")
+    p.flag("--round-timeout", type=float, default=0.0, help="sync: report ranks missing from a round after S s")
+    p.flag("--max-staleness", type=int, default=-1, help="async: refuse gradients more than S versions old")
+    p.flag("--staleness-lr", default="", choices=("", "inverse"), help="async: scale lr by 1/max(1, staleness)")
+    p.flag("--staleness", type=int, default=0, help="ssp: staleness bound s in clocks")
+    p.flag("--moving-rate", type=float, default=None, help="easgd: moving rate alpha (default 0.9/workers)")
+    p.flag("--communication-period", type=int, default=10, help="easgd: local steps tau between exchanges")
+    p.flag("--easgd-sync", switch=True, help="easgd: apply one period's exchanges together in rank order")
     p.flag("--log-dir", default="", help="directory for each process's log (default: a temporary directory)")
     p.flag("--json", switch=True, help="print the summary as one JSON object on the last line of stdout")
     p.flag("--no-progress", switch=True, help="no progress bars")
@@ -113,8 +123,10 @@ class Cluster:
         print(f"ps-launch: started {name} (pid {proc.pid})", file=sys.stderr, flush=True)
         return child
 
-    def start_shards(self, n: int, workers: int, mode: str, deadline: float = 60.0) -> list[str]:
-        """Start ``n`` shards on free ports; returns their addresses in shard order.
+    def start_shards(
+        self, n: int, workers: int, mode: str, extra: Sequence[str] = (), deadline: float = 60.0
+    ) -> list[str]:
+        """Start ``n`` shards on free ports (``extra``: more ps-server flags); returns their addresses.
 
         Raises:
             RuntimeError: a shard exited or did not report its port in time.
@@ -136,6 +148,7 @@ class Cluster:
                     "127.0.0.1",
                     "--port",
                     "0",
+                    *extra,
                 ],
             )
             for k in range(n)
@@ -184,6 +197,39 @@ class Cluster:
             c.log_file.close()
 
 
+def server_flags(args: Any) -> list[str]:
+    """The mode parameters ps-launch forwards to every ps-server."""
+    flags = [
+        "--sync-quorum",
+        str(args.sync_quorum),
+        "--round-timeout",
+        str(args.round_timeout),
+        "--max-staleness",
+        str(args.max_staleness),
+        "--staleness-lr",
+        args.staleness_lr,
+        "--staleness",
+        str(args.staleness),
+        "--communication-period",
+        str(args.communication_period),
+    ]
+    if args.moving_rate is not None:
+        flags += ["--moving-rate", str(args.moving_rate)]
+    if args.easgd_sync:
+        flags.append("--easgd-sync")
+    return flags
+
+
+def shard_statuses(addresses: Sequence[str], timeout: float = 10.0) -> list[ps_pb2.ShardStatus]:
+    """Admin/GetStatus of every shard (the shards' own account of clocks and refusals)."""
+    statuses = []
+    for address in addresses:
+        with grpc.insecure_channel(address) as channel:
+            reply = ps_pb2_grpc.AdminStub(channel).GetStatus(ps_pb2.GetStatusRequest(), timeout=timeout)
+            statuses.append(reply.status)
+    return statuses
+
+
 def tail(path: Path, lines: int = 15) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
@@ -204,10 +250,29 @@ def read_events(child: Child, events: queue.Queue[tuple[str, dict[str, Any]]]) -
     events.put((child.name, {"event": "exit"}))
 
 
-def summarize(args: Any, done: list[dict[str, Any]], wall: float, addresses: list[str]) -> dict[str, Any]:
-    """The run's summary from every worker's final report."""
+def summarize(
+    args: Any,
+    done: list[dict[str, Any]],
+    wall: float,
+    addresses: list[str],
+    statuses: Sequence[ps_pb2.ShardStatus] = (),
+) -> dict[str, Any]:
+    """The run's summary from every worker's final report and the shards' status."""
     done = sorted(done, key=lambda d: d["rank"])
     total_steps = sum(d["steps"] for d in done)
+    rejected: dict[str, int] = {}
+    for st in statuses:
+        for reason, n in st.rejected_pushes.items():
+            rejected[reason] = max(rejected.get(reason, 0), n)
+    shard_view = {
+        "clocks": [w.clock for w in statuses[0].workers] if statuses else [],
+        "max_clock_gap": max((st.max_clock_gap for st in statuses), default=0),
+        "rejected_pushes": rejected,
+        "staleness_p50": max((st.staleness.p50 for st in statuses), default=0.0),
+        "staleness_p90": max((st.staleness.p90 for st in statuses), default=0.0),
+        "staleness_p99": max((st.staleness.p99 for st in statuses), default=0.0),
+        "staleness_max": max((st.staleness.max for st in statuses), default=0),
+    }
     return {
         "workload": args.workload,
         "mode": args.mode,
@@ -228,6 +293,9 @@ def summarize(args: Any, done: list[dict[str, Any]], wall: float, addresses: lis
         "params_sha256": done[0]["params_sha256"],
         "params_sha256_per_rank": [d["params_sha256"] for d in done],
         "servers": addresses,
+        "refused_pushes": sum(d.get("refused_pushes", 0) for d in done),
+        "dropped_pushes": sum(d.get("dropped_pushes", 0) for d in done),
+        "shards_view": shard_view,
     }
 
 
@@ -242,6 +310,17 @@ def print_summary(s: dict[str, Any], out: IO[str]) -> None:
         ("throughput", f"{s['steps_per_second']:.1f} steps/s, {s['samples_per_second']:.0f} samples/s"),
         ("bytes moved", f"pushed {s['pushed_bytes'] / mib:.1f} MiB, pulled {s['pulled_bytes'] / mib:.1f} MiB"),
         ("final version", str(s["version"])),
+        (
+            "clocks per rank",
+            f"{s['shards_view']['clocks']} (largest gap at a read: {s['shards_view']['max_clock_gap']})",
+        ),
+        (
+            "staleness",
+            "p50 {staleness_p50:g}, p90 {staleness_p90:g}, p99 {staleness_p99:g}, max {staleness_max}".format(
+                **s["shards_view"]
+            ),
+        ),
+        ("refused / dropped", f"{s['refused_pushes']} refused as too stale, {s['dropped_pushes']} dropped late"),
         ("params sha256", s["params_sha256"]),
     ]
     width = max(len(k) for k, _ in rows)
@@ -261,7 +340,7 @@ def run(args: Any) -> int:
     bars: list[tqdm] = []
     started = time.perf_counter()
     try:
-        addresses = cluster.start_shards(args.shards, args.workers, args.mode)
+        addresses = cluster.start_shards(args.shards, args.workers, args.mode, server_flags(args))
         print(f"ps-launch: {args.shards} shards on {', '.join(addresses)}; logs in {log_dir}", file=sys.stderr)
         events: queue.Queue[tuple[str, dict[str, Any]]] = queue.Queue()
         workers = []
@@ -330,7 +409,8 @@ def run(args: Any) -> int:
                 if code != 0 or name not in done:
                     raise RuntimeError(f"{name} failed (exit {code}):\n{tail(workers[rank].log_path)}")
         wall = time.perf_counter() - started
-    except RuntimeError as exc:
+        statuses = shard_statuses(addresses)
+    except (RuntimeError, grpc.RpcError) as exc:
         for b in bars:
             b.close()
         print(f"ps-launch: {exc}\nlogs in {log_dir}", file=sys.stderr)
@@ -342,7 +422,7 @@ def run(args: Any) -> int:
         cluster.stop()
     for b in bars:
         b.close()
-    summary = summarize(args, list(done.values()), wall, addresses)
+    summary = summarize(args, list(done.values()), wall, addresses, statuses)
     print_summary(summary, sys.stdout)
     if args.json:
         print(json.dumps(summary), flush=True)

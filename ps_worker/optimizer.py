@@ -1,28 +1,50 @@
-"""``DistributedOptimizer``: a training loop's step() as push gradients + pull weights."""
+"""``DistributedOptimizer``: a training loop's ``step()`` in every consistency model."""
 
 from __future__ import annotations
 
+import logging
+
+import grpc
 import torch
 
 from ps_worker.client import PSClient
 
+log = logging.getLogger(__name__)
+
 
 class DistributedOptimizer:
-    """Drop-in for a local optimizer: ``step()`` pushes every parameter's ``.grad`` to the shards
-    (which run the optimizer) and pulls the updated weights into the model.
+    """Drop-in for a local optimizer.
 
-    In sync mode the pull waits for the round every live rank joined (BSP); parameters without a
-    gradient push zeros.
+    - sync, async, ssp: ``step()`` pushes every parameter's ``.grad`` (the shards run the
+      optimizer) and pulls the updated weights. Sync pulls wait for the round (BSP); ssp pulls wait
+      while this rank is more than s clocks ahead of the slowest; async pulls never wait. A push the
+      shards refuse as too stale (ABORTED) is counted in ``client.refused_pushes``, the weights are
+      pulled, and training carries on.
+    - easgd: ``step()`` runs ``local_optimizer``; every tau-th step it exchanges with the center
+      (Zhang, Choromanska, LeCun 2015, Algorithm 1).
+
+    Parameters without a gradient push zeros.
 
     Args:
         model: the module whose parameters the client was initialized with.
         client: an initialized :class:`PSClient`.
+        local_optimizer: required in easgd mode (e.g. ``torch.optim.SGD(model.parameters(), lr=0.1)``);
+            ignored otherwise.
+
+    Raises:
+        ValueError: easgd mode without a local optimizer.
     """
 
-    def __init__(self, model: torch.nn.Module, client: PSClient) -> None:
+    def __init__(
+        self, model: torch.nn.Module, client: PSClient, local_optimizer: torch.optim.Optimizer | None = None
+    ) -> None:
+        if client.mode == "easgd" and local_optimizer is None:
+            raise ValueError("This cluster runs easgd: pass local_optimizer=torch.optim.SGD(model.parameters(), ...).")
         self.model = model
         self.client = client
+        self.local_optimizer = local_optimizer
         self.params = dict(model.named_parameters())
+        self.local_steps = 0
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear gradients, like ``torch.optim.Optimizer.zero_grad``."""
@@ -30,14 +52,28 @@ class DistributedOptimizer:
 
     @torch.no_grad()
     def step(self) -> int:
-        """Push gradients, pull weights.
+        """One training step.
 
         Returns:
-            The version pulled (sync: the round number after this step).
+            The version the model now holds (sync: the round number after this step).
 
         Raises:
-            grpc.RpcError: see :meth:`PSClient.push` and :meth:`PSClient.pull`.
+            grpc.RpcError: see :meth:`PSClient.push`, :meth:`PSClient.pull`, :meth:`PSClient.exchange`.
         """
+        values = {k: p.data for k, p in self.params.items()}
+        if self.client.mode == "easgd":
+            assert self.local_optimizer is not None
+            self.local_optimizer.step()
+            self.local_steps += 1
+            period = max(1, self.client.config.communication_period)
+            if self.local_steps % period == 0:
+                return self.client.exchange(values)
+            return self.client.version
         grads = {k: (p.grad if p.grad is not None else torch.zeros_like(p)) for k, p in self.params.items()}
-        self.client.push(grads)
-        return self.client.pull({k: p.data for k, p in self.params.items()})
+        try:
+            self.client.push(grads)
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.ABORTED:
+                raise
+            log.info("rank %d: push refused as too stale (%s); pulling", self.client.rank, exc.details())
+        return self.client.pull(values)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -11,6 +12,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
+from ps_server.core.optimizer import OptimizerSpec
 from ps_worker.client import PSClient
 from ps_worker.optimizer import DistributedOptimizer
 from ps_worker.workloads.base import Workload
@@ -32,6 +34,13 @@ class TrainSummary:
     pulled_bytes: int
     version: int
     params_sha256: str
+    mode: str = "sync"
+    clock: int = 0
+    refused_pushes: int = 0
+    dropped_pushes: int = 0
+    staleness_p50: float = 0.0
+    staleness_p90: float = 0.0
+    staleness_max: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -84,7 +93,11 @@ def train(
     model = workload.model().to(device)
     train_set, held_out = workload.datasets()
     client.init(model, optimizer)
-    opt = DistributedOptimizer(model, client)
+    local = None
+    if client.mode == "easgd":  # EASGD workers step locally with the same optimizer settings
+        kwargs = {k: v for k, v in optimizer.items() if k != "name"}
+        local = OptimizerSpec(str(optimizer["name"]), kwargs).build(model.parameters())
+    opt = DistributedOptimizer(model, client, local_optimizer=local)
     sampler = DistributedSampler(
         train_set, num_replicas=client.num_workers, rank=client.rank, shuffle=True, seed=seed, drop_last=True
     )
@@ -106,6 +119,8 @@ def train(
         if on_step is not None:
             on_step(step + 1, losses[-1])
     wall = time.perf_counter() - start
+    if client.mode == "easgd":  # the center is EASGD's model; local x only explores around it
+        client.pull({k: p.data for k, p in model.named_parameters()})
     model.eval()
     metrics = workload.evaluate(model.cpu(), held_out)
     tail = losses[-10:] or [float("nan")]
@@ -122,4 +137,22 @@ def train(
         pulled_bytes=client.pulled_bytes,
         version=client.version,
         params_sha256=params_sha256(model),
+        mode=client.mode,
+        clock=client.clock if client.mode != "easgd" else client.exchanges,
+        refused_pushes=client.refused_pushes,
+        dropped_pushes=client.dropped_pushes,
+        staleness_p50=quantile(client.staleness, 0.5),
+        staleness_p90=quantile(client.staleness, 0.9),
+        staleness_max=max(client.staleness, default=0),
     )
+
+
+def quantile(counts: Counter[int], q: float) -> float:
+    """The q-quantile (nearest rank) of a histogram of integer values; 0 when empty."""
+    total = sum(counts.values())
+    seen = 0
+    for value in sorted(counts):
+        seen += counts[value]
+        if seen >= q * total:
+            return float(value)
+    return 0.0

@@ -98,14 +98,32 @@ class PlanInfo(_message.Message):
     def __init__(self, specs: _Optional[_Iterable[_Union[ParameterSpec, _Mapping]]] = ..., num_shards: _Optional[int] = ..., partition_bytes: _Optional[int] = ..., digest: _Optional[str] = ...) -> None: ...
 
 class ClusterConfig(_message.Message):
-    __slots__ = ("mode", "num_workers", "lease_timeout_seconds")
+    __slots__ = ("mode", "num_workers", "lease_timeout_seconds", "learning_rate", "sync_quorum", "round_timeout_seconds", "max_staleness", "staleness_lr", "staleness", "moving_rate", "communication_period", "easgd_sync")
     MODE_FIELD_NUMBER: _ClassVar[int]
     NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
     LEASE_TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
+    SYNC_QUORUM_FIELD_NUMBER: _ClassVar[int]
+    ROUND_TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_STALENESS_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_LR_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_FIELD_NUMBER: _ClassVar[int]
+    MOVING_RATE_FIELD_NUMBER: _ClassVar[int]
+    COMMUNICATION_PERIOD_FIELD_NUMBER: _ClassVar[int]
+    EASGD_SYNC_FIELD_NUMBER: _ClassVar[int]
     mode: Mode
     num_workers: int
     lease_timeout_seconds: float
-    def __init__(self, mode: _Optional[_Union[Mode, str]] = ..., num_workers: _Optional[int] = ..., lease_timeout_seconds: _Optional[float] = ...) -> None: ...
+    learning_rate: float
+    sync_quorum: int
+    round_timeout_seconds: float
+    max_staleness: int
+    staleness_lr: str
+    staleness: int
+    moving_rate: float
+    communication_period: int
+    easgd_sync: bool
+    def __init__(self, mode: _Optional[_Union[Mode, str]] = ..., num_workers: _Optional[int] = ..., lease_timeout_seconds: _Optional[float] = ..., learning_rate: _Optional[float] = ..., sync_quorum: _Optional[int] = ..., round_timeout_seconds: _Optional[float] = ..., max_staleness: _Optional[int] = ..., staleness_lr: _Optional[str] = ..., staleness: _Optional[int] = ..., moving_rate: _Optional[float] = ..., communication_period: _Optional[int] = ..., easgd_sync: _Optional[bool] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
     __slots__ = ("rank", "num_workers", "incarnation")
@@ -188,14 +206,18 @@ class PushRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., partition: _Optional[_Union[Partition, _Mapping]] = ...) -> None: ...
 
 class PushResponse(_message.Message):
-    __slots__ = ("version", "duplicate", "staleness")
+    __slots__ = ("version", "duplicate", "staleness", "dropped", "mode")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     DUPLICATE_FIELD_NUMBER: _ClassVar[int]
     STALENESS_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
     version: int
     duplicate: bool
     staleness: int
-    def __init__(self, version: _Optional[int] = ..., duplicate: _Optional[bool] = ..., staleness: _Optional[int] = ...) -> None: ...
+    dropped: bool
+    mode: Mode
+    def __init__(self, version: _Optional[int] = ..., duplicate: _Optional[bool] = ..., staleness: _Optional[int] = ..., dropped: _Optional[bool] = ..., mode: _Optional[_Union[Mode, str]] = ...) -> None: ...
 
 class PullRequest(_message.Message):
     __slots__ = ("rank", "incarnation", "min_version", "plan_digest")
@@ -210,6 +232,34 @@ class PullRequest(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., incarnation: _Optional[int] = ..., min_version: _Optional[int] = ..., plan_digest: _Optional[str] = ...) -> None: ...
 
 class PullResponse(_message.Message):
+    __slots__ = ("version", "partition")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    PARTITION_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    partition: Partition
+    def __init__(self, version: _Optional[int] = ..., partition: _Optional[_Union[Partition, _Mapping]] = ...) -> None: ...
+
+class ExchangeHeader(_message.Message):
+    __slots__ = ("rank", "incarnation", "clock", "plan_digest")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    CLOCK_FIELD_NUMBER: _ClassVar[int]
+    PLAN_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    incarnation: int
+    clock: int
+    plan_digest: str
+    def __init__(self, rank: _Optional[int] = ..., incarnation: _Optional[int] = ..., clock: _Optional[int] = ..., plan_digest: _Optional[str] = ...) -> None: ...
+
+class ExchangeRequest(_message.Message):
+    __slots__ = ("header", "partition")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    PARTITION_FIELD_NUMBER: _ClassVar[int]
+    header: ExchangeHeader
+    partition: Partition
+    def __init__(self, header: _Optional[_Union[ExchangeHeader, _Mapping]] = ..., partition: _Optional[_Union[Partition, _Mapping]] = ...) -> None: ...
+
+class ExchangeResponse(_message.Message):
     __slots__ = ("version", "partition")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PARTITION_FIELD_NUMBER: _ClassVar[int]
@@ -264,7 +314,14 @@ class WorkerStatus(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., incarnation: _Optional[int] = ..., clock: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., last_seen_seconds_ago: _Optional[float] = ..., pushes: _Optional[int] = ...) -> None: ...
 
 class ShardStatus(_message.Message):
-    __slots__ = ("shard_index", "num_shards", "config", "initialized", "version", "plan_digest", "num_partitions", "num_elements", "parameter_bytes", "optimizer", "workers", "received_bytes", "sent_bytes", "rejected_requests", "uptime_seconds", "round_ranks")
+    __slots__ = ("shard_index", "num_shards", "config", "initialized", "version", "plan_digest", "num_partitions", "num_elements", "parameter_bytes", "optimizer", "workers", "received_bytes", "sent_bytes", "rejected_requests", "uptime_seconds", "round_ranks", "pending_mode", "max_clock_gap", "rejected_pushes", "staleness", "round_age_seconds", "round_waiting_for")
+    class RejectedPushesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FIELD_NUMBER: _ClassVar[int]
@@ -281,6 +338,12 @@ class ShardStatus(_message.Message):
     REJECTED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
     ROUND_RANKS_FIELD_NUMBER: _ClassVar[int]
+    PENDING_MODE_FIELD_NUMBER: _ClassVar[int]
+    MAX_CLOCK_GAP_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_PUSHES_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_FIELD_NUMBER: _ClassVar[int]
+    ROUND_AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ROUND_WAITING_FOR_FIELD_NUMBER: _ClassVar[int]
     shard_index: int
     num_shards: int
     config: ClusterConfig
@@ -297,7 +360,27 @@ class ShardStatus(_message.Message):
     rejected_requests: int
     uptime_seconds: float
     round_ranks: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., config: _Optional[_Union[ClusterConfig, _Mapping]] = ..., initialized: _Optional[bool] = ..., version: _Optional[int] = ..., plan_digest: _Optional[str] = ..., num_partitions: _Optional[int] = ..., num_elements: _Optional[int] = ..., parameter_bytes: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., received_bytes: _Optional[int] = ..., sent_bytes: _Optional[int] = ..., rejected_requests: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., round_ranks: _Optional[_Iterable[int]] = ...) -> None: ...
+    pending_mode: Mode
+    max_clock_gap: int
+    rejected_pushes: _containers.ScalarMap[str, int]
+    staleness: StalenessSummary
+    round_age_seconds: float
+    round_waiting_for: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., config: _Optional[_Union[ClusterConfig, _Mapping]] = ..., initialized: _Optional[bool] = ..., version: _Optional[int] = ..., plan_digest: _Optional[str] = ..., num_partitions: _Optional[int] = ..., num_elements: _Optional[int] = ..., parameter_bytes: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., received_bytes: _Optional[int] = ..., sent_bytes: _Optional[int] = ..., rejected_requests: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., round_ranks: _Optional[_Iterable[int]] = ..., pending_mode: _Optional[_Union[Mode, str]] = ..., max_clock_gap: _Optional[int] = ..., rejected_pushes: _Optional[_Mapping[str, int]] = ..., staleness: _Optional[_Union[StalenessSummary, _Mapping]] = ..., round_age_seconds: _Optional[float] = ..., round_waiting_for: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class StalenessSummary(_message.Message):
+    __slots__ = ("count", "p50", "p90", "p99", "max")
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    P50_FIELD_NUMBER: _ClassVar[int]
+    P90_FIELD_NUMBER: _ClassVar[int]
+    P99_FIELD_NUMBER: _ClassVar[int]
+    MAX_FIELD_NUMBER: _ClassVar[int]
+    count: int
+    p50: float
+    p90: float
+    p99: float
+    max: int
+    def __init__(self, count: _Optional[int] = ..., p50: _Optional[float] = ..., p90: _Optional[float] = ..., p99: _Optional[float] = ..., max: _Optional[int] = ...) -> None: ...
 
 class GetStatusRequest(_message.Message):
     __slots__ = ()
@@ -308,3 +391,59 @@ class GetStatusResponse(_message.Message):
     STATUS_FIELD_NUMBER: _ClassVar[int]
     status: ShardStatus
     def __init__(self, status: _Optional[_Union[ShardStatus, _Mapping]] = ...) -> None: ...
+
+class WatchStatusRequest(_message.Message):
+    __slots__ = ("interval_seconds",)
+    INTERVAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    interval_seconds: float
+    def __init__(self, interval_seconds: _Optional[float] = ...) -> None: ...
+
+class WatchStatusResponse(_message.Message):
+    __slots__ = ("status",)
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    status: ShardStatus
+    def __init__(self, status: _Optional[_Union[ShardStatus, _Mapping]] = ...) -> None: ...
+
+class UpdateConfigRequest(_message.Message):
+    __slots__ = ("learning_rate", "mode", "sync_quorum", "round_timeout_seconds", "max_staleness", "staleness_lr", "staleness", "moving_rate", "communication_period")
+    LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    SYNC_QUORUM_FIELD_NUMBER: _ClassVar[int]
+    ROUND_TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_STALENESS_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_LR_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_FIELD_NUMBER: _ClassVar[int]
+    MOVING_RATE_FIELD_NUMBER: _ClassVar[int]
+    COMMUNICATION_PERIOD_FIELD_NUMBER: _ClassVar[int]
+    learning_rate: float
+    mode: Mode
+    sync_quorum: int
+    round_timeout_seconds: float
+    max_staleness: int
+    staleness_lr: str
+    staleness: int
+    moving_rate: float
+    communication_period: int
+    def __init__(self, learning_rate: _Optional[float] = ..., mode: _Optional[_Union[Mode, str]] = ..., sync_quorum: _Optional[int] = ..., round_timeout_seconds: _Optional[float] = ..., max_staleness: _Optional[int] = ..., staleness_lr: _Optional[str] = ..., staleness: _Optional[int] = ..., moving_rate: _Optional[float] = ..., communication_period: _Optional[int] = ...) -> None: ...
+
+class UpdateConfigResponse(_message.Message):
+    __slots__ = ("config", "pending_mode")
+    CONFIG_FIELD_NUMBER: _ClassVar[int]
+    PENDING_MODE_FIELD_NUMBER: _ClassVar[int]
+    config: ClusterConfig
+    pending_mode: Mode
+    def __init__(self, config: _Optional[_Union[ClusterConfig, _Mapping]] = ..., pending_mode: _Optional[_Union[Mode, str]] = ...) -> None: ...
+
+class EvictWorkerRequest(_message.Message):
+    __slots__ = ("rank",)
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    def __init__(self, rank: _Optional[int] = ...) -> None: ...
+
+class EvictWorkerResponse(_message.Message):
+    __slots__ = ("previous_state", "version")
+    PREVIOUS_STATE_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    previous_state: WorkerState
+    version: int
+    def __init__(self, previous_state: _Optional[_Union[WorkerState, str]] = ..., version: _Optional[int] = ...) -> None: ...

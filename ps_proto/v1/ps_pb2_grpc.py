@@ -65,6 +65,11 @@ class ParameterServiceStub:
                 request_serializer=ps__proto_dot_v1_dot_ps__pb2.LeaveRequest.SerializeToString,
                 response_deserializer=ps__proto_dot_v1_dot_ps__pb2.LeaveResponse.FromString,
                 _registered_method=True)
+        self.Exchange = channel.stream_stream(
+                '/ps.v1.ParameterService/Exchange',
+                request_serializer=ps__proto_dot_v1_dot_ps__pb2.ExchangeRequest.SerializeToString,
+                response_deserializer=ps__proto_dot_v1_dot_ps__pb2.ExchangeResponse.FromString,
+                _registered_method=True)
 
 
 class ParameterServiceServicer:
@@ -113,6 +118,13 @@ class ParameterServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Exchange(self, request_iterator, context):
+        """EASGD: send x, receive d = alpha * (x - center); the shard sets center += d atomically.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -145,6 +157,11 @@ def add_ParameterServiceServicer_to_server(servicer, server):
                     servicer.Leave,
                     request_deserializer=ps__proto_dot_v1_dot_ps__pb2.LeaveRequest.FromString,
                     response_serializer=ps__proto_dot_v1_dot_ps__pb2.LeaveResponse.SerializeToString,
+            ),
+            'Exchange': grpc.stream_stream_rpc_method_handler(
+                    servicer.Exchange,
+                    request_deserializer=ps__proto_dot_v1_dot_ps__pb2.ExchangeRequest.FromString,
+                    response_serializer=ps__proto_dot_v1_dot_ps__pb2.ExchangeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -320,6 +337,33 @@ class ParameterService:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def Exchange(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/ps.v1.ParameterService/Exchange',
+            ps__proto_dot_v1_dot_ps__pb2.ExchangeRequest.SerializeToString,
+            ps__proto_dot_v1_dot_ps__pb2.ExchangeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class AdminStub:
     """Operator plane: inspect and steer one shard.
@@ -336,6 +380,21 @@ class AdminStub:
                 request_serializer=ps__proto_dot_v1_dot_ps__pb2.GetStatusRequest.SerializeToString,
                 response_deserializer=ps__proto_dot_v1_dot_ps__pb2.GetStatusResponse.FromString,
                 _registered_method=True)
+        self.WatchStatus = channel.unary_stream(
+                '/ps.v1.Admin/WatchStatus',
+                request_serializer=ps__proto_dot_v1_dot_ps__pb2.WatchStatusRequest.SerializeToString,
+                response_deserializer=ps__proto_dot_v1_dot_ps__pb2.WatchStatusResponse.FromString,
+                _registered_method=True)
+        self.UpdateConfig = channel.unary_unary(
+                '/ps.v1.Admin/UpdateConfig',
+                request_serializer=ps__proto_dot_v1_dot_ps__pb2.UpdateConfigRequest.SerializeToString,
+                response_deserializer=ps__proto_dot_v1_dot_ps__pb2.UpdateConfigResponse.FromString,
+                _registered_method=True)
+        self.EvictWorker = channel.unary_unary(
+                '/ps.v1.Admin/EvictWorker',
+                request_serializer=ps__proto_dot_v1_dot_ps__pb2.EvictWorkerRequest.SerializeToString,
+                response_deserializer=ps__proto_dot_v1_dot_ps__pb2.EvictWorkerResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -349,6 +408,27 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchStatus(self, request, context):
+        """GetStatus every interval until the caller cancels or the shard stops.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UpdateConfig(self, request, context):
+        """Change the learning rate and mode parameters at once; switch mode at the next round boundary.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def EvictWorker(self, request, context):
+        """Stop counting a rank now (it may rejoin with a higher incarnation).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -356,6 +436,21 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.GetStatus,
                     request_deserializer=ps__proto_dot_v1_dot_ps__pb2.GetStatusRequest.FromString,
                     response_serializer=ps__proto_dot_v1_dot_ps__pb2.GetStatusResponse.SerializeToString,
+            ),
+            'WatchStatus': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchStatus,
+                    request_deserializer=ps__proto_dot_v1_dot_ps__pb2.WatchStatusRequest.FromString,
+                    response_serializer=ps__proto_dot_v1_dot_ps__pb2.WatchStatusResponse.SerializeToString,
+            ),
+            'UpdateConfig': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpdateConfig,
+                    request_deserializer=ps__proto_dot_v1_dot_ps__pb2.UpdateConfigRequest.FromString,
+                    response_serializer=ps__proto_dot_v1_dot_ps__pb2.UpdateConfigResponse.SerializeToString,
+            ),
+            'EvictWorker': grpc.unary_unary_rpc_method_handler(
+                    servicer.EvictWorker,
+                    request_deserializer=ps__proto_dot_v1_dot_ps__pb2.EvictWorkerRequest.FromString,
+                    response_serializer=ps__proto_dot_v1_dot_ps__pb2.EvictWorkerResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -386,6 +481,87 @@ class Admin:
             '/ps.v1.Admin/GetStatus',
             ps__proto_dot_v1_dot_ps__pb2.GetStatusRequest.SerializeToString,
             ps__proto_dot_v1_dot_ps__pb2.GetStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchStatus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/ps.v1.Admin/WatchStatus',
+            ps__proto_dot_v1_dot_ps__pb2.WatchStatusRequest.SerializeToString,
+            ps__proto_dot_v1_dot_ps__pb2.WatchStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateConfig(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ps.v1.Admin/UpdateConfig',
+            ps__proto_dot_v1_dot_ps__pb2.UpdateConfigRequest.SerializeToString,
+            ps__proto_dot_v1_dot_ps__pb2.UpdateConfigResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EvictWorker(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ps.v1.Admin/EvictWorker',
+            ps__proto_dot_v1_dot_ps__pb2.EvictWorkerRequest.SerializeToString,
+            ps__proto_dot_v1_dot_ps__pb2.EvictWorkerResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -50,6 +50,8 @@ class ParameterServiceStub:
     """Keep the rank's lease alive."""
     Leave: _grpc.UnaryUnaryMultiCallable[_ps_pb2.LeaveRequest, _ps_pb2.LeaveResponse]
     """Stop being counted in rounds and waits."""
+    Exchange: _grpc.StreamStreamMultiCallable[_ps_pb2.ExchangeRequest, _ps_pb2.ExchangeResponse]
+    """EASGD: send x, receive d = alpha * (x - center); the shard sets center += d atomically."""
 
 @_typing.type_check_only
 class ParameterServiceAsyncStub(ParameterServiceStub):
@@ -68,6 +70,8 @@ class ParameterServiceAsyncStub(ParameterServiceStub):
     """Keep the rank's lease alive."""
     Leave: _aio.UnaryUnaryMultiCallable[_ps_pb2.LeaveRequest, _ps_pb2.LeaveResponse]  # type: ignore[assignment]
     """Stop being counted in rounds and waits."""
+    Exchange: _aio.StreamStreamMultiCallable[_ps_pb2.ExchangeRequest, _ps_pb2.ExchangeResponse]  # type: ignore[assignment]
+    """EASGD: send x, receive d = alpha * (x - center); the shard sets center += d atomically."""
 
 class ParameterServiceServicer(metaclass=_abc_1.ABCMeta):
     """Data plane: workers join, rank 0 initializes, everyone pushes gradients and pulls weights."""
@@ -120,6 +124,14 @@ class ParameterServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_ps_pb2.LeaveResponse, _abc.Awaitable[_ps_pb2.LeaveResponse]]:
         """Stop being counted in rounds and waits."""
 
+    @_abc_1.abstractmethod
+    def Exchange(
+        self,
+        request_iterator: _MaybeAsyncIterator[_ps_pb2.ExchangeRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_ps_pb2.ExchangeResponse], _abc.AsyncIterator[_ps_pb2.ExchangeResponse]]:
+        """EASGD: send x, receive d = alpha * (x - center); the shard sets center += d atomically."""
+
 def add_ParameterServiceServicer_to_server(servicer: ParameterServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
 
 class AdminStub:
@@ -131,6 +143,12 @@ class AdminStub:
     def __new__(cls, channel: _aio.Channel) -> AdminAsyncStub: ...
     GetStatus: _grpc.UnaryUnaryMultiCallable[_ps_pb2.GetStatusRequest, _ps_pb2.GetStatusResponse]
     """Mode, version, plan summary, per-rank clock and state, bytes in and out."""
+    WatchStatus: _grpc.UnaryStreamMultiCallable[_ps_pb2.WatchStatusRequest, _ps_pb2.WatchStatusResponse]
+    """GetStatus every interval until the caller cancels or the shard stops."""
+    UpdateConfig: _grpc.UnaryUnaryMultiCallable[_ps_pb2.UpdateConfigRequest, _ps_pb2.UpdateConfigResponse]
+    """Change the learning rate and mode parameters at once; switch mode at the next round boundary."""
+    EvictWorker: _grpc.UnaryUnaryMultiCallable[_ps_pb2.EvictWorkerRequest, _ps_pb2.EvictWorkerResponse]
+    """Stop counting a rank now (it may rejoin with a higher incarnation)."""
 
 @_typing.type_check_only
 class AdminAsyncStub(AdminStub):
@@ -139,6 +157,12 @@ class AdminAsyncStub(AdminStub):
     def __init__(self, channel: _aio.Channel) -> None: ...
     GetStatus: _aio.UnaryUnaryMultiCallable[_ps_pb2.GetStatusRequest, _ps_pb2.GetStatusResponse]  # type: ignore[assignment]
     """Mode, version, plan summary, per-rank clock and state, bytes in and out."""
+    WatchStatus: _aio.UnaryStreamMultiCallable[_ps_pb2.WatchStatusRequest, _ps_pb2.WatchStatusResponse]  # type: ignore[assignment]
+    """GetStatus every interval until the caller cancels or the shard stops."""
+    UpdateConfig: _aio.UnaryUnaryMultiCallable[_ps_pb2.UpdateConfigRequest, _ps_pb2.UpdateConfigResponse]  # type: ignore[assignment]
+    """Change the learning rate and mode parameters at once; switch mode at the next round boundary."""
+    EvictWorker: _aio.UnaryUnaryMultiCallable[_ps_pb2.EvictWorkerRequest, _ps_pb2.EvictWorkerResponse]  # type: ignore[assignment]
+    """Stop counting a rank now (it may rejoin with a higher incarnation)."""
 
 class AdminServicer(metaclass=_abc_1.ABCMeta):
     """Operator plane: inspect and steer one shard."""
@@ -150,5 +174,29 @@ class AdminServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_ps_pb2.GetStatusResponse, _abc.Awaitable[_ps_pb2.GetStatusResponse]]:
         """Mode, version, plan summary, per-rank clock and state, bytes in and out."""
+
+    @_abc_1.abstractmethod
+    def WatchStatus(
+        self,
+        request: _ps_pb2.WatchStatusRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_ps_pb2.WatchStatusResponse], _abc.AsyncIterator[_ps_pb2.WatchStatusResponse]]:
+        """GetStatus every interval until the caller cancels or the shard stops."""
+
+    @_abc_1.abstractmethod
+    def UpdateConfig(
+        self,
+        request: _ps_pb2.UpdateConfigRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_ps_pb2.UpdateConfigResponse, _abc.Awaitable[_ps_pb2.UpdateConfigResponse]]:
+        """Change the learning rate and mode parameters at once; switch mode at the next round boundary."""
+
+    @_abc_1.abstractmethod
+    def EvictWorker(
+        self,
+        request: _ps_pb2.EvictWorkerRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_ps_pb2.EvictWorkerResponse, _abc.Awaitable[_ps_pb2.EvictWorkerResponse]]:
+        """Stop counting a rank now (it may rejoin with a higher incarnation)."""
 
 def add_AdminServicer_to_server(servicer: AdminServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -76,23 +76,32 @@ class SyncRounds:
             )
         self.pending[rank] = grads
 
-    def close_if_complete(self, expected: Iterable[int]) -> list[torch.Tensor] | None:
-        """Close the round when every expected rank has pushed.
+    def close_if_complete(self, expected: Iterable[int], quorum: int = 0) -> list[torch.Tensor] | None:
+        """Close the round when every expected rank has pushed, or ``quorum`` pushes arrived.
 
         Args:
             expected: ranks the round waits for (live, or not yet joined). Pushes already held from
                 ranks no longer expected still count.
+            quorum: close after the first K pushes whoever sent them (backup workers: Chen, Pan,
+                Monga, Bengio, Jozefowicz, "Revisiting Distributed Synchronous SGD", 2016);
+                0 waits for every expected rank.
 
         Returns:
-            The rank-ordered mean gradients, and the round advances; or None while waiting. A round
-            with no pushes never closes.
+            The rank-ordered mean of the held gradients, and the round advances; or None while
+            waiting. A round with no pushes never closes.
         """
-        if not self.pending or not set(expected) <= self.pending.keys():
+        held = self.take_if_complete(expected, quorum)
+        return None if held is None else aggregate(held)
+
+    def take_if_complete(self, expected: Iterable[int], quorum: int = 0) -> dict[int, Gradients] | None:
+        """Like :meth:`close_if_complete` but returns the held rank -> tensors unreduced (EASGD rounds)."""
+        if not self.pending:
             return None
-        mean = aggregate(self.pending)
-        self.pending = {}
+        if not (0 < quorum <= len(self.pending)) and not set(expected) <= self.pending.keys():
+            return None
+        held, self.pending = self.pending, {}
         self.round += 1
-        return mean
+        return held
 
     def waiting_for(self, expected: Iterable[int]) -> list[int]:
         """Expected ranks that have not pushed the open round, ascending."""

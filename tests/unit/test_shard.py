@@ -16,6 +16,7 @@ from ps_server.core.errors import (
     StalePushError,
     WaitTimeoutError,
 )
+from ps_server.core.modes import ModeSettings
 from ps_server.core.optimizer import OptimizerSpec
 from ps_server.core.partitions import WirePartition
 from ps_server.core.plan import ParameterSpec, make_plan
@@ -53,7 +54,7 @@ def clock() -> FakeClock:
 
 @pytest.fixture
 def shard(clock: FakeClock) -> Shard:
-    s = Shard(0, 1, 2, "sync", lease_timeout=10.0, now=clock)
+    s = Shard(0, 1, ModeSettings("sync", num_workers=2), lease_timeout=10.0, now=clock)
     s.join(0, 2, 1)
     s.join(1, 2, 1)
     s.init(SPECS, 1, 16, PLAN.digest, SGD, wire(1.0))
@@ -61,7 +62,7 @@ def shard(clock: FakeClock) -> Shard:
 
 
 def test_push_before_init_is_refused_and_changes_nothing(clock: FakeClock) -> None:
-    s = Shard(0, 1, 2, "sync", now=clock)
+    s = Shard(0, 1, ModeSettings("sync", num_workers=2), now=clock)
     s.join(0, 2, 1)
     with pytest.raises(NotInitializedError, match="rank 0 must call Init"):
         s.push(0, 1, 0, 0, PLAN.digest, wire(1.0))
