@@ -221,6 +221,8 @@ class ParameterServicer(ps_pb2_grpc.ParameterServiceServicer):
         version, parts = self.shard.pull(
             request.rank, request.incarnation, request.min_version, request.plan_digest, _deadline(context)
         )
+        if not parts:  # a shard that owns no partition still tells its version
+            yield ps_pb2.PullResponse(version=version)
         for partition in partition_messages(self.shard, parts):
             msg = ps_pb2.PullResponse(version=version, partition=partition)
             self.counters.add(sent=msg.ByteSize())
@@ -234,6 +236,8 @@ class ParameterServicer(ps_pb2_grpc.ParameterServiceServicer):
         version, d = self.shard.exchange(
             header.rank, header.incarnation, header.clock, header.plan_digest, parts, _deadline(context)
         )
+        if not d:
+            yield ps_pb2.ExchangeResponse(version=version)
         for partition in partition_messages(self.shard, d):
             msg = ps_pb2.ExchangeResponse(version=version, partition=partition)
             self.counters.add(sent=msg.ByteSize())

@@ -30,7 +30,9 @@ class ParameterStore:
             for p, v in zip(self.partitions, values, strict=True)
         ]
         self.optimizer_spec = optimizer
-        self.optimizer = optimizer.build(self.tensors)
+        # A shard may own no partition (a model smaller than one partition per shard); torch.optim
+        # refuses an empty parameter list, so the spec is then checked on a stand-in tensor.
+        self.optimizer = optimizer.build(self.tensors or [torch.zeros(1)])
 
     @property
     def num_elements(self) -> int:
@@ -47,6 +49,8 @@ class ParameterStore:
             grads: gradients; cast to each partition's dtype.
             lr_scale: multiplies every group's learning rate for this step only.
         """
+        if not self.tensors:
+            return
         for t, g in zip(self.tensors, grads, strict=True):
             t.grad = g.to(t.dtype)
         if lr_scale != 1.0:

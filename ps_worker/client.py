@@ -380,6 +380,9 @@ class PSClient:
             def attempt() -> tuple[int, int]:
                 version, received, seen = 0, 0, 0
                 for reply in self._stubs[k].Pull(req, timeout=self.timeout, metadata=self._metadata):
+                    version = reply.version
+                    if not reply.HasField("partition"):  # a shard that owns nothing
+                        continue
                     p = reply.partition
                     length = owned[k].get((p.key, p.offset))
                     if length != p.length or p.dtype != NAME_TO_DTYPE[dtypes[p.key]]:
@@ -438,6 +441,9 @@ class PSClient:
 
                 version, received, seen = 0, 0, 0
                 for reply in self._stubs[k].Exchange(stream(), timeout=self.timeout, metadata=self._metadata):
+                    version = reply.version
+                    if not reply.HasField("partition"):  # a shard that owns nothing
+                        continue
                     p = reply.partition
                     if owned[k].get((p.key, p.offset)) != p.length:
                         raise RuntimeError(f"Shard {self.servers[k]} sent a partition outside the plan: {p.key}")
