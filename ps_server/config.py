@@ -43,6 +43,9 @@ class ServerConfig:
     insecure: bool = False
     max_message_bytes: int = 16 * 1024 * 1024
     max_workers_threads: int = 0
+    metrics_port: int = -1
+    """HTTP port of ``/metrics`` on ``host``; 0 picks a free port, -1 (the library default) serves none.
+    ``ps-server`` defaults to 8000."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -60,6 +63,8 @@ class ServerConfig:
             raise InvalidRequestError(f"--num-workers must be in 1..4096, got {self.num_workers}.")
         if not 0 <= self.port <= 65535:
             raise InvalidRequestError(f"--port must be in 0..65535, got {self.port}.")
+        if not -1 <= self.metrics_port <= 65535:
+            raise InvalidRequestError(f"--metrics-port must be in -1..65535 (-1: off), got {self.metrics_port}.")
         if not self.lease_timeout > 0:
             raise InvalidRequestError(f"--lease-timeout must be > 0 seconds, got {self.lease_timeout}.")
         if self.max_message_bytes < 1024 * 1024:
@@ -85,6 +90,12 @@ def server_parser(environ: Mapping[str, str] | None = None) -> FlagParser:
     p.flag("--mode", default="sync", choices=MODES, help="consistency model")
     p.flag("--host", default="127.0.0.1", help="address to bind; non-loopback needs tokens or --insecure")
     p.flag("--port", type=int, default=50051, help="gRPC port; 0 picks a free port and prints it")
+    p.flag(
+        "--metrics-port",
+        type=int,
+        default=8000,
+        help="HTTP port of Prometheus /metrics on --host; 0 picks a free port and prints it, -1 turns it off",
+    )
     p.flag("--lease-timeout", type=float, default=10.0, help="seconds without a heartbeat before a rank is evicted")
     p.flag("--token", default="", help="bearer token workers must send to ParameterService")
     p.flag("--admin-token", default="", help="bearer token operators must send to Admin")
@@ -117,6 +128,7 @@ def config_from_args(
             admin_token=args.admin_token,
             insecure=args.insecure,
             max_message_bytes=args.max_message_bytes,
+            metrics_port=args.metrics_port,
         )
     except InvalidRequestError as exc:
         parser.error(str(exc))

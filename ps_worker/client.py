@@ -12,7 +12,7 @@ import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent import futures
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import torch
@@ -23,6 +23,9 @@ from ps_server.core.optimizer import OptimizerSpec
 from ps_server.core.plan import DEFAULT_PARTITION_BYTES, ParameterSpec, PartitionSlice, Plan, make_plan
 from ps_server.wire import MODE_TO_NAME, NAME_TO_DTYPE, optimizer_to_proto, plan_to_proto
 from ps_worker.retry import backoff_delays, retry_call
+
+if TYPE_CHECKING:
+    from ps_worker.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +55,7 @@ class PSClient:
         timeout: per-RPC deadline in seconds; a sync pull waits at most this long for its round.
         retry_deadline: seconds to keep retrying UNAVAILABLE (backoff with jitter).
         partition_bytes: largest partition payload in bytes (all workers must agree).
+        metrics: where to record push/pull seconds and bytes; None records nothing.
 
     Raises:
         ValueError: bad arguments.
@@ -68,6 +72,7 @@ class PSClient:
         timeout: float = 60.0,
         retry_deadline: float = 30.0,
         partition_bytes: int = DEFAULT_PARTITION_BYTES,
+        metrics: WorkerMetrics | None = None,
     ) -> None:
         if not servers:
             raise ValueError("PSClient needs at least one shard address (host:port).")
@@ -80,6 +85,7 @@ class PSClient:
         self.timeout = timeout
         self.retry_deadline = retry_deadline
         self.partition_bytes = partition_bytes
+        self.metrics = metrics
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         limit = partition_bytes + MESSAGE_OVERHEAD
         options = [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
@@ -190,9 +196,9 @@ class PSClient:
         )
 
         def stream() -> Iterator[ps_pb2.InitRequest]:
-            yield ps_pb2.InitRequest(header=header)
+            yield self._sent(ps_pb2.InitRequest(header=header))
             for _part, msg in self._partitions_of(k, values):
-                yield ps_pb2.InitRequest(partition=msg)
+                yield self._sent(ps_pb2.InitRequest(partition=msg))
 
         reply = self._call(
             lambda: self._stubs[k].Init(stream(), timeout=self.timeout, metadata=self._metadata),
@@ -238,6 +244,12 @@ class PSClient:
                     log.debug("heartbeat to %s failed: %s", self.servers[k], exc.code())
 
     # ------------------------------------------------------------------ data path
+    def _sent(self, msg: Any) -> Any:
+        """Count ``msg`` in ``ps_worker_sent_bytes_total`` as it is handed to gRPC."""
+        if self.metrics is not None:
+            self.metrics.sent_bytes.inc(msg.ByteSize())
+        return msg
+
     def _host_flat(self, key: str, t: torch.Tensor) -> torch.Tensor:
         """A 1-D CPU tensor holding ``t``'s values (a view for CPU tensors, pinned staging otherwise)."""
         if t.device.type == "cpu":
@@ -304,18 +316,22 @@ class PSClient:
             sent[k] = sum(len(m.partition.data) for m in msgs)
 
             def stream() -> Iterator[ps_pb2.PushRequest]:
-                yield ps_pb2.PushRequest(header=header)
-                yield from msgs
+                yield self._sent(ps_pb2.PushRequest(header=header))
+                for m in msgs:
+                    yield self._sent(m)
 
             return self._call(
                 lambda: self._stubs[k].Push(stream(), timeout=self.timeout, metadata=self._metadata),
                 f"Push {self.servers[k]}",
             )
 
+        start = time.perf_counter()
         try:
             replies = self._each_shard(one)
         finally:
             self.pushed_bytes += sum(sent)
+        if self.metrics is not None:
+            self.metrics.push_duration.observe(time.perf_counter() - start)
         self.clock += 1
         return replies
 
@@ -359,13 +375,18 @@ class PSClient:
                         raise RuntimeError(f"Shard {self.servers[k]} sent a partition outside the plan: {p.key}")
                     flats[p.key][p.offset : p.offset + p.length].copy_(decode(p.data, dtypes[p.key], p.length))
                     version, received, seen = reply.version, received + len(p.data), seen + 1
+                    if self.metrics is not None:
+                        self.metrics.received_bytes.inc(reply.ByteSize())
                 if seen != len(owned[k]):
                     raise RuntimeError(f"Shard {self.servers[k]} sent {seen} of {len(owned[k])} partitions.")
                 return version, received
 
             return self._call(attempt, f"Pull {self.servers[k]}")
 
+        start = time.perf_counter()
         results = self._each_shard(one)
+        if self.metrics is not None:
+            self.metrics.pull_duration.observe(time.perf_counter() - start)
         self.pulled_bytes += sum(r[1] for r in results)
         for key, t in device_out.items():
             t.copy_(flats[key].view(t.shape), non_blocking=True)

@@ -31,6 +31,7 @@ from ps_server.shard import MODES
 from ps_worker.workloads import WORKLOADS
 
 LISTENING = re.compile(r"listening on (\S+)")
+METRICS = re.compile(r"metrics on (http://\S+)")
 PR_SET_PDEATHSIG = 1
 
 
@@ -65,6 +66,7 @@ def launch_parser(environ: Mapping[str, str] | None = None) -> FlagParser:
     p.flag("--slow-ms", type=float, default=0.0, help="milliseconds the straggler sleeps before each push")
     p.flag("--timeout", type=float, default=60.0, help="per-RPC deadline of workers, seconds")
     p.flag("--log-dir", default="", help="directory for each process's log (default: a temporary directory)")
+    p.flag("--no-metrics", switch=True, help="serve no Prometheus /metrics from shards and workers")
     p.flag("--json", switch=True, help="print the summary as one JSON object on the last line of stdout")
     p.flag("--no-progress", switch=True, help="no progress bars")
     p.add_argument(
@@ -86,6 +88,7 @@ class Child:
     log_path: Path
     log_file: IO[str]
     events: list[dict[str, Any]] = field(default_factory=list)
+    metrics_url: str | None = None
 
 
 class Cluster:
@@ -112,8 +115,9 @@ class Cluster:
         self.children.append(child)
         return child
 
-    def start_shards(self, n: int, workers: int, mode: str, deadline: float = 60.0) -> list[str]:
-        """Start ``n`` shards on free ports; returns their addresses in shard order.
+    def start_shards(self, n: int, workers: int, mode: str, deadline: float = 60.0, metrics: bool = True) -> list[str]:
+        """Start ``n`` shards on free ports (``/metrics`` too, unless ``metrics`` is False); returns
+        their addresses in shard order.
 
         Raises:
             RuntimeError: a shard exited or did not report its port in time.
@@ -135,6 +139,8 @@ class Cluster:
                     "127.0.0.1",
                     "--port",
                     "0",
+                    "--metrics-port",
+                    "0" if metrics else "-1",
                 ],
             )
             for k in range(n)
@@ -158,6 +164,9 @@ class Cluster:
     def _read_address(k: int, child: Child, found: queue.Queue[tuple[int, str | None]]) -> None:
         assert child.proc.stdout is not None
         for line in child.proc.stdout:
+            url = METRICS.search(line)
+            if url:
+                child.metrics_url = url.group(1)
             m = LISTENING.search(line)
             if m:
                 found.put((k, m.group(1)))
@@ -203,8 +212,15 @@ def read_events(child: Child, events: queue.Queue[tuple[str, dict[str, Any]]]) -
     events.put((child.name, {"event": "exit"}))
 
 
-def summarize(args: Any, done: list[dict[str, Any]], wall: float, addresses: list[str]) -> dict[str, Any]:
-    """The run's summary from every worker's final report."""
+def summarize(
+    args: Any,
+    done: list[dict[str, Any]],
+    wall: float,
+    addresses: list[str],
+    metrics_urls: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
+    """The run's summary from every worker's final report; ``metrics_urls`` maps process name
+    (``shard-0``, ``worker-1``) to its ``/metrics`` URL."""
     done = sorted(done, key=lambda d: d["rank"])
     total_steps = sum(d["steps"] for d in done)
     return {
@@ -227,6 +243,7 @@ def summarize(args: Any, done: list[dict[str, Any]], wall: float, addresses: lis
         "params_sha256": done[0]["params_sha256"],
         "params_sha256_per_rank": [d["params_sha256"] for d in done],
         "servers": addresses,
+        "metrics_urls": dict(metrics_urls or {}),
     }
 
 
@@ -260,8 +277,11 @@ def run(args: Any) -> int:
     bars: list[tqdm] = []
     started = time.perf_counter()
     try:
-        addresses = cluster.start_shards(args.shards, args.workers, args.mode)
+        addresses = cluster.start_shards(args.shards, args.workers, args.mode, metrics=not args.no_metrics)
         print(f"ps-launch: {args.shards} shards on {', '.join(addresses)}; logs in {log_dir}", file=sys.stderr)
+        for c in cluster.children:
+            if c.metrics_url:
+                print(f"ps-launch: {c.name} metrics on {c.metrics_url}", file=sys.stderr)
         events: queue.Queue[tuple[str, dict[str, Any]]] = queue.Queue()
         workers = []
         for r in range(args.workers):
@@ -291,6 +311,8 @@ def run(args: Any) -> int:
                 str(args.slow_rank),
                 "--slow-ms",
                 str(args.slow_ms),
+                "--metrics-port",
+                "-1" if args.no_metrics else "0",
                 "--events",
                 args.workload,
             ]
@@ -318,6 +340,9 @@ def run(args: Any) -> int:
             if event.get("event") == "step":
                 bars[rank].n = event["step"]
                 bars[rank].set_postfix(loss=f"{event['loss']:.4f}", refresh=True)
+            elif event.get("event") == "metrics":
+                workers[rank].metrics_url = event["url"]
+                tqdm.write(f"ps-launch: {name} metrics on {event['url']}", file=sys.stderr)
             elif event.get("event") == "done":
                 done[name] = event
             elif event.get("event") == "exit":
@@ -338,7 +363,8 @@ def run(args: Any) -> int:
         cluster.stop()
     for b in bars:
         b.close()
-    summary = summarize(args, list(done.values()), wall, addresses)
+    metrics_urls = {c.name: c.metrics_url for c in cluster.children if c.metrics_url}
+    summary = summarize(args, list(done.values()), wall, addresses, metrics_urls)
     print_summary(summary, sys.stdout)
     if args.json:
         print(json.dumps(summary), flush=True)

@@ -12,6 +12,7 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
 from ps_worker.client import PSClient
+from ps_worker.metrics import WorkerMetrics
 from ps_worker.optimizer import DistributedOptimizer
 from ps_worker.workloads.base import Workload
 
@@ -66,6 +67,7 @@ def train(
     device: str = "cpu",
     on_step: Callable[[int, float], None] | None = None,
     before_push: Callable[[int], None] | None = None,
+    metrics: WorkerMetrics | None = None,
 ) -> TrainSummary:
     """Initialize through ``client`` and train ``steps`` steps.
 
@@ -79,6 +81,7 @@ def train(
         device: where the model runs (``cpu`` or ``cuda``).
         on_step: called with (step, loss) after every step.
         before_push: called with the step before each push (straggler injection).
+        metrics: where to record each step's seconds and loss; None records nothing.
     """
     torch.manual_seed(seed)
     model = workload.model().to(device)
@@ -94,6 +97,7 @@ def train(
     data = batches(loader, sampler)
     model.train()
     for step in range(steps):
+        step_start = time.perf_counter()
         x, y = next(data)
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         opt.zero_grad()
@@ -103,6 +107,9 @@ def train(
             before_push(step)
         opt.step()
         losses.append(float(loss.detach()))
+        if metrics is not None:
+            metrics.step_duration.observe(time.perf_counter() - step_start)
+            metrics.loss.set(losses[-1])
         if on_step is not None:
             on_step(step + 1, losses[-1])
     wall = time.perf_counter() - start
