@@ -459,10 +459,11 @@ def admin_parser(environ: Mapping[str, str] | None = None) -> FlagParser:
     p.flag("--timeout", type=positive, default=5.0, help="deadline of each call, seconds")
     sub = p.add_subparsers(dest="command", required=True, metavar="{status,top}")
     status = sub.add_parser("status", help="print every shard's status once", environ=p.environ)
-    status.add_argument("--json", action="store_true", help="one JSON object for scripts")
+    status.flag("--json", switch=True, help="status: print one JSON object for scripts")
     top = sub.add_parser("top", help="refresh the status table until Ctrl-C", environ=p.environ)
-    top.add_argument("--interval", type=positive, default=2.0, help="seconds between refreshes")
-    top.add_argument("--iterations", type=int, default=0, help="exit after this many frames (0: until Ctrl-C)")
+    top.flag("--interval", type=positive, default=2.0, help="top: seconds between refreshes")
+    top.flag("--iterations", type=int, default=0, help="top: exit after this many frames (0: until Ctrl-C)")
+    p.twins += status.twins + top.twins  # one list of every flag and twin of the command
     return p
 
 

@@ -22,7 +22,7 @@ ADMIN = [sys.executable, "-m", "ps_server.admin_cli"]
 
 
 def ps_admin(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    environ = {k: v for k, v in os.environ.items() if k != "PS_ADMIN_TOKEN"} | (env or {})
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("PS_")} | (env or {})
     return subprocess.run([*ADMIN, *args], capture_output=True, text=True, timeout=60, env=environ)
 
 
