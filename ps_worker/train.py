@@ -114,14 +114,14 @@ def train(
             on_step(step + 1, losses[-1])
     wall = time.perf_counter() - start
     model.eval()
-    metrics = workload.evaluate(model.cpu(), held_out)
+    scores = workload.evaluate(model.cpu(), held_out)
     tail = losses[-10:] or [float("nan")]
     return TrainSummary(
         rank=client.rank,
         steps=steps,
         final_loss=sum(tail) / len(tail),
-        accuracy=metrics.get("accuracy", float("nan")),
-        eval_loss=metrics.get("loss", float("nan")),
+        accuracy=scores.get("accuracy", float("nan")),
+        eval_loss=scores.get("loss", float("nan")),
         wall_seconds=wall,
         steps_per_second=steps / wall if wall > 0 else 0.0,
         samples_per_second=steps * batch_size / wall if wall > 0 else 0.0,
