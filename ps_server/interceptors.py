@@ -38,10 +38,14 @@ def _size(message: Any) -> int:
 
 
 def _final_code(context: grpc.ServicerContext, failed: bool) -> grpc.StatusCode:
+    """The code set by ``abort``/``set_code``; else OK, CANCELLED (the client went away mid-call) or
+    UNKNOWN (the handler raised)."""
     code = context.code() if hasattr(context, "code") else None
     if isinstance(code, grpc.StatusCode):
         return code
-    return grpc.StatusCode.UNKNOWN if failed else grpc.StatusCode.OK
+    if not failed:
+        return grpc.StatusCode.OK
+    return grpc.StatusCode.UNKNOWN if context.is_active() else grpc.StatusCode.CANCELLED
 
 
 class _Call:

@@ -14,11 +14,15 @@ from ps_server.metrics import ServerMetrics
 class FakeContext:
     """The part of grpc.ServicerContext the interceptor reads; abort behaves like grpcio's."""
 
-    def __init__(self) -> None:
+    def __init__(self, active: bool = True) -> None:
         self._code: grpc.StatusCode | None = None
+        self.active = active
 
     def code(self) -> grpc.StatusCode | None:
         return self._code
+
+    def is_active(self) -> bool:
+        return self.active
 
     def abort(self, code: grpc.StatusCode, details: str) -> None:
         self._code = code
@@ -119,6 +123,18 @@ def test_stream_stream_and_cancelled_stream() -> None:
     next(stream)
     stream.close()  # what happens to the generator when the client goes away
     assert get(m, "ps_rpc_duration_seconds_count", method=method, code="CANCELLED") == 1
+
+
+def test_client_gone_during_an_upload_is_cancelled_not_a_refusal() -> None:
+    def push(requests, ctx):
+        for _ in requests:
+            raise grpc.RpcError()  # what the request iterator raises once the client cancelled
+
+    handler, m = wrap(grpc.stream_unary_rpc_method_handler(push), "/ps.v1.ParameterService/Push")
+    with pytest.raises(grpc.RpcError):
+        handler.stream_unary(iter([ps_pb2.PushRequest()]), FakeContext(active=False))
+    assert get(m, "ps_rpc_duration_seconds_count", method="ps.v1.ParameterService/Push", code="CANCELLED") == 1
+    assert get(m, "ps_rejected_pushes_total", reason="cancelled") == 0
 
 
 def test_unknown_methods_are_not_labelled() -> None:
