@@ -13,7 +13,8 @@ from ps_server.server import start_server
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point. Prints ``ps-server: shard K/S listening on HOST:PORT`` once serving."""
+    """Entry point. Prints ``ps-server: metrics on http://HOST:PORT/metrics`` (unless
+    ``--metrics-port -1``), then ``ps-server: shard K/S listening on HOST:PORT`` once serving."""
     config, log_level = config_from_args(argv)
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -21,6 +22,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RuntimeError as exc:
         print(f"ps-server: {exc}", file=sys.stderr)
         return 1
+    if running.metrics_url:
+        print(f"ps-server: metrics on {running.metrics_url}", flush=True)
     print(f"ps-server: shard {config.shard_index}/{config.num_shards} listening on {running.address}", flush=True)
     done = threading.Event()
 

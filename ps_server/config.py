@@ -51,6 +51,9 @@ class ServerConfig:
     moving_rate: float | None = None
     communication_period: int = 10
     easgd_sync: bool = False
+    metrics_port: int = -1
+    """HTTP port of ``/metrics`` on ``host``; 0 picks a free port, -1 (the library default) serves none.
+    ``ps-server`` defaults to 8000."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -66,6 +69,8 @@ class ServerConfig:
             raise InvalidRequestError(f"--num-workers must be in 1..4096, got {self.num_workers}.")
         if not 0 <= self.port <= 65535:
             raise InvalidRequestError(f"--port must be in 0..65535, got {self.port}.")
+        if not -1 <= self.metrics_port <= 65535:
+            raise InvalidRequestError(f"--metrics-port must be in -1..65535 (-1: off), got {self.metrics_port}.")
         if not self.lease_timeout > 0:
             raise InvalidRequestError(f"--lease-timeout must be > 0 seconds, got {self.lease_timeout}.")
         if self.max_message_bytes < 1024 * 1024:
@@ -111,6 +116,12 @@ def server_parser(environ: Mapping[str, str] | None = None) -> FlagParser:
     p.flag("--mode", default="sync", choices=MODES, help="consistency model")
     p.flag("--host", default="127.0.0.1", help="address to bind; non-loopback needs tokens or --insecure")
     p.flag("--port", type=int, default=50051, help="gRPC port; 0 picks a free port and prints it")
+    p.flag(
+        "--metrics-port",
+        type=int,
+        default=8000,
+        help="HTTP port of Prometheus /metrics on --host; 0 picks a free port and prints it, -1 turns it off",
+    )
     p.flag("--lease-timeout", type=float, default=10.0, help="seconds without a heartbeat before a rank is evicted")
     p.flag("--token", default="", help="bearer token workers must send to ParameterService")
     p.flag("--admin-token", default="", help="bearer token operators must send to Admin")
@@ -179,6 +190,7 @@ def config_from_args(
             moving_rate=args.moving_rate,
             communication_period=args.communication_period,
             easgd_sync=args.easgd_sync,
+            metrics_port=args.metrics_port,
         )
     except InvalidRequestError as exc:
         parser.error(str(exc))

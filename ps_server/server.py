@@ -9,10 +9,13 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry
 
 from ps_proto.v1 import ps_pb2, ps_pb2_grpc
 from ps_server.auth import TokenInterceptor
 from ps_server.config import ServerConfig
+from ps_server.interceptors import MetricsInterceptor
+from ps_server.metrics import MetricsEndpoint, ServerMetrics, serve_metrics
 from ps_server.servicer import AdminServicer, Counters, ParameterServicer
 from ps_server.shard import Shard
 
@@ -39,6 +42,8 @@ class ShardServer:
         health_servicer: health.HealthServicer,
         counters: Counters,
         stopping: threading.Event,
+        metrics: ServerMetrics | None = None,
+        metrics_endpoint: MetricsEndpoint | None = None,
     ) -> None:
         self.config = config
         self.server = server
@@ -47,6 +52,8 @@ class ShardServer:
         self.health = health_servicer
         self.counters = counters
         self._stopping = stopping
+        self.metrics = metrics
+        self.metrics_endpoint = metrics_endpoint
         self._reaper = threading.Thread(target=self._reap, name=f"lease-reaper-{config.shard_index}", daemon=True)
         self._reaper.start()
 
@@ -56,6 +63,11 @@ class ShardServer:
         host = self.config.host
         host = "127.0.0.1" if host in ("0.0.0.0", "") else host
         return f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
+
+    @property
+    def metrics_url(self) -> str | None:
+        """``http://host:port/metrics``, or None when metrics are not served over HTTP."""
+        return self.metrics_endpoint.url if self.metrics_endpoint else None
 
     def _reap(self) -> None:
         interval = max(0.05, min(1.0, self.config.lease_timeout / 4))
@@ -68,6 +80,8 @@ class ShardServer:
         self.health.enter_graceful_shutdown()
         self.shard.close()
         self.server.stop(grace).wait(grace + 1)
+        if self.metrics_endpoint is not None:
+            self.metrics_endpoint.close()
         log.info("shard %d stopped", self.config.shard_index)
 
     def wait(self) -> None:
@@ -82,13 +96,15 @@ def start_server(config: ServerConfig, shard: Shard | None = None) -> ShardServe
         shard: state to serve (a fresh :class:`Shard` by default).
 
     Returns:
-        The running server; ``.port`` is the bound port.
+        The running server; ``.port`` is the bound port, ``.metrics`` its Prometheus metrics (in a
+        registry of its own), ``.metrics_url`` where they are served (``config.metrics_port >= 0``).
 
     Raises:
-        RuntimeError: the address could not be bound.
+        RuntimeError: the address or the metrics port could not be bound.
     """
     shard = shard or Shard(config.shard_index, config.num_shards, config.mode_settings(), config.lease_timeout)
     counters = Counters()
+    metrics = ServerMetrics(CollectorRegistry(), shard.status)
     options = [
         ("grpc.max_receive_message_length", config.max_message_bytes),
         ("grpc.max_send_message_length", config.max_message_bytes),
@@ -97,7 +113,8 @@ def start_server(config: ServerConfig, shard: Shard | None = None) -> ShardServe
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=config.threads, thread_name_prefix=f"shard{config.shard_index}"),
         interceptors=[
-            TokenInterceptor(config.token, config.admin_token, on_refused=lambda code: counters.add(rejected=1))
+            MetricsInterceptor(metrics, lambda: shard.mode),
+            TokenInterceptor(config.token, config.admin_token, on_refused=lambda code: counters.add(rejected=1)),
         ],
         options=options,
         maximum_concurrent_rpcs=config.threads * 4,
@@ -119,6 +136,13 @@ def start_server(config: ServerConfig, shard: Shard | None = None) -> ShardServe
         raise RuntimeError(f"Could not bind {bind}: {exc}; is the port in use?") from exc
     if port == 0:
         raise RuntimeError(f"Could not bind {bind}; is the port in use?")
+    endpoint = None
+    if config.metrics_port >= 0:
+        try:
+            endpoint = serve_metrics(metrics.registry, host, config.metrics_port)
+        except RuntimeError:
+            server.stop(None)
+            raise
     server.start()
     for name in ("", *SERVICE_NAMES):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -131,4 +155,4 @@ def start_server(config: ServerConfig, shard: Shard | None = None) -> ShardServe
         port,
         config.num_workers,
     )
-    return ShardServer(config, server, port, shard, health_servicer, counters, stopping)
+    return ShardServer(config, server, port, shard, health_servicer, counters, stopping, metrics, endpoint)

@@ -10,10 +10,13 @@ from collections.abc import Mapping, Sequence
 
 import grpc
 import torch
+from prometheus_client import CollectorRegistry
 
 from ps_server.core.errors import PSError
 from ps_server.flags import FlagParser
+from ps_server.metrics import serve_metrics
 from ps_worker.client import PSClient
+from ps_worker.metrics import WorkerMetrics
 from ps_worker.train import train
 from ps_worker.workloads import WORKLOADS, get_workload
 
@@ -43,6 +46,13 @@ def worker_parser(environ: Mapping[str, str] | None = None) -> FlagParser:
     p.flag("--timeout", type=float, default=60.0, help="per-RPC deadline in seconds (a sync pull waits this long)")
     p.flag("--incarnation", type=int, default=None, help="restart counter of this rank (default: wall-clock µs)")
     p.flag("--token", default="", help="bearer token for ParameterService")
+    p.flag(
+        "--metrics-port",
+        type=int,
+        default=8000,
+        help="HTTP port of Prometheus /metrics; 0 picks a free port (several workers on one host), -1 turns it off",
+    )
+    p.flag("--metrics-host", default="127.0.0.1", help="address /metrics binds (0.0.0.0 to be scraped from outside)")
     p.flag("--slow-rank", type=int, default=-1, help="rank that sleeps --slow-ms before every push (straggler)")
     p.flag("--slow-ms", type=float, default=0.0, help="milliseconds the slow rank sleeps before each push")
     p.flag("--events", switch=True, help="print one JSON object per step on stdout (used by ps-launch)")
@@ -74,8 +84,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not 0 <= args.rank < args.num_workers:
         parser.error(f"--rank must be in 0..{args.num_workers - 1}, got {args.rank}.")
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    if not -1 <= args.metrics_port <= 65535:
+        parser.error(f"--metrics-port must be in -1..65535 (-1: off), got {args.metrics_port}.")
     workload = get_workload(args.workload)
     last_event = 0.0
+    metrics, endpoint = None, None
+    if args.metrics_port >= 0:
+        metrics = WorkerMetrics(CollectorRegistry())
+        try:
+            endpoint = serve_metrics(metrics.registry, args.metrics_host, args.metrics_port)
+        except RuntimeError as exc:
+            print(f"ps-worker rank {args.rank}: {exc}", file=sys.stderr)
+            return 1
+        print(f"ps-worker rank {args.rank}: metrics on {endpoint.url}", file=sys.stderr, flush=True)
+        if args.events:
+            print(json.dumps({"event": "metrics", "rank": args.rank, "url": endpoint.url}), flush=True)
 
     def on_step(step: int, loss: float) -> None:
         nonlocal last_event
@@ -95,6 +118,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         incarnation=args.incarnation,
         token=args.token or None,
         timeout=args.timeout,
+        metrics=metrics,
     )
     try:
         summary = train(
@@ -107,6 +131,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             device=device,
             on_step=on_step,
             before_push=before_push,
+            metrics=metrics,
         )
     except grpc.RpcError as exc:
         print(f"ps-worker rank {args.rank}: {exc.code().name}: {exc.details()}", file=sys.stderr)
@@ -116,6 +141,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     finally:
         client.close()
+        if endpoint is not None:
+            endpoint.close()
     print(json.dumps({"event": "done", **summary.to_dict()}), flush=True)
     return 0
 

@@ -13,7 +13,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent import futures
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import torch
@@ -24,6 +24,9 @@ from ps_server.core.optimizer import OptimizerSpec
 from ps_server.core.plan import DEFAULT_PARTITION_BYTES, ParameterSpec, PartitionSlice, Plan, make_plan
 from ps_server.wire import MODE_TO_NAME, NAME_TO_DTYPE, optimizer_to_proto, plan_to_proto
 from ps_worker.retry import backoff_delays, retry_call
+
+if TYPE_CHECKING:
+    from ps_worker.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +56,7 @@ class PSClient:
         timeout: per-RPC deadline in seconds; a sync pull waits at most this long for its round.
         retry_deadline: seconds to keep retrying UNAVAILABLE (backoff with jitter).
         partition_bytes: largest partition payload in bytes (all workers must agree).
+        metrics: where to record push/pull seconds and bytes; None records nothing.
 
     Raises:
         ValueError: bad arguments.
@@ -69,6 +73,7 @@ class PSClient:
         timeout: float = 60.0,
         retry_deadline: float = 30.0,
         partition_bytes: int = DEFAULT_PARTITION_BYTES,
+        metrics: WorkerMetrics | None = None,
     ) -> None:
         if not servers:
             raise ValueError("PSClient needs at least one shard address (host:port).")
@@ -81,6 +86,7 @@ class PSClient:
         self.timeout = timeout
         self.retry_deadline = retry_deadline
         self.partition_bytes = partition_bytes
+        self.metrics = metrics
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         limit = partition_bytes + MESSAGE_OVERHEAD
         options = [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
@@ -204,9 +210,9 @@ class PSClient:
         )
 
         def stream() -> Iterator[ps_pb2.InitRequest]:
-            yield ps_pb2.InitRequest(header=header)
+            yield self._sent(ps_pb2.InitRequest(header=header))
             for _part, msg in self._partitions_of(k, values):
-                yield ps_pb2.InitRequest(partition=msg)
+                yield self._sent(ps_pb2.InitRequest(partition=msg))
 
         reply = self._call(
             lambda: self._stubs[k].Init(stream(), timeout=self.timeout, metadata=self._metadata),
@@ -252,6 +258,12 @@ class PSClient:
                     log.debug("heartbeat to %s failed: %s", self.servers[k], exc.code())
 
     # ------------------------------------------------------------------ data path
+    def _sent(self, msg: Any) -> Any:
+        """Count ``msg`` in ``ps_worker_sent_bytes_total`` as it is handed to gRPC."""
+        if self.metrics is not None:
+            self.metrics.sent_bytes.inc(msg.ByteSize())
+        return msg
+
     def _host_flat(self, key: str, t: torch.Tensor) -> torch.Tensor:
         """A 1-D CPU tensor holding ``t``'s values (a view for CPU tensors, pinned staging otherwise)."""
         if t.device.type == "cpu":
@@ -318,14 +330,16 @@ class PSClient:
             sent[k] = sum(len(m.partition.data) for m in msgs)
 
             def stream() -> Iterator[ps_pb2.PushRequest]:
-                yield ps_pb2.PushRequest(header=header)
-                yield from msgs
+                yield self._sent(ps_pb2.PushRequest(header=header))
+                for m in msgs:
+                    yield self._sent(m)
 
             return self._call(
                 lambda: self._stubs[k].Push(stream(), timeout=self.timeout, metadata=self._metadata),
                 f"Push {self.servers[k]}",
             )
 
+        start = time.perf_counter()
         try:
             replies = self._each_shard(one)
         except grpc.RpcError as exc:
@@ -335,6 +349,8 @@ class PSClient:
             raise
         finally:
             self.pushed_bytes += sum(sent)
+        if self.metrics is not None:
+            self.metrics.push_duration.observe(time.perf_counter() - start)
         self.clock += 1
         first = replies[0]
         if first.dropped:
@@ -389,13 +405,18 @@ class PSClient:
                         raise RuntimeError(f"Shard {self.servers[k]} sent a partition outside the plan: {p.key}")
                     flats[p.key][p.offset : p.offset + p.length].copy_(decode(p.data, dtypes[p.key], p.length))
                     version, received, seen = reply.version, received + len(p.data), seen + 1
+                    if self.metrics is not None:
+                        self.metrics.received_bytes.inc(reply.ByteSize())
                 if seen != len(owned[k]):
                     raise RuntimeError(f"Shard {self.servers[k]} sent {seen} of {len(owned[k])} partitions.")
                 return version, received
 
             return self._call(attempt, f"Pull {self.servers[k]}")
 
+        start = time.perf_counter()
         results = self._each_shard(one)
+        if self.metrics is not None:
+            self.metrics.pull_duration.observe(time.perf_counter() - start)
         self.pulled_bytes += sum(r[1] for r in results)
         for key, t in device_out.items():
             t.copy_(flats[key].view(t.shape), non_blocking=True)

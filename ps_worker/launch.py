@@ -33,6 +33,7 @@ from ps_server.shard import MODES
 from ps_worker.workloads import WORKLOADS
 
 LISTENING = re.compile(r"listening on (\S+)")
+METRICS = re.compile(r"metrics on (http://\S+)")
 PR_SET_PDEATHSIG = 1
 
 
@@ -75,6 +76,7 @@ def launch_parser(environ: Mapping[str, str] | None = None) -> FlagParser:
     p.flag("--communication-period", type=int, default=10, help="easgd: local steps tau between exchanges")
     p.flag("--easgd-sync", switch=True, help="easgd: apply one period's exchanges together in rank order")
     p.flag("--log-dir", default="", help="directory for each process's log (default: a temporary directory)")
+    p.flag("--no-metrics", switch=True, help="serve no Prometheus /metrics from shards and workers")
     p.flag("--json", switch=True, help="print the summary as one JSON object on the last line of stdout")
     p.flag("--no-progress", switch=True, help="no progress bars")
     p.add_argument(
@@ -96,6 +98,7 @@ class Child:
     log_path: Path
     log_file: IO[str]
     events: list[dict[str, Any]] = field(default_factory=list)
+    metrics_url: str | None = None
 
 
 class Cluster:
@@ -124,9 +127,16 @@ class Cluster:
         return child
 
     def start_shards(
-        self, n: int, workers: int, mode: str, extra: Sequence[str] = (), deadline: float = 60.0
+        self,
+        n: int,
+        workers: int,
+        mode: str,
+        extra: Sequence[str] = (),
+        deadline: float = 60.0,
+        metrics: bool = True,
     ) -> list[str]:
-        """Start ``n`` shards on free ports (``extra``: more ps-server flags); returns their addresses.
+        """Start ``n`` shards on free ports (``extra``: more ps-server flags; ``/metrics`` too, unless
+        ``metrics`` is False); returns their addresses in shard order.
 
         Raises:
             RuntimeError: a shard exited or did not report its port in time.
@@ -148,6 +158,8 @@ class Cluster:
                     "127.0.0.1",
                     "--port",
                     "0",
+                    "--metrics-port",
+                    "0" if metrics else "-1",
                     *extra,
                 ],
             )
@@ -172,6 +184,9 @@ class Cluster:
     def _read_address(k: int, child: Child, found: queue.Queue[tuple[int, str | None]]) -> None:
         assert child.proc.stdout is not None
         for line in child.proc.stdout:
+            url = METRICS.search(line)
+            if url:
+                child.metrics_url = url.group(1)
             m = LISTENING.search(line)
             if m:
                 found.put((k, m.group(1)))
@@ -256,8 +271,10 @@ def summarize(
     wall: float,
     addresses: list[str],
     statuses: Sequence[ps_pb2.ShardStatus] = (),
+    metrics_urls: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
-    """The run's summary from every worker's final report and the shards' status."""
+    """The run's summary from every worker's final report and the shards' status; ``metrics_urls``
+    maps process name (``shard-0``, ``worker-1``) to its ``/metrics`` URL."""
     done = sorted(done, key=lambda d: d["rank"])
     total_steps = sum(d["steps"] for d in done)
     rejected: dict[str, int] = {}
@@ -296,6 +313,7 @@ def summarize(
         "refused_pushes": sum(d.get("refused_pushes", 0) for d in done),
         "dropped_pushes": sum(d.get("dropped_pushes", 0) for d in done),
         "shards_view": shard_view,
+        "metrics_urls": dict(metrics_urls or {}),
     }
 
 
@@ -340,8 +358,13 @@ def run(args: Any) -> int:
     bars: list[tqdm] = []
     started = time.perf_counter()
     try:
-        addresses = cluster.start_shards(args.shards, args.workers, args.mode, server_flags(args))
+        addresses = cluster.start_shards(
+            args.shards, args.workers, args.mode, server_flags(args), metrics=not args.no_metrics
+        )
         print(f"ps-launch: {args.shards} shards on {', '.join(addresses)}; logs in {log_dir}", file=sys.stderr)
+        for c in cluster.children:
+            if c.metrics_url:
+                print(f"ps-launch: {c.name} metrics on {c.metrics_url}", file=sys.stderr)
         events: queue.Queue[tuple[str, dict[str, Any]]] = queue.Queue()
         workers = []
         for r in range(args.workers):
@@ -371,6 +394,8 @@ def run(args: Any) -> int:
                 str(args.slow_rank),
                 "--slow-ms",
                 str(args.slow_ms),
+                "--metrics-port",
+                "-1" if args.no_metrics else "0",
                 "--events",
                 args.workload,
             ]
@@ -401,6 +426,9 @@ def run(args: Any) -> int:
             if event.get("event") == "step":
                 bars[rank].n = event["step"]
                 bars[rank].set_postfix(loss=f"{event['loss']:.4f}", refresh=True)
+            elif event.get("event") == "metrics":
+                workers[rank].metrics_url = event["url"]
+                tqdm.write(f"ps-launch: {name} metrics on {event['url']}", file=sys.stderr)
             elif event.get("event") == "done":
                 done[name] = event
             elif event.get("event") == "exit":
@@ -422,7 +450,8 @@ def run(args: Any) -> int:
         cluster.stop()
     for b in bars:
         b.close()
-    summary = summarize(args, list(done.values()), wall, addresses, statuses)
+    metrics_urls = {c.name: c.metrics_url for c in cluster.children if c.metrics_url}
+    summary = summarize(args, list(done.values()), wall, addresses, statuses, metrics_urls)
     print_summary(summary, sys.stdout)
     if args.json:
         print(json.dumps(summary), flush=True)

@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from ps_server.core.optimizer import OptimizerSpec
 from ps_worker.client import PSClient
+from ps_worker.metrics import WorkerMetrics
 from ps_worker.optimizer import DistributedOptimizer
 from ps_worker.workloads.base import Workload
 
@@ -75,6 +76,7 @@ def train(
     device: str = "cpu",
     on_step: Callable[[int, float], None] | None = None,
     before_push: Callable[[int], None] | None = None,
+    metrics: WorkerMetrics | None = None,
 ) -> TrainSummary:
     """Initialize through ``client`` and train ``steps`` steps.
 
@@ -88,6 +90,7 @@ def train(
         device: where the model runs (``cpu`` or ``cuda``).
         on_step: called with (step, loss) after every step.
         before_push: called with the step before each push (straggler injection).
+        metrics: where to record each step's seconds and loss; None records nothing.
     """
     torch.manual_seed(seed)
     model = workload.model().to(device)
@@ -107,6 +110,7 @@ def train(
     data = batches(loader, sampler)
     model.train()
     for step in range(steps):
+        step_start = time.perf_counter()
         x, y = next(data)
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         opt.zero_grad()
@@ -116,20 +120,23 @@ def train(
             before_push(step)
         opt.step()
         losses.append(float(loss.detach()))
+        if metrics is not None:
+            metrics.step_duration.observe(time.perf_counter() - step_start)
+            metrics.loss.set(losses[-1])
         if on_step is not None:
             on_step(step + 1, losses[-1])
     wall = time.perf_counter() - start
     if client.mode == "easgd":  # the center is EASGD's model; local x only explores around it
         client.pull({k: p.data for k, p in model.named_parameters()})
     model.eval()
-    metrics = workload.evaluate(model.cpu(), held_out)
+    scores = workload.evaluate(model.cpu(), held_out)
     tail = losses[-10:] or [float("nan")]
     return TrainSummary(
         rank=client.rank,
         steps=steps,
         final_loss=sum(tail) / len(tail),
-        accuracy=metrics.get("accuracy", float("nan")),
-        eval_loss=metrics.get("loss", float("nan")),
+        accuracy=scores.get("accuracy", float("nan")),
+        eval_loss=scores.get("loss", float("nan")),
         wall_seconds=wall,
         steps_per_second=steps / wall if wall > 0 else 0.0,
         samples_per_second=steps * batch_size / wall if wall > 0 else 0.0,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ps_server.admin_cli import admin_parser
 from ps_server.config import server_parser
 from ps_server.flags import FlagParser
 from ps_worker.cli import worker_parser
@@ -10,7 +11,12 @@ from ps_worker.launch import launch_parser
 
 def parsers() -> dict[str, FlagParser]:
     """Every command's parser, read with an empty environment so defaults are the real ones."""
-    return {"ps-server": server_parser({}), "ps-worker": worker_parser({}), "ps-launch": launch_parser({})}
+    return {
+        "ps-server": server_parser({}),
+        "ps-worker": worker_parser({}),
+        "ps-launch": launch_parser({}),
+        "ps-admin": admin_parser({}),
+    }
 
 
 def table() -> str:

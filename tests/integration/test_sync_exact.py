@@ -14,6 +14,7 @@ from ps_worker.train import params_sha256
 from tests.conftest import RPC_TIMEOUT, small_model
 
 STEPS = 20
+
 BATCH = 8
 OPTIMIZER = {"name": "sgd", "lr": 0.05, "momentum": 0.9}
 
@@ -26,6 +27,8 @@ def data(n: int, seed: int = 123) -> tuple[torch.Tensor, torch.Tensor]:
 def run_workers(addresses: list[str], n: int, delays: bool, seed: int = 0) -> list[torch.nn.Module]:
     """``n`` worker threads; at step t, rank r trains on samples [nbt + rb, nbt + (r+1)b)."""
     x, y = data(n)
+    # built here, one after another: small_model() seeds torch's global RNG, which threads share
+    initial = [small_model() for _ in range(n)]
     models: list[torch.nn.Module | None] = [None] * n
     errors: list[BaseException] = []
     rng = random.Random(seed)
@@ -33,7 +36,7 @@ def run_workers(addresses: list[str], n: int, delays: bool, seed: int = 0) -> li
 
     def work(rank: int) -> None:
         try:
-            model = small_model()
+            model = initial[rank]
             with PSClient(addresses, rank=rank, num_workers=n, incarnation=1, timeout=RPC_TIMEOUT) as client:
                 client.init(model, OPTIMIZER)
                 opt = DistributedOptimizer(model, client)

@@ -1,0 +1,178 @@
+"""A gRPC server interceptor that records every RPC in :class:`~ps_server.metrics.ServerMetrics`.
+
+It wraps the handler of every method (all four streaming kinds) and records the duration and
+final status code (``OK`` unless the handler aborted; the code ``context.abort`` set otherwise,
+``UNKNOWN`` for an unexpected exception, ``CANCELLED`` when the client went away mid-stream),
+and the serialized size of every request and response message. From the outcome of
+``ps.v1.ParameterService/Push`` it also counts accepted and refused pushes and their staleness,
+and from ``Pull`` the time to its first partition (the wait for its version), so the servicer
+stays free of metrics code.
+
+Put it first in the server's interceptor list, so that it also sees the refusals of the token
+interceptor (``UNAUTHENTICATED``, ``PERMISSION_DENIED``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import grpc
+
+from ps_server.metrics import ServerMetrics
+
+PUSH_METHOD = "ps.v1.ParameterService/Push"
+PULL_METHOD = "ps.v1.ParameterService/Pull"
+
+REJECT_REASONS = {grpc.StatusCode.ABORTED: "stale"}
+"""Status code -> ``reason`` label of ``ps_rejected_pushes_total`` where it differs from the code's name."""
+
+WAIT_ENDED = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED})
+"""Codes with which a Pull's wait ends without a partition; that wait is still observed."""
+
+
+def _size(message: Any) -> int:
+    size = getattr(message, "ByteSize", None)
+    return size() if size is not None else 0
+
+
+def _final_code(context: grpc.ServicerContext, failed: bool) -> grpc.StatusCode:
+    """The code set by ``abort``/``set_code``; else OK, CANCELLED (the client went away mid-call) or
+    UNKNOWN (the handler raised)."""
+    code = context.code() if hasattr(context, "code") else None
+    if isinstance(code, grpc.StatusCode):
+        return code
+    if not failed:
+        return grpc.StatusCode.OK
+    return grpc.StatusCode.UNKNOWN if context.is_active() else grpc.StatusCode.CANCELLED
+
+
+class _Call:
+    """Bookkeeping of one RPC: bytes as they pass, then one :meth:`finish`."""
+
+    __slots__ = ("interceptor", "method", "start", "first_sent", "received", "sent", "response")
+
+    def __init__(self, interceptor: MetricsInterceptor, method: str) -> None:
+        self.interceptor = interceptor
+        self.method = method
+        self.start = time.perf_counter()
+        self.first_sent: float | None = None
+        self.received = 0
+        self.sent = 0
+        self.response: Any = None
+
+    def requests(self, iterator: Iterator[Any]) -> Iterator[Any]:
+        for msg in iterator:
+            self.received += _size(msg)
+            yield msg
+
+    def responses(self, iterator: Iterator[Any]) -> Iterator[Any]:
+        for msg in iterator:
+            if self.first_sent is None:
+                self.first_sent = time.perf_counter()
+            self.sent += _size(msg)
+            yield msg
+
+    def finish(self, code: grpc.StatusCode) -> None:
+        self.interceptor.record(self, code, time.perf_counter())
+
+
+class MetricsInterceptor(grpc.ServerInterceptor):
+    """Record duration, status code and message bytes of every RPC.
+
+    Args:
+        metrics: where to record.
+        mode: returns the shard's current mode, the ``mode`` label of ``ps_pushes_total``.
+    """
+
+    def __init__(self, metrics: ServerMetrics, mode: Callable[[], str]) -> None:
+        self.metrics = metrics
+        self.mode = mode
+
+    def record(self, call: _Call, code: grpc.StatusCode, end: float) -> None:
+        """Account one finished RPC."""
+        m = self.metrics
+        m.rpc_duration.labels(call.method, code.name).observe(end - call.start)
+        if call.received:
+            m.received_bytes.labels(call.method).inc(call.received)
+        if call.sent:
+            m.sent_bytes.labels(call.method).inc(call.sent)
+        if call.method == PUSH_METHOD:
+            if code is grpc.StatusCode.OK:
+                if call.response is not None and not call.response.duplicate:
+                    m.pushes.labels(self.mode()).inc()
+                    m.push_staleness.observe(call.response.staleness)
+            elif code is not grpc.StatusCode.CANCELLED:
+                m.rejected_pushes.labels(REJECT_REASONS.get(code, code.name.lower())).inc()
+        elif call.method == PULL_METHOD:
+            if call.first_sent is not None:
+                m.barrier_wait.observe(call.first_sent - call.start)
+            elif code in WAIT_ENDED:
+                m.barrier_wait.observe(end - call.start)
+
+    # -------------------------------------------------------------- the four handler kinds
+    def _unary_response(self, behavior: Callable[..., Any], method: str, streaming: bool) -> Callable[..., Any]:
+        def handle(request: Any, context: grpc.ServicerContext) -> Any:
+            call = _Call(self, method)
+            if streaming:
+                request = call.requests(request)
+            else:
+                call.received = _size(request)
+            try:
+                response = behavior(request, context)
+            except BaseException:
+                call.finish(_final_code(context, failed=True))
+                raise
+            call.response = response
+            call.sent = _size(response)
+            call.finish(_final_code(context, failed=False))
+            return response
+
+        return handle
+
+    def _stream_response(self, behavior: Callable[..., Any], method: str, streaming: bool) -> Callable[..., Any]:
+        def handle(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+            call = _Call(self, method)
+            if streaming:
+                request = call.requests(request)
+            else:
+                call.received = _size(request)
+            try:
+                yield from call.responses(behavior(request, context))
+            except GeneratorExit:  # the client cancelled; gRPC stopped iterating
+                call.finish(grpc.StatusCode.CANCELLED)
+                raise
+            except BaseException:
+                call.finish(_final_code(context, failed=True))
+                raise
+            call.finish(_final_code(context, failed=False))
+
+        return handle
+
+    def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        handler = continuation(details)
+        if handler is None:  # unknown method: gRPC answers UNIMPLEMENTED; no label for arbitrary names
+            return None
+        method = details.method.lstrip("/")
+        kwargs = {
+            "request_deserializer": handler.request_deserializer,
+            "response_serializer": handler.response_serializer,
+        }
+        if handler.request_streaming and handler.response_streaming:
+            return grpc.stream_stream_rpc_method_handler(
+                self._stream_response(handler.stream_stream, method, True), **kwargs
+            )
+        if handler.request_streaming:
+            return grpc.stream_unary_rpc_method_handler(
+                self._unary_response(handler.stream_unary, method, True), **kwargs
+            )
+        if handler.response_streaming:
+            return grpc.unary_stream_rpc_method_handler(
+                self._stream_response(handler.unary_stream, method, False), **kwargs
+            )
+        return grpc.unary_unary_rpc_method_handler(self._unary_response(handler.unary_unary, method, False), **kwargs)

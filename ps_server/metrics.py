@@ -1,0 +1,185 @@
+"""Prometheus metrics of a shard (DESIGN section 10), built against an injected registry.
+
+Every name here is contract. Counters and histograms are updated by
+:class:`ps_server.interceptors.MetricsInterceptor`; the gauges that mirror shard state
+(``ps_model_version``, ``ps_workers``) are read from ``Shard.status()`` at scrape time by
+:class:`ShardCollector`, so there is no second copy of that state to drift.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from wsgiref.simple_server import WSGIServer
+
+    from ps_server.shard import StatusView
+
+log = logging.getLogger(__name__)
+
+RPC_SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+"""Seconds; up to 60 s because a sync Pull may wait a whole round (the worker's default deadline)."""
+
+STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64, 128)
+"""Versions (async) or clocks (ssp) between a gradient's base and the version it was applied to."""
+
+CHECKPOINT_SECONDS_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+WORKER_STATES = ("pending", "live", "evicted", "left")
+"""Values of the ``state`` label of ``ps_workers``; every one is exported, zeros included."""
+
+
+class ShardCollector(Collector):
+    """``ps_model_version`` and ``ps_workers{state}``, read from one status snapshot per scrape.
+
+    Args:
+        status: returns the shard's current :class:`~ps_server.shard.StatusView` (``Shard.status``).
+    """
+
+    def __init__(self, status: Callable[[], StatusView]) -> None:
+        self._status = status
+
+    def describe(self) -> list[GaugeMetricFamily]:
+        return [
+            GaugeMetricFamily("ps_model_version", _VERSION_HELP),
+            GaugeMetricFamily("ps_workers", _WORKERS_HELP, labels=["state"]),
+        ]
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        view = self._status()
+        yield GaugeMetricFamily("ps_model_version", _VERSION_HELP, value=view.version)
+        counts = dict.fromkeys(WORKER_STATES, 0)
+        for w in view.workers:
+            counts[w.state.value] = counts.get(w.state.value, 0) + 1
+        workers = GaugeMetricFamily("ps_workers", _WORKERS_HELP, labels=["state"])
+        for state, n in counts.items():
+            workers.add_metric([state], n)
+        yield workers
+
+
+_VERSION_HELP = "Applied updates on this shard (sync: the round number)."
+_WORKERS_HELP = "Worker ranks by membership state as this shard sees them (pending, live, evicted, left)."
+
+
+class ServerMetrics:
+    """The metrics of one shard, registered in ``registry`` (never the global default one).
+
+    Args:
+        registry: where every metric is registered; one per process, or one per test.
+        status: ``Shard.status``; when given, registers :class:`ShardCollector` over it.
+    """
+
+    def __init__(self, registry: CollectorRegistry, status: Callable[[], StatusView] | None = None) -> None:
+        self.registry = registry
+        self.rpc_duration = Histogram(
+            "ps_rpc_duration_seconds",
+            "Seconds from the start to the end of an RPC on this shard, by full method name and final status code.",
+            ["method", "code"],
+            buckets=RPC_SECONDS_BUCKETS,
+            registry=registry,
+        )
+        self.received_bytes = Counter(
+            "ps_received_bytes",
+            "Serialized bytes of request messages received, by full method name.",
+            ["method"],
+            registry=registry,
+        )
+        self.sent_bytes = Counter(
+            "ps_sent_bytes",
+            "Serialized bytes of response messages sent, by full method name.",
+            ["method"],
+            registry=registry,
+        )
+        self.pushes = Counter(
+            "ps_pushes",
+            "Pushes accepted and applied or held for their round (retried duplicates excluded), by mode.",
+            ["mode"],
+            registry=registry,
+        )
+        self.rejected_pushes = Counter(
+            "ps_rejected_pushes",
+            "Pushes refused, by reason: the status code in snake case, with ABORTED as 'stale'.",
+            ["reason"],
+            registry=registry,
+        )
+        self.push_staleness = Histogram(
+            "ps_push_staleness",
+            "Staleness of accepted pushes: versions (async) or clocks (ssp) behind; always 0 in sync mode.",
+            buckets=STALENESS_BUCKETS,
+            registry=registry,
+        )
+        self.barrier_wait = Histogram(
+            "ps_barrier_wait_seconds",
+            "Seconds a Pull waited for the version it asked for (sync round, ssp bound) before its first "
+            "partition was sent.",
+            buckets=RPC_SECONDS_BUCKETS,
+            registry=registry,
+        )
+        self.checkpoint_duration = Histogram(
+            "ps_checkpoint_duration_seconds",
+            "Seconds to write one checkpoint (temp file, fsync, rename); no samples until a checkpoint is written.",
+            buckets=CHECKPOINT_SECONDS_BUCKETS,
+            registry=registry,
+        )
+        self.last_checkpoint_version = Gauge(
+            "ps_last_checkpoint_version",
+            "Version of the newest complete checkpoint of this shard; 0 until a checkpoint is written.",
+            registry=registry,
+        )
+        if status is not None:
+            registry.register(ShardCollector(status))
+
+    def observe_checkpoint(self, version: int, seconds: float) -> None:
+        """Record one written checkpoint (for the checkpoint writer)."""
+        self.checkpoint_duration.observe(seconds)
+        self.last_checkpoint_version.set(version)
+
+
+@dataclass
+class MetricsEndpoint:
+    """A running ``/metrics`` HTTP server; :meth:`close` stops it."""
+
+    url: str
+    port: int
+    _server: WSGIServer
+    _thread: threading.Thread
+
+    def close(self) -> None:
+        """Stop serving and release the port. Idempotent."""
+        if self._thread.is_alive():
+            self._server.shutdown()
+            self._thread.join(timeout=5)
+        self._server.server_close()
+
+
+def serve_metrics(registry: CollectorRegistry, host: str, port: int) -> MetricsEndpoint:
+    """Serve ``registry`` as Prometheus text on ``http://host:port/metrics`` in a daemon thread.
+
+    Args:
+        registry: what to expose.
+        host: address to bind (the process's ``--host``).
+        port: TCP port; 0 picks a free one (read it back from ``.port``).
+
+    Raises:
+        RuntimeError: the address could not be bound.
+    """
+    try:
+        server, thread = start_http_server(port, addr=host, registry=registry)
+    except OSError as exc:
+        raise RuntimeError(
+            f"Could not serve metrics on {host}:{port} ({exc.strerror or exc}); "
+            "pass --metrics-port 0 for a free port or -1 to turn metrics off."
+        ) from exc
+    bound = server.server_port
+    dial = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(host, host)
+    netloc = f"[{dial}]:{bound}" if ":" in dial else f"{dial}:{bound}"
+    log.info("metrics on http://%s/metrics", netloc)
+    return MetricsEndpoint(url=f"http://{netloc}/metrics", port=bound, _server=server, _thread=thread)

@@ -1,0 +1,58 @@
+"""Prometheus metrics of a worker (DESIGN section 10), built against an injected registry.
+
+:class:`~ps_worker.client.PSClient` records push and pull times and bytes when given a
+:class:`WorkerMetrics`; :func:`~ps_worker.train.train` records step times and the loss. Without
+one (the default) nothing is recorded and no global state is touched.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+STEP_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+"""Seconds; a push or pull moves every parameter and a sync pull waits for its round."""
+
+
+class WorkerMetrics:
+    """The metrics of one worker process, registered in ``registry``.
+
+    Args:
+        registry: where every metric is registered; one per process, or one per test.
+    """
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        self.step_duration = Histogram(
+            "ps_worker_step_duration_seconds",
+            "Seconds of one training step: batch, forward, backward, push and pull.",
+            buckets=STEP_SECONDS_BUCKETS,
+            registry=registry,
+        )
+        self.push_duration = Histogram(
+            "ps_worker_push_duration_seconds",
+            "Seconds of one push of every gradient to every shard (in parallel), retries included.",
+            buckets=STEP_SECONDS_BUCKETS,
+            registry=registry,
+        )
+        self.pull_duration = Histogram(
+            "ps_worker_pull_duration_seconds",
+            "Seconds of one pull of every parameter from every shard, the wait for the version included.",
+            buckets=STEP_SECONDS_BUCKETS,
+            registry=registry,
+        )
+        self.sent_bytes = Counter(
+            "ps_worker_sent_bytes",
+            "Serialized bytes of Init and Push messages sent to the shards, retries included.",
+            registry=registry,
+        )
+        self.received_bytes = Counter(
+            "ps_worker_received_bytes",
+            "Serialized bytes of Pull messages received from the shards.",
+            registry=registry,
+        )
+        self.loss = Gauge(
+            "ps_worker_loss",
+            "Training loss of the latest step on this worker (NaN before the first step).",
+            registry=registry,
+        )
+        self.loss.set(float("nan"))

@@ -1,0 +1,155 @@
+"""Fixtures of the operations tests: in-process shards, a background trainer, external tools."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from ps_server.config import ServerConfig
+from ps_server.server import ShardServer, start_server
+from ps_worker import DistributedOptimizer, PSClient
+from ps_worker.metrics import WorkerMetrics
+
+
+def find_tool(name: str) -> str:
+    """Path of an external command (PATH, then this interpreter's bin/); skips the test when it is
+    missing, except in CI (``CI=true``), where a missing tool fails it."""
+    found = shutil.which(name) or shutil.which(name, path=str(Path(sys.executable).parent))
+    if found:
+        return found
+    message = f"{name} is not installed; run .ci/install-ops-tools.sh (and pip install -e '.[dev]')"
+    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+        pytest.fail(f"{message}: CI must run this test.")
+    pytest.skip(message)
+
+
+def poll(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
+    """Call ``predicate`` until it returns something truthy; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(interval)
+
+
+@pytest.fixture
+def tool() -> Callable[[str], str]:
+    return find_tool
+
+
+@pytest.fixture
+def wait_until() -> Callable[..., Any]:
+    return poll
+
+
+@pytest.fixture
+def start_shards() -> Iterator[Callable[..., list[ShardServer]]]:
+    """``start_shards(n, num_workers=1, **config)``: n shards on 127.0.0.1:0 with /metrics on a free
+    port; all stopped at teardown."""
+    started: list[ShardServer] = []
+
+    def start(n: int, num_workers: int = 1, **config: Any) -> list[ShardServer]:
+        config.setdefault("metrics_port", 0)
+        servers = [
+            start_server(
+                ServerConfig(shard_index=k, num_shards=n, num_workers=num_workers, host="127.0.0.1", port=0, **config)
+            )
+            for k in range(n)
+        ]
+        started.extend(servers)
+        return servers
+
+    yield start
+    for s in started:
+        s.stop(grace=0.5)
+
+
+class Trainer:
+    """One worker rank training a small model in a thread until :meth:`stop` or ``max_steps``."""
+
+    def __init__(
+        self,
+        addresses: list[str],
+        rank: int = 0,
+        num_workers: int = 1,
+        *,
+        metrics: WorkerMetrics | None = None,
+        max_steps: int = 100_000,
+        pace: float = 0.0,
+        token: str | None = None,
+    ) -> None:
+        self.addresses = addresses
+        self.rank = rank
+        self.num_workers = num_workers
+        self.metrics = metrics
+        self.max_steps = max_steps
+        self.pace = pace
+        self.token = token
+        self.steps = 0
+        self.error: BaseException | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"trainer-{rank}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+            with PSClient(
+                self.addresses,
+                rank=self.rank,
+                num_workers=self.num_workers,
+                timeout=10,
+                retry_deadline=5,
+                token=self.token,
+                metrics=self.metrics,
+            ) as client:
+                client.init(model, {"name": "sgd", "lr": 0.01}, init_timeout=20)
+                opt = DistributedOptimizer(model, client)
+                x, y = torch.randn(32, 16), torch.randint(0, 4, (32,))
+                while self.steps < self.max_steps and not self._stop.is_set():
+                    opt.zero_grad()
+                    torch.nn.functional.cross_entropy(model(x), y).backward()
+                    opt.step()
+                    self.steps += 1
+                    if self.pace:
+                        self._stop.wait(self.pace)
+        except BaseException as exc:  # reported by stop()
+            self.error = exc
+
+    def stop(self, timeout: float = 20.0) -> None:
+        """Stop after the current step and re-raise the thread's error, if any."""
+        self._stop.set()
+        self._thread.join(timeout)
+        assert not self._thread.is_alive(), f"trainer rank {self.rank} did not stop within {timeout} s"
+        if self.error is not None:
+            raise self.error
+
+
+@pytest.fixture
+def start_trainer() -> Iterator[Callable[..., Trainer]]:
+    """``start_trainer(addresses, rank=0, num_workers=1, **kw)``; every trainer stopped at teardown."""
+    trainers: list[Trainer] = []
+
+    def start(addresses: list[str], rank: int = 0, num_workers: int = 1, **kw: Any) -> Trainer:
+        t = Trainer(addresses, rank, num_workers, **kw)
+        trainers.append(t)
+        return t
+
+    yield start
+    for t in trainers:
+        t._stop.set()
+    for t in trainers:
+        t._thread.join(20)

@@ -1,0 +1,142 @@
+"""MetricsInterceptor on all four handler kinds, with a fake context: no sockets."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from prometheus_client import CollectorRegistry
+
+from ps_proto.v1 import ps_pb2
+from ps_server.interceptors import MetricsInterceptor
+from ps_server.metrics import ServerMetrics
+
+
+class FakeContext:
+    """The part of grpc.ServicerContext the interceptor reads; abort behaves like grpcio's."""
+
+    def __init__(self, active: bool = True) -> None:
+        self._code: grpc.StatusCode | None = None
+        self.active = active
+
+    def code(self) -> grpc.StatusCode | None:
+        return self._code
+
+    def is_active(self) -> bool:
+        return self.active
+
+    def abort(self, code: grpc.StatusCode, details: str) -> None:
+        self._code = code
+        raise Exception()  # noqa: TRY002 - what grpcio raises
+
+
+class Details:
+    def __init__(self, method: str) -> None:
+        self.method = method
+        self.invocation_metadata = ()
+
+
+def wrap(
+    handler: grpc.RpcMethodHandler, method: str, mode: str = "sync"
+) -> tuple[grpc.RpcMethodHandler, ServerMetrics]:
+    metrics = ServerMetrics(CollectorRegistry())
+    wrapped = MetricsInterceptor(metrics, lambda: mode).intercept_service(lambda d: handler, Details(method))
+    assert wrapped is not None
+    return wrapped, metrics
+
+
+def get(metrics: ServerMetrics, name: str, **labels: str) -> float:
+    return metrics.registry.get_sample_value(name, labels) or 0.0
+
+
+def test_unary_unary_records_duration_code_and_bytes() -> None:
+    request = ps_pb2.JoinRequest(rank=1, num_workers=2, incarnation=3)
+    reply = ps_pb2.JoinResponse(num_shards=2, version=7)
+    handler, m = wrap(grpc.unary_unary_rpc_method_handler(lambda req, ctx: reply), "/ps.v1.ParameterService/Join")
+    assert handler.unary_unary(request, FakeContext()) is reply
+    method = "ps.v1.ParameterService/Join"
+    assert get(m, "ps_rpc_duration_seconds_count", method=method, code="OK") == 1
+    assert get(m, "ps_received_bytes_total", method=method) == request.ByteSize()
+    assert get(m, "ps_sent_bytes_total", method=method) == reply.ByteSize()
+
+
+def test_stream_unary_push_counts_pushes_staleness_and_refusals() -> None:
+    replies = iter([ps_pb2.PushResponse(version=4, staleness=3), ps_pb2.PushResponse(version=4, duplicate=True)])
+
+    def push(requests, ctx):
+        for _ in requests:
+            pass
+        return next(replies)
+
+    handler, m = wrap(grpc.stream_unary_rpc_method_handler(push), "/ps.v1.ParameterService/Push", mode="async")
+    msgs = [ps_pb2.PushRequest(header=ps_pb2.PushHeader(rank=1, clock=2)), ps_pb2.PushRequest()]
+    handler.stream_unary(iter(msgs), FakeContext())
+    handler.stream_unary(iter(msgs), FakeContext())  # a retried duplicate: not a new push
+    assert get(m, "ps_pushes_total", mode="async") == 1
+    assert get(m, "ps_push_staleness_count") == 1 and get(m, "ps_push_staleness_sum") == 3
+    assert get(m, "ps_received_bytes_total", method="ps.v1.ParameterService/Push") == 2 * sum(
+        x.ByteSize() for x in msgs
+    )
+
+    def stale(requests, ctx):
+        ctx.abort(grpc.StatusCode.ABORTED, "too stale")
+
+    handler, m = wrap(grpc.stream_unary_rpc_method_handler(stale), "/ps.v1.ParameterService/Push")
+    with pytest.raises(Exception):  # noqa: B017 - grpcio's abort raises a bare Exception
+        handler.stream_unary(iter(msgs), FakeContext())
+    assert get(m, "ps_rejected_pushes_total", reason="stale") == 1
+    assert get(m, "ps_rpc_duration_seconds_count", method="ps.v1.ParameterService/Push", code="ABORTED") == 1
+
+
+def test_unary_stream_pull_records_wait_and_unknown_errors() -> None:
+    parts = [ps_pb2.PullResponse(version=1, partition=ps_pb2.Partition(key="w", length=2, data=b"12345678"))] * 3
+    handler, m = wrap(
+        grpc.unary_stream_rpc_method_handler(lambda req, ctx: iter(parts)), "/ps.v1.ParameterService/Pull"
+    )
+    assert list(handler.unary_stream(ps_pb2.PullRequest(min_version=1), FakeContext())) == parts
+    method = "ps.v1.ParameterService/Pull"
+    assert get(m, "ps_sent_bytes_total", method=method) == 3 * parts[0].ByteSize()
+    assert get(m, "ps_barrier_wait_seconds_count") == 1
+
+    def broken(req, ctx):
+        raise RuntimeError("bug")
+        yield  # pragma: no cover
+
+    handler, m = wrap(grpc.unary_stream_rpc_method_handler(broken), "/ps.v1.ParameterService/Pull")
+    with pytest.raises(RuntimeError):
+        list(handler.unary_stream(ps_pb2.PullRequest(), FakeContext()))
+    assert get(m, "ps_rpc_duration_seconds_count", method=method, code="UNKNOWN") == 1
+    assert get(m, "ps_barrier_wait_seconds_count") == 0  # no wait ended: the handler failed
+
+
+def test_stream_stream_and_cancelled_stream() -> None:
+    def echo(requests, ctx):
+        yield from requests
+
+    handler, m = wrap(grpc.stream_stream_rpc_method_handler(echo), "/grpc.reflection.v1alpha.ServerReflection/Info")
+    msgs = [ps_pb2.GetStatusRequest(), ps_pb2.JoinRequest(rank=5)]
+    assert list(handler.stream_stream(iter(msgs), FakeContext())) == msgs
+    method = "grpc.reflection.v1alpha.ServerReflection/Info"
+    assert get(m, "ps_rpc_duration_seconds_count", method=method, code="OK") == 1
+    assert get(m, "ps_received_bytes_total", method=method) == get(m, "ps_sent_bytes_total", method=method) == 2
+
+    stream = handler.stream_stream(iter(msgs * 3), FakeContext())
+    next(stream)
+    stream.close()  # what happens to the generator when the client goes away
+    assert get(m, "ps_rpc_duration_seconds_count", method=method, code="CANCELLED") == 1
+
+
+def test_client_gone_during_an_upload_is_cancelled_not_a_refusal() -> None:
+    def push(requests, ctx):
+        for _ in requests:
+            raise grpc.RpcError()  # what the request iterator raises once the client cancelled
+
+    handler, m = wrap(grpc.stream_unary_rpc_method_handler(push), "/ps.v1.ParameterService/Push")
+    with pytest.raises(grpc.RpcError):
+        handler.stream_unary(iter([ps_pb2.PushRequest()]), FakeContext(active=False))
+    assert get(m, "ps_rpc_duration_seconds_count", method="ps.v1.ParameterService/Push", code="CANCELLED") == 1
+    assert get(m, "ps_rejected_pushes_total", reason="cancelled") == 0
+
+
+def test_unknown_methods_are_not_labelled() -> None:
+    m = ServerMetrics(CollectorRegistry())
+    assert MetricsInterceptor(m, lambda: "sync").intercept_service(lambda d: None, Details("/x.Y/Z")) is None
