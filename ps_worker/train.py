@@ -26,7 +26,7 @@ class TrainSummary:
     rank: int
     steps: int
     final_loss: float
-    accuracy: float
+    accuracy: float | None
     eval_loss: float
     wall_seconds: float
     steps_per_second: float
@@ -135,7 +135,7 @@ def train(
         rank=client.rank,
         steps=steps,
         final_loss=sum(tail) / len(tail),
-        accuracy=scores.get("accuracy", float("nan")),
+        accuracy=scores.get("accuracy"),
         eval_loss=scores.get("loss", float("nan")),
         wall_seconds=wall,
         steps_per_second=steps / wall if wall > 0 else 0.0,

@@ -6,8 +6,9 @@ from collections.abc import Callable
 
 from ps_worker.workloads.base import Workload
 from ps_worker.workloads.digits import DigitsWorkload
+from ps_worker.workloads.linreg import LinRegWorkload
 
-WORKLOADS: dict[str, Callable[[], Workload]] = {"digits": DigitsWorkload}
+WORKLOADS: dict[str, Callable[[], Workload]] = {"digits": DigitsWorkload, "linreg": LinRegWorkload}
 
 
 def get_workload(name: str) -> Workload:

@@ -162,3 +162,40 @@ def test_bad_arguments_are_refused_before_starting_anything() -> None:
     assert out.returncode == 2 and ">= 1" in out.stderr
     out = subprocess.run([*LAUNCH, "nosuchworkload"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "invalid choice" in out.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("mode", "flags"),
+    [("async", ["--max-staleness", "4"]), ("ssp", ["--staleness", "2"]), ("easgd", ["--communication-period", "10"])],
+)
+def test_every_mode_reaches_93_percent_on_digits(tmp_path, mode: str, flags: list[str]) -> None:
+    """300 steps per worker, 2 workers, 2 shards (sync is covered by the default-run test)."""
+    out = subprocess.run(
+        [
+            *LAUNCH,
+            "--shards",
+            "2",
+            "--workers",
+            "2",
+            "--mode",
+            mode,
+            *flags,
+            "--json",
+            "--no-progress",
+            "--no-metrics",
+            "--log-dir",
+            str(tmp_path),
+            "digits",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert summary["mode"] == mode and summary["accuracy"] >= 0.93, summary
+    if mode == "ssp":
+        assert summary["shards_view"]["max_clock_gap"] <= 2
+    if mode == "async":
+        assert summary["shards_view"]["staleness_max"] <= 4
