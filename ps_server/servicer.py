@@ -41,6 +41,9 @@ STATUS_CODES: tuple[tuple[type[errors.PSError], grpc.StatusCode], ...] = (
 )
 """Domain error class -> gRPC status code (first match wins)."""
 
+REASON_KEY = "ps-reason"
+"""Trailing metadata key carrying the domain error's ``reason`` of a refused call."""
+
 WORKER_STATES = {
     WorkerState.PENDING: ps_pb2.WORKER_STATE_PENDING,
     WorkerState.LIVE: ps_pb2.WORKER_STATE_LIVE,
@@ -80,6 +83,7 @@ def _refuse(servicer: Any, name: str, exc: errors.PSError, context: grpc.Service
     code = status_code(exc)
     level = logging.INFO if code == grpc.StatusCode.DEADLINE_EXCEEDED else logging.WARNING
     log.log(level, "%s refused (%s): %s", name, code.name, exc)
+    context.set_trailing_metadata(((REASON_KEY, exc.reason),))
     context.abort(code, str(exc))
 
 

@@ -21,10 +21,12 @@ import torch
 from ps_server.core.errors import (
     InvalidRequestError,
     NotInitializedError,
+    NotJoinedError,
     PlanMismatchError,
     PreconditionError,
     ShuttingDownError,
     StalePushError,
+    SupersededError,
     WaitTimeoutError,
 )
 from ps_server.core.modes import MODES, ModeSettings
@@ -182,7 +184,7 @@ class Shard:
             )
         member = self.members[rank]
         if incarnation is not None and incarnation < member.incarnation:
-            raise PreconditionError(
+            raise SupersededError(
                 f"Rank {rank} incarnation {incarnation} was superseded by incarnation "
                 f"{member.incarnation}; this process is stale and should exit."
             )
@@ -194,7 +196,7 @@ class Shard:
 
     def _check_live(self, member: Member, incarnation: int) -> None:
         if member.state is not WorkerState.LIVE or incarnation != member.incarnation:
-            raise PreconditionError(
+            raise NotJoinedError(
                 f"Rank {member.rank} incarnation {incarnation} is not joined here "
                 f"(state {member.state.value}); call Join again, then pull."
             )

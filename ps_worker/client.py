@@ -30,8 +30,20 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+MAX_RECOVERIES = 3
+"""Recoveries (rejoin, re-init, resync) one call may go through before its error is raised."""
+
 MESSAGE_OVERHEAD = 64 * 1024
 """Bytes allowed above ``partition_bytes`` for a message's header fields."""
+
+
+def reason_of(exc: grpc.RpcError) -> str:
+    """The ``ps-reason`` a shard attached to a refusal ("" when none)."""
+    try:
+        metadata = exc.trailing_metadata() or ()
+    except (AttributeError, ValueError):
+        return ""
+    return next((str(v) for key, v in metadata if key == "ps-reason"), "")
 
 
 def model_specs(named: Sequence[tuple[str, torch.Tensor]]) -> list[ParameterSpec]:
@@ -104,6 +116,10 @@ class PSClient:
         self.pushed_bytes = 0
         self.pulled_bytes = 0
         self.staleness: Counter[int] = Counter()
+        self.recoveries: Counter[str] = Counter()
+        self._pushed = [False] * len(self.servers)
+        self._params: dict[str, torch.Tensor] = {}
+        self._optimizer: OptimizerSpec | None = None
         self.refused_pushes = 0
         self.dropped_pushes = 0
         self._host: dict[str, torch.Tensor] = {}
@@ -126,6 +142,48 @@ class PSClient:
     def _call(self, fn: Any, what: str) -> Any:
         return retry_call(fn, self.retry_deadline, what)
 
+    def _with_recovery(self, k: int, fn: Callable[[], Any], what: str) -> Any:
+        """``fn`` with retries of transient errors, and at most :data:`MAX_RECOVERIES` recoveries
+        from refusals that name a fixable cause (see :meth:`_recover`)."""
+        for attempt in range(MAX_RECOVERIES + 1):
+            try:
+                return self._call(fn, what)
+            except grpc.RpcError as exc:
+                if attempt == MAX_RECOVERIES or not self._recover(k, exc):
+                    raise
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _recover(self, k: int, exc: grpc.RpcError) -> bool:
+        """Bring shard ``k`` and this client back in step after a refusal; True when the call
+        should be made again.
+
+        - NOT_JOINED (evicted after a partition, or the shard restarted): Join again.
+        - NOT_INITIALIZED (the shard restarted with no checkpoint): rank 0 writes its current
+          values again (first writer wins); other ranks wait for that. Then Join.
+        - FUTURE_ROUND (the shard restarted from an older checkpoint): adopt its round.
+        """
+        reason = reason_of(exc)
+        if reason not in ("NOT_JOINED", "NOT_INITIALIZED", "FUTURE_ROUND"):
+            return False
+        log.warning("rank %d: shard %s refused (%s: %s); recovering", self.rank, self.servers[k], reason, exc.details())
+        self.recoveries[reason] += 1
+        if reason == "NOT_INITIALIZED":
+            if self.rank == 0 and self._params and self._optimizer is not None:
+                self._init_shard(k, self._params, self._optimizer)
+            else:
+                self._wait_initialized({k: self._join_shard(k)}, self.retry_deadline)
+        reply = self._join_shard(k)
+        self.versions[k] = reply.version
+        self._pushed[k] = False
+        return True
+
+    def _join_shard(self, k: int) -> ps_pb2.JoinResponse:
+        req = ps_pb2.JoinRequest(rank=self.rank, num_workers=self.num_workers, incarnation=self.incarnation)
+        return self._call(
+            lambda: self._stubs[k].Join(req, timeout=self.timeout, metadata=self._metadata, wait_for_ready=True),
+            f"Join {self.servers[k]}",
+        )
+
     def _require_plan(self) -> Plan:
         if self.plan is None:
             raise RuntimeError("Call client.init(model, optimizer=...) before push or pull.")
@@ -139,15 +197,7 @@ class PSClient:
             grpc.RpcError: a shard refused the join.
             RuntimeError: the shards disagree on mode or their indices do not match ``servers``.
         """
-        req = ps_pb2.JoinRequest(rank=self.rank, num_workers=self.num_workers, incarnation=self.incarnation)
-
-        def one(k: int) -> ps_pb2.JoinResponse:
-            return self._call(
-                lambda: self._stubs[k].Join(req, timeout=self.timeout, metadata=self._metadata, wait_for_ready=True),
-                f"Join {self.servers[k]}",
-            )
-
-        replies = self._each_shard(one)
+        replies = self._each_shard(self._join_shard)
         for k, r in enumerate(replies):
             if r.shard_index != k or r.num_shards != self.num_shards:
                 raise RuntimeError(
@@ -194,17 +244,20 @@ class PSClient:
         self.plan = make_plan(model_specs(named), self.num_shards, self.partition_bytes)
         self._host = {}
         replies = self.join()
+        self._params = {k: p for k, p in named}
+        self._optimizer = opt
         if self.rank == 0:
-            values = {k: p for k, p in named}
-            self._each_shard(lambda k: self._init_shard(k, values, opt))
+            self._each_shard(lambda k: self._init_shard(k, self._params, opt))
         else:
-            self._wait_initialized(replies, init_timeout)
+            self._wait_initialized(dict(enumerate(replies)), init_timeout)
         params = {k: p.data for k, p in named}
         self.pull(params, min_version=0)
         self.clock = max(self.clock, self.version) if self.mode == "sync" else self.clock
 
     def _init_shard(self, k: int, values: Mapping[str, torch.Tensor], opt: OptimizerSpec) -> None:
+        """Init shard ``k`` with ``values`` (any device; copied to host memory once here)."""
         plan = self._require_plan()
+        values = {key: t.detach().to("cpu") for key, t in values.items()}
         header = ps_pb2.InitHeader(
             rank=self.rank, incarnation=self.incarnation, plan=plan_to_proto(plan), optimizer=optimizer_to_proto(opt)
         )
@@ -220,12 +273,12 @@ class PSClient:
         )
         log.info("rank %d: shard %d init %s", self.rank, k, "applied" if reply.applied else "already done")
 
-    def _wait_initialized(self, replies: list[ps_pb2.JoinResponse], init_timeout: float) -> None:
+    def _wait_initialized(self, replies: Mapping[int, ps_pb2.JoinResponse], init_timeout: float) -> None:
+        """Poll Join on the shards of ``replies`` (shard -> last reply) until rank 0 initialized them."""
         plan = self._require_plan()
         stop = time.monotonic() + init_timeout
         delays = backoff_delays(base=0.02, cap=0.5)
-        for k in range(self.num_shards):
-            reply = replies[k]
+        for k, reply in replies.items():
             while not reply.initialized:
                 if time.monotonic() > stop:
                     raise TimeoutError(
@@ -319,25 +372,30 @@ class PSClient:
         sent = [0] * self.num_shards
 
         def one(k: int) -> ps_pb2.PushResponse:
-            header = ps_pb2.PushHeader(
-                rank=self.rank,
-                incarnation=self.incarnation,
-                clock=self.clock,
-                version=self.versions[k],
-                plan_digest=plan.digest,
-            )
             msgs = [ps_pb2.PushRequest(partition=m) for _, m in self._partitions_of(k, flats)]
             sent[k] = sum(len(m.partition.data) for m in msgs)
 
             def stream() -> Iterator[ps_pb2.PushRequest]:
+                # sync: the round is the version the gradient's parameters came from (per shard, so a
+                # shard restored from an older checkpoint is followed); otherwise the step count
+                header = ps_pb2.PushHeader(
+                    rank=self.rank,
+                    incarnation=self.incarnation,
+                    clock=self.versions[k] if self.mode == "sync" else self.clock,
+                    version=self.versions[k],
+                    plan_digest=plan.digest,
+                )
                 yield self._sent(ps_pb2.PushRequest(header=header))
                 for m in msgs:
                     yield self._sent(m)
 
-            return self._call(
+            reply = self._with_recovery(
+                k,
                 lambda: self._stubs[k].Push(stream(), timeout=self.timeout, metadata=self._metadata),
                 f"Push {self.servers[k]}",
             )
+            self._pushed[k] = True
+            return reply
 
         start = time.perf_counter()
         try:
@@ -367,8 +425,8 @@ class PSClient:
 
         Args:
             out: key -> tensor of the parameter's shape and dtype, written in place.
-            min_version: wait until every shard reaches this version; default: in sync mode the
-                round after this worker's last push (``clock``), otherwise no wait.
+            min_version: wait until every shard reaches this version; default: in sync mode each
+                shard's round after this worker's last push to it, otherwise no wait.
 
         Returns:
             The lowest version among the shards.
@@ -377,8 +435,12 @@ class PSClient:
             grpc.RpcError: DEADLINE_EXCEEDED if the round does not complete within ``timeout``.
         """
         plan = self._require_plan()
-        if min_version is None:
-            min_version = self.clock if self.mode == "sync" else 0
+        if min_version is not None:
+            mins = [min_version] * self.num_shards
+        elif self.mode == "sync":
+            mins = [v + 1 if pushed else v for v, pushed in zip(self.versions, self._pushed, strict=True)]
+        else:
+            mins = [0] * self.num_shards
         device_out = {k: t for k, t in out.items() if t.device.type != "cpu"}
         flats = {
             s.key: (self._host_flat(s.key, out[s.key]) if s.key in device_out else out[s.key].data.reshape(-1))
@@ -386,14 +448,14 @@ class PSClient:
         }
         if any(flat.data_ptr() != out[k].data_ptr() and k not in device_out for k, flat in flats.items()):
             raise ValueError("pull() writes in place and needs contiguous CPU tensors or device tensors.")
-        req = ps_pb2.PullRequest(
-            rank=self.rank, incarnation=self.incarnation, min_version=min_version, plan_digest=plan.digest
-        )
         dtypes = {s.key: s.dtype for s in plan.specs}
         owned = [{(p.key, p.offset): p.length for p in plan.owned_by(k)} for k in range(self.num_shards)]
 
         def one(k: int) -> tuple[int, int]:
             def attempt() -> tuple[int, int]:
+                req = ps_pb2.PullRequest(
+                    rank=self.rank, incarnation=self.incarnation, min_version=mins[k], plan_digest=plan.digest
+                )
                 version, received, seen = 0, 0, 0
                 for reply in self._stubs[k].Pull(req, timeout=self.timeout, metadata=self._metadata):
                     version = reply.version
@@ -411,7 +473,10 @@ class PSClient:
                     raise RuntimeError(f"Shard {self.servers[k]} sent {seen} of {len(owned[k])} partitions.")
                 return version, received
 
-            return self._call(attempt, f"Pull {self.servers[k]}")
+            def recovering() -> tuple[int, int]:
+                return self._with_recovery(k, attempt, f"Pull {self.servers[k]}")
+
+            return recovering()
 
         start = time.perf_counter()
         results = self._each_shard(one)
@@ -423,9 +488,8 @@ class PSClient:
         if device_out:
             torch.cuda.synchronize()
         self.versions = [r[0] for r in results]
+        self._pushed = [False] * self.num_shards
         self.version = min(self.versions)
-        if self.mode == "sync":  # a rank that missed rounds (quorum) computes on the round it pulled
-            self.clock = max(self.clock, self.version)
         return self.version
 
     def exchange(self, params: Mapping[str, torch.Tensor]) -> int:
@@ -474,7 +538,7 @@ class PSClient:
                     raise RuntimeError(f"Shard {self.servers[k]} sent {seen} of {len(owned[k])} partitions.")
                 return version, sum(len(m.partition.data) for m in msgs), received
 
-            return self._call(attempt, f"Exchange {self.servers[k]}")
+            return self._with_recovery(k, attempt, f"Exchange {self.servers[k]}")
 
         results = self._each_shard(one)
         self.exchanges += 1

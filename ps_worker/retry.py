@@ -13,7 +13,8 @@ import grpc
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE})
+RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+"""Transient codes: the shard is restarting or unreachable, or the call ran out of time."""
 
 
 def backoff_delays(base: float = 0.05, cap: float = 2.0, rng: random.Random | None = None):

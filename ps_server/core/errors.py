@@ -1,4 +1,9 @@
-"""Domain errors of grpc-ps; the servicer maps each class to one gRPC status code."""
+"""Domain errors of grpc-ps; the servicer maps each class to one gRPC status code.
+
+Each class has a ``reason`` that travels in the trailing metadata ``ps-reason`` of the refused
+call, so clients can tell apart refusals that share a status code (an evicted rank rejoins, a
+restarted shard is re-synchronized) without parsing messages.
+"""
 
 from __future__ import annotations
 
@@ -6,35 +11,72 @@ from __future__ import annotations
 class PSError(Exception):
     """Base class. The message is shown to the caller and says what to do."""
 
+    reason = "ERROR"
+
 
 class InvalidRequestError(PSError):
     """A request is malformed: unknown key, wrong dtype or length, non-finite values, bad config
     (INVALID_ARGUMENT)."""
 
+    reason = "INVALID"
+
 
 class UnknownKeyError(InvalidRequestError):
     """A partition names a parameter or a slice this shard does not own (INVALID_ARGUMENT)."""
+
+    reason = "UNKNOWN_KEY"
 
 
 class PreconditionError(PSError):
     """The shard is not in a state to serve the request (FAILED_PRECONDITION)."""
 
+    reason = "PRECONDITION"
+
 
 class NotInitializedError(PreconditionError):
     """The shard has not been initialized yet: rank 0 must call Init first."""
+
+    reason = "NOT_INITIALIZED"
 
 
 class PlanMismatchError(PreconditionError):
     """The caller's plan digest differs from the shard's."""
 
+    reason = "PLAN_MISMATCH"
+
+
+class NotJoinedError(PreconditionError):
+    """The rank is not joined (evicted, left, or the shard restarted): Join again, then pull."""
+
+    reason = "NOT_JOINED"
+
+
+class SupersededError(PreconditionError):
+    """A newer incarnation of the rank has joined; this process is stale and should exit."""
+
+    reason = "SUPERSEDED"
+
+
+class FutureRoundError(PreconditionError):
+    """A sync push for a round the shard has not reached (it restarted from an older checkpoint,
+    or the worker did not pull): pull from the shard, then push the round it holds."""
+
+    reason = "FUTURE_ROUND"
+
 
 class StalePushError(PSError):
     """A push is too old to apply: pull the current parameters and retry (ABORTED)."""
+
+    reason = "STALE"
 
 
 class ShuttingDownError(PSError):
     """The shard is stopping (UNAVAILABLE)."""
 
+    reason = "SHUTTING_DOWN"
+
 
 class WaitTimeoutError(PSError):
     """A wait for a version ran past its deadline (DEADLINE_EXCEEDED)."""
+
+    reason = "WAIT_TIMEOUT"

@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
-from ps_server.core.errors import PreconditionError, StalePushError
+from ps_server.core.errors import FutureRoundError, PreconditionError, StalePushError
 
 Gradients = Sequence[torch.Tensor]
 """One 1-D tensor per partition owned by the shard, in plan order."""
@@ -59,7 +59,8 @@ class SyncRounds:
 
         Raises:
             StalePushError: ``clock`` is an already closed round.
-            PreconditionError: ``clock`` is a future round, or ``rank`` already pushed this round.
+            FutureRoundError: ``clock`` is a future round.
+            PreconditionError: ``rank`` already pushed this round.
         """
         if clock < self.round:
             raise StalePushError(
@@ -67,7 +68,7 @@ class SyncRounds:
                 f"{self.round} and push clock {self.round}."
             )
         if clock > self.round:
-            raise PreconditionError(
+            raise FutureRoundError(
                 f"Push for round {clock} but the shard is at round {self.round}; pull version {clock} first."
             )
         if rank in self.pending:
