@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -51,6 +52,9 @@ class ServerConfig:
     moving_rate: float | None = None
     communication_period: int = 10
     easgd_sync: bool = False
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_client_ca: str = ""
     metrics_port: int = -1
     """HTTP port of ``/metrics`` on ``host``; 0 picks a free port, -1 (the library default) serves none.
     ``ps-server`` defaults to 8000."""
@@ -80,6 +84,17 @@ class ServerConfig:
                 f"Refusing to serve on non-loopback address {self.host!r} without both PS_TOKEN and "
                 "PS_ADMIN_TOKEN: set them (or --token/--admin-token), or pass --insecure on a trusted network."
             )
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise InvalidRequestError("--tls-cert and --tls-key go together: pass both, or neither for plaintext.")
+        if self.tls_client_ca and not self.tls_cert:
+            raise InvalidRequestError("--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key too.")
+        for flag, path in (
+            ("--tls-cert", self.tls_cert),
+            ("--tls-key", self.tls_key),
+            ("--tls-client-ca", self.tls_client_ca),
+        ):
+            if path and not os.access(path, os.R_OK):
+                raise InvalidRequestError(f"{flag} {path!r} is not a readable file.")
         self.mode_settings()  # validates the mode parameters
 
     def mode_settings(self) -> ModeSettings:
@@ -126,6 +141,9 @@ def server_parser(environ: Mapping[str, str] | None = None) -> FlagParser:
     p.flag("--token", default="", help="bearer token workers must send to ParameterService")
     p.flag("--admin-token", default="", help="bearer token operators must send to Admin")
     p.flag("--insecure", switch=True, help="allow a non-loopback bind without tokens")
+    p.flag("--tls-cert", default="", help="PEM certificate chain of this shard: serve TLS")
+    p.flag("--tls-key", default="", help="PEM private key of --tls-cert")
+    p.flag("--tls-client-ca", default="", help="PEM CA that client certificates must chain to (mutual TLS)")
     p.flag("--max-message-bytes", type=int, default=16 * 1024 * 1024, help="largest gRPC message accepted, bytes")
     p.flag(
         "--sync-quorum",
@@ -182,6 +200,9 @@ def config_from_args(
             admin_token=args.admin_token,
             insecure=args.insecure,
             max_message_bytes=args.max_message_bytes,
+            tls_cert=args.tls_cert,
+            tls_key=args.tls_key,
+            tls_client_ca=args.tls_client_ca,
             sync_quorum=args.sync_quorum,
             round_timeout=args.round_timeout,
             max_staleness=args.max_staleness,

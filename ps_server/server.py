@@ -88,6 +88,17 @@ class ShardServer:
         self.server.wait_for_termination()
 
 
+def credentials(config: ServerConfig) -> grpc.ServerCredentials:
+    """TLS credentials of ``config`` (mutual TLS when ``tls_client_ca`` is set)."""
+    with open(config.tls_key, "rb") as key, open(config.tls_cert, "rb") as cert:
+        pair = (key.read(), cert.read())
+    client_ca = None
+    if config.tls_client_ca:
+        with open(config.tls_client_ca, "rb") as ca:
+            client_ca = ca.read()
+    return grpc.ssl_server_credentials([pair], root_certificates=client_ca, require_client_auth=client_ca is not None)
+
+
 def start_server(config: ServerConfig, shard: Shard | None = None) -> ShardServer:
     """Build, bind and start a shard's server.
 
@@ -131,7 +142,7 @@ def start_server(config: ServerConfig, shard: Shard | None = None) -> ShardServe
     host = config.host
     bind = f"[{host}]:{config.port}" if ":" in host else f"{host}:{config.port}"
     try:
-        port = server.add_insecure_port(bind)
+        port = server.add_secure_port(bind, credentials(config)) if config.tls_cert else server.add_insecure_port(bind)
     except RuntimeError as exc:
         raise RuntimeError(f"Could not bind {bind}: {exc}; is the port in use?") from exc
     if port == 0:

@@ -45,7 +45,16 @@ def worker_parser(environ: Mapping[str, str] | None = None) -> FlagParser:
     p.flag("--device", default="auto", help="cpu, cuda, cuda:N, or auto (cuda when available)")
     p.flag("--timeout", type=float, default=60.0, help="per-RPC deadline in seconds (a sync pull waits this long)")
     p.flag("--incarnation", type=int, default=None, help="restart counter of this rank (default: wall-clock µs)")
+    p.flag(
+        "--retry-deadline",
+        type=float,
+        default=30.0,
+        help="seconds to keep retrying an unreachable shard (backoff with jitter) before failing",
+    )
     p.flag("--token", default="", help="bearer token for ParameterService")
+    p.flag("--tls-ca", default="", help="PEM CA of the shards' certificates: connect with TLS")
+    p.flag("--tls-cert", default="", help="PEM client certificate for mutual TLS")
+    p.flag("--tls-key", default="", help="PEM private key of --tls-cert")
     p.flag(
         "--metrics-port",
         type=int,
@@ -118,6 +127,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         incarnation=args.incarnation,
         token=args.token or None,
         timeout=args.timeout,
+        retry_deadline=args.retry_deadline,
+        tls_ca=args.tls_ca or None,
+        tls_cert=args.tls_cert or None,
+        tls_key=args.tls_key or None,
         metrics=metrics,
     )
     try:

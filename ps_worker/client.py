@@ -37,6 +37,38 @@ MESSAGE_OVERHEAD = 64 * 1024
 """Bytes allowed above ``partition_bytes`` for a message's header fields."""
 
 
+def channel(
+    address: str,
+    options: Sequence[tuple[str, Any]] = (),
+    tls_ca: str | None = None,
+    tls_cert: str | None = None,
+    tls_key: str | None = None,
+) -> grpc.Channel:
+    """A channel to ``address``: TLS when ``tls_ca`` is given (PEM file of the CA that signed the
+    shards' certificates), with a client certificate for mutual TLS when ``tls_cert``/``tls_key``
+    are given; plaintext otherwise.
+
+    Raises:
+        ValueError: only one of ``tls_cert``/``tls_key``, or a client certificate without ``tls_ca``.
+        OSError: a file cannot be read.
+    """
+    if bool(tls_cert) != bool(tls_key):
+        raise ValueError("tls_cert and tls_key go together: pass both for mutual TLS, or neither.")
+    if tls_cert and not tls_ca:
+        raise ValueError("A client certificate needs tls_ca, the CA of the shards' certificates.")
+    if not tls_ca:
+        return grpc.insecure_channel(address, options=list(options))
+
+    def read(path: str | None) -> bytes | None:
+        if not path:
+            return None
+        with open(path, "rb") as f:
+            return f.read()
+
+    creds = grpc.ssl_channel_credentials(read(tls_ca), read(tls_key), read(tls_cert))
+    return grpc.secure_channel(address, creds, options=list(options))
+
+
 def reason_of(exc: grpc.RpcError) -> str:
     """The ``ps-reason`` a shard attached to a refusal ("" when none)."""
     try:
@@ -68,6 +100,9 @@ class PSClient:
         timeout: per-RPC deadline in seconds; a sync pull waits at most this long for its round.
         retry_deadline: seconds to keep retrying UNAVAILABLE (backoff with jitter).
         partition_bytes: largest partition payload in bytes (all workers must agree).
+        tls_ca: PEM file of the CA of the shards' certificates: use TLS (DESIGN section 8).
+        tls_cert: PEM client certificate for mutual TLS (with ``tls_key``).
+        tls_key: PEM private key of ``tls_cert``.
         metrics: where to record push/pull seconds and bytes; None records nothing.
 
     Raises:
@@ -85,6 +120,9 @@ class PSClient:
         timeout: float = 60.0,
         retry_deadline: float = 30.0,
         partition_bytes: int = DEFAULT_PARTITION_BYTES,
+        tls_ca: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
         metrics: WorkerMetrics | None = None,
     ) -> None:
         if not servers:
@@ -102,7 +140,7 @@ class PSClient:
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         limit = partition_bytes + MESSAGE_OVERHEAD
         options = [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
-        self._channels = [grpc.insecure_channel(addr, options=options) for addr in self.servers]
+        self._channels = [channel(addr, options, tls_ca, tls_cert, tls_key) for addr in self.servers]
         self._stubs = [ps_pb2_grpc.ParameterServiceStub(ch) for ch in self._channels]
         self._pool = futures.ThreadPoolExecutor(max_workers=len(self.servers), thread_name_prefix="ps-client")
         self.plan: Plan | None = None

@@ -8,12 +8,12 @@ import pytest
 import torch
 from hypothesis import settings
 
+from ps_server.config import ServerConfig
+from ps_server.server import ShardServer, start_server
+
 # Property tests check behaviour, not speed: a loaded 2-core CI machine must not fail them on time.
 settings.register_profile("grpc-ps", deadline=None)
 settings.load_profile("grpc-ps")
-
-from ps_server.config import ServerConfig
-from ps_server.server import ShardServer, start_server
 
 RPC_TIMEOUT = 10.0
 """Seconds every RPC in a test may take; a barrier bug fails instead of hanging."""

@@ -1,0 +1,160 @@
+"""TLS and mutual TLS with a CA made by the test (openssl); plaintext to a TLS shard fails cleanly."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from ps_proto.v1 import ps_pb2, ps_pb2_grpc
+from ps_worker import DistributedOptimizer, PSClient
+from ps_worker.client import channel
+from tests.conftest import RPC_TIMEOUT, small_model
+
+
+def openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A CA, a shard certificate for 127.0.0.1/localhost, and a worker client certificate."""
+    if shutil.which("openssl") is None:
+        pytest.fail("openssl is needed to make the test CA")
+    d = tmp_path_factory.mktemp("pki")
+    openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+        "-days",
+        "1",
+        "-subj",
+        "/CN=grpc-ps test CA",
+        cwd=d,
+    )
+    (d / "san.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    for name in ("shard", "worker"):
+        openssl(
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            f"{name}.key",
+            "-out",
+            f"{name}.csr",
+            "-subj",
+            f"/CN={name}",
+            cwd=d,
+        )
+        openssl(
+            "x509",
+            "-req",
+            "-in",
+            f"{name}.csr",
+            "-CA",
+            "ca.pem",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-out",
+            f"{name}.pem",
+            "-days",
+            "1",
+            "-extfile",
+            "san.ext",
+            cwd=d,
+        )
+    return d
+
+
+def train_two_steps(address: str, **tls: str) -> int:
+    model = small_model()
+    with PSClient([address], rank=0, num_workers=1, timeout=RPC_TIMEOUT, retry_deadline=2.0, **tls) as c:
+        c.init(model, {"name": "sgd", "lr": 0.1})
+        opt = DistributedOptimizer(model, c)
+        for _ in range(2):
+            opt.zero_grad()
+            model(torch.randn(4, 8)).sum().backward()
+            opt.step()
+        return c.version
+
+
+def test_tls_shard_trains_and_refuses_plaintext(start_cluster, pki: Path) -> None:
+    (shard,) = start_cluster(
+        num_shards=1, num_workers=1, tls_cert=str(pki / "shard.pem"), tls_key=str(pki / "shard.key")
+    )
+    assert train_two_steps(shard.address, tls_ca=str(pki / "ca.pem")) == 2
+    with grpc.insecure_channel(shard.address) as ch:
+        with pytest.raises(grpc.RpcError) as err:
+            ps_pb2_grpc.AdminStub(ch).GetStatus(ps_pb2.GetStatusRequest(), timeout=RPC_TIMEOUT)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_mutual_tls_requires_a_client_certificate(start_cluster, pki: Path) -> None:
+    (shard,) = start_cluster(
+        num_shards=1,
+        num_workers=1,
+        tls_cert=str(pki / "shard.pem"),
+        tls_key=str(pki / "shard.key"),
+        tls_client_ca=str(pki / "ca.pem"),
+    )
+    with channel(shard.address, tls_ca=str(pki / "ca.pem")) as ch:
+        with pytest.raises(grpc.RpcError) as err:
+            ps_pb2_grpc.AdminStub(ch).GetStatus(ps_pb2.GetStatusRequest(), timeout=RPC_TIMEOUT)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    version = train_two_steps(
+        shard.address, tls_ca=str(pki / "ca.pem"), tls_cert=str(pki / "worker.pem"), tls_key=str(pki / "worker.key")
+    )
+    assert version == 2
+
+
+def test_tls_settings_are_validated(pki: Path) -> None:
+    from ps_server.config import ServerConfig
+    from ps_server.core.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match="go together"):
+        ServerConfig(0, 1, 1, tls_cert=str(pki / "shard.pem"))
+    with pytest.raises(InvalidRequestError, match="not a readable file"):
+        ServerConfig(0, 1, 1, tls_cert=str(pki / "nope.pem"), tls_key=str(pki / "shard.key"))
+    with pytest.raises(ValueError, match="needs tls_ca"):
+        channel("127.0.0.1:1", tls_cert=str(pki / "worker.pem"), tls_key=str(pki / "worker.key"))
+
+
+def test_non_loopback_bind_without_tokens_refuses_to_start() -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PS_")}
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ps_server.cli",
+            "--shard-index",
+            "0",
+            "--num-shards",
+            "1",
+            "--num-workers",
+            "1",
+            "--host",
+            "0.0.0.0",
+            "--port",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert out.returncode == 2
+    assert "Refusing to serve on non-loopback address '0.0.0.0' without both PS_TOKEN and PS_ADMIN_TOKEN" in out.stderr
