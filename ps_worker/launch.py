@@ -30,6 +30,7 @@ from tqdm import tqdm
 from ps_proto.v1 import ps_pb2, ps_pb2_grpc
 from ps_server.flags import FlagParser
 from ps_server.shard import MODES
+from ps_worker.faults import Fault, parse_faults
 from ps_worker.workloads import WORKLOADS
 
 LISTENING = re.compile(r"listening on (\S+)")
@@ -79,6 +80,12 @@ def launch_parser(environ: Mapping[str, str] | None = None) -> FlagParser:
     p.flag("--no-metrics", switch=True, help="serve no Prometheus /metrics from shards and workers")
     p.flag("--json", switch=True, help="print the summary as one JSON object on the last line of stdout")
     p.flag("--no-progress", switch=True, help="no progress bars")
+    p.flag("--lease-timeout", type=float, default=10.0, help="seconds of silence before a shard evicts a rank")
+    p.flag(
+        "--fault",
+        default="",
+        help="inject faults: kill-worker:R@step=N[,restart] or kill-shard:K@step=N[,restart], ';'-separated",
+    )
     p.add_argument(
         "workload",
         nargs="?",
@@ -97,6 +104,7 @@ class Child:
     proc: subprocess.Popen[str]
     log_path: Path
     log_file: IO[str]
+    argv: list[str] = field(default_factory=list)
     events: list[dict[str, Any]] = field(default_factory=list)
     metrics_url: str | None = None
 
@@ -111,7 +119,7 @@ class Cluster:
 
     def spawn(self, name: str, argv: Sequence[str]) -> Child:
         log_path = self.log_dir / f"{name}.log"
-        log_file = open(log_path, "w")  # noqa: SIM115 - closed in stop()
+        log_file = open(log_path, "a")  # noqa: SIM115 - closed in stop(); appended to on a restart
         proc = subprocess.Popen(
             [sys.executable, "-m", *argv],
             stdout=subprocess.PIPE,
@@ -121,7 +129,7 @@ class Cluster:
             preexec_fn=_die_with_parent,
             start_new_session=True,
         )
-        child = Child(name, proc, log_path, log_file)
+        child = Child(name, proc, log_path, log_file, argv=list(argv))
         self.children.append(child)
         print(f"ps-launch: started {name} (pid {proc.pid})", file=sys.stderr, flush=True)
         return child
@@ -180,6 +188,25 @@ class Cluster:
             addresses[k] = addr
         return [addresses[k] for k in range(n)]
 
+    def restart_shard(self, child: Child, address: str, deadline: float = 60.0) -> Child:
+        """Start a killed shard again with its command, on its old port; returns the new child.
+
+        Raises:
+            RuntimeError: it did not serve again within ``deadline`` seconds.
+        """
+        argv = list(child.argv)
+        argv[argv.index("--port") + 1] = address.rsplit(":", 1)[1]
+        new = self.spawn(child.name, argv)
+        found: queue.Queue[tuple[int, str | None]] = queue.Queue()
+        threading.Thread(target=self._read_address, args=(0, new, found), daemon=True).start()
+        try:
+            _, addr = found.get(timeout=deadline)
+        except queue.Empty:
+            raise RuntimeError(f"{child.name} did not serve again within {deadline:.0f} s") from None
+        if addr is None:
+            raise RuntimeError(f"{child.name} exited when restarted:\n{tail(new.log_path)}")
+        return new
+
     @staticmethod
     def _read_address(k: int, child: Child, found: queue.Queue[tuple[int, str | None]]) -> None:
         assert child.proc.stdout is not None
@@ -215,6 +242,8 @@ class Cluster:
 def server_flags(args: Any) -> list[str]:
     """The mode parameters ps-launch forwards to every ps-server."""
     flags = [
+        "--lease-timeout",
+        str(args.lease_timeout),
         "--sync-quorum",
         str(args.sync_quorum),
         "--round-timeout",
@@ -283,6 +312,12 @@ def summarize(
             rejected[reason] = max(rejected.get(reason, 0), n)
     shard_view = {
         "clocks": [w.clock for w in statuses[0].workers] if statuses else [],
+        "worker_states": [
+            ps_pb2.WorkerState.Name(w.state).removeprefix("WORKER_STATE_").lower() for w in statuses[0].workers
+        ]
+        if statuses
+        else [],
+        "incarnations": [w.incarnation for w in statuses[0].workers] if statuses else [],
         "max_clock_gap": max((st.max_clock_gap for st in statuses), default=0),
         "rejected_pushes": rejected,
         "staleness_p50": max((st.staleness.p50 for st in statuses), default=0.0),
@@ -354,6 +389,11 @@ def run(args: Any) -> int:
     if args.shards < 1 or args.workers < 1 or args.steps < 1:
         print("ps-launch: --shards, --workers and --steps must be >= 1.", file=sys.stderr)
         return 2
+    try:
+        faults = parse_faults(args.fault, args.shards, args.workers)
+    except ValueError as exc:
+        print(f"ps-launch: {exc}", file=sys.stderr)
+        return 2
     log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="ps-launch-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     cluster = Cluster(log_dir)
@@ -369,6 +409,8 @@ def run(args: Any) -> int:
                 print(f"ps-launch: {c.name} metrics on {c.metrics_url}", file=sys.stderr)
         events: queue.Queue[tuple[str, dict[str, Any]]] = queue.Queue()
         workers = []
+        fired: list[dict[str, Any]] = []
+        restarts: list[str] = []
         for r in range(args.workers):
             argv = [
                 "ps_worker.cli",
@@ -419,6 +461,23 @@ def run(args: Any) -> int:
         ]
         done: dict[str, dict[str, Any]] = {}
         exited: set[str] = set()
+        killed: dict[str, Fault] = {}
+        shards = [c for c in cluster.children if c.name.startswith("shard-")]
+
+        def inject(fault: Fault, step: int) -> None:
+            tqdm.write(f"ps-launch: fault {fault} at step {step}", file=sys.stderr)
+            fired.append({"fault": str(fault), "step": step, "seconds": time.perf_counter() - started})
+            if fault.what == "worker":
+                killed[fault.name] = fault
+                workers[fault.index].proc.kill()
+                return
+            victim = shards[fault.index]
+            victim.proc.kill()
+            victim.proc.wait(timeout=30)
+            if fault.restart:
+                shards[fault.index] = cluster.restart_shard(victim, addresses[fault.index])
+                tqdm.write(f"ps-launch: {fault.name} restarted (pid {shards[fault.index].proc.pid})", file=sys.stderr)
+
         while len(exited) < len(workers):
             try:
                 name, event = events.get(timeout=0.5)
@@ -428,11 +487,23 @@ def run(args: Any) -> int:
             if event.get("event") == "step":
                 bars[rank].n = event["step"]
                 bars[rank].set_postfix(loss=f"{event['loss']:.4f}", refresh=True)
+                for fault in [f for f in faults if f.due(rank, event["step"])]:
+                    faults.remove(fault)
+                    inject(fault, event["step"])
             elif event.get("event") == "metrics":
                 workers[rank].metrics_url = event["url"]
                 tqdm.write(f"ps-launch: {name} metrics on {event['url']}", file=sys.stderr)
             elif event.get("event") == "done":
                 done[name] = event
+            elif event.get("event") == "exit" and name in killed:
+                fault = killed.pop(name)
+                workers[rank].proc.wait(timeout=30)
+                if not fault.restart:
+                    exited.add(name)  # an injected death, not a failure of the run
+                    continue
+                workers[rank] = cluster.spawn(name, workers[rank].argv)
+                threading.Thread(target=read_events, args=(workers[rank], events), daemon=True).start()
+                restarts.append(name)
             elif event.get("event") == "exit":
                 exited.add(name)
                 code = workers[rank].proc.wait(timeout=30)
@@ -454,6 +525,8 @@ def run(args: Any) -> int:
         b.close()
     metrics_urls = {c.name: c.metrics_url for c in cluster.children if c.metrics_url}
     summary = summarize(args, list(done.values()), wall, addresses, statuses, metrics_urls)
+    summary["faults"] = fired
+    summary["restarted"] = restarts
     print_summary(summary, sys.stdout)
     if args.json:
         print(json.dumps(summary), flush=True)

@@ -109,7 +109,10 @@ def train(
     start = time.perf_counter()
     data = batches(loader, sampler)
     model.train()
-    for step in range(steps):
+    # a restarted rank resumes at the cluster's clock: --steps counts the rank's whole run
+    start = client.exchanges * max(1, client.config.communication_period) if client.mode == "easgd" else client.clock
+    first = min(start, steps)
+    for step in range(first, steps):
         step_start = time.perf_counter()
         x, y = next(data)
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
@@ -138,8 +141,8 @@ def train(
         accuracy=scores.get("accuracy"),
         eval_loss=scores.get("loss", float("nan")),
         wall_seconds=wall,
-        steps_per_second=steps / wall if wall > 0 else 0.0,
-        samples_per_second=steps * batch_size / wall if wall > 0 else 0.0,
+        steps_per_second=(steps - first) / wall if wall > 0 else 0.0,
+        samples_per_second=(steps - first) * batch_size / wall if wall > 0 else 0.0,
         pushed_bytes=client.pushed_bytes,
         pulled_bytes=client.pulled_bytes,
         version=client.version,
