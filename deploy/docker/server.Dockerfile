@@ -4,11 +4,11 @@
 # Configure with PS_* environment variables (PS_SHARD_INDEX, PS_NUM_SHARDS, PS_NUM_WORKERS, ...)
 # or flags after the image name; see deploy/README.md.
 
-ARG PYTHON_IMAGE=python:3.11-slim-bookworm
+ARG PYTHON_TAG=3.11-slim-bookworm
 
 # Build stage: a virtual environment with CPU-only torch and grpc-ps. Only the environment is
 # carried over, so pip, its cache and the source tree stay out of the final image.
-FROM ${PYTHON_IMAGE} AS build
+FROM python:${PYTHON_TAG} AS build
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 ENV PIP_NO_CACHE_DIR=1 \
@@ -21,7 +21,7 @@ COPY . .
 RUN pip install --no-cache-dir . \
  && python -c "import ps_server.server, ps_server.healthcheck"
 
-FROM ${PYTHON_IMAGE}
+FROM python:${PYTHON_TAG}
 LABEL org.opencontainers.image.title="grpc-ps-server" \
       org.opencontainers.image.description="grpc-ps shard: sharded parameter server for PyTorch training over gRPC" \
       org.opencontainers.image.licenses="Apache-2.0"

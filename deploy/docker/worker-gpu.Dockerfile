@@ -3,13 +3,13 @@
 # torch is used as is). Build from the repository root:
 #   docker build -f deploy/docker/worker-gpu.Dockerfile -t grpc-ps-worker-gpu:0.1.0 .
 # Pick the pytorch/pytorch tag that matches your driver's CUDA version with
-#   --build-arg PYTORCH_IMAGE=pytorch/pytorch:<torch>-cuda<X.Y>-cudnn9-runtime
+#   --build-arg PYTORCH_TAG=<torch>-cuda<X.Y>-cudnn9-runtime
 # Run with the NVIDIA container toolkit (docker compose --profile gpu, or nvidia.com/gpu on k8s).
 # No multi-stage build here: the CUDA base is nearly all of the image, and a second stage
 # would copy it whole.
 
-ARG PYTORCH_IMAGE=pytorch/pytorch:2.13.0-cuda12.8-cudnn9-runtime
-FROM ${PYTORCH_IMAGE}
+ARG PYTORCH_TAG=2.13.0-cuda12.8-cudnn9-runtime
+FROM pytorch/pytorch:${PYTORCH_TAG}
 LABEL org.opencontainers.image.title="grpc-ps-worker-gpu" \
       org.opencontainers.image.description="grpc-ps worker (CUDA): trains a workload through grpc-ps shards" \
       org.opencontainers.image.licenses="Apache-2.0"
@@ -30,7 +30,7 @@ ENV GLIBC_TUNABLES=glibc.malloc.hugetlb=1:glibc.malloc.mmap_max=0:glibc.malloc.t
     PS_DEVICE=cuda \
     PS_METRICS_PORT=8000
 RUN groupadd --system --gid 10001 grpc-ps \
- && useradd --system --uid 10001 --gid grpc-ps --no-create-home --shell /usr/sbin/nologin grpc-ps
+ && useradd --system --uid 10001 --gid grpc-ps --home-dir /tmp --no-create-home --shell /usr/sbin/nologin grpc-ps
 USER 10001:10001
 WORKDIR /tmp
 EXPOSE 8000

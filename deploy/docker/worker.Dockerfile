@@ -5,11 +5,11 @@
 # PS_WORKLOAD or an argument names the workload (digits by default).
 # For NVIDIA GPUs use worker-gpu.Dockerfile.
 
-ARG PYTHON_IMAGE=python:3.11-slim-bookworm
+ARG PYTHON_TAG=3.11-slim-bookworm
 
 # Build stage: a virtual environment with CPU-only torch and grpc-ps. Only the environment is
 # carried over, so pip, its cache and the source tree stay out of the final image.
-FROM ${PYTHON_IMAGE} AS build
+FROM python:${PYTHON_TAG} AS build
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 ENV PIP_NO_CACHE_DIR=1 \
@@ -22,7 +22,7 @@ COPY . .
 RUN pip install --no-cache-dir . \
  && python -c "import ps_worker.cli, ps_worker.workloads.digits"
 
-FROM ${PYTHON_IMAGE}
+FROM python:${PYTHON_TAG}
 LABEL org.opencontainers.image.title="grpc-ps-worker" \
       org.opencontainers.image.description="grpc-ps worker (CPU): trains a workload through grpc-ps shards" \
       org.opencontainers.image.licenses="Apache-2.0"
@@ -37,7 +37,7 @@ ENV GLIBC_TUNABLES=glibc.malloc.hugetlb=1:glibc.malloc.mmap_max=0:glibc.malloc.t
     PS_METRICS_PORT=8000
 COPY --from=build /opt/grpc-ps /opt/grpc-ps
 RUN groupadd --system --gid 10001 grpc-ps \
- && useradd --system --uid 10001 --gid grpc-ps --no-create-home --shell /usr/sbin/nologin grpc-ps
+ && useradd --system --uid 10001 --gid grpc-ps --home-dir /tmp --no-create-home --shell /usr/sbin/nologin grpc-ps
 USER 10001:10001
 WORKDIR /tmp
 EXPOSE 8000
