@@ -6,41 +6,13 @@ CI (CI set) and skips it elsewhere, with the command that installs it.
 
 from __future__ import annotations
 
-import os
-import shutil
-from pathlib import Path
 from typing import Any
 
 import kustomize_lite
 import pytest
 import yaml
-from deployment import REPO, VENV_BIN, compose_config, run_tool
-
-INSTALL_HINT = "run .ci/install-deploy-tools.sh with the project venv active"
-CHECKOV_DEFAULT = Path(os.environ.get("GRPC_PS_TOOLS", "/opt/grpc-ps-tools")) / "checkov" / "bin" / "checkov"
-
-
-def find_tool(name: str, *extra: Path) -> str | None:
-    """``name`` from the venv, then ``extra`` paths, then PATH."""
-    for candidate in (VENV_BIN / name, *extra):
-        if candidate.is_file() and os.access(candidate, os.X_OK):
-            return str(candidate)
-    return shutil.which(name)
-
-
-def require_tool(name: str, *extra: Path) -> str:
-    path = find_tool(name, *extra)
-    if path:
-        return path
-    message = f"{name} not found: {INSTALL_HINT}"
-    if os.environ.get("CI"):
-        pytest.fail(message)
-    pytest.skip(message)
-
-
-@pytest.fixture(scope="session")
-def repo() -> Path:
-    return REPO
+from deploy_tools import find_tool, require_tool
+from deployment import REPO, compose_config, run_tool
 
 
 @pytest.fixture(scope="session")
@@ -61,17 +33,15 @@ def compose_model(docker_compose: str) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="session")
-def rendered_k8s(kubectl: str | None) -> list[dict[str, Any]]:
-    """deploy/k8s rendered by ``kubectl kustomize`` (or kustomize_lite without kubectl)."""
+def rendered_k8s_yaml(kubectl: str | None) -> str:
+    """``kubectl kustomize deploy/k8s`` (or kustomize_lite's rendering without kubectl)."""
     if kubectl is None:
-        return kustomize_lite.build(REPO / "deploy" / "k8s")
+        return yaml.safe_dump_all(kustomize_lite.build(REPO / "deploy" / "k8s"), sort_keys=False)
     done = run_tool([kubectl, "kustomize", str(REPO / "deploy" / "k8s")], timeout=120)
     assert done.returncode == 0, done.stderr
-    return [doc for doc in yaml.safe_load_all(done.stdout) if doc]
+    return done.stdout
 
 
 @pytest.fixture(scope="session")
-def rendered_k8s_file(rendered_k8s: list[dict[str, Any]], tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("k8s") / "rendered.yaml"
-    path.write_text(yaml.safe_dump_all(rendered_k8s, sort_keys=False))
-    return path
+def rendered_k8s(rendered_k8s_yaml: str) -> list[dict[str, Any]]:
+    return [doc for doc in yaml.safe_load_all(rendered_k8s_yaml) if doc]
