@@ -163,6 +163,15 @@ class Running:
             return True
         return True
 
+    def wait_group_gone(self, timeout: float) -> bool:
+        """Whether its whole process group is gone within ``timeout`` seconds (orphans reaped)."""
+        deadline = time.monotonic() + timeout
+        while self.group_alive():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)  # poll interval; the deadline bounds the wait
+        return True
+
     def end(self, grace: float = 5.0) -> None:
         """SIGTERM its process group, SIGKILL what is left after ``grace`` seconds."""
         for sig in (signal.SIGTERM, signal.SIGKILL):

@@ -9,6 +9,7 @@ not match or a broken health check fails here before it fails in a cluster.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -18,7 +19,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from deployment import REPO, Process, compose_processes, help_env_names, image_by_name, k8s_processes, read_env_file
+from deploy_tools import require_tool
+from deployment import (
+    REPO,
+    Process,
+    compose_processes,
+    help_env_names,
+    image_by_name,
+    k8s_processes,
+    read_env_file,
+    run_tool,
+)
 from localrun import LISTENING, Running, localize, wait_until_healthy
 
 DONE = re.compile(r'^\{.*"event": "done"')
@@ -85,7 +96,7 @@ def run_cluster(processes: list[Process], workdir: Path, workers_idle_after_trai
                 os.kill(run.popen.pid, signal.SIGTERM)  # what the kubelet sends the container's PID 1
                 code = run.popen.wait(timeout=process.stop_grace_seconds)
                 assert code == 0, f"{process.name}: SIGTERM while idle exited {code}\n{run.tail()}"
-                assert not run.group_alive(), f"{process.name} left a process behind"
+                assert run.wait_group_gone(5.0), f"{process.name} left a process behind"
             else:
                 code = run.popen.wait(timeout=_deadline_left(deadline, f"{process.name} exits"))
                 assert code == 0, f"{process.name} exited {code}\n{run.tail()}"
@@ -93,6 +104,9 @@ def run_cluster(processes: list[Process], workdir: Path, workers_idle_after_trai
             assert summary["accuracy"] >= MIN_ACCURACY, f"{process.name}: {summary}"
             summaries.append(summary)
         assert len({s["params_sha256"] for s in summaries}) == 1, "sync workers ended with different parameters"
+        (steps,) = {int(p.env["PS_STEPS"]) for p in workers}
+        for process in servers:
+            check_admin_status(process, addresses[min(process.names)], steps)
         for process, run in started[: len(servers)]:
             os.kill(run.popen.pid, signal.SIGTERM)  # docker stop / pod deletion
             code = run.popen.wait(timeout=process.stop_grace_seconds)
@@ -103,6 +117,21 @@ def run_cluster(processes: list[Process], workdir: Path, workers_idle_after_trai
     finally:
         for _, run in started:
             run.end()
+
+
+def check_admin_status(process: Process, address: str, steps: int) -> None:
+    """deploy/README.md's grpcurl call works with the deployment's admin token, and not without it."""
+    grpcurl = require_tool("grpcurl")
+    token = process.env["PS_ADMIN_TOKEN"]
+    call = [grpcurl, "-plaintext", "-max-time", "20", address, "ps.v1.Admin/GetStatus"]
+    done = run_tool([*call[:2], "-H", f"authorization: Bearer {token}", *call[2:]], timeout=60)
+    assert done.returncode == 0, done.stderr
+    status = json.loads(done.stdout)["status"]
+    # grpcurl prints proto field names; proto3 JSON leaves out zeros.
+    assert status.get("shard_index", 0) == int(process.env["PS_SHARD_INDEX"]), status
+    assert int(status["version"]) == steps, status
+    refused = run_tool(call, timeout=60)
+    assert refused.returncode != 0 and "Unauthenticated" in refused.stderr, refused.stderr
 
 
 @pytest.mark.slow
