@@ -46,7 +46,8 @@ RUN groupadd --system --gid 10001 grpc-ps \
 USER 10001:10001
 WORKDIR /var/lib/grpc-ps
 EXPOSE 50051 8000
-# gRPC health (grpc.health.v1) on the shard's own port; no torch import, so it is cheap.
+# gRPC health (grpc.health.v1) on 127.0.0.1:$PS_PORT; no torch import, so it is cheap. Set the
+# port with PS_PORT rather than --port, so that the check follows it.
 HEALTHCHECK --interval=10s --timeout=5s --start-period=60s --retries=3 \
     CMD ["python", "-m", "ps_server.healthcheck"]
 ENTRYPOINT ["ps-server"]
