@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import base64
 import json
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -174,3 +178,64 @@ def test_service_monitor_is_an_example_outside_the_kustomization(rendered_k8s: l
     for service in services:
         assert {e["port"] for e in monitor["spec"]["endpoints"]} <= {p["name"] for p in service["spec"]["ports"]}
     json.dumps(monitor)  # plain data, no YAML-only types
+
+
+FAKE_WORKERS = {
+    "trains": '#!/bin/sh\necho \'{"event": "done"}\'\n',
+    "fails": "#!/bin/sh\nexit 3\n",
+    "runs": "#!/bin/sh\necho started\nexec sleep 300\n",
+}
+
+
+def start_worker_wrapper(rendered_k8s: list[dict[str, Any]], tmp_path: Path, fake: str) -> subprocess.Popen[str]:
+    """The worker container's command, with a stand-in ps-worker first on PATH."""
+    bin_dir = tmp_path / fake
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "ps-worker").write_text(FAKE_WORKERS[fake])
+    (bin_dir / "ps-worker").chmod(0o755)
+    command = container(by_kind(rendered_k8s, "StatefulSet", "worker"))["command"]
+    env = {"PATH": f"{bin_dir}:{Path(sys.executable).parent}:/usr/bin:/bin"}
+    return subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+
+
+def group_gone(popen: subprocess.Popen[str]) -> bool:
+    try:
+        os.killpg(popen.pid, 0)
+    except ProcessLookupError:
+        return True
+    os.killpg(popen.pid, signal.SIGKILL)
+    return False
+
+
+def test_worker_wrapper_idles_after_training_and_exits_0_on_sigterm(
+    rendered_k8s: list[dict[str, Any]], tmp_path: Path
+) -> None:
+    """Repeated, because a signal landing just as the idle step starts is the case that can hang."""
+    for _ in range(15):
+        wrapper = start_worker_wrapper(rendered_k8s, tmp_path, "trains")
+        assert wrapper.stdout is not None and wrapper.stderr is not None
+        assert '"event": "done"' in wrapper.stdout.readline()
+        assert "training finished; idling" in wrapper.stderr.readline()
+        assert wrapper.poll() is None
+        os.kill(wrapper.pid, signal.SIGTERM)
+        try:
+            assert wrapper.wait(timeout=10) == 0
+        finally:
+            assert group_gone(wrapper)
+            wrapper.communicate(timeout=10)
+
+
+def test_worker_wrapper_passes_failures_and_sigterm_through(rendered_k8s: list[dict[str, Any]], tmp_path: Path) -> None:
+    failing = start_worker_wrapper(rendered_k8s, tmp_path, "fails")
+    assert failing.wait(timeout=10) == 3, "a failed worker must exit non-zero so that it is restarted"
+    failing.communicate(timeout=10)
+    running = start_worker_wrapper(rendered_k8s, tmp_path, "runs")
+    assert running.stdout is not None and running.stdout.readline().strip() == "started"
+    os.kill(running.pid, signal.SIGTERM)
+    try:
+        assert running.wait(timeout=10) == 128 + signal.SIGTERM, "SIGTERM must reach ps-worker while it trains"
+    finally:
+        assert group_gone(running)
+        running.communicate(timeout=10)
