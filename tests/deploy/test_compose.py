@@ -1,0 +1,102 @@
+"""docker-compose.yml: accepted by docker-compose, valid against the Compose Specification schema,
+and consistent (shards, ranks, profiles, GPU reservations)."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import yaml
+from deployment import REPO, read_env_file, run_tool
+
+SCHEMA = Path(__file__).parent / "schemas" / "compose-spec.json"
+
+
+@pytest.fixture(scope="module")
+def compose_file() -> dict[str, Any]:
+    return yaml.safe_load((REPO / "docker-compose.yml").read_text())
+
+
+def test_docker_compose_config_accepts_it(docker_compose: str) -> None:
+    done = run_tool(
+        [docker_compose, "-f", "docker-compose.yml", "--env-file", ".env.example", "config", "-q"], timeout=60, cwd=REPO
+    )
+    assert done.returncode == 0, done.stderr
+
+
+def test_tokens_are_required(docker_compose: str, tmp_path: Path) -> None:
+    """Without PS_TOKEN (no .env), compose refuses and says what to do."""
+    empty = tmp_path / "empty.env"
+    empty.write_text("")
+    done = run_tool(
+        [docker_compose, "-f", str(REPO / "docker-compose.yml"), "--env-file", str(empty), "config", "-q"],
+        timeout=60,
+        cwd=tmp_path,
+        env={"PATH": "/usr/local/bin:/usr/bin:/bin"},
+    )
+    assert done.returncode != 0
+    assert "cp .env.example .env" in done.stderr
+
+
+def test_valid_against_the_compose_spec_schema(compose_file: dict[str, Any]) -> None:
+    validator = jsonschema.Draft201909Validator(json.loads(SCHEMA.read_text()))
+    errors = [f"{e.json_path}: {e.message}" for e in validator.iter_errors(compose_file)]
+    assert not errors, "\n".join(errors)
+
+
+def test_the_schema_rejects_an_unknown_key(compose_file: dict[str, Any]) -> None:
+    """The check has teeth: a misspelt key fails it."""
+    broken = copy.deepcopy(compose_file)
+    broken["services"]["ps-0"]["helthcheck"] = broken["services"]["ps-0"].pop("healthcheck")
+    validator = jsonschema.Draft201909Validator(json.loads(SCHEMA.read_text()))
+    assert list(validator.iter_errors(broken))
+
+
+def test_shards_workers_and_profiles_agree(compose_model: dict[str, Any]) -> None:
+    services = compose_model["services"]
+    shards = {n: s for n, s in services.items() if s["image"].startswith("grpc-ps-server")}
+    assert sorted(shards) == ["ps-0", "ps-1"]
+    for name, shard in shards.items():
+        env = shard["environment"]
+        assert env["PS_SHARD_INDEX"] == name.removeprefix("ps-")
+        assert env["PS_NUM_SHARDS"] == str(len(shards))
+        assert env["PS_HOST"] == "0.0.0.0" and env["PS_PORT"] == "50051"
+        assert shard["healthcheck"]["test"][:4] == ["CMD", "python", "-m", "ps_server.healthcheck"]
+        (volume,) = shard["volumes"]
+        assert volume.split(":")[1] == env["PS_CHECKPOINT_DIR"] and volume.split(":")[0] in compose_model["volumes"]
+    default_profiles = set(read_env_file(REPO / ".env.example")["COMPOSE_PROFILES"].split(","))
+    assert default_profiles == {"cpu"}
+    for profile, image in (("cpu", "grpc-ps-worker:"), ("gpu", "grpc-ps-worker-gpu:")):
+        workers = {n: s for n, s in services.items() if s.get("profiles") == [profile]}
+        assert all(s["image"].startswith(image) for s in workers.values())
+        assert sorted(int(s["environment"]["PS_RANK"]) for s in workers.values()) == [0, 1]
+        for worker in workers.values():
+            env = worker["environment"]
+            assert env["PS_NUM_WORKERS"] == str(len(workers))
+            assert env["PS_SERVERS"] == ",".join(f"{n}:50051" for n in sorted(shards))
+            assert worker["restart"] == "no"
+            assert {d: c["condition"] for d, c in worker["depends_on"].items()} == dict.fromkeys(
+                shards, "service_healthy"
+            )
+
+
+def test_gpu_workers_differ_from_cpu_workers_only_in_image_and_devices(compose_model: dict[str, Any]) -> None:
+    services = compose_model["services"]
+    for rank in (0, 1):
+        cpu, gpu = services[f"worker-{rank}"], services[f"worker-gpu-{rank}"]
+        assert cpu["environment"] == gpu["environment"]
+        (device,) = gpu["deploy"]["resources"]["reservations"]["devices"]
+        assert device == {"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}
+        same = {k for k in cpu if k not in ("image", "build", "profiles", "deploy")}
+        assert {k: cpu[k] for k in same} == {k: gpu[k] for k in same}
+
+
+def test_prometheus_mounts_its_compose_config(compose_model: dict[str, Any]) -> None:
+    prometheus = compose_model["services"]["prometheus"]
+    assert prometheus["image"].startswith("prom/prometheus:v")
+    mounts = [v.split(":") for v in prometheus["volumes"]]
+    assert [str(REPO / "deploy/prometheus/prometheus-compose.yml"), "/etc/prometheus/prometheus.yml", "ro"] in mounts

@@ -1,0 +1,63 @@
+"""deploy/docker: hadolint clean, and the properties the images promise."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from deploy_tools import require_tool
+from deployment import REPO, parse_dockerfile, run_tool
+
+DOCKERFILES = sorted((REPO / "deploy" / "docker").glob("*.Dockerfile"))
+GLIBC_TUNABLES = (
+    "glibc.malloc.hugetlb=1:glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=4000000000:glibc.malloc.arena_max=1"
+)
+
+
+def test_the_three_images_exist() -> None:
+    assert [p.name for p in DOCKERFILES] == ["server.Dockerfile", "worker-gpu.Dockerfile", "worker.Dockerfile"]
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_hadolint_clean(dockerfile: Path) -> None:
+    hadolint = require_tool("hadolint")
+    done = run_tool([hadolint, "--no-color", str(dockerfile)], timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_final_stage_runs_non_root_with_tuned_malloc(dockerfile: Path) -> None:
+    text = dockerfile.read_text()
+    final_stage = text[text.rindex("\nFROM ") :]
+    users = [line.split()[1] for line in final_stage.splitlines() if line.startswith("USER ")]
+    assert users and users[-1].split(":")[0] == "10001", "the last USER must be the numeric non-root uid 10001"
+    image = parse_dockerfile(dockerfile)
+    assert image.env["GLIBC_TUNABLES"] == GLIBC_TUNABLES
+    assert image.env["PYTHONUNBUFFERED"] == "1", "logs and the worker's JSON summary must not sit in a buffer"
+
+
+def test_cpu_images_pin_cpu_torch_and_build_in_two_stages() -> None:
+    for name in ("server.Dockerfile", "worker.Dockerfile"):
+        text = (REPO / "deploy" / "docker" / name).read_text()
+        assert "ARG TORCH_VERSION=2.13.0" in text
+        assert "ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu" in text
+        assert text.count("\nFROM ") == 2 and "COPY --from=build /opt/grpc-ps /opt/grpc-ps" in text
+
+
+def test_entrypoints_and_health_checks() -> None:
+    server = parse_dockerfile(REPO / "deploy" / "docker" / "server.Dockerfile")
+    assert server.entrypoint == ["ps-server"] and server.cmd == []
+    assert server.env["PS_HOST"] == "0.0.0.0" and server.env["PS_PORT"] == "50051"
+    assert 'CMD ["python", "-m", "ps_server.healthcheck"]' in server.dockerfile.read_text()
+    for name, device in (("worker.Dockerfile", "cpu"), ("worker-gpu.Dockerfile", "cuda")):
+        worker = parse_dockerfile(REPO / "deploy" / "docker" / name)
+        # No CMD: a CMD workload would override PS_WORKLOAD.
+        assert worker.entrypoint == ["ps-worker"] and worker.cmd == []
+        assert worker.env["PS_DEVICE"] == device
+
+
+def test_dockerignore_is_an_allowlist() -> None:
+    lines = [line for line in (REPO / ".dockerignore").read_text().splitlines() if line and not line[0] == "#"]
+    assert lines[0] == "*"
+    assert {"!pyproject.toml", "!ps_proto/", "!ps_server/", "!ps_worker/"} <= set(lines)
+    assert not any(line in ("!.env", "!.venv", "!.git") for line in lines)
