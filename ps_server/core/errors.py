@@ -38,3 +38,8 @@ class ShuttingDownError(PSError):
 
 class WaitTimeoutError(PSError):
     """A wait for a version ran past its deadline (DEADLINE_EXCEEDED)."""
+
+
+class CheckpointError(PSError):
+    """A checkpoint cannot be written (directory not writable, disk full) or read, or checkpoints
+    exist but none of them loads (INTERNAL). The message names the file or directory."""
