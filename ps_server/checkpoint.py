@@ -237,7 +237,7 @@ class CheckpointStore:
                 os.close(fd)
                 os.unlink(name)
             except OSError as exc:
-                raise CheckpointError(self._write_failure("a file", exc)) from exc
+                raise CheckpointError(self._write_failure("write a file in", exc)) from exc
 
     # -- internals -------------------------------------------------------------------------------
 
@@ -255,14 +255,19 @@ class CheckpointStore:
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            raise CheckpointError(self._write_failure("the directory", exc)) from exc
+            raise CheckpointError(self._write_failure("create", exc)) from exc
 
     def _write_failure(self, what: str, exc: BaseException) -> str:
+        """The message of a failed ``what`` ("create", "write <name> in"): cause and what to do."""
+        code = exc.errno if isinstance(exc, OSError) else None
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-        hint = "free some space or pass another --checkpoint-dir"
-        if isinstance(exc, OSError) and exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR):
+        if code in (errno.ENOSPC, errno.EDQUOT):
+            hint = "free some space or pass another --checkpoint-dir"
+        elif code in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EEXIST):
             hint = f"make it a directory writable by this process (uid {os.getuid()}) or pass another --checkpoint-dir"
-        return f"Cannot write {what} in checkpoint directory {self.directory}: {reason}; {hint}."
+        else:
+            hint = "check the disk and the directory, or pass another --checkpoint-dir"
+        return f"Cannot {what} checkpoint directory {self.directory}: {reason}; {hint}."
 
     def _write(self, envelope: dict[str, Any], final: Path) -> None:
         self._mkdir()
@@ -270,7 +275,7 @@ class CheckpointStore:
             self._remove_temp_files()
             fd, name = tempfile.mkstemp(dir=self.directory, prefix=f".{final.name}.", suffix=".tmp")
         except OSError as exc:
-            raise CheckpointError(self._write_failure(final.name, exc)) from exc
+            raise CheckpointError(self._write_failure(f"write {final.name} in", exc)) from exc
         tmp = Path(name)
         try:
             with os.fdopen(fd, "wb") as f:
@@ -281,7 +286,7 @@ class CheckpointStore:
         except BaseException as exc:
             tmp.unlink(missing_ok=True)
             if isinstance(exc, Exception):
-                raise CheckpointError(self._write_failure(final.name, exc)) from exc
+                raise CheckpointError(self._write_failure(f"write {final.name} in", exc)) from exc
             raise
         self._fsync_directory()
 
@@ -361,7 +366,7 @@ def digest(value: Any) -> str:
         TypeError: ``value`` holds something other than the types a checkpoint may hold.
     """
     h = hashlib.sha256()
-    _feed(h, value, "state")
+    _feed(h, value, "")
     return h.hexdigest()
 
 
@@ -389,14 +394,16 @@ def _feed(h: Any, value: Any, where: str) -> None:
     elif kind in (dict, OrderedDict):
         h.update(b"{%d:" % len(value))
         for k, item in value.items():
-            _feed(h, k, f"{where} key {k!r}")
-            _feed(h, item, f"{where}[{k!r}]")
+            inner = f"{where}[{k!r}]" if where else str(k)
+            _feed(h, k, f"a key of {inner}")
+            _feed(h, item, inner)
     elif kind in (torch.Tensor, torch.nn.Parameter):
         _feed_tensor(h, value, where)
     else:
         raise TypeError(
-            f"{where} is a {kind.__module__}.{kind.__qualname__}; a checkpoint holds only tensors, dicts, lists, "
-            "tuples, str, bytes, int, float, bool, None, torch.Size and torch.dtype (torch.load weights_only=True)."
+            f"{where or 'The value'} is a {kind.__module__}.{kind.__qualname__}; a checkpoint holds only tensors, "
+            "dicts, lists, tuples, str, bytes, int, float, bool, None, torch.Size and torch.dtype "
+            "(torch.load weights_only=True)."
         )
 
 
