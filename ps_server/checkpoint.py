@@ -18,7 +18,8 @@ bool, None, ``torch.Size`` and ``torch.dtype`` (no pickled classes; DESIGN §8).
 A save writes ``.shard-{k}-v{v:012d}.<random>.tmp`` in the same directory, fsyncs it, renames it
 onto the final name and fsyncs the directory, so a kill at any instant leaves either the previous
 set of checkpoints or the new one plus a temp file, which the next save (or the next store opened
-on the directory) removes. One process writes the checkpoints of one shard index in a directory.
+on the directory) removes. Stores of one (directory, shard) in a process share a lock; across
+processes, one process at a time writes the checkpoints of a shard index in a directory.
 """
 
 from __future__ import annotations
@@ -50,6 +51,16 @@ FORMAT_VERSION = 1
 
 _FINAL = re.compile(r"shard-(\d+)-v(\d+)\.pt")
 _TEMP = re.compile(r"\.shard-(\d+)-.*\.tmp")
+
+_locks: dict[tuple[Path, int], threading.Lock] = {}
+_locks_guard = threading.Lock()
+
+
+def _lock_for(directory: Path, shard_index: int) -> threading.Lock:
+    """One lock per (directory, shard) in this process, shared by every store opened on them, so a
+    second store cannot remove the temp file of a save in progress."""
+    with _locks_guard:
+        return _locks.setdefault((directory.resolve(), shard_index), threading.Lock())
 
 
 @dataclass(frozen=True)
@@ -91,12 +102,13 @@ class CheckpointStore:
         self.directory = Path(directory)
         self.shard_index = shard_index
         self.keep = keep
-        self._lock = threading.Lock()
+        self._lock = _lock_for(self.directory, shard_index)
         if self.directory.is_dir():
-            try:
-                self._remove_temp_files()
-            except OSError as exc:
-                log.warning("Could not remove leftover checkpoint temp files in %s: %s", self.directory, exc)
+            with self._lock:
+                try:
+                    self._remove_temp_files()
+                except OSError as exc:
+                    log.warning("Could not remove leftover checkpoint temp files in %s: %s", self.directory, exc)
 
     def __repr__(self) -> str:
         return f"CheckpointStore({str(self.directory)!r}, shard_index={self.shard_index}, keep={self.keep})"

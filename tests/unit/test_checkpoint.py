@@ -437,6 +437,41 @@ def test_concurrent_saves_from_threads_all_land(store: CheckpointStore) -> None:
     assert torch.equal(state["v"], torch.full((1000,), float(version)))
 
 
+def test_a_second_store_on_the_same_shard_does_not_break_a_save_in_progress(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = CheckpointStore(tmp_path, 0)
+    written, release = threading.Event(), threading.Event()
+    real_save = torch.save
+
+    def save_then_hold(obj: object, f: Any) -> None:
+        real_save(obj, f)
+        written.set()
+        assert release.wait(10)
+
+    monkeypatch.setattr(torch, "save", save_then_hold)
+    errors: list[BaseException] = []
+
+    def save() -> None:
+        try:
+            store.save({"v": 1}, 1)
+        except BaseException as exc:
+            errors.append(exc)
+
+    saver = threading.Thread(target=save)
+    saver.start()
+    assert written.wait(10), "the save did not reach its temp file"
+    opener = threading.Thread(target=CheckpointStore, args=(tmp_path, 0))  # would remove the temp file
+    opener.start()
+    opener.join(0.5)  # give it the chance to; it must wait for the save instead
+    assert opener.is_alive()
+    release.set()
+    saver.join(10)
+    opener.join(10)
+    assert not saver.is_alive() and not opener.is_alive() and not errors, errors
+    assert store.load_latest() == (1, {"v": 1})
+
+
 # -- optimizer state ---------------------------------------------------------------------------------
 
 OPTIMIZER_KWARGS = {
