@@ -15,6 +15,7 @@ The state is what a shard saves: its partitions as 1-D float32 tensors of at mos
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import shutil
 import statistics
@@ -63,7 +64,7 @@ def bench(directory: Path, mib: int, repeats: int) -> dict[str, float]:
     size = 0
     for version in range(1, repeats + 1):
         rows["digest"].append(timed(lambda: digest(state))[0])
-        seconds, path = timed(lambda v=version: store.save(state, v))
+        seconds, path = timed(functools.partial(store.save, state, version))
         rows["save"].append(seconds)
         size = path.stat().st_size
         evict(path)

@@ -382,6 +382,9 @@ def digest(value: Any) -> str:
     return h.hexdigest()
 
 
+_SEQUENCE_TAGS: dict[type, bytes] = {tuple: b"(", list: b"[", torch.Size: b"Z"}
+
+
 def _feed(h: Any, value: Any, where: str) -> None:
     kind = type(value)
     if value is None:
@@ -400,7 +403,7 @@ def _feed(h: Any, value: Any, where: str) -> None:
     elif kind is torch.dtype:
         h.update(b"D" + str(value).encode() + b";")
     elif kind in (tuple, list, torch.Size):
-        h.update({tuple: b"(", list: b"[", torch.Size: b"Z"}[kind] + b"%d:" % len(value))
+        h.update(_SEQUENCE_TAGS[kind] + b"%d:" % len(value))
         for i, item in enumerate(value):
             _feed(h, item, f"{where}[{i}]")
     elif kind in (dict, OrderedDict):
