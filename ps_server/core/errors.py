@@ -80,3 +80,10 @@ class WaitTimeoutError(PSError):
     """A wait for a version ran past its deadline (DEADLINE_EXCEEDED)."""
 
     reason = "WAIT_TIMEOUT"
+
+
+class CheckpointError(PSError):
+    """A checkpoint cannot be written (directory not writable, disk full) or read, or checkpoints
+    exist but none of them loads (INTERNAL). The message names the file or directory."""
+
+    reason = "CHECKPOINT"

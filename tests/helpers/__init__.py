@@ -1,0 +1,1 @@
+"""Programs and helpers the tests start or import (not tests themselves)."""
