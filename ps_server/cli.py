@@ -9,6 +9,7 @@ import threading
 from collections.abc import Sequence
 
 from ps_server.config import config_from_args
+from ps_server.core.errors import CheckpointError
 from ps_server.server import start_server
 
 
@@ -19,9 +20,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         running = start_server(config)
-    except RuntimeError as exc:
+    except (RuntimeError, CheckpointError) as exc:
         print(f"ps-server: {exc}", file=sys.stderr)
         return 1
+    restored = running.shard.restored_from_version
+    if restored is not None:
+        print(f"ps-server: shard {config.shard_index} resumed from its checkpoint at version {restored}", flush=True)
     if running.metrics_url:
         print(f"ps-server: metrics on {running.metrics_url}", flush=True)
     print(f"ps-server: shard {config.shard_index}/{config.num_shards} listening on {running.address}", flush=True)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from ps_server.core.errors import InvalidRequestError
 from ps_server.core.modes import MODES, ModeSettings
-from ps_server.flags import FlagParser
+from ps_server.flags import FlagParser, secret
 
 LOOPBACK_NAMES = {"localhost", "ip6-localhost"}
 
@@ -52,6 +52,9 @@ class ServerConfig:
     moving_rate: float | None = None
     communication_period: int = 10
     easgd_sync: bool = False
+    checkpoint_dir: str = ""
+    checkpoint_every: int = 0
+    checkpoint_keep: int = 3
     tls_cert: str = ""
     tls_key: str = ""
     tls_client_ca: str = ""
@@ -84,6 +87,13 @@ class ServerConfig:
                 f"Refusing to serve on non-loopback address {self.host!r} without both PS_TOKEN and "
                 "PS_ADMIN_TOKEN: set them (or --token/--admin-token), or pass --insecure on a trusted network."
             )
+        if self.checkpoint_every < 0 or self.checkpoint_keep < 1:
+            raise InvalidRequestError(
+                f"--checkpoint-every must be >= 0 (0: only on SIGTERM and Admin/Checkpoint) and --checkpoint-keep "
+                f">= 1, got {self.checkpoint_every} and {self.checkpoint_keep}."
+            )
+        if self.checkpoint_every and not self.checkpoint_dir:
+            raise InvalidRequestError("--checkpoint-every needs --checkpoint-dir, where checkpoints are written.")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise InvalidRequestError("--tls-cert and --tls-key go together: pass both, or neither for plaintext.")
         if self.tls_client_ca and not self.tls_cert:
@@ -140,7 +150,17 @@ def server_parser(environ: Mapping[str, str] | None = None) -> FlagParser:
     p.flag("--lease-timeout", type=float, default=10.0, help="seconds without a heartbeat before a rank is evicted")
     p.flag("--token", default="", help="bearer token workers must send to ParameterService")
     p.flag("--admin-token", default="", help="bearer token operators must send to Admin")
+    p.flag("--token-file", default="", help="file holding the worker token (e.g. a mounted Secret)")
+    p.flag("--admin-token-file", default="", help="file holding the admin token")
     p.flag("--insecure", switch=True, help="allow a non-loopback bind without tokens")
+    p.flag("--checkpoint-dir", default="", help="directory of this shard's checkpoints; resume from the newest")
+    p.flag(
+        "--checkpoint-every",
+        type=int,
+        default=0,
+        help="checkpoint every V versions (0: only on SIGTERM and Admin/Checkpoint)",
+    )
+    p.flag("--checkpoint-keep", type=int, default=3, help="checkpoints kept per shard")
     p.flag("--tls-cert", default="", help="PEM certificate chain of this shard: serve TLS")
     p.flag("--tls-key", default="", help="PEM private key of --tls-cert")
     p.flag("--tls-client-ca", default="", help="PEM CA that client certificates must chain to (mutual TLS)")
@@ -188,6 +208,11 @@ def config_from_args(
     parser = server_parser(environ)
     args = parser.parse_args(argv)
     try:
+        token = secret(args.token, args.token_file, "--token")
+        admin_token = secret(args.admin_token, args.admin_token_file, "--admin-token")
+    except ValueError as exc:
+        parser.error(str(exc))
+    try:
         config = ServerConfig(
             shard_index=args.shard_index,
             num_shards=args.num_shards,
@@ -196,10 +221,13 @@ def config_from_args(
             host=args.host,
             port=args.port,
             lease_timeout=args.lease_timeout,
-            token=args.token,
-            admin_token=args.admin_token,
+            token=token,
+            admin_token=admin_token,
             insecure=args.insecure,
             max_message_bytes=args.max_message_bytes,
+            checkpoint_dir=args.checkpoint_dir,
+            checkpoint_every=args.checkpoint_every,
+            checkpoint_keep=args.checkpoint_keep,
             tls_cert=args.tls_cert,
             tls_key=args.tls_key,
             tls_client_ca=args.tls_client_ca,

@@ -71,3 +71,24 @@ class FlagParser(argparse.ArgumentParser):
             self.add_argument(name, action="store_true", default=bool(default), help=text)
         else:
             self.add_argument(name, type=type, default=default, required=required, choices=choices, help=text)
+
+
+def secret(value: str, path: str, flag: str) -> str:
+    """A token given inline (``value``) or as a file (``path``, e.g. a mounted Kubernetes Secret;
+    surrounding whitespace is stripped).
+
+    Raises:
+        ValueError: both given, or the file cannot be read or is empty.
+    """
+    if not path:
+        return value
+    if value:
+        raise ValueError(f"Give {flag} or {flag}-file, not both.")
+    try:
+        with open(path, encoding="utf-8") as f:
+            token = f.read().strip()
+    except OSError as exc:
+        raise ValueError(f"{flag}-file {path!r} cannot be read: {exc.strerror}.") from exc
+    if not token:
+        raise ValueError(f"{flag}-file {path!r} is empty.")
+    return token

@@ -13,6 +13,8 @@ from prometheus_client import CollectorRegistry
 
 from ps_proto.v1 import ps_pb2, ps_pb2_grpc
 from ps_server.auth import TokenInterceptor
+from ps_server.checkpoint import CheckpointStore
+from ps_server.checkpointer import Checkpointer
 from ps_server.config import ServerConfig
 from ps_server.interceptors import MetricsInterceptor
 from ps_server.metrics import MetricsEndpoint, ServerMetrics, serve_metrics
@@ -44,6 +46,7 @@ class ShardServer:
         stopping: threading.Event,
         metrics: ServerMetrics | None = None,
         metrics_endpoint: MetricsEndpoint | None = None,
+        checkpointer: Checkpointer | None = None,
     ) -> None:
         self.config = config
         self.server = server
@@ -54,6 +57,7 @@ class ShardServer:
         self._stopping = stopping
         self.metrics = metrics
         self.metrics_endpoint = metrics_endpoint
+        self.checkpointer = checkpointer
         self._reaper = threading.Thread(target=self._reap, name=f"lease-reaper-{config.shard_index}", daemon=True)
         self._reaper.start()
 
@@ -79,6 +83,8 @@ class ShardServer:
         self._stopping.set()
         self.health.enter_graceful_shutdown()
         self.shard.close()
+        if self.checkpointer is not None:
+            self.checkpointer.close(final=True)
         self.server.stop(grace).wait(grace + 1)
         if self.metrics_endpoint is not None:
             self.metrics_endpoint.close()
@@ -112,10 +118,21 @@ def start_server(config: ServerConfig, shard: Shard | None = None) -> ShardServe
 
     Raises:
         RuntimeError: the address or the metrics port could not be bound.
+        CheckpointError: ``checkpoint_dir`` is not writable, or holds checkpoints none of which loads.
     """
     shard = shard or Shard(config.shard_index, config.num_shards, config.mode_settings(), config.lease_timeout)
     counters = Counters()
     metrics = ServerMetrics(CollectorRegistry(), shard.status)
+    checkpointer = None
+    if config.checkpoint_dir:
+        store = CheckpointStore(config.checkpoint_dir, config.shard_index, keep=config.checkpoint_keep)
+        store.ensure_writable()
+        checkpointer = Checkpointer(store, shard, config.checkpoint_every, metrics)
+        try:
+            checkpointer.resume()
+        except Exception:
+            checkpointer.close(final=False)
+            raise
     options = [
         ("grpc.max_receive_message_length", config.max_message_bytes),
         ("grpc.max_send_message_length", config.max_message_bytes),
@@ -132,7 +149,7 @@ def start_server(config: ServerConfig, shard: Shard | None = None) -> ShardServe
     )
     ps_pb2_grpc.add_ParameterServiceServicer_to_server(ParameterServicer(shard, counters), server)
     stopping = threading.Event()
-    ps_pb2_grpc.add_AdminServicer_to_server(AdminServicer(shard, counters, stopping), server)
+    ps_pb2_grpc.add_AdminServicer_to_server(AdminServicer(shard, counters, stopping, checkpointer), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
@@ -166,4 +183,6 @@ def start_server(config: ServerConfig, shard: Shard | None = None) -> ShardServe
         port,
         config.num_workers,
     )
-    return ShardServer(config, server, port, shard, health_servicer, counters, stopping, metrics, endpoint)
+    return ShardServer(
+        config, server, port, shard, health_servicer, counters, stopping, metrics, endpoint, checkpointer
+    )

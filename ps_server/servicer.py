@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 import grpc
 
 from ps_proto.v1 import ps_pb2, ps_pb2_grpc
+from ps_server.checkpointer import Checkpointer
 from ps_server.core import errors
 from ps_server.core.modes import ModeSettings
 from ps_server.core.partitions import WirePartition
@@ -38,6 +39,7 @@ STATUS_CODES: tuple[tuple[type[errors.PSError], grpc.StatusCode], ...] = (
     (errors.StalePushError, grpc.StatusCode.ABORTED),
     (errors.WaitTimeoutError, grpc.StatusCode.DEADLINE_EXCEEDED),
     (errors.ShuttingDownError, grpc.StatusCode.UNAVAILABLE),
+    (errors.CheckpointError, grpc.StatusCode.INTERNAL),
 )
 """Domain error class -> gRPC status code (first match wins)."""
 
@@ -312,6 +314,8 @@ def status_to_proto(view: StatusView, counters: Counters, uptime: float) -> ps_p
         staleness=staleness_summary(view.staleness),
         round_age_seconds=view.round_age_seconds,
         round_waiting_for=view.round_waiting_for,
+        last_checkpoint_version=view.last_checkpoint_version,
+        restored_from_version=view.restored_from_version,
     )
 
 
@@ -330,9 +334,16 @@ UPDATABLE = {
 class AdminServicer(ps_pb2_grpc.AdminServicer):
     """ps.v1.Admin over one :class:`Shard`."""
 
-    def __init__(self, shard: Shard, counters: Counters, stopping: threading.Event | None = None) -> None:
+    def __init__(
+        self,
+        shard: Shard,
+        counters: Counters,
+        stopping: threading.Event | None = None,
+        checkpointer: Checkpointer | None = None,
+    ) -> None:
         self.shard = shard
         self.counters = counters
+        self.checkpointer = checkpointer
         self.started = time.monotonic()
         self.stopping = stopping or threading.Event()
 
@@ -371,6 +382,13 @@ class AdminServicer(ps_pb2_grpc.AdminServicer):
             config=cluster_config(settings, self.shard.lease_timeout, view.learning_rate),
             pending_mode=NAME_TO_MODE[view.pending_mode] if view.pending_mode else ps_pb2.MODE_UNSPECIFIED,
         )
+
+    @_maps_errors
+    def Checkpoint(self, request: ps_pb2.CheckpointRequest, context: grpc.ServicerContext) -> ps_pb2.CheckpointResponse:
+        if self.checkpointer is None:
+            raise errors.PreconditionError("This shard has no --checkpoint-dir; restart it with one to checkpoint.")
+        version, path, seconds = self.checkpointer.checkpoint_now()
+        return ps_pb2.CheckpointResponse(version=version, path=str(path), seconds=seconds)
 
     @_maps_errors
     def EvictWorker(

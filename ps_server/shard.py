@@ -7,6 +7,7 @@ decide when and how updates apply; the store applies them.
 
 from __future__ import annotations
 
+import copy
 import enum
 import logging
 import threading
@@ -19,6 +20,7 @@ from typing import Any
 import torch
 
 from ps_server.core.errors import (
+    CheckpointError,
     InvalidRequestError,
     NotInitializedError,
     NotJoinedError,
@@ -121,6 +123,8 @@ class StatusView:
     max_clock_gap: int
     rejected_pushes: dict[str, int]
     staleness: dict[int, int]
+    last_checkpoint_version: int | None = None
+    restored_from_version: int | None = None
 
     @property
     def mode(self) -> str:
@@ -170,6 +174,10 @@ class Shard:
         self.staleness_counts: Counter[int] = Counter()
         self.exchange_results: dict[int, tuple[int, list[torch.Tensor]]] = {}
         self.members = [Member(rank=r) for r in range(self.num_workers)]
+        self.checkpoint_every = 0
+        self.on_snapshot: Callable[[int, dict[str, Any]], None] | None = None
+        self.last_checkpoint_version: int | None = None
+        self.restored_from_version: int | None = None
 
     @property
     def mode(self) -> str:
@@ -446,9 +454,99 @@ class Shard:
             self.store.apply(grads, lr_scale=asynchronous.lr_scale(tau, self.settings.staleness_lr))
         else:  # ssp: apply at once; reads are bounded instead
             self.store.apply(grads)
-        self.version += 1
+        self._set_version(self.version + 1)
         self.staleness_counts[tau] += 1
         return PushResult(self.version, staleness=tau, mode=mode)
+
+    def _set_version(self, version: int) -> None:
+        """Advance the version; at every ``checkpoint_every``-th version hand a snapshot to
+        ``on_snapshot`` (taken under the lock, so every sync shard snapshots the same rounds)."""
+        self.version = version
+        if self.checkpoint_every and self.on_snapshot and version % self.checkpoint_every == 0:
+            self.on_snapshot(version, self.export_state())
+
+    def export_state(self) -> dict[str, Any]:
+        """Everything a restarted shard needs, as plain data ``torch.load(weights_only=True)`` reads:
+        plan, parameter tensors (copies), optimizer spec and state, version, mode, members.
+
+        Raises:
+            NotInitializedError: nothing to save yet.
+        """
+        with self._cond:
+            if self.plan is None or self.store is None:
+                raise NotInitializedError(f"Shard {self.shard_index} has nothing to checkpoint before Init.")
+            if self.rounds.pending:
+                log.info(
+                    "shard %d: snapshot at version %d leaves out the open round's pushes from ranks %s",
+                    self.shard_index,
+                    self.version,
+                    sorted(self.rounds.pending),
+                )
+            return {
+                "plan": {
+                    "specs": [[sp.key, list(sp.shape), sp.dtype] for sp in self.plan.specs],
+                    "num_shards": self.plan.num_shards,
+                    "partition_bytes": self.plan.partition_bytes,
+                    "digest": self.plan.digest,
+                },
+                "tensors": [t.detach().clone() for t in self.store.tensors],
+                "optimizer": {"name": self.store.optimizer_spec.name, "kwargs": dict(self.store.optimizer_spec.kwargs)},
+                "optimizer_state": copy.deepcopy(self.store.optimizer.state_dict()),
+                "version": self.version,
+                "mode": self.mode,
+                "members": [
+                    {
+                        "rank": m.rank,
+                        "incarnation": m.incarnation,
+                        "clock": m.clock,
+                        "state": m.state.value,
+                        "pushes": m.pushes,
+                    }
+                    for m in self.members
+                ],
+            }
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Resume from :meth:`export_state` output: parameters, optimizer state, version and
+        members (live ranks get a fresh lease to come back in).
+
+        Raises:
+            CheckpointError: the checkpoint belongs to another cluster shape or plan.
+        """
+        plan_info = state["plan"]
+        if plan_info["num_shards"] != self.num_shards or len(state["members"]) != self.num_workers:
+            raise CheckpointError(
+                f"The checkpoint is of a cluster with {plan_info['num_shards']} shards and {len(state['members'])} "
+                f"workers, but this shard runs with {self.num_shards} and {self.num_workers}; start with the same "
+                "--num-shards/--num-workers or another --checkpoint-dir."
+            )
+        specs = [ParameterSpec(k, tuple(shape), dtype) for k, shape, dtype in plan_info["specs"]]
+        plan = make_plan(specs, plan_info["num_shards"], plan_info["partition_bytes"])
+        if plan.digest != plan_info["digest"]:
+            raise CheckpointError(
+                "The checkpoint's plan digest does not match its specs; it was written by another release of grpc-ps."
+            )
+        store = ParameterStore(
+            plan,
+            self.shard_index,
+            state["tensors"],
+            OptimizerSpec(state["optimizer"]["name"], state["optimizer"]["kwargs"]),
+        )
+        store.optimizer.load_state_dict(state["optimizer_state"])
+        with self._cond:
+            self.plan, self.store = plan, store
+            self.version = int(state["version"])
+            self.rounds = SyncRounds(round=self.version)
+            now = self._now()
+            for m, saved in zip(self.members, state["members"], strict=True):
+                m.incarnation, m.clock, m.pushes = int(saved["incarnation"]), int(saved["clock"]), int(saved["pushes"])
+                m.state = WorkerState(saved["state"])
+                m.last_seen = now if m.state is WorkerState.LIVE else None
+                m.history.clear()
+            self.restored_from_version = self.version
+            self.last_checkpoint_version = self.version
+            log.info("shard %d: resumed from its checkpoint at version %d", self.shard_index, self.version)
+            self._cond.notify_all()
 
     def _advance(self) -> None:
         """Close a complete sync round, apply a pending mode switch at a round boundary, and wake
@@ -457,7 +555,7 @@ class Shard:
             mean = self.rounds.close_if_complete(self._expected(), self.settings.quorum)
             if mean is not None:
                 self.store.apply(mean)
-                self.version = self.rounds.round
+                self._set_version(self.rounds.round)
                 self.round_opened = None
                 log.debug("shard %d: round %d applied", self.shard_index, self.version - 1)
         if self.store is not None and self.mode == "easgd" and self.settings.easgd_sync:
@@ -465,7 +563,7 @@ class Shard:
             if held is not None:
                 for rank, d in easgd.exchange_round(self.store.tensors, held, self.settings.alpha).items():
                     self.exchange_results[rank] = (self.rounds.round, d)
-                self.version = self.rounds.round
+                self._set_version(self.rounds.round)
         if self.pending_mode and not self.rounds.pending:
             log.info(
                 "shard %d: mode %s -> %s at version %d", self.shard_index, self.mode, self.pending_mode, self.version
@@ -595,7 +693,7 @@ class Shard:
                 version, d = self.exchange_results.pop(rank)
             else:
                 d = easgd.exchange(self.store.tensors, x, self.settings.alpha)
-                self.version += 1
+                self._set_version(self.version + 1)
                 version = self.version
             member.last_exchange = ((incarnation, clock), version, d)
             member.clock = max(member.clock, clock + 1)
@@ -685,6 +783,8 @@ class Shard:
                 max_clock_gap=self.max_clock_gap,
                 rejected_pushes=dict(self.rejected),
                 staleness=dict(self.staleness_counts),
+                last_checkpoint_version=self.last_checkpoint_version,
+                restored_from_version=self.restored_from_version,
             )
 
     def close(self) -> None:

@@ -13,7 +13,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from ps_server.core.errors import PSError
-from ps_server.flags import FlagParser
+from ps_server.flags import FlagParser, secret
 from ps_server.metrics import serve_metrics
 from ps_worker.client import PSClient
 from ps_worker.metrics import WorkerMetrics
@@ -52,6 +52,7 @@ def worker_parser(environ: Mapping[str, str] | None = None) -> FlagParser:
         help="seconds to keep retrying an unreachable shard (backoff with jitter) before failing",
     )
     p.flag("--token", default="", help="bearer token for ParameterService")
+    p.flag("--token-file", default="", help="file holding the bearer token (e.g. a mounted Secret)")
     p.flag("--tls-ca", default="", help="PEM CA of the shards' certificates: connect with TLS")
     p.flag("--tls-cert", default="", help="PEM client certificate for mutual TLS")
     p.flag("--tls-key", default="", help="PEM private key of --tls-cert")
@@ -120,12 +121,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.rank == args.slow_rank and args.slow_ms > 0:
             time.sleep(args.slow_ms / 1000)
 
+    try:
+        token = secret(args.token, args.token_file, "--token")
+    except ValueError as exc:
+        parser.error(str(exc))
     client = PSClient(
         servers,
         args.rank,
         args.num_workers,
         incarnation=args.incarnation,
-        token=args.token or None,
+        token=token or None,
         timeout=args.timeout,
         retry_deadline=args.retry_deadline,
         tls_ca=args.tls_ca or None,

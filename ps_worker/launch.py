@@ -38,8 +38,13 @@ METRICS = re.compile(r"metrics on (http://\S+)")
 PR_SET_PDEATHSIG = 1
 
 
+STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+
+
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
-    """Ask Linux to send SIGTERM to this child when the launcher dies (even by SIGKILL)."""
+    """Ask Linux to send SIGTERM to this child when the launcher dies (even by SIGKILL), and take
+    back the stop signals the launcher blocks while it spawns."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     except OSError:
@@ -82,6 +87,12 @@ def launch_parser(environ: Mapping[str, str] | None = None) -> FlagParser:
     p.flag("--no-progress", switch=True, help="no progress bars")
     p.flag("--lease-timeout", type=float, default=10.0, help="seconds of silence before a shard evicts a rank")
     p.flag(
+        "--checkpoint-every",
+        type=int,
+        default=50,
+        help="shards checkpoint every V versions into LOG_DIR/checkpoints (0: only when they stop)",
+    )
+    p.flag(
         "--fault",
         default="",
         help="inject faults: kill-worker:R@step=N[,restart] or kill-shard:K@step=N[,restart], ';'-separated",
@@ -120,17 +131,22 @@ class Cluster:
     def spawn(self, name: str, argv: Sequence[str]) -> Child:
         log_path = self.log_dir / f"{name}.log"
         log_file = open(log_path, "a")  # noqa: SIM115 - closed in stop(); appended to on a restart
-        proc = subprocess.Popen(
-            [sys.executable, "-m", *argv],
-            stdout=subprocess.PIPE,
-            stderr=log_file,
-            text=True,
-            env=self.env,
-            preexec_fn=_die_with_parent,
-            start_new_session=True,
-        )
-        child = Child(name, proc, log_path, log_file, argv=list(argv))
-        self.children.append(child)
+        # Ctrl-C between fork and registration would leave a child nobody stops: hold it until then.
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        try:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", *argv],
+                stdout=subprocess.PIPE,
+                stderr=log_file,
+                text=True,
+                env=self.env,
+                preexec_fn=_die_with_parent,
+                start_new_session=True,
+            )
+            child = Child(name, proc, log_path, log_file, argv=list(argv))
+            self.children.append(child)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         print(f"ps-launch: started {name} (pid {proc.pid})", file=sys.stderr, flush=True)
         return child
 
@@ -239,9 +255,13 @@ class Cluster:
             c.log_file.close()
 
 
-def server_flags(args: Any) -> list[str]:
-    """The mode parameters ps-launch forwards to every ps-server."""
+def server_flags(args: Any, log_dir: Path) -> list[str]:
+    """The mode and checkpoint parameters ps-launch forwards to every ps-server."""
     flags = [
+        "--checkpoint-dir",
+        str(log_dir / "checkpoints"),
+        "--checkpoint-every",
+        str(args.checkpoint_every),
         "--lease-timeout",
         str(args.lease_timeout),
         "--sync-quorum",
@@ -318,6 +338,12 @@ def summarize(
         if statuses
         else [],
         "incarnations": [w.incarnation for w in statuses[0].workers] if statuses else [],
+        "restored_from": [
+            st.restored_from_version if st.HasField("restored_from_version") else None for st in statuses
+        ],
+        "last_checkpoint": [
+            st.last_checkpoint_version if st.HasField("last_checkpoint_version") else None for st in statuses
+        ],
         "max_clock_gap": max((st.max_clock_gap for st in statuses), default=0),
         "rejected_pushes": rejected,
         "staleness_p50": max((st.staleness.p50 for st in statuses), default=0.0),
@@ -401,7 +427,7 @@ def run(args: Any) -> int:
     started = time.perf_counter()
     try:
         addresses = cluster.start_shards(
-            args.shards, args.workers, args.mode, server_flags(args), metrics=not args.no_metrics
+            args.shards, args.workers, args.mode, server_flags(args, log_dir), metrics=not args.no_metrics
         )
         print(f"ps-launch: {args.shards} shards on {', '.join(addresses)}; logs in {log_dir}", file=sys.stderr)
         for c in cluster.children:

@@ -395,6 +395,11 @@ class AdminStub:
                 request_serializer=ps__proto_dot_v1_dot_ps__pb2.EvictWorkerRequest.SerializeToString,
                 response_deserializer=ps__proto_dot_v1_dot_ps__pb2.EvictWorkerResponse.FromString,
                 _registered_method=True)
+        self.Checkpoint = channel.unary_unary(
+                '/ps.v1.Admin/Checkpoint',
+                request_serializer=ps__proto_dot_v1_dot_ps__pb2.CheckpointRequest.SerializeToString,
+                response_deserializer=ps__proto_dot_v1_dot_ps__pb2.CheckpointResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -429,6 +434,13 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Checkpoint(self, request, context):
+        """Write a checkpoint now (needs --checkpoint-dir); returns when it is durable.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -451,6 +463,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.EvictWorker,
                     request_deserializer=ps__proto_dot_v1_dot_ps__pb2.EvictWorkerRequest.FromString,
                     response_serializer=ps__proto_dot_v1_dot_ps__pb2.EvictWorkerResponse.SerializeToString,
+            ),
+            'Checkpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.Checkpoint,
+                    request_deserializer=ps__proto_dot_v1_dot_ps__pb2.CheckpointRequest.FromString,
+                    response_serializer=ps__proto_dot_v1_dot_ps__pb2.CheckpointResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -562,6 +579,33 @@ class Admin:
             '/ps.v1.Admin/EvictWorker',
             ps__proto_dot_v1_dot_ps__pb2.EvictWorkerRequest.SerializeToString,
             ps__proto_dot_v1_dot_ps__pb2.EvictWorkerResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Checkpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ps.v1.Admin/Checkpoint',
+            ps__proto_dot_v1_dot_ps__pb2.CheckpointRequest.SerializeToString,
+            ps__proto_dot_v1_dot_ps__pb2.CheckpointResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -149,6 +149,8 @@ class AdminStub:
     """Change the learning rate and mode parameters at once; switch mode at the next round boundary."""
     EvictWorker: _grpc.UnaryUnaryMultiCallable[_ps_pb2.EvictWorkerRequest, _ps_pb2.EvictWorkerResponse]
     """Stop counting a rank now (it may rejoin with a higher incarnation)."""
+    Checkpoint: _grpc.UnaryUnaryMultiCallable[_ps_pb2.CheckpointRequest, _ps_pb2.CheckpointResponse]
+    """Write a checkpoint now (needs --checkpoint-dir); returns when it is durable."""
 
 @_typing.type_check_only
 class AdminAsyncStub(AdminStub):
@@ -163,6 +165,8 @@ class AdminAsyncStub(AdminStub):
     """Change the learning rate and mode parameters at once; switch mode at the next round boundary."""
     EvictWorker: _aio.UnaryUnaryMultiCallable[_ps_pb2.EvictWorkerRequest, _ps_pb2.EvictWorkerResponse]  # type: ignore[assignment]
     """Stop counting a rank now (it may rejoin with a higher incarnation)."""
+    Checkpoint: _aio.UnaryUnaryMultiCallable[_ps_pb2.CheckpointRequest, _ps_pb2.CheckpointResponse]  # type: ignore[assignment]
+    """Write a checkpoint now (needs --checkpoint-dir); returns when it is durable."""
 
 class AdminServicer(metaclass=_abc_1.ABCMeta):
     """Operator plane: inspect and steer one shard."""
@@ -198,5 +202,13 @@ class AdminServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_ps_pb2.EvictWorkerResponse, _abc.Awaitable[_ps_pb2.EvictWorkerResponse]]:
         """Stop counting a rank now (it may rejoin with a higher incarnation)."""
+
+    @_abc_1.abstractmethod
+    def Checkpoint(
+        self,
+        request: _ps_pb2.CheckpointRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_ps_pb2.CheckpointResponse, _abc.Awaitable[_ps_pb2.CheckpointResponse]]:
+        """Write a checkpoint now (needs --checkpoint-dir); returns when it is durable."""
 
 def add_AdminServicer_to_server(servicer: AdminServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -56,6 +56,8 @@ def test_killed_shard_restarts_and_training_completes(tmp_path) -> None:
     clean = launch(tmp_path / "clean", "--steps", "300")
     faulty = launch(tmp_path / "faulty", "--steps", "300", "--fault", "kill-shard:0@step=100,restart")
     assert [f["fault"] for f in faulty["faults"]] == ["kill-shard:0@step=100,restart"]
+    assert faulty["shards_view"]["restored_from"][0] is not None  # resumed from a checkpoint, not from scratch
+    assert faulty["shards_view"]["restored_from"][1] is None
     assert faulty["accuracy"] >= clean["accuracy"] - 0.02, (clean["accuracy"], faulty["accuracy"])
 
 

@@ -8,7 +8,7 @@ import re
 import signal
 import subprocess
 import sys
-import time
+import threading
 
 import pytest
 
@@ -133,6 +133,7 @@ def test_ctrl_c_stops_every_process(tmp_path) -> None:
             "--steps",
             "100000",
             "--no-progress",
+            "--no-metrics",
             "--log-dir",
             str(tmp_path),
             "digits",
@@ -141,17 +142,28 @@ def test_ctrl_c_stops_every_process(tmp_path) -> None:
         stderr=subprocess.PIPE,
         text=True,
     )
+    lines: list[str] = []
+    worker_started = threading.Event()
+
+    def read() -> None:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            lines.append(line)
+            if "started worker-0" in line:
+                worker_started.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and not (tmp_path / "worker-0.log").exists():
-            time.sleep(0.05)  # polling for the worker to start, bounded by the deadline
-        assert (tmp_path / "worker-0.log").exists()
+        assert worker_started.wait(timeout=120), "".join(lines)
         proc.send_signal(signal.SIGINT)
-        _, stderr = proc.communicate(timeout=60)
+        proc.wait(timeout=60)
+        reader.join(timeout=30)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=10)
+    stderr = "".join(lines)
     assert proc.returncode == 130, stderr
     assert "interrupted" in stderr
     assert_all_gone(stderr, expected=2)

@@ -6,6 +6,7 @@ import json
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 
@@ -67,11 +68,18 @@ def test_kill9_worker_is_evicted_in_status_and_metrics(start_cluster) -> None:
             opt = DistributedOptimizer(model, client)
             x = torch.zeros(4, 64)
             y = torch.zeros(4, dtype=torch.long)
-            assert worker.stdout is not None
-            for line in worker.stdout:  # rank 1 is training once it reports a step
-                if json.loads(line).get("event") == "step":
-                    break
-            for _ in range(3):
+            stepping = threading.Event()
+
+            def watch() -> None:  # rank 1 is training once it reports a step
+                assert worker.stdout is not None
+                for line in worker.stdout:
+                    if json.loads(line).get("event") == "step":
+                        stepping.set()
+
+            threading.Thread(target=watch, daemon=True).start()
+            deadline = time.monotonic() + 120
+            while not stepping.is_set():  # sync rounds need both ranks: rank 0 trains meanwhile
+                assert time.monotonic() < deadline, "rank 1 never trained"
                 opt.zero_grad()
                 workload.loss(model, x, y).backward()
                 opt.step()

@@ -52,3 +52,23 @@ def test_non_loopback_is_allowed_with_tokens_or_insecure() -> None:
 )
 def test_is_loopback(host: str, loop: bool) -> None:
     assert is_loopback(host) is loop
+
+
+def test_tokens_from_files(tmp_path) -> None:
+    (tmp_path / "worker").write_text("w-secret\n")
+    (tmp_path / "admin").write_text("  a-secret ")
+    args = [*BASE, "--token-file", str(tmp_path / "worker"), "--admin-token-file", str(tmp_path / "admin")]
+    config, _ = config_from_args(args, environ={})
+    assert (config.token, config.admin_token) == ("w-secret", "a-secret")
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [(["--token", "x", "--token-file", "F"], "not both"), (["--token-file", "/nonexistent/t"], "cannot be read")],
+)
+def test_bad_token_files_are_clear_errors(tmp_path, capsys, extra, message) -> None:
+    extra = [str(tmp_path / "t") if e == "F" else e for e in extra]
+    (tmp_path / "t").write_text("x")
+    with pytest.raises(SystemExit):
+        config_from_args([*BASE, *extra], environ={})
+    assert message in capsys.readouterr().err
