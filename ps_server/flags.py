@@ -43,14 +43,16 @@ class FlagParser(argparse.ArgumentParser):
         required: bool = False,
         choices: Any = None,
         switch: bool = False,
+        env: str | None = None,
     ) -> None:
         """Add ``name`` with its twin. ``switch=True`` makes a boolean ``store_true`` flag whose
-        twin takes 1/0, true/false, yes/no, on/off.
+        twin takes 1/0, true/false, yes/no, on/off. ``env`` names the twin when :func:`env_name`'s
+        would clash with another command's twin of a different meaning.
 
         Raises:
             SystemExit: through ``self.error`` when the twin's value does not parse.
         """
-        env = env_name(name)
+        env = env or env_name(name)
         raw = self.environ.get(env)
         if raw is not None:
             if switch:
@@ -60,7 +62,7 @@ class FlagParser(argparse.ArgumentParser):
             else:
                 try:
                     default = type(raw)
-                except (TypeError, ValueError) as exc:
+                except (TypeError, ValueError, argparse.ArgumentTypeError) as exc:
                     self.error(f"{env}={raw!r} is invalid for {name}: {exc}")
                 if choices is not None and default not in choices:
                     self.error(f"{env}={raw!r} is invalid for {name}; choose from {', '.join(map(str, choices))}.")

@@ -146,7 +146,10 @@ class MetricsInterceptor(grpc.ServerInterceptor):
             except BaseException:
                 call.finish(_final_code(context, failed=True))
                 raise
-            call.finish(_final_code(context, failed=False))
+            code = _final_code(context, failed=False)
+            if code is grpc.StatusCode.OK and not context.is_active():  # it saw the client go away (WatchStatus)
+                code = grpc.StatusCode.CANCELLED
+            call.finish(code)
 
         return handle
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+
 from ps_server.admin_cli import admin_parser
 from ps_server.config import server_parser
 from ps_server.flags import FlagParser
@@ -19,10 +21,22 @@ def parsers() -> dict[str, FlagParser]:
     }
 
 
+def defaults_of(parser: argparse.ArgumentParser) -> dict[str, object]:
+    """Flag -> default, subcommands' flags included (``ps-admin top --interval``)."""
+    found: dict[str, object] = {}
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                found |= defaults_of(sub)
+        elif action.option_strings:
+            found[action.option_strings[0]] = action.default
+    return found
+
+
 def table() -> str:
     rows = ["| command | flag | environment twin | default | meaning |", "|---|---|---|---|---|"]
     for command, parser in parsers().items():
-        defaults = {a.option_strings[0]: a.default for a in parser._actions if a.option_strings}
+        defaults = defaults_of(parser)
         for flag, env, help_text in parser.twins:
             default = defaults.get(flag)
             shown = "—" if default in (None, "") else f"`{default}`"

@@ -125,6 +125,18 @@ def test_stream_stream_and_cancelled_stream() -> None:
     assert get(m, "ps_rpc_duration_seconds_count", method=method, code="CANCELLED") == 1
 
 
+def test_a_stream_that_ends_because_the_client_went_away_is_cancelled() -> None:
+    def watch(req, ctx):
+        while ctx.is_active():  # as Admin/WatchStatus does
+            ctx.active = False
+            yield ps_pb2.WatchStatusResponse()
+
+    handler, m = wrap(grpc.unary_stream_rpc_method_handler(watch), "/ps.v1.Admin/WatchStatus")
+    assert len(list(handler.unary_stream(ps_pb2.WatchStatusRequest(), FakeContext()))) == 1
+    assert get(m, "ps_rpc_duration_seconds_count", method="ps.v1.Admin/WatchStatus", code="CANCELLED") == 1
+    assert get(m, "ps_rpc_duration_seconds_count", method="ps.v1.Admin/WatchStatus", code="OK") == 0
+
+
 def test_client_gone_during_an_upload_is_cancelled_not_a_refusal() -> None:
     def push(requests, ctx):
         for _ in requests:
