@@ -8,13 +8,12 @@ decide when and how updates apply; the store applies them.
 from __future__ import annotations
 
 import copy
-import enum
 import logging
 import threading
 import time
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -23,18 +22,17 @@ from ps_server.core.errors import (
     CheckpointError,
     InvalidRequestError,
     NotInitializedError,
-    NotJoinedError,
     PlanMismatchError,
     PreconditionError,
     ShuttingDownError,
     StalePushError,
-    SupersededError,
     WaitTimeoutError,
 )
 from ps_server.core.modes import MODES, ModeSettings
 from ps_server.core.optimizer import OptimizerSpec
 from ps_server.core.partitions import WirePartition, match_partitions
 from ps_server.core.plan import ParameterSpec, PartitionSlice, Plan, make_plan
+from ps_server.membership import Member, Membership, MemberView, PushResult, WorkerState
 from ps_server.policy import asynchronous, easgd, ssp
 from ps_server.policy.sync import SyncRounds
 from ps_server.store import ParameterStore
@@ -43,43 +41,6 @@ log = logging.getLogger(__name__)
 
 __all__ = ["MODES", "Shard", "WorkerState", "PushResult", "StatusView", "MemberView"]
 
-PUSH_HISTORY = 64
-"""Answers remembered per rank for duplicate pushes (retries resend the same clock)."""
-
-
-class WorkerState(enum.Enum):
-    PENDING = "pending"
-    LIVE = "live"
-    EVICTED = "evicted"
-    LEFT = "left"
-
-
-@dataclass(frozen=True)
-class PushResult:
-    """Answer to a push: the version it was accepted at, its staleness in versions, whether it
-    repeated an earlier push, and whether a quorum round had closed without it (dropped)."""
-
-    version: int
-    staleness: int = 0
-    duplicate: bool = False
-    dropped: bool = False
-    mode: str = "sync"
-
-
-@dataclass
-class Member:
-    """One rank as this shard sees it."""
-
-    rank: int
-    incarnation: int = 0
-    state: WorkerState = WorkerState.PENDING
-    clock: int = 0
-    last_seen: float | None = None
-    pushes: int = 0
-    history: OrderedDict[tuple[int, int], PushResult] = field(default_factory=OrderedDict)
-    # EASGD: (incarnation, clock) -> (version, d) of the last exchange, for retries.
-    last_exchange: tuple[tuple[int, int], int, list[torch.Tensor]] | None = None
-
 
 @dataclass(frozen=True)
 class JoinInfo:
@@ -87,16 +48,6 @@ class JoinInfo:
     version: int
     plan_digest: str
     clock: int
-
-
-@dataclass(frozen=True)
-class MemberView:
-    rank: int
-    incarnation: int
-    clock: int
-    state: WorkerState
-    last_seen_seconds_ago: float
-    pushes: int
 
 
 @dataclass(frozen=True)
@@ -173,7 +124,7 @@ class Shard:
         self.rejected: Counter[str] = Counter()
         self.staleness_counts: Counter[int] = Counter()
         self.exchange_results: dict[int, tuple[int, list[torch.Tensor]]] = {}
-        self.members = [Member(rank=r) for r in range(self.num_workers)]
+        self.membership = Membership(self.num_workers, lease_timeout, now)
         self.checkpoint_every = 0
         self.on_snapshot: Callable[[int, dict[str, Any]], None] | None = None
         self.last_checkpoint_version: int | None = None
@@ -184,30 +135,13 @@ class Shard:
         return self.settings.mode
 
     # ----------------------------------------------------------------- validation helpers
-    def _check_rank(self, rank: int, incarnation: int | None = None) -> Member:
-        if not 0 <= rank < self.num_workers:
-            raise InvalidRequestError(
-                f"Rank {rank} is out of range: this cluster has num_workers={self.num_workers} "
-                f"(ranks 0..{self.num_workers - 1})."
-            )
-        member = self.members[rank]
-        if incarnation is not None and incarnation < member.incarnation:
-            raise SupersededError(
-                f"Rank {rank} incarnation {incarnation} was superseded by incarnation "
-                f"{member.incarnation}; this process is stale and should exit."
-            )
-        return member
+    @property
+    def members(self) -> list[Member]:
+        return self.membership.members
 
     def check_rank(self, rank: int) -> None:
         """Raise InvalidRequestError when ``rank`` is out of range."""
-        self._check_rank(rank)
-
-    def _check_live(self, member: Member, incarnation: int) -> None:
-        if member.state is not WorkerState.LIVE or incarnation != member.incarnation:
-            raise NotJoinedError(
-                f"Rank {member.rank} incarnation {incarnation} is not joined here "
-                f"(state {member.state.value}); call Join again, then pull."
-            )
+        self.membership.get(rank)
 
     def _check_plan(self, digest: str) -> Plan:
         if self.plan is None:
@@ -220,19 +154,6 @@ class Shard:
                 "every worker must build the same model with the same num_shards and partition_bytes."
             )
         return self.plan
-
-    def _expected(self) -> list[int]:
-        """Ranks rounds and SSP reads wait for: joined and live, or not joined yet."""
-        return [m.rank for m in self.members if m.state in (WorkerState.PENDING, WorkerState.LIVE)]
-
-    def _touch(self, member: Member) -> None:
-        member.last_seen = self._now()
-
-    def _remember(self, member: Member, incarnation: int, clock: int, result: PushResult) -> PushResult:
-        member.history[(incarnation, clock)] = result
-        while len(member.history) > PUSH_HISTORY:
-            member.history.popitem(last=False)
-        return result
 
     # ----------------------------------------------------------------- membership
     def join(self, rank: int, num_workers: int, incarnation: int) -> JoinInfo:
@@ -248,7 +169,7 @@ class Shard:
                 "start every worker and shard with the same --num-workers."
             )
         with self._cond:
-            member = self._check_rank(rank, incarnation)
+            member = self.membership.get(rank, incarnation)
             if incarnation != member.incarnation or member.state is not WorkerState.LIVE:
                 log.info("shard %d: rank %d joined (incarnation %d)", self.shard_index, rank, incarnation)
                 if incarnation != member.incarnation and self.mode == "ssp":
@@ -257,7 +178,7 @@ class Shard:
                     member.clock = min(others, default=member.clock)
             member.incarnation = incarnation
             member.state = WorkerState.LIVE
-            self._touch(member)
+            self.membership.touch(member)
             if self.mode == "sync":
                 member.clock = self.rounds.round
             self._cond.notify_all()
@@ -271,15 +192,15 @@ class Shard:
     def heartbeat(self, rank: int, incarnation: int) -> tuple[int, WorkerState]:
         """Renew ``rank``'s lease; returns (version, state)."""
         with self._cond:
-            member = self._check_rank(rank, incarnation)
+            member = self.membership.get(rank, incarnation)
             if member.state is WorkerState.LIVE and member.incarnation == incarnation:
-                self._touch(member)
+                self.membership.touch(member)
             return self.version, member.state
 
     def leave(self, rank: int, incarnation: int) -> int:
         """Stop counting ``rank``; rounds and waits go on without it. Returns the version."""
         with self._cond:
-            member = self._check_rank(rank, incarnation)
+            member = self.membership.get(rank, incarnation)
             if member.incarnation == incarnation and member.state is WorkerState.LIVE:
                 member.state = WorkerState.LEFT
                 log.info("shard %d: rank %d left", self.shard_index, rank)
@@ -289,7 +210,7 @@ class Shard:
     def evict(self, rank: int) -> tuple[WorkerState, int]:
         """Operator eviction: stop counting ``rank`` now. Returns (previous state, version)."""
         with self._cond:
-            member = self._check_rank(rank)
+            member = self.membership.get(rank)
             previous = member.state
             if previous in (WorkerState.LIVE, WorkerState.PENDING):
                 member.state = WorkerState.EVICTED
@@ -303,14 +224,11 @@ class Shard:
         with self._cond:
             now = self._now()
             evicted = []
-            for m in self.members:
-                silent = None if m.last_seen is None else now - m.last_seen
-                if m.state is WorkerState.LIVE and silent is not None and silent > self.lease_timeout:
-                    m.state = WorkerState.EVICTED
-                    evicted.append(m.rank)
-                    log.warning(
-                        "shard %d: rank %d evicted after %.1f s without a heartbeat", self.shard_index, m.rank, silent
-                    )
+            for rank, silent in self.membership.expire():
+                evicted.append(rank)
+                log.warning(
+                    "shard %d: rank %d evicted after %.1f s without a heartbeat", self.shard_index, rank, silent
+                )
             timeout = self.settings.round_timeout
             if timeout and self.round_opened is not None and not self.round_reported:
                 if now - self.round_opened > timeout:
@@ -321,7 +239,7 @@ class Shard:
                         self.shard_index,
                         self.rounds.round,
                         now - self.round_opened,
-                        self.rounds.waiting_for(self._expected()),
+                        self.rounds.waiting_for(self.membership.expected()),
                     )
             if evicted:
                 self._advance()
@@ -404,22 +322,22 @@ class Shard:
         """
         with self._cond:
             plan = self._check_plan(digest)
-            member = self._check_rank(rank, incarnation)
+            member = self.membership.get(rank, incarnation)
             seen = member.history.get((incarnation, clock))
             if seen is not None:
                 return PushResult(seen.version, seen.staleness, True, seen.dropped, self.mode)
-            self._check_live(member, incarnation)
+            self.membership.check_live(member, incarnation)
         grads = match_partitions(plan, self.shard_index, partitions, "gradient")
         with self._cond:
-            self._check_live(member, incarnation)
+            self.membership.check_live(member, incarnation)
             seen = member.history.get((incarnation, clock))
             if seen is not None:
                 return PushResult(seen.version, seen.staleness, True, seen.dropped, self.mode)
             result = self._accept(member, clock, grad_version, grads)
             member.clock = max(member.clock, clock + 1)
             member.pushes += 1
-            self._touch(member)
-            self._remember(member, incarnation, clock, result)
+            self.membership.touch(member)
+            self.membership.remember(member, incarnation, clock, result)
             self._advance()
             return result
 
@@ -494,16 +412,7 @@ class Shard:
                 "optimizer_state": copy.deepcopy(self.store.optimizer.state_dict()),
                 "version": self.version,
                 "mode": self.mode,
-                "members": [
-                    {
-                        "rank": m.rank,
-                        "incarnation": m.incarnation,
-                        "clock": m.clock,
-                        "state": m.state.value,
-                        "pushes": m.pushes,
-                    }
-                    for m in self.members
-                ],
+                "members": self.membership.export(),
             }
 
     def restore(self, state: dict[str, Any]) -> None:
@@ -537,12 +446,7 @@ class Shard:
             self.plan, self.store = plan, store
             self.version = int(state["version"])
             self.rounds = SyncRounds(round=self.version)
-            now = self._now()
-            for m, saved in zip(self.members, state["members"], strict=True):
-                m.incarnation, m.clock, m.pushes = int(saved["incarnation"]), int(saved["clock"]), int(saved["pushes"])
-                m.state = WorkerState(saved["state"])
-                m.last_seen = now if m.state is WorkerState.LIVE else None
-                m.history.clear()
+            self.membership.restore(state["members"])
             self.restored_from_version = self.version
             self.last_checkpoint_version = self.version
             log.info("shard %d: resumed from its checkpoint at version %d", self.shard_index, self.version)
@@ -552,14 +456,14 @@ class Shard:
         """Close a complete sync round, apply a pending mode switch at a round boundary, and wake
         waiters. Caller holds the lock."""
         if self.store is not None and self.mode == "sync":
-            mean = self.rounds.close_if_complete(self._expected(), self.settings.quorum)
+            mean = self.rounds.close_if_complete(self.membership.expected(), self.settings.quorum)
             if mean is not None:
                 self.store.apply(mean)
                 self._set_version(self.rounds.round)
                 self.round_opened = None
                 log.debug("shard %d: round %d applied", self.shard_index, self.version - 1)
         if self.store is not None and self.mode == "easgd" and self.settings.easgd_sync:
-            held = self.rounds.take_if_complete(self._expected())
+            held = self.rounds.take_if_complete(self.membership.expected())
             if held is not None:
                 for rank, d in easgd.exchange_round(self.store.tensors, held, self.settings.alpha).items():
                     self.exchange_results[rank] = (self.rounds.round, d)
@@ -611,13 +515,12 @@ class Shard:
         deadline = None if timeout is None else self._now() + timeout
         with self._cond:
             self._check_plan(digest)
-            member = self._check_rank(rank, incarnation)
+            member = self.membership.get(rank, incarnation)
             joined = member.state is WorkerState.LIVE and member.incarnation == incarnation
             if joined:
-                self._touch(member)
+                self.membership.touch(member)
 
-            def clocks() -> list[int]:
-                return [self.members[r].clock for r in self._expected()]
+            clocks = self.membership.clocks
 
             def ready() -> bool:
                 if self.mode == "sync":
@@ -635,7 +538,7 @@ class Shard:
                     )
                 return (
                     f"Version {min_version} not reached in {timeout:.1f} s (shard {self.shard_index} is at "
-                    f"{self.version}; round waits for ranks {self.rounds.waiting_for(self._expected())}); "
+                    f"{self.version}; round waits for ranks {self.rounds.waiting_for(self.membership.expected())}); "
                     "check those workers."
                 )
 
@@ -669,14 +572,14 @@ class Shard:
             plan = self._check_plan(digest)
             if self.mode != "easgd":
                 raise PreconditionError(f"Exchange is for easgd; this cluster runs {self.mode}: push and pull.")
-            member = self._check_rank(rank, incarnation)
+            member = self.membership.get(rank, incarnation)
             last = member.last_exchange
             if last is not None and last[0] == (incarnation, clock):
                 return self._encode(last[1], last[2])
-            self._check_live(member, incarnation)
+            self.membership.check_live(member, incarnation)
         x = match_partitions(plan, self.shard_index, partitions, "parameter")
         with self._cond:
-            self._check_live(member, incarnation)
+            self.membership.check_live(member, incarnation)
             assert self.store is not None
             if self.settings.easgd_sync:
                 self.exchange_results.pop(rank, None)
@@ -687,7 +590,7 @@ class Shard:
                     deadline,
                     lambda: (
                         f"EASGD period {clock} waits for ranks "
-                        f"{self.rounds.waiting_for(self._expected())}; check those workers."
+                        f"{self.rounds.waiting_for(self.membership.expected())}; check those workers."
                     ),
                 )
                 version, d = self.exchange_results.pop(rank)
@@ -698,7 +601,7 @@ class Shard:
             member.last_exchange = ((incarnation, clock), version, d)
             member.clock = max(member.clock, clock + 1)
             member.pushes += 1
-            self._touch(member)
+            self.membership.touch(member)
             self._cond.notify_all()
             return self._encode(version, d)
 
@@ -732,8 +635,8 @@ class Shard:
                 for group in self.store.optimizer.param_groups:
                     group["lr"] = learning_rate
             self.settings = settings
-            if mode and mode != self.mode:
-                self.pending_mode = mode
+            if mode:  # switching back to the mode in force cancels a pending switch
+                self.pending_mode = mode if mode != self.mode else ""
             log.info(
                 "shard %d: config now %s%s",
                 self.shard_index,
@@ -752,6 +655,7 @@ class Shard:
         with self._cond:
             now = self._now()
             store = self.store
+            expected = self.membership.expected()
             return StatusView(
                 shard_index=self.shard_index,
                 num_shards=self.num_shards,
@@ -765,19 +669,9 @@ class Shard:
                 num_elements=store.num_elements if store else 0,
                 parameter_bytes=store.num_bytes if store else 0,
                 optimizer=store.optimizer_spec if store else None,
-                workers=tuple(
-                    MemberView(
-                        m.rank,
-                        m.incarnation,
-                        m.clock,
-                        m.state,
-                        -1.0 if m.last_seen is None else now - m.last_seen,
-                        m.pushes,
-                    )
-                    for m in self.members
-                ),
+                workers=self.membership.views(),
                 round_ranks=tuple(sorted(self.rounds.pending)),
-                round_waiting_for=tuple(self.rounds.waiting_for(self._expected())) if self.rounds.pending else (),
+                round_waiting_for=tuple(self.rounds.waiting_for(expected)) if self.rounds.pending else (),
                 round_age_seconds=0.0 if self.round_opened is None else now - self.round_opened,
                 pending_mode=self.pending_mode,
                 max_clock_gap=self.max_clock_gap,
