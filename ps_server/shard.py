@@ -24,6 +24,7 @@ from ps_server.core.errors import (
     NotInitializedError,
     PlanMismatchError,
     PreconditionError,
+    PushLostError,
     ShuttingDownError,
     StalePushError,
     WaitTimeoutError,
@@ -521,6 +522,17 @@ class Shard:
                 self.membership.touch(member)
 
             clocks = self.membership.clocks
+
+            round_ = self.rounds.round
+            waits_without_its_push = min_version > self.version and (
+                member.rank not in self.rounds.pending or min_version > round_ + 1
+            )
+            if self.mode == "sync" and joined and waits_without_its_push and rank in self.membership.expected():
+                raise PushLostError(
+                    f"Rank {rank} waits for version {min_version} of shard {self.shard_index}, whose open round "
+                    f"{round_} holds no push from it (the shard restarted from an older checkpoint since); "
+                    f"push round {round_} again, then pull."
+                )
 
             def ready() -> bool:
                 if self.mode == "sync":

@@ -158,6 +158,7 @@ class PSClient:
         self._pushed = [False] * len(self.servers)
         self._params: dict[str, torch.Tensor] = {}
         self._optimizer: OptimizerSpec | None = None
+        self._last_push: Mapping[str, torch.Tensor] | None = None
         self.refused_pushes = 0
         self.dropped_pushes = 0
         self._host: dict[str, torch.Tensor] = {}
@@ -199,9 +200,11 @@ class PSClient:
         - NOT_INITIALIZED (the shard restarted with no checkpoint): rank 0 writes its current
           values again (first writer wins); other ranks wait for that. Then Join.
         - FUTURE_ROUND (the shard restarted from an older checkpoint): adopt its round.
+        - PUSH_LOST (the shard restarted and lost an acknowledged push of an open round): adopt
+          its round and push the last gradient again.
         """
         reason = reason_of(exc)
-        if reason not in ("NOT_JOINED", "NOT_INITIALIZED", "FUTURE_ROUND"):
+        if reason not in ("NOT_JOINED", "NOT_INITIALIZED", "FUTURE_ROUND", "PUSH_LOST"):
             return False
         log.warning("rank %d: shard %s refused (%s: %s); recovering", self.rank, self.servers[k], reason, exc.details())
         self.recoveries[reason] += 1
@@ -213,6 +216,8 @@ class PSClient:
         reply = self._join_shard(k)
         self.versions[k] = reply.version
         self._pushed[k] = False
+        if reason == "PUSH_LOST" and self._last_push is not None:
+            self._push_shard(k, self._last_push)
         return True
 
     def _join_shard(self, k: int) -> ps_pb2.JoinResponse:
@@ -405,34 +410,13 @@ class PSClient:
             grpc.RpcError: INVALID_ARGUMENT, FAILED_PRECONDITION, ABORTED (too stale: pull, then
                 push the next clock) and others after retries.
         """
-        plan = self._require_plan()
+        self._require_plan()
         flats = self._stage(grads)
+        self._last_push = flats
         sent = [0] * self.num_shards
 
         def one(k: int) -> ps_pb2.PushResponse:
-            msgs = [ps_pb2.PushRequest(partition=m) for _, m in self._partitions_of(k, flats)]
-            sent[k] = sum(len(m.partition.data) for m in msgs)
-
-            def stream() -> Iterator[ps_pb2.PushRequest]:
-                # sync: the round is the version the gradient's parameters came from (per shard, so a
-                # shard restored from an older checkpoint is followed); otherwise the step count
-                header = ps_pb2.PushHeader(
-                    rank=self.rank,
-                    incarnation=self.incarnation,
-                    clock=self.versions[k] if self.mode == "sync" else self.clock,
-                    version=self.versions[k],
-                    plan_digest=plan.digest,
-                )
-                yield self._sent(ps_pb2.PushRequest(header=header))
-                for m in msgs:
-                    yield self._sent(m)
-
-            reply = self._with_recovery(
-                k,
-                lambda: self._stubs[k].Push(stream(), timeout=self.timeout, metadata=self._metadata),
-                f"Push {self.servers[k]}",
-            )
-            self._pushed[k] = True
+            reply, sent[k] = self._push_shard(k, flats)
             return reply
 
         start = time.perf_counter()
@@ -458,6 +442,33 @@ class PSClient:
             self.mode = MODE_TO_NAME[first.mode]
         return replies
 
+    def _push_shard(self, k: int, flats: Mapping[str, torch.Tensor]) -> tuple[ps_pb2.PushResponse, int]:
+        """Push shard ``k``'s partitions of ``flats``; returns its answer and the payload bytes."""
+        plan = self._require_plan()
+        msgs = [ps_pb2.PushRequest(partition=m) for _, m in self._partitions_of(k, flats)]
+
+        def stream() -> Iterator[ps_pb2.PushRequest]:
+            # sync: the round is the version the gradient's parameters came from (per shard, so a
+            # shard restored from an older checkpoint is followed); otherwise the step count
+            header = ps_pb2.PushHeader(
+                rank=self.rank,
+                incarnation=self.incarnation,
+                clock=self.versions[k] if self.mode == "sync" else self.clock,
+                version=self.versions[k],
+                plan_digest=plan.digest,
+            )
+            yield self._sent(ps_pb2.PushRequest(header=header))
+            for m in msgs:
+                yield self._sent(m)
+
+        reply = self._with_recovery(
+            k,
+            lambda: self._stubs[k].Push(stream(), timeout=self.timeout, metadata=self._metadata),
+            f"Push {self.servers[k]}",
+        )
+        self._pushed[k] = True
+        return reply, sum(len(m.partition.data) for m in msgs)
+
     def pull(self, out: Mapping[str, torch.Tensor], min_version: int | None = None) -> int:
         """Copy the current parameters into ``out`` (in place, any device).
 
@@ -473,12 +484,14 @@ class PSClient:
             grpc.RpcError: DEADLINE_EXCEEDED if the round does not complete within ``timeout``.
         """
         plan = self._require_plan()
-        if min_version is not None:
-            mins = [min_version] * self.num_shards
-        elif self.mode == "sync":
-            mins = [v + 1 if pushed else v for v, pushed in zip(self.versions, self._pushed, strict=True)]
-        else:
-            mins = [0] * self.num_shards
+
+        def min_for(k: int) -> int:  # computed per attempt: a recovery may move this shard's round
+            if min_version is not None:
+                return min_version
+            if self.mode == "sync":
+                return self.versions[k] + 1 if self._pushed[k] else self.versions[k]
+            return 0
+
         device_out = {k: t for k, t in out.items() if t.device.type != "cpu"}
         flats = {
             s.key: (self._host_flat(s.key, out[s.key]) if s.key in device_out else out[s.key].data.reshape(-1))
@@ -492,7 +505,7 @@ class PSClient:
         def one(k: int) -> tuple[int, int]:
             def attempt() -> tuple[int, int]:
                 req = ps_pb2.PullRequest(
-                    rank=self.rank, incarnation=self.incarnation, min_version=mins[k], plan_digest=plan.digest
+                    rank=self.rank, incarnation=self.incarnation, min_version=min_for(k), plan_digest=plan.digest
                 )
                 version, received, seen = 0, 0, 0
                 for reply in self._stubs[k].Pull(req, timeout=self.timeout, metadata=self._metadata):

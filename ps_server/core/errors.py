@@ -64,6 +64,13 @@ class FutureRoundError(PreconditionError):
     reason = "FUTURE_ROUND"
 
 
+class PushLostError(PreconditionError):
+    """A sync pull waits for a round that holds no push from this rank: the push it acknowledged
+    was lost when the shard restarted from a checkpoint. Push the gradient again, then pull."""
+
+    reason = "PUSH_LOST"
+
+
 class StalePushError(PSError):
     """A push is too old to apply: pull the current parameters and retry (ABORTED)."""
 

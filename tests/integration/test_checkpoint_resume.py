@@ -3,6 +3,8 @@ demand (Admin/Checkpoint); a restarted shard resumes exactly and says so."""
 
 from __future__ import annotations
 
+import threading
+
 import grpc
 import pytest
 import torch
@@ -95,3 +97,48 @@ def test_checkpoint_of_another_cluster_shape_is_refused(tmp_path) -> None:
         shard.stop(grace=0.5)
     with pytest.raises(CheckpointError, match="same --num-shards/--num-workers"):
         start_server(ServerConfig(shard_index=0, num_shards=1, num_workers=3, port=0, checkpoint_dir=str(tmp_path)))
+
+
+def test_push_lost_in_a_crash_is_pushed_again(tmp_path) -> None:
+    """Rank 0's push is acknowledged into an open round, then the shard dies before the round
+    closes (no final checkpoint) and restarts from the previous round's checkpoint: rank 0's pull
+    is refused with PUSH_LOST, it pushes again, and the round completes for both ranks."""
+    config = ServerConfig(
+        shard_index=0, num_shards=1, num_workers=2, port=0, checkpoint_dir=str(tmp_path), checkpoint_every=1
+    )
+    shard = start_server(config)
+    port = shard.port
+    models = [torch.nn.Linear(3, 1, bias=False) for _ in range(2)]
+    for m in models:
+        torch.nn.init.ones_(m.weight)
+    clients = [PSClient([shard.address], rank=r, num_workers=2, incarnation=1, timeout=RPC_TIMEOUT) for r in range(2)]
+    restarted = None
+    try:
+        for c, m in zip(clients, models, strict=True):
+            c.init(m, {"name": "sgd", "lr": 0.5})  # rank 0 writes; rank 1 finds the shard initialized
+        grads = {"weight": torch.ones(1, 3)}
+        for c in clients:
+            c.push(grads)
+        for c, m in zip(clients, models, strict=True):
+            assert c.pull({"weight": m.weight.data}) == 1  # round 0 applied and checkpointed at version 1
+        clients[0].push(grads)  # round 1: acknowledged, held, not applied
+        shard.checkpointer.close(final=False)  # a crash: no final checkpoint
+        shard.checkpointer = None
+        shard.stop(grace=0)
+        restarted = start_server(ServerConfig(**{**config.__dict__, "port": port}))
+        assert restarted.shard.restored_from_version == 1 and restarted.shard.status().round_ranks == ()
+        result: list[int] = []
+        puller = threading.Thread(target=lambda: result.append(clients[0].pull({"weight": models[0].weight.data})))
+        puller.start()
+        clients[1].push(grads)
+        assert clients[1].pull({"weight": models[1].weight.data}) == 2
+        puller.join(timeout=RPC_TIMEOUT * 2)
+        assert result == [2]
+        assert clients[0].recoveries["PUSH_LOST"] == 1
+        assert torch.equal(models[0].weight, models[1].weight)
+        assert torch.allclose(models[0].weight, torch.full((1, 3), 1.0 - 0.5 - 0.5))
+    finally:
+        for c in clients:
+            c.close()
+        if restarted is not None:
+            restarted.stop(grace=0.5)

@@ -123,6 +123,17 @@ def test_stale_round_push_is_aborted(shard: Shard) -> None:
         shard.push(0, 2, 0, 0, PLAN.digest, wire(2.0))
 
 
+def test_pull_for_a_round_without_its_push_is_push_lost(shard: Shard) -> None:
+    """After a restart from an older checkpoint the acknowledged push is gone: waiting would deadlock."""
+    from ps_server.core.errors import PushLostError
+
+    with pytest.raises(PushLostError, match="push round 0 again"):
+        shard.pull(0, 1, 1, PLAN.digest, timeout=1.0)
+    shard.push(0, 1, 0, 0, PLAN.digest, wire(1.0))
+    with pytest.raises(PushLostError):
+        shard.pull(0, 1, 3, PLAN.digest, timeout=1.0)  # beyond the open round: also unreachable
+
+
 def test_pull_waits_for_the_round_and_times_out_naming_the_laggard(shard: Shard) -> None:
     shard.push(0, 1, 0, 0, PLAN.digest, wire(1.0))
     with pytest.raises(WaitTimeoutError, match=r"ranks \[1\]"):
@@ -158,9 +169,11 @@ def test_close_wakes_waiters(shard: Shard) -> None:
 
     errors: list[Exception] = []
 
+    shard.push(0, 1, 0, 0, PLAN.digest, wire(1.0))  # round 0 waits for rank 1
+
     def wait() -> None:
         try:
-            shard.pull(0, 1, 5, PLAN.digest, timeout=10.0)
+            shard.pull(0, 1, 1, PLAN.digest, timeout=10.0)
         except ShuttingDownError as exc:
             errors.append(exc)
 
