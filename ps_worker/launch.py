@@ -75,6 +75,7 @@ def launch_parser(environ: Mapping[str, str] | None = None) -> FlagParser:
     p.flag("--moving-rate", type=float, default=None, help="easgd: moving rate alpha (default 0.9/workers)")
     p.flag("--communication-period", type=int, default=10, help="easgd: local steps tau between exchanges")
     p.flag("--easgd-sync", switch=True, help="easgd: apply one period's exchanges together in rank order")
+    p.flag("--corpus", default="", help="charlm: text file to train on (default: the Python standard library's source)")
     p.flag("--log-dir", default="", help="directory for each process's log (default: a temporary directory)")
     p.flag("--no-metrics", switch=True, help="serve no Prometheus /metrics from shards and workers")
     p.flag("--json", switch=True, help="print the summary as one JSON object on the last line of stdout")
@@ -299,6 +300,7 @@ def summarize(
         "batch_size": args.batch_size,
         "final_loss": sum(d["final_loss"] for d in done) / len(done),
         "accuracy": done[0]["accuracy"],
+        "eval_loss": done[0]["eval_loss"],
         "accuracy_per_rank": [d["accuracy"] for d in done],
         "wall_seconds": wall,
         "train_seconds": max(d["wall_seconds"] for d in done),
@@ -324,6 +326,7 @@ def print_summary(s: dict[str, Any], out: IO[str]) -> None:
         ("steps per worker", f"{s['steps']} (batch {s['batch_size']})"),
         ("final loss", f"{s['final_loss']:.4f} (mean of the last 10 steps, all ranks)"),
         ("held-out accuracy", f"{s['accuracy']:.4f}"),
+        ("held-out loss", f"{s['eval_loss']:.4f}"),
         ("wall time", f"{s['wall_seconds']:.1f} s (training {s['train_seconds']:.1f} s)"),
         ("throughput", f"{s['steps_per_second']:.1f} steps/s, {s['samples_per_second']:.0f} samples/s"),
         ("bytes moved", f"pushed {s['pushed_bytes'] / mib:.1f} MiB, pulled {s['pulled_bytes'] / mib:.1f} MiB"),
@@ -399,6 +402,8 @@ def run(args: Any) -> int:
                 "--events",
                 args.workload,
             ]
+            if args.corpus:
+                argv[-1:-1] = ["--corpus", str(Path(args.corpus).resolve())]
             child = cluster.spawn(f"worker-{r}", argv)
             workers.append(child)
             threading.Thread(target=read_events, args=(child, events), daemon=True).start()
