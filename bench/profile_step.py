@@ -33,6 +33,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--shards", type=int, default=1)
     p.add_argument("--partition-bytes", type=int, default=4 << 20)
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="parameter dtype on the wire")
     p.add_argument("--rate", type=int, default=100, help="py-spy samples per second")
     p.add_argument("--profile-dir", default="", help="write worker.txt and shardK.txt here (default: no profile)")
     args = p.parse_args()
@@ -47,7 +48,7 @@ def main() -> int:
             shards.append(Child(f"shard{k}", argv, env, log_dir))
         servers = [c.wait_for(r"listening on (\S+)", 120).group(1) for c in shards]
         model = torch.nn.Module()
-        model.w = torch.nn.Parameter(torch.zeros(int(args.mb * 1e6) // 4))
+        model.w = torch.nn.Parameter(torch.zeros(int(args.mb * 1e6) // 4, dtype=getattr(torch, args.dtype)))
         with PSClient(servers, 0, 1, timeout=300, partition_bytes=args.partition_bytes) as client:
             client.init(model, {"name": "sgd", "lr": 1e-3})
             grads = {"w": torch.randn_like(model.w) * 1e-3}

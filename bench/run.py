@@ -64,6 +64,9 @@ SIZES = {
     "100": Size("100MB", 100_000_000, warmup=1, iters=3),
 }
 QUICK_SIZE = Size("4MB", 4_000_000, warmup=2, iters=5)
+FAMILIES = ("memcpy", "tcp", "gloo", "rpc", "grpc-ps")
+GRID = ((1, 1), (1, 2), (2, 1), (2, 2))
+"""grpc-ps (workers, shards) measured at each size of a flat model."""
 
 
 class System:
@@ -242,20 +245,26 @@ def kib(n: int) -> str:
     return f"{n // 1024} KiB" if n < 1 << 20 else f"{n >> 20} MiB"
 
 
-def systems_for(size: Size, quick: bool, partitions: Sequence[int]) -> list[tuple[str, str, int, int, int]]:
-    """(key, family, workers, shards, partition_bytes) measured at ``size``."""
+def systems_for(
+    size: Size,
+    quick: bool,
+    partitions: Sequence[int],
+    families: Sequence[str] = FAMILIES,
+    grid: Sequence[tuple[int, int]] = GRID,
+) -> list[tuple[str, str, int, int, int]]:
+    """(key, family, workers, shards, partition_bytes) measured at ``size``, of ``families`` only."""
     out: list[tuple[str, str, int, int, int]] = [("memcpy", "memcpy", 1, 0, 0), ("loopback TCP", "tcp", 1, 0, 0)]
     out += [("gloo all_reduce 2 ranks", "gloo", 2, 0, 0), ("rpc PS 1w", "rpc", 1, 1, 0)]
     if size.model == "digits":
         grid = [(1, 1)]
     else:
         out.append(("rpc PS 2w", "rpc", 2, 1, 0))
-        grid = [(1, 1), (2, 2)] if quick else [(1, 1), (1, 2), (2, 1), (2, 2)]
+        grid = [(1, 1), (2, 2)] if quick else grid
     for w, s in grid:
         for pb in partitions:
             suffix = "" if len(partitions) == 1 else f" p={kib(pb)}"
             out.append((f"grpc-ps {w}w×{s}s{suffix}", "grpc-ps", w, s, pb))
-    return out
+    return [spec for spec in out if spec[1] in families]
 
 
 def build(key: str, family: str, workers: int, shards: int, partition_bytes: int) -> System:
@@ -292,7 +301,7 @@ def measure(args: argparse.Namespace, log_dir: Path) -> tuple[list[Series], dict
     """Start every system, then per size: set up, run the rounds alternating, release."""
     env = child_env(args.threads)
     sizes = [QUICK_SIZE] if args.quick else [SIZES[s] for s in args.sizes.split(",")]
-    plans = {size.label: systems_for(size, args.quick, args.partitions) for size in sizes}
+    plans = {size.label: systems_for(size, args.quick, args.partitions, args.systems, args.grid) for size in sizes}
     systems: dict[str, System] = {}
     for plan in plans.values():
         for spec in plan:
@@ -432,9 +441,9 @@ def table(
             continue
         d = describe(r.samples)
         gbs = r.size.nbytes / d["median"] / 1e9
-        span = f"{d['min'] * 1000:.2f}–{d['max'] * 1000:.2f}"
+        span = f"{d['min'] * 1000:.3f}–{d['max'] * 1000:.2f}"
         median, n, cpu = d["median"] * 1000, d["n"], statistics.median(r.cpu) * 1000
-        row = f"{r.size.label:<6} {r.system:<26} {r.series:<13} {median:>10.2f} {span:>19} {gbs:>6.2f} {cpu:>7.1f}"
+        row = f"{r.size.label:<6} {r.system:<26} {r.series:<13} {median:>10.3f} {span:>19} {gbs:>6.2f} {cpu:>7.1f}"
         lines.append(f"{row} {n:>4}")
     lines.append("")
     lines.append("GB/s = payload bytes / median step (a step moves the payload up and down: push+pull, round trip).")
@@ -513,10 +522,19 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=str(4 << 20),
         help="grpc-ps partition_bytes, comma-separated; more than one measures each (a sweep)",
     )
+    p.add_argument("--systems", default=",".join(FAMILIES), help="comma-separated subset of " + ", ".join(FAMILIES))
+    p.add_argument("--grid", default="1x1,1x2,2x1,2x2", help="grpc-ps WORKERSxSHARDS configurations")
     p.add_argument("--log-dir", default="", help="children's logs (default: a temporary directory)")
     args = p.parse_args(argv)
     args.rounds = args.rounds or (3 if args.quick else 5)
     args.partitions = [int(x) for x in args.partitions.split(",")]
+    args.systems = args.systems.split(",")
+    try:
+        args.grid = [tuple(int(v) for v in g.split("x")) for g in args.grid.split(",")]
+    except ValueError:
+        p.error(f"--grid takes WORKERSxSHARDS pairs like 1x1,2x2, got {args.grid!r}.")
+    if not set(args.systems) <= set(FAMILIES):
+        p.error(f"--systems takes some of {', '.join(FAMILIES)}, got {args.systems}.")
     if not 1 <= args.rounds <= 100:
         p.error(f"--rounds must be in 1..100, got {args.rounds}.")
     bad = [s for s in args.sizes.split(",") if s not in SIZES]
