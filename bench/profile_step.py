@@ -34,11 +34,18 @@ def main() -> int:
     p.add_argument("--shards", type=int, default=1)
     p.add_argument("--partition-bytes", type=int, default=4 << 20)
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="parameter dtype on the wire")
+    p.add_argument(
+        "--no-tunables",
+        action="store_true",
+        help="start shards without GLIBC_TUNABLES (this process keeps the environment it was started with)",
+    )
     p.add_argument("--rate", type=int, default=100, help="py-spy samples per second")
     p.add_argument("--profile-dir", default="", help="write worker.txt and shardK.txt here (default: no profile)")
     args = p.parse_args()
     log_dir = Path(tempfile.mkdtemp(prefix="grpc-ps-profile-"))
     env = child_env(1)
+    if args.no_tunables:
+        env.pop("GLIBC_TUNABLES", None)
     shards: list[Child] = []
     spies: list[subprocess.Popen[bytes]] = []
     try:
