@@ -66,6 +66,7 @@ def worker_parser(environ: Mapping[str, str] | None = None) -> FlagParser:
     p.flag("--slow-rank", type=int, default=-1, help="rank that sleeps --slow-ms before every push (straggler)")
     p.flag("--slow-ms", type=float, default=0.0, help="milliseconds the slow rank sleeps before each push")
     p.flag("--events", switch=True, help="print one JSON object per step on stdout (used by ps-launch)")
+    p.flag("--corpus", default="", help="charlm: text file to train on (default: the Python standard library's source)")
     p.flag("--log-level", default="WARNING", choices=("DEBUG", "INFO", "WARNING", "ERROR"), help="log level")
     p.add_argument(
         "workload",
@@ -96,7 +97,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     if not -1 <= args.metrics_port <= 65535:
         parser.error(f"--metrics-port must be in -1..65535 (-1: off), got {args.metrics_port}.")
-    workload = get_workload(args.workload)
+    try:
+        workload = get_workload(args.workload, corpus=args.corpus)
+    except (ValueError, FileNotFoundError) as exc:
+        parser.error(str(exc))
     last_event = 0.0
     metrics, endpoint = None, None
     if args.metrics_port >= 0:

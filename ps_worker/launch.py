@@ -81,6 +81,7 @@ def launch_parser(environ: Mapping[str, str] | None = None) -> FlagParser:
     p.flag("--moving-rate", type=float, default=None, help="easgd: moving rate alpha (default 0.9/workers)")
     p.flag("--communication-period", type=int, default=10, help="easgd: local steps tau between exchanges")
     p.flag("--easgd-sync", switch=True, help="easgd: apply one period's exchanges together in rank order")
+    p.flag("--corpus", default="", help="charlm: text file to train on (default: the Python standard library's source)")
     p.flag("--log-dir", default="", help="directory for each process's log (default: a temporary directory)")
     p.flag("--no-metrics", switch=True, help="serve no Prometheus /metrics from shards and workers")
     p.flag("--json", switch=True, help="print the summary as one JSON object on the last line of stdout")
@@ -469,6 +470,8 @@ def run(args: Any) -> int:
                 "--events",
                 args.workload,
             ]
+            if args.corpus:
+                argv[-1:-1] = ["--corpus", str(Path(args.corpus).resolve())]
             child = cluster.spawn(f"worker-{r}", argv)
             workers.append(child)
             threading.Thread(target=read_events, args=(child, events), daemon=True).start()

@@ -1,0 +1,75 @@
+"""grpc-ps: one worker process driving ``PSClient`` against real ``ps-server`` shard processes.
+
+A step is what ``DistributedOptimizer.step()`` does in sync mode: ``client.push({key: grad})``,
+then ``client.pull({key: weight})`` in place, which waits for the round. The model is either one
+flat float32 parameter of the payload's size, or (``model="digits"``) the built-in digits MLP.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from _common import reply, serve, timed
+
+from ps_worker.client import PSClient
+from ps_worker.workloads.digits import DigitsWorkload
+
+
+class Flat(torch.nn.Module):
+    """One parameter ``w`` of ``numel`` float32 (a model's weights, flattened)."""
+
+    def __init__(self, numel: int) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(numel))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--workers", type=int, required=True)
+    args = p.parse_args()
+    state: dict[str, object] = {}
+
+    def close() -> None:
+        client = state.pop("client", None)
+        if isinstance(client, PSClient):
+            client.close()
+
+    def setup(
+        servers: list[str],
+        bytes: int = 0,
+        model: str = "flat",
+        partition_bytes: int = 4 << 20,  # noqa: A002
+    ) -> dict[str, object]:
+        close()
+        torch.manual_seed(0)
+        net = DigitsWorkload().model() if model == "digits" else Flat(bytes // 4)
+        client = PSClient(
+            servers, args.rank, args.workers, timeout=300, retry_deadline=60, partition_bytes=partition_bytes
+        )
+        state["client"] = client
+        client.init(net, {"name": "sgd", "lr": 1e-3})
+        params = {k: p.data for k, p in net.named_parameters()}
+        state["params"] = params
+        state["grads"] = {k: torch.randn_like(t) * 1e-3 for k, t in params.items()}
+        return {"bytes": sum(t.numel() * t.element_size() for t in params.values())}
+
+    def step() -> None:
+        client = state["client"]
+        assert isinstance(client, PSClient)
+        client.push(state["grads"])  # type: ignore[arg-type]
+        client.pull(state["params"])  # type: ignore[arg-type]
+
+    def run(iters: int, warmup: int) -> dict[str, object]:
+        return {"samples": {"sync step": timed(step, iters, warmup)}}
+
+    reply({"ready": True})
+    try:
+        serve({"setup": setup, "run": run, "close": close})
+    finally:
+        close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,42 @@
+"""``bench/run.py --quick`` runs to the end and measures every system (benchmarks are not tests:
+the numbers themselves are not checked, only that each one is there, positive and finite)."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+FAMILIES = {"memcpy", "tcp", "gloo", "rpc", "grpc-ps"}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_quick_bench_measures_every_system(tmp_path) -> None:
+    out_json = tmp_path / "bench.json"
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "run.py"), "--quick", "--json", str(out_json)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    report = json.loads(out_json.read_text())
+    assert report["meta"]["glibc_tunables"].startswith("glibc.malloc.hugetlb=1")
+    results = report["results"]
+    assert {r["family"] for r in results} == FAMILIES
+    for r in results:
+        samples = [s for round_ in r["rounds"] for s in round_]
+        assert len(r["rounds"]) == report["meta"]["rounds"] and samples, r["system"]
+        assert all(math.isfinite(s) and s > 0 for s in samples), r["system"]
+        assert math.isfinite(r["median"]) and r["median"] > 0, r["system"]
+    systems = {r["system"] for r in results}
+    assert {"grpc-ps 1w×1s", "grpc-ps 2w×2s", "rpc PS 1w", "rpc PS 2w"} <= systems
+    assert {q["name"][:3] for q in report["ratios"]} == {"(1)", "(2)", "(3)"}
+    assert "GLIBC_TUNABLES=" in out.stdout
