@@ -110,8 +110,8 @@ def train(
     data = batches(loader, sampler)
     model.train()
     # a restarted rank resumes at the cluster's clock: --steps counts the rank's whole run
-    start = client.exchanges * max(1, client.config.communication_period) if client.mode == "easgd" else client.clock
-    first = min(start, steps)
+    resume_at = client.exchanges * max(1, client.config.communication_period) if client.mode == "easgd" else client.clock
+    first = min(resume_at, steps)
     for step in range(first, steps):
         step_start = time.perf_counter()
         x, y = next(data)

@@ -60,6 +60,7 @@ def test_default_digits_run_reaches_95_percent(tmp_path) -> None:
     assert summary["version"] == summary["steps"] == 300
     assert len(set(summary["params_sha256_per_rank"])) == 1  # sync: every rank ends on the same bits
     assert summary["pushed_bytes"] > 0 and summary["pulled_bytes"] > 0 and summary["steps_per_second"] > 0
+    assert 0 < summary["train_seconds"] <= summary["wall_seconds"]  # the workers' clocks are consistent
     assert "held-out accuracy" in out.stdout
     assert_all_gone(out.stderr, expected=4)
 
