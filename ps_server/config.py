@@ -132,6 +132,38 @@ class ServerConfig:
         return self.max_workers_threads or max(16, 2 * self.num_workers + 8)
 
 
+def mode_flags(p: FlagParser) -> None:
+    """The consistency-model flags, shared by ``ps-server`` and ``ps-launch`` (which forwards them)."""
+    p.flag(
+        "--sync-quorum",
+        type=int,
+        default=0,
+        help="sync: apply a round after the first K pushes, drop late ones (0 = every live rank)",
+    )
+    p.flag(
+        "--round-timeout",
+        type=float,
+        default=0.0,
+        help="sync: seconds after which ranks missing from an open round are reported (0 = never)",
+    )
+    p.flag(
+        "--max-staleness",
+        type=int,
+        default=-1,
+        help="async: refuse gradients more than S versions old with ABORTED (-1 = no bound)",
+    )
+    p.flag(
+        "--staleness-lr",
+        default="",
+        choices=("", "inverse"),
+        help="async: 'inverse' scales the learning rate by 1/max(1, staleness)",
+    )
+    p.flag("--staleness", type=int, default=0, help="ssp: the staleness bound s in clocks")
+    p.flag("--moving-rate", type=float, default=None, help="easgd: moving rate alpha (default 0.9/num_workers)")
+    p.flag("--communication-period", type=int, default=10, help="easgd: local steps tau between exchanges")
+    p.flag("--easgd-sync", switch=True, help="easgd: apply one period's exchanges together in rank order")
+
+
 def server_parser(environ: Mapping[str, str] | None = None) -> FlagParser:
     """The ``ps-server`` flags (DESIGN section 10)."""
     p = FlagParser(prog="ps-server", description="Run one shard of a grpc-ps parameter server.", environ=environ)
@@ -165,34 +197,7 @@ def server_parser(environ: Mapping[str, str] | None = None) -> FlagParser:
     p.flag("--tls-key", default="", help="PEM private key of --tls-cert")
     p.flag("--tls-client-ca", default="", help="PEM CA that client certificates must chain to (mutual TLS)")
     p.flag("--max-message-bytes", type=int, default=16 * 1024 * 1024, help="largest gRPC message accepted, bytes")
-    p.flag(
-        "--sync-quorum",
-        type=int,
-        default=0,
-        help="sync: apply a round after the first K pushes, drop late ones (0 = every live rank)",
-    )
-    p.flag(
-        "--round-timeout",
-        type=float,
-        default=0.0,
-        help="sync: seconds after which ranks missing from an open round are reported (0 = never)",
-    )
-    p.flag(
-        "--max-staleness",
-        type=int,
-        default=-1,
-        help="async: refuse gradients more than S versions old with ABORTED (-1 = no bound)",
-    )
-    p.flag(
-        "--staleness-lr",
-        default="",
-        choices=("", "inverse"),
-        help="async: 'inverse' scales the learning rate by 1/max(1, staleness)",
-    )
-    p.flag("--staleness", type=int, default=0, help="ssp: the staleness bound s in clocks")
-    p.flag("--moving-rate", type=float, default=None, help="easgd: moving rate alpha (default 0.9/num_workers)")
-    p.flag("--communication-period", type=int, default=10, help="easgd: local steps tau between exchanges")
-    p.flag("--easgd-sync", switch=True, help="easgd: apply one period's exchanges together in rank order")
+    mode_flags(p)
     p.flag("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"), help="log level")
     return p
 

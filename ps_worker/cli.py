@@ -23,14 +23,8 @@ from ps_worker.workloads import WORKLOADS, get_workload
 log = logging.getLogger("ps_worker")
 
 
-def worker_parser(environ: Mapping[str, str] | None = None) -> FlagParser:
-    """The ``ps-worker`` flags (DESIGN section 10)."""
-    p = FlagParser(
-        prog="ps-worker", description="Train a built-in workload as one rank of a grpc-ps cluster.", environ=environ
-    )
-    p.flag("--servers", required=True, help="HOST:PORT of every shard, comma-separated, in shard-index order")
-    p.flag("--rank", type=int, required=True, help="this worker's rank, 0..num_workers-1")
-    p.flag("--num-workers", type=int, required=True, help="number of worker ranks")
+def training_flags(p: FlagParser) -> None:
+    """The training flags, shared by ``ps-worker`` and ``ps-launch`` (which forwards them)."""
     p.flag("--steps", type=int, default=300, help="optimizer steps (pushes) to run")
     p.flag("--batch-size", type=int, default=32, help="samples per step on this worker")
     p.flag(
@@ -42,6 +36,20 @@ def worker_parser(environ: Mapping[str, str] | None = None) -> FlagParser:
     p.flag("--lr", type=float, default=0.1, help="learning rate")
     p.flag("--momentum", type=float, default=0.9, help="momentum (sgd, rmsprop)")
     p.flag("--seed", type=int, default=0, help="seed of model initialization and data shuffling")
+    p.flag("--slow-rank", type=int, default=-1, help="rank that sleeps --slow-ms before every push (straggler)")
+    p.flag("--slow-ms", type=float, default=0.0, help="milliseconds the slow rank sleeps before each push")
+    p.flag("--corpus", default="", help="charlm: text file to train on (default: the Python standard library's source)")
+
+
+def worker_parser(environ: Mapping[str, str] | None = None) -> FlagParser:
+    """The ``ps-worker`` flags (DESIGN section 10)."""
+    p = FlagParser(
+        prog="ps-worker", description="Train a built-in workload as one rank of a grpc-ps cluster.", environ=environ
+    )
+    p.flag("--servers", required=True, help="HOST:PORT of every shard, comma-separated, in shard-index order")
+    p.flag("--rank", type=int, required=True, help="this worker's rank, 0..num_workers-1")
+    p.flag("--num-workers", type=int, required=True, help="number of worker ranks")
+    training_flags(p)
     p.flag("--device", default="auto", help="cpu, cuda, cuda:N, or auto (cuda when available)")
     p.flag("--timeout", type=float, default=60.0, help="per-RPC deadline in seconds (a sync pull waits this long)")
     p.flag("--incarnation", type=int, default=None, help="restart counter of this rank (default: wall-clock µs)")
@@ -63,10 +71,7 @@ def worker_parser(environ: Mapping[str, str] | None = None) -> FlagParser:
         help="HTTP port of Prometheus /metrics; 0 picks a free port (several workers on one host), -1 turns it off",
     )
     p.flag("--metrics-host", default="127.0.0.1", help="address /metrics binds (0.0.0.0 to be scraped from outside)")
-    p.flag("--slow-rank", type=int, default=-1, help="rank that sleeps --slow-ms before every push (straggler)")
-    p.flag("--slow-ms", type=float, default=0.0, help="milliseconds the slow rank sleeps before each push")
     p.flag("--events", switch=True, help="print one JSON object per step on stdout (used by ps-launch)")
-    p.flag("--corpus", default="", help="charlm: text file to train on (default: the Python standard library's source)")
     p.flag("--log-level", default="WARNING", choices=("DEBUG", "INFO", "WARNING", "ERROR"), help="log level")
     p.add_argument(
         "workload",

@@ -28,8 +28,10 @@ import grpc
 from tqdm import tqdm
 
 from ps_proto.v1 import ps_pb2, ps_pb2_grpc
+from ps_server.config import mode_flags
 from ps_server.flags import FlagParser
 from ps_server.shard import MODES
+from ps_worker.cli import training_flags
 from ps_worker.faults import Fault, parse_faults
 from ps_worker.workloads import WORKLOADS
 
@@ -59,29 +61,9 @@ def launch_parser(environ: Mapping[str, str] | None = None) -> FlagParser:
     p.flag("--shards", type=int, default=2, help="number of shard processes")
     p.flag("--workers", type=int, default=2, help="number of worker processes")
     p.flag("--mode", default="sync", choices=MODES, help="consistency model")
-    p.flag("--steps", type=int, default=300, help="steps per worker")
-    p.flag("--batch-size", type=int, default=32, help="samples per step per worker")
-    p.flag(
-        "--optimizer",
-        default="sgd",
-        choices=("sgd", "adam", "adamw", "adagrad", "rmsprop"),
-        help="server-side optimizer",
-    )
-    p.flag("--lr", type=float, default=0.1, help="learning rate")
-    p.flag("--momentum", type=float, default=0.9, help="momentum (sgd, rmsprop)")
-    p.flag("--seed", type=int, default=0, help="seed of model initialization and data shuffling")
-    p.flag("--slow-rank", type=int, default=-1, help="make this rank a straggler")
-    p.flag("--slow-ms", type=float, default=0.0, help="milliseconds the straggler sleeps before each push")
+    mode_flags(p)
+    training_flags(p)
     p.flag("--timeout", type=float, default=60.0, help="per-RPC deadline of workers, seconds")
-    p.flag("--sync-quorum", type=int, default=0, help="sync: close a round after the first K pushes (0 = all)")
-    p.flag("--round-timeout", type=float, default=0.0, help="sync: report ranks missing from a round after S s")
-    p.flag("--max-staleness", type=int, default=-1, help="async: refuse gradients more than S versions old")
-    p.flag("--staleness-lr", default="", choices=("", "inverse"), help="async: scale lr by 1/max(1, staleness)")
-    p.flag("--staleness", type=int, default=0, help="ssp: staleness bound s in clocks")
-    p.flag("--moving-rate", type=float, default=None, help="easgd: moving rate alpha (default 0.9/workers)")
-    p.flag("--communication-period", type=int, default=10, help="easgd: local steps tau between exchanges")
-    p.flag("--easgd-sync", switch=True, help="easgd: apply one period's exchanges together in rank order")
-    p.flag("--corpus", default="", help="charlm: text file to train on (default: the Python standard library's source)")
     p.flag("--log-dir", default="", help="directory for each process's log (default: a temporary directory)")
     p.flag("--no-metrics", switch=True, help="serve no Prometheus /metrics from shards and workers")
     p.flag("--json", switch=True, help="print the summary as one JSON object on the last line of stdout")

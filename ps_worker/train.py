@@ -110,7 +110,9 @@ def train(
     data = batches(loader, sampler)
     model.train()
     # a restarted rank resumes at the cluster's clock: --steps counts the rank's whole run
-    resume_at = client.exchanges * max(1, client.config.communication_period) if client.mode == "easgd" else client.clock
+    resume_at = (
+        client.exchanges * max(1, client.config.communication_period) if client.mode == "easgd" else client.clock
+    )
     first = min(resume_at, steps)
     for step in range(first, steps):
         step_start = time.perf_counter()
