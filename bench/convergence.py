@@ -63,6 +63,12 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="2 workers only, fewer steps (a smoke run)")
     parser.add_argument("--steps", type=int, default=300, help="digits steps per worker")
     parser.add_argument("--json", default="", help="write every run's summary here")
+    parser.add_argument(
+        "--scale-lr",
+        action="store_true",
+        help="async and ssp: lr 0.1/workers (each of their pushes is an optimizer step of its own)",
+    )
+    parser.add_argument("--linreg-steps", type=int, default=600, help="linreg steps per worker")
     args = parser.parse_args()
     widths = [2] if args.quick else [1, 2, 4]
     steps = 60 if args.quick else args.steps
@@ -80,6 +86,8 @@ def main() -> int:
         for workers in widths:
             for straggler in [False] if workers == 1 else [False, True]:
                 extra = ["--slow-rank", str(workers - 1), "--slow-ms", str(STRAGGLER_MS)] if straggler else []
+                if args.scale_lr and mode in ("async", "ssp"):
+                    extra += ["--lr", str(0.1 / workers)]
                 r = launch("digits", mode, workers, steps, extra)
                 r.update(mode=mode, workers=workers, straggler=straggler)
                 results["digits"].append(r)
@@ -95,11 +103,14 @@ def main() -> int:
                     flush=True,
                 )
 
-    print("\nlinreg (noiseless), sync, 2 shards, 300 steps per worker, batch 32, SGD lr 0.1 momentum 0.9\n")
+    print(
+        f"\nlinreg (noiseless), sync, 2 shards, {args.linreg_steps} steps per worker, batch 32,"
+        " SGD lr 0.1 momentum 0.9\n"
+    )
     print("| workers | final held-out MSE | <= 1e-6 | steps/s |")
     print("|---|---|---|---|")
     for workers in [2] if args.quick else [1, 2, 4, 8]:
-        r = launch("linreg", "sync", workers, 300, [])
+        r = launch("linreg", "sync", workers, args.linreg_steps, [])
         r.update(workers=workers)
         results["linreg"].append(r)
         if "error" in r:

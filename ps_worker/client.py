@@ -139,7 +139,13 @@ class PSClient:
         self.metrics = metrics
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         limit = partition_bytes + MESSAGE_OVERHEAD
-        options = [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
+        options = [
+            ("grpc.max_receive_message_length", limit),
+            ("grpc.max_send_message_length", limit),
+            # a restarted shard is back in seconds: reconnect within 1 s, not gRPC's default 120 s backoff
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 1000),
+        ]
         self._channels = [channel(addr, options, tls_ca, tls_cert, tls_key) for addr in self.servers]
         self._stubs = [ps_pb2_grpc.ParameterServiceStub(ch) for ch in self._channels]
         self._pool = futures.ThreadPoolExecutor(max_workers=len(self.servers), thread_name_prefix="ps-client")

@@ -53,8 +53,11 @@ def test_restarted_worker_rejoins_and_is_counted(tmp_path) -> None:
 
 @pytest.mark.slow
 def test_killed_shard_restarts_and_training_completes(tmp_path) -> None:
-    clean = launch(tmp_path / "clean", "--steps", "300")
-    faulty = launch(tmp_path / "faulty", "--steps", "300", "--fault", "kill-shard:0@step=100,restart")
+    # the default 10 s lease: this test is about a shard's restart, not about evictions
+    clean = launch(tmp_path / "clean", "--steps", "300", "--lease-timeout", "10")
+    faulty = launch(
+        tmp_path / "faulty", "--steps", "300", "--lease-timeout", "10", "--fault", "kill-shard:0@step=100,restart"
+    )
     assert [f["fault"] for f in faulty["faults"]] == ["kill-shard:0@step=100,restart"]
     assert faulty["shards_view"]["restored_from"][0] is not None  # resumed from a checkpoint, not from scratch
     assert faulty["shards_view"]["restored_from"][1] is None
