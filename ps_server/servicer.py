@@ -30,6 +30,7 @@ from ps_server.wire import (
     optimizer_to_proto,
     partition_from_proto,
     specs_from_proto,
+    with_partition,
 )
 
 log = logging.getLogger(__name__)
@@ -165,12 +166,19 @@ def cluster_config(settings: ModeSettings, lease_timeout: float, learning_rate: 
     )
 
 
-def partition_messages(shard: Shard, parts: list[tuple[PartitionSlice, bytes]]) -> Iterator[ps_pb2.Partition]:
-    """Partition messages of (slice, raw bytes) pairs of ``shard``'s plan."""
+def partition_messages(
+    shard: Shard, parts: list[tuple[PartitionSlice, bytes]], cls: type[Any], version: int
+) -> Iterator[Any]:
+    """``cls`` messages (PullResponse, ExchangeResponse) of ``version``, one per (slice, raw bytes)
+    pair of ``shard``'s plan; a shard that owns nothing still sends one, with its version."""
     assert shard.plan is not None
-    dtypes = {s.key: NAME_TO_DTYPE[s.dtype] for s in shard.plan.specs}
+    if not parts:
+        yield cls(version=version)
+    dtypes = shard.plan.dtypes
     for part, data in parts:
-        yield ps_pb2.Partition(key=part.key, offset=part.offset, length=part.length, dtype=dtypes[part.key], data=data)
+        yield with_partition(
+            cls(version=version), part.key, part.offset, part.length, NAME_TO_DTYPE[dtypes[part.key]], data
+        )
 
 
 class ParameterServicer(ps_pb2_grpc.ParameterServiceServicer):
@@ -228,10 +236,7 @@ class ParameterServicer(ps_pb2_grpc.ParameterServiceServicer):
         version, parts = self.shard.pull(
             request.rank, request.incarnation, request.min_version, request.plan_digest, _deadline(context)
         )
-        if not parts:  # a shard that owns no partition still tells its version
-            yield ps_pb2.PullResponse(version=version)
-        for partition in partition_messages(self.shard, parts):
-            msg = ps_pb2.PullResponse(version=version, partition=partition)
+        for msg in partition_messages(self.shard, parts, ps_pb2.PullResponse, version):
             self.counters.add(sent=message_size(msg))
             yield msg
 
@@ -243,10 +248,7 @@ class ParameterServicer(ps_pb2_grpc.ParameterServiceServicer):
         version, d = self.shard.exchange(
             header.rank, header.incarnation, header.clock, header.plan_digest, parts, _deadline(context)
         )
-        if not d:
-            yield ps_pb2.ExchangeResponse(version=version)
-        for partition in partition_messages(self.shard, d):
-            msg = ps_pb2.ExchangeResponse(version=version, partition=partition)
+        for msg in partition_messages(self.shard, d, ps_pb2.ExchangeResponse, version):
             self.counters.add(sent=message_size(msg))
             yield msg
 

@@ -21,8 +21,8 @@ import torch
 from ps_proto.v1 import ps_pb2, ps_pb2_grpc
 from ps_server.core.codec import decode, dtype_name, encode
 from ps_server.core.optimizer import OptimizerSpec
-from ps_server.core.plan import DEFAULT_PARTITION_BYTES, ParameterSpec, PartitionSlice, Plan, make_plan
-from ps_server.wire import MODE_TO_NAME, NAME_TO_DTYPE, message_size, optimizer_to_proto, plan_to_proto
+from ps_server.core.plan import DEFAULT_PARTITION_BYTES, ParameterSpec, Plan, make_plan
+from ps_server.wire import MODE_TO_NAME, NAME_TO_DTYPE, message_size, optimizer_to_proto, plan_to_proto, with_partition
 from ps_worker.retry import backoff_delays, retry_call
 
 if TYPE_CHECKING:
@@ -319,8 +319,8 @@ class PSClient:
 
         def stream() -> Iterator[ps_pb2.InitRequest]:
             yield self._sent(ps_pb2.InitRequest(header=header))
-            for _part, msg in self._partitions_of(k, values):
-                yield self._sent(ps_pb2.InitRequest(partition=msg))
+            for msg in self._partitions_of(k, values, ps_pb2.InitRequest):
+                yield self._sent(msg)
 
         reply = self._call(
             lambda: self._stubs[k].Init(stream(), timeout=self.timeout, metadata=self._metadata),
@@ -383,20 +383,16 @@ class PSClient:
         buf.copy_(t.detach().reshape(-1), non_blocking=True)
         return buf
 
-    def _partitions_of(
-        self, k: int, flats: Mapping[str, torch.Tensor]
-    ) -> Iterator[tuple[PartitionSlice, ps_pb2.Partition]]:
+    def _partitions_of(self, k: int, flats: Mapping[str, torch.Tensor], cls: type[Any]) -> list[Any]:
+        """One ``cls`` message (InitRequest, PushRequest, ExchangeRequest) per partition of shard ``k``."""
         plan = self._require_plan()
         dtypes = self._wire_dtypes
+        msgs = []
         for part in plan.owned_by(k):
             flat = flats[part.key].detach().reshape(-1)
             data = encode(flat[part.offset : part.offset + part.length])
-            yield (
-                part,
-                ps_pb2.Partition(
-                    key=part.key, offset=part.offset, length=part.length, dtype=dtypes[part.key], data=data
-                ),
-            )
+            msgs.append(with_partition(cls(), part.key, part.offset, part.length, dtypes[part.key], data))
+        return msgs
 
     def _stage(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         plan = self._require_plan()
@@ -457,7 +453,7 @@ class PSClient:
     def _push_shard(self, k: int, flats: Mapping[str, torch.Tensor]) -> tuple[ps_pb2.PushResponse, int]:
         """Push shard ``k``'s partitions of ``flats``; returns its answer and the payload bytes."""
         plan = self._require_plan()
-        msgs = [ps_pb2.PushRequest(partition=m) for _, m in self._partitions_of(k, flats)]
+        msgs = self._partitions_of(k, flats, ps_pb2.PushRequest)
 
         def stream() -> Iterator[ps_pb2.PushRequest]:
             # sync: the round is the version the gradient's parameters came from (per shard, so a
@@ -580,7 +576,7 @@ class PSClient:
         diffs: dict[str, torch.Tensor] = {s.key: torch.zeros_like(flats[s.key]) for s in plan.specs}
 
         def one(k: int) -> tuple[int, int, int]:
-            msgs = [ps_pb2.ExchangeRequest(partition=m) for _, m in self._partitions_of(k, flats)]
+            msgs = self._partitions_of(k, flats, ps_pb2.ExchangeRequest)
 
             def attempt() -> tuple[int, int, int]:
                 def stream() -> Iterator[ps_pb2.ExchangeRequest]:
