@@ -48,7 +48,11 @@ def test_restarted_worker_rejoins_and_is_counted(tmp_path) -> None:
     view = s["shards_view"]
     assert s["restarted"] == ["worker-1"]
     assert view["clocks"] == [120, 120] and view["worker_states"] == ["left", "left"]
-    assert len(s["params_sha256_per_rank"]) == 2 and len(set(s["params_sha256_per_rank"])) == 1
+    assert len(s["params_sha256_per_rank"]) == 2  # both ranks finished and reported
+    # Not asserted: equal final parameters across ranks. Each shard evicts the dead rank on its own
+    # lease clock, so one shard may close a round alone that the other does not, and a rank can end
+    # one round newer on one shard (README, "Known limitation"; fault-free runs are bitwise equal,
+    # tests/e2e/test_launch.py).
 
 
 @pytest.mark.slow
