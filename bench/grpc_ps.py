@@ -1,8 +1,9 @@
 """grpc-ps: one worker process driving ``PSClient`` against real ``ps-server`` shard processes.
 
-A step is what ``DistributedOptimizer.step()`` does in sync mode: ``client.push({key: grad})``,
-then ``client.pull({key: weight})`` in place, which waits for the round. The model is either one
-flat float32 parameter of the payload's size, or (``model="digits"``) the built-in digits MLP.
+A step is what ``DistributedOptimizer.step()`` does in sync mode: ``client.push_pull({key: grad},
+{key: weight})``, one PushPull call per shard that pushes the gradient and copies the round's new
+weights in place. The model is either one flat float32 parameter of the payload's size, or
+(``model="digits"``) the built-in digits MLP; ``wire_dtype`` bfloat16/float16 halves the bytes.
 """
 
 from __future__ import annotations
@@ -41,12 +42,19 @@ def main() -> None:
         bytes: int = 0,
         model: str = "flat",
         partition_bytes: int = 4 << 20,  # noqa: A002
+        wire_dtype: str = "float32",
     ) -> dict[str, object]:
         close()
         torch.manual_seed(0)
         net = DigitsWorkload().model() if model == "digits" else Flat(bytes // 4)
         client = PSClient(
-            servers, args.rank, args.workers, timeout=300, retry_deadline=60, partition_bytes=partition_bytes
+            servers,
+            args.rank,
+            args.workers,
+            timeout=300,
+            retry_deadline=60,
+            partition_bytes=partition_bytes,
+            wire_dtype=None if wire_dtype == "float32" else wire_dtype,
         )
         state["client"] = client
         client.init(net, {"name": "sgd", "lr": 1e-3})
@@ -58,8 +66,7 @@ def main() -> None:
     def step() -> None:
         client = state["client"]
         assert isinstance(client, PSClient)
-        client.push(state["grads"])  # type: ignore[arg-type]
-        client.pull(state["params"])  # type: ignore[arg-type]
+        client.push_pull(state["grads"], state["params"])  # type: ignore[arg-type]
 
     def run(iters: int, warmup: int) -> dict[str, object]:
         return {"samples": {"sync step": timed(step, iters, warmup)}}

@@ -178,9 +178,10 @@ class GrpcPS(System):
 
     family = "grpc-ps"
 
-    def __init__(self, key: str, workers: int, shards: int, partition_bytes: int) -> None:
+    def __init__(self, key: str, workers: int, shards: int, partition_bytes: int, wire_dtype: str = "float32") -> None:
         super().__init__(key)
         self.workers, self.shards, self.partition_bytes = workers, shards, partition_bytes
+        self.wire_dtype = wire_dtype
         self.shard_procs: list[Child] = []
 
     @property
@@ -220,6 +221,7 @@ class GrpcPS(System):
             bytes=size.nbytes,
             model=size.model,
             partition_bytes=self.partition_bytes,
+            wire_dtype=self.wire_dtype,
         )
 
     def finish(self, size: Size) -> None:
@@ -245,29 +247,38 @@ def kib(n: int) -> str:
     return f"{n // 1024} KiB" if n < 1 << 20 else f"{n >> 20} MiB"
 
 
+WIRE_SUFFIX = {"float32": "", "bfloat16": " bf16", "float16": " fp16"}
+
+
 def systems_for(
     size: Size,
     quick: bool,
     partitions: Sequence[int],
     families: Sequence[str] = FAMILIES,
     grid: Sequence[tuple[int, int]] = GRID,
-) -> list[tuple[str, str, int, int, int]]:
-    """(key, family, workers, shards, partition_bytes) measured at ``size``, of ``families`` only."""
-    out: list[tuple[str, str, int, int, int]] = [("memcpy", "memcpy", 1, 0, 0), ("loopback TCP", "tcp", 1, 0, 0)]
-    out += [("gloo all_reduce 2 ranks", "gloo", 2, 0, 0), ("rpc PS 1w", "rpc", 1, 1, 0)]
+    wire_dtypes: Sequence[str] = ("float32",),
+) -> list[tuple[str, str, int, int, int, str]]:
+    """(key, family, workers, shards, partition_bytes, wire dtype) measured at ``size``, of
+    ``families`` only."""
+    out: list[tuple[str, str, int, int, int, str]] = [
+        ("memcpy", "memcpy", 1, 0, 0, "float32"),
+        ("loopback TCP", "tcp", 1, 0, 0, "float32"),
+    ]
+    out += [("gloo all_reduce 2 ranks", "gloo", 2, 0, 0, "float32"), ("rpc PS 1w", "rpc", 1, 1, 0, "float32")]
     if size.model == "digits":
         grid = [(1, 1)]
     else:
-        out.append(("rpc PS 2w", "rpc", 2, 1, 0))
+        out.append(("rpc PS 2w", "rpc", 2, 1, 0, "float32"))
         grid = [(1, 1), (2, 2)] if quick else grid
-    for w, s in grid:
-        for pb in partitions:
-            suffix = "" if len(partitions) == 1 else f" p={kib(pb)}"
-            out.append((f"grpc-ps {w}w×{s}s{suffix}", "grpc-ps", w, s, pb))
+    for wire in wire_dtypes:
+        for w, s in grid:
+            for pb in partitions:
+                suffix = ("" if len(partitions) == 1 else f" p={kib(pb)}") + WIRE_SUFFIX[wire]
+                out.append((f"grpc-ps {w}w×{s}s{suffix}", "grpc-ps", w, s, pb, wire))
     return [spec for spec in out if spec[1] in families]
 
 
-def build(key: str, family: str, workers: int, shards: int, partition_bytes: int) -> System:
+def build(key: str, family: str, workers: int, shards: int, partition_bytes: int, wire_dtype: str) -> System:
     if family == "memcpy":
         return Memcpy(key)
     if family == "tcp":
@@ -276,7 +287,7 @@ def build(key: str, family: str, workers: int, shards: int, partition_bytes: int
         return Gloo(key)
     if family == "rpc":
         return RpcPS(key, workers)
-    return GrpcPS(key, workers, shards, partition_bytes)
+    return GrpcPS(key, workers, shards, partition_bytes, wire_dtype)
 
 
 @dataclass
@@ -301,7 +312,10 @@ def measure(args: argparse.Namespace, log_dir: Path) -> tuple[list[Series], dict
     """Start every system, then per size: set up, run the rounds alternating, release."""
     env = child_env(args.threads)
     sizes = [QUICK_SIZE] if args.quick else [SIZES[s] for s in args.sizes.split(",")]
-    plans = {size.label: systems_for(size, args.quick, args.partitions, args.systems, args.grid) for size in sizes}
+    plans = {
+        size.label: systems_for(size, args.quick, args.partitions, args.systems, args.grid, args.wire_dtypes)
+        for size in sizes
+    }
     systems: dict[str, System] = {}
     for plan in plans.values():
         for spec in plan:
@@ -396,6 +410,15 @@ def ratios(results: Sequence[Series]) -> list[Ratio]:
                 find(results, big, "gloo all_reduce 2 ranks"),
                 "≤ 2.0",
                 lambda v: v <= 2.0,
+            )
+        )
+        out.append(
+            ratio(
+                f"(2) grpc-ps 2w×2s bf16 sync step / gloo all_reduce, {big}",
+                find(results, big, "grpc-ps 2w×2s bf16"),
+                find(results, big, "gloo all_reduce 2 ranks"),
+                "≤ 1.2",
+                lambda v: v <= 1.2,
             )
         )
         for size in sizes:
@@ -524,11 +547,19 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--systems", default=",".join(FAMILIES), help="comma-separated subset of " + ", ".join(FAMILIES))
     p.add_argument("--grid", default="1x1,1x2,2x1,2x2", help="grpc-ps WORKERSxSHARDS configurations")
+    p.add_argument(
+        "--wire-dtypes",
+        default="float32,bfloat16",
+        help="grpc-ps wire dtypes, comma-separated (float32, bfloat16, float16); each is its own system",
+    )
     p.add_argument("--log-dir", default="", help="children's logs (default: a temporary directory)")
     args = p.parse_args(argv)
     args.rounds = args.rounds or (3 if args.quick else 5)
     args.partitions = [int(x) for x in args.partitions.split(",")]
     args.systems = args.systems.split(",")
+    args.wire_dtypes = args.wire_dtypes.split(",")
+    if not set(args.wire_dtypes) <= set(WIRE_SUFFIX):
+        p.error(f"--wire-dtypes takes some of {', '.join(WIRE_SUFFIX)}, got {args.wire_dtypes}.")
     try:
         args.grid = [tuple(int(v) for v in g.split("x")) for g in args.grid.split(",")]
     except ValueError:

@@ -14,17 +14,34 @@ interceptor (``UNAUTHENTICATED``, ``PERMISSION_DENIED``).
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
 
+from ps_proto.v1 import ps_pb2
 from ps_server.metrics import ServerMetrics
 from ps_server.wire import message_size
 
 PUSH_METHOD = "ps.v1.ParameterService/Push"
 PULL_METHOD = "ps.v1.ParameterService/Pull"
+PUSH_PULL_METHOD = "ps.v1.ParameterService/PushPull"
+PUSH_METHODS = frozenset({PUSH_METHOD, PUSH_PULL_METHOD})
+WAIT_METHODS = frozenset({PULL_METHOD, PUSH_PULL_METHOD})
+
+_local = threading.local()
+
+
+def note_push(response: Any) -> None:
+    """Tell the interceptor, from the handler's thread, that this call's push was accepted with
+    ``response`` (a PushResponse). PushPull answers in hand-built frames, so the interceptor cannot
+    read the answer off its responses as it does for Push."""
+    call = getattr(_local, "call", None)
+    if call is not None:
+        call.response = response
+
 
 REJECT_REASONS = {grpc.StatusCode.ABORTED: "stale"}
 """Status code -> ``reason`` label of ``ps_rejected_pushes_total`` where it differs from the code's name."""
@@ -34,6 +51,8 @@ WAIT_ENDED = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVA
 
 
 def _size(message: Any) -> int:
+    if isinstance(message, bytes | memoryview):  # a hand-built frame (ps_server.frames)
+        return len(message)
     return message_size(message) if hasattr(message, "DESCRIPTOR") else 0
 
 
@@ -98,14 +117,15 @@ class MetricsInterceptor(grpc.ServerInterceptor):
             m.received_bytes.labels(call.method).inc(call.received)
         if call.sent:
             m.sent_bytes.labels(call.method).inc(call.sent)
-        if call.method == PUSH_METHOD:
-            if code is grpc.StatusCode.OK:
-                if call.response is not None and not call.response.duplicate:
+        if call.method in PUSH_METHODS:
+            accepted = isinstance(call.response, ps_pb2.PushResponse)  # PushPull: accepted even if its pull failed
+            if accepted:
+                if not call.response.duplicate:
                     m.pushes.labels(self.mode()).inc()
                     m.push_staleness.observe(call.response.staleness)
-            elif code is not grpc.StatusCode.CANCELLED:
+            elif code not in (grpc.StatusCode.OK, grpc.StatusCode.CANCELLED):
                 m.rejected_pushes.labels(REJECT_REASONS.get(code, code.name.lower())).inc()
-        elif call.method == PULL_METHOD:
+        if call.method in WAIT_METHODS:
             if call.first_sent is not None:
                 m.barrier_wait.observe(call.first_sent - call.start)
             elif code in WAIT_ENDED:
@@ -115,6 +135,7 @@ class MetricsInterceptor(grpc.ServerInterceptor):
     def _unary_response(self, behavior: Callable[..., Any], method: str, streaming: bool) -> Callable[..., Any]:
         def handle(request: Any, context: grpc.ServicerContext) -> Any:
             call = _Call(self, method)
+            _local.call = call
             if streaming:
                 request = call.requests(request)
             else:
@@ -124,7 +145,8 @@ class MetricsInterceptor(grpc.ServerInterceptor):
             except BaseException:
                 call.finish(_final_code(context, failed=True))
                 raise
-            call.response = response
+            if call.response is None:
+                call.response = response
             call.sent = _size(response)
             call.finish(_final_code(context, failed=False))
             return response
@@ -134,6 +156,7 @@ class MetricsInterceptor(grpc.ServerInterceptor):
     def _stream_response(self, behavior: Callable[..., Any], method: str, streaming: bool) -> Callable[..., Any]:
         def handle(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
             call = _Call(self, method)
+            _local.call = call  # the sync server runs a stream's handler in one pool thread
             if streaming:
                 request = call.requests(request)
             else:

@@ -18,7 +18,7 @@ from ps_server.checkpointer import Checkpointer
 from ps_server.config import ServerConfig
 from ps_server.interceptors import MetricsInterceptor
 from ps_server.metrics import MetricsEndpoint, ServerMetrics, serve_metrics
-from ps_server.servicer import AdminServicer, Counters, ParameterServicer
+from ps_server.servicer import AdminServicer, Counters, ParameterServicer, parameter_service_handler
 from ps_server.shard import Shard
 
 log = logging.getLogger(__name__)
@@ -147,7 +147,7 @@ def start_server(config: ServerConfig, shard: Shard | None = None) -> ShardServe
         options=options,
         maximum_concurrent_rpcs=config.threads * 4,
     )
-    ps_pb2_grpc.add_ParameterServiceServicer_to_server(ParameterServicer(shard, counters), server)
+    server.add_generic_rpc_handlers((parameter_service_handler(ParameterServicer(shard, counters)),))
     stopping = threading.Event()
     ps_pb2_grpc.add_AdminServicer_to_server(AdminServicer(shard, counters, stopping, checkpointer), server)
     health_servicer = health.HealthServicer()

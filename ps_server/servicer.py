@@ -15,22 +15,22 @@ from typing import Any, TypeVar
 import grpc
 
 from ps_proto.v1 import ps_pb2, ps_pb2_grpc
+from ps_server import frames
 from ps_server.checkpointer import Checkpointer
 from ps_server.core import errors
 from ps_server.core.modes import ModeSettings
 from ps_server.core.partitions import WirePartition
-from ps_server.core.plan import PartitionSlice
-from ps_server.shard import Shard, StatusView, WorkerState
+from ps_server.interceptors import note_push
+from ps_server.shard import PushResult, Shard, StatusView, WorkerState
 from ps_server.wire import (
     MODE_TO_NAME,
-    NAME_TO_DTYPE,
     NAME_TO_MODE,
+    dtype_name,
     message_size,
     optimizer_from_proto,
     optimizer_to_proto,
     partition_from_proto,
     specs_from_proto,
-    with_partition,
 )
 
 log = logging.getLogger(__name__)
@@ -118,7 +118,8 @@ def _maps_stream_errors(method: F) -> F:
 
 
 def _read_stream(request_iterator: Iterator[Any], counters: Counters, what: str) -> tuple[Any, list[WirePartition]]:
-    """Split a client stream into its header and partitions; count received bytes.
+    """Split a client stream of protobuf messages (Init) into its header and partitions; count
+    received bytes.
 
     Raises:
         InvalidRequestError: the first message is not a header, or a later one is.
@@ -141,6 +142,57 @@ def _read_stream(request_iterator: Iterator[Any], counters: Counters, what: str)
     if header is None:
         raise errors.InvalidRequestError(f"The {what} stream was empty; send a header, then partitions.")
     return header, parts
+
+
+def _read_frames(
+    request_iterator: Iterator[bytes], counters: Counters, what: str, header_cls: type[Any], packed: bool
+) -> tuple[Any, list[WirePartition], frames.Message]:
+    """Split a client stream of hand-read frames into its header, partitions and first message;
+    count received bytes. ``packed`` (PushPull): the header and partitions may share a message
+    and a message may carry several partitions; otherwise (Push, Exchange: a oneof) each message
+    is a header or one partition.
+
+    Raises:
+        InvalidRequestError: malformed messages; the first message has no header, or a later one has.
+    """
+    header = None
+    first: frames.Message | None = None
+    parts: list[WirePartition] = []
+    received = 0
+    try:
+        for raw in request_iterator:
+            received += len(raw)
+            msg = frames.read(raw)
+            has_header = HEADER_FIELD in msg.blobs
+            if not packed and (len(msg.partitions) > 1 or (has_header and msg.partitions)):
+                raise errors.InvalidRequestError(f"A {what} message carries a header or one partition, not both.")
+            if first is None:
+                if not has_header:
+                    raise errors.InvalidRequestError(f"A {what} stream must start with a header message.")
+                first, header = msg, msg.sub(HEADER_FIELD, header_cls)
+            elif has_header:
+                raise errors.InvalidRequestError(f"A {what} stream carries one header, then only partitions.")
+            elif not msg.partitions:
+                raise errors.InvalidRequestError(f"A {what} stream carries one header, then only partitions.")
+            parts.extend(msg.partitions)
+    finally:
+        counters.add(received=received)
+    if first is None:
+        raise errors.InvalidRequestError(f"The {what} stream was empty; send a header, then partitions.")
+    return header, parts, first
+
+
+HEADER_FIELD = 1
+"""Field number of the header in PushRequest, ExchangeRequest and PushPullRequest."""
+
+
+def _wire_dtype(value: int) -> str:
+    """The wire dtype name of a request's ``wire_dtype`` ("" when unset).
+
+    Raises:
+        InvalidRequestError: an unknown value.
+    """
+    return "" if value == ps_pb2.DTYPE_UNSPECIFIED else dtype_name(value)
 
 
 def _deadline(context: grpc.ServicerContext) -> float | None:
@@ -166,19 +218,60 @@ def cluster_config(settings: ModeSettings, lease_timeout: float, learning_rate: 
     )
 
 
-def partition_messages(
-    shard: Shard, parts: list[tuple[PartitionSlice, bytes]], cls: type[Any], version: int
-) -> Iterator[Any]:
-    """``cls`` messages (PullResponse, ExchangeResponse) of ``version``, one per (slice, raw bytes)
-    pair of ``shard``'s plan; a shard that owns nothing still sends one, with its version."""
-    assert shard.plan is not None
-    if not parts:
-        yield cls(version=version)
-    dtypes = shard.plan.dtypes
-    for part, data in parts:
-        yield with_partition(
-            cls(version=version), part.key, part.offset, part.length, NAME_TO_DTYPE[dtypes[part.key]], data
+SMALL_FRAME = 64 * 1024
+"""A first PushPull frame up to this size, or the only one, gets the push's answer prepended (a
+copy); larger ones are sent after a message of their own with the answer."""
+
+
+def _parse(cls: type[Any], raw: bytes) -> Any:
+    """``cls.FromString(raw)``.
+
+    Raises:
+        InvalidRequestError: the bytes do not parse.
+    """
+    try:
+        return cls.FromString(raw)
+    except Exception:
+        raise errors.InvalidRequestError(f"Malformed {cls.__name__}; send a valid ps.v1 message.") from None
+
+
+def push_response(r: PushResult) -> ps_pb2.PushResponse:
+    """The PushResponse of a push result."""
+    return ps_pb2.PushResponse(
+        version=r.version, duplicate=r.duplicate, staleness=r.staleness, dropped=r.dropped, mode=NAME_TO_MODE[r.mode]
+    )
+
+
+RAW_METHODS = frozenset({"Push", "Pull", "PushPull", "Exchange"})
+"""ParameterService methods whose partitions travel as hand-built frames (``ps_server.frames``):
+their requests reach the servicer as ``bytes`` (Push, PushPull, Exchange) and their responses
+leave as ``bytes`` (Pull, PushPull, Exchange)."""
+
+
+def parameter_service_handler(servicer: ParameterServicer) -> grpc.GenericRpcHandler:
+    """The ``ps.v1.ParameterService`` handler of ``servicer``: generated (de)serializers for the
+    small RPCs, pass-through ones where frames carry partitions (:data:`RAW_METHODS`)."""
+    descriptor = ps_pb2.DESCRIPTOR.services_by_name["ParameterService"]
+    handlers = {}
+    for method in descriptor.methods:
+        request_cls = getattr(ps_pb2, method.input_type.name)
+        response_cls = getattr(ps_pb2, method.output_type.name)
+        raw = method.name in RAW_METHODS
+        # Push answers with a protobuf PushResponse (small); Pull takes a protobuf PullRequest
+        deserializer = None if raw and method.client_streaming else request_cls.FromString
+        serializer = None if raw and method.server_streaming else response_cls.SerializeToString
+        if method.name == "Pull":
+            deserializer = None  # parsed in the servicer, so a malformed request is INVALID_ARGUMENT
+        make = {
+            (False, False): grpc.unary_unary_rpc_method_handler,
+            (True, False): grpc.stream_unary_rpc_method_handler,
+            (False, True): grpc.unary_stream_rpc_method_handler,
+            (True, True): grpc.stream_stream_rpc_method_handler,
+        }[(method.client_streaming, method.server_streaming)]
+        handlers[method.name] = make(
+            getattr(servicer, method.name), request_deserializer=deserializer, response_serializer=serializer
         )
+    return grpc.method_handlers_generic_handler(descriptor.full_name, handlers)
 
 
 class ParameterServicer(ps_pb2_grpc.ParameterServiceServicer):
@@ -218,39 +311,65 @@ class ParameterServicer(ps_pb2_grpc.ParameterServiceServicer):
         return ps_pb2.InitResponse(applied=applied, version=version, plan_digest=digest)
 
     @_maps_errors
-    def Push(
-        self, request_iterator: Iterator[ps_pb2.PushRequest], context: grpc.ServicerContext
-    ) -> ps_pb2.PushResponse:
-        header, parts = _read_stream(request_iterator, self.counters, "Push")
+    def Push(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> ps_pb2.PushResponse:
+        header, parts, _ = _read_frames(request_iterator, self.counters, "Push", ps_pb2.PushHeader, packed=False)
         r = self.shard.push(header.rank, header.incarnation, header.clock, header.version, header.plan_digest, parts)
-        return ps_pb2.PushResponse(
-            version=r.version,
-            duplicate=r.duplicate,
-            staleness=r.staleness,
-            dropped=r.dropped,
-            mode=NAME_TO_MODE[r.mode],
-        )
+        return push_response(r)
 
     @_maps_stream_errors
-    def Pull(self, request: ps_pb2.PullRequest, context: grpc.ServicerContext) -> Iterator[ps_pb2.PullResponse]:
-        version, parts = self.shard.pull(
-            request.rank, request.incarnation, request.min_version, request.plan_digest, _deadline(context)
+    def Pull(self, request: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
+        req = _parse(ps_pb2.PullRequest, request)
+        version, out = self.shard.pull(
+            req.rank,
+            req.incarnation,
+            req.min_version,
+            req.plan_digest,
+            _deadline(context),
+            _wire_dtype(req.wire_dtype),
         )
-        for msg in partition_messages(self.shard, parts, ps_pb2.PullResponse, version):
-            self.counters.add(sent=message_size(msg))
-            yield msg
+        for frame in out:
+            self.counters.add(sent=len(frame))
+            yield frame
 
     @_maps_stream_errors
-    def Exchange(
-        self, request_iterator: Iterator[ps_pb2.ExchangeRequest], context: grpc.ServicerContext
-    ) -> Iterator[ps_pb2.ExchangeResponse]:
-        header, parts = _read_stream(request_iterator, self.counters, "Exchange")
-        version, d = self.shard.exchange(
+    def PushPull(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
+        header, parts, first = _read_frames(request_iterator, self.counters, "PushPull", ps_pb2.PushHeader, packed=True)
+        wire_dtype = _wire_dtype(first.ints.get(3, 0))
+        result, version, out = self.shard.push_pull(
+            header.rank,
+            header.incarnation,
+            header.clock,
+            header.version,
+            header.plan_digest,
+            parts,
+            _deadline(context),
+            wire_dtype,
+        )
+        answer = push_response(result)
+        note_push(answer)
+        # the push's answer (field 3) leads the first message. A response of one message stays
+        # one (workers then call PushPull as a unary RPC); otherwise a large first frame is not
+        # copied to prepend the answer: the answer goes alone, with the version
+        lead = frames.bytes_field(3, answer.SerializeToString())
+        if len(out) == 1 or len(out[0]) <= SMALL_FRAME:
+            out = [lead + out[0], *out[1:]]
+        else:
+            out = [lead + frames.uint_field(1, version), *out]
+        for frame in out:
+            self.counters.add(sent=len(frame))
+            yield frame
+
+    @_maps_stream_errors
+    def Exchange(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
+        header, parts, _ = _read_frames(
+            request_iterator, self.counters, "Exchange", ps_pb2.ExchangeHeader, packed=False
+        )
+        version, out = self.shard.exchange(
             header.rank, header.incarnation, header.clock, header.plan_digest, parts, _deadline(context)
         )
-        for msg in partition_messages(self.shard, d, ps_pb2.ExchangeResponse, version):
-            self.counters.add(sent=message_size(msg))
-            yield msg
+        for frame in out:
+            self.counters.add(sent=len(frame))
+            yield frame
 
     @_maps_errors
     def Heartbeat(self, request: ps_pb2.HeartbeatRequest, context: grpc.ServicerContext) -> ps_pb2.HeartbeatResponse:

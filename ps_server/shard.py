@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from ps_server.core.codec import torch_dtype, wire_dtype_allowed
 from ps_server.core.errors import (
     CheckpointError,
     InvalidRequestError,
@@ -32,7 +33,8 @@ from ps_server.core.errors import (
 from ps_server.core.modes import MODES, ModeSettings
 from ps_server.core.optimizer import OptimizerSpec
 from ps_server.core.partitions import WirePartition, match_partitions
-from ps_server.core.plan import ParameterSpec, PartitionSlice, Plan, make_plan
+from ps_server.core.plan import ParameterSpec, Plan, make_plan
+from ps_server.frames import response_frames
 from ps_server.membership import Member, Membership, MemberView, PushResult, WorkerState
 from ps_server.policy import asynchronous, easgd, ssp
 from ps_server.policy.sync import SyncRounds
@@ -130,6 +132,8 @@ class Shard:
         self.on_snapshot: Callable[[int, dict[str, Any]], None] | None = None
         self.last_checkpoint_version: int | None = None
         self.restored_from_version: int | None = None
+        self._store_epoch = 0
+        self._frame_cache: dict[tuple[int, int, str, int], list[bytes]] = {}
 
     @property
     def mode(self) -> str:
@@ -289,6 +293,7 @@ class Shard:
                 self._check_plan(digest)
                 return False, self.version, self.plan.digest
             self.plan, self.store = plan, store
+            self._store_epoch += 1
             log.info(
                 "shard %d: initialized with %d partitions (%d bytes), plan %s, optimizer %s",
                 self.shard_index,
@@ -445,6 +450,7 @@ class Shard:
         store.optimizer.load_state_dict(state["optimizer_state"])
         with self._cond:
             self.plan, self.store = plan, store
+            self._store_epoch += 1
             self.version = int(state["version"])
             self.rounds = SyncRounds(round=self.version)
             self.membership.restore(state["members"])
@@ -495,8 +501,15 @@ class Shard:
             self._cond.wait(remaining)
 
     def pull(
-        self, rank: int, incarnation: int, min_version: int, digest: str, timeout: float | None
-    ) -> tuple[int, list[tuple[PartitionSlice, bytes]]]:
+        self,
+        rank: int,
+        incarnation: int,
+        min_version: int,
+        digest: str,
+        timeout: float | None,
+        wire_dtype: str = "",
+        packed: bool = False,
+    ) -> tuple[int, list[bytes]]:
         """Wait until this rank may read, then copy out every partition.
 
         sync: waits for version >= ``min_version``. ssp: waits until the slowest live rank's clock
@@ -505,9 +518,14 @@ class Shard:
 
         Args:
             timeout: seconds to wait at most; None waits until the shard closes.
+            wire_dtype: send float32/float64 parameters as this narrower float ("" = as they are).
+            packed: pack small partitions together up to ``partition_bytes`` per message
+                (PushPull); otherwise one partition per message (Pull).
 
         Returns:
-            (version, [(partition, raw bytes)]) in plan order, from one consistent snapshot.
+            (version, encoded messages) in plan order, from one consistent snapshot (see
+            :func:`ps_server.frames.response_frames`). Every rank reading the same version with
+            the same ``wire_dtype`` and ``packed`` shares one copy of the parameters.
 
         Raises:
             WaitTimeoutError: not readable in time. ShuttingDownError: closing.
@@ -515,7 +533,7 @@ class Shard:
         """
         deadline = None if timeout is None else self._now() + timeout
         with self._cond:
-            self._check_plan(digest)
+            self._check_wire_dtype(self._check_plan(digest), wire_dtype)
             member = self.membership.get(rank, incarnation)
             joined = member.state is WorkerState.LIVE and member.incarnation == incarnation
             if joined:
@@ -557,8 +575,74 @@ class Shard:
             self._wait(ready, deadline, describe)
             if self.mode == "ssp" and joined:
                 self.max_clock_gap = max(self.max_clock_gap, ssp.read_gap(member.clock, clocks()))
-            assert self.store is not None
-            return self.version, list(zip(self.store.partitions, self.store.snapshot(), strict=True))
+            return self.version, self._snapshot_frames(wire_dtype, packed)
+
+    @staticmethod
+    def _check_wire_dtype(plan: Plan, wire_dtype: str) -> None:
+        """Raises InvalidRequestError unless ``wire_dtype`` is "" or narrower than every parameter."""
+        if not wire_dtype:
+            return
+        bad = {d for d in plan.dtypes.values() if not wire_dtype_allowed(wire_dtype, d)}
+        if bad:
+            raise InvalidRequestError(
+                f"wire_dtype {wire_dtype} is not narrower than this model's {', '.join(sorted(bad))} "
+                "parameters; leave it unset, or pick float16/bfloat16 for float32 models."
+            )
+
+    def push_pull(
+        self,
+        rank: int,
+        incarnation: int,
+        clock: int,
+        grad_version: int,
+        digest: str,
+        partitions: Sequence[WirePartition],
+        timeout: float | None,
+        wire_dtype: str = "",
+    ) -> tuple[PushResult, int, list[bytes]]:
+        """:meth:`push`, then :meth:`pull` of the version it lands in, packed (one PushPull call
+        per training step instead of a Push and a Pull).
+
+        sync: the pull waits for version ``clock + 1``, the round this push joined; async and
+        ssp: as :meth:`pull` with no minimum version.
+
+        Returns:
+            (push result, version, encoded PushPullResponse messages without the push answer).
+
+        Raises:
+            Everything :meth:`push` and :meth:`pull` raise; a refused push pulls nothing.
+        """
+        start = self._now()
+        with self._cond:
+            self._check_wire_dtype(self._check_plan(digest), wire_dtype)
+        result = self.push(rank, incarnation, clock, grad_version, digest, partitions)
+        min_version = clock + 1 if result.mode == "sync" else 0
+        remaining = None if timeout is None else max(0.0, timeout - (self._now() - start))
+        version, frames = self.pull(rank, incarnation, min_version, digest, remaining, wire_dtype, packed=True)
+        return result, version, frames
+
+    def _snapshot_frames(self, wire_dtype: str, packed: bool) -> list[bytes]:
+        """The encoded parameters at the current version, built once per version (caller holds
+        the lock, so the copy is consistent).
+
+        Raises:
+            InvalidRequestError: ``wire_dtype`` is not a float narrower than a parameter's dtype.
+        """
+        assert self.store is not None and self.plan is not None
+        key = (self.version, self._store_epoch, wire_dtype, int(packed))
+        cached = self._frame_cache.get(key)
+        if cached is not None:
+            return cached
+        out = response_frames(
+            self.version,
+            [(p.key, p.offset, p.length) for p in self.store.partitions],
+            self.store.tensors,
+            torch_dtype(wire_dtype) if wire_dtype else None,
+            self.plan.partition_bytes if packed else 0,
+        )
+        self._frame_cache = {k: v for k, v in self._frame_cache.items() if k[:2] == key[:2]}
+        self._frame_cache[key] = out
+        return out
 
     def exchange(
         self,
@@ -568,7 +652,7 @@ class Shard:
         digest: str,
         partitions: Sequence[WirePartition],
         timeout: float | None,
-    ) -> tuple[int, list[tuple[PartitionSlice, bytes]]]:
+    ) -> tuple[int, list[bytes]]:
         """EASGD exchange: take the worker's x, return d = alpha (x - center); center += d.
 
         Async (Algorithm 1): applied at once, atomically. Sync (``easgd_sync``): waits until every
@@ -617,11 +701,10 @@ class Shard:
             self._cond.notify_all()
             return self._encode(version, d)
 
-    def _encode(self, version: int, tensors: list[torch.Tensor]) -> tuple[int, list[tuple[PartitionSlice, bytes]]]:
-        from ps_server.core.codec import encode
-
+    def _encode(self, version: int, tensors: list[torch.Tensor]) -> tuple[int, list[bytes]]:
         assert self.store is not None
-        return version, [(p, encode(t)) for p, t in zip(self.store.partitions, tensors, strict=True)]
+        parts = [(p.key, p.offset, p.length) for p in self.store.partitions]
+        return version, response_frames(version, parts, tensors)
 
     # ----------------------------------------------------------------- admin
     def update_config(self, mode: str = "", learning_rate: float | None = None, **changes: Any) -> ModeSettings:

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ps_server.core.codec import encode, torch_dtype
+from ps_server.core.codec import torch_dtype
 from ps_server.core.optimizer import OptimizerSpec
 from ps_server.core.plan import PartitionSlice, Plan
 
@@ -64,7 +64,3 @@ class ParameterStore:
                 group["lr"] = lr
         for t in self.tensors:
             t.grad = None
-
-    def snapshot(self) -> list[bytes]:
-        """Raw bytes of every partition (one copy each), plan order."""
-        return [encode(t) for t in self.tensors]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import sys
@@ -23,6 +24,21 @@ from ps_worker.workloads import WORKLOADS, get_workload
 log = logging.getLogger("ps_worker")
 
 
+def ratio(text: str) -> float:
+    """A fraction in [0, 1] (argparse type).
+
+    Raises:
+        argparse.ArgumentTypeError: not a number in [0, 1].
+    """
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"{text} is not in [0, 1]")
+    return value
+
+
 def training_flags(p: FlagParser) -> None:
     """The training flags, shared by ``ps-worker`` and ``ps-launch`` (which forwards them)."""
     p.flag("--steps", type=int, default=300, help="optimizer steps (pushes) to run")
@@ -39,6 +55,20 @@ def training_flags(p: FlagParser) -> None:
     p.flag("--slow-rank", type=int, default=-1, help="rank that sleeps --slow-ms before every push (straggler)")
     p.flag("--slow-ms", type=float, default=0.0, help="milliseconds the slow rank sleeps before each push")
     p.flag("--corpus", default="", help="charlm: text file to train on (default: the Python standard library's source)")
+    p.flag(
+        "--wire-dtype",
+        default="native",
+        choices=("native", "bfloat16", "float16"),
+        help="dtype of gradients and weights on the wire: native (each parameter's own) or bfloat16/float16 "
+        "(half the bytes of float32; shards keep float32 weights and optimizer state)",
+    )
+    p.flag(
+        "--topk",
+        type=ratio,
+        default=0.0,
+        help="push only this fraction of each gradient partition, the largest entries, and keep the rest for "
+        "later pushes (error feedback, Stich et al. 2018); 0 pushes dense gradients",
+    )
 
 
 def worker_parser(environ: Mapping[str, str] | None = None) -> FlagParser:
@@ -146,6 +176,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         tls_cert=args.tls_cert or None,
         tls_key=args.tls_key or None,
         metrics=metrics,
+        wire_dtype=None if args.wire_dtype == "native" else args.wire_dtype,
+        topk=args.topk,
     )
     try:
         summary = train(

@@ -19,10 +19,12 @@ import grpc
 import torch
 
 from ps_proto.v1 import ps_pb2, ps_pb2_grpc
-from ps_server.core.codec import decode, dtype_name, encode
+from ps_server import frames
+from ps_server.core.codec import dtype_name, torch_dtype, wire_dtype_allowed
 from ps_server.core.optimizer import OptimizerSpec
-from ps_server.core.plan import DEFAULT_PARTITION_BYTES, ParameterSpec, Plan, make_plan
+from ps_server.core.plan import DEFAULT_PARTITION_BYTES, ParameterSpec, PartitionSlice, Plan, make_plan
 from ps_server.wire import MODE_TO_NAME, NAME_TO_DTYPE, message_size, optimizer_to_proto, plan_to_proto, with_partition
+from ps_worker.compression import TopK
 from ps_worker.retry import backoff_delays, retry_call
 
 if TYPE_CHECKING:
@@ -35,6 +37,11 @@ MAX_RECOVERIES = 3
 
 MESSAGE_OVERHEAD = 64 * 1024
 """Bytes allowed above ``partition_bytes`` for a message's header fields."""
+
+SERVICE = "/ps.v1.ParameterService/"
+
+WIRE_DTYPES = ("float32", "float16", "bfloat16")
+"""Values of ``wire_dtype``: float16/bfloat16 halve the bytes of a float32 model."""
 
 
 def channel(
@@ -78,6 +85,11 @@ def reason_of(exc: grpc.RpcError) -> str:
     return next((str(v) for key, v in metadata if key == "ps-reason"), "")
 
 
+def _size(p: frames.OutPartition) -> tuple[int, int]:
+    """(payload bytes, key bytes) of a partition to send, as :func:`frames.pack` counts them."""
+    return p.values.numel() * p.values.element_size() + 4 * (0 if p.indices is None else p.indices.numel()), len(p.key)
+
+
 def model_specs(named: Sequence[tuple[str, torch.Tensor]]) -> list[ParameterSpec]:
     """Specs of ``model.named_parameters()``, in declaration order.
 
@@ -104,6 +116,11 @@ class PSClient:
         tls_cert: PEM client certificate for mutual TLS (with ``tls_key``).
         tls_key: PEM private key of ``tls_cert``.
         metrics: where to record push/pull seconds and bytes; None records nothing.
+        wire_dtype: send gradients and receive weights as this dtype (float16/bfloat16: half the
+            bytes of float32; the shards keep float32 weights and optimizer state and widen what
+            they receive). None: each parameter's own dtype.
+        topk: push only this fraction of each partition's gradient entries, the largest in
+            magnitude, with error feedback (:class:`~ps_worker.compression.TopK`); 0: dense.
 
     Raises:
         ValueError: bad arguments.
@@ -124,11 +141,17 @@ class PSClient:
         tls_cert: str | None = None,
         tls_key: str | None = None,
         metrics: WorkerMetrics | None = None,
+        wire_dtype: str | None = None,
+        topk: float = 0.0,
     ) -> None:
         if not servers:
             raise ValueError("PSClient needs at least one shard address (host:port).")
         if not 0 <= rank < num_workers:
             raise ValueError(f"rank must be in 0..{num_workers - 1}, got {rank}.")
+        if wire_dtype not in (None, "", *WIRE_DTYPES):
+            raise ValueError(f"wire_dtype must be one of {', '.join(WIRE_DTYPES)}, got {wire_dtype!r}.")
+        self.wire_dtype = wire_dtype or None
+        self.compressor = TopK(topk) if topk else None
         self.servers = list(servers)
         self.rank = rank
         self.num_workers = num_workers
@@ -148,6 +171,19 @@ class PSClient:
         ]
         self._channels = [channel(addr, options, tls_ca, tls_cert, tls_key) for addr in self.servers]
         self._stubs = [ps_pb2_grpc.ParameterServiceStub(ch) for ch in self._channels]
+        # the data RPCs with pass-through (de)serializers: partitions travel as hand-built frames
+        self._push_calls = [
+            ch.stream_unary(SERVICE + "Push", response_deserializer=ps_pb2.PushResponse.FromString)
+            for ch in self._channels
+        ]
+        self._pull_calls = [
+            ch.unary_stream(SERVICE + "Pull", request_serializer=ps_pb2.PullRequest.SerializeToString)
+            for ch in self._channels
+        ]
+        self._push_pull_calls = [ch.stream_stream(SERVICE + "PushPull") for ch in self._channels]
+        # one message each way: a unary call, which spares gRPC's request-iterator thread
+        self._push_pull_once = [ch.unary_unary(SERVICE + "PushPull") for ch in self._channels]
+        self._exchange_calls = [ch.stream_stream(SERVICE + "Exchange") for ch in self._channels]
         self._pool = futures.ThreadPoolExecutor(max_workers=len(self.servers), thread_name_prefix="ps-client")
         self.plan: Plan | None = None
         self.mode = ""
@@ -164,7 +200,9 @@ class PSClient:
         self._pushed = [False] * len(self.servers)
         self._params: dict[str, torch.Tensor] = {}
         self._optimizer: OptimizerSpec | None = None
-        self._last_push: Mapping[str, torch.Tensor] | None = None
+        self._last_push: list[list[frames.OutPartition]] | None = None
+        self._owned: list[tuple[PartitionSlice, ...]] = []
+        self._single_response: list[bool] = []
         self.refused_pushes = 0
         self.dropped_pushes = 0
         self._host: dict[str, torch.Tensor] = {}
@@ -189,18 +227,19 @@ class PSClient:
     def _call(self, fn: Any, what: str) -> Any:
         return retry_call(fn, self.retry_deadline, what)
 
-    def _with_recovery(self, k: int, fn: Callable[[], Any], what: str) -> Any:
+    def _with_recovery(self, k: int, fn: Callable[[], Any], what: str, repush: bool = True) -> Any:
         """``fn`` with retries of transient errors, and at most :data:`MAX_RECOVERIES` recoveries
-        from refusals that name a fixable cause (see :meth:`_recover`)."""
+        from refusals that name a fixable cause (see :meth:`_recover`; ``repush=False`` when ``fn``
+        pushes again itself, as PushPull does)."""
         for attempt in range(MAX_RECOVERIES + 1):
             try:
                 return self._call(fn, what)
             except grpc.RpcError as exc:
-                if attempt == MAX_RECOVERIES or not self._recover(k, exc):
+                if attempt == MAX_RECOVERIES or not self._recover(k, exc, repush):
                     raise
         raise AssertionError("unreachable")  # pragma: no cover
 
-    def _recover(self, k: int, exc: grpc.RpcError) -> bool:
+    def _recover(self, k: int, exc: grpc.RpcError, repush: bool = True) -> bool:
         """Bring shard ``k`` and this client back in step after a refusal; True when the call
         should be made again.
 
@@ -224,8 +263,8 @@ class PSClient:
         reply = self._join_shard(k)
         self.versions[k] = reply.version
         self._pushed[k] = False
-        if reason == "PUSH_LOST" and self._last_push is not None:
-            self._push_shard(k, self._last_push)
+        if reason == "PUSH_LOST" and repush and self._last_push is not None:
+            self._push_shard(k, self._last_push[k])
         return True
 
     def _join_shard(self, k: int) -> ps_pb2.JoinResponse:
@@ -297,6 +336,16 @@ class PSClient:
             {(p.key, p.offset): p.length for p in self.plan.owned_by(k)} for k in range(self.num_shards)
         ]
         self._wire_dtypes = {key: NAME_TO_DTYPE[name] for key, name in self.plan.dtypes.items()}
+        if self.wire_dtype is not None:
+            narrow = {key: wire_dtype_allowed(self.wire_dtype, name) for key, name in self.plan.dtypes.items()}
+            if not all(narrow.values()):
+                bad = sorted(key for key, ok in narrow.items() if not ok)
+                raise ValueError(
+                    f"wire_dtype {self.wire_dtype} is not narrower than parameters {bad[:4]}; "
+                    "use it with float32 models, or leave it unset."
+                )
+        self._owned = [self.plan.owned_by(k) for k in range(self.num_shards)]
+        self._single_response = [len(self._response_groups(k)) <= 1 for k in range(self.num_shards)]
         self._host = {}
         replies = self.join()
         self._params = {k: p for k, p in named}
@@ -367,9 +416,9 @@ class PSClient:
 
     # ------------------------------------------------------------------ data path
     def _sent(self, msg: Any) -> Any:
-        """Count ``msg`` in ``ps_worker_sent_bytes_total`` as it is handed to gRPC."""
+        """Count ``msg`` (a protobuf message or a frame) in ``ps_worker_sent_bytes_total``."""
         if self.metrics is not None:
-            self.metrics.sent_bytes.inc(message_size(msg))
+            self.metrics.sent_bytes.inc(len(msg) if isinstance(msg, bytes) else message_size(msg))
         return msg
 
     def _host_flat(self, key: str, t: torch.Tensor) -> torch.Tensor:
@@ -384,15 +433,39 @@ class PSClient:
         return buf
 
     def _partitions_of(self, k: int, flats: Mapping[str, torch.Tensor], cls: type[Any]) -> list[Any]:
-        """One ``cls`` message (InitRequest, PushRequest, ExchangeRequest) per partition of shard ``k``."""
+        """One protobuf ``cls`` message (InitRequest) per partition of shard ``k``, exact values."""
         plan = self._require_plan()
         dtypes = self._wire_dtypes
         msgs = []
         for part in plan.owned_by(k):
             flat = flats[part.key].detach().reshape(-1)
-            data = encode(flat[part.offset : part.offset + part.length])
+            data = flat[part.offset : part.offset + part.length].contiguous().view(torch.uint8).numpy().tobytes()
             msgs.append(with_partition(cls(), part.key, part.offset, part.length, dtypes[part.key], data))
         return msgs
+
+    def _out_partitions(self, k: int, flats: Mapping[str, torch.Tensor], compress: bool) -> list[frames.OutPartition]:
+        """Shard ``k``'s partitions of ``flats`` as they go on the wire: views of the tensors, cast
+        to ``wire_dtype`` (a copy), or top-k selected (``compress``: gradients only)."""
+        wire = torch_dtype(self.wire_dtype) if self.wire_dtype else None
+        out = []
+        for part in self._owned[k]:
+            flat = flats[part.key][part.offset : part.offset + part.length]
+            if compress and self.compressor is not None:
+                idx, values = self.compressor.compress((part.key, part.offset), flat, wire)
+                out.append(frames.OutPartition(part.key, part.offset, part.length, values, idx))
+            else:
+                values = flat if wire is None or flat.dtype == wire else flat.to(wire)
+                out.append(frames.OutPartition(part.key, part.offset, part.length, values))
+        return out
+
+    def _response_groups(self, k: int) -> list[list[int]]:
+        """How shard ``k`` packs its PushPull response (the same :func:`frames.pack` it runs)."""
+        plan = self._require_plan()
+        wire = torch_dtype(self.wire_dtype) if self.wire_dtype else None
+        sizes = [
+            (p.length * (wire or torch_dtype(plan.dtypes[p.key])).itemsize, len(p.key.encode())) for p in self._owned[k]
+        ]
+        return frames.pack(sizes, plan.partition_bytes)
 
     def _stage(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         plan = self._require_plan()
@@ -403,6 +476,87 @@ class PSClient:
         if any(t.device.type == "cuda" for t in tensors.values()):
             torch.cuda.synchronize()
         return flats
+
+    def _push_header(self, k: int) -> ps_pb2.PushHeader:
+        # sync: the round is the version the gradient's parameters came from (per shard, so a
+        # shard restored from an older checkpoint is followed); otherwise the step count
+        return ps_pb2.PushHeader(
+            rank=self.rank,
+            incarnation=self.incarnation,
+            clock=self.versions[k] if self.mode == "sync" else self.clock,
+            version=self.versions[k],
+            plan_digest=self._require_plan().digest,
+        )
+
+    def _pull_targets(self, out: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """(key -> 1-D CPU tensor written by the pull, key -> device tensor to copy it into after)."""
+        plan = self._require_plan()
+        device_out = {k: t for k, t in out.items() if t.device.type != "cpu"}
+        flats = {
+            s.key: (self._host_flat(s.key, out[s.key]) if s.key in device_out else out[s.key].data.reshape(-1))
+            for s in plan.specs
+        }
+        if any(flat.data_ptr() != out[k].data_ptr() and k not in device_out for k, flat in flats.items()):
+            raise ValueError("pull() writes in place and needs contiguous CPU tensors or device tensors.")
+        return flats, device_out
+
+    def _finish_pull(
+        self, versions: list[int], device_out: Mapping[str, torch.Tensor], flats: Mapping[str, torch.Tensor]
+    ) -> int:
+        for key, t in device_out.items():
+            t.copy_(flats[key].view(t.shape), non_blocking=True)
+        if device_out:
+            torch.cuda.synchronize()
+        self.versions = versions
+        self._pushed = [False] * self.num_shards
+        self.version = min(self.versions)
+        return self.version
+
+    def _receive(
+        self, k: int, replies: Iterator[bytes], into: Mapping[str, torch.Tensor]
+    ) -> tuple[int, int, ps_pb2.PushResponse | None]:
+        """Copy the partitions of shard ``k``'s frames into ``into`` (key -> 1-D tensor).
+
+        Returns:
+            (version, payload bytes received, the push's answer if a frame carried one).
+
+        Raises:
+            RuntimeError: a partition outside the plan, or not every partition of the shard.
+        """
+        dtypes = self._require_plan().dtypes
+        owned = self._owned_lengths[k]
+        version, received, seen, answer = 0, 0, 0, None
+        for raw in replies:
+            msg = frames.read(raw)
+            version = msg.ints.get(1, 0)
+            if 3 in msg.blobs:
+                answer = ps_pb2.PushResponse.FromString(msg.blobs[3])
+            for p in msg.partitions:
+                if (
+                    owned.get((p.key, p.offset)) != p.length
+                    or len(p.indices)
+                    or p.dtype not in (dtypes[p.key], self.wire_dtype)
+                ):
+                    raise RuntimeError(f"Shard {self.servers[k]} sent a partition outside the plan: {p.key}")
+                into[p.key][p.offset : p.offset + p.length].copy_(frames.view(p))
+                received, seen = received + len(p.data), seen + 1
+            if self.metrics is not None:
+                self.metrics.received_bytes.inc(len(raw))
+        if seen != len(owned):
+            raise RuntimeError(f"Shard {self.servers[k]} sent {seen} of {len(owned)} partitions.")
+        return version, received, answer
+
+    def _account_push(self, replies: Sequence[ps_pb2.PushResponse]) -> None:
+        """Clock, dropped and staleness counters, and a live mode switch, after a push."""
+        self.clock += 1
+        first = replies[0]
+        if first.dropped:
+            self.dropped_pushes += 1
+        elif not first.duplicate and self.mode != "sync":
+            self.staleness[int(first.staleness)] += 1
+        if first.mode and MODE_TO_NAME.get(first.mode, self.mode) != self.mode:
+            log.info("rank %d: the cluster switched from %s to %s", self.rank, self.mode, MODE_TO_NAME[first.mode])
+            self.mode = MODE_TO_NAME[first.mode]
 
     def push(self, grads: Mapping[str, torch.Tensor]) -> list[ps_pb2.PushResponse]:
         """Send one gradient per parameter to every shard, stamped (rank, incarnation, clock);
@@ -418,13 +572,13 @@ class PSClient:
             grpc.RpcError: INVALID_ARGUMENT, FAILED_PRECONDITION, ABORTED (too stale: pull, then
                 push the next clock) and others after retries.
         """
-        self._require_plan()
         flats = self._stage(grads)
-        self._last_push = flats
+        outs = [self._out_partitions(k, flats, compress=True) for k in range(self.num_shards)]
+        self._last_push = outs
         sent = [0] * self.num_shards
 
         def one(k: int) -> ps_pb2.PushResponse:
-            reply, sent[k] = self._push_shard(k, flats)
+            reply, sent[k] = self._push_shard(k, outs[k])
             return reply
 
         start = time.perf_counter()
@@ -439,43 +593,22 @@ class PSClient:
             self.pushed_bytes += sum(sent)
         if self.metrics is not None:
             self.metrics.push_duration.observe(time.perf_counter() - start)
-        self.clock += 1
-        first = replies[0]
-        if first.dropped:
-            self.dropped_pushes += 1
-        elif not first.duplicate and self.mode != "sync":
-            self.staleness[int(first.staleness)] += 1
-        if first.mode and MODE_TO_NAME.get(first.mode, self.mode) != self.mode:
-            log.info("rank %d: the cluster switched from %s to %s", self.rank, self.mode, MODE_TO_NAME[first.mode])
-            self.mode = MODE_TO_NAME[first.mode]
+        self._account_push(replies)
         return replies
 
-    def _push_shard(self, k: int, flats: Mapping[str, torch.Tensor]) -> tuple[ps_pb2.PushResponse, int]:
-        """Push shard ``k``'s partitions of ``flats``; returns its answer and the payload bytes."""
-        plan = self._require_plan()
-        msgs = self._partitions_of(k, flats, ps_pb2.PushRequest)
+    def _push_shard(self, k: int, outs: Sequence[frames.OutPartition]) -> tuple[ps_pb2.PushResponse, int]:
+        """Push ``outs`` to shard ``k`` (a header message, then one frame per partition); returns its
+        answer and the bytes sent."""
 
-        def stream() -> Iterator[ps_pb2.PushRequest]:
-            # sync: the round is the version the gradient's parameters came from (per shard, so a
-            # shard restored from an older checkpoint is followed); otherwise the step count
-            header = ps_pb2.PushHeader(
-                rank=self.rank,
-                incarnation=self.incarnation,
-                clock=self.versions[k] if self.mode == "sync" else self.clock,
-                version=self.versions[k],
-                plan_digest=plan.digest,
-            )
-            yield self._sent(ps_pb2.PushRequest(header=header))
-            for m in msgs:
-                yield self._sent(m)
+        def attempt() -> tuple[ps_pb2.PushResponse, int]:
+            msgs = [ps_pb2.PushRequest(header=self._push_header(k)).SerializeToString()]
+            msgs += [frames.build([o]) for o in outs]
+            reply = self._push_calls[k]((self._sent(m) for m in msgs), timeout=self.timeout, metadata=self._metadata)
+            return reply, sum(len(m) for m in msgs)
 
-        reply = self._with_recovery(
-            k,
-            lambda: self._stubs[k].Push(stream(), timeout=self.timeout, metadata=self._metadata),
-            f"Push {self.servers[k]}",
-        )
+        result = self._with_recovery(k, attempt, f"Push {self.servers[k]}")
         self._pushed[k] = True
-        return reply, sum(len(m.partition.data) for m in msgs)
+        return result
 
     def pull(self, out: Mapping[str, torch.Tensor], min_version: int | None = None) -> int:
         """Copy the current parameters into ``out`` (in place, any device).
@@ -500,56 +633,92 @@ class PSClient:
                 return self.versions[k] + 1 if self._pushed[k] else self.versions[k]
             return 0
 
-        device_out = {k: t for k, t in out.items() if t.device.type != "cpu"}
-        flats = {
-            s.key: (self._host_flat(s.key, out[s.key]) if s.key in device_out else out[s.key].data.reshape(-1))
-            for s in plan.specs
-        }
-        if any(flat.data_ptr() != out[k].data_ptr() and k not in device_out for k, flat in flats.items()):
-            raise ValueError("pull() writes in place and needs contiguous CPU tensors or device tensors.")
-        dtypes = plan.dtypes
-        owned = self._owned_lengths
+        flats, device_out = self._pull_targets(out)
+        wire = NAME_TO_DTYPE[self.wire_dtype] if self.wire_dtype else ps_pb2.DTYPE_UNSPECIFIED
 
         def one(k: int) -> tuple[int, int]:
             def attempt() -> tuple[int, int]:
                 req = ps_pb2.PullRequest(
-                    rank=self.rank, incarnation=self.incarnation, min_version=min_for(k), plan_digest=plan.digest
+                    rank=self.rank,
+                    incarnation=self.incarnation,
+                    min_version=min_for(k),
+                    plan_digest=plan.digest,
+                    wire_dtype=wire,
                 )
-                version, received, seen = 0, 0, 0
-                for reply in self._stubs[k].Pull(req, timeout=self.timeout, metadata=self._metadata):
-                    version = reply.version
-                    if not reply.HasField("partition"):  # a shard that owns nothing
-                        continue
-                    p = reply.partition
-                    length = owned[k].get((p.key, p.offset))
-                    if length != p.length or p.dtype != NAME_TO_DTYPE[dtypes[p.key]]:
-                        raise RuntimeError(f"Shard {self.servers[k]} sent a partition outside the plan: {p.key}")
-                    flats[p.key][p.offset : p.offset + p.length].copy_(decode(p.data, dtypes[p.key], p.length))
-                    version, received, seen = reply.version, received + len(p.data), seen + 1
-                    if self.metrics is not None:
-                        self.metrics.received_bytes.inc(message_size(reply))
-                if seen != len(owned[k]):
-                    raise RuntimeError(f"Shard {self.servers[k]} sent {seen} of {len(owned[k])} partitions.")
+                replies = self._pull_calls[k](req, timeout=self.timeout, metadata=self._metadata)
+                version, received, _ = self._receive(k, replies, flats)
                 return version, received
 
-            def recovering() -> tuple[int, int]:
-                return self._with_recovery(k, attempt, f"Pull {self.servers[k]}")
-
-            return recovering()
+            return self._with_recovery(k, attempt, f"Pull {self.servers[k]}")
 
         start = time.perf_counter()
         results = self._each_shard(one)
         if self.metrics is not None:
             self.metrics.pull_duration.observe(time.perf_counter() - start)
         self.pulled_bytes += sum(r[1] for r in results)
-        for key, t in device_out.items():
-            t.copy_(flats[key].view(t.shape), non_blocking=True)
-        if device_out:
-            torch.cuda.synchronize()
-        self.versions = [r[0] for r in results]
-        self._pushed = [False] * self.num_shards
-        self.version = min(self.versions)
-        return self.version
+        return self._finish_pull([r[0] for r in results], device_out, flats)
+
+    def push_pull(self, grads: Mapping[str, torch.Tensor], out: Mapping[str, torch.Tensor]) -> int:
+        """One training step's communication in one call per shard (PushPull): push ``grads`` as
+        :meth:`push` does, then copy the parameters of the version the push lands in into ``out``
+        (sync: the round's result; async, ssp: as :meth:`pull`). Small partitions travel packed, up
+        to ``partition_bytes`` per message, so a small model's step is one message each way.
+
+        Args:
+            grads: key -> gradient (any device).
+            out: key -> parameter tensor written in place (any device); may be the parameters
+                the gradients belong to.
+
+        Returns:
+            The lowest version among the shards.
+
+        Raises:
+            grpc.RpcError: as :meth:`push` and :meth:`pull`. A push refused as too stale
+                (ABORTED) is counted in ``refused_pushes`` and followed by a plain :meth:`pull`.
+        """
+        in_flats = self._stage(grads)
+        flats, device_out = self._pull_targets(out)
+        outs = [self._out_partitions(k, in_flats, compress=True) for k in range(self.num_shards)]
+        self._last_push = outs
+        wire = NAME_TO_DTYPE[self.wire_dtype] if self.wire_dtype else 0
+        budget = self._require_plan().partition_bytes
+
+        def one(k: int) -> tuple[ps_pb2.PushResponse, int, int, int]:
+            def attempt() -> tuple[ps_pb2.PushResponse, int, int, int]:
+                head = frames.bytes_field(1, self._push_header(k).SerializeToString()) + frames.uint_field(3, wire)
+                groups = frames.pack([_size(o) for o in outs[k]], budget) or [[]]
+                msgs = [frames.build((outs[k][i] for i in g), head if j == 0 else b"") for j, g in enumerate(groups)]
+                for m in msgs:
+                    self._sent(m)
+                if len(msgs) == 1 and self._single_response[k]:
+                    replies: Iterator[bytes] = iter(
+                        [self._push_pull_once[k](msgs[0], timeout=self.timeout, metadata=self._metadata)]
+                    )
+                else:
+                    replies = self._push_pull_calls[k](iter(msgs), timeout=self.timeout, metadata=self._metadata)
+                version, received, answer = self._receive(k, replies, flats)
+                if answer is None:
+                    raise RuntimeError(f"Shard {self.servers[k]} answered PushPull without the push's answer.")
+                return answer, version, sum(len(m) for m in msgs), received
+
+            return self._with_recovery(k, attempt, f"PushPull {self.servers[k]}", repush=False)
+
+        start = time.perf_counter()
+        try:
+            results = self._each_shard(one)
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.ABORTED:
+                raise
+            self.refused_pushes += 1  # too stale: the step is done, its gradient refused
+            self.clock += 1
+            log.info("rank %d: push refused as too stale (%s); pulling", self.rank, exc.details())
+            return self.pull(out)
+        if self.metrics is not None:
+            self.metrics.push_duration.observe(time.perf_counter() - start)
+        self.pushed_bytes += sum(r[2] for r in results)
+        self.pulled_bytes += sum(r[3] for r in results)
+        self._account_push([r[0] for r in results])
+        return self._finish_pull([r[1] for r in results], device_out, flats)
 
     def exchange(self, params: Mapping[str, torch.Tensor]) -> int:
         """EASGD exchange: send the parameters x, receive d = alpha (x - center), set x -= d in place.
@@ -568,34 +737,20 @@ class PSClient:
         """
         plan = self._require_plan()
         flats = self._stage(params)
-        dtypes = plan.dtypes
-        owned = self._owned_lengths
-        header = ps_pb2.ExchangeHeader(
-            rank=self.rank, incarnation=self.incarnation, clock=self.exchanges, plan_digest=plan.digest
-        )
+        header = ps_pb2.ExchangeRequest(
+            header=ps_pb2.ExchangeHeader(
+                rank=self.rank, incarnation=self.incarnation, clock=self.exchanges, plan_digest=plan.digest
+            )
+        ).SerializeToString()
         diffs: dict[str, torch.Tensor] = {s.key: torch.zeros_like(flats[s.key]) for s in plan.specs}
 
         def one(k: int) -> tuple[int, int, int]:
-            msgs = self._partitions_of(k, flats, ps_pb2.ExchangeRequest)
+            msgs = [header, *(frames.build([o]) for o in self._out_partitions(k, flats, compress=False))]
 
             def attempt() -> tuple[int, int, int]:
-                def stream() -> Iterator[ps_pb2.ExchangeRequest]:
-                    yield ps_pb2.ExchangeRequest(header=header)
-                    yield from msgs
-
-                version, received, seen = 0, 0, 0
-                for reply in self._stubs[k].Exchange(stream(), timeout=self.timeout, metadata=self._metadata):
-                    version = reply.version
-                    if not reply.HasField("partition"):  # a shard that owns nothing
-                        continue
-                    p = reply.partition
-                    if owned[k].get((p.key, p.offset)) != p.length:
-                        raise RuntimeError(f"Shard {self.servers[k]} sent a partition outside the plan: {p.key}")
-                    diffs[p.key][p.offset : p.offset + p.length].copy_(decode(p.data, dtypes[p.key], p.length))
-                    version, received, seen = reply.version, received + len(p.data), seen + 1
-                if seen != len(owned[k]):
-                    raise RuntimeError(f"Shard {self.servers[k]} sent {seen} of {len(owned[k])} partitions.")
-                return version, sum(len(m.partition.data) for m in msgs), received
+                replies = self._exchange_calls[k](iter(msgs), timeout=self.timeout, metadata=self._metadata)
+                version, received, _ = self._receive(k, replies, diffs)
+                return version, sum(len(m) for m in msgs), received
 
             return self._with_recovery(k, attempt, f"Exchange {self.servers[k]}")
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 
-import grpc
 import torch
 
 from ps_worker.client import PSClient
@@ -16,10 +15,10 @@ class DistributedOptimizer:
     """Drop-in for a local optimizer.
 
     - sync, async, ssp: ``step()`` pushes every parameter's ``.grad`` (the shards run the
-      optimizer) and pulls the updated weights. Sync pulls wait for the round (BSP); ssp pulls wait
-      while this rank is more than s clocks ahead of the slowest; async pulls never wait. A push the
-      shards refuse as too stale (ABORTED) is counted in ``client.refused_pushes``, the weights are
-      pulled, and training carries on.
+      optimizer) and pulls the updated weights, in one PushPull call per shard. Sync pulls wait
+      for the round (BSP); ssp pulls wait while this rank is more than s clocks ahead of the
+      slowest; async pulls never wait. A push the shards refuse as too stale (ABORTED) is counted
+      in ``client.refused_pushes``, the weights are pulled, and training carries on.
     - easgd: ``step()`` runs ``local_optimizer``; every tau-th step it exchanges with the center
       (Zhang, Choromanska, LeCun 2015, Algorithm 1).
 
@@ -58,7 +57,7 @@ class DistributedOptimizer:
             The version the model now holds (sync: the round number after this step).
 
         Raises:
-            grpc.RpcError: see :meth:`PSClient.push`, :meth:`PSClient.pull`, :meth:`PSClient.exchange`.
+            grpc.RpcError: see :meth:`PSClient.push_pull` and :meth:`PSClient.exchange`.
         """
         values = {k: p.data for k, p in self.params.items()}
         if self.client.mode == "easgd":
@@ -70,10 +69,4 @@ class DistributedOptimizer:
                 return self.client.exchange(values)
             return self.client.version
         grads = {k: (p.grad if p.grad is not None else torch.zeros_like(p)) for k, p in self.params.items()}
-        try:
-            self.client.push(grads)
-        except grpc.RpcError as exc:
-            if exc.code() != grpc.StatusCode.ABORTED:
-                raise
-            log.info("rank %d: push refused as too stale (%s); pulling", self.client.rank, exc.details())
-        return self.client.pull(values)
+        return self.client.push_pull(grads, values)

@@ -47,18 +47,20 @@ WORKER_STATE_EVICTED: WorkerState
 WORKER_STATE_LEFT: WorkerState
 
 class Partition(_message.Message):
-    __slots__ = ("key", "offset", "length", "dtype", "data")
+    __slots__ = ("key", "offset", "length", "dtype", "data", "indices")
     KEY_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    INDICES_FIELD_NUMBER: _ClassVar[int]
     key: str
     offset: int
     length: int
     dtype: Dtype
     data: bytes
-    def __init__(self, key: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., dtype: _Optional[_Union[Dtype, str]] = ..., data: _Optional[bytes] = ...) -> None: ...
+    indices: bytes
+    def __init__(self, key: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., dtype: _Optional[_Union[Dtype, str]] = ..., data: _Optional[bytes] = ..., indices: _Optional[bytes] = ...) -> None: ...
 
 class ParameterSpec(_message.Message):
     __slots__ = ("key", "shape", "dtype")
@@ -220,16 +222,18 @@ class PushResponse(_message.Message):
     def __init__(self, version: _Optional[int] = ..., duplicate: _Optional[bool] = ..., staleness: _Optional[int] = ..., dropped: _Optional[bool] = ..., mode: _Optional[_Union[Mode, str]] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("rank", "incarnation", "min_version", "plan_digest")
+    __slots__ = ("rank", "incarnation", "min_version", "plan_digest", "wire_dtype")
     RANK_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     MIN_VERSION_FIELD_NUMBER: _ClassVar[int]
     PLAN_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    WIRE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     rank: int
     incarnation: int
     min_version: int
     plan_digest: str
-    def __init__(self, rank: _Optional[int] = ..., incarnation: _Optional[int] = ..., min_version: _Optional[int] = ..., plan_digest: _Optional[str] = ...) -> None: ...
+    wire_dtype: Dtype
+    def __init__(self, rank: _Optional[int] = ..., incarnation: _Optional[int] = ..., min_version: _Optional[int] = ..., plan_digest: _Optional[str] = ..., wire_dtype: _Optional[_Union[Dtype, str]] = ...) -> None: ...
 
 class PullResponse(_message.Message):
     __slots__ = ("version", "partition")
@@ -266,6 +270,26 @@ class ExchangeResponse(_message.Message):
     version: int
     partition: Partition
     def __init__(self, version: _Optional[int] = ..., partition: _Optional[_Union[Partition, _Mapping]] = ...) -> None: ...
+
+class PushPullRequest(_message.Message):
+    __slots__ = ("header", "partitions", "wire_dtype")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    PARTITIONS_FIELD_NUMBER: _ClassVar[int]
+    WIRE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    header: PushHeader
+    partitions: _containers.RepeatedCompositeFieldContainer[Partition]
+    wire_dtype: Dtype
+    def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., partitions: _Optional[_Iterable[_Union[Partition, _Mapping]]] = ..., wire_dtype: _Optional[_Union[Dtype, str]] = ...) -> None: ...
+
+class PushPullResponse(_message.Message):
+    __slots__ = ("version", "partitions", "push")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    PARTITIONS_FIELD_NUMBER: _ClassVar[int]
+    PUSH_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    partitions: _containers.RepeatedCompositeFieldContainer[Partition]
+    push: PushResponse
+    def __init__(self, version: _Optional[int] = ..., partitions: _Optional[_Iterable[_Union[Partition, _Mapping]]] = ..., push: _Optional[_Union[PushResponse, _Mapping]] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("rank", "incarnation")

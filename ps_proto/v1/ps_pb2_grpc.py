@@ -55,6 +55,11 @@ class ParameterServiceStub:
                 request_serializer=ps__proto_dot_v1_dot_ps__pb2.PullRequest.SerializeToString,
                 response_deserializer=ps__proto_dot_v1_dot_ps__pb2.PullResponse.FromString,
                 _registered_method=True)
+        self.PushPull = channel.stream_stream(
+                '/ps.v1.ParameterService/PushPull',
+                request_serializer=ps__proto_dot_v1_dot_ps__pb2.PushPullRequest.SerializeToString,
+                response_deserializer=ps__proto_dot_v1_dot_ps__pb2.PushPullResponse.FromString,
+                _registered_method=True)
         self.Heartbeat = channel.unary_unary(
                 '/ps.v1.ParameterService/Heartbeat',
                 request_serializer=ps__proto_dot_v1_dot_ps__pb2.HeartbeatRequest.SerializeToString,
@@ -104,6 +109,13 @@ class ParameterServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PushPull(self, request_iterator, context):
+        """Push, then pull the version the push lands in (sync: wait for its round): one call per step.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Heartbeat(self, request, context):
         """Keep the rank's lease alive.
         """
@@ -147,6 +159,11 @@ def add_ParameterServiceServicer_to_server(servicer, server):
                     servicer.Pull,
                     request_deserializer=ps__proto_dot_v1_dot_ps__pb2.PullRequest.FromString,
                     response_serializer=ps__proto_dot_v1_dot_ps__pb2.PullResponse.SerializeToString,
+            ),
+            'PushPull': grpc.stream_stream_rpc_method_handler(
+                    servicer.PushPull,
+                    request_deserializer=ps__proto_dot_v1_dot_ps__pb2.PushPullRequest.FromString,
+                    response_serializer=ps__proto_dot_v1_dot_ps__pb2.PushPullResponse.SerializeToString,
             ),
             'Heartbeat': grpc.unary_unary_rpc_method_handler(
                     servicer.Heartbeat,
@@ -273,6 +290,33 @@ class ParameterService:
             '/ps.v1.ParameterService/Pull',
             ps__proto_dot_v1_dot_ps__pb2.PullRequest.SerializeToString,
             ps__proto_dot_v1_dot_ps__pb2.PullResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushPull(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/ps.v1.ParameterService/PushPull',
+            ps__proto_dot_v1_dot_ps__pb2.PushPullRequest.SerializeToString,
+            ps__proto_dot_v1_dot_ps__pb2.PushPullResponse.FromString,
             options,
             channel_credentials,
             insecure,

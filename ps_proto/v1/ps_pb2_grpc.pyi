@@ -46,6 +46,8 @@ class ParameterServiceStub:
     """A header, then one partition per message for every partition this shard owns."""
     Pull: _grpc.UnaryStreamMultiCallable[_ps_pb2.PullRequest, _ps_pb2.PullResponse]
     """One partition per message of every partition this shard owns."""
+    PushPull: _grpc.StreamStreamMultiCallable[_ps_pb2.PushPullRequest, _ps_pb2.PushPullResponse]
+    """Push, then pull the version the push lands in (sync: wait for its round): one call per step."""
     Heartbeat: _grpc.UnaryUnaryMultiCallable[_ps_pb2.HeartbeatRequest, _ps_pb2.HeartbeatResponse]
     """Keep the rank's lease alive."""
     Leave: _grpc.UnaryUnaryMultiCallable[_ps_pb2.LeaveRequest, _ps_pb2.LeaveResponse]
@@ -66,6 +68,8 @@ class ParameterServiceAsyncStub(ParameterServiceStub):
     """A header, then one partition per message for every partition this shard owns."""
     Pull: _aio.UnaryStreamMultiCallable[_ps_pb2.PullRequest, _ps_pb2.PullResponse]  # type: ignore[assignment]
     """One partition per message of every partition this shard owns."""
+    PushPull: _aio.StreamStreamMultiCallable[_ps_pb2.PushPullRequest, _ps_pb2.PushPullResponse]  # type: ignore[assignment]
+    """Push, then pull the version the push lands in (sync: wait for its round): one call per step."""
     Heartbeat: _aio.UnaryUnaryMultiCallable[_ps_pb2.HeartbeatRequest, _ps_pb2.HeartbeatResponse]  # type: ignore[assignment]
     """Keep the rank's lease alive."""
     Leave: _aio.UnaryUnaryMultiCallable[_ps_pb2.LeaveRequest, _ps_pb2.LeaveResponse]  # type: ignore[assignment]
@@ -107,6 +111,14 @@ class ParameterServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_ps_pb2.PullResponse], _abc.AsyncIterator[_ps_pb2.PullResponse]]:
         """One partition per message of every partition this shard owns."""
+
+    @_abc_1.abstractmethod
+    def PushPull(
+        self,
+        request_iterator: _MaybeAsyncIterator[_ps_pb2.PushPullRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_ps_pb2.PushPullResponse], _abc.AsyncIterator[_ps_pb2.PushPullResponse]]:
+        """Push, then pull the version the push lands in (sync: wait for its round): one call per step."""
 
     @_abc_1.abstractmethod
     def Heartbeat(

@@ -61,6 +61,13 @@ def itemsize(name: str) -> int:
     return torch_dtype(name).itemsize
 
 
+def wire_dtype_allowed(wire: str, param: str) -> bool:
+    """Whether values of a ``param``-dtype parameter may travel as ``wire``: the same dtype, or a
+    narrower float (float16/bfloat16 for float32 or float64, float32 for float64) that the
+    receiver widens (wire compression)."""
+    return wire == param or torch_dtype(wire).itemsize < torch_dtype(param).itemsize
+
+
 def encode(flat: torch.Tensor) -> bytes:
     """Raw bytes of a 1-D contiguous CPU tensor (one copy).
 
@@ -72,11 +79,11 @@ def encode(flat: torch.Tensor) -> bytes:
     return flat.contiguous().view(torch.uint8).numpy().tobytes()
 
 
-def decode(data: bytes, name: str, length: int) -> torch.Tensor:
+def decode(data: bytes | memoryview, name: str, length: int) -> torch.Tensor:
     """A read-only 1-D tensor viewing ``data`` (no copy).
 
     Args:
-        data: ``length * itemsize(name)`` little-endian bytes.
+        data: ``length * itemsize(name)`` little-endian bytes (``bytes`` or a byte memoryview).
         name: wire dtype name.
         length: number of elements.
 
@@ -107,6 +114,9 @@ def check_finite(t: torch.Tensor, what: str) -> None:
     """
     if t.dtype in (torch.float32, torch.float64, torch.float16):
         finite = bool(np.isfinite(t.numpy()).all())
+    elif t.dtype == torch.bfloat16 and t.is_contiguous():  # exponent bits all ones: inf or NaN
+        bits = t.view(torch.int16).numpy()
+        finite = not bool(np.any((bits & 0x7F80) == 0x7F80))
     else:
         finite = bool(torch.isfinite(t).all())
     if not finite:

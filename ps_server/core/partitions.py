@@ -5,9 +5,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from ps_server.core.codec import check_finite, decode
+from ps_server.core.codec import check_finite, decode, torch_dtype, wire_dtype_allowed
 from ps_server.core.errors import InvalidRequestError, UnknownKeyError
 from ps_server.core.plan import PartitionSlice, Plan
 
@@ -15,16 +16,43 @@ from ps_server.core.plan import PartitionSlice, Plan
 @dataclass(frozen=True)
 class WirePartition:
     """One received partition before validation: raw ``data`` of ``length`` elements of ``dtype``
-    (a wire dtype name) at ``offset`` of the flattened parameter ``key``."""
+    (a wire dtype name) at ``offset`` of the flattened parameter ``key``; with ``indices``
+    (uint32 little-endian, ascending), a top-k sparse slice whose ``data`` holds one value per
+    index. ``data``/``indices`` are ``bytes`` or byte memoryviews of a received message."""
 
     key: str
     offset: int
     length: int
     dtype: str
-    data: bytes
+    data: bytes | memoryview
+    indices: bytes | memoryview = b""
 
 
-def match_partitions(plan: Plan, shard_index: int, received: Iterable[WirePartition], what: str) -> list[torch.Tensor]:
+def densify(part: WirePartition, dtype: torch.dtype, what: str) -> torch.Tensor:
+    """The dense 1-D ``dtype`` tensor of shape ``[part.length]`` of a top-k sparse partition.
+
+    Raises:
+        InvalidRequestError: indices not 4-byte aligned, not strictly ascending, or out of range;
+            a value count that does not match; NaN or infinity.
+    """
+    where = f"{what.capitalize()} {part.key}[{part.offset}:{part.offset + part.length}]"
+    if len(part.indices) % 4:
+        raise InvalidRequestError(f"{where}: indices must be uint32 (4 bytes each), got {len(part.indices)} bytes.")
+    idx = np.frombuffer(part.indices, dtype="<u4")
+    if idx.size and (idx[-1] >= part.length or (idx.size > 1 and not bool((idx[1:] > idx[:-1]).all()))):
+        raise InvalidRequestError(
+            f"{where}: indices must be strictly ascending and below the partition length {part.length}."
+        )
+    values = decode(part.data, part.dtype, idx.size)
+    check_finite(values, where)
+    dense = torch.zeros(part.length, dtype=dtype)
+    dense[torch.from_numpy(idx.astype(np.int64))] = values.to(dtype)
+    return dense
+
+
+def match_partitions(
+    plan: Plan, shard_index: int, received: Iterable[WirePartition], what: str, sparse_ok: bool | None = None
+) -> list[torch.Tensor]:
     """Check that ``received`` is exactly the shard's partitions, each well-formed and finite.
 
     Args:
@@ -32,9 +60,12 @@ def match_partitions(plan: Plan, shard_index: int, received: Iterable[WirePartit
         shard_index: this shard.
         received: partitions in any order.
         what: "gradient" or "value", for messages.
+        sparse_ok: accept top-k sparse partitions (default: for gradients only).
 
     Returns:
-        Read-only 1-D tensors viewing the received bytes, one per owned partition in plan order.
+        1-D tensors of the parameters' dtypes, one per owned partition in plan order: read-only
+        views of the received bytes when the wire dtype is the parameter's, widened copies of
+        narrower wire dtypes, dense copies of sparse partitions.
 
     Raises:
         UnknownKeyError: a key that is not a parameter, or a slice this shard does not own.
@@ -45,6 +76,7 @@ def match_partitions(plan: Plan, shard_index: int, received: Iterable[WirePartit
     index = plan.index_of(shard_index)
     dtypes = plan.dtypes
     out: list[torch.Tensor | None] = [None] * len(owned)
+    sparse_ok = what == "gradient" if sparse_ok is None else sparse_ok
     for part in received:
         if part.key not in dtypes:
             raise UnknownKeyError(
@@ -58,16 +90,23 @@ def match_partitions(plan: Plan, shard_index: int, received: Iterable[WirePartit
                 f"Partition {part.key}[{part.offset}:{part.offset + part.length}] is not one this shard "
                 f"({shard_index}) owns; compute the plan with the same num_shards and partition_bytes."
             )
-        if part.dtype != dtypes[part.key]:
+        param_dtype = dtypes[part.key]
+        if part.dtype != param_dtype and not wire_dtype_allowed(part.dtype, param_dtype):
             raise InvalidRequestError(
                 f"Partition {part.key}[{part.offset}:] has dtype {part.dtype} but the parameter is "
-                f"{dtypes[part.key]}; send {dtypes[part.key]}."
+                f"{param_dtype}; send {param_dtype} (or a narrower float: float16/bfloat16 for float32)."
             )
         if out[i] is not None:
             raise InvalidRequestError(f"Partition {part.key}[{part.offset}:] was sent twice in one request.")
+        if len(part.indices):
+            if not sparse_ok:
+                raise InvalidRequestError(f"Only gradients may be sent top-k sparse; send {what}s dense.")
+            out[i] = densify(part, torch_dtype(param_dtype), what)
+            continue
         tensor = decode(part.data, part.dtype, part.length)
         check_finite(tensor, f"{what.capitalize()} {part.key}[{part.offset}:{part.offset + part.length}]")
-        out[i] = tensor
+        # a narrower wire dtype is widened here, so sums and optimizer steps run in the parameter's dtype
+        out[i] = tensor if part.dtype == param_dtype else tensor.to(torch_dtype(param_dtype))
     missing = [f"{owned[i].key}[{owned[i].offset}:]" for i, t in enumerate(out) if t is None]
     if missing:
         raise InvalidRequestError(

@@ -21,6 +21,7 @@ from ps_worker.workloads import get_workload
 STEPS = 6
 PUSH = "ps.v1.ParameterService/Push"
 PULL = "ps.v1.ParameterService/Pull"
+PUSH_PULL = "ps.v1.ParameterService/PushPull"
 INIT = "ps.v1.ParameterService/Init"
 
 
@@ -78,10 +79,12 @@ def test_training_moves_shard_and_worker_metrics(start_shards, tool) -> None:
     assert value(s, "ps_pushes_total", mode="sync") == STEPS
     assert value(s, "ps_push_staleness_count") == STEPS
     assert value(s, "ps_push_staleness_sum") == 0  # sync: never stale
-    assert value(s, "ps_rpc_duration_seconds_count", method=PUSH, code="OK") == STEPS
-    assert value(s, "ps_rpc_duration_seconds_count", method=PULL, code="OK") == STEPS + 1  # + the pull after Init
+    # a training step is one PushPull (push, then the round's weights); Pull once, after Init
+    assert value(s, "ps_rpc_duration_seconds_count", method=PUSH_PULL, code="OK") == STEPS
+    assert value(s, "ps_rpc_duration_seconds_count", method=PULL, code="OK") == 1
+    assert value(s, "ps_rpc_duration_seconds_count", method=PUSH, code="OK") == 0
     assert value(s, "ps_barrier_wait_seconds_count") == STEPS + 1
-    assert value(s, "ps_received_bytes_total", method=PUSH) > 0
+    assert value(s, "ps_received_bytes_total", method=PUSH_PULL) > 0
     assert value(s, "ps_sent_bytes_total", method=PULL) > 0
     assert value(s, "ps_last_checkpoint_version") == 0
     assert value(s, "ps_checkpoint_duration_seconds_count") == 0
@@ -89,13 +92,14 @@ def test_training_moves_shard_and_worker_metrics(start_shards, tool) -> None:
 
     w = samples(worker_text)
     assert value(w, "ps_worker_step_duration_seconds_count") == STEPS
-    assert value(w, "ps_worker_push_duration_seconds_count") == STEPS
-    assert value(w, "ps_worker_pull_duration_seconds_count") == STEPS + 1
+    assert value(w, "ps_worker_push_duration_seconds_count") == STEPS  # PushPull: push and the round's pull
+    assert value(w, "ps_worker_pull_duration_seconds_count") == 1
     assert math.isfinite(value(w, "ps_worker_loss")) and value(w, "ps_worker_loss") > 0
     # Both sides count serialized message bytes, so they agree exactly.
-    sent = value(s, "ps_received_bytes_total", method=INIT) + value(s, "ps_received_bytes_total", method=PUSH)
+    sent = value(s, "ps_received_bytes_total", method=INIT) + value(s, "ps_received_bytes_total", method=PUSH_PULL)
     assert value(w, "ps_worker_sent_bytes_total") == sent
-    assert value(w, "ps_worker_received_bytes_total") == value(s, "ps_sent_bytes_total", method=PULL)
+    received = value(s, "ps_sent_bytes_total", method=PULL) + value(s, "ps_sent_bytes_total", method=PUSH_PULL)
+    assert value(w, "ps_worker_received_bytes_total") == received
 
     promtool_check(promtool, shard_text)
     promtool_check(promtool, worker_text)

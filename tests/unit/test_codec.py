@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -65,7 +66,30 @@ def test_match_returns_plan_order() -> None:
         ({"key": "nope"}, UnknownKeyError, "Unknown parameter 'nope'"),
         ({"offset": 1}, UnknownKeyError, "not one this shard"),
         ({"length": 3, "data": encode(torch.ones(3))}, UnknownKeyError, "not one this shard"),
-        ({"dtype": "float16", "data": encode(torch.ones(4, dtype=torch.float16))}, InvalidRequestError, "dtype"),
+        ({"dtype": "float64", "data": encode(torch.ones(4, dtype=torch.float64))}, InvalidRequestError, "dtype"),
+        (
+            {"dtype": "bfloat16", "data": encode(torch.tensor([1, float("nan"), 0, 0]).bfloat16())},
+            InvalidRequestError,
+            "NaN",
+        ),
+        (
+            {"dtype": "bfloat16", "data": encode(torch.tensor([1, float("-inf"), 0, 0]).bfloat16())},
+            InvalidRequestError,
+            "NaN",
+        ),
+        ({"indices": b"\x00\x00\x00\x00\x00"}, InvalidRequestError, "uint32"),
+        (
+            {"indices": np.array([2, 1], "<u4").tobytes(), "data": encode(torch.ones(2))},
+            InvalidRequestError,
+            "ascending",
+        ),
+        ({"indices": np.array([1, 4], "<u4").tobytes(), "data": encode(torch.ones(2))}, InvalidRequestError, "below"),
+        ({"indices": np.array([1], "<u4").tobytes(), "data": encode(torch.ones(2))}, InvalidRequestError, "bytes"),
+        (
+            {"indices": np.array([1], "<u4").tobytes(), "data": encode(torch.tensor([float("inf")]))},
+            InvalidRequestError,
+            "NaN",
+        ),
         ({"data": b"\x00" * 3}, InvalidRequestError, "bytes"),
         ({"data": encode(torch.tensor([1.0, float("nan"), 0.0, 0.0]))}, InvalidRequestError, "NaN"),
         ({"data": encode(torch.tensor([1.0, float("inf"), 0.0, 0.0]))}, InvalidRequestError, "NaN or infinity"),
@@ -74,6 +98,19 @@ def test_match_returns_plan_order() -> None:
 def test_bad_partitions_are_refused(override, error, message) -> None:
     with pytest.raises(error, match=message):
         match_partitions(PLAN, 0, parts(**override), "gradient")
+
+
+def test_narrower_wire_dtypes_are_widened_and_sparse_partitions_densified() -> None:
+    values = torch.tensor([1.5, -2.25, 3.0, 0.125])
+    (half,) = [
+        t for t in match_partitions(PLAN, 0, parts(dtype="bfloat16", data=encode(values.bfloat16())), "gradient")
+    ][:1]
+    assert half.dtype == torch.float32 and torch.equal(half, values)  # exactly representable in bf16
+    sparse = parts(indices=np.array([0, 3], "<u4").tobytes(), data=encode(torch.tensor([5.0, -1.0])))
+    dense = match_partitions(PLAN, 0, sparse, "gradient")[0]
+    assert torch.equal(dense, torch.tensor([5.0, 0.0, 0.0, -1.0]))
+    with pytest.raises(InvalidRequestError, match="Only gradients"):
+        match_partitions(PLAN, 0, sparse, "value")
 
 
 def test_missing_and_duplicated_partitions_are_refused() -> None:

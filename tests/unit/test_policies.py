@@ -155,15 +155,15 @@ def test_sync_easgd_matches_equations_5_and_6(workers: int) -> None:
 
 
 def test_shard_exchange_is_algorithm_1_and_idempotent() -> None:
-    import numpy as np
+    from ps_server import frames
 
     shard, plan, wire = shard_for("easgd", 2, moving_rate=0.5)
     x = torch.tensor([2.0, 4.0, -2.0])
-    version, parts = shard.exchange(0, 1, 0, plan.digest, wire(x), timeout=1.0)
-    d = torch.from_numpy(np.frombuffer(parts[0][1], dtype="<f4").copy())
+    version, out = shard.exchange(0, 1, 0, plan.digest, wire(x), timeout=1.0)
+    d = frames.view(frames.read(out[0]).partitions[0]).clone()
     assert version == 1 and torch.equal(d, 0.5 * x)
     again = shard.exchange(0, 1, 0, plan.digest, wire(x), timeout=1.0)
-    assert again[0] == 1 and again[1][0][1] == parts[0][1]
+    assert again[0] == 1 and again[1] == out
     assert torch.equal(shard.store.tensors[0], 0.5 * x)  # center moved once
 
 

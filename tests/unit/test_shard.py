@@ -7,6 +7,7 @@ import threading
 import pytest
 import torch
 
+from ps_server import frames
 from ps_server.core.codec import encode
 from ps_server.core.errors import (
     InvalidRequestError,
@@ -43,8 +44,8 @@ def wire(fill: float) -> list[WirePartition]:
 
 
 def values(shard: Shard) -> torch.Tensor:
-    _, parts = shard.pull(0, 1, 0, PLAN.digest, timeout=1.0)
-    return torch.cat([torch.frombuffer(bytearray(data), dtype=torch.float32) for _, data in parts])
+    _, out = shard.pull(0, 1, 0, PLAN.digest, timeout=1.0)
+    return torch.cat([frames.view(p).clone() for raw in out for p in frames.read(raw).partitions])
 
 
 @pytest.fixture

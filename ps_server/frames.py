@@ -1,0 +1,322 @@
+"""Hand-built ps.v1 messages that carry partitions: one copy of each payload, zero-copy reads.
+
+The data RPCs (Push, Pull, PushPull, Exchange) are registered with pass-through (de)serializers on
+both sides, so gRPC hands over and takes ``bytes``. This module writes and reads those bytes with
+the protobuf encoding rules (https://protobuf.dev/programming-guides/encoding/): they are the same
+bytes ``SerializeToString`` would produce and ``FromString`` accepts (``tests/unit/test_frames.py``
+checks both ways), so grpcurl and any protobuf client interoperate. What it saves, per partition:
+
+- sending: the payload is copied once, from the tensor into the message (``bytes.join`` over a
+  memoryview of the tensor), instead of tensor → ``bytes`` → protobuf field → serialized message;
+- receiving: the payload is viewed in place (``torch.frombuffer`` over a memoryview of the received
+  message) instead of parse → ``bytes`` field → tensor.
+
+Messages with partitions all put them in field 2 (``PushRequest.partition``,
+``PullResponse.partition``, ``PushPullRequest.partitions``, ``ExchangeRequest.partition`` …) and
+their ``version`` (where they have one) in field 1, so one builder serves them all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ps_proto.v1 import ps_pb2
+from ps_server.core.codec import DTYPES
+from ps_server.core.errors import InvalidRequestError
+from ps_server.core.partitions import WirePartition
+from ps_server.wire import DTYPE_TO_NAME, NAME_TO_DTYPE
+
+VARINT, I64, LEN, I32 = 0, 1, 2, 5
+"""Protobuf wire types."""
+
+PARTITION_FIELD = 2
+"""Field number of the partition(s) in every message that carries them."""
+
+PACK_OVERHEAD = 64
+"""Bytes counted per packed partition for its header fields (plus the key's length)."""
+
+
+def varint(n: int) -> bytes:
+    """Base-128 varint of a non-negative integer."""
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def tag(field: int, wire_type: int) -> bytes:
+    return varint(field << 3 | wire_type)
+
+
+def uint_field(field: int, value: int) -> bytes:
+    """A varint field, or nothing for 0 (proto3 leaves defaults out)."""
+    return tag(field, VARINT) + varint(value) if value else b""
+
+
+def bytes_field(field: int, value: bytes) -> bytes:
+    """A length-delimited field, or nothing when empty."""
+    return tag(field, LEN) + varint(len(value)) + value if value else b""
+
+
+def _buffer(t: torch.Tensor) -> memoryview:
+    """The bytes of a 1-D contiguous CPU tensor, without a copy."""
+    return memoryview(t.contiguous().view(torch.uint8).numpy()).cast("B")
+
+
+@dataclass(frozen=True)
+class OutPartition:
+    """A partition to send: ``values`` (1-D CPU tensor, the wire dtype) for the slice
+    [offset, offset + length) of ``key``; with ``indices`` (1-D int32/uint32 tensor, ascending), a
+    top-k sparse slice whose ``values`` are the values at those indices."""
+
+    key: str
+    offset: int
+    length: int
+    values: torch.Tensor
+    indices: torch.Tensor | None = None
+
+
+def _partition_chunks(p: OutPartition, field: int) -> list[bytes | memoryview]:
+    data = _buffer(p.values)
+    head = (
+        bytes_field(1, p.key.encode())
+        + uint_field(2, p.offset)
+        + uint_field(3, p.length)
+        + uint_field(4, NAME_TO_DTYPE[_name(p.values.dtype)])
+    )
+    chunks: list[bytes | memoryview] = [head]
+    size = len(head)
+    if len(data):
+        lead = tag(5, LEN) + varint(len(data))
+        chunks += [lead, data]
+        size += len(lead) + len(data)
+    if p.indices is not None and p.indices.numel():
+        idx = _buffer(p.indices)
+        lead = tag(6, LEN) + varint(len(idx))
+        chunks += [lead, idx]
+        size += len(lead) + len(idx)
+    return [tag(field, LEN) + varint(size), *chunks]
+
+
+def _name(dtype: torch.dtype) -> str:
+    for name, d in DTYPES.items():
+        if d == dtype:
+            return name
+    raise ValueError(f"{dtype} is not a wire dtype")
+
+
+def build(parts: Iterable[OutPartition], prefix: bytes = b"", suffix: bytes = b"") -> bytes:
+    """One message: ``prefix`` (already encoded fields), the partitions in field 2, ``suffix``.
+
+    The only copy of each payload is the final ``bytes.join``.
+    """
+    chunks: list[bytes | memoryview] = [prefix]
+    for p in parts:
+        chunks += _partition_chunks(p, PARTITION_FIELD)
+    chunks.append(suffix)
+    return b"".join(chunks)
+
+
+def pack(sizes: Sequence[tuple[int, int]], budget: int) -> list[list[int]]:
+    """Group consecutive partitions into messages of at most ``budget`` bytes.
+
+    Args:
+        sizes: (payload bytes, key bytes) of each partition, in order.
+        budget: bytes per message (``partition_bytes``); a partition larger than it goes alone.
+
+    Returns:
+        Lists of indices into ``sizes``, in order; each partition appears once.
+    """
+    groups: list[list[int]] = []
+    used = budget + 1
+    for i, (nbytes, keylen) in enumerate(sizes):
+        cost = nbytes + keylen + PACK_OVERHEAD
+        if used + cost > budget:
+            groups.append([])
+            used = 0
+        groups[-1].append(i)
+        used += cost
+    return groups
+
+
+# ---------------------------------------------------------------------------------- reading
+def _read_varint(buf: memoryview, pos: int, end: int) -> tuple[int, int]:
+    result = shift = 0
+    while True:
+        if pos >= end or shift > 63:
+            raise InvalidRequestError("Malformed message: a varint runs past the end; send a valid ps.v1 message.")
+        b = buf[pos]
+        pos += 1
+        result |= (b & 0x7F) << shift
+        if not b & 0x80:
+            return result, pos
+        shift += 7
+
+
+def fields(buf: memoryview, start: int = 0, end: int | None = None) -> list[tuple[int, int, int | memoryview]]:
+    """The fields of one encoded message: (field number, wire type, value), in order; a varint's
+    value is an int, a length-delimited field's a memoryview into ``buf`` (no copy).
+
+    Raises:
+        InvalidRequestError: malformed encoding (truncated, groups, field number 0).
+    """
+    end = len(buf) if end is None else end
+    out: list[tuple[int, int, int | memoryview]] = []
+    pos = start
+    while pos < end:
+        key, pos = _read_varint(buf, pos, end)
+        field, wire_type = key >> 3, key & 7
+        if field == 0:
+            raise InvalidRequestError("Malformed message: field number 0; send a valid ps.v1 message.")
+        value: int | memoryview
+        if wire_type == VARINT:
+            value, pos = _read_varint(buf, pos, end)
+        elif wire_type == LEN:
+            n, pos = _read_varint(buf, pos, end)
+            if pos + n > end:
+                raise InvalidRequestError("Malformed message: a field runs past the end; send a valid ps.v1 message.")
+            value, pos = buf[pos : pos + n], pos + n
+        elif wire_type in (I64, I32):
+            n = 8 if wire_type == I64 else 4
+            if pos + n > end:
+                raise InvalidRequestError("Malformed message: a field runs past the end; send a valid ps.v1 message.")
+            value, pos = int.from_bytes(buf[pos : pos + n], "little"), pos + n
+        else:
+            raise InvalidRequestError(f"Malformed message: wire type {wire_type}; send a valid ps.v1 message.")
+        out.append((field, wire_type, value))
+    return out
+
+
+def read_partition(buf: memoryview) -> WirePartition:
+    """A Partition message's fields; ``data``/``indices`` view ``buf`` (no copy).
+
+    Raises:
+        InvalidRequestError: malformed, or a dtype that is unset or unknown.
+    """
+    key, offset, length, dtype = "", 0, 0, 0
+    data: memoryview | bytes = b""
+    indices: memoryview | bytes = b""
+    for field, wire_type, value in fields(buf):
+        if isinstance(value, memoryview):
+            if field == 1:
+                try:
+                    key = str(value, "utf-8")
+                except UnicodeDecodeError:
+                    raise InvalidRequestError("Partition key is not UTF-8.") from None
+            elif field == 5:
+                data = value
+            elif field == 6:
+                indices = value
+        elif wire_type == VARINT:
+            if field == 2:
+                offset = value
+            elif field == 3:
+                length = value
+            elif field == 4:
+                dtype = value
+    if dtype not in DTYPE_TO_NAME:
+        raise InvalidRequestError(
+            f"Partition dtype {dtype} is unspecified or unknown; set it to one of "
+            f"{', '.join(ps_pb2.Dtype.Name(v) for v in DTYPE_TO_NAME)}."
+        )
+    return WirePartition(key, offset, length, DTYPE_TO_NAME[dtype], data, indices)
+
+
+@dataclass
+class Message:
+    """A read message: its partitions (field 2), its varint fields and the raw bytes of its other
+    length-delimited fields (occurrences of one field concatenated: protobuf's merge rule)."""
+
+    partitions: list[WirePartition]
+    ints: dict[int, int]
+    blobs: dict[int, bytes]
+
+    def sub(self, field: int, cls: type) -> object | None:
+        """The embedded message of ``field`` parsed as ``cls``, or None when absent.
+
+        Raises:
+            InvalidRequestError: it does not parse.
+        """
+        raw = self.blobs.get(field)
+        if raw is None:
+            return None
+        try:
+            return cls.FromString(raw)
+        except Exception:
+            raise InvalidRequestError(f"Malformed {cls.__name__}; send a valid ps.v1 message.") from None
+
+
+def read(data: bytes | memoryview) -> Message:
+    """Read a message that carries partitions in field 2.
+
+    Raises:
+        InvalidRequestError: malformed encoding or partitions.
+    """
+    buf = memoryview(data).cast("B") if not isinstance(data, memoryview) else data
+    parts: list[WirePartition] = []
+    ints: dict[int, int] = {}
+    blobs: dict[int, list[memoryview]] = {}
+    for field, _, value in fields(buf):
+        if isinstance(value, memoryview):
+            if field == PARTITION_FIELD:
+                parts.append(read_partition(value))
+            else:
+                blobs.setdefault(field, []).append(value)
+        else:
+            ints[field] = value
+    return Message(parts, ints, {k: b"".join(v) for k, v in blobs.items()})
+
+
+def view(p: WirePartition) -> torch.Tensor:
+    """A read-only 1-D tensor over a received partition's values (no copy).
+
+    Returns:
+        Shape ``[n]``, dtype of ``p.dtype``; n = ``p.length`` for a dense partition, the number of
+        indices for a sparse one.
+
+    Raises:
+        InvalidRequestError: the byte count does not match.
+    """
+    from ps_server.core.codec import decode
+
+    count = len(p.indices) // 4 if len(p.indices) else p.length
+    return decode(p.data, p.dtype, count)
+
+
+def response_frames(
+    version: int,
+    partitions: Sequence[tuple[str, int, int]],
+    tensors: Sequence[torch.Tensor],
+    wire_dtype: torch.dtype | None = None,
+    budget: int = 0,
+) -> list[bytes]:
+    """Messages of ``version`` carrying ``tensors`` (PullResponse, ExchangeResponse and
+    PushPullResponse share this layout: version in field 1, partitions in field 2).
+
+    Args:
+        version: the shard version the values belong to.
+        partitions: (key, offset, length) of each tensor.
+        tensors: 1-D CPU tensors, one per partition; copied once here.
+        wire_dtype: cast to this dtype on the wire (None: as they are).
+        budget: pack several partitions per message up to this many bytes (0: one per message).
+
+    Returns:
+        The encoded messages; a shard that owns nothing still sends one, with its version.
+    """
+    prefix = uint_field(1, version)
+    if not tensors:
+        return [prefix]
+    outs = [
+        OutPartition(key, offset, length, t if wire_dtype is None or t.dtype == wire_dtype else t.to(wire_dtype))
+        for (key, offset, length), t in zip(partitions, tensors, strict=True)
+    ]
+    if budget:
+        groups = pack([(o.values.numel() * o.values.element_size(), len(o.key)) for o in outs], budget)
+    else:
+        groups = [[i] for i in range(len(outs))]
+    return [build((outs[i] for i in g), prefix) for g in groups]

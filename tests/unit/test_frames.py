@@ -1,0 +1,123 @@
+"""Hand-built frames are protobuf: the same bytes as SerializeToString, read back as FromString does."""
+
+from __future__ import annotations
+
+import hypothesis.strategies as st
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+
+from ps_proto.v1 import ps_pb2
+from ps_server import frames
+from ps_server.core.codec import encode
+from ps_server.core.errors import InvalidRequestError
+from ps_server.wire import NAME_TO_DTYPE
+
+KEYS = st.text(min_size=1, max_size=12)
+DTYPE_NAMES = st.sampled_from(["float32", "float16", "bfloat16", "float64"])
+TORCH = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
+
+
+@st.composite
+def partitions(draw: st.DrawFn) -> frames.OutPartition:
+    n = draw(st.integers(0, 40))
+    name = draw(DTYPE_NAMES)
+    values = torch.from_numpy(np.array(draw(st.lists(st.floats(-1e3, 1e3), min_size=n, max_size=n)), "float32"))
+    values = values.to(TORCH[name]) if n else torch.empty(0, dtype=TORCH[name])
+    offset = draw(st.integers(0, 2**40))
+    if n and draw(st.booleans()):  # sparse: indices into a longer slice
+        length = n + draw(st.integers(0, 100))
+        idx = np.sort(np.random.default_rng(n).choice(length, n, replace=False)).astype(np.int32)
+        return frames.OutPartition(draw(KEYS), offset, length, values, torch.from_numpy(idx))
+    return frames.OutPartition(draw(KEYS), offset, n, values)
+
+
+def as_proto(p: frames.OutPartition) -> ps_pb2.Partition:
+    name = {v: k for k, v in TORCH.items()}[p.values.dtype]
+    return ps_pb2.Partition(
+        key=p.key,
+        offset=p.offset,
+        length=p.length,
+        dtype=NAME_TO_DTYPE[name],
+        data=encode(p.values) if p.values.numel() else b"",
+        indices=encode(p.indices) if p.indices is not None else b"",
+    )
+
+
+@given(st.integers(0, 2**63), st.lists(partitions(), max_size=4))
+def test_a_built_response_is_what_protobuf_serializes(version: int, parts: list[frames.OutPartition]) -> None:
+    built = frames.build(parts, frames.uint_field(1, version))
+    expected = ps_pb2.PushPullResponse(version=version, partitions=[as_proto(p) for p in parts])
+    assert built == expected.SerializeToString()
+    if len(parts) <= 1:  # the single-partition messages share the layout
+        single = ps_pb2.PullResponse(version=version, partition=as_proto(parts[0]) if parts else None)
+        assert built == single.SerializeToString()
+
+
+@given(st.lists(partitions(), min_size=1, max_size=4), st.integers(0, 2**32 - 1))
+def test_reading_agrees_with_protobuf(parts: list[frames.OutPartition], rank: int) -> None:
+    header = ps_pb2.PushHeader(rank=rank, clock=7, plan_digest="abc")
+    raw = ps_pb2.PushPullRequest(
+        header=header, partitions=[as_proto(p) for p in parts], wire_dtype=ps_pb2.DTYPE_BFLOAT16
+    ).SerializeToString()
+    msg = frames.read(raw)
+    assert msg.sub(1, ps_pb2.PushHeader) == header
+    assert msg.ints == {3: ps_pb2.DTYPE_BFLOAT16}
+    for got, sent in zip(msg.partitions, parts, strict=True):
+        assert (got.key, got.offset, got.length) == (sent.key, sent.offset, sent.length)
+        assert torch.equal(frames.view(got), sent.values)
+        assert bytes(got.indices) == (encode(sent.indices) if sent.indices is not None else b"")
+
+
+def test_view_is_zero_copy_and_keeps_the_buffer_alive() -> None:
+    raw = frames.build([frames.OutPartition("w", 0, 3, torch.tensor([1.0, 2.0, 3.0]))])
+    t = frames.view(frames.read(raw).partitions[0])
+    del raw
+    assert t.tolist() == [1.0, 2.0, 3.0]
+
+
+def test_field_order_and_unknown_fields_follow_protobuf() -> None:
+    # grpcurl and other encoders may order fields differently or add fields of a later release
+    p = ps_pb2.Partition(key="w", offset=4, length=1, dtype=ps_pb2.DTYPE_FLOAT32, data=encode(torch.tensor([5.0])))
+    reordered = (
+        frames.bytes_field(5, p.data) + frames.uint_field(4, 1) + frames.uint_field(3, 1) + frames.bytes_field(1, b"w")
+    )
+    unknown = frames.uint_field(99, 12) + frames.tag(98, frames.I32) + b"\x00" * 4
+    raw = frames.uint_field(1, 3) + frames.bytes_field(2, unknown + reordered)
+    part = frames.read(raw).partitions[0]
+    assert (part.key, part.offset, part.length, frames.view(part).tolist()) == ("w", 0, 1, [5.0])
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"\x08",  # varint cut short
+        b"\x12\x05ab",  # field longer than the message
+        b"\x0b",  # group start (wire type 3)
+        b"\x00\x01",  # field number 0
+        b"\x12\x02\x20\x07",  # partition with an unknown dtype enum value
+        b"\x12\x04\x0a\x02\xff\xfe",  # key that is not UTF-8
+    ],
+)
+def test_malformed_frames_are_invalid_argument(raw: bytes) -> None:
+    with pytest.raises(InvalidRequestError):
+        frames.read(raw)
+
+
+def test_pack_fills_messages_in_order_up_to_the_budget() -> None:
+    sizes = [(100, 1), (100, 1), (2000, 1), (10, 1), (10, 1)]
+    groups = frames.pack(sizes, 400)
+    assert groups == [[0, 1], [2], [3, 4]]
+    assert frames.pack([], 400) == []
+    assert sum(len(g) for g in frames.pack([(5, 3)] * 1000, 4096)) == 1000
+
+
+def test_response_frames_cast_and_pack() -> None:
+    tensors = [torch.arange(4, dtype=torch.float32), torch.ones(2)]
+    out = frames.response_frames(9, [("a", 0, 4), ("b", 0, 2)], tensors, torch.bfloat16, budget=1 << 20)
+    assert len(out) == 1
+    msg = ps_pb2.PushPullResponse.FromString(out[0])
+    assert msg.version == 9 and [p.dtype for p in msg.partitions] == [ps_pb2.DTYPE_BFLOAT16] * 2
+    assert len(frames.response_frames(9, [("a", 0, 4), ("b", 0, 2)], tensors)) == 2
+    assert frames.response_frames(3, [], []) == [ps_pb2.PullResponse(version=3).SerializeToString()]
