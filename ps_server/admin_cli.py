@@ -2,9 +2,10 @@
 
 ``status`` prints one table (``--json`` for scripts); ``top`` redraws it in 80x24 from one
 ``WatchStatus`` stream per shard until Ctrl-C or ``--iterations``; ``set`` changes the learning rate
-and mode parameters (``UpdateConfig``) on every shard; ``evict RANK`` stops counting a rank
-(``EvictWorker``) on every shard. Exit status: 0 when every shard answered (and accepted), 1 when
-one did not (one line per shard on stderr), 2 on bad flags.
+and mode parameters (``UpdateConfig``) on every shard; ``checkpoint`` has every shard write a
+checkpoint now (``Checkpoint``); ``evict RANK`` stops counting a rank (``EvictWorker``) on every
+shard. Exit status: 0 when every shard answered (and accepted), 1 when one did not (one line per
+shard on stderr), 2 on bad flags.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import IO, Any
 import grpc
 
 from ps_proto.v1 import ps_pb2
-from ps_server.admin_client import FATAL, Reply, Watcher, evict_worker, fetch_all, update_config
+from ps_server.admin_client import FATAL, Reply, Watcher, checkpoint, evict_worker, fetch_all, update_config
 from ps_server.admin_view import STATE_NAMES, render_status, render_top, settings_lines, status_json
 from ps_server.core.modes import MODES
 from ps_server.flags import FlagParser
@@ -142,6 +143,16 @@ def cmd_set(args: Any, out: IO[str], err: IO[str]) -> int:
     return 0
 
 
+def cmd_checkpoint(args: Any, out: IO[str], err: IO[str]) -> int:
+    replies = checkpoint(args.servers, args.admin_token, args.timeout)
+
+    def describe(reply: ps_pb2.CheckpointResponse) -> str:
+        return f"version {reply.version} written in {reply.seconds:.3f} s: {reply.path}"
+
+    report(replies, describe, out, err)
+    return 0 if all(r.ok for r in replies) else 1
+
+
 def cmd_evict(args: Any, out: IO[str], err: IO[str]) -> int:
     replies = evict_worker(args.servers, args.rank, args.admin_token, args.timeout)
 
@@ -203,7 +214,7 @@ def admin_parser(environ: Mapping[str, str] | None = None) -> FlagParser:
     p.flag("--servers", required=True, help="HOST:PORT of every shard, comma-separated, in shard-index order")
     p.flag("--admin-token", default="", help="bearer token of ps.v1.Admin (the shards' PS_ADMIN_TOKEN)")
     p.flag("--timeout", type=positive, default=5.0, help="deadline of each call, seconds")
-    sub = p.add_subparsers(dest="command", required=True, metavar="{status,top,set,evict}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{status,top,set,checkpoint,evict}")
     status = sub.add_parser("status", help="print every shard's status once", environ=p.environ)
     status.flag("--json", switch=True, help="status: print one JSON object for scripts")
     top = sub.add_parser("top", help="refresh the status table until Ctrl-C", environ=p.environ)
@@ -213,6 +224,11 @@ def admin_parser(environ: Mapping[str, str] | None = None) -> FlagParser:
         "set", help="change the learning rate and mode parameters on every shard", environ=p.environ
     )
     add_set_flags(change)
+    sub.add_parser(
+        "checkpoint",
+        help="write a checkpoint on every shard now (shards started with --checkpoint-dir)",
+        environ=p.environ,
+    )
     evict = sub.add_parser("evict", help="stop counting a rank on every shard", environ=p.environ)
     evict.add_argument("rank", type=count, metavar="RANK", help="the rank to evict; it may rejoin with a restart")
     p.twins += status.twins + top.twins + change.twins  # one list of every flag and twin of the command
@@ -224,6 +240,7 @@ COMMANDS: dict[str, Callable[[Any, IO[str], IO[str]], int]] = {
     "status": cmd_status,
     "top": cmd_top,
     "set": cmd_set,
+    "checkpoint": cmd_checkpoint,
     "evict": cmd_evict,
 }
 

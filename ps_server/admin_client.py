@@ -1,4 +1,5 @@
-"""What ``ps-admin`` asks the shards over ``ps.v1.Admin``: status once or as a stream, config changes, evictions.
+"""What ``ps-admin`` asks the shards over ``ps.v1.Admin``: status once or as a stream, config changes,
+checkpoints, evictions.
 
 Every call has a deadline; failures come back as results (never raised) so the command can report
 each shard on one line.
@@ -171,6 +172,17 @@ def evict_worker(addresses: Sequence[str], rank: int, token: str, timeout: float
 
     def call(stub: ps_pb2_grpc.AdminStub, md: Sequence[tuple[str, str]], t: float) -> ps_pb2.EvictWorkerResponse:
         return stub.EvictWorker(ps_pb2.EvictWorkerRequest(rank=rank), timeout=t, metadata=md)
+
+    return ask(addresses, range(len(addresses)), call, token, timeout)
+
+
+def checkpoint(addresses: Sequence[str], token: str, timeout: float) -> list[Reply]:
+    """``Admin/Checkpoint`` on every shard, in parallel: each writes its state now and answers (version,
+    path on its machine, seconds) once the file is durable. Each shard saves its own current
+    version: while training runs they may differ (this is no cluster-wide snapshot)."""
+
+    def call(stub: ps_pb2_grpc.AdminStub, md: Sequence[tuple[str, str]], t: float) -> ps_pb2.CheckpointResponse:
+        return stub.Checkpoint(ps_pb2.CheckpointRequest(), timeout=t, metadata=md)
 
     return ask(addresses, range(len(addresses)), call, token, timeout)
 
