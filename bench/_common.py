@@ -25,20 +25,10 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
+from ps_server.process_env import GLIBC_TUNABLES  # given to every measured system alike: a fair comparison
+
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = Path(__file__).resolve().parent
-
-GLIBC_TUNABLES = ":".join(
-    (
-        "glibc.malloc.hugetlb=1",
-        "glibc.malloc.mmap_max=0",
-        "glibc.malloc.trim_threshold=4000000000",
-        "glibc.malloc.arena_max=1",
-    )
-)
-"""malloc settings of every measured process: large blocks come from the heap (no mmap/munmap and
-page faults per message), transparent huge pages, one arena. Large gRPC messages run 1.4-6x faster
-with them; they are given to every system so the comparison stays fair."""
 
 PR_SET_PDEATHSIG = 1
 

@@ -2,9 +2,10 @@
 
 ``status`` prints one table (``--json`` for scripts); ``top`` redraws it in 80x24 from one
 ``WatchStatus`` stream per shard until Ctrl-C or ``--iterations``; ``set`` changes the learning rate
-and mode parameters (``UpdateConfig``) on every shard; ``evict RANK`` stops counting a rank
-(``EvictWorker``) on every shard. Exit status: 0 when every shard answered (and accepted), 1 when
-one did not (one line per shard on stderr), 2 on bad flags.
+and mode parameters (``UpdateConfig``) on every shard; ``checkpoint`` has every shard write a
+checkpoint now (``Checkpoint``); ``evict RANK`` stops counting a rank (``EvictWorker``) on every
+shard. Exit status: 0 when every shard answered (and accepted), 1 when one did not (one line per
+shard on stderr), 2 on bad flags.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ from typing import IO, Any
 import grpc
 
 from ps_proto.v1 import ps_pb2
-from ps_server.admin_client import FATAL, Reply, Watcher, evict_worker, fetch_all, update_config
+from ps_server.admin_client import FATAL, Reply, Watcher, checkpoint, evict_worker, fetch_all, update_config
 from ps_server.admin_view import STATE_NAMES, render_status, render_top, settings_lines, status_json
+from ps_server.channels import credentials, tls_flags
 from ps_server.core.modes import MODES
 from ps_server.flags import FlagParser
 
@@ -47,7 +49,7 @@ SET_FLAGS = (
 
 # ---------------------------------------------------------------------------------------- commands
 def cmd_status(args: Any, out: IO[str], err: IO[str]) -> int:
-    results = fetch_all(args.servers, args.admin_token, args.timeout)
+    results = fetch_all(args.servers, args.admin_token, args.timeout, args.creds)
     if args.json:
         print(json.dumps(status_json(results)), file=out)
     elif any(r.ok for r in results):
@@ -60,7 +62,7 @@ def cmd_status(args: Any, out: IO[str], err: IO[str]) -> int:
 
 def cmd_top(args: Any, out: IO[str], err: IO[str]) -> int:
     tty = out.isatty()
-    watcher = Watcher(args.servers, args.admin_token, args.interval, args.timeout)
+    watcher = Watcher(args.servers, args.admin_token, args.interval, args.timeout, args.creds)
     frames = 0
     try:
         watcher.wait_all(time.monotonic() + args.timeout + 1)
@@ -118,7 +120,7 @@ def report(replies: Sequence[Reply], describe: Callable[[Any], str], out: IO[str
 
 
 def cmd_set(args: Any, out: IO[str], err: IO[str]) -> int:
-    replies = update_config(args.servers, update_request(args), args.admin_token, args.timeout)
+    replies = update_config(args.servers, update_request(args), args.admin_token, args.timeout, args.creds)
     report(replies, lambda _: "updated", out, err)
     if not replies[0].ok:
         others = len(replies) - 1
@@ -142,8 +144,18 @@ def cmd_set(args: Any, out: IO[str], err: IO[str]) -> int:
     return 0
 
 
+def cmd_checkpoint(args: Any, out: IO[str], err: IO[str]) -> int:
+    replies = checkpoint(args.servers, args.admin_token, args.timeout, args.creds)
+
+    def describe(reply: ps_pb2.CheckpointResponse) -> str:
+        return f"version {reply.version} written in {reply.seconds:.3f} s: {reply.path}"
+
+    report(replies, describe, out, err)
+    return 0 if all(r.ok for r in replies) else 1
+
+
 def cmd_evict(args: Any, out: IO[str], err: IO[str]) -> int:
-    replies = evict_worker(args.servers, args.rank, args.admin_token, args.timeout)
+    replies = evict_worker(args.servers, args.rank, args.admin_token, args.timeout, args.creds)
 
     def describe(reply: ps_pb2.EvictWorkerResponse) -> str:
         previous = STATE_NAMES.get(reply.previous_state, "?")
@@ -203,7 +215,8 @@ def admin_parser(environ: Mapping[str, str] | None = None) -> FlagParser:
     p.flag("--servers", required=True, help="HOST:PORT of every shard, comma-separated, in shard-index order")
     p.flag("--admin-token", default="", help="bearer token of ps.v1.Admin (the shards' PS_ADMIN_TOKEN)")
     p.flag("--timeout", type=positive, default=5.0, help="deadline of each call, seconds")
-    sub = p.add_subparsers(dest="command", required=True, metavar="{status,top,set,evict}")
+    tls_flags(p)
+    sub = p.add_subparsers(dest="command", required=True, metavar="{status,top,set,checkpoint,evict}")
     status = sub.add_parser("status", help="print every shard's status once", environ=p.environ)
     status.flag("--json", switch=True, help="status: print one JSON object for scripts")
     top = sub.add_parser("top", help="refresh the status table until Ctrl-C", environ=p.environ)
@@ -213,6 +226,11 @@ def admin_parser(environ: Mapping[str, str] | None = None) -> FlagParser:
         "set", help="change the learning rate and mode parameters on every shard", environ=p.environ
     )
     add_set_flags(change)
+    sub.add_parser(
+        "checkpoint",
+        help="write a checkpoint on every shard now (shards started with --checkpoint-dir)",
+        environ=p.environ,
+    )
     evict = sub.add_parser("evict", help="stop counting a rank on every shard", environ=p.environ)
     evict.add_argument("rank", type=count, metavar="RANK", help="the rank to evict; it may rejoin with a restart")
     p.twins += status.twins + top.twins + change.twins  # one list of every flag and twin of the command
@@ -224,6 +242,7 @@ COMMANDS: dict[str, Callable[[Any, IO[str], IO[str]], int]] = {
     "status": cmd_status,
     "top": cmd_top,
     "set": cmd_set,
+    "checkpoint": cmd_checkpoint,
     "evict": cmd_evict,
 }
 
@@ -235,6 +254,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.servers = [s.strip() for s in args.servers.split(",") if s.strip()]
     if not args.servers:
         parser.error("--servers needs at least one HOST:PORT.")
+    try:
+        args.creds = credentials(args.tls_ca, args.tls_cert, args.tls_key)
+    except ValueError as exc:
+        parser.error(str(exc))
+    except OSError as exc:
+        parser.error(f"Cannot read the TLS file {exc.filename!r}: {exc.strerror}.")
     if args.command == "top":
         if args.iterations < 0:
             parser.error(f"--iterations must be >= 0, got {args.iterations}.")

@@ -1,4 +1,5 @@
-"""What ``ps-admin`` asks the shards over ``ps.v1.Admin``: status once or as a stream, config changes, evictions.
+"""What ``ps-admin`` asks the shards over ``ps.v1.Admin``: status once or as a stream, config changes,
+checkpoints, evictions.
 
 Every call has a deadline; failures come back as results (never raised) so the command can report
 each shard on one line.
@@ -17,6 +18,7 @@ from typing import Any
 import grpc
 
 from ps_proto.v1 import ps_pb2, ps_pb2_grpc
+from ps_server.channels import secure_or_plain
 
 FATAL = frozenset({grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED})
 """Codes no retry cures: ``top`` stops at once on them and watchers do not reconnect."""
@@ -24,7 +26,7 @@ FATAL = frozenset({grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_D
 HINTS = {
     grpc.StatusCode.UNAUTHENTICATED: "pass --admin-token or set PS_ADMIN_TOKEN",
     grpc.StatusCode.PERMISSION_DENIED: "Admin needs the admin token (PS_ADMIN_TOKEN), not the worker token",
-    grpc.StatusCode.UNAVAILABLE: "is the shard running? check --servers",
+    grpc.StatusCode.UNAVAILABLE: "is the shard running? check --servers, and --tls-ca if the shards serve TLS",
     grpc.StatusCode.DEADLINE_EXCEEDED: "the shard did not answer within --timeout",
 }
 
@@ -35,9 +37,10 @@ CHANNEL_OPTIONS = (
 """gRPC's own reconnect backoff grows to 120 s; a watcher must see a restarted shard within seconds."""
 
 
-def channel(address: str) -> grpc.Channel:
-    """An insecure channel to one shard that reconnects within about 2 s of the shard's return."""
-    return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+def channel(address: str, creds: grpc.ChannelCredentials | None = None) -> grpc.Channel:
+    """A channel to one shard, TLS with ``creds`` (plaintext without), that reconnects within about
+    2 s of the shard's return."""
+    return secure_or_plain(address, creds, CHANNEL_OPTIONS)
 
 
 def error_line(address: str, code: grpc.StatusCode | None, details: str) -> str:
@@ -107,12 +110,20 @@ Call = Callable[[ps_pb2_grpc.AdminStub, Sequence[tuple[str, str]], float], Any]
 """``call(stub, metadata, timeout) -> response message`` of one unary Admin RPC."""
 
 
-def ask(addresses: Sequence[str], positions: Sequence[int], call: Call, token: str, timeout: float) -> list[Reply]:
-    """``call`` on the shards at ``positions`` of ``addresses``, in parallel; one Reply each, in order."""
+def ask(
+    addresses: Sequence[str],
+    positions: Sequence[int],
+    call: Call,
+    token: str,
+    timeout: float,
+    creds: grpc.ChannelCredentials | None = None,
+) -> list[Reply]:
+    """``call`` on the shards at ``positions`` of ``addresses``, in parallel, over TLS when ``creds``
+    are given; one Reply each, in order."""
     metadata = metadata_of(token)
 
     def one(k: int) -> Reply:
-        with channel(addresses[k]) as ch:
+        with channel(addresses[k], creds) as ch:
             try:
                 return Reply(k, addresses[k], call(ps_pb2_grpc.AdminStub(ch), metadata, timeout))
             except grpc.RpcError as exc:
@@ -134,7 +145,9 @@ def get_status(
     return stub.GetStatus(ps_pb2.GetStatusRequest(), timeout=timeout, metadata=metadata).status
 
 
-def fetch_all(addresses: Sequence[str], token: str, timeout: float) -> list[ShardResult]:
+def fetch_all(
+    addresses: Sequence[str], token: str, timeout: float, creds: grpc.ChannelCredentials | None = None
+) -> list[ShardResult]:
     """Every shard's status, asked in parallel; failures are results too."""
     replies = ask(
         addresses,
@@ -142,12 +155,17 @@ def fetch_all(addresses: Sequence[str], token: str, timeout: float) -> list[Shar
         lambda stub, md, t: get_status(stub, metadata=md, timeout=t),
         token,
         timeout,
+        creds,
     )
     return [ShardResult(r.position, r.address, r.message, r.code, r.details) for r in replies]
 
 
 def update_config(
-    addresses: Sequence[str], request: ps_pb2.UpdateConfigRequest, token: str, timeout: float
+    addresses: Sequence[str],
+    request: ps_pb2.UpdateConfigRequest,
+    token: str,
+    timeout: float,
+    creds: grpc.ChannelCredentials | None = None,
 ) -> list[Reply]:
     """The same ``Admin/UpdateConfig`` on every shard: the first shard first, the rest only if it
     accepted (in parallel), so a change every shard would refuse changes none.
@@ -159,20 +177,35 @@ def update_config(
     def call(stub: ps_pb2_grpc.AdminStub, md: Sequence[tuple[str, str]], t: float) -> ps_pb2.UpdateConfigResponse:
         return stub.UpdateConfig(request, timeout=t, metadata=md)
 
-    first = ask(addresses, [0], call, token, timeout)
+    first = ask(addresses, [0], call, token, timeout, creds)
     rest = range(1, len(addresses))
     if not first[0].ok:
         return [*first, *(Reply(k, addresses[k], sent=False) for k in rest)]
-    return [*first, *ask(addresses, rest, call, token, timeout)]
+    return [*first, *ask(addresses, rest, call, token, timeout, creds)]
 
 
-def evict_worker(addresses: Sequence[str], rank: int, token: str, timeout: float) -> list[Reply]:
+def evict_worker(
+    addresses: Sequence[str], rank: int, token: str, timeout: float, creds: grpc.ChannelCredentials | None = None
+) -> list[Reply]:
     """``Admin/EvictWorker`` of ``rank`` on every shard, in parallel."""
 
     def call(stub: ps_pb2_grpc.AdminStub, md: Sequence[tuple[str, str]], t: float) -> ps_pb2.EvictWorkerResponse:
         return stub.EvictWorker(ps_pb2.EvictWorkerRequest(rank=rank), timeout=t, metadata=md)
 
-    return ask(addresses, range(len(addresses)), call, token, timeout)
+    return ask(addresses, range(len(addresses)), call, token, timeout, creds)
+
+
+def checkpoint(
+    addresses: Sequence[str], token: str, timeout: float, creds: grpc.ChannelCredentials | None = None
+) -> list[Reply]:
+    """``Admin/Checkpoint`` on every shard, in parallel: each writes its state now and answers (version,
+    path on its machine, seconds) once the file is durable. Each shard saves its own current
+    version: while training runs they may differ (this is no cluster-wide snapshot)."""
+
+    def call(stub: ps_pb2_grpc.AdminStub, md: Sequence[tuple[str, str]], t: float) -> ps_pb2.CheckpointResponse:
+        return stub.Checkpoint(ps_pb2.CheckpointRequest(), timeout=t, metadata=md)
+
+    return ask(addresses, range(len(addresses)), call, token, timeout, creds)
 
 
 # ---------------------------------------------------------------------------------------- status streams
@@ -277,9 +310,17 @@ class Watcher:
         token: admin token, or empty.
         interval: seconds between statuses of one shard (0.1 to 3600).
         timeout: seconds past ``interval`` a stream may stay silent before it is opened again.
+        creds: TLS credentials of the channels; None for plaintext.
     """
 
-    def __init__(self, addresses: Sequence[str], token: str, interval: float, timeout: float) -> None:
+    def __init__(
+        self,
+        addresses: Sequence[str],
+        token: str,
+        interval: float,
+        timeout: float,
+        creds: grpc.ChannelCredentials | None = None,
+    ) -> None:
         self.addresses = list(addresses)
         self.interval = interval
         self.timeout = timeout
@@ -287,7 +328,7 @@ class Watcher:
         self.stop = threading.Event()
         self.changed = threading.Condition()
         self.latest: dict[int, ShardResult] = {}
-        self._channels = [channel(a) for a in self.addresses]
+        self._channels = [channel(a, creds) for a in self.addresses]
         self._threads = [
             threading.Thread(target=self._follow, args=(k,), name=f"ps-admin-watch-{k}", daemon=True)
             for k in range(len(self.addresses))

@@ -13,6 +13,7 @@ import grpc
 import torch
 from prometheus_client import CollectorRegistry
 
+from ps_server.channels import tls_flags
 from ps_server.core.errors import PSError
 from ps_server.flags import FlagParser, secret
 from ps_server.metrics import serve_metrics
@@ -91,9 +92,7 @@ def worker_parser(environ: Mapping[str, str] | None = None) -> FlagParser:
     )
     p.flag("--token", default="", help="bearer token for ParameterService")
     p.flag("--token-file", default="", help="file holding the bearer token (e.g. a mounted Secret)")
-    p.flag("--tls-ca", default="", help="PEM CA of the shards' certificates: connect with TLS")
-    p.flag("--tls-cert", default="", help="PEM client certificate for mutual TLS")
-    p.flag("--tls-key", default="", help="PEM private key of --tls-cert")
+    tls_flags(p)
     p.flag(
         "--metrics-port",
         type=int,

@@ -4,6 +4,8 @@ Starts S ``ps-server`` processes on free ports, then W ``ps-worker`` processes; 
 progress (tqdm, one bar per rank, on stderr); prints a final summary on stdout (``--json``: one
 JSON object on the last line). Exits non-zero when any process fails and never leaves a process
 behind: children are ended on exit, errors and Ctrl-C, and get SIGTERM if the launcher is killed.
+Children start with ``GLIBC_TUNABLES`` and ``OMP_NUM_THREADS`` set (see :func:`launch_environment`)
+unless the user set them.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from tqdm import tqdm
 from ps_proto.v1 import ps_pb2, ps_pb2_grpc
 from ps_server.config import mode_flags
 from ps_server.flags import FlagParser
+from ps_server.process_env import GLIBC_TUNABLES, available_cpus, launch_environment
 from ps_server.shard import MODES
 from ps_worker.cli import training_flags
 from ps_worker.faults import Fault, parse_faults
@@ -56,7 +59,14 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child before e
 def launch_parser(environ: Mapping[str, str] | None = None) -> FlagParser:
     """The ``ps-launch`` flags (DESIGN section 10)."""
     p = FlagParser(
-        prog="ps-launch", description="Run a grpc-ps cluster and a training job on this machine.", environ=environ
+        prog="ps-launch",
+        description="Run a grpc-ps cluster and a training job on this machine.",
+        epilog=(
+            f"Every shard and worker starts with GLIBC_TUNABLES={GLIBC_TUNABLES} (malloc tuned for large "
+            "messages) and OMP_NUM_THREADS=max(1, CPUs // (shards + workers)) unless you set them: a value in "
+            "ps-launch's environment wins (an empty GLIBC_TUNABLES turns the tuning off)."
+        ),
+        environ=environ,
     )
     p.flag("--shards", type=int, default=2, help="number of shard processes")
     p.flag("--workers", type=int, default=2, help="number of worker processes")
@@ -104,12 +114,17 @@ class Child:
 
 
 class Cluster:
-    """Local shard and worker processes; :meth:`stop` ends every one of them."""
+    """Local shard and worker processes; :meth:`stop` ends every one of them.
 
-    def __init__(self, log_dir: Path) -> None:
+    Args:
+        log_dir: where each process's log goes.
+        env: the environment of every process (``PYTHONUNBUFFERED=1`` is added).
+    """
+
+    def __init__(self, log_dir: Path, env: Mapping[str, str]) -> None:
         self.log_dir = log_dir
         self.children: list[Child] = []
-        self.env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.env = {**env, "PYTHONUNBUFFERED": "1"}
 
     def spawn(self, name: str, argv: Sequence[str]) -> Child:
         log_path = self.log_dir / f"{name}.log"
@@ -405,7 +420,12 @@ def run(args: Any) -> int:
         return 2
     log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="ps-launch-"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    cluster = Cluster(log_dir)
+    cluster = Cluster(log_dir, launch_environment(os.environ, args.shards + args.workers, available_cpus()))
+    print(
+        f"ps-launch: children run with OMP_NUM_THREADS={cluster.env['OMP_NUM_THREADS']} "
+        f"GLIBC_TUNABLES={cluster.env['GLIBC_TUNABLES']}",
+        file=sys.stderr,
+    )
     bars: list[tqdm] = []
     started = time.perf_counter()
     try:

@@ -8,10 +8,9 @@ import pytest
 from deploy_tools import require_tool
 from deployment import REPO, parse_dockerfile, run_tool
 
+from ps_server.process_env import GLIBC_TUNABLES
+
 DOCKERFILES = sorted((REPO / "deploy" / "docker").glob("*.Dockerfile"))
-GLIBC_TUNABLES = (
-    "glibc.malloc.hugetlb=1:glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=4000000000:glibc.malloc.arena_max=1"
-)
 
 
 def test_the_three_images_exist() -> None:

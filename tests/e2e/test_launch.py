@@ -12,6 +12,8 @@ import threading
 
 import pytest
 
+from ps_server.process_env import GLIBC_TUNABLES
+
 LAUNCH = [sys.executable, "-m", "ps_worker.launch"]
 
 
@@ -168,6 +170,60 @@ def test_ctrl_c_stops_every_process(tmp_path) -> None:
     assert proc.returncode == 130, stderr
     assert "interrupted" in stderr
     assert_all_gone(stderr, expected=2)
+
+
+ENV_PROBE = """
+import json, os
+if os.environ.get("GRPC_PS_TEST_ENV_DIR"):
+    with open(os.path.join(os.environ["GRPC_PS_TEST_ENV_DIR"], f"{os.getpid()}.json"), "w") as f:
+        json.dump({k: os.environ.get(k) for k in ("GLIBC_TUNABLES", "OMP_NUM_THREADS")}, f)
+"""
+"""A ``sitecustomize`` that records the environment every Python process it is imported in started with.
+(``/proc/PID/environ`` cannot tell: glibc's startup writes NULs into ``GLIBC_TUNABLES`` in place
+there while it parses it, so only its first tunable shows.)"""
+
+
+def test_children_start_with_the_allocator_settings_and_the_users_own_values_win(tmp_path) -> None:
+    probe, seen = tmp_path / "probe", tmp_path / "seen"
+    probe.mkdir()
+    seen.mkdir()
+    (probe / "sitecustomize.py").write_text(ENV_PROBE)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PS_") and k != "GLIBC_TUNABLES"}
+    env |= {
+        "PYTHONPATH": os.pathsep.join(p for p in (str(probe), env.get("PYTHONPATH", "")) if p),
+        "GRPC_PS_TEST_ENV_DIR": str(seen),
+        "OMP_NUM_THREADS": "3",  # the user's: ps-launch must keep it
+    }
+    out = subprocess.run(
+        [
+            *LAUNCH,
+            "--shards",
+            "1",
+            "--workers",
+            "1",
+            "--steps",
+            "5",
+            "--no-progress",
+            "--no-metrics",
+            "--log-dir",
+            str(tmp_path / "logs"),
+            "digits",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    children = pids(out.stderr)
+    assert len(children) == 2, out.stderr
+    for pid in children:
+        assert json.loads((seen / f"{pid}.json").read_text()) == {
+            "GLIBC_TUNABLES": GLIBC_TUNABLES,
+            "OMP_NUM_THREADS": "3",
+        }
+    assert f"children run with OMP_NUM_THREADS=3 GLIBC_TUNABLES={GLIBC_TUNABLES}" in out.stderr
+    assert_all_gone(out.stderr, expected=2)
 
 
 def test_bad_arguments_are_refused_before_starting_anything() -> None:

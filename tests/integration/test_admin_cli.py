@@ -1,5 +1,5 @@
 """``ps-admin`` against live shards: the status table, --json, errors, ``top`` over WatchStatus in an 80x24
-tmux, ``set`` (UpdateConfig) and ``evict`` (EvictWorker) on every shard, tokens."""
+tmux, ``set`` (UpdateConfig), ``checkpoint`` (Checkpoint) and ``evict`` (EvictWorker) on every shard, tokens."""
 
 from __future__ import annotations
 
@@ -404,6 +404,36 @@ def test_a_mode_switch_waits_for_the_round_boundary(waiting_round, wait_until) -
     wait_until(lambda: all(st.config.mode == ps_pb2.MODE_ASYNC for st in statuses(shards)), 10, "the switch")
 
 
+# ---------------------------------------------------------------------------------------- checkpoint
+def test_checkpoint_on_every_shard_and_a_refusal_with_the_shards_message(
+    start_shards, start_trainer, wait_until, tmp_path
+) -> None:
+    shards = start_shards(2, num_workers=1, checkpoint_dir=str(tmp_path / "ckpt"))
+    trainer = start_trainer([s.address for s in shards], pace=0.05)
+    wait_until(lambda: trainer.steps >= 3 or trainer.error, 30, "3 training steps")
+    result = ps_admin("--servers", servers_of(shards), "checkpoint")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert len(lines) == 2 and result.stderr == ""
+    for s, line in zip(shards, lines, strict=True):
+        match = re.fullmatch(rf"{re.escape(s.address)}  version (\d+) written in (\d+\.\d{{3}}) s: (\S+)", line)
+        assert match, line
+        version, path = int(match[1]), match[3]
+        assert version >= 3 and os.path.isfile(path) and path.startswith(str(tmp_path / "ckpt"))
+        assert statuses([s])[0].last_checkpoint_version >= version
+
+    (bare,) = start_shards(1)  # no --checkpoint-dir
+    mixed = ps_admin("--servers", f"{shards[0].address},{bare.address}", "checkpoint")
+    assert mixed.returncode == 1
+    out = mixed.stdout.splitlines()
+    assert out[0].startswith(f"{shards[0].address}  version ")
+    assert out[1].split() == [bare.address, "failed", "(FAILED_PRECONDITION)"]
+    assert mixed.stderr.splitlines() == [
+        f"ps-admin: {bare.address}: FAILED_PRECONDITION: This shard has no --checkpoint-dir; restart it with one "
+        "to checkpoint."
+    ]
+
+
 # ---------------------------------------------------------------------------------------- tokens
 def test_set_evict_and_top_take_the_admin_token_only(start_shards) -> None:
     (s,) = start_shards(1, num_workers=2, token="worker-secret", admin_token="admin-secret")
@@ -411,7 +441,11 @@ def test_set_evict_and_top_take_the_admin_token_only(start_shards) -> None:
         f"ps-admin: {s.address}: PERMISSION_DENIED: /ps.v1.Admin/{{}} needs the admin token (PS_ADMIN_TOKEN); "
         "the worker token may not call Admin. (Admin needs the admin token (PS_ADMIN_TOKEN), not the worker token)"
     )
-    for command, method in ((["set", "--sync-quorum", "1"], "UpdateConfig"), (["evict", "1"], "EvictWorker")):
+    for command, method in (
+        (["set", "--sync-quorum", "1"], "UpdateConfig"),
+        (["evict", "1"], "EvictWorker"),
+        (["checkpoint"], "Checkpoint"),
+    ):
         worker = ps_admin("--servers", s.address, "--admin-token", "worker-secret", *command)
         assert worker.returncode == 1 and worker.stderr.splitlines()[0] == denied.format(method)
         none = ps_admin("--servers", s.address, *command)

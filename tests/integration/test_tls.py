@@ -1,7 +1,9 @@
-"""TLS and mutual TLS with a CA made by the test (openssl); plaintext to a TLS shard fails cleanly."""
+"""TLS and mutual TLS with a CA made by the test (openssl), for workers and ``ps-admin``; plaintext to a TLS
+shard fails cleanly."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -131,6 +133,71 @@ def test_tls_settings_are_validated(pki: Path) -> None:
         ServerConfig(0, 1, 1, tls_cert=str(pki / "nope.pem"), tls_key=str(pki / "shard.key"))
     with pytest.raises(ValueError, match="needs tls_ca"):
         channel("127.0.0.1:1", tls_cert=str(pki / "worker.pem"), tls_key=str(pki / "worker.key"))
+
+
+def ps_admin(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("PS_")} | (env or {})
+    return subprocess.run(
+        [sys.executable, "-m", "ps_server.admin_cli", *args], capture_output=True, text=True, timeout=60, env=environ
+    )
+
+
+def test_ps_admin_over_tls(start_cluster, pki: Path) -> None:
+    (shard,) = start_cluster(
+        num_shards=1, num_workers=1, tls_cert=str(pki / "shard.pem"), tls_key=str(pki / "shard.key")
+    )
+    ok = ps_admin("--servers", shard.address, "--tls-ca", str(pki / "ca.pem"), "status")
+    assert ok.returncode == 0, ok.stderr
+    assert ok.stdout.startswith("grpc-ps: 1/1 shards, mode sync, version 0")
+    plain = ps_admin("--servers", shard.address, "--timeout", "3", "status")
+    assert plain.returncode == 1
+    assert plain.stderr.startswith(f"ps-admin: {shard.address}: UNAVAILABLE: ")
+    assert plain.stderr.rstrip().endswith(
+        "(is the shard running? check --servers, and --tls-ca if the shards serve TLS)"
+    )
+
+
+def test_ps_admin_over_mutual_tls_from_the_environment(start_cluster, pki: Path) -> None:
+    (shard,) = start_cluster(
+        num_shards=1,
+        num_workers=1,
+        tls_cert=str(pki / "shard.pem"),
+        tls_key=str(pki / "shard.key"),
+        tls_client_ca=str(pki / "ca.pem"),
+    )
+    ca_only = ps_admin("--servers", shard.address, "--timeout", "3", "--tls-ca", str(pki / "ca.pem"), "status")
+    assert ca_only.returncode == 1 and f"ps-admin: {shard.address}: UNAVAILABLE: " in ca_only.stderr
+    env = {
+        "PS_TLS_CA": str(pki / "ca.pem"),
+        "PS_TLS_CERT": str(pki / "worker.pem"),
+        "PS_TLS_KEY": str(pki / "worker.key"),
+    }
+    status = ps_admin("--servers", shard.address, "status", "--json", env=env)
+    assert status.returncode == 0, status.stderr
+    assert json.loads(status.stdout)["ok"] is True
+    top = ps_admin("--servers", shard.address, "top", "--iterations", "1", env=env)  # WatchStatus streams too
+    assert top.returncode == 0, top.stderr
+    assert "grpc-ps: 1/1 shards" in top.stdout
+
+
+def test_ps_admin_refuses_inconsistent_tls_flags(pki: Path) -> None:
+    half = ps_admin(
+        "--servers", "127.0.0.1:1", "--tls-ca", str(pki / "ca.pem"), "--tls-cert", str(pki / "worker.pem"), "status"
+    )
+    assert half.returncode == 2 and "--tls-cert, --tls-key) go together" in half.stderr
+    no_ca = ps_admin(
+        "--servers",
+        "127.0.0.1:1",
+        "--tls-cert",
+        str(pki / "worker.pem"),
+        "--tls-key",
+        str(pki / "worker.key"),
+        "status",
+    )
+    assert no_ca.returncode == 2 and "needs tls_ca (--tls-ca)" in no_ca.stderr
+    missing = ps_admin("--servers", "127.0.0.1:1", "--tls-ca", str(pki / "nope.pem"), "status")
+    assert missing.returncode == 2
+    assert f"Cannot read the TLS file '{pki / 'nope.pem'}': No such file or directory." in missing.stderr
 
 
 def test_non_loopback_bind_without_tokens_refuses_to_start() -> None:
