@@ -1,7 +1,6 @@
 """Client channels to shards, plaintext or TLS (DESIGN section 8), and the flags that choose them.
 
-Imports no torch, so ``ps-admin`` starts in a fraction of a second. ``ps_worker.client.channel``
-has the same contract (a copy kept until the worker's data path moves to this one).
+Imports no torch, so ``ps-admin`` starts in a fraction of a second; ``PSClient`` uses it too.
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ import torch
 
 from ps_proto.v1 import ps_pb2, ps_pb2_grpc
 from ps_server import frames
+from ps_server.channels import channel
 from ps_server.core.codec import dtype_name, torch_dtype, wire_dtype_allowed
 from ps_server.core.optimizer import OptimizerSpec
 from ps_server.core.plan import DEFAULT_PARTITION_BYTES, ParameterSpec, PartitionSlice, Plan, make_plan
@@ -42,38 +43,6 @@ SERVICE = "/ps.v1.ParameterService/"
 
 WIRE_DTYPES = ("float32", "float16", "bfloat16")
 """Values of ``wire_dtype``: float16/bfloat16 halve the bytes of a float32 model."""
-
-
-def channel(
-    address: str,
-    options: Sequence[tuple[str, Any]] = (),
-    tls_ca: str | None = None,
-    tls_cert: str | None = None,
-    tls_key: str | None = None,
-) -> grpc.Channel:
-    """A channel to ``address``: TLS when ``tls_ca`` is given (PEM file of the CA that signed the
-    shards' certificates), with a client certificate for mutual TLS when ``tls_cert``/``tls_key``
-    are given; plaintext otherwise.
-
-    Raises:
-        ValueError: only one of ``tls_cert``/``tls_key``, or a client certificate without ``tls_ca``.
-        OSError: a file cannot be read.
-    """
-    if bool(tls_cert) != bool(tls_key):
-        raise ValueError("tls_cert and tls_key go together: pass both for mutual TLS, or neither.")
-    if tls_cert and not tls_ca:
-        raise ValueError("A client certificate needs tls_ca, the CA of the shards' certificates.")
-    if not tls_ca:
-        return grpc.insecure_channel(address, options=list(options))
-
-    def read(path: str | None) -> bytes | None:
-        if not path:
-            return None
-        with open(path, "rb") as f:
-            return f.read()
-
-    creds = grpc.ssl_channel_credentials(read(tls_ca), read(tls_key), read(tls_cert))
-    return grpc.secure_channel(address, creds, options=list(options))
 
 
 def reason_of(exc: grpc.RpcError) -> str:

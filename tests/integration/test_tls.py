@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from ps_proto.v1 import ps_pb2, ps_pb2_grpc
+from ps_server.channels import channel
 from ps_worker import DistributedOptimizer, PSClient
-from ps_worker.client import channel
 from tests.conftest import RPC_TIMEOUT, small_model
 
 
