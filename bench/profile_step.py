@@ -33,7 +33,11 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--shards", type=int, default=1)
     p.add_argument("--partition-bytes", type=int, default=4 << 20)
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="parameter dtype on the wire")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="parameter dtype of the model")
+    p.add_argument(
+        "--wire-dtype", default="", choices=("", "bfloat16", "float16"), help="PSClient wire_dtype (default: native)"
+    )
+    p.add_argument("--separate", action="store_true", help="a step is push() then pull() instead of push_pull()")
     p.add_argument(
         "--no-tunables",
         action="store_true",
@@ -56,14 +60,19 @@ def main() -> int:
         servers = [c.wait_for(r"listening on (\S+)", 120).group(1) for c in shards]
         model = torch.nn.Module()
         model.w = torch.nn.Parameter(torch.zeros(int(args.mb * 1e6) // 4, dtype=getattr(torch, args.dtype)))
-        with PSClient(servers, 0, 1, timeout=300, partition_bytes=args.partition_bytes) as client:
+        with PSClient(
+            servers, 0, 1, timeout=300, partition_bytes=args.partition_bytes, wire_dtype=args.wire_dtype or None
+        ) as client:
             client.init(model, {"name": "sgd", "lr": 1e-3})
             grads = {"w": torch.randn_like(model.w) * 1e-3}
             params = {"w": model.w.data}
 
             def step() -> None:
-                client.push(grads)
-                client.pull(params)
+                if args.separate:
+                    client.push(grads)
+                    client.pull(params)
+                else:
+                    client.push_pull(grads, params)
 
             timed(step, 0, 2)
             if args.profile_dir:

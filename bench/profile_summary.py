@@ -28,19 +28,22 @@ IDLE = (
 """Markers of a waiting thread."""
 
 CATEGORIES = (
-    ("check_finite: torch.isfinite(t).all()", ("check_finite",)),
+    ("check_finite: numpy isfinite of received gradients", ("check_finite",)),
+    ("shard: snapshot frames (one copy, cast to the wire dtype)", ("response_frames", "_snapshot_frames")),
+    ("frames: build (the one copy of each payload sent)", ("build (ps_server/frames.py",)),
+    ("frames: read (parse, zero-copy views)", ("read (ps_server/frames.py", "fields (ps_server/frames.py")),
+    ("sync round: aggregate + optimizer step", ("aggregate", "ParameterStore.apply", "optimizer")),
     ("ByteSize(): a full re-serialization", ("PyUpb_Message_ByteSize",)),
     ("protobuf: build Partition + wrap in request/response", ("PyUpb_Message_InitAttributes", "MergeFrom")),
     ("protobuf: SerializeToString for gRPC", ("PyUpb_Message_SerializeInternal", "SerializeToString")),
     ("protobuf: parse (FromString) and .data", ("upb_Decode", "FromString", "PyUpb_Message_GetFieldValue")),
     ("encode(): tensor -> bytes", ("array_tobytes", "codec.py)")),
-    ("decode + copy_ into the weights", ("PSClient.pull.<locals>.one.<locals>.attempt",)),
-    ("sync round: aggregate + optimizer step", ("aggregate", "ParameterStore.apply", "optimizer")),
     ("sockets: sendmsg / recvmsg / read / write", ("sendmsg", "recvmsg", "read (libc", "write (libc", "writev")),
     ("gRPC core and Python gRPC machinery", ("cygrpc", "grpc/_server.py", "grpc/_channel.py", "grpc/_common.py")),
+    ("worker: copy received values into the weights", ("PSClient._receive (",)),
+    ("worker: stage/cast gradients, top-k", ("PSClient._out_partitions (", "TopK.compress (")),
     ("thread pools and futures", ("concurrent/futures", "threading.py")),
-    ("PSClient bookkeeping: plan lookups, staging, dicts", ("ps_worker/client.py",)),
-)
+    ("PSClient bookkeeping: plan lookups, staging, dicts", ("ps_worker/client.py",)))
 
 
 def summarize(path: str) -> tuple[int, int, collections.Counter[str]]:

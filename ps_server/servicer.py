@@ -5,6 +5,7 @@ Domain errors become status codes through :data:`STATUS_CODES`, the one table of
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import threading
@@ -18,6 +19,7 @@ from ps_proto.v1 import ps_pb2, ps_pb2_grpc
 from ps_server import frames
 from ps_server.checkpointer import Checkpointer
 from ps_server.core import errors
+from ps_server.core.codec import DTYPES, check_finite
 from ps_server.core.modes import ModeSettings
 from ps_server.core.partitions import WirePartition
 from ps_server.interceptors import note_push
@@ -144,13 +146,26 @@ def _read_stream(request_iterator: Iterator[Any], counters: Counters, what: str)
     return header, parts
 
 
+def _checked(p: WirePartition, values: str) -> WirePartition:
+    """``p``, checked to hold no NaN or infinity if it is dense and of a known dtype (the rest is
+    left to :func:`~ps_server.core.partitions.match_partitions`).
+
+    Raises:
+        InvalidRequestError: NaN or infinity.
+    """
+    if len(p.indices) or p.dtype not in DTYPES or len(p.data) != p.length * DTYPES[p.dtype].itemsize:
+        return p
+    check_finite(frames.view(p), f"{values.capitalize()} {p.key}[{p.offset}:{p.offset + p.length}]")
+    return dataclasses.replace(p, finite=True)
+
+
 def _read_frames(
-    request_iterator: Iterator[bytes], counters: Counters, what: str, header_cls: type[Any], packed: bool
+    request_iterator: Iterator[bytes], counters: Counters, what: str, header_cls: type[Any], packed: bool, values: str
 ) -> tuple[Any, list[WirePartition], frames.Message]:
     """Split a client stream of hand-read frames into its header, partitions and first message;
     count received bytes. ``packed`` (PushPull): the header and partitions may share a message
     and a message may carry several partitions; otherwise (Push, Exchange: a oneof) each message
-    is a header or one partition.
+    is a header or one partition. ``values``: what the partitions hold ("gradient", "parameter").
 
     Raises:
         InvalidRequestError: malformed messages; the first message has no header, or a later one has.
@@ -174,7 +189,8 @@ def _read_frames(
                 raise errors.InvalidRequestError(f"A {what} stream carries one header, then only partitions.")
             elif not msg.partitions:
                 raise errors.InvalidRequestError(f"A {what} stream carries one header, then only partitions.")
-            parts.extend(msg.partitions)
+            for p in msg.partitions:  # checked as they arrive, while the rest of the stream is in flight
+                parts.append(_checked(p, values))
     finally:
         counters.add(received=received)
     if first is None:
@@ -312,7 +328,9 @@ class ParameterServicer(ps_pb2_grpc.ParameterServiceServicer):
 
     @_maps_errors
     def Push(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> ps_pb2.PushResponse:
-        header, parts, _ = _read_frames(request_iterator, self.counters, "Push", ps_pb2.PushHeader, packed=False)
+        header, parts, _ = _read_frames(
+            request_iterator, self.counters, "Push", ps_pb2.PushHeader, packed=False, values="gradient"
+        )
         r = self.shard.push(header.rank, header.incarnation, header.clock, header.version, header.plan_digest, parts)
         return push_response(r)
 
@@ -333,7 +351,9 @@ class ParameterServicer(ps_pb2_grpc.ParameterServiceServicer):
 
     @_maps_stream_errors
     def PushPull(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
-        header, parts, first = _read_frames(request_iterator, self.counters, "PushPull", ps_pb2.PushHeader, packed=True)
+        header, parts, first = _read_frames(
+            request_iterator, self.counters, "PushPull", ps_pb2.PushHeader, packed=True, values="gradient"
+        )
         wire_dtype = _wire_dtype(first.ints.get(3, 0))
         result, version, out = self.shard.push_pull(
             header.rank,
@@ -362,7 +382,7 @@ class ParameterServicer(ps_pb2_grpc.ParameterServiceServicer):
     @_maps_stream_errors
     def Exchange(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
         header, parts, _ = _read_frames(
-            request_iterator, self.counters, "Exchange", ps_pb2.ExchangeHeader, packed=False
+            request_iterator, self.counters, "Exchange", ps_pb2.ExchangeHeader, packed=False, values="parameter"
         )
         version, out = self.shard.exchange(
             header.rank, header.incarnation, header.clock, header.plan_digest, parts, _deadline(context)

@@ -570,10 +570,16 @@ class PSClient:
         answer and the bytes sent."""
 
         def attempt() -> tuple[ps_pb2.PushResponse, int]:
-            msgs = [ps_pb2.PushRequest(header=self._push_header(k)).SerializeToString()]
-            msgs += [frames.build([o]) for o in outs]
-            reply = self._push_calls[k]((self._sent(m) for m in msgs), timeout=self.timeout, metadata=self._metadata)
-            return reply, sum(len(m) for m in msgs)
+            sent = [0]
+
+            def messages() -> Iterator[bytes]:  # built as gRPC sends: overlaps the shard's reading
+                for m in (ps_pb2.PushRequest(header=self._push_header(k)).SerializeToString(), *outs):
+                    frame = self._sent(m if isinstance(m, bytes) else frames.build([m]))
+                    sent[0] += len(frame)
+                    yield frame
+
+            reply = self._push_calls[k](messages(), timeout=self.timeout, metadata=self._metadata)
+            return reply, sent[0]
 
         result = self._with_recovery(k, attempt, f"Push {self.servers[k]}")
         self._pushed[k] = True
@@ -656,19 +662,24 @@ class PSClient:
             def attempt() -> tuple[ps_pb2.PushResponse, int, int, int]:
                 head = frames.bytes_field(1, self._push_header(k).SerializeToString()) + frames.uint_field(3, wire)
                 groups = frames.pack([_size(o) for o in outs[k]], budget) or [[]]
-                msgs = [frames.build((outs[k][i] for i in g), head if j == 0 else b"") for j, g in enumerate(groups)]
-                for m in msgs:
-                    self._sent(m)
-                if len(msgs) == 1 and self._single_response[k]:
-                    replies: Iterator[bytes] = iter(
-                        [self._push_pull_once[k](msgs[0], timeout=self.timeout, metadata=self._metadata)]
-                    )
+                sent = [0]
+
+                def messages() -> Iterator[bytes]:  # built as gRPC sends: overlaps the shard's reading
+                    for j, g in enumerate(groups):
+                        m = self._sent(frames.build((outs[k][i] for i in g), head if j == 0 else b""))
+                        sent[0] += len(m)
+                        yield m
+
+                if len(groups) == 1 and self._single_response[k]:
+                    (only,) = messages()
+                    once = self._push_pull_once[k](only, timeout=self.timeout, metadata=self._metadata)
+                    replies: Iterator[bytes] = iter([once])
                 else:
-                    replies = self._push_pull_calls[k](iter(msgs), timeout=self.timeout, metadata=self._metadata)
+                    replies = self._push_pull_calls[k](messages(), timeout=self.timeout, metadata=self._metadata)
                 version, received, answer = self._receive(k, replies, flats)
                 if answer is None:
                     raise RuntimeError(f"Shard {self.servers[k]} answered PushPull without the push's answer.")
-                return answer, version, sum(len(m) for m in msgs), received
+                return answer, version, sent[0], received
 
             return self._with_recovery(k, attempt, f"PushPull {self.servers[k]}", repush=False)
 

@@ -25,7 +25,10 @@ def aggregate(grads_by_rank: Mapping[int, Gradients]) -> list[torch.Tensor]:
         grads_by_rank: rank -> gradients; every rank's list has the same shapes and dtypes.
 
     Returns:
-        New tensors, one per partition: ``(g[r0] + g[r1] + ...) / len(grads_by_rank)``.
+        One tensor per partition: ``(g[r0] + g[r1] + ...) / len(grads_by_rank)``; with one rank,
+        that rank's tensors themselves (read them, do not write them); otherwise new tensors.
+        The first sum is one pass (``torch.add``) rather than a copy and an add; the result is
+        bitwise the same.
 
     Raises:
         ValueError: no ranks.
@@ -33,13 +36,14 @@ def aggregate(grads_by_rank: Mapping[int, Gradients]) -> list[torch.Tensor]:
     if not grads_by_rank:
         raise ValueError("aggregate() needs at least one rank's gradients.")
     ranks = sorted(grads_by_rank)
-    out = [g.clone() for g in grads_by_rank[ranks[0]]]
-    for r in ranks[1:]:
+    if len(ranks) == 1:
+        return list(grads_by_rank[ranks[0]])
+    out = [torch.add(a, b) for a, b in zip(grads_by_rank[ranks[0]], grads_by_rank[ranks[1]], strict=True)]
+    for r in ranks[2:]:
         for acc, g in zip(out, grads_by_rank[r], strict=True):
             acc.add_(g)
-    if len(ranks) > 1:
-        for acc in out:
-            acc.div_(len(ranks))
+    for acc in out:
+        acc.div_(len(ranks))
     return out
 
 
