@@ -43,7 +43,8 @@ CATEGORIES = (
     ("worker: copy received values into the weights", ("PSClient._receive (",)),
     ("worker: stage/cast gradients, top-k", ("PSClient._out_partitions (", "TopK.compress (")),
     ("thread pools and futures", ("concurrent/futures", "threading.py")),
-    ("PSClient bookkeeping: plan lookups, staging, dicts", ("ps_worker/client.py",)))
+    ("PSClient bookkeeping: plan lookups, staging, dicts", ("ps_worker/client.py",)),
+)
 
 
 def summarize(path: str) -> tuple[int, int, collections.Counter[str]]:

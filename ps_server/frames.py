@@ -39,8 +39,13 @@ PACK_OVERHEAD = 64
 """Bytes counted per packed partition for its header fields (plus the key's length)."""
 
 
+_SMALL = [bytes((i,)) for i in range(0x80)]
+
+
 def varint(n: int) -> bytes:
     """Base-128 varint of a non-negative integer."""
+    if n < 0x80:
+        return _SMALL[n]
     out = bytearray()
     while n > 0x7F:
         out.append((n & 0x7F) | 0x80)
@@ -81,33 +86,41 @@ class OutPartition:
     indices: torch.Tensor | None = None
 
 
+_TAG_KEY, _TAG_OFFSET, _TAG_LENGTH, _TAG_DTYPE, _TAG_DATA, _TAG_INDICES = (
+    bytes([1 << 3 | LEN]),
+    bytes([2 << 3 | VARINT]),
+    bytes([3 << 3 | VARINT]),
+    bytes([4 << 3 | VARINT]),
+    bytes([5 << 3 | LEN]),
+    bytes([6 << 3 | LEN]),
+)
+_DTYPE_FIELD = {d: _TAG_DTYPE + varint(NAME_TO_DTYPE[name]) for name, d in DTYPES.items()}
+"""The dtype field of each wire dtype, encoded."""
+
+
 def _partition_chunks(p: OutPartition, field: int) -> list[bytes | memoryview]:
     data = _buffer(p.values)
-    head = (
-        bytes_field(1, p.key.encode())
-        + uint_field(2, p.offset)
-        + uint_field(3, p.length)
-        + uint_field(4, NAME_TO_DTYPE[_name(p.values.dtype)])
+    key = p.key.encode()
+    head = b"".join(
+        (
+            _TAG_KEY + varint(len(key)) + key if key else b"",
+            _TAG_OFFSET + varint(p.offset) if p.offset else b"",
+            _TAG_LENGTH + varint(p.length) if p.length else b"",
+            _DTYPE_FIELD[p.values.dtype],
+        )
     )
     chunks: list[bytes | memoryview] = [head]
     size = len(head)
     if len(data):
-        lead = tag(5, LEN) + varint(len(data))
+        lead = _TAG_DATA + varint(len(data))
         chunks += [lead, data]
         size += len(lead) + len(data)
     if p.indices is not None and p.indices.numel():
         idx = _buffer(p.indices)
-        lead = tag(6, LEN) + varint(len(idx))
+        lead = _TAG_INDICES + varint(len(idx))
         chunks += [lead, idx]
         size += len(lead) + len(idx)
     return [tag(field, LEN) + varint(size), *chunks]
-
-
-def _name(dtype: torch.dtype) -> str:
-    for name, d in DTYPES.items():
-        if d == dtype:
-            return name
-    raise ValueError(f"{dtype} is not a wire dtype")
 
 
 def build(parts: Iterable[OutPartition], prefix: bytes = b"", suffix: bytes = b"") -> bytes:

@@ -27,9 +27,9 @@ from ps_server.wire import message_size
 
 PUSH_METHOD = "ps.v1.ParameterService/Push"
 PULL_METHOD = "ps.v1.ParameterService/Pull"
-PUSH_PULL_METHOD = "ps.v1.ParameterService/PushPull"
-PUSH_METHODS = frozenset({PUSH_METHOD, PUSH_PULL_METHOD})
-WAIT_METHODS = frozenset({PULL_METHOD, PUSH_PULL_METHOD})
+PUSH_PULL_METHODS = frozenset({"ps.v1.ParameterService/PushPull", "ps.v1.ParameterService/PushPullOnce"})
+PUSH_METHODS = frozenset({PUSH_METHOD, *PUSH_PULL_METHODS})
+WAIT_METHODS = frozenset({PULL_METHOD, *PUSH_PULL_METHODS})
 
 _local = threading.local()
 
@@ -145,6 +145,7 @@ class MetricsInterceptor(grpc.ServerInterceptor):
             except BaseException:
                 call.finish(_final_code(context, failed=True))
                 raise
+            call.first_sent = time.perf_counter()
             if call.response is None:
                 call.response = response
             call.sent = _size(response)

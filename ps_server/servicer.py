@@ -258,10 +258,10 @@ def push_response(r: PushResult) -> ps_pb2.PushResponse:
     )
 
 
-RAW_METHODS = frozenset({"Push", "Pull", "PushPull", "Exchange"})
+RAW_METHODS = frozenset({"Push", "Pull", "PushPull", "PushPullOnce", "Exchange"})
 """ParameterService methods whose partitions travel as hand-built frames (``ps_server.frames``):
-their requests reach the servicer as ``bytes`` (Push, PushPull, Exchange) and their responses
-leave as ``bytes`` (Pull, PushPull, Exchange)."""
+their requests reach the servicer as ``bytes`` (all but Pull, whose small request the servicer
+parses itself) and their responses leave as ``bytes`` (all but Push's small PushResponse)."""
 
 
 def parameter_service_handler(servicer: ParameterServicer) -> grpc.GenericRpcHandler:
@@ -273,11 +273,9 @@ def parameter_service_handler(servicer: ParameterServicer) -> grpc.GenericRpcHan
         request_cls = getattr(ps_pb2, method.input_type.name)
         response_cls = getattr(ps_pb2, method.output_type.name)
         raw = method.name in RAW_METHODS
-        # Push answers with a protobuf PushResponse (small); Pull takes a protobuf PullRequest
-        deserializer = None if raw and method.client_streaming else request_cls.FromString
-        serializer = None if raw and method.server_streaming else response_cls.SerializeToString
-        if method.name == "Pull":
-            deserializer = None  # parsed in the servicer, so a malformed request is INVALID_ARGUMENT
+        # parsed in the servicer, so a malformed request is INVALID_ARGUMENT, not gRPC's INTERNAL
+        deserializer = None if raw else request_cls.FromString
+        serializer = None if raw and method.name != "Push" else response_cls.SerializeToString
         make = {
             (False, False): grpc.unary_unary_rpc_method_handler,
             (True, False): grpc.stream_unary_rpc_method_handler,
@@ -349,12 +347,13 @@ class ParameterServicer(ps_pb2_grpc.ParameterServiceServicer):
             self.counters.add(sent=len(frame))
             yield frame
 
-    @_maps_stream_errors
-    def PushPull(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
+    def _push_pull(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext, single: bool) -> list[bytes]:
+        """PushPull and PushPullOnce: push, then the messages of the version it lands in; the
+        push's answer (field 3) leads the first message."""
+        what = "PushPullOnce" if single else "PushPull"
         header, parts, first = _read_frames(
-            request_iterator, self.counters, "PushPull", ps_pb2.PushHeader, packed=True, values="gradient"
+            request_iterator, self.counters, what, ps_pb2.PushHeader, packed=True, values="gradient"
         )
-        wire_dtype = _wire_dtype(first.ints.get(3, 0))
         result, version, out = self.shard.push_pull(
             header.rank,
             header.incarnation,
@@ -363,21 +362,29 @@ class ParameterServicer(ps_pb2_grpc.ParameterServiceServicer):
             header.plan_digest,
             parts,
             _deadline(context),
-            wire_dtype,
+            _wire_dtype(first.ints.get(3, 0)),
+            single=single,
         )
         answer = push_response(result)
         note_push(answer)
-        # the push's answer (field 3) leads the first message. A response of one message stays
-        # one (workers then call PushPull as a unary RPC); otherwise a large first frame is not
-        # copied to prepend the answer: the answer goes alone, with the version
+        # A response of one message stays one; otherwise a large first frame is not copied to
+        # prepend the answer: the answer goes alone, with the version
         lead = frames.bytes_field(3, answer.SerializeToString())
         if len(out) == 1 or len(out[0]) <= SMALL_FRAME:
             out = [lead + out[0], *out[1:]]
         else:
             out = [lead + frames.uint_field(1, version), *out]
-        for frame in out:
-            self.counters.add(sent=len(frame))
-            yield frame
+        self.counters.add(sent=sum(len(frame) for frame in out))
+        return out
+
+    @_maps_stream_errors
+    def PushPull(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
+        yield from self._push_pull(request_iterator, context, single=False)
+
+    @_maps_errors
+    def PushPullOnce(self, request: bytes, context: grpc.ServicerContext) -> bytes:
+        (only,) = self._push_pull(iter([request]), context, single=True)
+        return only
 
     @_maps_stream_errors
     def Exchange(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:

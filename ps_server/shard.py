@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from ps_server import frames
 from ps_server.core.codec import torch_dtype, wire_dtype_allowed
 from ps_server.core.errors import (
     CheckpointError,
@@ -134,6 +135,7 @@ class Shard:
         self.restored_from_version: int | None = None
         self._store_epoch = 0
         self._frame_cache: dict[tuple[int, int, str, int], list[bytes]] = {}
+        self._groups: dict[tuple[str, str], list[list[int]]] = {}
 
     @property
     def mode(self) -> str:
@@ -599,6 +601,7 @@ class Shard:
         partitions: Sequence[WirePartition],
         timeout: float | None,
         wire_dtype: str = "",
+        single: bool = False,
     ) -> tuple[PushResult, int, list[bytes]]:
         """:meth:`push`, then :meth:`pull` of the version it lands in, packed (one PushPull call
         per training step instead of a Push and a Pull).
@@ -606,20 +609,44 @@ class Shard:
         sync: the pull waits for version ``clock + 1``, the round this push joined; async and
         ssp: as :meth:`pull` with no minimum version.
 
+        Args:
+            single: the caller takes exactly one message (PushPullOnce).
+
         Returns:
             (push result, version, encoded PushPullResponse messages without the push answer).
 
         Raises:
             Everything :meth:`push` and :meth:`pull` raise; a refused push pulls nothing.
+            InvalidRequestError: ``single`` but this shard's partitions need more than one message
+                (checked before the push).
         """
         start = self._now()
         with self._cond:
-            self._check_wire_dtype(self._check_plan(digest), wire_dtype)
+            plan = self._check_plan(digest)
+            self._check_wire_dtype(plan, wire_dtype)
+            if single and len(self._response_groups(plan, wire_dtype)) > 1:
+                raise InvalidRequestError(
+                    f"Shard {self.shard_index}'s partitions do not fit in one message of {plan.partition_bytes} "
+                    "bytes; call PushPull (a stream) instead of PushPullOnce."
+                )
         result = self.push(rank, incarnation, clock, grad_version, digest, partitions)
         min_version = clock + 1 if result.mode == "sync" else 0
         remaining = None if timeout is None else max(0.0, timeout - (self._now() - start))
         version, frames = self.pull(rank, incarnation, min_version, digest, remaining, wire_dtype, packed=True)
         return result, version, frames
+
+    def _response_groups(self, plan: Plan, wire_dtype: str) -> list[list[int]]:
+        """How a PushPull response of this shard packs its partitions (see :func:`frames.pack`)."""
+        key = (plan.digest, wire_dtype)
+        groups = self._groups.get(key)
+        if groups is None:
+            wire = torch_dtype(wire_dtype) if wire_dtype else None
+            sizes = [
+                (p.length * (wire or torch_dtype(plan.dtypes[p.key])).itemsize, len(p.key.encode()))
+                for p in plan.owned_by(self.shard_index)
+            ]
+            groups = self._groups[key] = frames.pack(sizes, plan.partition_bytes)
+        return groups
 
     def _snapshot_frames(self, wire_dtype: str, packed: bool) -> list[bytes]:
         """The encoded parameters at the current version, built once per version (caller holds

@@ -150,8 +150,8 @@ class PSClient:
             for ch in self._channels
         ]
         self._push_pull_calls = [ch.stream_stream(SERVICE + "PushPull") for ch in self._channels]
-        # one message each way: a unary call, which spares gRPC's request-iterator thread
-        self._push_pull_once = [ch.unary_unary(SERVICE + "PushPull") for ch in self._channels]
+        # one message each way (a small model): a unary call, cheaper than a stream on both sides
+        self._push_pull_once = [ch.unary_unary(SERVICE + "PushPullOnce") for ch in self._channels]
         self._exchange_calls = [ch.stream_stream(SERVICE + "Exchange") for ch in self._channels]
         self._pool = futures.ThreadPoolExecutor(max_workers=len(self.servers), thread_name_prefix="ps-client")
         self.plan: Plan | None = None
@@ -428,7 +428,8 @@ class PSClient:
         return out
 
     def _response_groups(self, k: int) -> list[list[int]]:
-        """How shard ``k`` packs its PushPull response (the same :func:`frames.pack` it runs)."""
+        """How shard ``k`` packs its PushPull response (the same :func:`frames.pack` it runs): one
+        group means PushPullOnce."""
         plan = self._require_plan()
         wire = torch_dtype(self.wire_dtype) if self.wire_dtype else None
         sizes = [

@@ -291,6 +291,26 @@ class PushPullResponse(_message.Message):
     push: PushResponse
     def __init__(self, version: _Optional[int] = ..., partitions: _Optional[_Iterable[_Union[Partition, _Mapping]]] = ..., push: _Optional[_Union[PushResponse, _Mapping]] = ...) -> None: ...
 
+class PushPullOnceRequest(_message.Message):
+    __slots__ = ("header", "partitions", "wire_dtype")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    PARTITIONS_FIELD_NUMBER: _ClassVar[int]
+    WIRE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    header: PushHeader
+    partitions: _containers.RepeatedCompositeFieldContainer[Partition]
+    wire_dtype: Dtype
+    def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., partitions: _Optional[_Iterable[_Union[Partition, _Mapping]]] = ..., wire_dtype: _Optional[_Union[Dtype, str]] = ...) -> None: ...
+
+class PushPullOnceResponse(_message.Message):
+    __slots__ = ("version", "partitions", "push")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    PARTITIONS_FIELD_NUMBER: _ClassVar[int]
+    PUSH_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    partitions: _containers.RepeatedCompositeFieldContainer[Partition]
+    push: PushResponse
+    def __init__(self, version: _Optional[int] = ..., partitions: _Optional[_Iterable[_Union[Partition, _Mapping]]] = ..., push: _Optional[_Union[PushResponse, _Mapping]] = ...) -> None: ...
+
 class HeartbeatRequest(_message.Message):
     __slots__ = ("rank", "incarnation")
     RANK_FIELD_NUMBER: _ClassVar[int]

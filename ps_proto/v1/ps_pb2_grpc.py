@@ -60,6 +60,11 @@ class ParameterServiceStub:
                 request_serializer=ps__proto_dot_v1_dot_ps__pb2.PushPullRequest.SerializeToString,
                 response_deserializer=ps__proto_dot_v1_dot_ps__pb2.PushPullResponse.FromString,
                 _registered_method=True)
+        self.PushPullOnce = channel.unary_unary(
+                '/ps.v1.ParameterService/PushPullOnce',
+                request_serializer=ps__proto_dot_v1_dot_ps__pb2.PushPullOnceRequest.SerializeToString,
+                response_deserializer=ps__proto_dot_v1_dot_ps__pb2.PushPullOnceResponse.FromString,
+                _registered_method=True)
         self.Heartbeat = channel.unary_unary(
                 '/ps.v1.ParameterService/Heartbeat',
                 request_serializer=ps__proto_dot_v1_dot_ps__pb2.HeartbeatRequest.SerializeToString,
@@ -116,6 +121,15 @@ class ParameterServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PushPullOnce(self, request, context):
+        """PushPull in one message each way, for a shard whose partitions all fit in one message (a
+        small model): a unary call costs less than a stream on both sides. Refused (changing
+        nothing) when the shard's partitions do not fit in one message.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Heartbeat(self, request, context):
         """Keep the rank's lease alive.
         """
@@ -164,6 +178,11 @@ def add_ParameterServiceServicer_to_server(servicer, server):
                     servicer.PushPull,
                     request_deserializer=ps__proto_dot_v1_dot_ps__pb2.PushPullRequest.FromString,
                     response_serializer=ps__proto_dot_v1_dot_ps__pb2.PushPullResponse.SerializeToString,
+            ),
+            'PushPullOnce': grpc.unary_unary_rpc_method_handler(
+                    servicer.PushPullOnce,
+                    request_deserializer=ps__proto_dot_v1_dot_ps__pb2.PushPullOnceRequest.FromString,
+                    response_serializer=ps__proto_dot_v1_dot_ps__pb2.PushPullOnceResponse.SerializeToString,
             ),
             'Heartbeat': grpc.unary_unary_rpc_method_handler(
                     servicer.Heartbeat,
@@ -317,6 +336,33 @@ class ParameterService:
             '/ps.v1.ParameterService/PushPull',
             ps__proto_dot_v1_dot_ps__pb2.PushPullRequest.SerializeToString,
             ps__proto_dot_v1_dot_ps__pb2.PushPullResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushPullOnce(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ps.v1.ParameterService/PushPullOnce',
+            ps__proto_dot_v1_dot_ps__pb2.PushPullOnceRequest.SerializeToString,
+            ps__proto_dot_v1_dot_ps__pb2.PushPullOnceResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -48,6 +48,11 @@ class ParameterServiceStub:
     """One partition per message of every partition this shard owns."""
     PushPull: _grpc.StreamStreamMultiCallable[_ps_pb2.PushPullRequest, _ps_pb2.PushPullResponse]
     """Push, then pull the version the push lands in (sync: wait for its round): one call per step."""
+    PushPullOnce: _grpc.UnaryUnaryMultiCallable[_ps_pb2.PushPullOnceRequest, _ps_pb2.PushPullOnceResponse]
+    """PushPull in one message each way, for a shard whose partitions all fit in one message (a
+    small model): a unary call costs less than a stream on both sides. Refused (changing
+    nothing) when the shard's partitions do not fit in one message.
+    """
     Heartbeat: _grpc.UnaryUnaryMultiCallable[_ps_pb2.HeartbeatRequest, _ps_pb2.HeartbeatResponse]
     """Keep the rank's lease alive."""
     Leave: _grpc.UnaryUnaryMultiCallable[_ps_pb2.LeaveRequest, _ps_pb2.LeaveResponse]
@@ -70,6 +75,11 @@ class ParameterServiceAsyncStub(ParameterServiceStub):
     """One partition per message of every partition this shard owns."""
     PushPull: _aio.StreamStreamMultiCallable[_ps_pb2.PushPullRequest, _ps_pb2.PushPullResponse]  # type: ignore[assignment]
     """Push, then pull the version the push lands in (sync: wait for its round): one call per step."""
+    PushPullOnce: _aio.UnaryUnaryMultiCallable[_ps_pb2.PushPullOnceRequest, _ps_pb2.PushPullOnceResponse]  # type: ignore[assignment]
+    """PushPull in one message each way, for a shard whose partitions all fit in one message (a
+    small model): a unary call costs less than a stream on both sides. Refused (changing
+    nothing) when the shard's partitions do not fit in one message.
+    """
     Heartbeat: _aio.UnaryUnaryMultiCallable[_ps_pb2.HeartbeatRequest, _ps_pb2.HeartbeatResponse]  # type: ignore[assignment]
     """Keep the rank's lease alive."""
     Leave: _aio.UnaryUnaryMultiCallable[_ps_pb2.LeaveRequest, _ps_pb2.LeaveResponse]  # type: ignore[assignment]
@@ -119,6 +129,17 @@ class ParameterServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_ps_pb2.PushPullResponse], _abc.AsyncIterator[_ps_pb2.PushPullResponse]]:
         """Push, then pull the version the push lands in (sync: wait for its round): one call per step."""
+
+    @_abc_1.abstractmethod
+    def PushPullOnce(
+        self,
+        request: _ps_pb2.PushPullOnceRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_ps_pb2.PushPullOnceResponse, _abc.Awaitable[_ps_pb2.PushPullOnceResponse]]:
+        """PushPull in one message each way, for a shard whose partitions all fit in one message (a
+        small model): a unary call costs less than a stream on both sides. Refused (changing
+        nothing) when the shard's partitions do not fit in one message.
+        """
 
     @_abc_1.abstractmethod
     def Heartbeat(

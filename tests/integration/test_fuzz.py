@@ -151,7 +151,7 @@ def test_odd_pulls_are_answered_or_refused(live, rank, incarnation, min_version,
     assert fingerprint(shard)[:3] == before[:3]
 
 
-@pytest.mark.parametrize("method", ["Push", "PushPull", "Pull", "Join"])
+@pytest.mark.parametrize("method", ["Push", "PushPull", "PushPullOnce", "Pull", "Join"])
 def test_undecodable_bytes_are_refused_and_the_shard_keeps_serving(live, method: str) -> None:
     shard, _, client = live
     before = fingerprint(shard)
@@ -162,6 +162,8 @@ def test_undecodable_bytes_are_refused_and_the_shard_keeps_serving(live, method:
                 list(ch.stream_stream(f"/ps.v1.ParameterService/{method}")(iter([garbage]), timeout=RPC_TIMEOUT))
             elif method == "Pull":
                 list(ch.unary_stream("/ps.v1.ParameterService/Pull")(garbage, timeout=RPC_TIMEOUT))
+            elif method == "PushPullOnce":
+                ch.unary_unary("/ps.v1.ParameterService/PushPullOnce")(garbage, timeout=RPC_TIMEOUT)
             else:
                 ch.unary_unary("/ps.v1.ParameterService/Join")(garbage, timeout=RPC_TIMEOUT)
     expected = grpc.StatusCode.INTERNAL if method == "Join" else grpc.StatusCode.INVALID_ARGUMENT

@@ -21,7 +21,7 @@ from ps_worker.workloads import get_workload
 STEPS = 6
 PUSH = "ps.v1.ParameterService/Push"
 PULL = "ps.v1.ParameterService/Pull"
-PUSH_PULL = "ps.v1.ParameterService/PushPull"
+PUSH_PULL = "ps.v1.ParameterService/PushPullOnce"  # the digits model fits in one message
 INIT = "ps.v1.ParameterService/Init"
 
 
@@ -79,7 +79,7 @@ def test_training_moves_shard_and_worker_metrics(start_shards, tool) -> None:
     assert value(s, "ps_pushes_total", mode="sync") == STEPS
     assert value(s, "ps_push_staleness_count") == STEPS
     assert value(s, "ps_push_staleness_sum") == 0  # sync: never stale
-    # a training step is one PushPull (push, then the round's weights); Pull once, after Init
+    # a training step is one PushPullOnce (push, then the round's weights); Pull once, after Init
     assert value(s, "ps_rpc_duration_seconds_count", method=PUSH_PULL, code="OK") == STEPS
     assert value(s, "ps_rpc_duration_seconds_count", method=PULL, code="OK") == 1
     assert value(s, "ps_rpc_duration_seconds_count", method=PUSH, code="OK") == 0

@@ -109,7 +109,8 @@ def test_prometheus_scrapes_a_live_run(start_shards, start_trainer, prometheus, 
         versions = answered("ps_model_version", 2)
         assert {r["metric"]["instance"] for r in versions} == {target(s.metrics_url) for s in shards}
         rates = answered(
-            'sum by (instance) (rate(ps_received_bytes_total{method="ps.v1.ParameterService/PushPull"}[30s]))', 2
+            'sum by (instance) (rate(ps_received_bytes_total{method=~"ps.v1.ParameterService/PushPull(Once)?"}[30s]))',
+            2,
         )
         assert all(float(r["value"][1]) > 0 for r in rates)
         answered('rate(ps_worker_sent_bytes_total{job="worker"}[30s])', 1)

@@ -5,16 +5,18 @@ from __future__ import annotations
 
 import urllib.request
 
+import grpc
 import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
+from ps_server import frames
 from ps_worker.client import PSClient
 from ps_worker.train import train
 from ps_worker.workloads import get_workload
 
 RPC_TIMEOUT = 20.0
-PUSH_PULL = "ps.v1.ParameterService/PushPull"
+PUSH_PULL = "ps.v1.ParameterService/PushPullOnce"  # the digits model fits in one message
 
 
 def counter(url: str, name: str, **labels: str) -> float:
@@ -117,3 +119,20 @@ def test_topk_pushes_k_entries_and_converges(start_shards) -> None:
     assert sparse.pulled_bytes == dense.pulled_bytes  # pulls stay dense
     assert sparse.accuracy is not None and dense.accuracy is not None
     assert sparse.accuracy >= 0.93 and sparse.accuracy >= dense.accuracy - 0.03, (sparse.accuracy, dense.accuracy)
+
+
+def test_push_pull_once_is_refused_when_the_shard_needs_more_than_one_message(start_shards) -> None:
+    (server,) = start_shards(1, num_workers=1)
+    net = model(30)
+    with PSClient([server.address], 0, 1, incarnation=1, timeout=RPC_TIMEOUT, partition_bytes=256) as client:
+        client.init(net)
+        zeros = {k: torch.zeros(p.numel()) for k, p in net.named_parameters()}
+        head = frames.bytes_field(1, client._push_header(0).SerializeToString())
+        request = frames.build(client._out_partitions(0, zeros, compress=False), head)
+        with grpc.insecure_channel(server.address) as ch, pytest.raises(grpc.RpcError) as err:
+            ch.unary_unary("/ps.v1.ParameterService/PushPullOnce")(request, timeout=RPC_TIMEOUT)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "call PushPull" in err.value.details()
+        assert server.shard.version == 0 and not server.shard.rounds.pending  # nothing changed
+        params = dict(net.named_parameters())
+        grads = {k: torch.ones_like(p) for k, p in params.items()}
+        assert client.push_pull(grads, {k: p.data for k, p in params.items()}) == 1  # the stream form
