@@ -32,6 +32,9 @@ PUSH_METHODS = frozenset({PUSH_METHOD, *PUSH_PULL_METHODS})
 WAIT_METHODS = frozenset({PULL_METHOD, *PUSH_PULL_METHODS})
 
 _local = threading.local()
+"""The call a pool thread is handling, for :func:`note_push`; cleared when the handler returns, so
+that a thread never keeps the shard alive through it: a thread-local that outlives its call frees
+the shard's tensors when its thread exits, and at interpreter shutdown that aborts the process."""
 
 
 def note_push(response: Any) -> None:
@@ -145,6 +148,8 @@ class MetricsInterceptor(grpc.ServerInterceptor):
             except BaseException:
                 call.finish(_final_code(context, failed=True))
                 raise
+            finally:
+                _local.call = None  # see _local
             call.first_sent = time.perf_counter()
             if call.response is None:
                 call.response = response
@@ -170,6 +175,8 @@ class MetricsInterceptor(grpc.ServerInterceptor):
             except BaseException:
                 call.finish(_final_code(context, failed=True))
                 raise
+            finally:
+                _local.call = None
             code = _final_code(context, failed=False)
             if code is grpc.StatusCode.OK and not context.is_active():  # it saw the client go away (WatchStatus)
                 code = grpc.StatusCode.CANCELLED

@@ -64,6 +64,11 @@ def training_flags(p: FlagParser) -> None:
         "(half the bytes of float32; shards keep float32 weights and optimizer state)",
     )
     p.flag(
+        "--overlap",
+        switch=True,
+        help="push each layer's gradient while the rest of backward runs (sync, async, ssp)",
+    )
+    p.flag(
         "--topk",
         type=ratio,
         default=0.0,
@@ -190,6 +195,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             on_step=on_step,
             before_push=before_push,
             metrics=metrics,
+            overlap=args.overlap,
         )
     except grpc.RpcError as exc:
         print(f"ps-worker rank {args.rank}: {exc.code().name}: {exc.details()}", file=sys.stderr)

@@ -7,7 +7,9 @@ with ``non_blocking=True`` copies.
 
 from __future__ import annotations
 
+import itertools
 import logging
+import math
 import threading
 import time
 from collections import Counter
@@ -52,11 +54,6 @@ def reason_of(exc: grpc.RpcError) -> str:
     except (AttributeError, ValueError):
         return ""
     return next((str(v) for key, v in metadata if key == "ps-reason"), "")
-
-
-def _size(p: frames.OutPartition) -> tuple[int, int]:
-    """(payload bytes, key bytes) of a partition to send, as :func:`frames.pack` counts them."""
-    return p.values.numel() * p.values.element_size() + 4 * (0 if p.indices is None else p.indices.numel()), len(p.key)
 
 
 def model_specs(named: Sequence[tuple[str, torch.Tensor]]) -> list[ParameterSpec]:
@@ -571,15 +568,11 @@ class PSClient:
         answer and the bytes sent."""
 
         def attempt() -> tuple[ps_pb2.PushResponse, int]:
-            sent = [0]
-
-            def messages() -> Iterator[bytes]:  # built as gRPC sends: overlaps the shard's reading
-                for m in (ps_pb2.PushRequest(header=self._push_header(k)).SerializeToString(), *outs):
-                    frame = self._sent(m if isinstance(m, bytes) else frames.build([m]))
-                    sent[0] += len(frame)
-                    yield frame
-
-            reply = self._push_calls[k](messages(), timeout=self.timeout, metadata=self._metadata)
+            header = self._sent(ps_pb2.PushRequest(header=self._push_header(k)).SerializeToString())
+            sent = [len(header)]
+            # built as gRPC sends them (overlapping the shard's reading), one partition per message
+            messages = itertools.chain([header], _frames_of([[o] for o in outs], b"", self._sent, sent, 0))
+            reply = self._push_calls[k](messages, timeout=self.timeout, metadata=self._metadata)
             return reply, sent[0]
 
         result = self._with_recovery(k, attempt, f"Push {self.servers[k]}")
@@ -638,7 +631,8 @@ class PSClient:
         """One training step's communication in one call per shard (PushPull): push ``grads`` as
         :meth:`push` does, then copy the parameters of the version the push lands in into ``out``
         (sync: the round's result; async, ssp: as :meth:`pull`). Small partitions travel packed, up
-        to ``partition_bytes`` per message, so a small model's step is one message each way.
+        to ``partition_bytes`` per message; a shard whose partitions fit in one message gets one
+        unary PushPullOnce call.
 
         Args:
             grads: key -> gradient (any device).
@@ -652,54 +646,27 @@ class PSClient:
             grpc.RpcError: as :meth:`push` and :meth:`pull`. A push refused as too stale
                 (ABORTED) is counted in ``refused_pushes`` and followed by a plain :meth:`pull`.
         """
-        in_flats = self._stage(grads)
-        flats, device_out = self._pull_targets(out)
-        outs = [self._out_partitions(k, in_flats, compress=True) for k in range(self.num_shards)]
-        self._last_push = outs
-        wire = NAME_TO_DTYPE[self.wire_dtype] if self.wire_dtype else 0
-        budget = self._require_plan().partition_bytes
+        step = self.begin_push_pull(out, stream=False)
+        for key, t in self._stage(grads).items():
+            step.ready(key, t)
+        return step.finish()
 
-        def one(k: int) -> tuple[ps_pb2.PushResponse, int, int, int]:
-            def attempt() -> tuple[ps_pb2.PushResponse, int, int, int]:
-                head = frames.bytes_field(1, self._push_header(k).SerializeToString()) + frames.uint_field(3, wire)
-                groups = frames.pack([_size(o) for o in outs[k]], budget) or [[]]
-                sent = [0]
+    def begin_push_pull(self, out: Mapping[str, torch.Tensor], stream: bool = True) -> PendingPushPull:
+        """Start a :meth:`push_pull` whose gradients arrive one parameter at a time, so pushes
+        overlap the rest of the backward pass: every shard that takes more than one message gets its
+        PushPull stream now, and each message goes out as soon as the gradients of its partitions
+        are :meth:`PendingPushPull.ready` (in any order; backward finishes the last layers first).
+        :meth:`PendingPushPull.finish` sends the rest (zeros for parameters without a gradient),
+        copies the new weights into ``out`` and returns the version.
 
-                def messages() -> Iterator[bytes]:  # built as gRPC sends: overlaps the shard's reading
-                    for j, g in enumerate(groups):
-                        m = self._sent(frames.build((outs[k][i] for i in g), head if j == 0 else b""))
-                        sent[0] += len(m)
-                        yield m
+        Args:
+            out: as in :meth:`push_pull`; written only in ``finish()``, after backward.
+            stream: start the streams now (False: everything waits for ``finish()``).
 
-                if len(groups) == 1 and self._single_response[k]:
-                    (only,) = messages()
-                    once = self._push_pull_once[k](only, timeout=self.timeout, metadata=self._metadata)
-                    replies: Iterator[bytes] = iter([once])
-                else:
-                    replies = self._push_pull_calls[k](messages(), timeout=self.timeout, metadata=self._metadata)
-                version, received, answer = self._receive(k, replies, flats)
-                if answer is None:
-                    raise RuntimeError(f"Shard {self.servers[k]} answered PushPull without the push's answer.")
-                return answer, version, sent[0], received
-
-            return self._with_recovery(k, attempt, f"PushPull {self.servers[k]}", repush=False)
-
-        start = time.perf_counter()
-        try:
-            results = self._each_shard(one)
-        except grpc.RpcError as exc:
-            if exc.code() != grpc.StatusCode.ABORTED:
-                raise
-            self.refused_pushes += 1  # too stale: the step is done, its gradient refused
-            self.clock += 1
-            log.info("rank %d: push refused as too stale (%s); pulling", self.rank, exc.details())
-            return self.pull(out)
-        if self.metrics is not None:
-            self.metrics.push_duration.observe(time.perf_counter() - start)
-        self.pushed_bytes += sum(r[2] for r in results)
-        self.pulled_bytes += sum(r[3] for r in results)
-        self._account_push([r[0] for r in results])
-        return self._finish_pull([r[1] for r in results], device_out, flats)
+        Raises:
+            ValueError: ``out`` is not contiguous CPU tensors or device tensors.
+        """
+        return PendingPushPull(self, out, stream)
 
     def exchange(self, params: Mapping[str, torch.Tensor]) -> int:
         """EASGD exchange: send the parameters x, receive d = alpha (x - center), set x -= d in place.
@@ -770,3 +737,227 @@ class PSClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class PendingPushPull:
+    """A :meth:`PSClient.push_pull` in progress; made by :meth:`PSClient.begin_push_pull`.
+
+    Thread-safe: :meth:`ready` may be called from autograd hooks while gRPC threads send.
+    """
+
+    def __init__(self, client: PSClient, out: Mapping[str, torch.Tensor], stream: bool) -> None:
+        client._require_plan()
+        self.client = client
+        self.out = out
+        self.flats, self.device_out = client._pull_targets(out)
+        self._lock = threading.Lock()
+        self._cond = threading.Condition()
+        self._grads: dict[str, torch.Tensor] = {}
+        self._ready: set[str] = set()
+        self._outs: list[dict[int, frames.OutPartition]] = [{} for _ in range(client.num_shards)]
+        self._by_key: dict[str, list[tuple[int, int]]] = {}
+        for k, owned in enumerate(client._owned):
+            for i, part in enumerate(owned):
+                self._by_key.setdefault(part.key, []).append((k, i))
+        self._wire = NAME_TO_DTYPE[client.wire_dtype] if client.wire_dtype else 0
+        self.groups = [self._request_groups(k) for k in range(client.num_shards)]
+        self.started: dict[int, Any] = {}
+        self.sent = [0] * client.num_shards
+        # started streams: the frames built as their gradients become ready, and the groups still to build
+        self._streams: dict[int, _Stream] = {}
+        self._heads: dict[int, bytes] = {}
+        if stream:
+            for k in range(client.num_shards):
+                if not self._once(k):
+                    self._streams[k] = _Stream(self._cond, list(self.groups[k]), client.timeout)
+                    self._heads[k] = self._head(k)
+                    self.started[k] = client._push_pull_calls[k](
+                        self._streams[k].messages(), timeout=client.timeout, metadata=client._metadata
+                    )
+
+    # -------------------------------------------------------------- what goes on the wire
+    def _request_groups(self, k: int) -> list[list[int]]:
+        """Shard ``k``'s request messages: indices into its partitions, packed as sent."""
+        c = self.client
+        plan = c._require_plan()
+        wire = torch_dtype(c.wire_dtype) if c.wire_dtype else None
+        sizes = []
+        for p in c._owned[k]:
+            itemsize = (wire or torch_dtype(plan.dtypes[p.key])).itemsize
+            n = c.compressor.k(p.length) if c.compressor is not None else p.length
+            sizes.append((n * (itemsize + (4 if c.compressor is not None else 0)), len(p.key)))
+        return frames.pack(sizes, plan.partition_bytes) or [[]]
+
+    def _once(self, k: int) -> bool:
+        return len(self.groups[k]) == 1 and self.client._single_response[k]
+
+    def _out(self, k: int, i: int) -> frames.OutPartition:
+        """Shard ``k``'s partition ``i`` as it goes on the wire, made once (top-k updates its
+        error-feedback memory once per step, however often the message is sent)."""
+        with self._lock:
+            return self._out_locked(k, i)
+
+    def _out_locked(self, k: int, i: int) -> frames.OutPartition:
+        made = self._outs[k].get(i)
+        if made is None:
+            c = self.client
+            part = c._owned[k][i]
+            flat = self._grads[part.key][part.offset : part.offset + part.length]
+            wire = torch_dtype(c.wire_dtype) if c.wire_dtype else None
+            if c.compressor is not None:
+                idx, values = c.compressor.compress((part.key, part.offset), flat, wire)
+                made = frames.OutPartition(part.key, part.offset, part.length, values, idx)
+            else:
+                values = flat if wire is None or flat.dtype == wire else flat.to(wire)
+                made = frames.OutPartition(part.key, part.offset, part.length, values)
+            self._outs[k][i] = made
+        return made
+
+    def _group_ready(self, k: int, g: list[int]) -> bool:
+        owned = self.client._owned[k]
+        return all(owned[i].key in self._ready for i in g)
+
+    def _head(self, k: int) -> bytes:
+        """The header fields of shard ``k``'s first request message."""
+        c = self.client
+        return frames.bytes_field(1, c._push_header(k).SerializeToString()) + frames.uint_field(3, self._wire)
+
+    def _messages(self, k: int) -> Iterator[bytes]:
+        """Shard ``k``'s request messages, once every gradient is ready (a call made in ``finish()``);
+        built as gRPC sends them."""
+        work = [[self._out(k, i) for i in g] for g in self.groups[k]]
+        return _frames_of(work, self._head(k), self.client._sent, self.sent, k)
+
+    def _build_ready(self, key: str) -> None:
+        """Build the frames of started streams whose partitions are now all ready (caller holds
+        ``_lock``)."""
+        for k, stream in self._streams.items():
+            for g in [g for g in stream.unbuilt if self._group_ready(k, g)]:
+                m = self.client._sent(frames.build((self._out_locked(k, i) for i in g), self._heads[k]))
+                self._heads[k] = b""
+                self.sent[k] += len(m)
+                stream.add(g, m)
+
+    # -------------------------------------------------------------- the caller's side
+    def ready(self, key: str, grad: torch.Tensor) -> None:
+        """The gradient of parameter ``key`` is final (any device; copied to host here if needed).
+        Its partitions are cast or top-k selected, and the messages they complete are built,
+        here in the caller's thread; gRPC's sending threads only hand the bytes over."""
+        flat = grad.detach().reshape(-1)
+        if flat.device.type != "cpu":
+            flat = flat.to("cpu")
+        with self._lock:
+            self._grads[key] = flat
+            for k, i in self._by_key.get(key, ()):
+                self._out_locked(k, i)
+            self._ready.add(key)
+            self._build_ready(key)
+
+    def _attempt(self, k: int, started: Any | None) -> tuple[ps_pb2.PushResponse, int, int, int]:
+        c = self.client
+        self.sent[k] = 0 if started is None else self.sent[k]
+        if started is not None:
+            replies: Iterator[bytes] = started
+        elif self._once(k):
+            (only,) = self._messages(k)
+            replies = iter([c._push_pull_once[k](only, timeout=c.timeout, metadata=c._metadata)])
+        else:
+            replies = c._push_pull_calls[k](self._messages(k), timeout=c.timeout, metadata=c._metadata)
+        version, received, answer = c._receive(k, replies, self.flats)
+        if answer is None:
+            raise RuntimeError(f"Shard {c.servers[k]} answered PushPull without the push's answer.")
+        return answer, version, self.sent[k], received
+
+    def finish(self) -> int:
+        """Send what is left (zeros for parameters without a gradient), wait for every shard,
+        copy the new weights into ``out``.
+
+        Returns:
+            The lowest version among the shards.
+
+        Raises:
+            grpc.RpcError: as :meth:`PSClient.push_pull`.
+        """
+        c = self.client
+        for s in c._require_plan().specs:
+            if s.key not in self._grads:
+                self.ready(s.key, torch.zeros(math.prod(s.shape), dtype=torch_dtype(s.dtype)))
+        c._last_push = [[self._out(k, i) for i in range(len(c._owned[k]))] for k in range(c.num_shards)]
+
+        def one(k: int) -> tuple[ps_pb2.PushResponse, int, int, int]:
+            started = self.started.pop(k, None)
+            if started is not None:
+                try:
+                    return self._attempt(k, started)
+                except grpc.RpcError:
+                    # a stream started during backward failed: the whole push again, with the
+                    # same stamp (a shard that accepted it answers as for a duplicate), recovering
+                    pass
+            return c._with_recovery(k, lambda: self._attempt(k, None), f"PushPull {c.servers[k]}", repush=False)
+
+        start = time.perf_counter()
+        try:
+            results = c._each_shard(one)
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.ABORTED:
+                raise
+            c.refused_pushes += 1  # too stale: the step is done, its gradient refused
+            c.clock += 1
+            log.info("rank %d: push refused as too stale (%s); pulling", c.rank, exc.details())
+            return c.pull(self.out)
+        finally:
+            for stream in self._streams.values():
+                stream.finish()
+        if c.metrics is not None:
+            c.metrics.push_duration.observe(time.perf_counter() - start)
+        c.pushed_bytes += sum(r[2] for r in results)
+        c.pulled_bytes += sum(r[3] for r in results)
+        c._account_push([r[0] for r in results])
+        return c._finish_pull([r[1] for r in results], self.device_out, self.flats)
+
+
+def _frames_of(
+    work: list[list[frames.OutPartition]], head: bytes, sent: Callable[[bytes], bytes], counts: list[int], k: int
+) -> Iterator[bytes]:
+    """Build and yield one message per group of ``work``, ``head`` leading the first. The
+    generator runs in gRPC's sending thread and lets go of each group once built: no tensor is
+    left for that thread to free (freeing a tensor in a non-main thread while the interpreter
+    shuts down aborts it)."""
+    while work:
+        m = sent(frames.build(work.pop(0), head))
+        head = b""
+        counts[k] += len(m)
+        yield m
+
+
+class _Stream:
+    """A started PushPull stream: the frames :meth:`PendingPushPull.ready` builds, handed to
+    gRPC's sending thread as they come. Holds bytes and indices only, never tensors (see
+    :func:`_frames_of`)."""
+
+    def __init__(self, cond: threading.Condition, groups: list[list[int]], timeout: float) -> None:
+        self.cond = cond
+        self.unbuilt = groups
+        self.built: list[bytes] = []
+        self.finished = False
+        self.timeout = timeout
+
+    def add(self, group: list[int], frame: bytes) -> None:
+        with self.cond:
+            self.unbuilt.remove(group)
+            self.built.append(frame)
+            self.cond.notify_all()
+
+    def finish(self) -> None:
+        with self.cond:
+            self.finished = True
+            self.cond.notify_all()
+
+    def messages(self) -> Iterator[bytes]:
+        while True:
+            with self.cond:
+                self.cond.wait_for(lambda: self.built or not self.unbuilt or self.finished, timeout=self.timeout)
+                if not self.built:
+                    return  # all sent; or finish() never came, or gave up: end the stream (the call fails)
+                m = self.built.pop(0)
+            yield m

@@ -471,6 +471,7 @@ def run(args: Any) -> int:
                 args.wire_dtype,
                 "--topk",
                 str(args.topk),
+                *(["--overlap"] if args.overlap else []),
                 "--metrics-port",
                 "-1" if args.no_metrics else "0",
                 "--events",

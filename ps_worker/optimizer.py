@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
 
-from ps_worker.client import PSClient
+from ps_worker.client import PendingPushPull, PSClient
 
 log = logging.getLogger(__name__)
 
@@ -29,13 +30,23 @@ class DistributedOptimizer:
         client: an initialized :class:`PSClient`.
         local_optimizer: required in easgd mode (e.g. ``torch.optim.SGD(model.parameters(), lr=0.1)``);
             ignored otherwise.
+        overlap: push each parameter's gradient while backward still runs (sync, async, ssp):
+            autograd hooks (``register_post_accumulate_grad_hook``) hand every finished gradient to
+            a :class:`~ps_worker.client.PendingPushPull`, whose streams send each message as soon
+            as its partitions are ready; ``step()`` then only finishes the call. Assumes one
+            backward per step (no gradient accumulation over several backward passes).
 
     Raises:
         ValueError: easgd mode without a local optimizer.
     """
 
     def __init__(
-        self, model: torch.nn.Module, client: PSClient, local_optimizer: torch.optim.Optimizer | None = None
+        self,
+        model: torch.nn.Module,
+        client: PSClient,
+        local_optimizer: torch.optim.Optimizer | None = None,
+        *,
+        overlap: bool = False,
     ) -> None:
         if client.mode == "easgd" and local_optimizer is None:
             raise ValueError("This cluster runs easgd: pass local_optimizer=torch.optim.SGD(model.parameters(), ...).")
@@ -44,6 +55,20 @@ class DistributedOptimizer:
         self.local_optimizer = local_optimizer
         self.params = dict(model.named_parameters())
         self.local_steps = 0
+        self.overlap = overlap
+        self._pending: PendingPushPull | None = None
+        if overlap:  # the hooks stay; setting ``overlap`` to False later turns them into no-ops
+            for key, p in self.params.items():
+                if p.requires_grad:
+                    p.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, key))
+
+    def _grad_ready(self, key: str, param: torch.Tensor) -> None:
+        """Autograd hook: ``param``'s gradient is final for this backward pass."""
+        if param.grad is None or not self.overlap or self.client.mode == "easgd":
+            return
+        if self._pending is None:
+            self._pending = self.client.begin_push_pull({k: p.data for k, p in self.params.items()})
+        self._pending.ready(key, param.grad)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear gradients, like ``torch.optim.Optimizer.zero_grad``."""
@@ -68,5 +93,8 @@ class DistributedOptimizer:
             if self.local_steps % period == 0:
                 return self.client.exchange(values)
             return self.client.version
+        if self._pending is not None:  # overlap: the pushes began during backward
+            pending, self._pending = self._pending, None
+            return pending.finish()
         grads = {k: (p.grad if p.grad is not None else torch.zeros_like(p)) for k, p in self.params.items()}
         return self.client.push_pull(grads, values)

@@ -77,6 +77,7 @@ def train(
     on_step: Callable[[int, float], None] | None = None,
     before_push: Callable[[int], None] | None = None,
     metrics: WorkerMetrics | None = None,
+    overlap: bool = False,
 ) -> TrainSummary:
     """Initialize through ``client`` and train ``steps`` steps.
 
@@ -91,6 +92,7 @@ def train(
         on_step: called with (step, loss) after every step.
         before_push: called with the step before each push (straggler injection).
         metrics: where to record each step's seconds and loss; None records nothing.
+        overlap: push gradients while backward runs (``DistributedOptimizer(overlap=True)``).
     """
     torch.manual_seed(seed)
     model = workload.model().to(device)
@@ -100,7 +102,7 @@ def train(
     if client.mode == "easgd":  # EASGD workers step locally with the same optimizer settings
         kwargs = {k: v for k, v in optimizer.items() if k != "name"}
         local = OptimizerSpec(str(optimizer["name"]), kwargs).build(model.parameters())
-    opt = DistributedOptimizer(model, client, local_optimizer=local)
+    opt = DistributedOptimizer(model, client, local_optimizer=local, overlap=overlap)
     sampler = DistributedSampler(
         train_set, num_replicas=client.num_workers, rank=client.rank, shuffle=True, seed=seed, drop_last=True
     )

@@ -136,3 +136,39 @@ def test_push_pull_once_is_refused_when_the_shard_needs_more_than_one_message(st
         params = dict(net.named_parameters())
         grads = {k: torch.ones_like(p) for k, p in params.items()}
         assert client.push_pull(grads, {k: p.data for k, p in params.items()}) == 1  # the stream form
+
+
+class TwoHeads(torch.nn.Module):
+    """An MLP with an unused head: its parameters get no gradient (zeros are pushed)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = torch.nn.Sequential(torch.nn.Linear(20, 40), torch.nn.Tanh(), torch.nn.Linear(40, 40))
+        self.head = torch.nn.Linear(40, 3)
+        self.unused = torch.nn.Linear(40, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.body(x)))
+
+
+@pytest.mark.parametrize("topk", [0.0, 0.3])
+def test_pushes_overlapped_with_backward_give_the_same_parameters(start_shards, topk: float) -> None:
+    from ps_worker import DistributedOptimizer
+
+    gen = torch.Generator().manual_seed(1)
+    x, y = torch.randn(32, 20, generator=gen), torch.randint(0, 3, (32,), generator=gen)
+    results = []
+    for overlap in (False, True):
+        shards = start_shards(2, num_workers=1)
+        net = TwoHeads()
+        kw = {"incarnation": 1, "timeout": RPC_TIMEOUT, "partition_bytes": 512, "topk": topk}
+        with PSClient([s.address for s in shards], 0, 1, **kw) as client:
+            client.init(net, {"name": "sgd", "lr": 0.1, "momentum": 0.9})
+            opt = DistributedOptimizer(net, client, overlap=overlap)
+            for step in range(6):
+                opt.zero_grad()
+                torch.nn.functional.cross_entropy(net(x), y).backward()
+                assert opt.step() == step + 1
+        results.append(torch.cat([p.detach().reshape(-1) for p in net.parameters()]))
+    assert torch.equal(results[0], results[1])
