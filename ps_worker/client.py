@@ -168,6 +168,7 @@ class PSClient:
         self._optimizer: OptimizerSpec | None = None
         self._last_push: list[list[frames.OutPartition]] | None = None
         self._owned: list[tuple[PartitionSlice, ...]] = []
+        self._request_groups: list[list[list[int]]] | None = None
         self._single_response: list[bool] = []
         self.refused_pushes = 0
         self.dropped_pushes = 0
@@ -311,6 +312,7 @@ class PSClient:
                     "use it with float32 models, or leave it unset."
                 )
         self._owned = [self.plan.owned_by(k) for k in range(self.num_shards)]
+        self._request_groups: list[list[list[int]]] | None = None
         self._single_response = [len(self._response_groups(k)) <= 1 for k in range(self.num_shards)]
         self._host = {}
         replies = self.join()
@@ -760,7 +762,9 @@ class PendingPushPull:
             for i, part in enumerate(owned):
                 self._by_key.setdefault(part.key, []).append((k, i))
         self._wire = NAME_TO_DTYPE[client.wire_dtype] if client.wire_dtype else 0
-        self.groups = [self._request_groups(k) for k in range(client.num_shards)]
+        if client._request_groups is None:  # fixed by the plan, wire dtype and top-k ratio
+            client._request_groups = [self._request_groups(k) for k in range(client.num_shards)]
+        self.groups = client._request_groups
         self.started: dict[int, Any] = {}
         self.sent = [0] * client.num_shards
         # started streams: the frames built as their gradients become ready, and the groups still to build
