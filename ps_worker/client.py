@@ -924,9 +924,9 @@ def _frames_of(
     work: list[list[frames.OutPartition]], head: bytes, sent: Callable[[bytes], bytes], counts: list[int], k: int
 ) -> Iterator[bytes]:
     """Build and yield one message per group of ``work``, ``head`` leading the first. The
-    generator runs in gRPC's sending thread and lets go of each group once built: no tensor is
-    left for that thread to free (freeing a tensor in a non-main thread while the interpreter
-    shuts down aborts it)."""
+    generator runs in gRPC's sending thread and lets go of each group once built, so that thread
+    never holds the last reference to a tensor: a thread that frees a tensor while it exits during
+    interpreter shutdown aborts the process (seen with a thread-local of the shard's interceptor)."""
     while work:
         m = sent(frames.build(work.pop(0), head))
         head = b""
