@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -70,7 +71,7 @@ def bytes_field(field: int, value: bytes) -> bytes:
 
 def _buffer(t: torch.Tensor) -> memoryview:
     """The bytes of a 1-D contiguous CPU tensor, without a copy."""
-    return memoryview(t.contiguous().view(torch.uint8).numpy()).cast("B")
+    return memoryview(t.contiguous().view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)
@@ -237,7 +238,7 @@ def read_partition(buf: memoryview) -> WirePartition:
             f"Partition dtype {dtype} is unspecified or unknown; set it to one of "
             f"{', '.join(ps_pb2.Dtype.Name(v) for v in DTYPE_TO_NAME)}."
         )
-    return WirePartition(key, offset, length, DTYPE_TO_NAME[dtype], data, indices)
+    return WirePartition(key, offset, length, DTYPE_TO_NAME[dtype], data, indices)  # type: ignore[index]
 
 
 @dataclass
@@ -249,7 +250,7 @@ class Message:
     ints: dict[int, int]
     blobs: dict[int, bytes]
 
-    def sub(self, field: int, cls: type) -> object | None:
+    def sub(self, field: int, cls: Any) -> Any:
         """The embedded message of ``field`` parsed as ``cls``, or None when absent.
 
         Raises:

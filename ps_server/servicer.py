@@ -288,8 +288,9 @@ def parameter_service_handler(servicer: ParameterServicer) -> grpc.GenericRpcHan
     return grpc.method_handlers_generic_handler(descriptor.full_name, handlers)
 
 
-class ParameterServicer(ps_pb2_grpc.ParameterServiceServicer):
-    """ps.v1.ParameterService over one :class:`Shard`."""
+class ParameterServicer:
+    """ps.v1.ParameterService over one :class:`Shard`. Not the generated servicer base: the data
+    methods take and return ``bytes`` (see :func:`parameter_service_handler`, which registers it)."""
 
     def __init__(self, shard: Shard, counters: Counters) -> None:
         self.shard = shard

@@ -312,7 +312,7 @@ class PSClient:
                     "use it with float32 models, or leave it unset."
                 )
         self._owned = [self.plan.owned_by(k) for k in range(self.num_shards)]
-        self._request_groups: list[list[list[int]]] | None = None
+        self._request_groups = None
         self._single_response = [len(self._response_groups(k)) <= 1 for k in range(self.num_shards)]
         self._host = {}
         replies = self.join()
