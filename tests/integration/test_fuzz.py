@@ -56,6 +56,7 @@ partitions = st.builds(
         st.integers(0, 150).map(lambda n: torch.full((n,), float("nan")).numpy().tobytes()),
         st.integers(0, 150).map(lambda n: torch.ones(n).numpy().tobytes()),
     ),
+    indices=st.one_of(st.just(b""), st.binary(max_size=40)),  # top-k: uint32 indices, or garbage
 )
 push_headers = st.builds(
     ps_pb2.PushHeader,
@@ -88,6 +89,40 @@ def test_malformed_push_streams_are_refused_and_change_nothing(live, header, par
         assert fingerprint(shard) == before
     else:  # only a well-formed push by a joined rank may be accepted
         assert header is not None and header.rank == 0 and header.incarnation == 1
+
+
+@settings(max_examples=60, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    header=st.one_of(st.none(), push_headers),
+    parts=st.lists(partitions, max_size=6),
+    wire_dtype=st.integers(0, 6),
+    split=st.integers(0, 6),
+    once=st.booleans(),
+)
+def test_malformed_push_pull_calls_are_refused_and_change_nothing(live, header, parts, wire_dtype, split, once) -> None:
+    """PushPull (packed partitions, a stream) and PushPullOnce (one message) read their frames by
+    hand: whatever arrives, a refusal with a contract code, and nothing changes."""
+    shard, stub, _ = live
+    before = fingerprint(shard)
+    first = ps_pb2.PushPullRequest(header=header, partitions=parts[:split], wire_dtype=wire_dtype)
+    try:
+        if once:
+            stub.PushPullOnce(
+                ps_pb2.PushPullOnceRequest.FromString(
+                    first.SerializeToString()
+                    + b"".join(ps_pb2.PushPullRequest(partitions=[p]).SerializeToString() for p in parts[split:])
+                ),
+                timeout=RPC_TIMEOUT,
+            )
+        else:
+            msgs = [first, *(ps_pb2.PushPullRequest(partitions=[p]) for p in parts[split:])]
+            list(stub.PushPull(iter(msgs), timeout=RPC_TIMEOUT))
+    except grpc.RpcError as err:
+        assert err.code() in REFUSALS, (err.code(), err.details())
+        assert err.details()
+        assert fingerprint(shard) == before
+    else:  # never: no generated header carries this cluster's plan digest
+        pytest.fail("a push without the plan's digest was accepted")
 
 
 init_headers = st.builds(
