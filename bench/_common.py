@@ -180,6 +180,44 @@ class Child:
         self._log.close()
 
 
+def shard_argv(k: int, shards: int, workers: int) -> list[str]:
+    """The command of shard ``k`` of a sync cluster for a benchmark: a free port (printed), no
+    metrics endpoint, a lease long enough for any step."""
+    argv = [sys.executable, "-m", "ps_server.cli", "--shard-index", str(k), "--num-shards", str(shards)]
+    return argv + [
+        "--num-workers",
+        str(workers),
+        "--mode",
+        "sync",
+        "--port",
+        "0",
+        "--metrics-port",
+        "-1",
+        "--lease-timeout",
+        "300",
+    ]
+
+
+def start_shards(
+    shards: int, workers: int, env: dict[str, str], log_dir: Path, timeout: float = 120.0
+) -> tuple[list[Child], list[str]]:
+    """Start ``shards`` shard processes; returns (children, addresses). The caller stops them
+    (on an error here, they are stopped before it is raised).
+
+    Raises:
+        ChildError: a shard did not report its address within ``timeout`` seconds.
+    """
+    children: list[Child] = []
+    try:
+        for k in range(shards):
+            children.append(Child(f"shard{k}", shard_argv(k, shards, workers), env, log_dir))
+        return children, [c.wait_for(r"listening on (\S+)", timeout).group(1) for c in children]
+    except BaseException:
+        for c in children:
+            c.stop(grace=0.0)
+        raise
+
+
 def ask_all(children: Sequence[Child], cmd: str, timeout: float, **args: Any) -> list[dict[str, Any]]:
     """Send ``cmd`` to every child at once, then collect every answer within ``timeout`` seconds."""
     for c in children:

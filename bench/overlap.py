@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import torch
-from _common import Child, child_env
+from _common import Child, child_env, start_shards
 
 from ps_worker import DistributedOptimizer, PSClient
 
@@ -36,13 +36,9 @@ def main() -> int:
     args = p.parse_args()
     env = child_env(1)
     log_dir = Path(tempfile.mkdtemp(prefix="grpc-ps-overlap-"))
-    shards = []
+    shards: list[Child] = []
     try:
-        for k in range(args.shards):
-            argv = [sys.executable, "-m", "ps_server.cli", "--shard-index", str(k), "--num-shards", str(args.shards)]
-            argv += ["--num-workers", "1", "--port", "0", "--metrics-port", "-1", "--lease-timeout", "300"]
-            shards.append(Child(f"shard{k}", argv, env, log_dir))
-        servers = [c.wait_for(r"listening on (\S+)", 120).group(1) for c in shards]
+        shards, servers = start_shards(args.shards, 1, env, log_dir)
         torch.manual_seed(0)
         layers: list[torch.nn.Module] = []
         for _ in range(args.layers):

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 import torch
-from _common import Child, child_env, cpu_seconds, timed
+from _common import Child, child_env, cpu_seconds, start_shards, timed
 
 from ps_worker.client import PSClient
 
@@ -53,11 +53,7 @@ def main() -> int:
     shards: list[Child] = []
     spies: list[subprocess.Popen[bytes]] = []
     try:
-        for k in range(args.shards):
-            argv = [sys.executable, "-m", "ps_server.cli", "--shard-index", str(k), "--num-shards", str(args.shards)]
-            argv += ["--num-workers", "1", "--port", "0", "--metrics-port", "-1", "--lease-timeout", "300"]
-            shards.append(Child(f"shard{k}", argv, env, log_dir))
-        servers = [c.wait_for(r"listening on (\S+)", 120).group(1) for c in shards]
+        shards, servers = start_shards(args.shards, 1, env, log_dir)
         model = torch.nn.Module()
         model.w = torch.nn.Parameter(torch.zeros(int(args.mb * 1e6) // 4, dtype=getattr(torch, args.dtype)))
         with PSClient(

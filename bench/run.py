@@ -36,6 +36,7 @@ from _common import (
     cpu_seconds,
     describe,
     free_port,
+    shard_argv,
 )
 
 PY = sys.executable
@@ -203,9 +204,7 @@ class GrpcPS(System):
     def prepare(self, size: Size) -> None:
         tag = self.key.replace(" ", "").replace("×", "x")
         for k in range(self.shards):
-            argv = [PY, "-m", "ps_server.cli", "--shard-index", str(k), "--num-shards", str(self.shards)]
-            argv += ["--num-workers", str(self.workers), "--mode", "sync", "--port", "0", "--metrics-port", "-1"]
-            argv += ["--lease-timeout", "300"]
+            argv = shard_argv(k, self.shards, self.workers)
             self.shard_procs.append(Child(f"{tag}-{size.label}-shard{k}", argv, self.env, self.log_dir))
 
     def setup(self, size: Size) -> None:
