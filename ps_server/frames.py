@@ -330,7 +330,7 @@ def response_frames(
         for (key, offset, length), t in zip(partitions, tensors, strict=True)
     ]
     if budget:
-        groups = pack([(o.values.numel() * o.values.element_size(), len(o.key)) for o in outs], budget)
+        groups = pack([(o.values.numel() * o.values.element_size(), len(o.key.encode())) for o in outs], budget)
     else:
         groups = [[i] for i in range(len(outs))]
     return [build((outs[i] for i in g), prefix) for g in groups]

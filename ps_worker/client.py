@@ -313,7 +313,7 @@ class PSClient:
                 )
         self._owned = [self.plan.owned_by(k) for k in range(self.num_shards)]
         self._request_groups = None
-        self._single_response = [len(self._response_groups(k)) <= 1 for k in range(self.num_shards)]
+        self._single_response = [len(self._packing(k, sparse=False)) <= 1 for k in range(self.num_shards)]
         self._host = {}
         replies = self.join()
         self._params = {k: p for k, p in named}
@@ -412,28 +412,36 @@ class PSClient:
         return msgs
 
     def _out_partitions(self, k: int, flats: Mapping[str, torch.Tensor], compress: bool) -> list[frames.OutPartition]:
-        """Shard ``k``'s partitions of ``flats`` as they go on the wire: views of the tensors, cast
-        to ``wire_dtype`` (a copy), or top-k selected (``compress``: gradients only)."""
-        wire = torch_dtype(self.wire_dtype) if self.wire_dtype else None
-        out = []
-        for part in self._owned[k]:
-            flat = flats[part.key][part.offset : part.offset + part.length]
-            if compress and self.compressor is not None:
-                idx, values = self.compressor.compress((part.key, part.offset), flat, wire)
-                out.append(frames.OutPartition(part.key, part.offset, part.length, values, idx))
-            else:
-                values = flat if wire is None or flat.dtype == wire else flat.to(wire)
-                out.append(frames.OutPartition(part.key, part.offset, part.length, values))
-        return out
+        """Shard ``k``'s partitions of ``flats`` as they go on the wire (see :meth:`_to_wire`)."""
+        return [self._to_wire(part, flats[part.key], compress) for part in self._owned[k]]
 
-    def _response_groups(self, k: int) -> list[list[int]]:
-        """How shard ``k`` packs its PushPull response (the same :func:`frames.pack` it runs): one
-        group means PushPullOnce."""
+    def _to_wire(self, part: PartitionSlice, flat: torch.Tensor, compress: bool) -> frames.OutPartition:
+        """Partition ``part`` of ``flat`` (a parameter's 1-D CPU tensor) as it goes on the wire: a
+        view of the tensor, a copy cast to ``wire_dtype``, or (``compress``: gradients only) its
+        top-k entries, which updates the error-feedback memory (once per push: callers keep the
+        result for retries)."""
+        values = flat[part.offset : part.offset + part.length]
+        wire = torch_dtype(self.wire_dtype) if self.wire_dtype else None
+        if compress and self.compressor is not None:
+            idx, top = self.compressor.compress((part.key, part.offset), values, wire)
+            return frames.OutPartition(part.key, part.offset, part.length, top, idx)
+        if wire is not None and values.dtype != wire:
+            values = values.to(wire)
+        return frames.OutPartition(part.key, part.offset, part.length, values)
+
+    def _packing(self, k: int, sparse: bool) -> list[list[int]]:
+        """How shard ``k``'s partitions pack into PushPull messages (:func:`frames.pack`): indices
+        into its partitions, one list per message. ``sparse``: as top-k pushes them (values and
+        uint32 indices); otherwise dense, as the shard packs its response (it runs the same
+        function on the same sizes: one group means PushPullOnce)."""
         plan = self._require_plan()
         wire = torch_dtype(self.wire_dtype) if self.wire_dtype else None
-        sizes = [
-            (p.length * (wire or torch_dtype(plan.dtypes[p.key])).itemsize, len(p.key.encode())) for p in self._owned[k]
-        ]
+        topk = self.compressor if sparse else None
+        sizes = []
+        for p in self._owned[k]:
+            itemsize = (wire or torch_dtype(plan.dtypes[p.key])).itemsize
+            n = topk.k(p.length) if topk is not None else p.length
+            sizes.append((n * (itemsize + (4 if topk is not None else 0)), len(p.key.encode())))
         return frames.pack(sizes, plan.partition_bytes)
 
     def _stage(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -763,7 +771,7 @@ class PendingPushPull:
                 self._by_key.setdefault(part.key, []).append((k, i))
         self._wire = NAME_TO_DTYPE[client.wire_dtype] if client.wire_dtype else 0
         if client._request_groups is None:  # fixed by the plan, wire dtype and top-k ratio
-            client._request_groups = [self._request_groups(k) for k in range(client.num_shards)]
+            client._request_groups = [client._packing(k, sparse=True) or [[]] for k in range(client.num_shards)]
         self.groups = client._request_groups
         self.started: dict[int, Any] = {}
         self.sent = [0] * client.num_shards
@@ -780,18 +788,6 @@ class PendingPushPull:
                     )
 
     # -------------------------------------------------------------- what goes on the wire
-    def _request_groups(self, k: int) -> list[list[int]]:
-        """Shard ``k``'s request messages: indices into its partitions, packed as sent."""
-        c = self.client
-        plan = c._require_plan()
-        wire = torch_dtype(c.wire_dtype) if c.wire_dtype else None
-        sizes = []
-        for p in c._owned[k]:
-            itemsize = (wire or torch_dtype(plan.dtypes[p.key])).itemsize
-            n = c.compressor.k(p.length) if c.compressor is not None else p.length
-            sizes.append((n * (itemsize + (4 if c.compressor is not None else 0)), len(p.key)))
-        return frames.pack(sizes, plan.partition_bytes) or [[]]
-
     def _once(self, k: int) -> bool:
         return len(self.groups[k]) == 1 and self.client._single_response[k]
 
@@ -804,17 +800,8 @@ class PendingPushPull:
     def _out_locked(self, k: int, i: int) -> frames.OutPartition:
         made = self._outs[k].get(i)
         if made is None:
-            c = self.client
-            part = c._owned[k][i]
-            flat = self._grads[part.key][part.offset : part.offset + part.length]
-            wire = torch_dtype(c.wire_dtype) if c.wire_dtype else None
-            if c.compressor is not None:
-                idx, values = c.compressor.compress((part.key, part.offset), flat, wire)
-                made = frames.OutPartition(part.key, part.offset, part.length, values, idx)
-            else:
-                values = flat if wire is None or flat.dtype == wire else flat.to(wire)
-                made = frames.OutPartition(part.key, part.offset, part.length, values)
-            self._outs[k][i] = made
+            part = self.client._owned[k][i]
+            made = self._outs[k][i] = self.client._to_wire(part, self._grads[part.key], compress=True)
         return made
 
     def _group_ready(self, k: int, g: list[int]) -> bool:
