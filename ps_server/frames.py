@@ -18,14 +18,14 @@ their ``version`` (where they have one) in field 1, so one builder serves them a
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ps_proto.v1 import ps_pb2
-from ps_server.core.codec import DTYPES
+from ps_server.core.codec import DTYPES, decode
 from ps_server.core.errors import InvalidRequestError
 from ps_server.core.partitions import WirePartition
 from ps_server.wire import DTYPE_TO_NAME, NAME_TO_DTYPE
@@ -156,6 +156,33 @@ def pack(sizes: Sequence[tuple[int, int]], budget: int) -> list[list[int]]:
         groups[-1].append(i)
         used += cost
     return groups
+
+
+def packing(
+    parts: Sequence[tuple[str, int]],
+    itemsizes: Sequence[int],
+    budget: int,
+    k: Callable[[int], int] | None = None,
+) -> list[list[int]]:
+    """How a shard's partitions pack into PushPull messages: the one rule the shard (its
+    response) and the worker (its request; its expectation of a one-message response, which
+    decides PushPullOnce) both apply.
+
+    Args:
+        parts: (key, length in elements) of each partition, in plan order.
+        itemsizes: bytes per element on the wire, one per partition.
+        budget: ``partition_bytes``.
+        k: top-k: elements sent of a partition of n elements (each value with a 4-byte index);
+            None: dense.
+
+    Returns:
+        As :func:`pack`.
+    """
+    sizes = [
+        ((k(n) * (size + 4)) if k is not None else n * size, len(key.encode()))
+        for (key, n), size in zip(parts, itemsizes, strict=True)
+    ]
+    return pack(sizes, budget)
 
 
 # ---------------------------------------------------------------------------------- reading
@@ -296,8 +323,6 @@ def view(p: WirePartition) -> torch.Tensor:
     Raises:
         InvalidRequestError: the byte count does not match.
     """
-    from ps_server.core.codec import decode
-
     count = len(p.indices) // 4 if len(p.indices) else p.length
     return decode(p.data, p.dtype, count)
 
@@ -307,7 +332,7 @@ def response_frames(
     partitions: Sequence[tuple[str, int, int]],
     tensors: Sequence[torch.Tensor],
     wire_dtype: torch.dtype | None = None,
-    budget: int = 0,
+    groups: Sequence[Sequence[int]] | None = None,
 ) -> list[bytes]:
     """Messages of ``version`` carrying ``tensors`` (PullResponse, ExchangeResponse and
     PushPullResponse share this layout: version in field 1, partitions in field 2).
@@ -317,7 +342,7 @@ def response_frames(
         partitions: (key, offset, length) of each tensor.
         tensors: 1-D CPU tensors, one per partition; copied once here.
         wire_dtype: cast to this dtype on the wire (None: as they are).
-        budget: pack several partitions per message up to this many bytes (0: one per message).
+        groups: which partitions share a message (:func:`packing`); None: one per message.
 
     Returns:
         The encoded messages; a shard that owns nothing still sends one, with its version.
@@ -329,8 +354,6 @@ def response_frames(
         OutPartition(key, offset, length, t if wire_dtype is None or t.dtype == wire_dtype else t.to(wire_dtype))
         for (key, offset, length), t in zip(partitions, tensors, strict=True)
     ]
-    if budget:
-        groups = pack([(o.values.numel() * o.values.element_size(), len(o.key.encode())) for o in outs], budget)
-    else:
+    if groups is None:
         groups = [[i] for i in range(len(outs))]
     return [build((outs[i] for i in g), prefix) for g in groups]

@@ -147,13 +147,14 @@ def _read_stream(request_iterator: Iterator[Any], counters: Counters, what: str)
 
 
 def _checked(p: WirePartition, values: str) -> WirePartition:
-    """``p``, checked to hold no NaN or infinity if it is dense and of a known dtype (the rest is
-    left to :func:`~ps_server.core.partitions.match_partitions`).
+    """``p``, checked to hold no NaN or infinity if it is dense and of the right byte count (the
+    rest is left to :func:`~ps_server.core.partitions.match_partitions`; ``frames.read`` already
+    refused unknown dtypes).
 
     Raises:
         InvalidRequestError: NaN or infinity.
     """
-    if len(p.indices) or p.dtype not in DTYPES or len(p.data) != p.length * DTYPES[p.dtype].itemsize:
+    if len(p.indices) or len(p.data) != p.length * DTYPES[p.dtype].itemsize:  # left to match_partitions
         return p
     check_finite(frames.view(p), f"{values.capitalize()} {p.key}[{p.offset}:{p.offset + p.length}]")
     return dataclasses.replace(p, finite=True)

@@ -640,12 +640,11 @@ class Shard:
         key = (plan.digest, wire_dtype)
         groups = self._groups.get(key)
         if groups is None:
+            owned = plan.owned_by(self.shard_index)
             wire = torch_dtype(wire_dtype) if wire_dtype else None
-            sizes = [
-                (p.length * (wire or torch_dtype(plan.dtypes[p.key])).itemsize, len(p.key.encode()))
-                for p in plan.owned_by(self.shard_index)
-            ]
-            groups = self._groups[key] = frames.pack(sizes, plan.partition_bytes)
+            itemsizes = [(wire or torch_dtype(plan.dtypes[p.key])).itemsize for p in owned]
+            groups = frames.packing([(p.key, p.length) for p in owned], itemsizes, plan.partition_bytes)
+            self._groups[key] = groups
         return groups
 
     def _snapshot_frames(self, wire_dtype: str, packed: bool) -> list[bytes]:
@@ -665,7 +664,7 @@ class Shard:
             [(p.key, p.offset, p.length) for p in self.store.partitions],
             self.store.tensors,
             torch_dtype(wire_dtype) if wire_dtype else None,
-            self.plan.partition_bytes if packed else 0,
+            self._response_groups(self.plan, wire_dtype) if packed else None,
         )
         self._frame_cache = {k: v for k, v in self._frame_cache.items() if k[:2] == key[:2]}
         self._frame_cache[key] = out

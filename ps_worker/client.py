@@ -436,13 +436,10 @@ class PSClient:
         function on the same sizes: one group means PushPullOnce)."""
         plan = self._require_plan()
         wire = torch_dtype(self.wire_dtype) if self.wire_dtype else None
-        topk = self.compressor if sparse else None
-        sizes = []
-        for p in self._owned[k]:
-            itemsize = (wire or torch_dtype(plan.dtypes[p.key])).itemsize
-            n = topk.k(p.length) if topk is not None else p.length
-            sizes.append((n * (itemsize + (4 if topk is not None else 0)), len(p.key.encode())))
-        return frames.pack(sizes, plan.partition_bytes)
+        owned = self._owned[k]
+        itemsizes = [(wire or torch_dtype(plan.dtypes[p.key])).itemsize for p in owned]
+        topk = self.compressor.k if sparse and self.compressor is not None else None
+        return frames.packing([(p.key, p.length) for p in owned], itemsizes, plan.partition_bytes, topk)
 
     def _stage(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         plan = self._require_plan()

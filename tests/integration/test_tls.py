@@ -105,7 +105,8 @@ def test_tls_shard_trains_and_refuses_plaintext(start_cluster, pki: Path) -> Non
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
-def test_mutual_tls_requires_a_client_certificate(start_cluster, pki: Path) -> None:
+def mutual_tls_shard(start_cluster, pki: Path):
+    """One shard that serves TLS with the test CA's certificate and asks clients for theirs."""
     (shard,) = start_cluster(
         num_shards=1,
         num_workers=1,
@@ -113,6 +114,11 @@ def test_mutual_tls_requires_a_client_certificate(start_cluster, pki: Path) -> N
         tls_key=str(pki / "shard.key"),
         tls_client_ca=str(pki / "ca.pem"),
     )
+    return shard
+
+
+def test_mutual_tls_requires_a_client_certificate(start_cluster, pki: Path) -> None:
+    shard = mutual_tls_shard(start_cluster, pki)
     with channel(shard.address, tls_ca=str(pki / "ca.pem")) as ch:
         with pytest.raises(grpc.RpcError) as err:
             ps_pb2_grpc.AdminStub(ch).GetStatus(ps_pb2.GetStatusRequest(), timeout=RPC_TIMEOUT)
@@ -158,13 +164,7 @@ def test_ps_admin_over_tls(start_cluster, pki: Path) -> None:
 
 
 def test_ps_admin_over_mutual_tls_from_the_environment(start_cluster, pki: Path) -> None:
-    (shard,) = start_cluster(
-        num_shards=1,
-        num_workers=1,
-        tls_cert=str(pki / "shard.pem"),
-        tls_key=str(pki / "shard.key"),
-        tls_client_ca=str(pki / "ca.pem"),
-    )
+    shard = mutual_tls_shard(start_cluster, pki)
     ca_only = ps_admin("--servers", shard.address, "--timeout", "3", "--tls-ca", str(pki / "ca.pem"), "status")
     assert ca_only.returncode == 1 and f"ps-admin: {shard.address}: UNAVAILABLE: " in ca_only.stderr
     env = {

@@ -113,9 +113,20 @@ def test_pack_fills_messages_in_order_up_to_the_budget() -> None:
     assert sum(len(g) for g in frames.pack([(5, 3)] * 1000, 4096)) == 1000
 
 
+def test_packing_counts_wire_bytes_key_bytes_and_top_k_indices() -> None:
+    budget = 2 * (1000 + frames.PACK_OVERHEAD + 1)
+    assert frames.packing([("a", 250), ("b", 250)], [4, 4], budget) == [[0, 1]]
+    assert frames.packing([("a", 250), ("b", 251)], [4, 4], budget) == [[0], [1]]
+    assert frames.packing([("é", 250), ("b", 250)], [4, 4], budget) == [[0], [1]]  # 2 key bytes
+    # top-k: k values of 4 bytes, each with a 4-byte index
+    assert frames.packing([("a", 1000), ("b", 1000)], [4, 4], budget, k=lambda n: n // 8) == [[0, 1]]
+
+
 def test_response_frames_cast_and_pack() -> None:
     tensors = [torch.arange(4, dtype=torch.float32), torch.ones(2)]
-    out = frames.response_frames(9, [("a", 0, 4), ("b", 0, 2)], tensors, torch.bfloat16, budget=1 << 20)
+    groups = frames.packing([("a", 4), ("b", 2)], [2, 2], 1 << 20)
+    assert groups == [[0, 1]]
+    out = frames.response_frames(9, [("a", 0, 4), ("b", 0, 2)], tensors, torch.bfloat16, groups)
     assert len(out) == 1
     msg = ps_pb2.PushPullResponse.FromString(out[0])
     assert msg.version == 9 and [p.dtype for p in msg.partitions] == [ps_pb2.DTYPE_BFLOAT16] * 2
