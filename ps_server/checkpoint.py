@@ -20,6 +20,10 @@ onto the final name and fsyncs the directory, so a kill at any instant leaves ei
 set of checkpoints or the new one plus a temp file, which the next save (or the next store opened
 on the directory) removes. Stores of one (directory, shard) in a process share a lock; across
 processes, one process at a time writes the checkpoints of a shard index in a directory.
+
+Pruning never removes a checkpoint this store wrote unless ``keep`` newer ones are on disk: a save
+removes only the files of higher versions that an earlier run left behind (an abandoned timeline)
+and then all but the newest ``keep`` of the rest.
 """
 
 from __future__ import annotations
@@ -52,15 +56,52 @@ FORMAT_VERSION = 1
 _FINAL = re.compile(r"shard-(\d+)-v(\d+)\.pt")
 _TEMP = re.compile(r"\.shard-(\d+)-.*\.tmp")
 
-_locks: dict[tuple[Path, int], threading.Lock] = {}
+_locks: dict[tuple[Path, int], threading.RLock] = {}
 _locks_guard = threading.Lock()
 
+_REASON_OF_ERRNO = {
+    errno.ENOSPC: "no_space",
+    errno.EDQUOT: "no_space",
+    errno.EACCES: "permission",
+    errno.EPERM: "permission",
+    errno.EROFS: "permission",
+    errno.ENOTDIR: "not_a_directory",
+    errno.EEXIST: "not_a_directory",
+    errno.EISDIR: "not_a_directory",
+}
 
-def _lock_for(directory: Path, shard_index: int) -> threading.Lock:
+
+def _lock_for(directory: Path, shard_index: int) -> threading.RLock:
     """One lock per (directory, shard) in this process, shared by every store opened on them, so a
     second store cannot remove the temp file of a save in progress."""
     with _locks_guard:
-        return _locks.setdefault((directory.resolve(), shard_index), threading.Lock())
+        return _locks.setdefault((directory.resolve(), shard_index), threading.RLock())
+
+
+def os_error_in(exc: BaseException) -> OSError | None:
+    """The first :class:`OSError` with an errno in ``exc``'s chain (``exc`` itself, then its cause or
+    context, outermost first): torch reports a full disk as ``RuntimeError: ... unexpected pos N vs M``
+    with the ``OSError(ENOSPC)`` of the failed write as its context."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno is not None:
+            return current
+        current = current.__cause__ or current.__context__
+    return None
+
+
+def failure_reason(exc: BaseException) -> str:
+    """Why a checkpoint write failed, as one of ``ps_server.metrics.CHECKPOINT_FAILURE_REASONS`` (the
+    ``reason`` label of ``ps_checkpoint_failures_total``): from the errno found in
+    ``exc``'s chain (``no_space``: ENOSPC or EDQUOT; ``permission``: EACCES, EPERM or EROFS;
+    ``not_a_directory``: the directory or a parent is a file), ``io_error`` for another OSError,
+    ``other`` when no OSError is in the chain."""
+    found = os_error_in(exc)
+    if found is None:
+        return "other"
+    return _REASON_OF_ERRNO.get(found.errno, "io_error")
 
 
 @dataclass(frozen=True)
@@ -103,6 +144,7 @@ class CheckpointStore:
         self.shard_index = shard_index
         self.keep = keep
         self._lock = _lock_for(self.directory, shard_index)
+        self._mine: set[int] = set()  # versions this store wrote and has not pruned: this run's timeline
         if self.directory.is_dir():
             with self._lock:
                 try:
@@ -121,8 +163,17 @@ class CheckpointStore:
         """This shard's checkpoint files, oldest version first, by file name; contents are not read.
 
         Temp files, other shards' files and names not written by this module are left out.
-        Returns an empty list when the directory does not exist.
+        Returns an empty list when the directory does not exist. The listing is consistent with the
+        saves of every store of this process on the same shard: a save is seen either before it
+        started or after it pruned, never between.
+
+        Raises:
+            CheckpointError: the directory cannot be listed.
         """
+        with self._lock:
+            return self._checkpoints()
+
+    def _checkpoints(self) -> list[CheckpointInfo]:
         found = []
         try:
             entries = list(os.scandir(self.directory))
@@ -136,7 +187,7 @@ class CheckpointStore:
                 continue
             try:
                 size = entry.stat().st_size
-            except FileNotFoundError:  # pruned meanwhile by another store on the same directory
+            except FileNotFoundError:  # removed meanwhile by another process
                 continue
             found.append(CheckpointInfo(int(m[2]), Path(entry.path), size))
         return sorted(found, key=lambda c: c.version)
@@ -152,9 +203,12 @@ class CheckpointStore:
         Serializes synchronously: tensors in ``state`` must not change during the call (a caller
         that keeps training snapshots them first; a racing change makes the file fail its digest,
         never load wrong). A tensor view saves its whole storage, so pass standalone tensors.
-        After the rename, checkpoints with a higher version than ``version`` are removed with a
-        warning (they belong to a timeline this shard abandoned when it resumed from an older one,
-        and must never be loaded as the newest), then all but the newest ``keep``.
+        After the rename, checkpoints with a higher version than ``version`` that this store did
+        not write are removed with a warning (they belong to a timeline this shard abandoned when it
+        resumed from an older one, and must never be loaded as the newest), then all but the newest
+        ``keep`` of the rest. A checkpoint this store wrote is never removed while fewer than
+        ``keep`` newer ones are on disk; callers save in version order (a save older than ``keep``
+        checkpoints this store wrote is pruned at once).
 
         Args:
             state: the payload (see the module docstring for the types allowed); tensors may be
@@ -270,9 +324,12 @@ class CheckpointStore:
             raise CheckpointError(self._write_failure("create", exc)) from exc
 
     def _write_failure(self, what: str, exc: BaseException) -> str:
-        """The message of a failed ``what`` ("create", "write <name> in"): cause and what to do."""
-        code = exc.errno if isinstance(exc, OSError) else None
-        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        """The message of a failed ``what`` ("create", "write <name> in"): cause and what to do.
+        The cause is the OSError in ``exc``'s chain when there is one (torch's "unexpected pos N vs
+        M" on a full disk reads "No space left on device")."""
+        os_error = os_error_in(exc)
+        code = os_error.errno if os_error is not None else None
+        reason = os_error.strerror if os_error is not None and os_error.strerror else str(exc)
         if code in (errno.ENOSPC, errno.EDQUOT):
             hint = "free some space or pass another --checkpoint-dir"
         elif code in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EEXIST):
@@ -320,17 +377,21 @@ class CheckpointStore:
                 log.info("Removed %s, left by a checkpoint write that did not finish", entry.path)
 
     def _prune(self, written: int) -> None:
-        found = self.checkpoints()
-        newer = [c for c in found if c.version > written]
-        older = [c for c in found if c.version < written]
-        for c in newer:
+        """Remove higher versions left by an earlier run, then all but the newest ``keep`` of the
+        rest (caller holds the lock, ``written`` was just renamed into place)."""
+        self._mine.add(written)
+        found = self._checkpoints()
+        abandoned = [c for c in found if c.version > written and c.version not in self._mine]
+        timeline = [c for c in found if c.version <= written or c.version in self._mine]
+        for c in abandoned:
             log.warning(
                 "Removing checkpoint %s: version %d was just written, so version %d belongs to an abandoned run.",
                 c.path,
                 written,
                 c.version,
             )
-        doomed = newer + older[: max(0, len(older) - (self.keep - 1))]
+        doomed = abandoned + timeline[: max(0, len(timeline) - self.keep)]
+        self._mine.difference_update(c.version for c in doomed)
         for c in doomed:
             try:
                 c.path.unlink(missing_ok=True)

@@ -33,6 +33,10 @@ STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64, 128)
 
 CHECKPOINT_SECONDS_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
+CHECKPOINT_FAILURE_REASONS = ("no_space", "permission", "not_a_directory", "io_error", "other")
+"""Values of the ``reason`` label of ``ps_checkpoint_failures_total`` (``checkpoint.failure_reason``);
+every one is exported from the start, zeros included, so a first failure shows in ``increase()``."""
+
 WORKER_STATES = ("pending", "live", "evicted", "left")
 """Values of the ``state`` label of ``ps_workers``; every one is exported, zeros included."""
 
@@ -134,6 +138,15 @@ class ServerMetrics:
             "Version of the newest complete checkpoint of this shard; 0 until a checkpoint is written.",
             registry=registry,
         )
+        self.checkpoint_failures = Counter(
+            "ps_checkpoint_failures",
+            "Checkpoint writes that failed (periodic, Admin/Checkpoint, final), by reason: no_space, permission, "
+            "not_a_directory, io_error, other.",
+            ["reason"],
+            registry=registry,
+        )
+        for reason in CHECKPOINT_FAILURE_REASONS:
+            self.checkpoint_failures.labels(reason)
         if status is not None:
             registry.register(ShardCollector(status))
 

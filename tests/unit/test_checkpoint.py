@@ -158,11 +158,30 @@ def test_higher_versions_of_an_abandoned_run_are_removed_with_a_warning(
 ) -> None:
     for v in (5, 6, 7):
         store.save({"v": v}, v)
+    restarted = CheckpointStore(store.directory, 0, keep=3)  # this shard resumed from an older checkpoint
     with caplog.at_level(logging.WARNING, logger=LOGGER):
-        store.save({"v": 3}, 3)  # this shard resumed from an older checkpoint
-    assert [c.version for c in store.checkpoints()] == [3]
-    assert store.load_latest() == (3, {"v": 3})
+        restarted.save({"v": 3}, 3)
+    assert [c.version for c in restarted.checkpoints()] == [3]
+    assert restarted.load_latest() == (3, {"v": 3})
     assert sum("abandoned" in r.getMessage() for r in caplog.records) == 3
+
+
+def test_a_newer_checkpoint_this_store_wrote_is_kept_until_keep_newer_exist(
+    store: CheckpointStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An out-of-order save (an older snapshot written after a newer one) never removes the newer
+    checkpoint as "abandoned": only keep-pruning removes what this store wrote."""
+    store.save({"v": 1}, 1)
+    store.save({"v": 9}, 9)
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        store.save({"v": 4}, 4)
+    assert [c.version for c in store.checkpoints()] == [1, 4, 9]
+    assert not [r for r in caplog.records if "abandoned" in r.getMessage()]
+    store.save({"v": 10}, 10)
+    assert [c.version for c in store.checkpoints()] == [4, 9, 10]
+    store.save({"v": 2}, 2)  # older than the 3 newest: pruned at once, the newer ones stay
+    assert [c.version for c in store.checkpoints()] == [4, 9, 10]
+    assert store.load_latest() == (10, {"v": 10})
 
 
 def test_other_shards_files_are_never_touched(tmp_path: Path) -> None:
