@@ -430,8 +430,11 @@ def staleness_summary(counts: dict[int, int]) -> ps_pb2.StalenessSummary:
     )
 
 
-def status_to_proto(view: StatusView, counters: Counters, uptime: float) -> ps_pb2.ShardStatus:
-    """ShardStatus message of a status snapshot."""
+def status_to_proto(
+    view: StatusView, counters: Counters, uptime: float, checkpointer: Checkpointer | None = None
+) -> ps_pb2.ShardStatus:
+    """ShardStatus message of a status snapshot (and of ``checkpointer``'s failed writes)."""
+    failures = checkpointer.failures() if checkpointer is not None else None
     return ps_pb2.ShardStatus(
         shard_index=view.shard_index,
         num_shards=view.num_shards,
@@ -467,6 +470,8 @@ def status_to_proto(view: StatusView, counters: Counters, uptime: float) -> ps_p
         round_waiting_for=view.round_waiting_for,
         last_checkpoint_version=view.last_checkpoint_version,
         restored_from_version=view.restored_from_version,
+        checkpoint_failures=failures.count if failures else 0,
+        last_checkpoint_error=failures.last_error if failures else "",
     )
 
 
@@ -499,7 +504,7 @@ class AdminServicer(ps_pb2_grpc.AdminServicer):
         self.stopping = stopping or threading.Event()
 
     def _status(self) -> ps_pb2.ShardStatus:
-        return status_to_proto(self.shard.status(), self.counters, time.monotonic() - self.started)
+        return status_to_proto(self.shard.status(), self.counters, time.monotonic() - self.started, self.checkpointer)
 
     @_maps_errors
     def GetStatus(self, request: ps_pb2.GetStatusRequest, context: grpc.ServicerContext) -> ps_pb2.GetStatusResponse:

@@ -358,7 +358,7 @@ class WorkerStatus(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., incarnation: _Optional[int] = ..., clock: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., last_seen_seconds_ago: _Optional[float] = ..., pushes: _Optional[int] = ...) -> None: ...
 
 class ShardStatus(_message.Message):
-    __slots__ = ("shard_index", "num_shards", "config", "initialized", "version", "plan_digest", "num_partitions", "num_elements", "parameter_bytes", "optimizer", "workers", "received_bytes", "sent_bytes", "rejected_requests", "uptime_seconds", "round_ranks", "pending_mode", "max_clock_gap", "rejected_pushes", "staleness", "round_age_seconds", "round_waiting_for", "last_checkpoint_version", "restored_from_version")
+    __slots__ = ("shard_index", "num_shards", "config", "initialized", "version", "plan_digest", "num_partitions", "num_elements", "parameter_bytes", "optimizer", "workers", "received_bytes", "sent_bytes", "rejected_requests", "uptime_seconds", "round_ranks", "pending_mode", "max_clock_gap", "rejected_pushes", "staleness", "round_age_seconds", "round_waiting_for", "last_checkpoint_version", "restored_from_version", "checkpoint_failures", "last_checkpoint_error")
     class RejectedPushesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -390,6 +390,8 @@ class ShardStatus(_message.Message):
     ROUND_WAITING_FOR_FIELD_NUMBER: _ClassVar[int]
     LAST_CHECKPOINT_VERSION_FIELD_NUMBER: _ClassVar[int]
     RESTORED_FROM_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    LAST_CHECKPOINT_ERROR_FIELD_NUMBER: _ClassVar[int]
     shard_index: int
     num_shards: int
     config: ClusterConfig
@@ -414,7 +416,9 @@ class ShardStatus(_message.Message):
     round_waiting_for: _containers.RepeatedScalarFieldContainer[int]
     last_checkpoint_version: int
     restored_from_version: int
-    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., config: _Optional[_Union[ClusterConfig, _Mapping]] = ..., initialized: _Optional[bool] = ..., version: _Optional[int] = ..., plan_digest: _Optional[str] = ..., num_partitions: _Optional[int] = ..., num_elements: _Optional[int] = ..., parameter_bytes: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., received_bytes: _Optional[int] = ..., sent_bytes: _Optional[int] = ..., rejected_requests: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., round_ranks: _Optional[_Iterable[int]] = ..., pending_mode: _Optional[_Union[Mode, str]] = ..., max_clock_gap: _Optional[int] = ..., rejected_pushes: _Optional[_Mapping[str, int]] = ..., staleness: _Optional[_Union[StalenessSummary, _Mapping]] = ..., round_age_seconds: _Optional[float] = ..., round_waiting_for: _Optional[_Iterable[int]] = ..., last_checkpoint_version: _Optional[int] = ..., restored_from_version: _Optional[int] = ...) -> None: ...
+    checkpoint_failures: int
+    last_checkpoint_error: str
+    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., config: _Optional[_Union[ClusterConfig, _Mapping]] = ..., initialized: _Optional[bool] = ..., version: _Optional[int] = ..., plan_digest: _Optional[str] = ..., num_partitions: _Optional[int] = ..., num_elements: _Optional[int] = ..., parameter_bytes: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., received_bytes: _Optional[int] = ..., sent_bytes: _Optional[int] = ..., rejected_requests: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., round_ranks: _Optional[_Iterable[int]] = ..., pending_mode: _Optional[_Union[Mode, str]] = ..., max_clock_gap: _Optional[int] = ..., rejected_pushes: _Optional[_Mapping[str, int]] = ..., staleness: _Optional[_Union[StalenessSummary, _Mapping]] = ..., round_age_seconds: _Optional[float] = ..., round_waiting_for: _Optional[_Iterable[int]] = ..., last_checkpoint_version: _Optional[int] = ..., restored_from_version: _Optional[int] = ..., checkpoint_failures: _Optional[int] = ..., last_checkpoint_error: _Optional[str] = ...) -> None: ...
 
 class StalenessSummary(_message.Message):
     __slots__ = ("count", "p50", "p90", "p99", "max")
