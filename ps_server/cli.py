@@ -15,7 +15,12 @@ from ps_server.server import start_server
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point. Prints ``ps-server: metrics on http://HOST:PORT/metrics`` (unless
-    ``--metrics-port -1``), then ``ps-server: shard K/S listening on HOST:PORT`` once serving."""
+    ``--metrics-port -1``), then ``ps-server: shard K/S listening on HOST:PORT`` once serving.
+
+    Returns:
+        0 after a clean stop; 1 when the shard could not start, or when the final checkpoint
+        written at SIGTERM/SIGINT failed (the message says why and which checkpoint is the newest).
+    """
     config, log_level = config_from_args(argv)
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -39,6 +44,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGINT, on_signal)
     done.wait()
     running.stop()
+    checkpointer = running.checkpointer
+    if checkpointer is not None and checkpointer.final_error:
+        newest = running.shard.last_checkpoint_version
+        kept = f"the newest checkpoint written was version {newest}" if newest is not None else "none was written"
+        print(
+            f"ps-server: final checkpoint of shard {config.shard_index} at version {running.shard.version} failed "
+            f"({kept}): {checkpointer.final_error}",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 1
     return 0
 
 
