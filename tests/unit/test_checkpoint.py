@@ -1,24 +1,34 @@
-"""Checkpoint store: atomic versioned files, keep-K pruning, corrupt files refused, optimizer state round trips."""
+"""Checkpoint store: atomic versioned files, keep-K pruning, corrupt files refused, optimizer state round trips;
+the checkpointer: writes in version order, failed writes counted by reason and named."""
 
 from __future__ import annotations
 
+import errno
+import io
 import logging
 import os
 import re
 import shutil
 import signal
+import tempfile
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
+from prometheus_client import CollectorRegistry
 
-from ps_server.checkpoint import FORMAT, FORMAT_VERSION, CheckpointStore, digest
+from ps_server import checkpoint as checkpoint_module
+from ps_server.checkpoint import FORMAT, FORMAT_VERSION, CheckpointStore, digest, failure_reason
+from ps_server.checkpointer import Checkpointer, CheckpointFailures
 from ps_server.core.errors import CheckpointError
 from ps_server.core.optimizer import OPTIMIZERS, OptimizerSpec
+from ps_server.metrics import CHECKPOINT_FAILURE_REASONS, ServerMetrics
 from tests.helpers.compare import assert_identical, bits
 
 LOGGER = "ps_server.checkpoint"
@@ -534,3 +544,189 @@ def test_optimizer_state_round_trips_through_weights_only(store: CheckpointStore
     for p, f in zip(params, fresh, strict=True):
         assert torch.equal(bits(p), bits(f))
     assert_identical(resumed.state_dict(), opt.state_dict())
+
+
+# -- failed writes: the cause by name ------------------------------------------------------------
+
+
+class FillingFile(io.RawIOBase):
+    """A file on a disk with ``room`` bytes free: a write past it fails with ENOSPC, as the kernel's."""
+
+    def __init__(self, raw: io.FileIO, room: int) -> None:
+        self._raw, self._room = raw, room
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        if len(data) > self._room:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        self._room -= len(data)
+        return self._raw.write(data)
+
+    def fileno(self) -> int:
+        return self._raw.fileno()
+
+    def close(self) -> None:
+        self._raw.close()
+        super().close()
+
+
+def fill_disk(monkeypatch: pytest.MonkeyPatch, how: str) -> None:
+    """Make checkpoint file writes fail with ENOSPC: an OSError injected at the file-write layer
+    after 100 bytes, or the real kernel error of /dev/full."""
+    if how == "injected":
+        real_fdopen = os.fdopen
+        monkeypatch.setattr(
+            os, "fdopen", lambda fd, mode: io.BufferedWriter(FillingFile(real_fdopen(fd, mode, buffering=0), 100))
+        )
+        return
+    if not Path("/dev/full").is_char_device():
+        pytest.skip("/dev/full is not available here")
+    real_mkstemp = tempfile.mkstemp
+
+    def mkstemp(**kw: Any) -> tuple[int, str]:
+        fd, name = real_mkstemp(**kw)
+        os.close(fd)
+        return os.open("/dev/full", os.O_WRONLY), name
+
+    monkeypatch.setattr(checkpoint_module, "tempfile", SimpleNamespace(mkstemp=mkstemp))
+
+
+@pytest.mark.parametrize("how", ["injected", "dev_full"])
+def test_a_full_disk_says_no_space_left_on_device(
+    store: CheckpointStore, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    """torch reports a failed write as "unexpected pos N vs M"; the error names the OSError behind it."""
+    store.save({"v": torch.ones(10)}, 1)
+    fill_disk(monkeypatch, how)
+    with pytest.raises(CheckpointError) as info:
+        store.save({"v": torch.ones(100_000)}, 2)
+    message = str(info.value)
+    assert "No space left on device; free some space or pass another --checkpoint-dir" in message, message
+    assert "unexpected pos" not in message
+    assert failure_reason(info.value) == "no_space"
+    monkeypatch.undo()
+    assert names(store.directory) == ["shard-0-v000000000001.pt"]
+    assert store.load_latest()[0] == 1
+
+
+def chained(top: BaseException, cause: BaseException) -> BaseException:
+    top.__context__ = cause
+    return top
+
+
+@pytest.mark.parametrize(
+    ("exc", "reason"),
+    [
+        (OSError(errno.ENOSPC, "No space left on device"), "no_space"),
+        (OSError(errno.EDQUOT, "Disk quota exceeded"), "no_space"),
+        (chained(RuntimeError("unexpected pos 704 vs 598"), OSError(errno.ENOSPC, "full")), "no_space"),
+        (chained(CheckpointError("x"), chained(RuntimeError("y"), OSError(errno.ENOSPC, "z"))), "no_space"),
+        (PermissionError(errno.EACCES, "Permission denied"), "permission"),
+        (OSError(errno.EROFS, "Read-only file system"), "permission"),
+        (FileExistsError(errno.EEXIST, "File exists"), "not_a_directory"),
+        (NotADirectoryError(errno.ENOTDIR, "Not a directory"), "not_a_directory"),
+        (OSError(errno.EIO, "Input/output error"), "io_error"),
+        (OSError("no errno"), "other"),
+        (RuntimeError("unexpected pos 1 vs 0"), "other"),
+    ],
+)
+def test_failure_reasons_come_from_the_errno_in_the_chain(exc: BaseException, reason: str) -> None:
+    assert failure_reason(exc) == reason
+    assert reason in CHECKPOINT_FAILURE_REASONS
+
+
+# -- the checkpointer: writes in version order, failures counted ---------------------------------
+
+
+class MovingShard:
+    """The part of a Shard the checkpointer uses; ``export_state`` advances the version first when
+    ``moving`` (a shard that trains between snapshots)."""
+
+    def __init__(self, version: int = 0, moving: bool = False) -> None:
+        self.shard_index = 0
+        self.checkpoint_every = 0
+        self.on_snapshot: Callable[[int, dict[str, Any]], None] | None = None
+        self.last_checkpoint_version: int | None = None
+        self.version = version
+        self.moving = moving
+        self._lock = threading.Lock()
+
+    def export_state(self) -> dict[str, Any]:
+        with self._lock:
+            self.version += self.moving
+            return {"version": self.version, "w": torch.full((100,), float(self.version))}
+
+
+class RecordingStore(CheckpointStore):
+    """A store that records the versions it was asked to save, in order."""
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.saved: list[int] = []
+
+    def save(self, state: Any, version: int) -> Path:
+        self.saved.append(version)
+        return super().save(state, version)
+
+
+def failures_by_reason(metrics: ServerMetrics) -> dict[str, float]:
+    return {
+        s.labels["reason"]: s.value
+        for family in metrics.registry.collect()
+        for s in family.samples
+        if s.name == "ps_checkpoint_failures_total"
+    }
+
+
+def test_a_snapshot_older_than_the_newest_checkpoint_is_dropped(tmp_path: Path) -> None:
+    store = RecordingStore(tmp_path, 0, keep=3)
+    shard = MovingShard(version=5)
+    checkpointer = Checkpointer(store, shard, every=1, metrics=None)  # type: ignore[arg-type]
+    assert checkpointer.checkpoint_now()[0] == 5
+    checkpointer.offer(3, {"version": 3})  # taken before version 5, handed over after it was written
+    checkpointer.close(final=False)  # finishes the waiting snapshot
+    assert store.saved == [5]
+    assert [c.version for c in store.checkpoints()] == [5] and shard.last_checkpoint_version == 5
+
+
+def test_parallel_checkpoint_now_writes_in_version_order_and_shares_writes(tmp_path: Path) -> None:
+    store = RecordingStore(tmp_path, 0, keep=2)
+    shard = MovingShard(moving=True)
+    checkpointer = Checkpointer(store, shard, every=0, metrics=None)  # type: ignore[arg-type]
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        answers = [f.result(timeout=60) for f in [pool.submit(checkpointer.checkpoint_now) for _ in range(40)]]
+    checkpointer.close(final=False)
+    assert store.saved == sorted(set(store.saved)) and len(store.saved) <= 40
+    newest = store.saved[-1]
+    assert [c.version for c in store.checkpoints()] == store.saved[-2:]
+    for version, path, _ in answers:  # each acknowledged file is there, or 2 newer ones are
+        assert path.exists() or sum(v > version for v in store.saved) >= 2
+    assert shard.last_checkpoint_version == newest
+
+
+def test_failed_writes_are_counted_by_reason_and_shown_until_a_write_succeeds(tmp_path: Path) -> None:
+    directory = tmp_path / "ckpt"
+    store = CheckpointStore(directory, 0)
+    metrics = ServerMetrics(CollectorRegistry())
+    shard = MovingShard(moving=True)
+    checkpointer = Checkpointer(store, shard, every=0, metrics=metrics)  # type: ignore[arg-type]
+    assert checkpointer.failures() == CheckpointFailures(0, "")
+    assert failures_by_reason(metrics) == dict.fromkeys(CHECKPOINT_FAILURE_REASONS, 0.0)
+    directory.write_text("a file where the directory should be")
+    for _ in range(2):
+        with pytest.raises(CheckpointError, match="File exists; make it a directory") as info:
+            checkpointer.checkpoint_now()
+    assert checkpointer.failures() == CheckpointFailures(2, str(info.value))
+    assert failures_by_reason(metrics)["not_a_directory"] == 2
+    directory.unlink()
+    version, path, _ = checkpointer.checkpoint_now()
+    assert path.exists() and checkpointer.failures() == CheckpointFailures(2, "")
+    assert shard.last_checkpoint_version == version
+
+    shutil.rmtree(directory)
+    directory.write_text("a file again")
+    checkpointer.close(final=True)
+    assert checkpointer.final_error is not None and "File exists" in checkpointer.final_error
+    assert checkpointer.failures().count == 3 and failures_by_reason(metrics)["not_a_directory"] == 3
