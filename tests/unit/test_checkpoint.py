@@ -573,12 +573,13 @@ class FillingFile(io.RawIOBase):
 
 
 def fill_disk(monkeypatch: pytest.MonkeyPatch, how: str) -> None:
-    """Make checkpoint file writes fail with ENOSPC: an OSError injected at the file-write layer
-    after 100 bytes, or the real kernel error of /dev/full."""
+    """Make checkpoint file writes fail with ENOSPC: an OSError injected at the file-write layer once
+    4 KiB are written (the header fits, the tensor data does not: torch then raises its "unexpected
+    pos N vs M" with the OSError as context, and the file closes cleanly), or the kernel's /dev/full."""
     if how == "injected":
         real_fdopen = os.fdopen
         monkeypatch.setattr(
-            os, "fdopen", lambda fd, mode: io.BufferedWriter(FillingFile(real_fdopen(fd, mode, buffering=0), 100))
+            os, "fdopen", lambda fd, mode: io.BufferedWriter(FillingFile(real_fdopen(fd, mode, buffering=0), 4096))
         )
         return
     if not Path("/dev/full").is_char_device():
