@@ -297,13 +297,25 @@ def round_line(results: Sequence[ShardResult]) -> str | None:
     return f"sync round open {age:.1f}s, waiting for {what}"
 
 
+def checkpoint_lines(results: Sequence[ShardResult]) -> list[str]:
+    """``! shard 0: 3 checkpoint writes failed, the newest: Cannot write …`` per shard whose newest
+    checkpoint write failed; nothing while the newest write of every shard succeeded."""
+    return [
+        f"! shard {s.shard_index}: {s.checkpoint_failures} checkpoint write(s) failed, the newest: "
+        f"{s.last_checkpoint_error}"
+        for s in (r.status for r in results)
+        if s is not None and s.last_checkpoint_error
+    ]
+
+
 def render_status(results: Sequence[ShardResult], width: int | None = None, errors: bool = False) -> list[str]:
-    """The ``status`` report: a summary line, the settings in force, the shard table (``errors``: a
-    line under it per shard that did not answer) and the rank table."""
+    """The ``status`` report: a summary line, the settings in force, failing checkpoints, the shard
+    table (``errors``: a line under it per shard that did not answer) and the rank table."""
     lines = [summary_line(results), *status_settings(results)]
     note = round_line(results)
     if note:
         lines.append(note)
+    lines += checkpoint_lines(results)
     lines += ["", *table(SHARD_COLUMNS, shard_rows(results), width)]
     if errors:
         lines += [f"! {r.error_line().removeprefix('ps-admin: ')}" for r in results if not r.ok]

@@ -25,6 +25,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ps_proto.v1 import ps_pb2, ps_pb2_grpc
 from ps_server import checkpoint as checkpoint_module
+from ps_server.admin_client import ShardResult
+from ps_server.admin_view import render_status
 from ps_server.checkpoint import CheckpointStore
 from ps_server.metrics import CHECKPOINT_FAILURE_REASONS
 from ps_worker import DistributedOptimizer, PSClient
@@ -150,8 +152,9 @@ def test_failed_checkpoint_writes_are_counted_named_and_shown(
 ) -> None:
     """Item 11. A checkpoint directory replaced by a file, then a full disk: Admin/Checkpoint fails
     with INTERNAL naming the cause ("No space left on device", not torch's "unexpected pos"),
-    GetStatus counts the failures and shows the newest error, ps_checkpoint_failures_total{reason}
-    counts them by reason; a later successful write clears the error, the count stays."""
+    GetStatus counts the failures and shows the newest error (so does ``ps-admin status``),
+    ps_checkpoint_failures_total{reason} counts them by reason; a later successful write clears the
+    error, the count stays."""
     directory = tmp_path / "ckpt"
     (shard,) = start_shards(1, checkpoint_dir=str(directory))
     train_steps(shard.address, 2)
@@ -182,6 +185,8 @@ def test_failed_checkpoint_writes_are_counted_named_and_shown(
         assert "unexpected pos" not in details
         st = status()
         assert st.checkpoint_failures == 2 and st.last_checkpoint_error == details
+        shown = render_status([ShardResult(0, shard.address, st)])
+        assert f"! shard 0: 2 checkpoint write(s) failed, the newest: {details}" in shown, shown
         assert not [p.name for p in directory.iterdir()], "a failed write left a file behind"
         found = failure_samples(shard.metrics_url)
         assert found == {**dict.fromkeys(CHECKPOINT_FAILURE_REASONS, 0.0), "not_a_directory": 1.0, "no_space": 1.0}
@@ -191,6 +196,7 @@ def test_failed_checkpoint_writes_are_counted_named_and_shown(
         assert reply.version == 2 and Path(reply.path).exists()
         st = status()
         assert st.checkpoint_failures == 2 and st.last_checkpoint_error == "" and st.last_checkpoint_version == 2
+        assert not [line for line in render_status([ShardResult(0, shard.address, st)]) if "checkpoint" in line]
 
 
 def test_sigterm_exits_nonzero_when_the_final_checkpoint_fails(tmp_path: Path) -> None:
