@@ -64,9 +64,10 @@ class Checkpointer:
         self._asked = 0  # checkpoint_now calls so far (under _cond)
         self._write_lock = threading.Lock()
         # Under _write_lock: the newest version written or resumed from; the answer of the newest
-        # on-demand write with the number of calls its snapshot covers; failures.
+        # on-demand write (its result, or its error's message: an exception would keep the snapshot
+        # alive through its traceback) with the number of calls its snapshot covers.
         self._newest: int | None = None
-        self._answer: tuple[int, tuple[int, Path, float] | CheckpointError] | None = None
+        self._answer: tuple[int, tuple[int, Path, float] | str] | None = None
         self._failures = CheckpointFailures()
         self.final_error: str | None = None
         """Set by :meth:`close` when the final checkpoint failed (the process should exit non-zero)."""
@@ -179,8 +180,8 @@ class Checkpointer:
         with self._write_lock:
             if self._answer is not None and self._answer[0] >= ticket:
                 answer = self._answer[1]
-                if isinstance(answer, CheckpointError):
-                    raise CheckpointError(str(answer)) from answer
+                if isinstance(answer, str):
+                    raise CheckpointError(answer)
                 return answer
             with self._cond:
                 covers = self._asked
@@ -189,7 +190,7 @@ class Checkpointer:
             try:
                 path, seconds = self._write(version, state)
             except CheckpointError as exc:
-                self._answer = (covers, exc)
+                self._answer = (covers, str(exc))
                 raise
             self._answer = (covers, (version, path, seconds))
             return version, path, seconds
