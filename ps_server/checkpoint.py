@@ -342,6 +342,7 @@ class CheckpointStore:
         self._mkdir()
         try:
             self._remove_temp_files()
+            self._make_room(envelope["version"])
             fd, name = tempfile.mkstemp(dir=self.directory, prefix=f".{final.name}.", suffix=".tmp")
         except OSError as exc:
             raise CheckpointError(self._write_failure(f"write {final.name} in", exc)) from exc
@@ -390,7 +391,16 @@ class CheckpointStore:
                 written,
                 c.version,
             )
-        doomed = abandoned + timeline[: max(0, len(timeline) - self.keep)]
+        self._remove(abandoned + timeline[: max(0, len(timeline) - self.keep)])
+
+    def _make_room(self, version: int) -> None:
+        """Before writing ``version``, remove the checkpoints its prune would remove anyway (those
+        with ``keep`` newer ones below ``version``), so that a kill between a rename and its prune
+        leaves at most ``keep + 1``, however many writers in a row were killed there."""
+        timeline = [c for c in self._checkpoints() if c.version < version or c.version in self._mine]
+        self._remove(timeline[: max(0, len(timeline) - self.keep)])
+
+    def _remove(self, doomed: list[CheckpointInfo]) -> None:
         self._mine.difference_update(c.version for c in doomed)
         for c in doomed:
             try:

@@ -194,6 +194,20 @@ def test_a_newer_checkpoint_this_store_wrote_is_kept_until_keep_newer_exist(
     assert store.load_latest() == (10, {"v": 10})
 
 
+def test_writers_killed_in_a_row_after_the_rename_leave_at_most_keep_plus_one(
+    store: CheckpointStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A writer killed between its rename and its prune leaves keep + 1 checkpoints; the next writer,
+    killed at the same point, still leaves keep + 1: a save first removes what it would prune anyway."""
+    for v in (1, 2, 3, 4):
+        store.save({"v": v}, v)
+    assert [c.version for c in store.checkpoints()] == [2, 3, 4]
+    monkeypatch.setattr(CheckpointStore, "_prune", lambda self, written: None)  # killed right after the rename
+    for v in (5, 6, 7):
+        CheckpointStore(store.directory, 0, keep=3).save({"v": v}, v)  # a restarted writer each time
+        assert [c.version for c in store.checkpoints()] == [v - 3, v - 2, v - 1, v]
+
+
 def test_other_shards_files_are_never_touched(tmp_path: Path) -> None:
     shard0, shard1, shard10 = (CheckpointStore(tmp_path, k, keep=1) for k in (0, 1, 10))
     shard1.save({"k": 1}, 100)
