@@ -240,6 +240,9 @@ def test_item3_stream_limits_refuse_extras_at_once_and_keep_the_data_plane(secur
             assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert flag in err.value.details() and "close one or raise the limit" in err.value.details()
             assert ("ps-reason", "TOO_MANY_STREAMS") in tuple(err.value.trailing_metadata())
+        for method in ("ps.v1.Admin/WatchStatus", "grpc.health.v1.Health/Watch"):  # counted by code
+            labels = {"method": method, "code": "RESOURCE_EXHAUSTED"}
+            assert shard.metrics.registry.get_sample_value("ps_rpc_duration_seconds_count", labels) == 1
         # a wrong token is UNAUTHENTICATED, not a stream
         with pytest.raises(grpc.RpcError) as err:
             next(admin.WatchStatus(ps_pb2.WatchStatusRequest(), timeout=RPC_TIMEOUT))
