@@ -67,7 +67,7 @@ class StreamLimit:
 
     def refusal(self) -> str:
         return (
-            f"This shard already serves {self.limit} {self.what}, the limit set by {self.flag}; "
+            f"{self.flag} {self.limit} reached: this shard already serves {self.limit} {self.what}; "
             "close one or raise the limit."
         )
 
