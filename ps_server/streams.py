@@ -17,6 +17,12 @@ Groups: ``watch``, the streaming methods of ``ps.v1.Admin`` (``--max-watch-strea
 the streaming methods of services that need no token, Health and reflection
 (``--max-public-streams``). The streams of ``ps.v1.ParameterService`` are the data plane: never
 limited here (``maximum_concurrent_rpcs`` and the pool's size bound them).
+
+Why this design: a second server would need a second port (grpcurl and Kubernetes probes dial the
+shard's one port), and a ``grpc.aio`` server would mean rewriting the servicers and interceptors
+around blocking waits. The two hooks used here are grpcio's own (``grpc_health`` relies on both);
+were a later grpcio to drop them, the caps would still hold and ``tests/adversarial/test_threads.py``
+would show the streams back in the data plane's pool.
 """
 
 from __future__ import annotations
