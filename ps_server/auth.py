@@ -17,9 +17,13 @@ ADMIN_PREFIX = "/ps.v1.Admin/"
 
 
 def _bearer(metadata: tuple[tuple[str, Any], ...] | None) -> str | None:
+    """The token of the first ``authorization: Bearer <token>``; the scheme's name is
+    case-insensitive and may be followed by several spaces (RFC 6750 section 2.1, RFC 9110 11.1)."""
     for key, value in metadata or ():
-        if key == "authorization" and isinstance(value, str) and value.startswith("Bearer "):
-            return value[len("Bearer ") :]
+        if key == "authorization" and isinstance(value, str):
+            scheme, space, token = value.partition(" ")
+            if space and scheme.lower() == "bearer":
+                return token.lstrip(" ")
     return None
 
 

@@ -12,6 +12,10 @@ from ps_server.core.modes import MODES, ModeSettings
 from ps_server.flags import FlagParser, secret
 
 LOOPBACK_NAMES = {"localhost", "ip6-localhost"}
+MAX_STREAMS = 1024
+"""Upper bound of ``--max-watch-streams`` and ``--max-public-streams``."""
+STREAM_REFUSAL_THREADS = 4
+"""Threads of the streams' pool beyond the admitted streams: they refuse extra streams at once."""
 
 
 def is_loopback(host: str) -> bool:
@@ -61,6 +65,12 @@ class ServerConfig:
     metrics_port: int = -1
     """HTTP port of ``/metrics`` on ``host``; 0 picks a free port, -1 (the library default) serves none.
     ``ps-server`` defaults to 8000."""
+    max_watch_streams: int = 16
+    """Admin/WatchStatus streams (``ps-admin top``) open at once; one more is refused with
+    RESOURCE_EXHAUSTED. Each holds a thread of the streams' pool, never one of the data plane's."""
+    max_public_streams: int = 64
+    """Streams of the services that need no token (Health/Watch, reflection) open at once; one more
+    is refused with RESOURCE_EXHAUSTED."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -87,6 +97,20 @@ class ServerConfig:
                 f"Refusing to serve on non-loopback address {self.host!r} without both PS_TOKEN and "
                 "PS_ADMIN_TOKEN: set them (or --token/--admin-token), or pass --insecure on a trusted network."
             )
+        for flag, token in (("--token (PS_TOKEN)", self.token), ("--admin-token (PS_ADMIN_TOKEN)", self.admin_token)):
+            if token and not token.strip():
+                raise InvalidRequestError(f"{flag} is only whitespace; give a real secret, or leave it empty.")
+        if not is_loopback(self.host) and self.token and self.token == self.admin_token and not self.insecure:
+            raise InvalidRequestError(
+                f"Refusing to serve on non-loopback address {self.host!r} with PS_TOKEN equal to PS_ADMIN_TOKEN: "
+                "every worker could then call Admin; give the admin token a different secret."
+            )
+        for flag, value in (
+            ("--max-watch-streams", self.max_watch_streams),
+            ("--max-public-streams", self.max_public_streams),
+        ):
+            if not 1 <= value <= MAX_STREAMS:
+                raise InvalidRequestError(f"{flag} must be in 1..{MAX_STREAMS}, got {value}.")
         if self.checkpoint_every < 0 or self.checkpoint_keep < 1:
             raise InvalidRequestError(
                 f"--checkpoint-every must be >= 0 (0: only on SIGTERM and Admin/Checkpoint) and --checkpoint-keep "
@@ -128,8 +152,16 @@ class ServerConfig:
 
     @property
     def threads(self) -> int:
-        """Server thread pool size: every worker may hold a pull and a push, plus admin calls."""
+        """The data plane's thread pool size: each worker holds at most two calls on a shard at once
+        (its push or pull, and its heartbeat), plus 8 for Join/Init/Leave and Admin's unary calls.
+        Long-lived streams never run in it (see :attr:`stream_threads`)."""
         return self.max_workers_threads or max(16, 2 * self.num_workers + 8)
+
+    @property
+    def stream_threads(self) -> int:
+        """The long-lived streams' pool size: every admitted stream has a thread (Health/Watch needs
+        none, but counts in ``max_public_streams``), plus a few that answer refusals at once."""
+        return self.max_watch_streams + self.max_public_streams + STREAM_REFUSAL_THREADS
 
 
 def mode_flags(p: FlagParser) -> None:
@@ -197,6 +229,18 @@ def server_parser(environ: Mapping[str, str] | None = None) -> FlagParser:
     p.flag("--tls-key", default="", help="PEM private key of --tls-cert")
     p.flag("--tls-client-ca", default="", help="PEM CA that client certificates must chain to (mutual TLS)")
     p.flag("--max-message-bytes", type=int, default=16 * 1024 * 1024, help="largest gRPC message accepted, bytes")
+    p.flag(
+        "--max-watch-streams",
+        type=int,
+        default=16,
+        help="Admin/WatchStatus streams (ps-admin top) open at once; more are refused with RESOURCE_EXHAUSTED",
+    )
+    p.flag(
+        "--max-public-streams",
+        type=int,
+        default=64,
+        help="Health/Watch and reflection streams (no token needed) open at once; more are refused",
+    )
     mode_flags(p)
     p.flag("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"), help="log level")
     return p
@@ -245,6 +289,8 @@ def config_from_args(
             communication_period=args.communication_period,
             easgd_sync=args.easgd_sync,
             metrics_port=args.metrics_port,
+            max_watch_streams=args.max_watch_streams,
+            max_public_streams=args.max_public_streams,
         )
     except InvalidRequestError as exc:
         parser.error(str(exc))

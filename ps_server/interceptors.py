@@ -9,7 +9,10 @@ and from ``Pull`` the time to its first partition (the wait for its version), so
 stays free of metrics code.
 
 Put it first in the server's interceptor list, so that it also sees the refusals of the token
-interceptor (``UNAUTHENTICATED``, ``PERMISSION_DENIED``).
+interceptor (``UNAUTHENTICATED``, ``PERMISSION_DENIED``) and of the stream limits
+(``RESOURCE_EXHAUSTED``). Its wrappers keep what grpc's sync server reads off a handler: a
+callback-style stream (Health/Watch) stays non-blocking, and a stream with a thread pool of its own
+(:mod:`ps_server.streams`) stays in that pool.
 """
 
 from __future__ import annotations
@@ -184,6 +187,38 @@ class MetricsInterceptor(grpc.ServerInterceptor):
 
         return handle
 
+    def _non_blocking(self, behavior: Callable[..., Any], method: str) -> Callable[..., Any]:
+        """A callback-style stream (``experimental_non_blocking``, e.g. Health/Watch): it holds no
+        thread, and ends when the servicer sends None."""
+
+        def handle(request: Any, context: grpc.ServicerContext, send: Callable[[Any], None]) -> Any:
+            call = _Call(self, method)
+            call.received = _size(request)
+            ended = threading.Lock()
+
+            def forward(response: Any) -> None:
+                if response is None:
+                    if ended.acquire(blocking=False):
+                        code = _final_code(context, failed=False)
+                        if code is grpc.StatusCode.OK and not context.is_active():
+                            code = grpc.StatusCode.CANCELLED
+                        call.finish(code)
+                else:
+                    if call.first_sent is None:
+                        call.first_sent = time.perf_counter()
+                    call.sent += _size(response)
+                send(response)
+
+            try:
+                return behavior(request, context, forward)
+            except BaseException:
+                if ended.acquire(blocking=False):
+                    call.finish(_final_code(context, failed=True))
+                raise
+
+        handle.experimental_non_blocking = True  # type: ignore[attr-defined]
+        return handle
+
     def intercept_service(
         self,
         continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
@@ -199,14 +234,29 @@ class MetricsInterceptor(grpc.ServerInterceptor):
         }
         if handler.request_streaming and handler.response_streaming:
             return grpc.stream_stream_rpc_method_handler(
-                self._stream_response(handler.stream_stream, method, True), **kwargs
+                _carry(handler.stream_stream, self._stream_response(handler.stream_stream, method, True)), **kwargs
             )
         if handler.request_streaming:
             return grpc.stream_unary_rpc_method_handler(
-                self._unary_response(handler.stream_unary, method, True), **kwargs
+                _carry(handler.stream_unary, self._unary_response(handler.stream_unary, method, True)), **kwargs
             )
         if handler.response_streaming:
-            return grpc.unary_stream_rpc_method_handler(
-                self._stream_response(handler.unary_stream, method, False), **kwargs
-            )
-        return grpc.unary_unary_rpc_method_handler(self._unary_response(handler.unary_unary, method, False), **kwargs)
+            behavior = handler.unary_stream
+            if getattr(behavior, "experimental_non_blocking", False):
+                wrapped = self._non_blocking(behavior, method)
+            else:
+                wrapped = self._stream_response(behavior, method, False)
+            return grpc.unary_stream_rpc_method_handler(_carry(behavior, wrapped), **kwargs)
+        return grpc.unary_unary_rpc_method_handler(
+            _carry(handler.unary_unary, self._unary_response(handler.unary_unary, method, False)), **kwargs
+        )
+
+
+def _carry(behavior: Callable[..., Any], wrapper: Callable[..., Any]) -> Callable[..., Any]:
+    """Give ``wrapper`` the thread pool that grpc's sync server picks for ``behavior``
+    (``experimental_thread_pool``, see :mod:`ps_server.streams`): wrapping must not move a
+    long-lived stream into the data plane's pool."""
+    pool = getattr(behavior, "experimental_thread_pool", None)
+    if pool is not None:
+        wrapper.experimental_thread_pool = pool  # type: ignore[attr-defined]
+    return wrapper

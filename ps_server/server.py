@@ -20,6 +20,7 @@ from ps_server.interceptors import MetricsInterceptor
 from ps_server.metrics import MetricsEndpoint, ServerMetrics, serve_metrics
 from ps_server.servicer import AdminServicer, Counters, ParameterServicer, parameter_service_handler
 from ps_server.shard import Shard
+from ps_server.streams import PUBLIC, WATCH, StreamLimit, StreamLimitInterceptor
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,7 @@ class ShardServer:
         metrics: ServerMetrics | None = None,
         metrics_endpoint: MetricsEndpoint | None = None,
         checkpointer: Checkpointer | None = None,
+        streams: StreamLimitInterceptor | None = None,
     ) -> None:
         self.config = config
         self.server = server
@@ -58,6 +60,8 @@ class ShardServer:
         self.metrics = metrics
         self.metrics_endpoint = metrics_endpoint
         self.checkpointer = checkpointer
+        self.streams = streams
+        """The long-lived streams' limits (``.limits[group].open``) and pool."""
         self._reaper = threading.Thread(target=self._reap, name=f"lease-reaper-{config.shard_index}", daemon=True)
         self._reaper.start()
 
@@ -86,6 +90,8 @@ class ShardServer:
         if self.checkpointer is not None:
             self.checkpointer.close(final=True)
         self.server.stop(grace).wait(grace + 1)
+        if self.streams is not None:
+            self.streams.pool.shutdown(wait=False)
         if self.metrics_endpoint is not None:
             self.metrics_endpoint.close()
         log.info("shard %d stopped", self.config.shard_index)
@@ -138,14 +144,30 @@ def start_server(config: ServerConfig, shard: Shard | None = None) -> ShardServe
         ("grpc.max_send_message_length", config.max_message_bytes),
         ("grpc.so_reuseport", 0),
     ]
+    # Long-lived streams run in a pool of their own, capped per group (ps_server.streams): however
+    # many a client opens, the data plane keeps all of its threads and its share of concurrent RPCs.
+    streams = StreamLimitInterceptor(
+        {
+            WATCH: StreamLimit(
+                config.max_watch_streams, "Admin/WatchStatus streams (ps-admin top)", "--max-watch-streams"
+            ),
+            PUBLIC: StreamLimit(
+                config.max_public_streams, "Health/Watch and reflection streams", "--max-public-streams"
+            ),
+        },
+        futures.ThreadPoolExecutor(
+            max_workers=config.stream_threads, thread_name_prefix=f"shard{config.shard_index}-streams"
+        ),
+    )
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=config.threads, thread_name_prefix=f"shard{config.shard_index}"),
         interceptors=[
             MetricsInterceptor(metrics, lambda: shard.mode),
             TokenInterceptor(config.token, config.admin_token, on_refused=lambda code: counters.add(rejected=1)),
+            streams,
         ],
         options=options,
-        maximum_concurrent_rpcs=config.threads * 4,
+        maximum_concurrent_rpcs=config.threads * 4 + config.stream_threads,
     )
     server.add_generic_rpc_handlers((parameter_service_handler(ParameterServicer(shard, counters)),))
     stopping = threading.Event()
@@ -184,5 +206,5 @@ def start_server(config: ServerConfig, shard: Shard | None = None) -> ShardServe
         config.num_workers,
     )
     return ShardServer(
-        config, server, port, shard, health_servicer, counters, stopping, metrics, endpoint, checkpointer
+        config, server, port, shard, health_servicer, counters, stopping, metrics, endpoint, checkpointer, streams
     )

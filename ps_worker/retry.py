@@ -16,8 +16,17 @@ T = TypeVar("T")
 _jitter = random.Random()
 """Shared by every backoff: seeding a new Random from os.urandom per call cost ~15 µs per RPC."""
 
-RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
-"""Transient codes: the shard is restarting or unreachable, or the call ran out of time."""
+RETRYABLE = frozenset(
+    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED}
+)
+"""Transient codes: the shard is restarting or unreachable, the call ran out of time, or the shard is
+busy (``RESOURCE_EXHAUSTED`` from gRPC's limit of concurrent calls; see :func:`is_transient`)."""
+
+REASON_KEY = "ps-reason"
+"""Trailing metadata key of a shard's refusal reason (``ps_server.servicer.REASON_KEY``)."""
+
+TOO_LARGE = "larger than max"
+"""gRPC's words for a message over ``grpc.max_*_message_length``: retrying would send it again."""
 
 
 def backoff_delays(base: float = 0.05, cap: float = 2.0, rng: random.Random | None = None):
@@ -30,6 +39,19 @@ def backoff_delays(base: float = 0.05, cap: float = 2.0, rng: random.Random | No
         attempt += 1
 
 
+def is_transient(exc: grpc.RpcError, codes: Collection[grpc.StatusCode] = RETRYABLE) -> bool:
+    """True when ``exc`` is worth retrying: its code is in ``codes`` and, for ``RESOURCE_EXHAUSTED``,
+    it is an overload (gRPC's "Concurrent RPC limit exceeded", no reason attached) rather than a limit
+    on the request itself (a message over the size limit, or a shard's refusal with a ``ps-reason``,
+    e.g. ``TOO_MANY_STREAMS``), which would be refused again."""
+    code = exc.code() if hasattr(exc, "code") else None
+    if code not in codes:
+        return False
+    if code is grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return not _reason(exc) and TOO_LARGE not in _details(exc)
+    return True
+
+
 def retry_call(
     fn: Callable[[], T],
     deadline: float,
@@ -39,7 +61,8 @@ def retry_call(
 ) -> T:
     """Call ``fn`` until it succeeds, retrying ``codes`` until ``deadline`` seconds from now.
 
-    ``fn`` must be safe to repeat (pushes resend the same (rank, incarnation, clock)).
+    ``fn`` must be safe to repeat (pushes resend the same (rank, incarnation, clock)). Which errors
+    are retried: :func:`is_transient`; sleeps between attempts: :func:`backoff_delays`.
 
     Raises:
         grpc.RpcError: a non-retryable code, or the last error once the deadline has passed.
@@ -53,11 +76,19 @@ def retry_call(
             code = exc.code() if hasattr(exc, "code") else None
             delays = delays or backoff_delays()
             delay = next(delays)
-            if code not in codes or time.monotonic() + delay > stop:
+            if not is_transient(exc, codes) or time.monotonic() + delay > stop:
                 raise
             log.info("%s: %s (%s); retrying in %.2f s", what, code.name if code else "?", _details(exc), delay)
             sleep(delay)
 
 
 def _details(exc: grpc.RpcError) -> str:
-    return exc.details() if hasattr(exc, "details") else str(exc)
+    return (exc.details() if hasattr(exc, "details") else str(exc)) or ""
+
+
+def _reason(exc: grpc.RpcError) -> str:
+    try:
+        metadata = exc.trailing_metadata() or ()
+    except (AttributeError, ValueError):
+        return ""
+    return next((str(v) for key, v in metadata if key == REASON_KEY), "")

@@ -35,6 +35,19 @@ def test_missing_or_wrong_token_is_unauthenticated(secured) -> None:
     assert stub.Join(req, timeout=RPC_TIMEOUT, metadata=bearer("worker-secret")).num_shards == 1
 
 
+@pytest.mark.parametrize("header", ["bearer worker-secret", "BEARER worker-secret", "Bearer   worker-secret"])
+def test_the_bearer_scheme_is_case_insensitive(secured, header: str) -> None:
+    """RFC 6750 section 2.1: the scheme's name is case-insensitive (RFC 9110 section 11.1)."""
+    _, channel = secured
+    stub = ps_pb2_grpc.ParameterServiceStub(channel)
+    req = ps_pb2.JoinRequest(rank=0, num_workers=1, incarnation=1)
+    assert stub.Join(req, timeout=RPC_TIMEOUT, metadata=(("authorization", header),)).num_shards == 1
+    for wrong in ("Basic worker-secret", "Bearerworker-secret", "bearer worker-secret2"):
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Join(req, timeout=RPC_TIMEOUT, metadata=(("authorization", wrong),))
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
 def test_worker_token_on_admin_is_permission_denied(secured) -> None:
     _, channel = secured
     admin = ps_pb2_grpc.AdminStub(channel)

@@ -33,6 +33,12 @@ def test_bad_twin_value_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> 
         ({"lease_timeout": 0}, "--lease-timeout"),
         ({"host": "0.0.0.0"}, "Refusing to serve on non-loopback address"),
         ({"host": "0.0.0.0", "token": "t"}, "without both PS_TOKEN and PS_ADMIN_TOKEN"),
+        ({"host": "0.0.0.0", "token": " \t", "admin_token": "a"}, "--token (PS_TOKEN) is only whitespace"),
+        ({"host": "0.0.0.0", "token": "w", "admin_token": "  "}, "--admin-token (PS_ADMIN_TOKEN) is only whitespace"),
+        ({"token": "   "}, "--token (PS_TOKEN) is only whitespace; give a real secret, or leave it empty."),
+        ({"host": "0.0.0.0", "token": "same", "admin_token": "same"}, "with PS_TOKEN equal to PS_ADMIN_TOKEN"),
+        ({"max_watch_streams": 0}, "--max-watch-streams must be in 1..1024, got 0."),
+        ({"max_public_streams": 1025}, "--max-public-streams must be in 1..1024, got 1025."),
     ],
 )
 def test_invalid_configs_are_refused_in_a_full_sentence(kwargs, message) -> None:
@@ -44,6 +50,17 @@ def test_invalid_configs_are_refused_in_a_full_sentence(kwargs, message) -> None
 def test_non_loopback_is_allowed_with_tokens_or_insecure() -> None:
     ServerConfig(0, 1, 1, host="0.0.0.0", token="a", admin_token="b")
     ServerConfig(0, 1, 1, host="0.0.0.0", insecure=True)
+    ServerConfig(0, 1, 1, host="0.0.0.0", token="same", admin_token="same", insecure=True)
+    ServerConfig(0, 1, 1, token="same", admin_token="same")  # loopback: one secret for both is a choice
+
+
+def test_stream_limits_have_flags_and_a_pool_of_their_own() -> None:
+    config, _ = config_from_args([*BASE, "--max-watch-streams", "4"], environ={"PS_MAX_PUBLIC_STREAMS": "8"})
+    assert (config.max_watch_streams, config.max_public_streams) == (4, 8)
+    assert config.stream_threads == 4 + 8 + 4
+    default, _ = config_from_args(BASE, environ={})
+    assert (default.max_watch_streams, default.max_public_streams) == (16, 64)
+    assert default.threads == 16  # the data plane's pool: 2 per worker + 8, at least 16
 
 
 @pytest.mark.parametrize(

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from concurrent import futures
+
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2
 from prometheus_client import CollectorRegistry
 
 from ps_proto.v1 import ps_pb2
@@ -152,3 +155,49 @@ def test_client_gone_during_an_upload_is_cancelled_not_a_refusal() -> None:
 def test_unknown_methods_are_not_labelled() -> None:
     m = ServerMetrics(CollectorRegistry())
     assert MetricsInterceptor(m, lambda: "sync").intercept_service(lambda d: None, Details("/x.Y/Z")) is None
+
+
+def test_a_non_blocking_stream_stays_non_blocking_and_is_recorded_when_it_ends() -> None:
+    """Health/Watch answers through a callback and holds no thread: the wrapper must keep that (else
+    every watcher would hold a server thread) and record the call when the servicer sends None."""
+    pool = futures.ThreadPoolExecutor(max_workers=1)
+    answer = health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
+    callbacks: list = []
+
+    def watch(request, ctx, send):
+        callbacks.append(send)  # as grpc_health keeps it, to send later updates and the close
+        send(answer)
+
+    watch.experimental_non_blocking = True
+    watch.experimental_thread_pool = pool
+    handler, m = wrap(grpc.unary_stream_rpc_method_handler(watch), "/grpc.health.v1.Health/Watch")
+    behavior = handler.unary_stream
+    assert behavior.experimental_non_blocking and behavior.experimental_thread_pool is pool
+    sent: list = []
+    ctx = FakeContext()
+    assert behavior(health_pb2.HealthCheckRequest(), ctx, sent.append) is None  # returns at once
+    method = "grpc.health.v1.Health/Watch"
+    assert sent == [answer] and get(m, "ps_rpc_duration_seconds_count", method=method, code="CANCELLED") == 0
+    callbacks[0](answer)  # a later update
+    ctx.active = False  # the client went away: the servicer's close callback sends None
+    callbacks[0](None)
+    callbacks[0](None)  # recorded once
+    assert sent == [answer, answer, None, None]
+    assert get(m, "ps_rpc_duration_seconds_count", method=method, code="CANCELLED") == 1
+    assert get(m, "ps_sent_bytes_total", method=method) == 2 * answer.ByteSize()
+    pool.shutdown()
+
+
+def test_wrappers_keep_a_handler_s_own_thread_pool() -> None:
+    pool = futures.ThreadPoolExecutor(max_workers=1)
+
+    def status(request, ctx):
+        yield ps_pb2.WatchStatusResponse()
+
+    status.experimental_thread_pool = pool
+    handler, m = wrap(grpc.unary_stream_rpc_method_handler(status), "/ps.v1.Admin/WatchStatus")
+    assert handler.unary_stream.experimental_thread_pool is pool
+    assert not getattr(handler.unary_stream, "experimental_non_blocking", False)
+    assert len(list(handler.unary_stream(ps_pb2.WatchStatusRequest(), FakeContext()))) == 1
+    assert get(m, "ps_rpc_duration_seconds_count", method="ps.v1.Admin/WatchStatus", code="OK") == 1
+    pool.shutdown()

@@ -1,22 +1,28 @@
-"""retry_call: transient codes are retried with jittered backoff until the deadline, others raise at once."""
+"""retry_call: transient codes (a busy shard's RESOURCE_EXHAUSTED too) are retried with jittered backoff until the
+deadline, others raise at once."""
 
 from __future__ import annotations
 
 import grpc
 import pytest
 
-from ps_worker.retry import backoff_delays, retry_call
+from ps_worker.retry import backoff_delays, is_transient, retry_call
 
 
 class Failure(grpc.RpcError):
-    def __init__(self, code: grpc.StatusCode) -> None:
+    def __init__(self, code: grpc.StatusCode, details: str = "", reason: str = "") -> None:
         self._code = code
+        self._details = details or code.name
+        self._metadata = (("ps-reason", reason),) if reason else ()
 
     def code(self) -> grpc.StatusCode:
         return self._code
 
     def details(self) -> str:
-        return self._code.name
+        return self._details
+
+    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+        return self._metadata
 
 
 def flaky(codes: list[grpc.StatusCode]):
@@ -56,3 +62,51 @@ def test_the_deadline_ends_retries() -> None:
 def test_backoff_is_bounded_full_jitter() -> None:
     delays = backoff_delays(base=0.1, cap=0.4)
     assert all(0 <= next(delays) <= min(0.4, 0.1 * 2**i) for i in range(20))
+
+
+def test_a_busy_shard_is_retried_with_backoff() -> None:
+    """gRPC's own refusal past ``maximum_concurrent_rpcs`` is transient: retried with growing sleeps."""
+    busy = Failure(grpc.StatusCode.RESOURCE_EXHAUSTED, "Concurrent RPC limit exceeded!")
+    failures = [busy] * 4
+    calls: list[int] = []
+
+    def fn() -> str:
+        calls.append(1)
+        if failures:
+            raise failures.pop(0)
+        return "ok"
+
+    slept: list[float] = []
+    assert retry_call(fn, 60.0, "test", sleep=slept.append) == "ok"
+    assert len(calls) == 5 and len(slept) == 4
+    assert all(0 <= s <= min(2.0, 0.05 * 2**i) for i, s in enumerate(slept))
+
+
+@pytest.mark.parametrize(
+    "failure",
+    [
+        Failure(grpc.StatusCode.RESOURCE_EXHAUSTED, "Received message larger than max (17000000 vs. 16777216)"),
+        Failure(grpc.StatusCode.RESOURCE_EXHAUSTED, "Sent message larger than max (17000000 vs. 16777216)"),
+        Failure(grpc.StatusCode.RESOURCE_EXHAUSTED, "This shard already serves 16 streams", reason="TOO_MANY_STREAMS"),
+    ],
+    ids=["received-too-large", "sent-too-large", "shard-limit-with-reason"],
+)
+def test_a_limit_on_the_request_itself_raises_at_once(failure: Failure) -> None:
+    assert not is_transient(failure)
+    calls: list[int] = []
+
+    def fn() -> str:
+        calls.append(1)
+        raise failure
+
+    with pytest.raises(Failure):
+        retry_call(fn, 60.0, "test", sleep=lambda s: pytest.fail("slept"))
+    assert len(calls) == 1
+
+
+def test_codes_narrow_what_is_retried() -> None:
+    busy = Failure(grpc.StatusCode.RESOURCE_EXHAUSTED, "Concurrent RPC limit exceeded!")
+    assert is_transient(busy)
+    assert not is_transient(busy, codes={grpc.StatusCode.UNAVAILABLE})
+    assert is_transient(Failure(grpc.StatusCode.UNAVAILABLE))
+    assert not is_transient(Failure(grpc.StatusCode.FAILED_PRECONDITION))
