@@ -30,6 +30,7 @@ import grpc
 from tqdm import tqdm
 
 from ps_proto.v1 import ps_pb2, ps_pb2_grpc
+from ps_server import jsonout
 from ps_server.config import mode_flags
 from ps_server.flags import FlagParser
 from ps_server.process_env import GLIBC_TUNABLES, available_cpus, launch_environment
@@ -565,7 +566,7 @@ def run(args: Any) -> int:
     summary["restarted"] = restarts
     print_summary(summary, sys.stdout)
     if args.json:
-        print(json.dumps(summary), flush=True)
+        print(jsonout.dumps(summary), flush=True)
     return 0
 
 
