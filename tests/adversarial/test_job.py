@@ -10,6 +10,7 @@ and counts it in its status, and the job goes on if the rank joins after all.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 import grpc
@@ -124,3 +125,25 @@ def test_no_join_deadline_before_the_first_join_and_none_when_disabled(start_sha
         with pytest.raises(grpc.RpcError) as info:
             c0.pull({k: p.data for k, p in m.named_parameters()})
         assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+def test_missing_backup_rank_does_not_stop_a_quorum(start_shards, wait_until) -> None:
+    # --sync-quorum 2 of 3: rank 2 never joins, but ranks 0 and 1 close every round without it
+    (shard,) = start_shards(1, num_workers=3, sync_quorum=2, join_timeout=1.0, lease_timeout=30.0)
+    m0, m1 = model(), model()
+    p0 = {k: p.data for k, p in m0.named_parameters()}
+    p1 = {k: p.data for k, p in m1.named_parameters()}
+    with (
+        PSClient([shard.address], rank=0, num_workers=3, timeout=30, retry_deadline=5) as c0,
+        PSClient([shard.address], rank=1, num_workers=3, timeout=30, retry_deadline=5) as c1,
+    ):
+        c0.init(m0, {"name": "sgd", "lr": 0.1})
+        c1.init(m1, {"name": "sgd", "lr": 0.1})
+        wait_until(lambda: status(shard.address).rejected_pushes["join_timeout"] == 1, 20, "the join deadline")
+        c0.push(grads_of(m0))
+        pulled: list[int] = []
+        reader = threading.Thread(target=lambda: pulled.append(c0.pull(p0, min_version=1)), daemon=True)
+        reader.start()  # rank 0 waits for the round past the deadline: for rank 1, not for rank 2
+        c1.push(grads_of(m1))
+        reader.join(30)
+        assert pulled == [1] and c1.pull(p1, min_version=1) == 1

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import pytest
+
+from ps_server.config import config_from_args
 from ps_server.membership import JoinDeadline, Membership, WorkerState
 
 
@@ -62,3 +65,14 @@ def test_restored_ranks_that_left_are_awaited_again() -> None:
     ]
     assert resumed.expected() == [0, 1, 3] and [m.clock for m in resumed.members] == [20] * 4
     assert resumed.members[0].last_seen is None and resumed.members[1].last_seen == clock.t
+
+
+def test_join_timeout_flag_twin_default_and_range(capsys) -> None:
+    base = ["--shard-index", "0", "--num-shards", "1", "--num-workers", "2"]
+    assert config_from_args(base, environ={})[0].join_timeout == 300.0
+    assert config_from_args(base, environ={"PS_JOIN_TIMEOUT": "0"})[0].join_timeout == 0.0
+    assert config_from_args([*base, "--join-timeout", "2.5"], environ={"PS_JOIN_TIMEOUT": "9"})[0].join_timeout == 2.5
+    for bad in ("-1", "nan", "1e9"):
+        with pytest.raises(SystemExit):
+            config_from_args([*base, "--join-timeout", bad], environ={})
+        assert "--join-timeout must be in 0..86400 seconds" in capsys.readouterr().err
