@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -77,6 +79,9 @@ def test_finished_job_run_again_says_nothing_to_do_and_more_steps_go_on_with_eve
     said = strict_json(again.stdout.strip().splitlines()[-1])
     assert said["nothing_to_do"] is True and said["version"] == 10
     assert "started worker" not in again.stderr  # no worker was started for nothing
+    # a hand-run (or compose) worker on the finished job's shards says so too, in strict JSON
+    done = worker_on_checkpoints(tmp_path / "checkpoints", steps=10)
+    assert done["final_loss"] is None and done["version"] == 10
     # before: the restored ranks were LEFT and not awaited; whichever rank joined first ran rounds alone
     more = launch(tmp_path, 20)
     assert more.returncode == 0, more.stderr[-3000:]
@@ -85,6 +90,42 @@ def test_finished_job_run_again_says_nothing_to_do_and_more_steps_go_on_with_eve
     assert view["restored_from"] == [10] and s["version"] == 20
     assert view["pushes"] == [20, 20], view  # each rank pushed in every one of the 10 resumed rounds
     assert view["worker_states"] == ["left", "left"] and isinstance(s["final_loss"], float)
+
+
+def worker_on_checkpoints(checkpoints: Path, steps: int) -> dict:
+    """Rank 0 of 2 run with ``ps-worker`` against a ``ps-server`` resumed from ``checkpoints``; its
+    summary (the last stdout line), after checking it warned that it had nothing to do."""
+    server = subprocess.Popen(
+        [PY, "-m", "ps_server.cli", "--shard-index", "0", "--num-shards", "1", "--num-workers", "2", "--port", "0"]
+        + ["--metrics-port", "-1", "--checkpoint-dir", str(checkpoints)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=lambda: [lines.put(line) for line in server.stdout], daemon=True).start()
+        address = ""
+        deadline = time.monotonic() + 60
+        while not address:
+            try:
+                line = lines.get(timeout=max(0.01, deadline - time.monotonic()))
+            except queue.Empty:
+                pytest.fail("ps-server did not print its address within 60 s")
+            if "listening on" in line:
+                address = line.split("listening on ", 1)[1].strip()
+        worker = [PY, "-m", "ps_worker.cli", "--servers", address, "--rank", "0", "--num-workers", "2"]
+        out, _ = run([*worker, "--steps", str(steps), "--metrics-port", "-1", "digits"], timeout=120)
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait(timeout=10)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert f"nothing to do: the cluster is at step 10, and --steps is {steps}" in out.stderr, out.stderr[-2000:]
+    return strict_json(out.stdout.strip().splitlines()[-1])
 
 
 SLEEPY_RANK = """
