@@ -17,6 +17,8 @@ import sys
 import time
 from typing import Any
 
+from ps_server import jsonout
+
 MODES = {
     "sync": [],
     "async": ["--max-staleness", "4"],
@@ -124,7 +126,7 @@ def main() -> int:
         )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+            f.write(jsonout.dumps(results, indent=1))
     failed = [r for table in results.values() for r in table if "error" in r]
     return 1 if failed else 0
 

@@ -13,7 +13,6 @@ tunables, one intra-op thread) and is killed by its pid at the end. See bench/RE
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import platform
@@ -38,6 +37,8 @@ from _common import (
     free_port,
     shard_argv,
 )
+
+from ps_server import jsonout
 
 PY = sys.executable
 STARTUP_TIMEOUT = 300.0
@@ -587,7 +588,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(table(results, found, args, timings))
     bad = [r.system for r in results if not all(math.isfinite(s) and s > 0 for s in r.samples)]
     if args.json:
-        Path(args.json).write_text(json.dumps(to_json(results, found, args, timings), indent=1))
+        Path(args.json).write_text(jsonout.dumps(to_json(results, found, args, timings), indent=1))
         print(f"bench: wrote {args.json}")
     return 1 if bad else 0
 

@@ -11,7 +11,6 @@ shard on stderr), 2 on bad flags.
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import sys
 import time
@@ -21,9 +20,10 @@ from typing import IO, Any
 import grpc
 
 from ps_proto.v1 import ps_pb2
+from ps_server import jsonout
 from ps_server.admin_client import FATAL, Reply, Watcher, checkpoint, evict_worker, fetch_all, update_config
 from ps_server.admin_view import STATE_NAMES, render_status, render_top, settings_lines, status_json
-from ps_server.channels import credentials, tls_flags
+from ps_server.channels import credentials, parse_servers, tls_flags
 from ps_server.core.modes import MODES
 from ps_server.flags import FlagParser
 
@@ -51,7 +51,7 @@ SET_FLAGS = (
 def cmd_status(args: Any, out: IO[str], err: IO[str]) -> int:
     results = fetch_all(args.servers, args.admin_token, args.timeout, args.creds)
     if args.json:
-        print(json.dumps(status_json(results)), file=out)
+        print(jsonout.dumps(status_json(results)), file=out)
     elif any(r.ok for r in results):
         print("\n".join(render_status(results)), file=out)
     for r in results:
@@ -251,9 +251,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point."""
     parser = admin_parser()
     args = parser.parse_args(argv)
-    args.servers = [s.strip() for s in args.servers.split(",") if s.strip()]
-    if not args.servers:
-        parser.error("--servers needs at least one HOST:PORT.")
+    try:
+        args.servers = parse_servers(args.servers)
+    except ValueError as exc:
+        parser.error(str(exc))
     try:
         args.creds = credentials(args.tls_ca, args.tls_cert, args.tls_key)
     except ValueError as exc:

@@ -12,6 +12,61 @@ import grpc
 
 from ps_server.flags import FlagParser
 
+ADDRESS_HINT = "write HOST:PORT, e.g. 127.0.0.1:50051 ([::1]:50051 for IPv6)"
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """Split a shard address ``HOST:PORT`` (``[V6]:PORT`` for IPv6) into host and port, before any
+    connection is attempted, so a typo is refused at once and by name.
+
+    Returns:
+        (host, port), the host without IPv6 brackets; port in 1..65535.
+
+    Raises:
+        ValueError: no host, no port, a port that is not a number or is out of 1..65535, or an
+            unbracketed IPv6 address; the message names the address.
+    """
+    text = address.strip()
+    host, sep, port = text.rpartition(":")
+    if not sep:
+        raise ValueError(f"Shard address {address!r} has no port; {ADDRESS_HINT}.")
+    if host.startswith("["):
+        if not host.endswith("]") or len(host) < 3:
+            raise ValueError(f"Shard address {address!r} has an unclosed IPv6 bracket; {ADDRESS_HINT}.")
+        host = host[1:-1]
+    elif ":" in host:
+        raise ValueError(f"Shard address {address!r} looks like IPv6 without brackets; {ADDRESS_HINT}.")
+    if not host:
+        raise ValueError(f"Shard address {address!r} has no host; {ADDRESS_HINT}.")
+    if not port:
+        raise ValueError(f"Shard address {address!r} has no port after ':'; {ADDRESS_HINT}.")
+    if not (port.isascii() and port.isdigit()):
+        raise ValueError(f"Shard address {address!r} has port {port!r}, which is not a number; {ADDRESS_HINT}.")
+    if not 1 <= int(port) <= 65535:
+        raise ValueError(f"Shard address {address!r} has port {int(port)}, outside 1..65535; {ADDRESS_HINT}.")
+    return host, int(port)
+
+
+def parse_servers(text: str | Sequence[str], flag: str = "--servers") -> list[str]:
+    """The shard addresses of ``--servers`` (comma-separated, or already a list), each checked with
+    :func:`parse_address`; returned stripped, in order. ``unix:PATH`` targets pass unchecked.
+
+    Raises:
+        ValueError: no address at all, or a malformed one (named in the message, with ``flag``).
+    """
+    entries = text.split(",") if isinstance(text, str) else list(text)
+    servers = [s.strip() for s in entries if s.strip()]
+    if not servers:
+        raise ValueError(f"{flag} needs at least one shard address; {ADDRESS_HINT}.")
+    for address in servers:
+        if address.startswith("unix:"):
+            continue
+        try:
+            parse_address(address)
+        except ValueError as exc:
+            raise ValueError(f"{flag}: {exc}") from None
+    return servers
+
 
 def tls_flags(p: FlagParser) -> None:
     """``--tls-ca``, ``--tls-cert``, ``--tls-key`` (twins ``PS_TLS_*``) of the commands that call shards."""

@@ -62,6 +62,8 @@ class ServerConfig:
     tls_cert: str = ""
     tls_key: str = ""
     tls_client_ca: str = ""
+    join_timeout: float = 300.0
+    """Seconds after the first Join that ranks which never joined are waited for (0: forever)."""
     metrics_port: int = -1
     """HTTP port of ``/metrics`` on ``host``; 0 picks a free port, -1 (the library default) serves none.
     ``ps-server`` defaults to 8000."""
@@ -90,6 +92,10 @@ class ServerConfig:
             raise InvalidRequestError(f"--metrics-port must be in -1..65535 (-1: off), got {self.metrics_port}.")
         if not self.lease_timeout > 0:
             raise InvalidRequestError(f"--lease-timeout must be > 0 seconds, got {self.lease_timeout}.")
+        if not 0 <= self.join_timeout <= 86400:  # also refuses NaN
+            raise InvalidRequestError(
+                f"--join-timeout must be in 0..86400 seconds (0: wait forever), got {self.join_timeout}."
+            )
         if self.max_message_bytes < 1024 * 1024:
             raise InvalidRequestError(f"--max-message-bytes must be >= 1 MiB, got {self.max_message_bytes}.")
         if not is_loopback(self.host) and not (self.token and self.admin_token) and not self.insecure:
@@ -196,6 +202,17 @@ def mode_flags(p: FlagParser) -> None:
     p.flag("--easgd-sync", switch=True, help="easgd: apply one period's exchanges together in rank order")
 
 
+def join_timeout_flag(p: FlagParser) -> None:
+    """``--join-timeout`` (``PS_JOIN_TIMEOUT``), shared by ``ps-server`` and ``ps-launch`` (which forwards it)."""
+    p.flag(
+        "--join-timeout",
+        type=float,
+        default=300.0,
+        help="seconds after the first worker's Join that ranks which never joined are waited for; then the "
+        "rounds and reads that need them fail, naming them (0: wait forever)",
+    )
+
+
 def server_parser(environ: Mapping[str, str] | None = None) -> FlagParser:
     """The ``ps-server`` flags (DESIGN section 10)."""
     p = FlagParser(prog="ps-server", description="Run one shard of a grpc-ps parameter server.", environ=environ)
@@ -212,6 +229,7 @@ def server_parser(environ: Mapping[str, str] | None = None) -> FlagParser:
         help="HTTP port of Prometheus /metrics on --host; 0 picks a free port and prints it, -1 turns it off",
     )
     p.flag("--lease-timeout", type=float, default=10.0, help="seconds without a heartbeat before a rank is evicted")
+    join_timeout_flag(p)
     p.flag("--token", default="", help="bearer token workers must send to ParameterService")
     p.flag("--admin-token", default="", help="bearer token operators must send to Admin")
     p.flag("--token-file", default="", help="file holding the worker token (e.g. a mounted Secret)")
@@ -270,6 +288,7 @@ def config_from_args(
             host=args.host,
             port=args.port,
             lease_timeout=args.lease_timeout,
+            join_timeout=args.join_timeout,
             token=token,
             admin_token=admin_token,
             insecure=args.insecure,

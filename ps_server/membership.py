@@ -8,7 +8,7 @@ from __future__ import annotations
 import enum
 import logging
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,13 +73,18 @@ class Membership:
         num_workers: ranks in the cluster.
         lease_timeout: seconds of silence after which a live rank is evicted.
         now: monotonic clock in seconds.
+        join_timeout: seconds from the first Join after which ranks that never joined are reported
+            missing (:class:`JoinDeadline`); 0 waits for them forever.
     """
 
-    def __init__(self, num_workers: int, lease_timeout: float, now: Callable[[], float]) -> None:
+    def __init__(
+        self, num_workers: int, lease_timeout: float, now: Callable[[], float], join_timeout: float = 0.0
+    ) -> None:
         self.num_workers = num_workers
         self.lease_timeout = lease_timeout
         self.now = now
         self.members = [Member(rank=r) for r in range(num_workers)]
+        self.joins = JoinDeadline(join_timeout, now)
 
     def get(self, rank: int, incarnation: int | None = None) -> Member:
         """The member ``rank``.
@@ -158,11 +163,63 @@ class Membership:
         ]
 
     def restore(self, saved: list[dict[str, Any]]) -> None:
-        """Members from :meth:`export`; live ranks get a fresh lease to come back in."""
+        """Members from :meth:`export`; live ranks get a fresh lease to come back in, and ranks saved
+        as LEFT (they finished) are PENDING again: a job run again on its checkpoints goes on with
+        every rank, awaited as at a first start (up to the join deadline), not with whoever rejoins
+        first. Evicted ranks stay evicted (they rejoin with a restart)."""
         now = self.now()
         for m, s in zip(self.members, saved, strict=True):
             m.incarnation, m.clock, m.pushes = int(s["incarnation"]), int(s["clock"]), int(s["pushes"])
             m.state = WorkerState(s["state"])
+            if m.state is WorkerState.LEFT:
+                m.state = WorkerState.PENDING
             m.last_seen = now if m.state is WorkerState.LIVE else None
             m.history.clear()
             m.last_exchange = None
+
+
+class JoinDeadline:
+    """How long ranks that never joined are waited for (``--join-timeout``), like the rendezvous
+    timeout of ``torchrun``: counted from the first Join of any rank, so a cluster whose shards
+    start long before their workers does not use it up; only the spread of the ranks' arrivals does.
+
+    Pure bookkeeping with an injected clock; the shard holds the lock.
+
+    Args:
+        timeout: seconds after the first Join; 0 (or less) waits forever.
+        now: monotonic clock in seconds.
+    """
+
+    def __init__(self, timeout: float, now: Callable[[], float]) -> None:
+        self.timeout = timeout
+        self.now = now
+        self.started: float | None = None
+        self.reported = False
+
+    def start(self) -> None:
+        """Start the clock (called at every Join; only the first one counts)."""
+        if self.started is None:
+            self.started = self.now()
+
+    def due(self) -> float | None:
+        """When ranks still not joined count as missing (on the :attr:`now` clock); None before the
+        first Join or without a timeout."""
+        if self.started is None or self.timeout <= 0:
+            return None
+        return self.started + self.timeout
+
+    def missing(self, members: Sequence[Member]) -> list[int]:
+        """Ranks of ``members`` that are still PENDING once the deadline has passed ([] before)."""
+        due = self.due()
+        if due is None or self.now() < due:
+            return []
+        return [m.rank for m in members if m.state is WorkerState.PENDING]
+
+    def describe(self, missing: Sequence[int], shard_index: int) -> str:
+        """The refusal and log text naming the ``missing`` ranks and what to do."""
+        ranks = list(missing)
+        return (
+            f"Ranks {ranks} never joined shard {shard_index} within --join-timeout {self.timeout:g} s of the "
+            f"first Join; the job cannot go on without them: start them (same --servers and --num-workers), "
+            f"or go on without them with `ps-admin evict {ranks[0]}` for each, or raise --join-timeout."
+        )

@@ -81,6 +81,7 @@ class ShardServer:
         interval = max(0.05, min(1.0, self.config.lease_timeout / 4))
         while not self._stopping.wait(interval):
             self.shard.expire_leases()
+            self.shard.report_missing()
 
     def stop(self, grace: float = 2.0) -> None:
         """Mark NOT_SERVING, wake waiters with UNAVAILABLE, and stop within ``grace`` seconds."""
@@ -126,7 +127,13 @@ def start_server(config: ServerConfig, shard: Shard | None = None) -> ShardServe
         RuntimeError: the address or the metrics port could not be bound.
         CheckpointError: ``checkpoint_dir`` is not writable, or holds checkpoints none of which loads.
     """
-    shard = shard or Shard(config.shard_index, config.num_shards, config.mode_settings(), config.lease_timeout)
+    shard = shard or Shard(
+        config.shard_index,
+        config.num_shards,
+        config.mode_settings(),
+        config.lease_timeout,
+        join_timeout=config.join_timeout,
+    )
     counters = Counters()
     metrics = ServerMetrics(CollectorRegistry(), shard.status)
     checkpointer = None

@@ -27,6 +27,7 @@ from ps_server.core.errors import (
     PlanMismatchError,
     PreconditionError,
     PushLostError,
+    RanksMissingError,
     ShuttingDownError,
     StalePushError,
     WaitTimeoutError,
@@ -99,6 +100,8 @@ class Shard:
         settings: the consistency model and its parameters (also gives ``num_workers``).
         lease_timeout: seconds of silence after which a live rank is evicted.
         now: monotonic clock in seconds (injected for tests).
+        join_timeout: seconds after the first Join after which waits that need a rank that never
+            joined fail with RanksMissingError (0: wait for it forever).
     """
 
     def __init__(
@@ -108,6 +111,7 @@ class Shard:
         settings: ModeSettings,
         lease_timeout: float = 10.0,
         now: Callable[[], float] = time.monotonic,
+        join_timeout: float = 0.0,
     ) -> None:
         self.shard_index = shard_index
         self.num_shards = num_shards
@@ -128,7 +132,7 @@ class Shard:
         self.rejected: Counter[str] = Counter()
         self.staleness_counts: Counter[int] = Counter()
         self.exchange_results: dict[int, tuple[int, list[torch.Tensor]]] = {}
-        self.membership = Membership(self.num_workers, lease_timeout, now)
+        self.membership = Membership(self.num_workers, lease_timeout, now, join_timeout)
         self.checkpoint_every = 0
         self.on_snapshot: Callable[[int, dict[str, Any]], None] | None = None
         self.last_checkpoint_version: int | None = None
@@ -177,6 +181,7 @@ class Shard:
             )
         with self._cond:
             member = self.membership.get(rank, incarnation)
+            self.membership.joins.start()
             if incarnation != member.incarnation or member.state is not WorkerState.LIVE:
                 log.info("shard %d: rank %d joined (incarnation %d)", self.shard_index, rank, incarnation)
                 if incarnation != member.incarnation and self.mode == "ssp":
@@ -502,6 +507,36 @@ class Shard:
                 raise WaitTimeoutError(describe())
             self._cond.wait(remaining)
 
+    def _wait_for_ranks(self, ready: Callable[[], bool], deadline: float | None, describe: Callable[[], str]) -> None:
+        """:meth:`_wait` for a round or read that needs every expected rank; caller holds the lock.
+
+        Raises:
+            RanksMissingError: ranks never joined within the join timeout (see
+                :class:`~ps_server.membership.JoinDeadline`), and it is still not ready then.
+            ShuttingDownError, WaitTimeoutError: as :meth:`_wait`.
+        """
+        due = self.membership.joins.due()
+        if due is not None and (deadline is None or due < deadline):
+            try:
+                return self._wait(ready, due, describe)
+            except WaitTimeoutError:
+                missing = self.report_missing()
+                quorum = self.settings.quorum if self.mode == "sync" else 0  # K of N: the others can close rounds
+                if missing and not (quorum and len(self.membership.expected()) - len(missing) >= quorum):
+                    raise RanksMissingError(self.membership.joins.describe(missing, self.shard_index)) from None
+        self._wait(ready, deadline, describe)
+
+    def report_missing(self) -> list[int]:
+        """Ranks that never joined within the join timeout; the first time there are some, log them
+        and count ``join_timeout`` in the status's refusals (called by the reaper and by waits)."""
+        with self._cond:
+            missing = self.membership.joins.missing(self.members)
+            if missing and not self.membership.joins.reported:
+                self.membership.joins.reported = True
+                self.rejected["join_timeout"] += 1
+                log.error("shard %d: %s", self.shard_index, self.membership.joins.describe(missing, self.shard_index))
+            return missing
+
     def pull(
         self,
         rank: int,
@@ -574,7 +609,7 @@ class Shard:
                     "check those workers."
                 )
 
-            self._wait(ready, deadline, describe)
+            self._wait_for_ranks(ready, deadline, describe)
             if self.mode == "ssp" and joined:
                 self.max_clock_gap = max(self.max_clock_gap, ssp.read_gap(member.clock, clocks()))
             return self.version, self._snapshot_frames(wire_dtype, packed)
@@ -707,7 +742,7 @@ class Shard:
                 self.exchange_results.pop(rank, None)
                 self.rounds.add(rank, clock, [t.clone() for t in x])
                 self._advance()
-                self._wait(
+                self._wait_for_ranks(
                     lambda: rank in self.exchange_results,
                     deadline,
                     lambda: (

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 import time
@@ -13,7 +12,8 @@ import grpc
 import torch
 from prometheus_client import CollectorRegistry
 
-from ps_server.channels import tls_flags
+from ps_server import jsonout
+from ps_server.channels import parse_servers, tls_flags
 from ps_server.core.errors import PSError
 from ps_server.flags import FlagParser, secret
 from ps_server.metrics import serve_metrics
@@ -130,7 +130,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = worker_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    servers = [s.strip() for s in args.servers.split(",") if s.strip()]
+    try:  # a malformed address is refused here, before any connection is attempted
+        servers = parse_servers(args.servers)
+    except ValueError as exc:
+        print(f"ps-worker: {exc}", file=sys.stderr)
+        return 2
     if not 0 <= args.rank < args.num_workers:
         parser.error(f"--rank must be in 0..{args.num_workers - 1}, got {args.rank}.")
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
@@ -151,14 +155,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 1
         print(f"ps-worker rank {args.rank}: metrics on {endpoint.url}", file=sys.stderr, flush=True)
         if args.events:
-            print(json.dumps({"event": "metrics", "rank": args.rank, "url": endpoint.url}), flush=True)
+            print(jsonout.dumps({"event": "metrics", "rank": args.rank, "url": endpoint.url}), flush=True)
 
     def on_step(step: int, loss: float) -> None:
         nonlocal last_event
         now = time.monotonic()
         if args.events and (now - last_event > 0.1 or step == args.steps):
             last_event = now
-            print(json.dumps({"event": "step", "rank": args.rank, "step": step, "loss": loss}), flush=True)
+            print(jsonout.dumps({"event": "step", "rank": args.rank, "step": step, "loss": loss}), flush=True)
 
     def before_push(step: int) -> None:
         if args.rank == args.slow_rank and args.slow_ms > 0:
@@ -207,7 +211,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         client.close()
         if endpoint is not None:
             endpoint.close()
-    print(json.dumps({"event": "done", **summary.to_dict()}), flush=True)
+    print(jsonout.dumps({"event": "done", **summary.to_dict()}), flush=True)
     return 0
 
 

@@ -22,7 +22,7 @@ import torch
 
 from ps_proto.v1 import ps_pb2, ps_pb2_grpc
 from ps_server import frames
-from ps_server.channels import channel
+from ps_server.channels import channel, parse_servers
 from ps_server.core.codec import dtype_name, torch_dtype, wire_dtype_allowed
 from ps_server.core.optimizer import OptimizerSpec
 from ps_server.core.plan import DEFAULT_PARTITION_BYTES, ParameterSpec, PartitionSlice, Plan, make_plan
@@ -110,8 +110,7 @@ class PSClient:
         wire_dtype: str | None = None,
         topk: float = 0.0,
     ) -> None:
-        if not servers:
-            raise ValueError("PSClient needs at least one shard address (host:port).")
+        servers = parse_servers(servers, "servers")
         if not 0 <= rank < num_workers:
             raise ValueError(f"rank must be in 0..{num_workers - 1}, got {rank}.")
         if wire_dtype not in (None, "", *WIRE_DTYPES):

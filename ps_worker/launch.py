@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import math
 import os
 import queue
 import re
@@ -30,7 +31,8 @@ import grpc
 from tqdm import tqdm
 
 from ps_proto.v1 import ps_pb2, ps_pb2_grpc
-from ps_server.config import mode_flags
+from ps_server import jsonout
+from ps_server.config import join_timeout_flag, mode_flags
 from ps_server.flags import FlagParser
 from ps_server.process_env import GLIBC_TUNABLES, available_cpus, launch_environment
 from ps_server.shard import MODES
@@ -79,6 +81,7 @@ def launch_parser(environ: Mapping[str, str] | None = None) -> FlagParser:
     p.flag("--json", switch=True, help="print the summary as one JSON object on the last line of stdout")
     p.flag("--no-progress", switch=True, help="no progress bars")
     p.flag("--lease-timeout", type=float, default=10.0, help="seconds of silence before a shard evicts a rank")
+    join_timeout_flag(p)
     p.flag(
         "--checkpoint-every",
         type=int,
@@ -262,6 +265,8 @@ def server_flags(args: Any, log_dir: Path) -> list[str]:
         str(args.checkpoint_every),
         "--lease-timeout",
         str(args.lease_timeout),
+        "--join-timeout",
+        str(args.join_timeout),
         "--sync-quorum",
         str(args.sync_quorum),
         "--round-timeout",
@@ -290,6 +295,26 @@ def shard_statuses(addresses: Sequence[str], timeout: float = 10.0) -> list[ps_p
             reply = ps_pb2_grpc.AdminStub(channel).GetStatus(ps_pb2.GetStatusRequest(), timeout=timeout)
             statuses.append(reply.status)
     return statuses
+
+
+def finished_version(statuses: Sequence[ps_pb2.ShardStatus], steps: int) -> int | None:
+    """The version at which the job whose checkpoints every shard resumed from had already run
+    ``steps`` steps on every rank (so workers would train nothing); None for a fresh start or a job
+    with steps left. The steps a rank has done are those its worker resumes at (``train``): sync, the
+    round (version); async and ssp, the rank's clock; easgd, its exchanges times the period.
+    """
+    if not statuses or not all(st.HasField("restored_from_version") for st in statuses):
+        return None
+    version = min(st.version for st in statuses)
+    config = statuses[0].config
+    if config.mode == ps_pb2.MODE_SYNC:
+        return version if version >= steps else None
+    done = [max(st.workers[r].clock for st in statuses) for r in range(len(statuses[0].workers))]
+    if config.mode == ps_pb2.MODE_EASGD:
+        period = max(1, config.communication_period)
+        done = [clock * period for clock in done]
+        steps -= steps % period  # the steps after the last whole period end no exchange
+    return version if all(d >= steps for d in done) else None
 
 
 def tail(path: Path, lines: int = 15) -> str:
@@ -336,6 +361,7 @@ def summarize(
         if statuses
         else [],
         "incarnations": [w.incarnation for w in statuses[0].workers] if statuses else [],
+        "pushes": [w.pushes for w in statuses[0].workers] if statuses else [],
         "restored_from": [
             st.restored_from_version if st.HasField("restored_from_version") else None for st in statuses
         ],
@@ -356,7 +382,7 @@ def summarize(
         "workers": args.workers,
         "steps": args.steps,
         "batch_size": args.batch_size,
-        "final_loss": sum(d["final_loss"] for d in done) / len(done),
+        "final_loss": mean([d["final_loss"] for d in done]),
         "accuracy": done[0]["accuracy"],
         "eval_loss": done[0]["eval_loss"],
         "accuracy_per_rank": [d["accuracy"] for d in done],
@@ -377,14 +403,37 @@ def summarize(
     }
 
 
+def nothing_to_do(args: Any, log_dir: Path, version: int, out: IO[str]) -> None:
+    """Say that the job in ``log_dir`` already ran ``--steps`` (``--json``: as one JSON object too)."""
+    print(
+        f"ps-launch: nothing to do: the job in {log_dir} finished at version {version} (every rank has run "
+        f"--steps {args.steps}); use a new --log-dir or raise --steps",
+        file=out,
+    )
+    if args.json:
+        summary = {"nothing_to_do": True, "log_dir": str(log_dir), "version": version, "steps": args.steps}
+        print(jsonout.dumps({"workload": args.workload, "mode": args.mode, **summary}), file=out, flush=True)
+
+
+def mean(values: Sequence[float | None]) -> float | None:
+    """Mean of the values that are numbers; None when there are none (a rank that trained no step)."""
+    known = [v for v in values if v is not None and math.isfinite(v)]
+    return sum(known) / len(known) if known else None
+
+
 def print_summary(s: dict[str, Any], out: IO[str]) -> None:
     mib = 1024 * 1024
     rows = [
         ("workload", f"{s['workload']} ({s['mode']}, {s['shards']} shards x {s['workers']} workers)"),
         ("steps per worker", f"{s['steps']} (batch {s['batch_size']})"),
-        ("final loss", f"{s['final_loss']:.4f} (mean of the last 10 steps, all ranks)"),
+        (
+            "final loss",
+            "— (no step trained)"
+            if s["final_loss"] is None
+            else f"{s['final_loss']:.4f} (mean of the last 10 steps, all ranks)",
+        ),
         ("held-out accuracy", "—" if s["accuracy"] is None else f"{s['accuracy']:.4f}"),
-        ("held-out loss", f"{s['eval_loss']:.3g}"),
+        ("held-out loss", "—" if s["eval_loss"] is None else f"{s['eval_loss']:.3g}"),
         ("wall time", f"{s['wall_seconds']:.1f} s (training {s['train_seconds']:.1f} s)"),
         ("throughput", f"{s['steps_per_second']:.1f} steps/s, {s['samples_per_second']:.0f} samples/s"),
         ("bytes moved", f"pushed {s['pushed_bytes'] / mib:.1f} MiB, pulled {s['pulled_bytes'] / mib:.1f} MiB"),
@@ -436,6 +485,10 @@ def run(args: Any) -> int:
         for c in cluster.children:
             if c.metrics_url:
                 print(f"ps-launch: {c.name} metrics on {c.metrics_url}", file=sys.stderr)
+        finished = finished_version(shard_statuses(addresses), args.steps)
+        if finished is not None:  # a finished job run again: say so, rather than train nothing
+            nothing_to_do(args, log_dir, finished, sys.stdout)
+            return 0
         events: queue.Queue[tuple[str, dict[str, Any]]] = queue.Queue()
         workers = []
         fired: list[dict[str, Any]] = []
@@ -565,7 +618,7 @@ def run(args: Any) -> int:
     summary["restarted"] = restarts
     print_summary(summary, sys.stdout)
     if args.json:
-        print(json.dumps(summary), flush=True)
+        print(jsonout.dumps(summary), flush=True)
     return 0
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -18,6 +19,8 @@ from ps_worker.metrics import WorkerMetrics
 from ps_worker.optimizer import DistributedOptimizer
 from ps_worker.workloads.base import Workload
 
+log = logging.getLogger(__name__)
+
 
 @dataclass
 class TrainSummary:
@@ -25,9 +28,10 @@ class TrainSummary:
 
     rank: int
     steps: int
-    final_loss: float
+    final_loss: float | None
+    """Mean loss of the last 10 steps; None when this run trained no step."""
     accuracy: float | None
-    eval_loss: float
+    eval_loss: float | None
     wall_seconds: float
     steps_per_second: float
     samples_per_second: float
@@ -116,6 +120,14 @@ def train(
         client.exchanges * max(1, client.config.communication_period) if client.mode == "easgd" else client.clock
     )
     first = min(resume_at, steps)
+    if first >= steps:
+        log.warning(
+            "rank %d: nothing to do: the cluster is at step %d, and --steps is %d (a finished job's checkpoints?); "
+            "start the shards with a new --checkpoint-dir or raise --steps",
+            client.rank,
+            resume_at,
+            steps,
+        )
     for step in range(first, steps):
         step_start = time.perf_counter()
         x, y = next(data)
@@ -137,13 +149,13 @@ def train(
         client.pull({k: p.data for k, p in model.named_parameters()})
     model.eval()
     scores = workload.evaluate(model.cpu(), held_out)
-    tail = losses[-10:] or [float("nan")]
+    tail = losses[-10:]
     return TrainSummary(
         rank=client.rank,
         steps=steps,
-        final_loss=sum(tail) / len(tail),
+        final_loss=sum(tail) / len(tail) if tail else None,
         accuracy=scores.get("accuracy"),
-        eval_loss=scores.get("loss", float("nan")),
+        eval_loss=scores.get("loss"),
         wall_seconds=wall,
         steps_per_second=(steps - first) / wall if wall > 0 else 0.0,
         samples_per_second=(steps - first) * batch_size / wall if wall > 0 else 0.0,

@@ -71,6 +71,13 @@ class PushLostError(PreconditionError):
     reason = "PUSH_LOST"
 
 
+class RanksMissingError(PreconditionError):
+    """Ranks never joined within ``--join-timeout`` of the first Join, and a sync round, an ssp read
+    or an easgd period waits for them: start them, or evict them to go on without them."""
+
+    reason = "JOIN_TIMEOUT"
+
+
 class StalePushError(PSError):
     """A push is too old to apply: pull the current parameters and retry (ABORTED)."""
 
