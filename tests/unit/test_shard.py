@@ -43,6 +43,15 @@ def wire(fill: float) -> list[WirePartition]:
     ]
 
 
+def tick(shard: Shard, clock: FakeClock, seconds: int) -> list[int]:
+    """Advance the clock ``seconds`` seconds, the lease reaper waking every second; the ranks evicted."""
+    evicted = []
+    for _ in range(seconds):
+        clock.t += 1
+        evicted += shard.expire_leases()
+    return evicted
+
+
 def values(shard: Shard) -> torch.Tensor:
     _, out = shard.pull(0, 1, 0, PLAN.digest, timeout=1.0)
     return torch.cat([frames.view(p).clone() for raw in out for p in frames.read(raw).partitions])
@@ -149,10 +158,10 @@ def test_pull_waits_for_the_round_and_times_out_naming_the_laggard(shard: Shard)
 
 def test_lapsed_lease_evicts_and_the_round_goes_on(shard: Shard, clock: FakeClock) -> None:
     shard.push(0, 1, 0, 0, PLAN.digest, wire(1.0))
-    clock.t += 5
+    assert tick(shard, clock, 5) == []
     shard.heartbeat(0, 1)
-    clock.t += 6  # rank 1 silent for 11 s > 10 s lease, rank 0 for 6 s
-    assert shard.expire_leases() == [1]
+    assert tick(shard, clock, 5) == []
+    assert tick(shard, clock, 1) == [1]  # rank 1 silent for 11 s > 10 s lease, rank 0 for 6 s
     assert shard.version == 1
     assert [w.state for w in shard.status().workers] == [WorkerState.LIVE, WorkerState.EVICTED]
     with pytest.raises(PreconditionError, match="call Join again"):
