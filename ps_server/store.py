@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -41,6 +42,8 @@ class ParameterStore:
         # refuses an empty parameter list, so the spec is then checked on a stand-in tensor.
         self.optimizer = optimizer.build(self.tensors or [torch.zeros(1)])
         self._backup: dict[tuple[int, str], torch.Tensor] = {}
+        # SGD: upper bounds of |parameter| and |momentum buffer| (see _sgd_stays_finite); None: measure
+        self._bounds: tuple[float, float] | None = None
 
     @property
     def num_elements(self) -> int:
@@ -66,7 +69,8 @@ class ParameterStore:
         """
         if not self.tensors:
             return
-        saved = self._save()
+        bounds = self._sgd_stays_finite(grads, lr_scale) if self._plain_sgd() else None
+        saved = self._save() if bounds is None else []
         lrs = [group["lr"] for group in self.optimizer.param_groups]
         try:
             for t, g in zip(self.tensors, grads, strict=True):
@@ -76,6 +80,9 @@ class ParameterStore:
             with torch.no_grad():
                 self.optimizer.step()
         except Exception as exc:  # torch raises RuntimeError, ValueError, OverflowError...
+            if bounds is not None:  # a step proven finite failed otherwise: state unknown, measure again
+                self._bounds = None
+                raise
             self._restore(saved)
             raise UpdateRefusedError(f"The optimizer step failed ({exc}); nothing was applied.") from exc
         finally:
@@ -83,12 +90,58 @@ class ParameterStore:
                 group["lr"] = lr
             for t in self.tensors:
                 t.grad = None
+        if bounds is not None:
+            self._bounds = bounds
+            return
         if not (all_finite(self.tensors) and all_finite(self._state_tensors())):
             self._restore(saved)
             raise NonFiniteUpdateError(
                 "The update would make parameters or optimizer state non-finite (inf or NaN); it was refused and "
                 "they are unchanged."
             )
+        self._bounds = None  # measured again at the next step that needs them
+
+    def _plain_sgd(self) -> bool:
+        """True for torch.optim.SGD's single-tensor path (one group, not maximizing)."""
+        groups = self.optimizer.param_groups
+        return (
+            isinstance(self.optimizer, torch.optim.SGD)
+            and len(groups) == 1
+            and not any(groups[0].get(k) for k in ("maximize", "foreach", "fused", "differentiable"))
+        )
+
+    def _sgd_stays_finite(self, grads: Sequence[torch.Tensor], lr_scale: float) -> tuple[float, float] | None:
+        """Bounds proving an SGD step keeps every value finite, or None when they do not.
+
+        SGD has no division or square root, so from finite values it can only overflow. With
+        G >= max |g| (the largest L2 norm: one read of the gradients), and P, B upper bounds of |param| and |momentum
+        buffer| carried from step to step, every value the step computes is bounded by
+        ``|g + wd p| <= G + wd P``, ``|buf'| <= m B + |1 - dampening| (G + wd P)`` and
+        ``|p'| <= P + lr |update|``; when all stay below a quarter of the dtype's largest value
+        (room for rounding), the step cannot produce inf or NaN, and needs no copy and no check.
+
+        Returns:
+            (P', B') for the step's result, or None: a non-finite gradient, or bounds too close
+            to the dtype's range (the step is then copied and checked).
+        """
+        limit = min(torch.finfo(t.dtype).max for t in self.tensors) / 4
+        g_max = _max_abs(grads)
+        if self._bounds is None:
+            self._bounds = (_max_abs(self.tensors), _max_abs(self._state_tensors()))
+        p_max, b_max = self._bounds
+        group = self.optimizer.param_groups[0]
+        lr, wd, momentum = group["lr"] * lr_scale, group["weight_decay"], group["momentum"]
+        grad = g_max + wd * p_max
+        buf = 0.0
+        if momentum != 0:
+            started = all("momentum_buffer" in self.optimizer.state.get(t, {}) for t in self.tensors)
+            buf = momentum * b_max + abs(1 - group["dampening"]) * grad if started else grad
+            update = grad + momentum * buf if group["nesterov"] else buf
+        else:
+            update = grad
+        new_p = p_max + lr * update
+        bounded = all(0 <= v < limit for v in (g_max, grad, momentum * b_max, buf, update, lr * update, new_p))
+        return (new_p, buf) if bounded else None
 
     def _state_tensors(self) -> Iterable[torch.Tensor]:
         for t in self.tensors:
@@ -134,3 +187,22 @@ class ParameterStore:
                     current.copy_(v)
                 else:
                     state[k] = v.clone() if isinstance(v, torch.Tensor) else v
+
+
+def _max_abs(tensors: Iterable[torch.Tensor]) -> float:
+    """An upper bound of the absolute values in ``tensors``: the largest L2 norm (one BLAS dot per
+    float32/float64 tensor, the cheapest read there is), else the largest absolute value. 0 when
+    empty; inf or NaN when a tensor holds inf or NaN, or its squares overflow."""
+    out = 0.0
+    for t in tensors:
+        if not t.is_floating_point() or not t.numel():
+            continue
+        if t.dtype in (torch.float32, torch.float64) and t.dim() == 1:
+            bound = math.sqrt(float(torch.dot(t, t)))
+        else:
+            low, high = torch.aminmax(t)
+            bound = max(-float(low), float(high))
+        if not math.isfinite(bound) or math.isnan(bound):
+            return math.inf
+        out = max(out, bound)
+    return out

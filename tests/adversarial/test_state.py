@@ -157,8 +157,18 @@ def test_item5_an_update_that_would_make_parameters_non_finite_is_refused_as_a_w
     after = params_of(cs[0], m)
     assert all(torch.equal(before[k], v) for k, v in after.items())
     assert same_state(state, optimizer_state(shard))
-    assert shard.shard.status().rejected_pushes.get("non_finite_update") == len(results)
-    assert metric(shard.metrics_url, "ps_rejected_pushes_total", 'reason="non_finite_update"') == len(results)
+    if mode == "sync":  # through PushPull (DistributedOptimizer's path) workers count the refusal and carry on
+        refused = [c.refused_pushes for c in cs]
+        with ThreadPoolExecutor(2) as pool:
+            outs = [{k: p.detach().clone() for k, p in m.named_parameters()} for _ in cs]
+            versions = list(pool.map(lambda i: cs[i].push_pull(grads(m, 3e38), outs[i]), range(2)))
+        assert versions == [version] * 2 and [c.refused_pushes - n for c, n in zip(cs, refused, strict=True)] == [1, 1]
+        assert shard.shard.version == version and all(torch.equal(before[k], v) for k, v in outs[0].items())
+
+    refusals = len(results) * (2 if mode == "sync" else 1)
+    assert shard.shard.status().rejected_pushes.get("non_finite_update") == refusals
+    assert metric(shard.metrics_url, "ps_rejected_pushes_total", 'reason="non_finite_update"') == refusals
+    assert metric(shard.metrics_url, "ps_rejected_pushes_total", 'reason="stale"') == 0
 
     # the next valid update proceeds
     if mode == "sync":
