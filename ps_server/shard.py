@@ -546,6 +546,7 @@ class Shard:
             )
             self.settings = self.settings.updated(mode=self.pending_mode)
             self.pending_mode = ""
+            self.refusals.clear()  # told only while their rounds are the open ones
             self.rounds = SyncRounds(round=self.version)
             for m in self.members:
                 m.clock = max(m.clock, self.version) if self.mode == "sync" else m.clock

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import select
 import signal
 import subprocess
 import sys
@@ -251,6 +252,8 @@ def test_item10_a_paused_shard_evicts_nobody_when_it_resumes(tmp_path) -> None:
         deadline = time.monotonic() + 60
         address = ""
         while not address and time.monotonic() < deadline:
+            if not select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))[0]:
+                break
             line = proc.stdout.readline()
             found = re.search(r"listening on (\S+)", line)
             address = found.group(1) if found else address
