@@ -140,7 +140,9 @@ class ParameterStore:
         else:
             update = grad
         new_p = p_max + lr * update
-        bounded = all(0 <= v < limit for v in (g_max, grad, momentum * b_max, buf, update, lr * update, new_p))
+        scalars = (lr, wd, momentum, abs(1 - group["dampening"]))  # torch converts them to the dtype
+        values = (*scalars, g_max, grad, momentum * b_max, buf, update, lr * update, new_p)
+        bounded = all(0 <= v < limit for v in values)
         return (new_p, buf) if bounded else None
 
     def _state_tensors(self) -> Iterable[torch.Tensor]:

@@ -106,6 +106,16 @@ def test_a_step_that_raises_is_undone(name) -> None:
     assert_same(before, snapshot(s))
 
 
+def test_a_step_with_zero_gradients_and_a_huge_rate_is_refused_whole() -> None:
+    s = store("sgd")
+    s.apply(grads(0))
+    before = snapshot(s)
+    s.optimizer.param_groups[0]["lr"] = 1e308  # lr * 0 is in range; the rate itself is not
+    with pytest.raises(UpdateRefusedError):
+        s.apply([torch.zeros(p.length) for p in PLAN.owned_by(0)])
+    assert_same(before, snapshot(s))
+
+
 def test_optimizer_arguments_beyond_the_dtype_range_are_refused() -> None:
     with pytest.raises(InvalidRequestError, match="float32"):
         ParameterStore(PLAN, 0, grads(0), OptimizerSpec("sgd", {"lr": 1e39}))
