@@ -104,7 +104,8 @@ def test_item4_learning_rate_out_of_range_is_refused_and_a_failing_step_wedges_n
     (shard,) = start_cluster(num_shards=1, num_workers=2, mode="sync")
     m = model()
     cs = clients(shard.address, 2, {"name": "sgd", "lr": 0.1, "momentum": 0.9}, m)
-    admin = ps_pb2_grpc.AdminStub(grpc.insecure_channel(shard.address))
+    channel = grpc.insecure_channel(shard.address)
+    admin = ps_pb2_grpc.AdminStub(channel)
     with pytest.raises(grpc.RpcError) as refused:
         admin.UpdateConfig(ps_pb2.UpdateConfigRequest(learning_rate=1e308), timeout=RPC_TIMEOUT)
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "float32" in refused.value.details()
@@ -130,6 +131,7 @@ def test_item4_learning_rate_out_of_range_is_refused_and_a_failing_step_wedges_n
     assert sync_round(cs, m, 1.0) == [1, 1]
     for c in [*cs, init]:
         c.close()
+    channel.close()
 
 
 # ----------------------------------------------------------------------------- item 5
