@@ -33,6 +33,8 @@ PULL_METHOD = "ps.v1.ParameterService/Pull"
 PUSH_PULL_METHODS = frozenset({"ps.v1.ParameterService/PushPull", "ps.v1.ParameterService/PushPullOnce"})
 PUSH_METHODS = frozenset({PUSH_METHOD, *PUSH_PULL_METHODS})
 WAIT_METHODS = frozenset({PULL_METHOD, *PUSH_PULL_METHODS})
+UPDATE_METHODS = frozenset({*PUSH_METHODS, *WAIT_METHODS, "ps.v1.ParameterService/Exchange"})
+"""Calls that carry or await an update: where a refusal of the update itself reaches a rank."""
 
 _local = threading.local()
 """The call a pool thread is handling, for :func:`note_push`; cleared when the handler returns, so
@@ -51,6 +53,17 @@ def note_push(response: Any) -> None:
 
 REJECT_REASONS = {grpc.StatusCode.ABORTED: "stale"}
 """Status code -> ``reason`` label of ``ps_rejected_pushes_total`` where it differs from the code's name."""
+
+UPDATE_REFUSALS = {"NON_FINITE_UPDATE": "non_finite_update", "UPDATE_FAILED": "update_failed", "REPLAYED": "replayed"}
+"""``ps-reason`` of a refused update -> its ``reason`` label of ``ps_rejected_pushes_total``, counted once per
+rank told (a refused sync round reaches each of its ranks by its push or by its pull)."""
+
+
+def _reason(context: grpc.ServicerContext) -> str:
+    """The ``ps-reason`` trailing metadata the servicer set on a refusal ("" when none)."""
+    metadata = context.trailing_metadata() if hasattr(context, "trailing_metadata") else None
+    return next((str(v) for k, v in metadata or () if k == "ps-reason"), "")
+
 
 WAIT_ENDED = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED})
 """Codes with which a Pull's wait ends without a partition; that wait is still observed."""
@@ -76,7 +89,7 @@ def _final_code(context: grpc.ServicerContext, failed: bool) -> grpc.StatusCode:
 class _Call:
     """Bookkeeping of one RPC: bytes as they pass, then one :meth:`finish`."""
 
-    __slots__ = ("interceptor", "method", "start", "first_sent", "received", "sent", "response")
+    __slots__ = ("interceptor", "method", "start", "first_sent", "received", "sent", "response", "reason")
 
     def __init__(self, interceptor: MetricsInterceptor, method: str) -> None:
         self.interceptor = interceptor
@@ -86,6 +99,7 @@ class _Call:
         self.received = 0
         self.sent = 0
         self.response: Any = None
+        self.reason = ""
 
     def requests(self, iterator: Iterator[Any]) -> Iterator[Any]:
         for msg in iterator:
@@ -99,7 +113,8 @@ class _Call:
             self.sent += _size(msg)
             yield msg
 
-    def finish(self, code: grpc.StatusCode) -> None:
+    def finish(self, code: grpc.StatusCode, reason: str = "") -> None:
+        self.reason = reason
         self.interceptor.record(self, code, time.perf_counter())
 
 
@@ -123,7 +138,10 @@ class MetricsInterceptor(grpc.ServerInterceptor):
             m.received_bytes.labels(call.method).inc(call.received)
         if call.sent:
             m.sent_bytes.labels(call.method).inc(call.sent)
-        if call.method in PUSH_METHODS:
+        refused_update = UPDATE_REFUSALS.get(call.reason) if call.method in UPDATE_METHODS else None
+        if refused_update:
+            m.rejected_pushes.labels(refused_update).inc()
+        elif call.method in PUSH_METHODS:
             accepted = isinstance(call.response, ps_pb2.PushResponse)  # PushPull: accepted even if its pull failed
             if accepted:
                 if not call.response.duplicate:
@@ -149,7 +167,7 @@ class MetricsInterceptor(grpc.ServerInterceptor):
             try:
                 response = behavior(request, context)
             except BaseException:
-                call.finish(_final_code(context, failed=True))
+                call.finish(_final_code(context, failed=True), _reason(context))
                 raise
             finally:
                 _local.call = None  # see _local
@@ -176,7 +194,7 @@ class MetricsInterceptor(grpc.ServerInterceptor):
                 call.finish(grpc.StatusCode.CANCELLED)
                 raise
             except BaseException:
-                call.finish(_final_code(context, failed=True))
+                call.finish(_final_code(context, failed=True), _reason(context))
                 raise
             finally:
                 _local.call = None

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ps_server.core.errors import InvalidRequestError, NotJoinedError, SupersededError
+from ps_server.core.errors import InvalidRequestError, NotJoinedError, ReplayedPushError, SupersededError
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +52,9 @@ class Member:
     last_seen: float | None = None
     pushes: int = 0
     history: OrderedDict[tuple[int, int], PushResult] = field(default_factory=OrderedDict)
+    # The highest clock applied under ``incarnation`` (async, ssp pushes; easgd exchanges); -1: none.
+    # With ``history`` it makes every (rank, incarnation, clock) apply at most once.
+    high_water: int = -1
     # EASGD: ((incarnation, clock), version, d) of the last exchange, for retries.
     last_exchange: tuple[tuple[int, int], int, list[torch.Tensor]] | None = None
 
@@ -85,6 +88,8 @@ class Membership:
         self.now = now
         self.members = [Member(rank=r) for r in range(num_workers)]
         self.joins = JoinDeadline(join_timeout, now)
+        self._last_expire = now()  # the shard's start counts as the reaper's first wake-up
+        self._resumed: float | None = None
 
     def get(self, rank: int, incarnation: int | None = None) -> Member:
         """The member ``rank``.
@@ -123,6 +128,28 @@ class Membership:
         """Clocks of the :meth:`expected` ranks."""
         return [self.members[r].clock for r in self.expected()]
 
+    @staticmethod
+    def check_replay(member: Member, incarnation: int, clock: int, what: str = "Push") -> None:
+        """Refuse a (rank, incarnation, clock) at or below the rank's high-water mark that the
+        caller did not find in the remembered answers: applied already (or skipped), and too old
+        to be answered again.
+
+        Raises:
+            ReplayedPushError: such a clock.
+        """
+        if incarnation == member.incarnation and clock <= member.high_water:
+            raise ReplayedPushError(
+                f"{what} of rank {member.rank} incarnation {incarnation} clock {clock} is a replay: this shard "
+                f"applied clock {member.high_water} of it already and remembers only the last {PUSH_HISTORY} "
+                "answers; it is not applied again. Pull and push the next clock."
+            )
+
+    @staticmethod
+    def applied(member: Member, incarnation: int, clock: int) -> None:
+        """Raise ``member``'s high-water mark to ``clock`` (an update of it was applied)."""
+        if incarnation == member.incarnation:
+            member.high_water = max(member.high_water, clock)
+
     def touch(self, member: Member) -> None:
         """Renew ``member``'s lease."""
         member.last_seen = self.now()
@@ -136,11 +163,26 @@ class Membership:
         return result
 
     def expire(self) -> list[tuple[int, float]]:
-        """Evict live ranks silent past the lease; returns (rank, seconds silent) of each."""
+        """Evict live ranks silent past the lease; returns (rank, seconds silent) of each.
+
+        Called periodically (at least every quarter lease). Only the workers' silence counts, not
+        the shard's: when more than half a lease passed since the previous call, the shard itself
+        stood still (SIGSTOP, CPU starvation, a suspended VM) and heard nobody, so every lease
+        restarts from now: silence is measured from the later of the last heartbeat and the end of
+        the shard's last pause.
+        """
         now = self.now()
+        if now - self._last_expire > self.lease_timeout / 2:
+            log.warning(
+                "the shard stood still for %.1f s (paused or starved of CPU); every live rank gets a fresh lease",
+                now - self._last_expire,
+            )
+            self._resumed = now
+        self._last_expire = now
         evicted = []
         for m in self.members:
-            silent = None if m.last_seen is None else now - m.last_seen
+            seen = m.last_seen if self._resumed is None or m.last_seen is None else max(m.last_seen, self._resumed)
+            silent = None if seen is None else now - seen
             if m.state is WorkerState.LIVE and silent is not None and silent > self.lease_timeout:
                 m.state = WorkerState.EVICTED
                 evicted.append((m.rank, silent))
@@ -156,17 +198,30 @@ class Membership:
         )
 
     def export(self) -> list[dict[str, Any]]:
-        """Plain data of every member for a checkpoint (push history is not kept)."""
+        """Plain data of every member for a checkpoint, with its high-water mark and remembered
+        answers, so a restarted shard applies no (rank, incarnation, clock) twice either."""
         return [
-            {"rank": m.rank, "incarnation": m.incarnation, "clock": m.clock, "state": m.state.value, "pushes": m.pushes}
+            {
+                "rank": m.rank,
+                "incarnation": m.incarnation,
+                "clock": m.clock,
+                "state": m.state.value,
+                "pushes": m.pushes,
+                "high_water": m.high_water,
+                "history": [
+                    [inc, clock, r.version, r.staleness, int(r.duplicate), int(r.dropped), r.mode]
+                    for (inc, clock), r in m.history.items()
+                ],
+            }
             for m in self.members
         ]
 
     def restore(self, saved: list[dict[str, Any]]) -> None:
-        """Members from :meth:`export`; live ranks get a fresh lease to come back in, and ranks saved
-        as LEFT (they finished) are PENDING again: a job run again on its checkpoints goes on with
-        every rank, awaited as at a first start (up to the join deadline), not with whoever rejoins
-        first. Evicted ranks stay evicted (they rejoin with a restart)."""
+        """Members from :meth:`export` (checkpoints written before high-water marks existed load
+        with none); live ranks get a fresh lease to come back in, and ranks saved as LEFT (they
+        finished) are PENDING again: a job run again on its checkpoints goes on with every rank,
+        awaited as at a first start (up to the join deadline), not with whoever rejoins first.
+        Evicted ranks stay evicted (they rejoin with a restart)."""
         now = self.now()
         for m, s in zip(self.members, saved, strict=True):
             m.incarnation, m.clock, m.pushes = int(s["incarnation"]), int(s["clock"]), int(s["pushes"])
@@ -174,7 +229,12 @@ class Membership:
             if m.state is WorkerState.LEFT:
                 m.state = WorkerState.PENDING
             m.last_seen = now if m.state is WorkerState.LIVE else None
+            m.high_water = int(s.get("high_water", -1))
             m.history.clear()
+            for inc, clock, version, staleness, duplicate, dropped, mode in s.get("history", []):
+                m.history[(int(inc), int(clock))] = PushResult(
+                    int(version), int(staleness), bool(duplicate), bool(dropped), str(mode)
+                )
             m.last_exchange = None
 
 

@@ -41,6 +41,7 @@ STATUS_CODES: tuple[tuple[type[errors.PSError], grpc.StatusCode], ...] = (
     (errors.InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
     (errors.PreconditionError, grpc.StatusCode.FAILED_PRECONDITION),
     (errors.StalePushError, grpc.StatusCode.ABORTED),
+    (errors.UpdateRefusedError, grpc.StatusCode.ABORTED),
     (errors.WaitTimeoutError, grpc.StatusCode.DEADLINE_EXCEEDED),
     (errors.ShuttingDownError, grpc.StatusCode.UNAVAILABLE),
     (errors.CheckpointError, grpc.StatusCode.INTERNAL),

@@ -30,16 +30,17 @@ from ps_server.core.errors import (
     RanksMissingError,
     ShuttingDownError,
     StalePushError,
+    UpdateRefusedError,
     WaitTimeoutError,
 )
 from ps_server.core.modes import MODES, ModeSettings
-from ps_server.core.optimizer import OptimizerSpec
+from ps_server.core.optimizer import OptimizerSpec, check_in_range
 from ps_server.core.partitions import WirePartition, match_partitions
 from ps_server.core.plan import ParameterSpec, Plan, make_plan
 from ps_server.frames import response_frames
 from ps_server.membership import Member, Membership, MemberView, PushResult, WorkerState
 from ps_server.policy import asynchronous, easgd, ssp
-from ps_server.policy.sync import SyncRounds
+from ps_server.policy.sync import SyncRounds, aggregate
 from ps_server.store import ParameterStore
 
 log = logging.getLogger(__name__)
@@ -132,6 +133,8 @@ class Shard:
         self.rejected: Counter[str] = Counter()
         self.staleness_counts: Counter[int] = Counter()
         self.exchange_results: dict[int, tuple[int, list[torch.Tensor]]] = {}
+        # sync round or easgd period refused as a whole: rank -> the refusal it has yet to be told
+        self.refusals: dict[int, UpdateRefusedError] = {}
         self.membership = Membership(self.num_workers, lease_timeout, now, join_timeout)
         self.checkpoint_every = 0
         self.on_snapshot: Callable[[int, dict[str, Any]], None] | None = None
@@ -182,6 +185,9 @@ class Shard:
         with self._cond:
             member = self.membership.get(rank, incarnation)
             self.membership.joins.start()
+            if incarnation != member.incarnation:  # a new process: its clocks start over
+                member.high_water = -1
+                self.refusals.pop(rank, None)
             if incarnation != member.incarnation or member.state is not WorkerState.LIVE:
                 log.info("shard %d: rank %d joined (incarnation %d)", self.shard_index, rank, incarnation)
                 if incarnation != member.incarnation and self.mode == "ssp":
@@ -340,22 +346,60 @@ class Shard:
             if seen is not None:
                 return PushResult(seen.version, seen.staleness, True, seen.dropped, self.mode)
             self.membership.check_live(member, incarnation)
+            self._check_replay(member, incarnation, clock)
         grads = match_partitions(plan, self.shard_index, partitions, "gradient")
         with self._cond:
             self.membership.check_live(member, incarnation)
             seen = member.history.get((incarnation, clock))
             if seen is not None:
                 return PushResult(seen.version, seen.staleness, True, seen.dropped, self.mode)
-            result = self._accept(member, clock, grad_version, grads)
-            member.clock = max(member.clock, clock + 1)
-            member.pushes += 1
-            self.membership.touch(member)
-            self.membership.remember(member, incarnation, clock, result)
+            self._check_replay(member, incarnation, clock)
+            result = self._accept(member, incarnation, clock, grad_version, grads)
             self._advance()
+            refusal = self.refusals.pop(rank, None) if result.mode == "sync" and not result.dropped else None
+            if refusal is not None:  # this push completed its round, and the round was refused
+                raise type(refusal)(str(refusal))
             return result
 
-    def _accept(self, member: Member, clock: int, grad_version: int, grads: list[torch.Tensor]) -> PushResult:
-        """Apply or hold one push under the lock, per mode."""
+    def _check_replay(self, member: Member, incarnation: int, clock: int, what: str = "Push") -> None:
+        """Async, ssp and easgd: refuse a clock at or below the rank's high-water mark (sync rounds
+        refuse closed rounds themselves). Caller holds the lock and found no remembered answer.
+
+        Raises:
+            ReplayedPushError: counted as ``replayed``.
+        """
+        if self.mode == "sync":
+            return
+        try:
+            self.membership.check_replay(member, incarnation, clock, what)
+        except StalePushError:
+            self.rejected["replayed"] += 1
+            raise
+
+    def _record(self, member: Member, incarnation: int, clock: int, result: PushResult) -> None:
+        """Account an accepted push (before a snapshot of the version it makes is taken)."""
+        member.clock = max(member.clock, clock + 1)
+        member.pushes += 1
+        self.membership.touch(member)
+        self.membership.remember(member, incarnation, clock, result)
+
+    def _refusal(self, exc: UpdateRefusedError, what: str, count: int) -> UpdateRefusedError:
+        """Count ``count`` refused pushes and word the refusal of ``what`` for the ranks told."""
+        self.rejected[exc.reason.lower()] += count
+        log.warning("shard %d: %s refused: %s", self.shard_index, what, exc)
+        return type(exc)(
+            f"Shard {self.shard_index} refused {what} as a whole: {exc} Version {self.version} stands; lower the "
+            "learning rate or clip gradients, then pull and push the next gradient."
+        )
+
+    def _accept(
+        self, member: Member, incarnation: int, clock: int, grad_version: int, grads: list[torch.Tensor]
+    ) -> PushResult:
+        """Apply or hold one push under the lock, per mode, and account it.
+
+        Raises:
+            UpdateRefusedError: async, ssp: the step was refused; nothing changed.
+        """
         assert self.store is not None
         mode = self.mode
         if mode == "easgd":
@@ -370,24 +414,34 @@ class Shard:
                     clock,
                     self.settings.quorum,
                 )
-                return PushResult(self.version, staleness=self.rounds.round - clock, dropped=True, mode=mode)
-            self.rounds.add(member.rank, clock, grads)
-            if self.round_opened is None:
-                self.round_opened, self.round_reported = self._now(), False
-            return PushResult(self.version, mode=mode)
+                result = PushResult(self.version, staleness=self.rounds.round - clock, dropped=True, mode=mode)
+            else:
+                self.rounds.add(member.rank, clock, grads)
+                self.refusals.pop(member.rank, None)  # it moved on from a refused round
+                if self.round_opened is None:
+                    self.round_opened, self.round_reported = self._now(), False
+                result = PushResult(self.version, mode=mode)
+            self._record(member, incarnation, clock, result)
+            return result
         tau = asynchronous.staleness(self.version, grad_version)
-        if mode == "async":
-            try:
-                asynchronous.check_staleness(tau, self.settings.max_staleness)
-            except StalePushError:
-                self.rejected["stale"] += 1
-                raise
-            self.store.apply(grads, lr_scale=asynchronous.lr_scale(tau, self.settings.staleness_lr))
-        else:  # ssp: apply at once; reads are bounded instead
-            self.store.apply(grads)
-        self._set_version(self.version + 1)
+        try:
+            if mode == "async":
+                try:
+                    asynchronous.check_staleness(tau, self.settings.max_staleness)
+                except StalePushError:
+                    self.rejected["stale"] += 1
+                    raise
+                self.store.apply(grads, lr_scale=asynchronous.lr_scale(tau, self.settings.staleness_lr))
+            else:  # ssp: apply at once; reads are bounded instead
+                self.store.apply(grads)
+        except UpdateRefusedError as exc:
+            raise self._refusal(exc, f"the push of rank {member.rank} clock {clock}", 1) from exc
         self.staleness_counts[tau] += 1
-        return PushResult(self.version, staleness=tau, mode=mode)
+        result = PushResult(self.version + 1, staleness=tau, mode=mode)
+        self._record(member, incarnation, clock, result)
+        self.membership.applied(member, incarnation, clock)
+        self._set_version(self.version + 1)
+        return result
 
     def _set_version(self, version: int) -> None:
         """Advance the version; at every ``checkpoint_every``-th version hand a snapshot to
@@ -470,28 +524,51 @@ class Shard:
         """Close a complete sync round, apply a pending mode switch at a round boundary, and wake
         waiters. Caller holds the lock."""
         if self.store is not None and self.mode == "sync":
-            mean = self.rounds.close_if_complete(self.membership.expected(), self.settings.quorum)
-            if mean is not None:
-                self.store.apply(mean)
-                self._set_version(self.rounds.round)
+            held = self.rounds.take_if_complete(self.membership.expected(), self.settings.quorum)
+            if held is not None:
+                try:
+                    self.store.apply(aggregate(held))
+                except UpdateRefusedError as exc:
+                    self._refuse_round(held, exc)
+                else:
+                    self._set_version(self.rounds.round)
+                    log.debug("shard %d: round %d applied", self.shard_index, self.version - 1)
                 self.round_opened = None
-                log.debug("shard %d: round %d applied", self.shard_index, self.version - 1)
         if self.store is not None and self.mode == "easgd" and self.settings.easgd_sync:
             held = self.rounds.take_if_complete(self.membership.expected())
             if held is not None:
-                for rank, d in easgd.exchange_round(self.store.tensors, held, self.settings.alpha).items():
-                    self.exchange_results[rank] = (self.rounds.round, d)
-                self._set_version(self.rounds.round)
+                try:
+                    ds = easgd.exchange_round(self.store.tensors, held, self.settings.alpha)
+                except UpdateRefusedError as exc:
+                    self._refuse_round(held, exc)
+                else:
+                    for rank, d in ds.items():
+                        self.exchange_results[rank] = (self.rounds.round, d)
+                    self._set_version(self.rounds.round)
         if self.pending_mode and not self.rounds.pending:
             log.info(
                 "shard %d: mode %s -> %s at version %d", self.shard_index, self.mode, self.pending_mode, self.version
             )
             self.settings = self.settings.updated(mode=self.pending_mode)
             self.pending_mode = ""
+            self.refusals.clear()  # told only while their rounds are the open ones
             self.rounds = SyncRounds(round=self.version)
             for m in self.members:
                 m.clock = max(m.clock, self.version) if self.mode == "sync" else m.clock
         self._cond.notify_all()
+
+    def _refuse_round(self, held: dict[int, Any], exc: UpdateRefusedError) -> None:
+        """The complete round (sync) or period (easgd) ``held`` could not be applied: reopen it
+        empty at the same number, forget its pushes (so they may come again), and leave each of its
+        ranks the refusal its push or pull will raise. Caller holds the lock; nothing else changed."""
+        self.rounds.round -= 1
+        error = self._refusal(exc, f"round {self.rounds.round} (ranks {sorted(held)})", len(held))
+        for rank in held:
+            member = self.members[rank]
+            for key in [k for k in member.history if k[1] == self.rounds.round]:
+                del member.history[key]
+            member.clock = min(member.clock, self.rounds.round)
+            self.refusals[rank] = error
 
     def _wait(self, ready: Callable[[], bool], deadline: float | None, describe: Callable[[], str]) -> None:
         """Wait on the condition until ``ready()``; caller holds the lock.
@@ -578,6 +655,9 @@ class Shard:
 
             clocks = self.membership.clocks
 
+            if self.mode == "sync" and joined and min_version > self.version and rank in self.refusals:
+                refusal = self.refusals.pop(rank)  # the round it waits for was refused
+                raise type(refusal)(str(refusal))
             round_ = self.rounds.round
             waits_without_its_push = min_version > self.version and (
                 member.rank not in self.rounds.pending or min_version > round_ + 1
@@ -591,7 +671,7 @@ class Shard:
 
             def ready() -> bool:
                 if self.mode == "sync":
-                    return self.version >= min_version
+                    return self.version >= min_version or (joined and rank in self.refusals)
                 if self.mode == "ssp" and joined:
                     return ssp.can_read(member.clock, clocks(), self.settings.staleness)
                 return True
@@ -610,6 +690,9 @@ class Shard:
                 )
 
             self._wait_for_ranks(ready, deadline, describe)
+            if self.mode == "sync" and self.version < min_version and rank in self.refusals:
+                refusal = self.refusals.pop(rank)
+                raise type(refusal)(str(refusal))
             if self.mode == "ssp" and joined:
                 self.max_clock_gap = max(self.max_clock_gap, ssp.read_gap(member.clock, clocks()))
             return self.version, self._snapshot_frames(wire_dtype, packed)
@@ -734,33 +817,51 @@ class Shard:
             if last is not None and last[0] == (incarnation, clock):
                 return self._encode(last[1], last[2])
             self.membership.check_live(member, incarnation)
+            self._check_replay(member, incarnation, clock, "Exchange")
         x = match_partitions(plan, self.shard_index, partitions, "parameter")
         with self._cond:
             self.membership.check_live(member, incarnation)
+            last = member.last_exchange
+            if last is not None and last[0] == (incarnation, clock):
+                return self._encode(last[1], last[2])
+            self._check_replay(member, incarnation, clock, "Exchange")
             assert self.store is not None
             if self.settings.easgd_sync:
                 self.exchange_results.pop(rank, None)
                 self.rounds.add(rank, clock, [t.clone() for t in x])
+                self.refusals.pop(rank, None)
                 self._advance()
                 self._wait_for_ranks(
-                    lambda: rank in self.exchange_results,
+                    lambda: rank in self.exchange_results or rank in self.refusals,
                     deadline,
                     lambda: (
                         f"EASGD period {clock} waits for ranks "
                         f"{self.rounds.waiting_for(self.membership.expected())}; check those workers."
                     ),
                 )
+                if rank in self.refusals:
+                    refusal = self.refusals.pop(rank)
+                    raise type(refusal)(str(refusal))
                 version, d = self.exchange_results.pop(rank)
+                self._exchanged(member, incarnation, clock, version, d)
             else:
-                d = easgd.exchange(self.store.tensors, x, self.settings.alpha)
-                self._set_version(self.version + 1)
-                version = self.version
-            member.last_exchange = ((incarnation, clock), version, d)
-            member.clock = max(member.clock, clock + 1)
-            member.pushes += 1
-            self.membership.touch(member)
+                try:
+                    d = easgd.exchange(self.store.tensors, x, self.settings.alpha)
+                except UpdateRefusedError as exc:
+                    raise self._refusal(exc, f"the exchange of rank {rank} clock {clock}", 1) from exc
+                version = self.version + 1
+                self._exchanged(member, incarnation, clock, version, d)
+                self._set_version(version)
             self._cond.notify_all()
             return self._encode(version, d)
+
+    def _exchanged(self, member: Member, incarnation: int, clock: int, version: int, d: list[torch.Tensor]) -> None:
+        """Account an applied exchange (before a snapshot of the version it makes is taken)."""
+        member.last_exchange = ((incarnation, clock), version, d)
+        self.membership.applied(member, incarnation, clock)
+        member.clock = max(member.clock, clock + 1)
+        member.pushes += 1
+        self.membership.touch(member)
 
     def _encode(self, version: int, tensors: list[torch.Tensor]) -> tuple[int, list[bytes]]:
         assert self.store is not None
@@ -786,8 +887,9 @@ class Shard:
             if learning_rate is not None:
                 if not (learning_rate >= 0 and learning_rate < float("inf")):
                     raise InvalidRequestError(f"learning_rate must be a finite number >= 0, got {learning_rate}.")
-                if self.store is None:
+                if self.store is None or self.plan is None:
                     raise NotInitializedError("Set the learning rate after Init: the optimizer does not exist yet.")
+                check_in_range("learning_rate", learning_rate, [torch_dtype(d) for d in self.plan.dtypes.values()])
                 for group in self.store.optimizer.param_groups:
                     group["lr"] = learning_rate
             self.settings = settings

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 
 from ps_server.core.codec import torch_dtype
+from ps_server.core.errors import NonFiniteUpdateError, UpdateRefusedError
+from ps_server.core.finite import all_finite
 from ps_server.core.optimizer import OptimizerSpec
 from ps_server.core.plan import PartitionSlice, Plan
 
@@ -19,6 +23,9 @@ class ParameterStore:
         shard_index: which shard this is.
         values: initial values, one 1-D tensor per owned partition in plan order (copied).
         optimizer: the validated optimizer spec.
+
+    Raises:
+        InvalidRequestError: an optimizer argument beyond the range of the parameters' dtypes.
     """
 
     def __init__(self, plan: Plan, shard_index: int, values: Sequence[torch.Tensor], optimizer: OptimizerSpec) -> None:
@@ -29,10 +36,14 @@ class ParameterStore:
             v.detach().to(dtypes[p.key]).clone().requires_grad_(False)
             for p, v in zip(self.partitions, values, strict=True)
         ]
+        optimizer.check_range(dtypes.values())
         self.optimizer_spec = optimizer
         # A shard may own no partition (a model smaller than one partition per shard); torch.optim
         # refuses an empty parameter list, so the spec is then checked on a stand-in tensor.
         self.optimizer = optimizer.build(self.tensors or [torch.zeros(1)])
+        self._backup: dict[tuple[int, str], torch.Tensor] = {}
+        # SGD: upper bounds of |parameter| and |momentum buffer| (see _sgd_stays_finite); None: measure
+        self._bounds: tuple[float, float] | None = None
 
     @property
     def num_elements(self) -> int:
@@ -43,24 +54,157 @@ class ParameterStore:
         return sum(t.numel() * t.element_size() for t in self.tensors)
 
     def apply(self, grads: Sequence[torch.Tensor], lr_scale: float = 1.0) -> None:
-        """One optimizer step with ``grads`` (one 1-D tensor per partition, plan order).
+        """One optimizer step with ``grads`` (one 1-D tensor per partition, plan order), all or
+        nothing: a step that raises, or that leaves a parameter or an optimizer state value
+        non-finite (inf, NaN), is undone and refused.
 
         Args:
             grads: gradients; cast to each partition's dtype.
             lr_scale: multiplies every group's learning rate for this step only.
+
+        Raises:
+            NonFiniteUpdateError: the step would have made parameters or optimizer state non-finite.
+            UpdateRefusedError: the optimizer step raised. Either way the parameters and the
+                optimizer state are exactly as before.
         """
         if not self.tensors:
             return
-        for t, g in zip(self.tensors, grads, strict=True):
-            t.grad = g.to(t.dtype)
-        if lr_scale != 1.0:
-            saved = [group["lr"] for group in self.optimizer.param_groups]
+        bounds = self._sgd_stays_finite(grads, lr_scale) if self._plain_sgd() else None
+        saved = self._save() if bounds is None else []
+        lrs = [group["lr"] for group in self.optimizer.param_groups]
+        try:
+            for t, g in zip(self.tensors, grads, strict=True):
+                t.grad = g.to(t.dtype)
             for group in self.optimizer.param_groups:
                 group["lr"] = group["lr"] * lr_scale
-        with torch.no_grad():
-            self.optimizer.step()
-        if lr_scale != 1.0:
-            for group, lr in zip(self.optimizer.param_groups, saved, strict=True):
+            with torch.no_grad():
+                self.optimizer.step()
+        except Exception as exc:  # torch raises RuntimeError, ValueError, OverflowError...
+            if bounds is not None:  # a step proven finite failed otherwise: state unknown, measure again
+                self._bounds = None
+                raise
+            self._restore(saved)
+            raise UpdateRefusedError(f"The optimizer step failed ({exc}); nothing was applied.") from exc
+        finally:
+            for group, lr in zip(self.optimizer.param_groups, lrs, strict=True):
                 group["lr"] = lr
+            for t in self.tensors:
+                t.grad = None
+        if bounds is not None:
+            self._bounds = bounds
+            return
+        if not (all_finite(self.tensors) and all_finite(self._state_tensors())):
+            self._restore(saved)
+            raise NonFiniteUpdateError(
+                "The update would make parameters or optimizer state non-finite (inf or NaN); it was refused and "
+                "they are unchanged."
+            )
+        self._bounds = None  # measured again at the next step that needs them
+
+    def _plain_sgd(self) -> bool:
+        """True for torch.optim.SGD's single-tensor path (one group, not maximizing)."""
+        groups = self.optimizer.param_groups
+        return (
+            isinstance(self.optimizer, torch.optim.SGD)
+            and len(groups) == 1
+            and not any(groups[0].get(k) for k in ("maximize", "foreach", "fused", "differentiable"))
+        )
+
+    def _sgd_stays_finite(self, grads: Sequence[torch.Tensor], lr_scale: float) -> tuple[float, float] | None:
+        """Bounds proving an SGD step keeps every value finite, or None when they do not.
+
+        SGD has no division or square root, so from finite values it can only overflow. With
+        G >= max |g| (the largest L2 norm: one read of the gradients), and P, B upper bounds of |param| and |momentum
+        buffer| carried from step to step, every value the step computes is bounded by
+        ``|g + wd p| <= G + wd P``, ``|buf'| <= m B + |1 - dampening| (G + wd P)`` and
+        ``|p'| <= P + lr |update|``; when all stay below a quarter of the dtype's largest value
+        (room for rounding), the step cannot produce inf or NaN, and needs no copy and no check.
+
+        Returns:
+            (P', B') for the step's result, or None: a non-finite gradient, or bounds too close
+            to the dtype's range (the step is then copied and checked).
+        """
+        limit = min(torch.finfo(t.dtype).max for t in self.tensors) / 4
+        g_max = _max_abs(grads)
+        if self._bounds is None:
+            self._bounds = (_max_abs(self.tensors), _max_abs(self._state_tensors()))
+        p_max, b_max = self._bounds
+        group = self.optimizer.param_groups[0]
+        lr, wd, momentum = group["lr"] * lr_scale, group["weight_decay"], group["momentum"]
+        grad = g_max + wd * p_max
+        buf = 0.0
+        if momentum != 0:
+            started = all("momentum_buffer" in self.optimizer.state.get(t, {}) for t in self.tensors)
+            buf = momentum * b_max + abs(1 - group["dampening"]) * grad if started else grad
+            update = grad + momentum * buf if group["nesterov"] else buf
+        else:
+            update = grad
+        new_p = p_max + lr * update
+        scalars = (lr, wd, momentum, abs(1 - group["dampening"]))  # torch converts them to the dtype
+        values = (*scalars, g_max, grad, momentum * b_max, buf, update, lr * update, new_p)
+        bounded = all(0 <= v < limit for v in values)
+        return (new_p, buf) if bounded else None
+
+    def _state_tensors(self) -> Iterable[torch.Tensor]:
         for t in self.tensors:
-            t.grad = None
+            for v in self.optimizer.state.get(t, {}).values():
+                if isinstance(v, torch.Tensor):
+                    yield v
+
+    def _save(self) -> list[dict[str, Any] | None]:
+        """Copy the parameters and optimizer state into buffers kept from step to step (no
+        allocation on the hot path); returns what :meth:`_restore` needs besides them."""
+        saved: list[dict[str, Any] | None] = []
+        for i, t in enumerate(self.tensors):
+            self._copy((i, ""), t)
+            state = self.optimizer.state.get(t)
+            saved.append(
+                None
+                if not state
+                else {k: self._copy((i, k), v) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+            )
+        return saved
+
+    def _copy(self, key: tuple[int, str], t: torch.Tensor) -> torch.Tensor:
+        buf = self._backup.get(key)
+        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+            buf = self._backup[key] = torch.empty_like(t)
+        return buf.copy_(t)
+
+    def _restore(self, saved: list[dict[str, Any] | None]) -> None:
+        """Put back what :meth:`_save` copied: parameters, and optimizer state (state a first step
+        created is removed again)."""
+        for i, t in enumerate(self.tensors):
+            t.copy_(self._backup[(i, "")])
+            entry = saved[i]
+            if entry is None:
+                self.optimizer.state.pop(t, None)
+                continue
+            state = self.optimizer.state[t]
+            for k in [k for k in state if k not in entry]:
+                del state[k]
+            for k, v in entry.items():
+                current = state.get(k)
+                if isinstance(v, torch.Tensor) and isinstance(current, torch.Tensor) and current.shape == v.shape:
+                    current.copy_(v)
+                else:
+                    state[k] = v.clone() if isinstance(v, torch.Tensor) else v
+
+
+def _max_abs(tensors: Iterable[torch.Tensor]) -> float:
+    """An upper bound of the absolute values in ``tensors``: the largest L2 norm (one BLAS dot per
+    float32/float64 tensor, the cheapest read there is), else the largest absolute value. 0 when
+    empty; inf or NaN when a tensor holds inf or NaN, or its squares overflow."""
+    out = 0.0
+    for t in tensors:
+        if not t.is_floating_point() or not t.numel():
+            continue
+        if t.dtype in (torch.float32, torch.float64) and t.dim() == 1:
+            bound = math.sqrt(float(torch.dot(t, t)))
+        else:
+            low, high = torch.aminmax(t)
+            bound = max(-float(low), float(high))
+        if not math.isfinite(bound) or math.isnan(bound):
+            return math.inf
+        out = max(out, bound)
+    return out

@@ -624,7 +624,12 @@ class PSClient:
                 version, received, _ = self._receive(k, replies, flats)
                 return version, received
 
-            return self._with_recovery(k, attempt, f"Pull {self.servers[k]}")
+            try:
+                return self._with_recovery(k, attempt, f"Pull {self.servers[k]}")
+            except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.ABORTED:  # the round awaited was refused: no push of ours is held
+                    self._pushed[k] = False
+                raise
 
         start = time.perf_counter()
         results = self._each_shard(one)

@@ -84,6 +84,30 @@ class StalePushError(PSError):
     reason = "STALE"
 
 
+class ReplayedPushError(StalePushError):
+    """A (rank, incarnation, clock) at or below the highest clock this shard applied for the rank,
+    and older than the answers it remembers: applied already (or skipped), never applied again
+    (ABORTED): pull and push the next clock."""
+
+    reason = "REPLAYED"
+
+
+class UpdateRefusedError(PSError):
+    """An update was refused as a whole (ABORTED): the optimizer step failed, and the parameters,
+    optimizer state and version are as they were. Sync mode refuses the whole round; every rank of
+    it is told. Pull and push the next gradient."""
+
+    reason = "UPDATE_FAILED"
+
+
+class NonFiniteUpdateError(UpdateRefusedError):
+    """An update (an optimizer step, a sync round's aggregate, an EASGD exchange) would have made
+    parameters or optimizer state non-finite, although every value sent was finite; refused as a
+    whole, nothing changed (ABORTED)."""
+
+    reason = "NON_FINITE_UPDATE"
+
+
 class ShuttingDownError(PSError):
     """The shard is stopping (UNAVAILABLE)."""
 

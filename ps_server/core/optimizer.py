@@ -38,6 +38,25 @@ _KWARGS: dict[str, dict[str, type]] = {
 }
 
 
+def check_in_range(name: str, value: float, dtypes: Iterable[torch.dtype]) -> None:
+    """Refuse ``value`` (an optimizer argument such as the learning rate) when it is not a finite
+    number >= 0 within the finite range of every floating dtype in ``dtypes``.
+
+    Raises:
+        InvalidRequestError: out of range; the message names the dtype and its largest value.
+    """
+    if not (math.isfinite(value) and value >= 0):
+        raise InvalidRequestError(f"Optimizer argument {name}={value!r} must be a finite number >= 0.")
+    for dtype in sorted({d for d in dtypes if d.is_floating_point}, key=lambda d: torch.finfo(d).max):
+        limit = torch.finfo(dtype).max
+        if value > limit:
+            raise InvalidRequestError(
+                f"Optimizer argument {name}={value:g} is beyond what {str(dtype).removeprefix('torch.')} parameters "
+                f"hold (at most {limit:g}); a step would fail or overflow. Pick a value in range (learning rates "
+                "are usually below 1)."
+            )
+
+
 @dataclass(frozen=True)
 class OptimizerSpec:
     """A validated optimizer spec: ``name`` in :data:`OPTIMIZERS`, ``kwargs`` numeric.
@@ -66,6 +85,19 @@ class OptimizerSpec:
                 raise InvalidRequestError(f"Optimizer argument {k} is a flag; send 0 or 1, got {v}.")
         if "lr" not in self.kwargs:
             raise InvalidRequestError(f"Optimizer {self.name!r} needs a learning rate 'lr'.")
+
+    def check_range(self, dtypes: Iterable[torch.dtype]) -> None:
+        """Refuse arguments a step cannot use on parameters of ``dtypes``: every numeric argument,
+        and the product lr * weight_decay (AdamW's decay factor), must be at most the largest finite
+        value of the narrowest floating dtype (float32: about 3.4e38), or the step raises.
+
+        Raises:
+            InvalidRequestError: an argument out of that range.
+        """
+        for k, v in self.kwargs.items():
+            check_in_range(k, float(v), dtypes)
+        decay = float(self.kwargs["lr"]) * float(self.kwargs.get("weight_decay", 0))
+        check_in_range("lr * weight_decay", decay, dtypes)
 
     def build(self, params: Iterable[torch.Tensor]) -> torch.optim.Optimizer:
         """The torch.optim optimizer over ``params`` (leaf tensors; their ``.grad`` is read)."""

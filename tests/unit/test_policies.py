@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ps_server.core.errors import InvalidRequestError, StalePushError, WaitTimeoutError
+from ps_server.core.errors import InvalidRequestError, NonFiniteUpdateError, StalePushError, WaitTimeoutError
 from ps_server.core.modes import ModeSettings
 from ps_server.policy import asynchronous, easgd, ssp
 from ps_server.policy.sync import SyncRounds
@@ -152,6 +152,17 @@ def test_sync_easgd_matches_equations_5_and_6(workers: int) -> None:
     assert torch.allclose(center[0], ref_center, atol=0, rtol=1e-6)
     for r in range(workers):
         assert torch.equal(ds[r][0], alpha * (xs[r][0] - center0))
+
+
+def test_an_exchange_that_overflows_changes_nothing() -> None:
+    center = [torch.full((3,), -3e38), torch.ones(2)]
+    before = [c.clone() for c in center]
+    with pytest.raises(NonFiniteUpdateError, match="center is unchanged"):
+        easgd.exchange(center, [torch.full((3,), 3e38), torch.ones(2)], 0.5)  # x - center overflows
+    with pytest.raises(NonFiniteUpdateError):
+        xs = {0: [torch.zeros(3), torch.ones(2)], 1: [torch.full((3,), 3e38), torch.ones(2)]}
+        easgd.exchange_round(center, xs, 1)
+    assert all(torch.equal(a, b) for a, b in zip(center, before, strict=True))
 
 
 def test_shard_exchange_is_algorithm_1_and_idempotent() -> None:

@@ -11,9 +11,11 @@ from ps_server import frames
 from ps_server.core.codec import encode
 from ps_server.core.errors import (
     InvalidRequestError,
+    NonFiniteUpdateError,
     NotInitializedError,
     PlanMismatchError,
     PreconditionError,
+    ReplayedPushError,
     StalePushError,
     WaitTimeoutError,
 )
@@ -41,6 +43,15 @@ def wire(fill: float) -> list[WirePartition]:
         WirePartition(p.key, p.offset, p.length, "float32", encode(torch.full((p.length,), fill)))
         for p in PLAN.owned_by(0)
     ]
+
+
+def tick(shard: Shard, clock: FakeClock, seconds: int) -> list[int]:
+    """Advance the clock ``seconds`` seconds, the lease reaper waking every second; the ranks evicted."""
+    evicted = []
+    for _ in range(seconds):
+        clock.t += 1
+        evicted += shard.expire_leases()
+    return evicted
 
 
 def values(shard: Shard) -> torch.Tensor:
@@ -149,10 +160,10 @@ def test_pull_waits_for_the_round_and_times_out_naming_the_laggard(shard: Shard)
 
 def test_lapsed_lease_evicts_and_the_round_goes_on(shard: Shard, clock: FakeClock) -> None:
     shard.push(0, 1, 0, 0, PLAN.digest, wire(1.0))
-    clock.t += 5
+    assert tick(shard, clock, 5) == []
     shard.heartbeat(0, 1)
-    clock.t += 6  # rank 1 silent for 11 s > 10 s lease, rank 0 for 6 s
-    assert shard.expire_leases() == [1]
+    assert tick(shard, clock, 5) == []
+    assert tick(shard, clock, 1) == [1]  # rank 1 silent for 11 s > 10 s lease, rank 0 for 6 s
     assert shard.version == 1
     assert [w.state for w in shard.status().workers] == [WorkerState.LIVE, WorkerState.EVICTED]
     with pytest.raises(PreconditionError, match="call Join again"):
@@ -183,3 +194,94 @@ def test_close_wakes_waiters(shard: Shard) -> None:
     shard.close()
     t.join(timeout=10.0)
     assert len(errors) == 1
+
+
+def test_the_shards_own_pause_evicts_nobody(shard: Shard, clock: FakeClock) -> None:
+    assert tick(shard, clock, 5) == []
+    clock.t += 30  # SIGSTOP, CPU starvation: the reaper wakes 30 s late, having heard nobody
+    assert shard.expire_leases() == []
+    assert [w.state for w in shard.status().workers] == [WorkerState.LIVE] * 2
+    assert tick(shard, clock, 5) == []
+    shard.heartbeat(0, 1)
+    assert tick(shard, clock, 5) == []  # a lease from the resume: rank 1 has been silent 10 s awake
+    assert tick(shard, clock, 1) == [1]  # and now 11 s: its own silence evicts it
+
+
+def test_a_round_that_would_make_parameters_non_finite_is_refused_as_a_whole(shard: Shard) -> None:
+    shard.push(0, 1, 0, 0, PLAN.digest, wire(3e38))
+    with pytest.raises(NonFiniteUpdateError, match="round 0 \\(ranks \\[0, 1\\]\\)"):
+        shard.push(1, 1, 0, 0, PLAN.digest, wire(3e38))  # the sum overflows float32
+    with pytest.raises(NonFiniteUpdateError, match="unchanged"):  # the other rank learns it from its pull
+        shard.pull(0, 1, 1, PLAN.digest, timeout=1.0)
+    assert shard.version == 0 and shard.status().round_ranks == ()
+    assert shard.status().rejected_pushes == {"non_finite_update": 2}
+    assert torch.equal(values(shard), torch.ones(8))
+    shard.push(0, 1, 0, 0, PLAN.digest, wire(1.0))  # the same stamps push round 0 again
+    assert not shard.push(1, 1, 0, 0, PLAN.digest, wire(1.0)).duplicate
+    assert shard.version == 1 and torch.equal(values(shard), torch.full((8,), 0.5))
+
+
+def test_a_refused_round_reaches_a_waiting_pull(shard: Shard) -> None:
+    shard.push(0, 1, 0, 0, PLAN.digest, wire(3e38))
+    errors: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            shard.pull(0, 1, 1, PLAN.digest, timeout=10.0)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    with pytest.raises(NonFiniteUpdateError):
+        shard.push(1, 1, 0, 0, PLAN.digest, wire(3e38))
+    waiter.join(10.0)
+    assert not waiter.is_alive() and len(errors) == 1 and isinstance(errors[0], NonFiniteUpdateError)
+
+
+def async_shard(clock: FakeClock) -> Shard:
+    s = Shard(0, 1, ModeSettings("async", num_workers=1), now=clock)
+    s.join(0, 1, 1)
+    s.init(SPECS, 1, 16, PLAN.digest, SGD, wire(1.0))
+    return s
+
+
+def test_a_replay_beyond_the_window_is_refused_and_the_mark_survives_a_checkpoint(clock: FakeClock) -> None:
+    s = async_shard(clock)
+    for c in range(70):
+        s.push(0, 1, c, c, PLAN.digest, wire(0.001))
+    assert s.push(0, 1, 69, 0, PLAN.digest, wire(0.001)).duplicate
+    with pytest.raises(ReplayedPushError, match="clock 3 is a replay"):
+        s.push(0, 1, 3, 0, PLAN.digest, wire(0.001))
+    assert s.version == 70 and s.status().rejected_pushes == {"replayed": 1}
+    saved = s.export_state()
+
+    restarted = Shard(0, 1, ModeSettings("async", num_workers=1), now=clock)
+    restarted.restore(saved)
+    with pytest.raises(ReplayedPushError):
+        restarted.push(0, 1, 3, 0, PLAN.digest, wire(0.001))
+    assert restarted.push(0, 1, 69, 0, PLAN.digest, wire(0.001)).duplicate
+    restarted.push(0, 1, 70, 70, PLAN.digest, wire(0.001))
+    assert restarted.version == 71
+    restarted.join(0, 1, 2)  # a new incarnation starts its clocks over
+    restarted.push(0, 2, 0, 71, PLAN.digest, wire(0.001))
+    assert restarted.version == 72
+
+
+def test_a_checkpoint_without_marks_still_loads(clock: FakeClock) -> None:
+    s = async_shard(clock)
+    s.push(0, 1, 0, 0, PLAN.digest, wire(0.001))
+    saved = s.export_state()
+    for member in saved["members"]:  # as written before high-water marks existed
+        del member["high_water"], member["history"]
+    restarted = Shard(0, 1, ModeSettings("async", num_workers=1), now=clock)
+    restarted.restore(saved)
+    assert restarted.version == 1 and restarted.members[0].high_water == -1
+    restarted.push(0, 1, 1, 1, PLAN.digest, wire(0.001))
+    assert restarted.version == 2
+
+
+def test_a_learning_rate_beyond_the_dtype_is_refused(shard: Shard) -> None:
+    with pytest.raises(InvalidRequestError, match="float32"):
+        shard.update_config(learning_rate=1e308)
+    assert shard.learning_rate() == 0.5
