@@ -518,9 +518,13 @@ class AdminServicer(ps_pb2_grpc.AdminServicer):
         interval = request.interval_seconds or 1.0
         if not 0.1 <= interval <= 3600:
             raise errors.InvalidRequestError(f"interval_seconds must be in [0.1, 3600], got {interval}.")
+        # woken when the client goes away (or the server stops it), so a closed `ps-admin top` frees
+        # its --max-watch-streams slot at once, not after its interval
+        ended = threading.Event()
+        context.add_callback(ended.set)
         while context.is_active() and not self.stopping.is_set():
             yield ps_pb2.WatchStatusResponse(status=self._status())
-            self.stopping.wait(interval)
+            ended.wait(interval)
 
     @_maps_errors
     def UpdateConfig(

@@ -282,3 +282,17 @@ def test_item3_stream_limits_refuse_extras_at_once_and_keep_the_data_plane(secur
         10,
         "every slot back after cancel",
     )
+
+
+def test_item3_a_closed_watch_frees_its_slot_at_once_whatever_its_interval(secured_shard, wait_until) -> None:
+    """A WatchStatus stream asking for one status an hour (`ps-admin top --interval 3600`) and then
+    closed gives its --max-watch-streams slot back within seconds, not after its interval."""
+    shard = secured_shard
+    with grpc.insecure_channel(shard.address) as channel:
+        call = ps_pb2_grpc.AdminStub(channel).WatchStatus(
+            ps_pb2.WatchStatusRequest(interval_seconds=3600), timeout=STREAM_TIMEOUT, metadata=ADMIN
+        )
+        assert next(call).status.num_shards == 1
+        assert shard.streams.limits["watch"].open == 1
+        call.cancel()
+        wait_until(lambda: shard.streams.limits["watch"].open == 0, 5, "the closed hourly watch's slot")
