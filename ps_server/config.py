@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from ps_server.core.errors import InvalidRequestError
+from ps_server.core.limits import DEFAULT_MAX_PARAMETER_BYTES, Limits
 from ps_server.core.modes import MODES, ModeSettings
 from ps_server.flags import FlagParser, secret
 
@@ -43,6 +44,8 @@ class ServerConfig:
     admin_token: str = ""
     insecure: bool = False
     max_message_bytes: int = 16 * 1024 * 1024
+    max_parameter_bytes: int = DEFAULT_MAX_PARAMETER_BYTES
+    """Largest model an Init may declare, in bytes of all its parameters (every shard's share)."""
     max_workers_threads: int = 0
     sync_quorum: int = 0
     round_timeout: float = 0.0
@@ -80,8 +83,7 @@ class ServerConfig:
             raise InvalidRequestError(f"--metrics-port must be in -1..65535 (-1: off), got {self.metrics_port}.")
         if not self.lease_timeout > 0:
             raise InvalidRequestError(f"--lease-timeout must be > 0 seconds, got {self.lease_timeout}.")
-        if self.max_message_bytes < 1024 * 1024:
-            raise InvalidRequestError(f"--max-message-bytes must be >= 1 MiB, got {self.max_message_bytes}.")
+        Limits(self.max_message_bytes, self.max_parameter_bytes)  # validates both bounds
         if not is_loopback(self.host) and not (self.token and self.admin_token) and not self.insecure:
             raise InvalidRequestError(
                 f"Refusing to serve on non-loopback address {self.host!r} without both PS_TOKEN and "
@@ -125,6 +127,15 @@ class ServerConfig:
             communication_period=self.communication_period,
             easgd_sync=self.easgd_sync,
         )
+
+    @property
+    def limits(self) -> Limits:
+        """Bounds on what clients may declare and send (:class:`~ps_server.core.limits.Limits`).
+
+        Raises:
+            InvalidRequestError: a bound below 1 MiB.
+        """
+        return Limits(self.max_message_bytes, self.max_parameter_bytes)
 
     @property
     def threads(self) -> int:
@@ -197,6 +208,12 @@ def server_parser(environ: Mapping[str, str] | None = None) -> FlagParser:
     p.flag("--tls-key", default="", help="PEM private key of --tls-cert")
     p.flag("--tls-client-ca", default="", help="PEM CA that client certificates must chain to (mutual TLS)")
     p.flag("--max-message-bytes", type=int, default=16 * 1024 * 1024, help="largest gRPC message accepted, bytes")
+    p.flag(
+        "--max-parameter-bytes",
+        type=int,
+        default=DEFAULT_MAX_PARAMETER_BYTES,
+        help="largest model an Init may declare: bytes of all its parameters over all shards",
+    )
     mode_flags(p)
     p.flag("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"), help="log level")
     return p
@@ -230,6 +247,7 @@ def config_from_args(
             admin_token=admin_token,
             insecure=args.insecure,
             max_message_bytes=args.max_message_bytes,
+            max_parameter_bytes=args.max_parameter_bytes,
             checkpoint_dir=args.checkpoint_dir,
             checkpoint_every=args.checkpoint_every,
             checkpoint_keep=args.checkpoint_keep,

@@ -16,6 +16,7 @@ from ps_server.auth import TokenInterceptor
 from ps_server.checkpoint import CheckpointStore
 from ps_server.checkpointer import Checkpointer
 from ps_server.config import ServerConfig
+from ps_server.decoding import DecodingInterceptor
 from ps_server.interceptors import MetricsInterceptor
 from ps_server.metrics import MetricsEndpoint, ServerMetrics, serve_metrics
 from ps_server.servicer import AdminServicer, Counters, ParameterServicer, parameter_service_handler
@@ -120,7 +121,9 @@ def start_server(config: ServerConfig, shard: Shard | None = None) -> ShardServe
         RuntimeError: the address or the metrics port could not be bound.
         CheckpointError: ``checkpoint_dir`` is not writable, or holds checkpoints none of which loads.
     """
-    shard = shard or Shard(config.shard_index, config.num_shards, config.mode_settings(), config.lease_timeout)
+    shard = shard or Shard(
+        config.shard_index, config.num_shards, config.mode_settings(), config.lease_timeout, limits=config.limits
+    )
     counters = Counters()
     metrics = ServerMetrics(CollectorRegistry(), shard.status)
     checkpointer = None
@@ -143,6 +146,7 @@ def start_server(config: ServerConfig, shard: Shard | None = None) -> ShardServe
         interceptors=[
             MetricsInterceptor(metrics, lambda: shard.mode),
             TokenInterceptor(config.token, config.admin_token, on_refused=lambda code: counters.add(rejected=1)),
+            DecodingInterceptor(on_refused=lambda: counters.add(rejected=1)),  # innermost: see its docstring
         ],
         options=options,
         maximum_concurrent_rpcs=config.threads * 4,
