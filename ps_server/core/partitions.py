@@ -9,10 +9,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ps_server.core.codec import check_finite, decode, torch_dtype, wire_dtype_allowed
+from ps_server.core.codec import DTYPES, check_finite, decode, torch_dtype, wire_dtype_allowed
 from ps_server.core.errors import InvalidRequestError, UnknownKeyError
 from ps_server.core.plan import PartitionSlice, Plan
 from ps_server.core.text import quote
+
+ITEMSIZES = {name: dtype.itemsize for name, dtype in DTYPES.items()}
+"""Bytes per element of each wire dtype."""
 
 
 @dataclass(frozen=True)
@@ -31,6 +34,9 @@ class WirePartition:
     finite: bool = False
     """Already checked to hold no NaN or infinity (as each message arrived, overlapping the rest of
     the stream); :func:`match_partitions` then skips the check."""
+    slot: int = -1
+    """Its position among the shard's partitions, when an :class:`Intake` admitted it (every check
+    of :meth:`Intake.slot` passed); :func:`match_partitions` then does not repeat them."""
 
 
 def densify(part: WirePartition, dtype: torch.dtype, what: str) -> torch.Tensor:
@@ -125,7 +131,7 @@ class Intake:
             )
         if self.seen[i]:
             raise InvalidRequestError(f"Partition {part.key}[{part.offset}:] was sent twice in one request.")
-        itemsize = torch_dtype(part.dtype).itemsize
+        itemsize = ITEMSIZES[part.dtype]  # known: the parameter's dtype, or one wire_dtype_allowed knows
         if len(part.indices):
             if not self.sparse_ok:
                 raise InvalidRequestError(f"Only gradients may be sent top-k sparse; send {self.what}s dense.")
@@ -144,21 +150,31 @@ class Intake:
         self.seen[i] = 1
         return i
 
+    def readmit(self, part: WirePartition) -> int:
+        """:meth:`slot`, without repeating its checks for a partition another :class:`Intake` of
+        this shard's plan admitted (``part.slot`` names its slice)."""
+        i = part.slot
+        if 0 <= i < len(self.owned) and not self.seen[i]:
+            p = self.owned[i]
+            if (p.key, p.offset, p.length) == (part.key, part.offset, part.length):
+                self.seen[i] = 1
+                return i
+        return self.slot(part)
+
     def add(self, part: WirePartition) -> WirePartition:
         """:meth:`slot`, then check a dense partition's values are finite (while the rest of the
-        stream is in flight); returns ``part`` marked as checked.
+        stream is in flight); returns ``part`` marked as checked (``finite``, ``slot``).
 
         Raises:
             UnknownKeyError, InvalidRequestError: as :meth:`slot`; NaN or infinity.
         """
-        self.slot(part)
-        if len(part.indices) or part.finite:
-            return part  # sparse values are checked when densified
-        check_finite(
-            decode(part.data, part.dtype, part.length),
-            f"{self.what.capitalize()} {part.key}[{part.offset}:{part.offset + part.length}]",
-        )
-        return dataclasses.replace(part, finite=True)
+        i = self.slot(part)
+        if not len(part.indices) and not part.finite:  # sparse values are checked when densified
+            check_finite(
+                decode(part.data, part.dtype, part.length),
+                f"{self.what.capitalize()} {part.key}[{part.offset}:{part.offset + part.length}]",
+            )
+        return dataclasses.replace(part, finite=not len(part.indices), slot=i)
 
     def missing(self) -> list[str]:
         """The shard's partitions not received yet, as ``key[offset:]``."""
@@ -191,7 +207,7 @@ def match_partitions(
     owned = intake.owned
     out: list[torch.Tensor | None] = [None] * len(owned)
     for part in received:
-        i = intake.slot(part)
+        i = intake.readmit(part)
         param_dtype = intake.dtypes[part.key]
         if len(part.indices):
             out[i] = densify(part, torch_dtype(param_dtype), what)

@@ -3,6 +3,7 @@ shard's limits before it is built; a request's partitions checked against it as 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -12,7 +13,7 @@ from hypothesis import strategies as st
 
 from ps_server.core.errors import InvalidRequestError, UnknownKeyError
 from ps_server.core.limits import Limits
-from ps_server.core.partitions import Intake, WirePartition
+from ps_server.core.partitions import Intake, WirePartition, match_partitions
 from ps_server.core.plan import FRAME_BYTES, HEADER_BYTES, ParameterSpec, make_plan
 from ps_server.core.text import quote, shown
 
@@ -189,7 +190,8 @@ def test_intake_refuses_the_first_bad_partition() -> None:
         with pytest.raises(error, match=message):
             intake.add(part)
     sparse = wire(owned[1], data=b"\0" * 4, indices=b"\0" * 4)
-    assert Intake(plan, 0, "gradient").add(sparse) == sparse
+    admitted = Intake(plan, 0, "gradient").add(sparse)
+    assert (admitted.slot, admitted.finite) == (1, False)  # its values are checked when densified
     with pytest.raises(InvalidRequestError, match="dense"):
         Intake(plan, 0, "parameter").add(sparse)
     intake = Intake(plan, 0, "gradient")
@@ -198,3 +200,17 @@ def test_intake_refuses_the_first_bad_partition() -> None:
     intake.charge(intake.budget)
     with pytest.raises(InvalidRequestError, match="more than"):
         intake.charge(1)
+
+
+def test_match_partitions_does_not_repeat_an_intakes_checks_but_still_finds_repeats() -> None:
+    plan = make_plan(SPECS, 1, 4096)
+    owned = plan.owned_by(0)
+    intake = Intake(plan, 0, "gradient")
+    admitted = [intake.add(wire(p)) for p in owned]
+    assert [p.slot for p in admitted] == list(range(len(owned)))
+    assert len(match_partitions(plan, 0, admitted, "gradient")) == len(owned)
+    with pytest.raises(InvalidRequestError, match="sent twice"):
+        match_partitions(plan, 0, [*admitted, admitted[0]], "gradient")
+    forged = dataclasses.replace(wire(owned[1], key="nope"), slot=1)  # a slot that names another slice
+    with pytest.raises(UnknownKeyError):
+        match_partitions(plan, 0, [admitted[0], forged], "gradient")
