@@ -84,7 +84,7 @@ class Intake:
         self.what = what
         self.sparse_ok = what == "gradient" if sparse_ok is None else sparse_ok
         self.seen = bytearray(len(self.owned))
-        self.budget = plan.request_bytes(shard_index)
+        self.budget = plan.request_bytes(shard_index, self.sparse_ok)
         """Most bytes a well-formed request to this shard takes (see :meth:`Plan.request_bytes`)."""
         self.received = 0
 

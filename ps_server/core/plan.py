@@ -88,19 +88,22 @@ class Plan:
     def _index(self) -> tuple[dict[tuple[str, int], int], ...]:
         return tuple({(p.key, p.offset): i for i, p in enumerate(owned)} for owned in self._by_shard)
 
-    def request_bytes(self, shard: int) -> int:
+    def request_bytes(self, shard: int, sparse: bool = True) -> int:
         """Most bytes a well-formed request carrying ``shard``'s partitions takes on the wire: each
-        partition as top-k sparse values with a 4-byte index per element (dense ones take less),
-        its key and :data:`FRAME_BYTES`, plus :data:`HEADER_BYTES` for the header."""
-        return self._request_bytes[shard]
+        partition dense (``sparse=False``: values, Init and Exchange) or top-k sparse (gradients:
+        up to a 4-byte index per element besides its value), with its key and :data:`FRAME_BYTES`,
+        plus :data:`HEADER_BYTES` for the header."""
+        return self._request_bytes[sparse][shard]
 
     @functools.cached_property
-    def _request_bytes(self) -> tuple[int, ...]:
-        return tuple(
-            HEADER_BYTES
-            + sum(p.length * (itemsize(self.dtypes[p.key]) + 4) + len(p.key.encode()) + FRAME_BYTES for p in owned)
-            for owned in self._by_shard
-        )
+    def _request_bytes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        def total(owned: tuple[PartitionSlice, ...], index_bytes: int) -> int:
+            return HEADER_BYTES + sum(
+                p.length * (itemsize(self.dtypes[p.key]) + index_bytes) + len(p.key.encode()) + FRAME_BYTES
+                for p in owned
+            )
+
+        return tuple(tuple(total(owned, extra) for owned in self._by_shard) for extra in (0, 4))
 
     def spec(self, key: str) -> ParameterSpec:
         """The spec of ``key``.

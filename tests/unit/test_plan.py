@@ -167,7 +167,9 @@ def test_request_bytes_bound_a_well_formed_request() -> None:
     for shard in range(2):
         owned = plan.owned_by(shard)
         dense = sum(p.length * 4 + len(p.key) for p in owned)
-        assert dense < plan.request_bytes(shard) <= 2 * dense + HEADER_BYTES + FRAME_BYTES * len(owned)
+        assert dense < plan.request_bytes(shard, sparse=False) < plan.request_bytes(shard)
+        assert plan.request_bytes(shard, sparse=False) == dense + HEADER_BYTES + FRAME_BYTES * len(owned)
+        assert plan.request_bytes(shard) <= 2 * dense + HEADER_BYTES + FRAME_BYTES * len(owned)
 
 
 def test_intake_refuses_the_first_bad_partition() -> None:
