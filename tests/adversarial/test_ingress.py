@@ -64,10 +64,10 @@ def serving(shard) -> bool:
     return reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
-def refused(call, *args, timeout: float = RPC_TIMEOUT) -> grpc.RpcError:
-    """The error of ``call(*args)``, which must fail."""
+def refused(call, *args, timeout: float = RPC_TIMEOUT, **kwargs) -> grpc.RpcError:
+    """The error of ``call(*args, **kwargs)``, which must fail."""
     with pytest.raises(grpc.RpcError) as err:
-        result = call(*args, timeout=timeout)
+        result = call(*args, timeout=timeout, **kwargs)
         if isinstance(result, Iterator):
             list(result)
     return err.value
@@ -384,3 +384,16 @@ def test_item12_update_config_keeps_serving_after_refusals(live) -> None:
     stub = ps_pb2_grpc.AdminStub(channel)
     reply = stub.UpdateConfig(ps_pb2.UpdateConfigRequest(staleness=3), timeout=RPC_TIMEOUT)
     assert reply.config.staleness == 3
+
+
+def test_item9_on_a_token_protected_shard_the_token_is_checked_first(start_shards) -> None:
+    (shard,) = start_shards(1, num_workers=1, token="worker-secret", admin_token="admin-secret")
+    with grpc.insecure_channel(shard.address) as channel:
+        call = channel.unary_unary("/ps.v1.Admin/GetStatus")
+        assert refused(call, GARBAGE).code() == grpc.StatusCode.UNAUTHENTICATED
+        err = refused(call, GARBAGE, metadata=(("authorization", "Bearer admin-secret"),))
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err.details()
+        join = channel.unary_unary(SERVICE + "Join")
+        err = refused(join, GARBAGE, metadata=(("authorization", "Bearer worker-secret"),))
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err.details()
+    assert serving(shard)
