@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from ps_server.core.errors import InvalidRequestError
+from ps_server.core.limits import DEFAULT_MAX_PARAMETER_BYTES, Limits
 from ps_server.core.modes import MODES, ModeSettings
 from ps_server.flags import FlagParser, secret
 
@@ -47,6 +48,8 @@ class ServerConfig:
     admin_token: str = ""
     insecure: bool = False
     max_message_bytes: int = 16 * 1024 * 1024
+    max_parameter_bytes: int = DEFAULT_MAX_PARAMETER_BYTES
+    """Largest model an Init may declare, in bytes of all its parameters (every shard's share)."""
     max_workers_threads: int = 0
     sync_quorum: int = 0
     round_timeout: float = 0.0
@@ -96,8 +99,7 @@ class ServerConfig:
             raise InvalidRequestError(
                 f"--join-timeout must be in 0..86400 seconds (0: wait forever), got {self.join_timeout}."
             )
-        if self.max_message_bytes < 1024 * 1024:
-            raise InvalidRequestError(f"--max-message-bytes must be >= 1 MiB, got {self.max_message_bytes}.")
+        Limits(self.max_message_bytes, self.max_parameter_bytes)  # validates both bounds
         if not is_loopback(self.host) and not (self.token and self.admin_token) and not self.insecure:
             raise InvalidRequestError(
                 f"Refusing to serve on non-loopback address {self.host!r} without both PS_TOKEN and "
@@ -155,6 +157,15 @@ class ServerConfig:
             communication_period=self.communication_period,
             easgd_sync=self.easgd_sync,
         )
+
+    @property
+    def limits(self) -> Limits:
+        """Bounds on what clients may declare and send (:class:`~ps_server.core.limits.Limits`).
+
+        Raises:
+            InvalidRequestError: a bound below 1 MiB.
+        """
+        return Limits(self.max_message_bytes, self.max_parameter_bytes)
 
     @property
     def threads(self) -> int:
@@ -259,6 +270,12 @@ def server_parser(environ: Mapping[str, str] | None = None) -> FlagParser:
         default=64,
         help="Health/Watch and reflection streams (no token needed) open at once; more are refused",
     )
+    p.flag(
+        "--max-parameter-bytes",
+        type=int,
+        default=DEFAULT_MAX_PARAMETER_BYTES,
+        help="largest model an Init may declare: bytes of all its parameters over all shards",
+    )
     mode_flags(p)
     p.flag("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"), help="log level")
     return p
@@ -293,6 +310,7 @@ def config_from_args(
             admin_token=admin_token,
             insecure=args.insecure,
             max_message_bytes=args.max_message_bytes,
+            max_parameter_bytes=args.max_parameter_bytes,
             checkpoint_dir=args.checkpoint_dir,
             checkpoint_every=args.checkpoint_every,
             checkpoint_keep=args.checkpoint_keep,

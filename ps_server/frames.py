@@ -18,7 +18,7 @@ their ``version`` (where they have one) in field 1, so one builder serves them a
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +38,10 @@ PARTITION_FIELD = 2
 
 PACK_OVERHEAD = 64
 """Bytes counted per packed partition for its header fields (plus the key's length)."""
+
+MAX_FIELDS = 64
+"""Most fields of a partition, and of a message besides its partitions: a few more than ps.v1 has,
+so a message of a million tiny unknown fields is refused at the 65th, not parsed whole."""
 
 
 _SMALL = [bytes((i,)) for i in range(0x80)]
@@ -199,15 +203,15 @@ def _read_varint(buf: memoryview, pos: int, end: int) -> tuple[int, int]:
         shift += 7
 
 
-def fields(buf: memoryview, start: int = 0, end: int | None = None) -> list[tuple[int, int, int | memoryview]]:
-    """The fields of one encoded message: (field number, wire type, value), in order; a varint's
-    value is an int, a length-delimited field's a memoryview into ``buf`` (no copy).
+def iter_fields(buf: memoryview, start: int = 0, end: int | None = None) -> Iterator[tuple[int, int, int | memoryview]]:
+    """The fields of one encoded message as they are read: (field number, wire type, value); a
+    varint's value is an int, a length-delimited field's a memoryview into ``buf`` (no copy). A
+    caller that stops early reads no further.
 
     Raises:
         InvalidRequestError: malformed encoding (truncated, groups, field number 0).
     """
     end = len(buf) if end is None else end
-    out: list[tuple[int, int, int | memoryview]] = []
     pos = start
     while pos < end:
         key, pos = _read_varint(buf, pos, end)
@@ -229,8 +233,16 @@ def fields(buf: memoryview, start: int = 0, end: int | None = None) -> list[tupl
             value, pos = int.from_bytes(buf[pos : pos + n], "little"), pos + n
         else:
             raise InvalidRequestError(f"Malformed message: wire type {wire_type}; send a valid ps.v1 message.")
-        out.append((field, wire_type, value))
-    return out
+        yield field, wire_type, value
+
+
+def fields(buf: memoryview, start: int = 0, end: int | None = None) -> list[tuple[int, int, int | memoryview]]:
+    """Every field of one encoded message (see :func:`iter_fields`), in order.
+
+    Raises:
+        InvalidRequestError: malformed encoding (truncated, groups, field number 0).
+    """
+    return list(iter_fields(buf, start, end))
 
 
 def read_partition(buf: memoryview) -> WirePartition:
@@ -242,7 +254,9 @@ def read_partition(buf: memoryview) -> WirePartition:
     key, offset, length, dtype = "", 0, 0, 0
     data: memoryview | bytes = b""
     indices: memoryview | bytes = b""
-    for field, wire_type, value in fields(buf):
+    for n, (field, wire_type, value) in enumerate(iter_fields(buf)):
+        if n == MAX_FIELDS:
+            _too_many("a partition with")
         if isinstance(value, memoryview):
             if field == 1:
                 try:
@@ -292,25 +306,54 @@ class Message:
             raise InvalidRequestError(f"Malformed {cls.__name__}; send a valid ps.v1 message.") from None
 
 
-def read(data: bytes | memoryview) -> Message:
+def read(data: bytes | memoryview, check: Callable[[Message, WirePartition], WirePartition] | None = None) -> Message:
     """Read a message that carries partitions in field 2.
 
+    Args:
+        data: the encoded message.
+        check: called on each partition as soon as it is read, before the next one, with the
+            message read so far (for the message's first partition, every field before it is in
+            ``ints`` and ``blobs``); returns the partition to keep. A check that raises stops the
+            reading: a message packed with partitions is refused at the first bad one.
+
     Raises:
-        InvalidRequestError: malformed encoding or partitions.
+        InvalidRequestError: malformed encoding or partitions; what ``check`` raises.
     """
     buf = memoryview(data).cast("B") if not isinstance(data, memoryview) else data
-    parts: list[WirePartition] = []
-    ints: dict[int, int] = {}
-    blobs: dict[int, list[memoryview]] = {}
-    for field, _, value in fields(buf):
+    msg = Message([], {}, {})
+    pending: dict[int, list[memoryview]] = {}
+    others = 0
+    for field, _, value in iter_fields(buf):
+        if field != PARTITION_FIELD:
+            others += 1
+            if others > MAX_FIELDS:
+                _too_many("a message with, besides its partitions,")
         if isinstance(value, memoryview):
             if field == PARTITION_FIELD:
-                parts.append(read_partition(value))
+                part = read_partition(value)
+                if check is not None:
+                    if not msg.partitions:
+                        _merge(msg.blobs, pending)
+                    part = check(msg, part)
+                msg.partitions.append(part)
             else:
-                blobs.setdefault(field, []).append(value)
+                pending.setdefault(field, []).append(value)
         else:
-            ints[field] = value
-    return Message(parts, ints, {k: b"".join(v) for k, v in blobs.items()})
+            msg.ints[field] = value
+    _merge(msg.blobs, pending)
+    return msg
+
+
+def _too_many(what: str) -> None:
+    raise InvalidRequestError(f"Malformed message: {what} more than {MAX_FIELDS} fields; send a valid ps.v1 message.")
+
+
+def _merge(blobs: dict[int, bytes], pending: dict[int, list[memoryview]]) -> None:
+    """Append ``pending`` occurrences of length-delimited fields to ``blobs`` (protobuf's merge rule
+    for a repeated embedded message), and clear it."""
+    for field, views in pending.items():
+        blobs[field] = blobs.get(field, b"") + b"".join(views)
+    pending.clear()
 
 
 def view(p: WirePartition) -> torch.Tensor:

@@ -16,6 +16,7 @@ from ps_server.auth import TokenInterceptor
 from ps_server.checkpoint import CheckpointStore
 from ps_server.checkpointer import Checkpointer
 from ps_server.config import ServerConfig
+from ps_server.decoding import DecodingInterceptor
 from ps_server.interceptors import MetricsInterceptor
 from ps_server.metrics import MetricsEndpoint, ServerMetrics, serve_metrics
 from ps_server.servicer import AdminServicer, Counters, ParameterServicer, parameter_service_handler
@@ -133,6 +134,7 @@ def start_server(config: ServerConfig, shard: Shard | None = None) -> ShardServe
         config.mode_settings(),
         config.lease_timeout,
         join_timeout=config.join_timeout,
+        limits=config.limits,
     )
     counters = Counters()
     metrics = ServerMetrics(CollectorRegistry(), shard.status)
@@ -172,6 +174,7 @@ def start_server(config: ServerConfig, shard: Shard | None = None) -> ShardServe
             MetricsInterceptor(metrics, lambda: shard.mode),
             TokenInterceptor(config.token, config.admin_token, on_refused=lambda code: counters.add(rejected=1)),
             streams,
+            DecodingInterceptor(on_refused=lambda: counters.add(rejected=1)),  # innermost: see its docstring
         ],
         options=options,
         maximum_concurrent_rpcs=config.threads * 4 + config.stream_threads,

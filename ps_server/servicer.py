@@ -5,7 +5,6 @@ Domain errors become status codes through :data:`STATUS_CODES`, the one table of
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import threading
@@ -19,20 +18,21 @@ from ps_proto.v1 import ps_pb2, ps_pb2_grpc
 from ps_server import frames
 from ps_server.checkpointer import Checkpointer
 from ps_server.core import errors
-from ps_server.core.codec import DTYPES, check_finite
 from ps_server.core.modes import ModeSettings
-from ps_server.core.partitions import WirePartition
+from ps_server.core.optimizer import OptimizerSpec
+from ps_server.core.partitions import Intake
+from ps_server.core.plan import Plan
+from ps_server.core.text import shown
 from ps_server.interceptors import note_push
+from ps_server.request_streams import Request, read_request
 from ps_server.shard import PushResult, Shard, StatusView, WorkerState
 from ps_server.wire import (
     MODE_TO_NAME,
     NAME_TO_MODE,
+    SpecList,
     dtype_name,
-    message_size,
     optimizer_from_proto,
     optimizer_to_proto,
-    partition_from_proto,
-    specs_from_proto,
 )
 
 log = logging.getLogger(__name__)
@@ -89,9 +89,10 @@ def _refuse(servicer: Any, name: str, exc: errors.PSError, context: grpc.Service
     servicer.counters.add(rejected=1)
     code = status_code(exc)
     level = logging.INFO if code == grpc.StatusCode.DEADLINE_EXCEEDED else logging.WARNING
-    log.log(level, "%s refused (%s): %s", name, code.name, exc)
+    message = shown(str(exc))  # client text escaped and cut short: one log line, a detail gRPC can send
+    log.log(level, "%s refused (%s): %s", name, code.name, message)
     context.set_trailing_metadata(((REASON_KEY, exc.reason),))
-    context.abort(code, str(exc))
+    context.abort(code, message)
 
 
 def _maps_errors(method: F) -> F:
@@ -118,90 +119,6 @@ def _maps_stream_errors(method: F) -> F:
             _refuse(self, method.__name__, exc, context)
 
     return wrapper  # type: ignore[return-value]
-
-
-def _read_stream(request_iterator: Iterator[Any], counters: Counters, what: str) -> tuple[Any, list[WirePartition]]:
-    """Split a client stream of protobuf messages (Init) into its header and partitions; count
-    received bytes.
-
-    Raises:
-        InvalidRequestError: the first message is not a header, or a later one is.
-    """
-    header = None
-    parts: list[WirePartition] = []
-    received = 0
-    for msg in request_iterator:
-        received += message_size(msg)
-        kind = msg.WhichOneof("payload")
-        if header is None:
-            if kind != "header":
-                raise errors.InvalidRequestError(f"A {what} stream must start with a header message.")
-            header = msg.header
-        elif kind == "partition":
-            parts.append(partition_from_proto(msg.partition))
-        else:
-            raise errors.InvalidRequestError(f"A {what} stream carries one header, then only partitions.")
-    counters.add(received=received)
-    if header is None:
-        raise errors.InvalidRequestError(f"The {what} stream was empty; send a header, then partitions.")
-    return header, parts
-
-
-def _checked(p: WirePartition, values: str) -> WirePartition:
-    """``p``, checked to hold no NaN or infinity if it is dense and of the right byte count (the
-    rest is left to :func:`~ps_server.core.partitions.match_partitions`; ``frames.read`` already
-    refused unknown dtypes).
-
-    Raises:
-        InvalidRequestError: NaN or infinity.
-    """
-    if len(p.indices) or len(p.data) != p.length * DTYPES[p.dtype].itemsize:  # left to match_partitions
-        return p
-    check_finite(frames.view(p), f"{values.capitalize()} {p.key}[{p.offset}:{p.offset + p.length}]")
-    return dataclasses.replace(p, finite=True)
-
-
-def _read_frames(
-    request_iterator: Iterator[bytes], counters: Counters, what: str, header_cls: type[Any], packed: bool, values: str
-) -> tuple[Any, list[WirePartition], frames.Message]:
-    """Split a client stream of hand-read frames into its header, partitions and first message;
-    count received bytes. ``packed`` (PushPull): the header and partitions may share a message
-    and a message may carry several partitions; otherwise (Push, Exchange: a oneof) each message
-    is a header or one partition. ``values``: what the partitions hold ("gradient", "parameter").
-
-    Raises:
-        InvalidRequestError: malformed messages; the first message has no header, or a later one has.
-    """
-    header = None
-    first: frames.Message | None = None
-    parts: list[WirePartition] = []
-    received = 0
-    try:
-        for raw in request_iterator:
-            received += len(raw)
-            msg = frames.read(raw)
-            has_header = HEADER_FIELD in msg.blobs
-            if not packed and (len(msg.partitions) > 1 or (has_header and msg.partitions)):
-                raise errors.InvalidRequestError(f"A {what} message carries a header or one partition, not both.")
-            if first is None:
-                if not has_header:
-                    raise errors.InvalidRequestError(f"A {what} stream must start with a header message.")
-                first, header = msg, msg.sub(HEADER_FIELD, header_cls)
-            elif has_header:
-                raise errors.InvalidRequestError(f"A {what} stream carries one header, then only partitions.")
-            elif not msg.partitions:
-                raise errors.InvalidRequestError(f"A {what} stream carries one header, then only partitions.")
-            for p in msg.partitions:  # checked as they arrive, while the rest of the stream is in flight
-                parts.append(_checked(p, values))
-    finally:
-        counters.add(received=received)
-    if first is None:
-        raise errors.InvalidRequestError(f"The {what} stream was empty; send a header, then partitions.")
-    return header, parts, first
-
-
-HEADER_FIELD = 1
-"""Field number of the header in PushRequest, ExchangeRequest and PushPullRequest."""
 
 
 def _wire_dtype(value: int) -> str:
@@ -260,10 +177,12 @@ def push_response(r: PushResult) -> ps_pb2.PushResponse:
     )
 
 
-RAW_METHODS = frozenset({"Push", "Pull", "PushPull", "PushPullOnce", "Exchange"})
+RAW_METHODS = frozenset({"Init", "Push", "Pull", "PushPull", "PushPullOnce", "Exchange"})
 """ParameterService methods whose partitions travel as hand-built frames (``ps_server.frames``):
-their requests reach the servicer as ``bytes`` (all but Pull, whose small request the servicer
-parses itself) and their responses leave as ``bytes`` (all but Push's small PushResponse)."""
+their requests reach the servicer as ``bytes`` (Pull's small request the servicer parses itself)."""
+
+RAW_RESPONSES = frozenset({"Pull", "PushPull", "PushPullOnce", "Exchange"})
+"""Methods whose responses leave as ``bytes`` (Init's and Push's small answers are messages)."""
 
 
 def parameter_service_handler(servicer: ParameterServicer) -> grpc.GenericRpcHandler:
@@ -274,10 +193,10 @@ def parameter_service_handler(servicer: ParameterServicer) -> grpc.GenericRpcHan
     for method in descriptor.methods:
         request_cls = getattr(ps_pb2, method.input_type.name)
         response_cls = getattr(ps_pb2, method.output_type.name)
-        raw = method.name in RAW_METHODS
-        # parsed in the servicer, so a malformed request is INVALID_ARGUMENT, not gRPC's INTERNAL
-        deserializer = None if raw else request_cls.FromString
-        serializer = None if raw and method.name != "Push" else response_cls.SerializeToString
+        # parsed in the servicer, so a malformed request is INVALID_ARGUMENT, not gRPC's INTERNAL (the
+        # others' undecodable bytes are refused by ps_server.decoding.DecodingInterceptor)
+        deserializer = None if method.name in RAW_METHODS else request_cls.FromString
+        serializer = None if method.name in RAW_RESPONSES else response_cls.SerializeToString
         make = {
             (False, False): grpc.unary_unary_rpc_method_handler,
             (True, False): grpc.stream_unary_rpc_method_handler,
@@ -311,28 +230,44 @@ class ParameterServicer:
             clock=info.clock,
         )
 
+    def _count(self, nbytes: int) -> None:
+        self.counters.add(received=nbytes)
+
+    def _read(self, request_iterator: Iterator[bytes], what: str, header_cls: type[Any], values: str) -> Request:
+        """Read a Push, PushPull or Exchange stream: the header is checked against the shard's plan
+        (initialized, same digest) before any partition is read, each partition as it arrives."""
+
+        def open_(header: Any) -> Intake:
+            return Intake(self.shard.check_plan(header.plan_digest), self.shard.shard_index, values)
+
+        return read_request(request_iterator, what, header_cls, open_, what.startswith("PushPull"), self._count)
+
     @_maps_errors
-    def Init(
-        self, request_iterator: Iterator[ps_pb2.InitRequest], context: grpc.ServicerContext
-    ) -> ps_pb2.InitResponse:
-        header, parts = _read_stream(request_iterator, self.counters, "Init")
-        self.shard.check_rank(header.rank)
+    def Init(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> ps_pb2.InitResponse:
+        opened: list[tuple[SpecList, Plan, OptimizerSpec]] = []
+
+        def open_(header: ps_pb2.InitHeader) -> Intake:
+            # rank, optimizer, then the plan: already initialized and the digest first, then its
+            # bounds, all before it is built (Shard.init_plan)
+            self.shard.check_rank(header.rank)
+            optimizer = optimizer_from_proto(header.optimizer)
+            specs = SpecList(header.plan.specs)
+            plan = self.shard.init_plan(specs, header.plan.num_shards, header.plan.partition_bytes, header.plan.digest)
+            opened.append((specs, plan, optimizer))
+            return Intake(plan, self.shard.shard_index, "value")
+
+        req = read_request(request_iterator, "Init", ps_pb2.InitHeader, open_, False, self._count)
+        (specs, plan, optimizer), info = opened[0], req.header.plan
         applied, version, digest = self.shard.init(
-            specs_from_proto(header.plan.specs),
-            header.plan.num_shards,
-            header.plan.partition_bytes,
-            header.plan.digest,
-            optimizer_from_proto(header.optimizer),
-            parts,
+            specs, info.num_shards, info.partition_bytes, info.digest, optimizer, req.parts, plan=plan
         )
         return ps_pb2.InitResponse(applied=applied, version=version, plan_digest=digest)
 
     @_maps_errors
     def Push(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> ps_pb2.PushResponse:
-        header, parts, _ = _read_frames(
-            request_iterator, self.counters, "Push", ps_pb2.PushHeader, packed=False, values="gradient"
-        )
-        r = self.shard.push(header.rank, header.incarnation, header.clock, header.version, header.plan_digest, parts)
+        req = self._read(request_iterator, "Push", ps_pb2.PushHeader, "gradient")
+        h = req.header
+        r = self.shard.push(h.rank, h.incarnation, h.clock, h.version, h.plan_digest, req.parts)
         return push_response(r)
 
     @_maps_stream_errors
@@ -353,10 +288,8 @@ class ParameterServicer:
     def _push_pull(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext, single: bool) -> list[bytes]:
         """PushPull and PushPullOnce: push, then the messages of the version it lands in; the
         push's answer (field 3) leads the first message."""
-        what = "PushPullOnce" if single else "PushPull"
-        header, parts, first = _read_frames(
-            request_iterator, self.counters, what, ps_pb2.PushHeader, packed=True, values="gradient"
-        )
+        req = self._read(request_iterator, "PushPullOnce" if single else "PushPull", ps_pb2.PushHeader, "gradient")
+        header, parts, first = req.header, req.parts, req.first
         result, version, out = self.shard.push_pull(
             header.rank,
             header.incarnation,
@@ -391,9 +324,8 @@ class ParameterServicer:
 
     @_maps_stream_errors
     def Exchange(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
-        header, parts, _ = _read_frames(
-            request_iterator, self.counters, "Exchange", ps_pb2.ExchangeHeader, packed=False, values="parameter"
-        )
+        req = self._read(request_iterator, "Exchange", ps_pb2.ExchangeHeader, "parameter")
+        header, parts = req.header, req.parts
         version, out = self.shard.exchange(
             header.rank, header.incarnation, header.clock, header.plan_digest, parts, _deadline(context)
         )

@@ -33,10 +33,12 @@ from ps_server.core.errors import (
     UpdateRefusedError,
     WaitTimeoutError,
 )
+from ps_server.core.limits import Limits
 from ps_server.core.modes import MODES, ModeSettings
 from ps_server.core.optimizer import OptimizerSpec, check_in_range
 from ps_server.core.partitions import WirePartition, match_partitions
-from ps_server.core.plan import ParameterSpec, Plan, make_plan
+from ps_server.core.plan import ParameterSpec, Plan, make_plan, plan_digest
+from ps_server.core.text import quote
 from ps_server.frames import response_frames
 from ps_server.membership import Member, Membership, MemberView, PushResult, WorkerState
 from ps_server.policy import asynchronous, easgd, ssp
@@ -103,6 +105,7 @@ class Shard:
         now: monotonic clock in seconds (injected for tests).
         join_timeout: seconds after the first Join after which waits that need a rank that never
             joined fail with RanksMissingError (0: wait for it forever).
+        limits: bounds on the plans an Init may declare (defaults of :class:`Limits`).
     """
 
     def __init__(
@@ -113,8 +116,10 @@ class Shard:
         lease_timeout: float = 10.0,
         now: Callable[[], float] = time.monotonic,
         join_timeout: float = 0.0,
+        limits: Limits | None = None,
     ) -> None:
         self.shard_index = shard_index
+        self.limits = limits or Limits()
         self.num_shards = num_shards
         self.settings = settings
         self.num_workers = settings.num_workers
@@ -157,17 +162,32 @@ class Shard:
         """Raise InvalidRequestError when ``rank`` is out of range."""
         self.membership.get(rank)
 
+    def check_plan(self, digest: str) -> Plan:
+        """The plan, when the shard is initialized and ``digest`` is its digest.
+
+        Raises:
+            NotInitializedError: not initialized yet. InvalidRequestError: an empty digest.
+            PlanMismatchError: another digest.
+        """
+        return self._check_plan(digest)
+
     def _check_plan(self, digest: str) -> Plan:
-        if self.plan is None:
+        plan = self.plan
+        if plan is None:
             raise NotInitializedError(
                 f"Shard {self.shard_index} is not initialized; rank 0 must call Init before pushes and pulls."
             )
-        if digest and digest != self.plan.digest:
+        if not digest:
+            raise InvalidRequestError(
+                "The request's plan_digest is empty; send the digest of the plan (JoinResponse.plan_digest, "
+                "or PSClient's, which always sends it)."
+            )
+        if digest != plan.digest:
             raise PlanMismatchError(
-                f"Plan digest {digest[:12]} does not match this shard's {self.plan.digest[:12]}; "
+                f"Plan digest {quote(digest[:12], 12)} does not match this shard's {plan.digest[:12]}; "
                 "every worker must build the same model with the same num_shards and partition_bytes."
             )
-        return self.plan
+        return plan
 
     # ----------------------------------------------------------------- membership
     def join(self, rank: int, num_workers: int, incarnation: int) -> JoinInfo:
@@ -264,6 +284,37 @@ class Shard:
             return evicted
 
     # ----------------------------------------------------------------- init
+    def init_plan(self, specs: Sequence[ParameterSpec], num_shards: int, partition_bytes: int, digest: str) -> Plan:
+        """The plan an Init declares, checked cheapest first and built only within :attr:`limits`:
+        the shard count, then "already initialized" (the digest alone decides), then the number
+        of keys (``len(specs)``, before any spec is read), then the bounds on keys, bytes and
+        partitions and the digest (linear in the keys), and only then the plan.
+
+        Returns:
+            The declared plan; the shard's own when it is already initialized with ``digest``
+            (:meth:`init` is then a no-op).
+
+        Raises:
+            InvalidRequestError: num_shards differs, a bound of :attr:`limits` exceeded, the
+                digest does not match the specs, bad specs.
+            PlanMismatchError: already initialized with another plan.
+        """
+        if num_shards != self.num_shards:
+            raise InvalidRequestError(
+                f"Init is for {num_shards} shards but this cluster has {self.num_shards}; "
+                "pass every shard's address to the client."
+            )
+        if self.plan is not None:
+            return self._check_plan(digest)
+        self.limits.check_plan(specs, partition_bytes)  # the key count first, before any spec is read
+        expected = plan_digest(specs, num_shards, partition_bytes)
+        if digest != expected:
+            raise InvalidRequestError(
+                f"Init's plan digest {quote(digest[:12], 12)} does not match its own specs ({expected[:12]}); "
+                "the client and server disagree on the plan algorithm: upgrade both to the same release."
+            )
+        return make_plan(specs, num_shards, partition_bytes)
+
     def init(
         self,
         specs: Sequence[ParameterSpec],
@@ -272,29 +323,23 @@ class Shard:
         digest: str,
         optimizer: OptimizerSpec,
         partitions: Sequence[WirePartition],
+        plan: Plan | None = None,
     ) -> tuple[bool, int, str]:
         """First writer wins: set the plan, initial values and optimizer.
+
+        Args:
+            plan: :meth:`init_plan` of the other arguments, when the caller has it already.
 
         Returns:
             (applied, version, plan digest). ``applied`` is False when already initialized with
             the same plan (a no-op).
 
         Raises:
-            InvalidRequestError: num_shards differs, digest does not match the specs, a bad
-                partition or optimizer spec.
+            InvalidRequestError: num_shards differs, digest does not match the specs, a bound of
+                :attr:`limits` exceeded, a bad partition or optimizer spec.
             PlanMismatchError: already initialized with another plan.
         """
-        if num_shards != self.num_shards:
-            raise InvalidRequestError(
-                f"Init is for {num_shards} shards but this cluster has {self.num_shards}; "
-                "pass every shard's address to the client."
-            )
-        plan = make_plan(specs, num_shards, partition_bytes)
-        if digest != plan.digest:
-            raise InvalidRequestError(
-                f"Init's plan digest {digest[:12]} does not match its own specs ({plan.digest[:12]}); "
-                "the client and server disagree on the plan algorithm: upgrade both to the same release."
-            )
+        plan = plan or self.init_plan(specs, num_shards, partition_bytes, digest)
         with self._cond:
             if self.plan is not None:
                 self._check_plan(digest)

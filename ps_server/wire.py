@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Iterable, Sequence
+from typing import Any, overload
 
 from ps_proto.v1 import ps_pb2
 from ps_server.core.errors import InvalidRequestError
@@ -47,8 +47,37 @@ def partition_from_proto(msg: ps_pb2.Partition) -> WirePartition:
     return WirePartition(msg.key, msg.offset, msg.length, dtype_name(msg.dtype), msg.data)
 
 
+def spec_from_proto(m: ps_pb2.ParameterSpec) -> ParameterSpec:
+    """Core spec of a message.
+
+    Raises:
+        InvalidRequestError: an unspecified or unknown dtype.
+    """
+    return ParameterSpec(m.key, tuple(m.shape), dtype_name(m.dtype))
+
+
 def specs_from_proto(msgs: Iterable[ps_pb2.ParameterSpec]) -> list[ParameterSpec]:
-    return [ParameterSpec(m.key, tuple(m.shape), dtype_name(m.dtype)) for m in msgs]
+    return [spec_from_proto(m) for m in msgs]
+
+
+class SpecList(Sequence[ParameterSpec]):
+    """The specs of a PlanInfo, converted as they are read: its length costs nothing, so a shard
+    can refuse an Init (already initialized, too many keys) before converting a million specs."""
+
+    def __init__(self, msgs: Sequence[ps_pb2.ParameterSpec]) -> None:
+        self._msgs = msgs
+
+    def __len__(self) -> int:
+        return len(self._msgs)
+
+    @overload
+    def __getitem__(self, i: int) -> ParameterSpec: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[ParameterSpec]: ...
+    def __getitem__(self, i: int | slice) -> ParameterSpec | list[ParameterSpec]:
+        if isinstance(i, slice):
+            return [spec_from_proto(m) for m in self._msgs[i]]
+        return spec_from_proto(self._msgs[i])
 
 
 def plan_to_proto(plan: Plan) -> ps_pb2.PlanInfo:

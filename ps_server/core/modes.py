@@ -8,9 +8,20 @@ from dataclasses import dataclass
 from typing import Any
 
 from ps_server.core.errors import InvalidRequestError
+from ps_server.core.text import quote
 
 MODES = ("async", "easgd", "ssp", "sync")
 STALENESS_LR_RULES = ("", "inverse")
+
+MAX_COUNT = 2**31 - 1
+"""Largest staleness bound and communication period, in clocks and steps. A negative number sent in
+a uint32 field arrives as 2**32 - n: far above it, refused instead of read as a huge bound."""
+
+
+def _count(flag: str, value: int, low: int, unit: str) -> None:
+    if not low <= value <= MAX_COUNT:
+        wrapped = f" ({value - 2**32} sent as an unsigned 32-bit integer?)" if 2**31 <= value < 2**32 else ""
+        raise InvalidRequestError(f"{flag} must be in {low}..{MAX_COUNT} {unit}, got {value}{wrapped}.")
 
 
 @dataclass(frozen=True)
@@ -46,7 +57,7 @@ class ModeSettings:
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
-            raise InvalidRequestError(f"Unknown mode {self.mode!r}; expected one of {', '.join(MODES)}.")
+            raise InvalidRequestError(f"Unknown mode {quote(self.mode)}; expected one of {', '.join(MODES)}.")
         if not 0 <= self.sync_quorum <= self.num_workers:
             raise InvalidRequestError(
                 f"--sync-quorum must be in 0..{self.num_workers} (0 = every live rank), got {self.sync_quorum}."
@@ -56,13 +67,11 @@ class ModeSettings:
         if self.max_staleness < -1:
             raise InvalidRequestError(f"--max-staleness must be >= 0 (or -1 for no bound), got {self.max_staleness}.")
         if self.staleness_lr not in STALENESS_LR_RULES:
-            raise InvalidRequestError(f"--staleness-lr must be 'inverse' or empty, got {self.staleness_lr!r}.")
-        if self.staleness < 0:
-            raise InvalidRequestError(f"--staleness must be >= 0 clocks, got {self.staleness}.")
+            raise InvalidRequestError(f"--staleness-lr must be 'inverse' or empty, got {quote(self.staleness_lr)}.")
+        _count("--staleness", self.staleness, 0, "clocks")
         if self.moving_rate is not None and not (0 < self.moving_rate <= 1):
             raise InvalidRequestError(f"--moving-rate must be in (0, 1], got {self.moving_rate}.")
-        if self.communication_period < 1:
-            raise InvalidRequestError(f"--communication-period must be >= 1 step, got {self.communication_period}.")
+        _count("--communication-period", self.communication_period, 1, "steps")
 
     @property
     def alpha(self) -> float:

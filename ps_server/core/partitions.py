@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from ps_server.core.codec import check_finite, decode, torch_dtype, wire_dtype_allowed
+from ps_server.core.codec import DTYPES, check_finite, decode, torch_dtype, wire_dtype_allowed
 from ps_server.core.errors import InvalidRequestError, UnknownKeyError
 from ps_server.core.plan import PartitionSlice, Plan
+from ps_server.core.text import quote
+
+ITEMSIZES = {name: dtype.itemsize for name, dtype in DTYPES.items()}
+"""Bytes per element of each wire dtype."""
 
 
 @dataclass(frozen=True)
@@ -29,6 +34,9 @@ class WirePartition:
     finite: bool = False
     """Already checked to hold no NaN or infinity (as each message arrived, overlapping the rest of
     the stream); :func:`match_partitions` then skips the check."""
+    slot: int = -1
+    """Its position among the shard's partitions, when an :class:`Intake` admitted it (every check
+    of :meth:`Intake.slot` passed); :func:`match_partitions` then does not repeat them."""
 
 
 def densify(part: WirePartition, dtype: torch.dtype, what: str) -> torch.Tensor:
@@ -53,6 +61,126 @@ def densify(part: WirePartition, dtype: torch.dtype, what: str) -> torch.Tensor:
     return dense
 
 
+class Intake:
+    """Checks the partitions of one request as they arrive, against the plan: a stream is refused
+    at its first bad frame, and never holds more than about the plan's share of this shard.
+
+    Each partition must name a slice this shard owns, once, in an allowed dtype, with exactly the
+    bytes its length needs; dense values are checked to be finite here. :meth:`charge` counts the
+    request's bytes against :attr:`budget`.
+
+    Args:
+        plan: the cluster's plan.
+        shard_index: this shard.
+        what: "gradient", "value" or "parameter", for messages.
+        sparse_ok: accept top-k sparse partitions (default: for gradients only).
+    """
+
+    def __init__(self, plan: Plan, shard_index: int, what: str, sparse_ok: bool | None = None) -> None:
+        self.shard_index = shard_index
+        self.owned: Sequence[PartitionSlice] = plan.owned_by(shard_index)
+        self.index = plan.index_of(shard_index)
+        self.dtypes = plan.dtypes
+        self.what = what
+        self.sparse_ok = what == "gradient" if sparse_ok is None else sparse_ok
+        self.seen = bytearray(len(self.owned))
+        self.budget = plan.request_bytes(shard_index, self.sparse_ok)
+        """Most bytes a well-formed request to this shard takes (see :meth:`Plan.request_bytes`)."""
+        self.received = 0
+
+    def charge(self, nbytes: int) -> None:
+        """Count ``nbytes`` more of the request (before they are parsed).
+
+        Raises:
+            InvalidRequestError: the request exceeds :attr:`budget`.
+        """
+        self.received += nbytes
+        if self.received > self.budget:
+            raise InvalidRequestError(
+                f"The request carries more than {self.budget} bytes, the most shard {self.shard_index}'s "
+                f"{len(self.owned)} partitions take; send each partition once, and nothing else."
+            )
+
+    def slot(self, part: WirePartition) -> int:
+        """Check ``part``'s slice, dtype and byte counts, and that it was not sent before in this
+        request; returns its position among the shard's partitions (plan order).
+
+        Raises:
+            UnknownKeyError: a key that is not a parameter, or a slice this shard does not own.
+            InvalidRequestError: wrong dtype or byte count, a partition sent twice, sparse values.
+        """
+        dtypes = self.dtypes
+        if part.key not in dtypes:
+            names = ", ".join(quote(k, 40) for k in sorted(dtypes)[:8])
+            raise UnknownKeyError(
+                f"Unknown parameter {quote(part.key)}; this cluster's plan has {names}"
+                f"{'…' if len(dtypes) > 8 else ''}. Rebuild the plan from the same model."
+            )
+        where = f"{part.key}[{part.offset}:{part.offset + part.length}]"
+        i = self.index.get((part.key, part.offset))
+        if i is None or self.owned[i].length != part.length:
+            raise UnknownKeyError(
+                f"Partition {where} is not one this shard ({self.shard_index}) owns; compute the plan with "
+                "the same num_shards and partition_bytes."
+            )
+        param_dtype = dtypes[part.key]
+        if part.dtype != param_dtype and not wire_dtype_allowed(part.dtype, param_dtype):
+            raise InvalidRequestError(
+                f"Partition {part.key}[{part.offset}:] has dtype {part.dtype} but the parameter is "
+                f"{param_dtype}; send {param_dtype} (or a narrower float: float16/bfloat16 for float32)."
+            )
+        if self.seen[i]:
+            raise InvalidRequestError(f"Partition {part.key}[{part.offset}:] was sent twice in one request.")
+        itemsize = ITEMSIZES[part.dtype]  # known: the parameter's dtype, or one wire_dtype_allowed knows
+        if len(part.indices):
+            if not self.sparse_ok:
+                raise InvalidRequestError(f"Only gradients may be sent top-k sparse; send {self.what}s dense.")
+            count = len(part.indices) // 4
+            if len(part.indices) % 4 or count > part.length or len(part.data) != count * itemsize:
+                raise InvalidRequestError(
+                    f"Top-k partition {where} carries {len(part.indices)} bytes of uint32 indices and "
+                    f"{len(part.data)} bytes of {part.dtype} values: send one value per index, at most "
+                    f"{part.length} of them."
+                )
+        elif len(part.data) != part.length * itemsize:
+            raise InvalidRequestError(
+                f"Partition {where} carries {len(part.data)} bytes but {part.length} elements of {part.dtype} "
+                f"need {part.length * itemsize}; send exactly the slice the plan names."
+            )
+        self.seen[i] = 1
+        return i
+
+    def readmit(self, part: WirePartition) -> int:
+        """:meth:`slot`, without repeating its checks for a partition another :class:`Intake` of
+        this shard's plan admitted (``part.slot`` names its slice)."""
+        i = part.slot
+        if 0 <= i < len(self.owned) and not self.seen[i]:
+            p = self.owned[i]
+            if (p.key, p.offset, p.length) == (part.key, part.offset, part.length):
+                self.seen[i] = 1
+                return i
+        return self.slot(part)
+
+    def add(self, part: WirePartition) -> WirePartition:
+        """:meth:`slot`, then check a dense partition's values are finite (while the rest of the
+        stream is in flight); returns ``part`` marked as checked (``finite``, ``slot``).
+
+        Raises:
+            UnknownKeyError, InvalidRequestError: as :meth:`slot`; NaN or infinity.
+        """
+        i = self.slot(part)
+        if not len(part.indices) and not part.finite:  # sparse values are checked when densified
+            check_finite(
+                decode(part.data, part.dtype, part.length),
+                f"{self.what.capitalize()} {part.key}[{part.offset}:{part.offset + part.length}]",
+            )
+        return dataclasses.replace(part, finite=not len(part.indices), slot=i)
+
+    def missing(self) -> list[str]:
+        """The shard's partitions not received yet, as ``key[offset:]``."""
+        return [f"{p.key}[{p.offset}:]" for p, seen in zip(self.owned, self.seen, strict=True) if not seen]
+
+
 def match_partitions(
     plan: Plan, shard_index: int, received: Iterable[WirePartition], what: str, sparse_ok: bool | None = None
 ) -> list[torch.Tensor]:
@@ -75,35 +203,13 @@ def match_partitions(
         InvalidRequestError: wrong dtype or byte length, a partition sent twice, a missing
             partition, or NaN/infinity.
     """
-    owned: Sequence[PartitionSlice] = plan.owned_by(shard_index)
-    index = plan.index_of(shard_index)
-    dtypes = plan.dtypes
+    intake = Intake(plan, shard_index, what, sparse_ok)
+    owned = intake.owned
     out: list[torch.Tensor | None] = [None] * len(owned)
-    sparse_ok = what == "gradient" if sparse_ok is None else sparse_ok
     for part in received:
-        if part.key not in dtypes:
-            raise UnknownKeyError(
-                f"Unknown parameter {part.key!r}; this cluster's plan has "
-                f"{', '.join(sorted(dtypes)[:8])}{'…' if len(dtypes) > 8 else ''}. "
-                "Rebuild the plan from the same model."
-            )
-        i = index.get((part.key, part.offset))
-        if i is None or owned[i].length != part.length:
-            raise UnknownKeyError(
-                f"Partition {part.key}[{part.offset}:{part.offset + part.length}] is not one this shard "
-                f"({shard_index}) owns; compute the plan with the same num_shards and partition_bytes."
-            )
-        param_dtype = dtypes[part.key]
-        if part.dtype != param_dtype and not wire_dtype_allowed(part.dtype, param_dtype):
-            raise InvalidRequestError(
-                f"Partition {part.key}[{part.offset}:] has dtype {part.dtype} but the parameter is "
-                f"{param_dtype}; send {param_dtype} (or a narrower float: float16/bfloat16 for float32)."
-            )
-        if out[i] is not None:
-            raise InvalidRequestError(f"Partition {part.key}[{part.offset}:] was sent twice in one request.")
+        i = intake.readmit(part)
+        param_dtype = intake.dtypes[part.key]
         if len(part.indices):
-            if not sparse_ok:
-                raise InvalidRequestError(f"Only gradients may be sent top-k sparse; send {what}s dense.")
             out[i] = densify(part, torch_dtype(param_dtype), what)
             continue
         tensor = decode(part.data, part.dtype, part.length)
@@ -111,7 +217,7 @@ def match_partitions(
             check_finite(tensor, f"{what.capitalize()} {part.key}[{part.offset}:{part.offset + part.length}]")
         # a narrower wire dtype is widened here, so sums and optimizer steps run in the parameter's dtype
         out[i] = tensor if part.dtype == param_dtype else tensor.to(torch_dtype(param_dtype))
-    missing = [f"{owned[i].key}[{owned[i].offset}:]" for i, t in enumerate(out) if t is None]
+    missing = intake.missing()
     if missing:
         raise InvalidRequestError(
             f"The request misses {len(missing)} of this shard's {len(owned)} partitions "

@@ -17,11 +17,19 @@ from dataclasses import dataclass
 
 from ps_server.core.codec import itemsize
 from ps_server.core.errors import InvalidRequestError
+from ps_server.core.text import quote
 
 DEFAULT_PARTITION_BYTES = 4 * 1024 * 1024
 """Default upper bound of one partition's payload, in bytes (4 MiB)."""
 
 MAX_PARTITION_BYTES = 64 * 1024 * 1024
+
+HEADER_BYTES = 64 * 1024
+"""Bytes a request stream may spend on its header message, on top of its partitions."""
+
+FRAME_BYTES = 64
+"""Bytes a partition's fields other than its key and payload take at most on the wire (tag and
+length of the message and of each field; ``frames.PACK_OVERHEAD`` counts the same)."""
 
 
 @dataclass(frozen=True)
@@ -80,6 +88,23 @@ class Plan:
     def _index(self) -> tuple[dict[tuple[str, int], int], ...]:
         return tuple({(p.key, p.offset): i for i, p in enumerate(owned)} for owned in self._by_shard)
 
+    def request_bytes(self, shard: int, sparse: bool = True) -> int:
+        """Most bytes a well-formed request carrying ``shard``'s partitions takes on the wire: each
+        partition dense (``sparse=False``: values, Init and Exchange) or top-k sparse (gradients:
+        up to a 4-byte index per element besides its value), with its key and :data:`FRAME_BYTES`,
+        plus :data:`HEADER_BYTES` for the header."""
+        return self._request_bytes[sparse][shard]
+
+    @functools.cached_property
+    def _request_bytes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        def total(owned: tuple[PartitionSlice, ...], index_bytes: int) -> int:
+            return HEADER_BYTES + sum(
+                p.length * (itemsize(self.dtypes[p.key]) + index_bytes) + len(p.key.encode()) + FRAME_BYTES
+                for p in owned
+            )
+
+        return tuple(tuple(total(owned, extra) for owned in self._by_shard) for extra in (0, 4))
+
     def spec(self, key: str) -> ParameterSpec:
         """The spec of ``key``.
 
@@ -89,7 +114,7 @@ class Plan:
         for s in self.specs:
             if s.key == key:
                 return s
-        raise InvalidRequestError(f"Unknown parameter {key!r}; the plan has {len(self.specs)} parameters.")
+        raise InvalidRequestError(f"Unknown parameter {quote(key)}; the plan has {len(self.specs)} parameters.")
 
     def shard_bytes(self) -> list[int]:
         """Payload bytes held by each shard, indexed by shard."""
@@ -143,14 +168,14 @@ def make_plan(specs: Iterable[ParameterSpec], num_shards: int, partition_bytes: 
         if not spec.key:
             raise InvalidRequestError("A parameter has an empty key.")
         if spec.key in seen:
-            raise InvalidRequestError(f"Parameter {spec.key!r} appears twice; keys must be unique.")
+            raise InvalidRequestError(f"Parameter {quote(spec.key)} appears twice; keys must be unique.")
         seen.add(spec.key)
         if any(d < 0 for d in spec.shape):
-            raise InvalidRequestError(f"Parameter {spec.key!r} has a negative dimension {spec.shape}.")
+            raise InvalidRequestError(f"Parameter {quote(spec.key)} has a negative dimension {spec.shape[:8]}.")
         size = itemsize(spec.dtype)
         numel = spec.numel
         if numel == 0:
-            raise InvalidRequestError(f"Parameter {spec.key!r} is empty; remove it from the model.")
+            raise InvalidRequestError(f"Parameter {quote(spec.key)} is empty; remove it from the model.")
         per_part = max(1, partition_bytes // size)
         for offset in range(0, numel, per_part):
             length = min(per_part, numel - offset)

@@ -132,3 +132,34 @@ def test_response_frames_cast_and_pack() -> None:
     assert msg.version == 9 and [p.dtype for p in msg.partitions] == [ps_pb2.DTYPE_BFLOAT16] * 2
     assert len(frames.response_frames(9, [("a", 0, 4), ("b", 0, 2)], tensors)) == 2
     assert frames.response_frames(3, [], []) == [ps_pb2.PullResponse(version=3).SerializeToString()]
+
+
+def test_read_checks_each_partition_as_it_is_read_and_stops_at_the_first_refusal() -> None:
+    header = frames.bytes_field(1, ps_pb2.PushHeader(rank=3).SerializeToString())
+    tiny = frames.build([frames.OutPartition("w", 0, 1, torch.ones(1))])
+    prefix = header + frames.uint_field(3, 2)
+    raw = prefix + tiny * 100_000
+    seen: list[tuple[dict, dict]] = []
+
+    def check(msg: frames.Message, part):
+        seen.append((dict(msg.ints), dict(msg.blobs)))  # the fields before the first partition are there
+        if len(seen) == 3:
+            raise InvalidRequestError("third")
+        return part
+
+    with pytest.raises(InvalidRequestError, match="third"):
+        frames.read(raw, check)
+    assert len(seen) == 3
+    assert seen[0] == ({3: 2}, {1: ps_pb2.PushHeader(rank=3).SerializeToString()})
+    assert len(frames.read(raw[: len(prefix) + 10 * len(tiny)], lambda m, p: p).partitions) == 10
+
+
+def test_a_message_of_many_tiny_unknown_fields_is_refused_early() -> None:
+    junk = frames.uint_field(9, 1) * 1_000_000
+    with pytest.raises(InvalidRequestError, match=f"more than {frames.MAX_FIELDS} fields"):
+        frames.read(junk)
+    part = ps_pb2.Partition(key="w", length=1, dtype=ps_pb2.DTYPE_FLOAT32).SerializeToString()
+    with pytest.raises(InvalidRequestError, match="a partition with more"):
+        frames.read(frames.bytes_field(2, part + frames.uint_field(9, 1) * 100))
+    # a message with a few unknown fields of a later release still reads
+    assert frames.read(frames.uint_field(9, 1) * frames.MAX_FIELDS + frames.bytes_field(2, part)).partitions

@@ -1,13 +1,21 @@
-"""The partition plan: deterministic, complete, balanced, bounded by partition_bytes."""
+"""The partition plan: deterministic, complete, balanced, bounded by partition_bytes; bounded by the
+shard's limits before it is built; a request's partitions checked against it as they arrive."""
 
 from __future__ import annotations
 
+import dataclasses
+import time
+
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ps_server.core.errors import InvalidRequestError
-from ps_server.core.plan import ParameterSpec, make_plan
+from ps_server.core.errors import InvalidRequestError, UnknownKeyError
+from ps_server.core.limits import Limits
+from ps_server.core.partitions import Intake, WirePartition, match_partitions
+from ps_server.core.plan import FRAME_BYTES, HEADER_BYTES, ParameterSpec, make_plan
+from ps_server.core.text import quote, shown
 
 SPECS = (
     ParameterSpec("fc1.weight", (128, 64), "float32"),
@@ -83,3 +91,128 @@ def test_every_element_is_owned_exactly_once(shapes, shards, pbytes) -> None:
             end += length
         assert end == spec.numel
     assert sorted(p for k in range(shards) for p in plan.owned_by(k)) == sorted(plan.partitions)
+
+
+# ------------------------------------------------------------------ bounds before a plan is built
+def test_limits_derive_from_message_and_parameter_bytes() -> None:
+    limits = Limits()
+    assert (limits.max_keys, limits.max_key_bytes, limits.max_partitions) == (65536, 1024, 131072)
+    assert limits.max_partition_bytes == 16 * 1024 * 1024 - 64 * 1024
+    small = Limits(max_message_bytes=1 << 20, max_parameter_bytes=1 << 40)
+    assert (small.max_keys, small.max_key_bytes) == (4096, 256)
+    assert small.max_partitions == 4 * ((1 << 40) // (4 << 20))  # scales with the declared capacity
+    with pytest.raises(InvalidRequestError, match="--max-parameter-bytes"):
+        Limits(max_parameter_bytes=1000)
+
+
+@pytest.mark.parametrize(
+    ("specs", "pbytes", "message"),
+    [
+        ([ParameterSpec("w", (10**12, 10**12), "float32")], 1, "--max-parameter-bytes"),
+        ([ParameterSpec("w", (2**40,), "float32")], 4 << 20, "--max-parameter-bytes"),
+        ([ParameterSpec("w", (1 << 20,), "float32")], 4, "more than 131072 partitions"),
+        ([ParameterSpec(f"p{i}", (1,), "float32") for i in range(65537)], 4096, "at most 65536"),
+        ([ParameterSpec("k" * 1025, (1,), "float32")], 4096, "longer than 1024 bytes"),
+        ([ParameterSpec("w", (1,) * 65, "float32")], 4096, "65 dimensions"),
+        ([ParameterSpec("w", (4,), "float32")], 32 << 20, "partition_bytes must be in"),
+    ],
+)
+def test_plans_beyond_the_limits_are_refused_before_they_are_built(specs, pbytes, message) -> None:
+    start = time.perf_counter()
+    with pytest.raises(InvalidRequestError, match=message):
+        Limits().check_plan(specs, pbytes)
+    assert time.perf_counter() - start < 1.0
+
+
+def test_a_plan_bomb_stops_at_its_first_key() -> None:
+    """The bounds are checked key by key: a million specs after a bomb are never read."""
+    read = []
+
+    class Specs(list):
+        def __iter__(self):
+            for s in super().__iter__():
+                read.append(s)
+                yield s
+
+    specs = Specs([ParameterSpec("w", (10**12, 10**12), "float32")] * 1000)
+    with pytest.raises(InvalidRequestError):
+        Limits().check_plan(specs, 1)
+    assert len(read) == 1
+
+
+def test_a_real_model_fits_the_default_limits() -> None:
+    Limits().check_plan(SPECS, 4096)
+    Limits().check_plan([ParameterSpec("w", (4096, 4096), "float32")] * 2, 4 << 20)
+
+
+def test_client_text_is_quoted_escaped_and_cut_short() -> None:
+    assert quote("fc1.weight") == "'fc1.weight'"
+    assert quote("a\nb") == "'a\\nb'"
+    long = quote("k" * (1 << 20))
+    assert len(long) < 120 and "1048576 bytes" in long
+    assert shown("line\nforged\r\x1b[2J") == "line\\nforged\\r\\x1b[2J"
+    assert len(shown("x" * 100_000)) == 1024
+
+
+# ------------------------------------------------------------------ partitions checked as they arrive
+def wire(p, data: bytes | None = None, **fields) -> WirePartition:
+    values = data if data is not None else torch.ones(p.length).numpy().tobytes()
+    return WirePartition(
+        **{"key": p.key, "offset": p.offset, "length": p.length, "dtype": "float32", "data": values, **fields}
+    )
+
+
+def test_request_bytes_bound_a_well_formed_request() -> None:
+    plan = make_plan(SPECS, 2, 4096)
+    for shard in range(2):
+        owned = plan.owned_by(shard)
+        dense = sum(p.length * 4 + len(p.key) for p in owned)
+        assert dense < plan.request_bytes(shard, sparse=False) < plan.request_bytes(shard)
+        assert plan.request_bytes(shard, sparse=False) == dense + HEADER_BYTES + FRAME_BYTES * len(owned)
+        assert plan.request_bytes(shard) <= 2 * dense + HEADER_BYTES + FRAME_BYTES * len(owned)
+
+
+def test_intake_refuses_the_first_bad_partition() -> None:
+    plan = make_plan(SPECS, 2, 4096)
+    owned = plan.owned_by(0)
+    nan = torch.full((owned[1].length,), float("nan")).numpy().tobytes()
+    bad = [
+        (wire(owned[0]), InvalidRequestError, "sent twice"),
+        (wire(owned[1], key="nope"), UnknownKeyError, "Unknown parameter 'nope'"),
+        (wire(plan.owned_by(1)[0]), UnknownKeyError, "not one this shard"),
+        (wire(owned[1], length=owned[1].length - 1), UnknownKeyError, "not one this shard"),
+        (wire(owned[1], data=b"\0" * 3), InvalidRequestError, "bytes"),
+        (wire(owned[1], data=nan), InvalidRequestError, "NaN"),
+        (wire(owned[1], dtype="float64"), InvalidRequestError, "dtype float64"),
+        (wire(owned[1], data=b"\0" * 8, indices=b"\0" * 4), InvalidRequestError, "one value per index"),
+    ]
+    for part, error, message in bad:
+        intake = Intake(plan, 0, "gradient")
+        assert intake.add(wire(owned[0])).finite
+        with pytest.raises(error, match=message):
+            intake.add(part)
+    sparse = wire(owned[1], data=b"\0" * 4, indices=b"\0" * 4)
+    admitted = Intake(plan, 0, "gradient").add(sparse)
+    assert (admitted.slot, admitted.finite) == (1, False)  # its values are checked when densified
+    with pytest.raises(InvalidRequestError, match="dense"):
+        Intake(plan, 0, "parameter").add(sparse)
+    intake = Intake(plan, 0, "gradient")
+    intake.add(wire(owned[0]))
+    assert intake.missing() == [f"{p.key}[{p.offset}:]" for p in owned[1:]]
+    intake.charge(intake.budget)
+    with pytest.raises(InvalidRequestError, match="more than"):
+        intake.charge(1)
+
+
+def test_match_partitions_does_not_repeat_an_intakes_checks_but_still_finds_repeats() -> None:
+    plan = make_plan(SPECS, 1, 4096)
+    owned = plan.owned_by(0)
+    intake = Intake(plan, 0, "gradient")
+    admitted = [intake.add(wire(p)) for p in owned]
+    assert [p.slot for p in admitted] == list(range(len(owned)))
+    assert len(match_partitions(plan, 0, admitted, "gradient")) == len(owned)
+    with pytest.raises(InvalidRequestError, match="sent twice"):
+        match_partitions(plan, 0, [*admitted, admitted[0]], "gradient")
+    forged = dataclasses.replace(wire(owned[1], key="nope"), slot=1)  # a slot that names another slice
+    with pytest.raises(UnknownKeyError):
+        match_partitions(plan, 0, [admitted[0], forged], "gradient")
