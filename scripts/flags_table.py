@@ -1,8 +1,11 @@
-"""Print the README's table of every command's flags and PS_* twins (from the parsers themselves)."""
+"""Print the README's table of every command's flags and PS_* twins (from the parsers themselves);
+``--write`` puts it in README.md."""
 
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 from ps_server.admin_cli import admin_parser
 from ps_server.config import server_parser
@@ -44,5 +47,18 @@ def table() -> str:
     return "\n".join(rows)
 
 
+def write(readme: Path) -> None:
+    """Replace the table between README's ``<!-- flags:begin -->`` and ``<!-- flags:end -->``."""
+    text = readme.read_text()
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    readme.write_text(f"{head}{BEGIN}\n{table()}\n{END}{tail}")
+
+
+BEGIN, END = "<!-- flags:begin -->", "<!-- flags:end -->"
+
 if __name__ == "__main__":
-    print(table())
+    if sys.argv[1:] == ["--write"]:
+        write(Path(__file__).resolve().parent.parent / "README.md")
+    else:
+        print(table())
