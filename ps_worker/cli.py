@@ -18,6 +18,7 @@ from ps_server.core.errors import PSError
 from ps_server.flags import FlagParser, secret
 from ps_server.metrics import serve_metrics
 from ps_worker.client import PSClient
+from ps_worker.errors import ShardError
 from ps_worker.metrics import WorkerMetrics
 from ps_worker.train import train
 from ps_worker.workloads import WORKLOADS, get_workload
@@ -197,6 +198,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             metrics=metrics,
             overlap=args.overlap,
         )
+    except ShardError as exc:  # names the shard, and what to do
+        print(f"ps-worker rank {args.rank}: {exc}", file=sys.stderr)
+        return 1
     except grpc.RpcError as exc:
         print(f"ps-worker rank {args.rank}: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1
