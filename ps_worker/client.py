@@ -779,11 +779,11 @@ class PSClient:
                 stub.Leave(req, timeout=5.0, metadata=self._metadata)
             except grpc.RpcError as exc:
                 log.info("leave %s: %s", self.servers[k], exc.code())
+        for ch in self._channels:  # cancels calls still in flight (an interrupted step's round wait)
+            ch.close()
         if self._heartbeat is not None:
             self._heartbeat.join(timeout=5.0)
         self._pool.shutdown(wait=True)
-        for ch in self._channels:
-            ch.close()
 
     def __enter__(self) -> PSClient:
         return self

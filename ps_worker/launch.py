@@ -31,12 +31,11 @@ from tqdm import tqdm
 
 from ps_proto.v1 import ps_pb2, ps_pb2_grpc
 from ps_server.config import mode_flags
+from ps_server.core.modes import MODES
 from ps_server.flags import FlagParser
 from ps_server.process_env import GLIBC_TUNABLES, available_cpus, launch_environment
-from ps_server.shard import MODES
-from ps_worker.cli import training_flags
 from ps_worker.faults import Fault, parse_faults
-from ps_worker.workloads import WORKLOADS
+from ps_worker.flags import WORKLOAD_NAMES, CommandParser, training_flags
 
 LISTENING = re.compile(r"listening on (\S+)")
 METRICS = re.compile(r"metrics on (http://\S+)")
@@ -58,7 +57,7 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child before e
 
 def launch_parser(environ: Mapping[str, str] | None = None) -> FlagParser:
     """The ``ps-launch`` flags (DESIGN section 10)."""
-    p = FlagParser(
+    p = CommandParser(
         prog="ps-launch",
         description="Run a grpc-ps cluster and a training job on this machine.",
         epilog=(
@@ -94,7 +93,7 @@ def launch_parser(environ: Mapping[str, str] | None = None) -> FlagParser:
         "workload",
         nargs="?",
         default=p.environ.get("PS_WORKLOAD", "digits"),
-        choices=sorted(WORKLOADS),
+        choices=WORKLOAD_NAMES,
         help="built-in workload [env PS_WORKLOAD]",
     )
     return p

@@ -100,3 +100,119 @@ def test_item2_round_timeout_names_the_missing_rank(shards) -> None:
     assert err.value.code().name == "DEADLINE_EXCEEDED"
     assert "round waits for ranks [1]" in str(err.value) and "check those workers" in str(err.value)
     assert err.value.address == f"127.0.0.1:{shard.port}"
+
+
+# ---------------------------------------------------------------------- items 4 and 5: ps-worker by hand
+def _status(address: str):
+    import grpc
+
+    from ps_proto.v1 import ps_pb2, ps_pb2_grpc
+
+    with grpc.insecure_channel(address) as ch:
+        return ps_pb2_grpc.AdminStub(ch).GetStatus(ps_pb2.GetStatusRequest(), timeout=5).status
+
+
+def _wait_for(predicate, timeout: float, what: str):
+    stop = time.monotonic() + timeout
+    while time.monotonic() < stop:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.1)
+    pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+@pytest.mark.parametrize(("signame", "code"), [("SIGINT", 130), ("SIGTERM", 143)])
+def test_item4_ps_worker_stops_cleanly_on_a_signal(shards, signame, code) -> None:
+    """Interrupted mid-run (its sync round waits for rank 1): it leaves the shards, says so in one
+    line and exits 128 + signal, no traceback. Item 5: its /metrics took a free port, announced."""
+    import signal
+
+    from ps_proto.v1 import ps_pb2
+
+    (shard,) = shards(1, 2)
+    address = f"127.0.0.1:{shard.port}"
+    argv = [sys.executable, "-m", "ps_worker.cli", "--servers", address, "--rank", "0", "--num-workers", "2"]
+    proc = subprocess.Popen(
+        [*argv, "--steps", "50", "digits"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        _wait_for(
+            lambda: any(w.rank == 0 and w.state == ps_pb2.WORKER_STATE_LIVE for w in _status(address).workers),
+            120,
+            "rank 0 to join",
+        )
+        proc.send_signal(getattr(signal, signame))
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+    assert proc.returncode == code, err[-2000:]
+    assert "Traceback" not in err
+    assert f"ps-worker rank 0: {signame} at step 0; leaving the shards" in err
+    assert [w.state for w in _status(address).workers if w.rank == 0] == [ps_pb2.WORKER_STATE_LEFT]
+    url = [line for line in err.splitlines() if "metrics on http://127.0.0.1:" in line]
+    assert url and not url[0].rstrip().endswith(":8000/metrics"), err[-2000:]
+
+
+def test_item4_ps_worker_prints_a_human_summary_or_json(shards) -> None:
+    import json
+
+    (shard,) = shards(1, 1)
+    argv = [sys.executable, "-m", "ps_worker.cli", "--servers", f"127.0.0.1:{shard.port}", "--rank", "0"]
+    argv += ["--num-workers", "1", "--steps", "20", "--metrics-port", "-1"]
+    out = subprocess.run([*argv, "digits"], capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.splitlines()
+    assert lines[0] == "ps-worker rank 0 summary"
+    assert any(line.split()[:2] == ["held-out", "accuracy"] for line in lines)
+    assert not any(line.lstrip().startswith("{") for line in lines)
+    assert "\r" not in out.stderr  # no progress bar when stderr is not a terminal
+    out = subprocess.run([*argv, "--json", "digits"], capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr[-2000:]
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert report["rank"] == 0 and report["steps"] == 20 and report["workload"] == "digits"
+
+
+# ---------------------------------------------------------------------- item 8: fast CLI
+@pytest.mark.parametrize("command", ["ps_worker.launch", "ps_worker.cli"])
+@pytest.mark.parametrize("args", [["--help"], ["--bogus"]])
+def test_item8_help_and_a_mistyped_flag_import_no_torch(command, args) -> None:
+    start = time.monotonic()
+    out = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", command, *args], capture_output=True, text=True, timeout=60
+    )
+    took = time.monotonic() - start
+    imported = {line.rsplit("|", 1)[-1].strip() for line in out.stderr.splitlines() if line.startswith("import time:")}
+    assert "torch" not in imported and "sklearn" not in imported, sorted(m for m in imported if "torch" in m)[:5]
+    assert took < 15, f"{took:.1f} s"
+    if args == ["--help"]:
+        assert out.returncode == 0 and "usage:" in out.stdout
+    else:
+        errors = [line for line in out.stderr.splitlines() if not line.startswith("import time:")]
+        prog = "ps-launch" if command == "ps_worker.launch" else "ps-worker"
+        assert out.returncode == 2
+        assert errors == [f"{prog}: unrecognized arguments: --bogus (see {prog} --help)"] or (
+            command == "ps_worker.cli" and errors[0].startswith("ps-worker: the following arguments are required")
+        ), errors
+
+
+def test_item8_config_errors_are_one_line_with_a_hint() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "ps_worker.launch", "--shards", "2", "--step", "5", "--mode", "syn", "digits"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2
+    assert out.stderr.count("\n") == 1 and "usage:" not in out.stderr, out.stderr
+    assert "ps-launch: argument --mode: invalid choice: 'syn'" in out.stderr and "ps-launch --help" in out.stderr
+    out = subprocess.run(
+        [sys.executable, "-m", "ps_worker.cli", "--servers", "127.0.0.1:1", "--rank", "2", "--num-workers", "2"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
+    assert out.stderr.startswith("ps-worker: --rank must be in 0..1, got 2")
