@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -435,6 +436,17 @@ def staleness_summary(counts: dict[int, int]) -> ps_pb2.StalenessSummary:
     )
 
 
+def _optimizer_in_force(view: StatusView) -> ps_pb2.OptimizerSpec | None:
+    """The optimizer spec with the learning rate in force (``UpdateConfig`` changes it after Init):
+    ``optimizer.kwargs.lr`` and ``config.learning_rate`` tell one truth."""
+    if not view.optimizer:
+        return None
+    spec = optimizer_to_proto(view.optimizer)
+    if "lr" in spec.kwargs and view.learning_rate:
+        spec.kwargs["lr"] = view.learning_rate
+    return spec
+
+
 def status_to_proto(view: StatusView, counters: Counters, uptime: float) -> ps_pb2.ShardStatus:
     """ShardStatus message of a status snapshot."""
     return ps_pb2.ShardStatus(
@@ -447,7 +459,7 @@ def status_to_proto(view: StatusView, counters: Counters, uptime: float) -> ps_p
         num_partitions=view.num_partitions,
         num_elements=view.num_elements,
         parameter_bytes=view.parameter_bytes,
-        optimizer=optimizer_to_proto(view.optimizer) if view.optimizer else None,
+        optimizer=_optimizer_in_force(view),
         workers=[
             ps_pb2.WorkerStatus(
                 rank=w.rank,
@@ -544,7 +556,8 @@ class AdminServicer(ps_pb2_grpc.AdminServicer):
         if self.checkpointer is None:
             raise errors.PreconditionError("This shard has no --checkpoint-dir; restart it with one to checkpoint.")
         version, path, seconds = self.checkpointer.checkpoint_now()
-        return ps_pb2.CheckpointResponse(version=version, path=str(path), seconds=seconds)
+        # absolute: a relative --checkpoint-dir means nothing to an operator in another directory
+        return ps_pb2.CheckpointResponse(version=version, path=os.path.abspath(path), seconds=seconds)
 
     @_maps_errors
     def EvictWorker(

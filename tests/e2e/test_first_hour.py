@@ -216,3 +216,77 @@ def test_item8_config_errors_are_one_line_with_a_hint() -> None:
     )
     assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
     assert out.stderr.startswith("ps-worker: --rank must be in 0..1, got 2")
+
+
+# ---------------------------------------------------------------------- item 6: one truth in GetStatus
+def test_item6_status_reports_the_learning_rate_in_force(shards) -> None:
+    import grpc
+
+    from ps_proto.v1 import ps_pb2, ps_pb2_grpc
+
+    (shard,) = shards(1, 1)
+    address = f"127.0.0.1:{shard.port}"
+    client = PSClient([address], rank=0, num_workers=1, timeout=10.0)
+    try:
+        client.init(small_model(), {"name": "sgd", "lr": 0.1, "momentum": 0.9})
+        with grpc.insecure_channel(address) as ch:
+            ps_pb2_grpc.AdminStub(ch).UpdateConfig(ps_pb2.UpdateConfigRequest(learning_rate=0.05), timeout=10)
+    finally:
+        client.close()
+    status = _status(address)
+    assert status.config.learning_rate == pytest.approx(0.05)
+    assert status.optimizer.kwargs["lr"] == pytest.approx(0.05)  # was still 0.1
+    assert status.optimizer.kwargs["momentum"] == pytest.approx(0.9)
+
+
+# ---------------------------------------------------------------------- item 9: smaller things
+def test_item9_ps_launch_removes_its_temporary_directory(tmp_path) -> None:
+    import os
+
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    argv = [sys.executable, "-m", "ps_worker.launch", "--shards", "1", "--workers", "1", "--steps", "5"]
+    out = subprocess.run([*argv, "--no-metrics", "--no-progress", "digits"], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "removed at the end" in out.stderr
+    assert not list(tmp_path.glob("ps-launch-*")), "ps-launch left its temporary directory behind"
+    kept = tmp_path / "kept"
+    out = subprocess.run(
+        [*argv, "--log-dir", str(kept), "--no-metrics", "--no-progress", "digits"], capture_output=True, text=True
+    )
+    assert out.returncode == 0 and (kept / "worker-0.log").exists() and (kept / "checkpoints").is_dir()
+
+
+def test_item9_ps_admin_checkpoint_prints_an_absolute_path(tmp_path) -> None:
+    """A shard started with a relative --checkpoint-dir; ps-admin runs elsewhere."""
+    import re
+
+    shard_dir = tmp_path / "shard"
+    shard_dir.mkdir()
+    argv = [sys.executable, "-m", "ps_server.cli", "--shard-index", "0", "--num-shards", "1", "--num-workers", "1"]
+    argv += ["--port", "0", "--metrics-port", "-1", "--checkpoint-dir", "ckpt"]
+    proc = subprocess.Popen(argv, cwd=shard_dir, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        line = ""
+        stop = time.monotonic() + 120
+        while "listening on" not in line and time.monotonic() < stop:
+            line = proc.stdout.readline()
+            assert line or proc.poll() is None, "ps-server exited"
+        address = re.search(r"listening on (\S+)", line).group(1)
+        client = PSClient([address], rank=0, num_workers=1, timeout=10.0)
+        try:
+            client.init(small_model(), {"name": "sgd", "lr": 0.1})
+        finally:
+            client.close()
+        out = subprocess.run(
+            [sys.executable, "-m", "ps_server.admin_cli", "--servers", address, "checkpoint"],
+            capture_output=True,
+            text=True,
+            cwd=tmp_path,
+            timeout=60,
+        )
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    assert out.returncode == 0, out.stderr
+    path = out.stdout.split(": ", 1)[1].strip()
+    assert path.startswith(str(shard_dir / "ckpt") + "/") and path.endswith(".pt"), out.stdout
