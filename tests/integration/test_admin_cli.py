@@ -356,7 +356,7 @@ def test_a_set_that_reaches_only_some_shards_says_so(start_shards) -> None:
     assert result.returncode == 1
     lines = [line.split() for line in result.stdout.splitlines()]
     assert lines[:2] == [[s.address, "updated"], [dead, "failed", "(UNAVAILABLE)"]]
-    assert lines[2] == ["settings:", "lr", "-,", "sync", "quorum", "1", "of", "1,", "round", "timeout", "off"]  # no Init yet
+    assert lines[2] == ["settings:", "lr", "-,", "sync", "quorum", "1", "of", "1,", "round", "timeout", "off"]
     errors = result.stderr.splitlines()
     assert errors[0].startswith(f"ps-admin: {dead}: UNAVAILABLE: ")
     assert errors[1].startswith("ps-admin: set: applied on 1 of 2 shards, so they may now disagree;")
