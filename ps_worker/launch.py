@@ -34,7 +34,7 @@ from tqdm import tqdm
 from ps_proto.v1 import ps_pb2, ps_pb2_grpc
 from ps_server.config import mode_flags
 from ps_server.core.modes import MODES
-from ps_server.flags import FlagParser
+from ps_server.flags import FlagParser, secret
 from ps_server.process_env import GLIBC_TUNABLES, available_cpus, launch_environment
 from ps_worker.faults import Fault, parse_faults
 from ps_worker.flags import WORKLOAD_NAMES, CommandParser, training_flags
@@ -284,12 +284,18 @@ def server_flags(args: Any, log_dir: Path) -> list[str]:
 
 
 def shard_statuses(addresses: Sequence[str], timeout: float = 10.0) -> list[ps_pb2.ShardStatus]:
-    """Admin/GetStatus of every shard (the shards' own account of clocks and refusals)."""
+    """Admin/GetStatus of every shard (the shards' own account of clocks and refusals), with the admin
+    token the shards took from this environment (``PS_ADMIN_TOKEN`` or ``PS_ADMIN_TOKEN_FILE``), if any."""
+    try:
+        token = secret(os.environ.get("PS_ADMIN_TOKEN", ""), os.environ.get("PS_ADMIN_TOKEN_FILE", ""), "--admin-token")
+    except ValueError:
+        token = ""
+    metadata = (("authorization", f"Bearer {token}"),) if token else ()
     statuses = []
     for address in addresses:
         with grpc.insecure_channel(address) as channel:
-            reply = ps_pb2_grpc.AdminStub(channel).GetStatus(ps_pb2.GetStatusRequest(), timeout=timeout)
-            statuses.append(reply.status)
+            stub = ps_pb2_grpc.AdminStub(channel)
+            statuses.append(stub.GetStatus(ps_pb2.GetStatusRequest(), timeout=timeout, metadata=metadata).status)
     return statuses
 
 
@@ -716,7 +722,8 @@ def run(args: Any) -> int:
     except (RuntimeError, grpc.RpcError) as exc:
         failed = True
         close_bars(bars)
-        print(f"ps-launch: {exc}\nlogs in {log_dir}", file=sys.stderr)
+        what = f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.RpcError) else str(exc)
+        print(f"ps-launch: {what}\nlogs in {log_dir}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("\nps-launch: interrupted; stopping every process", file=sys.stderr)
