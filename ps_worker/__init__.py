@@ -9,9 +9,12 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ps_worker.client import PSClient
+    from ps_worker.errors import RoundTimeoutError, ShardError, ShardUnreachableError
     from ps_worker.optimizer import DistributedOptimizer
 
-__all__ = ["PSClient", "DistributedOptimizer"]
+__all__ = ["PSClient", "DistributedOptimizer", "RoundTimeoutError", "ShardError", "ShardUnreachableError"]
+
+_ERRORS = ("RoundTimeoutError", "ShardError", "ShardUnreachableError")
 
 
 def __getattr__(name: str) -> Any:
@@ -23,4 +26,8 @@ def __getattr__(name: str) -> Any:
         from ps_worker.optimizer import DistributedOptimizer
 
         return DistributedOptimizer
+    if name in _ERRORS:
+        from ps_worker import errors
+
+        return getattr(errors, name)
     raise AttributeError(f"module 'ps_worker' has no attribute {name!r}")
