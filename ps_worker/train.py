@@ -103,8 +103,8 @@ def train(
     """
     torch.manual_seed(seed)
     model = workload.model().to(device)
+    client.init(model, optimizer)  # first: a wrong or unreachable shard address is named before data loads
     train_set, held_out = workload.datasets()
-    client.init(model, optimizer)
     local = None
     if client.mode == "easgd":  # EASGD workers step locally with the same optimizer settings
         kwargs = {k: v for k, v in optimizer.items() if k != "name"}

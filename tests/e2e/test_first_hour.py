@@ -81,6 +81,34 @@ def test_item1_ps_worker_names_the_unreachable_address(shards, which) -> None:
     assert took < 50, f"took {took:.0f} s"
 
 
+def test_item1_with_default_flags_the_address_is_named_within_seconds(shards) -> None:
+    """Default --retry-deadline (30 s): the worker keeps trying (a shard may still be starting), but
+    within a few seconds of its first attempt a warning names the unreachable address, with the hint."""
+    import signal
+    import threading
+
+    dead = dead_address()
+    servers = f"127.0.0.1:{shards(2, 1)[0].port},{dead}"
+    argv = [sys.executable, "-m", "ps_worker.cli", "--servers", servers, "--rank", "0", "--num-workers", "1"]
+    proc = subprocess.Popen([*argv, "digits"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    seen: list[tuple[float, str]] = []
+    reader = threading.Thread(target=lambda: [seen.append((time.monotonic(), line)) for line in proc.stderr])
+    reader.start()
+    try:
+        stop = time.monotonic() + 120
+        while time.monotonic() < stop and not any(dead in line for _, line in seen):
+            time.sleep(0.1)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+        reader.join(timeout=10)
+    connecting = next(t for t, line in seen if "metrics on" in line)  # printed just before the first Join
+    warned, line = next((t, line) for t, line in seen if dead in line)
+    assert "is the shard running? check --servers" in line and "--retry-deadline" in line
+    assert warned - connecting < 10, f"named after {warned - connecting:.1f} s"
+    assert proc.returncode == 143
+
+
 # ---------------------------------------------------------------------- item 2: round timeout names ranks
 def test_item2_round_timeout_names_the_missing_rank(shards) -> None:
     """A sync round waiting for an absent rank 1: the Python API raises RoundTimeoutError with
