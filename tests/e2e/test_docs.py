@@ -65,6 +65,8 @@ class Command:
     doc: str
     line: int
     text: str
+    shows: tuple[str, ...] = ()
+    """Output the docs show for it (``# {"status": "SERVING"}`` after it, or ``#   name`` lines below it)."""
 
 
 def commands(doc: str) -> list[Command]:
@@ -96,6 +98,9 @@ def _shell_block(doc: str, block: list[tuple[int, str]]) -> list[Command]:
     pending: tuple[int, str] | None = None
     for n, raw in block:
         text = raw.strip()
+        shown = re.match(r"^#\s+(\{.*\}|[\w.]+)$", text)
+        if pending is None and shown and out and "…" not in text:
+            out[-1].shows += (shown.group(1),)
         if pending is None and (not text or text.startswith("#")):
             continue
         if pending is not None:
@@ -104,7 +109,9 @@ def _shell_block(doc: str, block: list[tuple[int, str]]) -> list[Command]:
         if text.endswith("\\"):
             pending = (n, text[:-1].rstrip())
             continue
-        out.append(Command(doc, n, _strip_comment(text)))
+        command = _strip_comment(text)
+        trailing = re.match(r"^#\s*(\{.*\})$", text[len(command) :].strip())
+        out.append(Command(doc, n, command, (trailing.group(1),) if trailing else ()))
     return out
 
 
@@ -172,6 +179,10 @@ def localize(part: str, addresses: list[str]) -> str:
     return part
 
 
+def _squeeze(text: str) -> str:
+    return re.sub(r"\s+", "", text)
+
+
 def run(command: str, env: dict[str, str], timeout: float) -> tuple[int | None, str]:
     """Run ``command`` in a shell of its own; (exit status, output), or (None, output so far) when it
     ran past ``timeout`` seconds (then it and its children are killed)."""
@@ -222,6 +233,9 @@ def test_documented_commands_work(doc, cluster, tmp_path) -> None:
                 assert text, f"{command} printed nothing before it was stopped"
                 code = 0
             ran.append(command)
+            missing = [shown for shown in c.shows if _squeeze(shown) not in _squeeze(text)]
+            if missing:
+                failures.append(f"{c.doc}:{c.line}: {command}: the docs show {missing}, it printed:\n{text[-1500:]}")
             if code != expected[0] or expected[1] not in text:
                 failures.append(f"{c.doc}:{c.line}: {command}: exit {code} (expected {expected[0]}):\n{text[-1500:]}")
     print(
