@@ -41,13 +41,13 @@ class Terminal:
         """The pane and its scrollback, as a person would read it (wrapped lines joined)."""
         return self.tm("capture-pane", "-p", "-J", "-S", "-", "-t", self.session)
 
-    def wait(self, pattern: str, timeout: float) -> str:
+    def wait(self, pattern: str, timeout: float, interval: float = 0.2) -> str:
         stop = time.monotonic() + timeout
         while time.monotonic() < stop:
             text = self.screen()
             if re.search(pattern, text, re.MULTILINE):
                 return text
-            time.sleep(0.2)
+            time.sleep(interval)
         pytest.fail(f"timed out after {timeout:.0f} s waiting for {pattern!r} in:\n{self.screen()}")
 
     def close(self) -> None:
@@ -74,7 +74,15 @@ def summary_block(screen: str, header: str) -> list[str]:
 def test_ps_launch_in_a_terminal_shows_progress_then_an_intact_summary(terminal) -> None:
     argv = [sys.executable, "-m", "ps_worker.launch", "--shards", "1", "--workers", "2", "--steps", "300"]
     terminal.run([*argv, "--slow-rank", "0", "--slow-ms", "15", "--no-metrics", "digits"])
-    terminal.wait(r"^rank [01]:\s+\d+%.*\d+/300 .*step/s.*loss=\d\.\d{4}", 240)
+    terminal.wait(r"^ps-launch: started worker-1", 240, interval=0.05)
+    spawned = time.monotonic()
+    bar = r"^rank [01]:\s+\d+%.*\b([1-9]\d{2}|[6-9]\d)/300 \[(\d+):(\d\d)<.*step/s.*loss=\d\.\d{4}"
+    during = terminal.wait(bar, 240)
+    since_spawn = time.monotonic() - spawned
+    minutes, seconds = re.search(bar, during, re.MULTILINE).groups()[1:]
+    # the bar's clock (and so its rate) starts at the rank's first step: the worker's start-up (a Python
+    # process importing torch, loading data, joining) is not in it
+    assert int(minutes) * 60 + int(seconds) < since_spawn - 1.5, (since_spawn, during)
     final = terminal.wait(r"^__exit=\d+", 240)
     assert "__exit=0" in final, final
     block = summary_block(final, "grpc-ps run summary")
