@@ -95,8 +95,8 @@ def parameters_text(config: ps_pb2.ClusterConfig, mode: str) -> str:
     if mode == "async":
         bound = "none" if config.max_staleness < 0 else str(config.max_staleness)
         return f"max staleness {bound}, staleness lr {config.staleness_lr or 'constant'}"
-    if mode == "ssp":
-        return f"staleness {config.staleness}"
+    if mode == "ssp":  # the bound counts clocks (a rank's pushes), not versions
+        return f"staleness {config.staleness} clock{'' if config.staleness == 1 else 's'}"
     if mode == "easgd":
         kind = "rounds" if config.easgd_sync else "async"
         return f"moving rate {config.moving_rate:g}, period {config.communication_period} ({kind})"
@@ -106,7 +106,8 @@ def parameters_text(config: ps_pb2.ClusterConfig, mode: str) -> str:
 def settings_text(config: ps_pb2.ClusterConfig) -> str:
     """The learning rate and the parameters of the mode in force: ``lr 0.05, sync quorum all, round timeout off``."""
     mode = mode_text(config.mode)
-    return f"lr {config.learning_rate:g}, {mode} {parameters_text(config, mode)}"
+    lr = f"{config.learning_rate:g}" if config.learning_rate else "-"  # 0: not initialized yet (no optimizer)
+    return f"lr {lr}, {mode} {parameters_text(config, mode)}"
 
 
 def pending_text(config: ps_pb2.ClusterConfig, pending_mode: int) -> str:
@@ -194,8 +195,11 @@ RANK_COLUMNS = (
 )
 
 
-def staleness_cell(summary: ps_pb2.StalenessSummary) -> str:
-    """``p50/p90/max`` of applied pushes, ``-`` before any."""
+def staleness_cell(summary: ps_pb2.StalenessSummary, mode: str = "") -> str:
+    """``p50/p90/max`` of applied pushes in versions behind, ``-`` before any; ``0`` in sync mode,
+    where every gradient is applied to the version it was computed on."""
+    if mode == "sync":
+        return "0"
     return f"{summary.p50:g}/{summary.p90:g}/{summary.max}" if summary.count else "-"
 
 
@@ -222,7 +226,7 @@ def shard_rows(results: Sequence[ShardResult]) -> list[list[str]]:
                 f"{len(live_clocks(s))}/{s.config.num_workers}",
                 span(live_clocks(s)),
                 "-" if gap is None else str(gap),
-                staleness_cell(s.staleness),
+                staleness_cell(s.staleness, mode_name(s)),
                 refused_cell(s.rejected_pushes),
                 human_bytes(s.received_bytes),
                 human_bytes(s.sent_bytes),

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -131,8 +132,13 @@ def _wire_dtype(value: int) -> str:
 
 
 def _deadline(context: grpc.ServicerContext) -> float | None:
+    """Seconds a wait may take so the shard's answer (which names what the wait is for) reaches the
+    client before its own deadline: a tenth of the time left, 0.1 s to 1 s, is kept for the way back
+    (a loaded machine delays both the wake-up and the status)."""
     remaining = context.time_remaining()
-    return None if remaining is None or remaining > 1e9 else max(0.0, remaining - 0.05)
+    if remaining is None or remaining > 1e9:
+        return None
+    return max(0.0, remaining - min(1.0, max(0.1, remaining / 10)))
 
 
 def cluster_config(settings: ModeSettings, lease_timeout: float, learning_rate: float) -> ps_pb2.ClusterConfig:
@@ -363,6 +369,17 @@ def staleness_summary(counts: dict[int, int]) -> ps_pb2.StalenessSummary:
     )
 
 
+def _optimizer_in_force(view: StatusView) -> ps_pb2.OptimizerSpec | None:
+    """The optimizer spec with the learning rate in force (``UpdateConfig`` changes it after Init):
+    ``optimizer.kwargs.lr`` and ``config.learning_rate`` tell one truth."""
+    if not view.optimizer:
+        return None
+    spec = optimizer_to_proto(view.optimizer)
+    if "lr" in spec.kwargs and view.learning_rate:
+        spec.kwargs["lr"] = view.learning_rate
+    return spec
+
+
 def status_to_proto(
     view: StatusView, counters: Counters, uptime: float, checkpointer: Checkpointer | None = None
 ) -> ps_pb2.ShardStatus:
@@ -378,7 +395,7 @@ def status_to_proto(
         num_partitions=view.num_partitions,
         num_elements=view.num_elements,
         parameter_bytes=view.parameter_bytes,
-        optimizer=optimizer_to_proto(view.optimizer) if view.optimizer else None,
+        optimizer=_optimizer_in_force(view),
         workers=[
             ps_pb2.WorkerStatus(
                 rank=w.rank,
@@ -481,7 +498,8 @@ class AdminServicer(ps_pb2_grpc.AdminServicer):
         if self.checkpointer is None:
             raise errors.PreconditionError("This shard has no --checkpoint-dir; restart it with one to checkpoint.")
         version, path, seconds = self.checkpointer.checkpoint_now()
-        return ps_pb2.CheckpointResponse(version=version, path=str(path), seconds=seconds)
+        # absolute: a relative --checkpoint-dir means nothing to an operator in another directory
+        return ps_pb2.CheckpointResponse(version=version, path=os.path.abspath(path), seconds=seconds)
 
     @_maps_errors
     def EvictWorker(

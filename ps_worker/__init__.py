@@ -1,6 +1,33 @@
-"""grpc-ps worker side: ``PSClient`` (push/pull to every shard) and ``DistributedOptimizer``."""
+"""grpc-ps worker side: ``PSClient`` (push/pull to every shard) and ``DistributedOptimizer``.
 
-from ps_worker.client import PSClient
-from ps_worker.optimizer import DistributedOptimizer
+Both are imported on first use, so the command-line tools parse their arguments before torch loads.
+"""
 
-__all__ = ["PSClient", "DistributedOptimizer"]
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ps_worker.client import PSClient
+    from ps_worker.errors import RoundTimeoutError, ShardError, ShardUnreachableError
+    from ps_worker.optimizer import DistributedOptimizer
+
+__all__ = ["PSClient", "DistributedOptimizer", "RoundTimeoutError", "ShardError", "ShardUnreachableError"]
+
+_ERRORS = ("RoundTimeoutError", "ShardError", "ShardUnreachableError")
+
+
+def __getattr__(name: str) -> Any:
+    if name == "PSClient":
+        from ps_worker.client import PSClient
+
+        return PSClient
+    if name == "DistributedOptimizer":
+        from ps_worker.optimizer import DistributedOptimizer
+
+        return DistributedOptimizer
+    if name in _ERRORS:
+        from ps_worker import errors
+
+        return getattr(errors, name)
+    raise AttributeError(f"module 'ps_worker' has no attribute {name!r}")

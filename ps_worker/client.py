@@ -28,7 +28,8 @@ from ps_server.core.optimizer import OptimizerSpec
 from ps_server.core.plan import DEFAULT_PARTITION_BYTES, ParameterSpec, PartitionSlice, Plan, make_plan
 from ps_server.wire import MODE_TO_NAME, NAME_TO_DTYPE, message_size, optimizer_to_proto, plan_to_proto, with_partition
 from ps_worker.compression import TopK
-from ps_worker.retry import backoff_delays, retry_call
+from ps_worker.errors import HINT_UNREACHABLE, ShardError, ShardUnreachableError
+from ps_worker.retry import RETRYABLE, backoff_delays, retry_call
 
 if TYPE_CHECKING:
     from ps_worker.metrics import WorkerMetrics
@@ -42,6 +43,12 @@ MESSAGE_OVERHEAD = 64 * 1024
 """Bytes allowed above ``partition_bytes`` for a message's header fields."""
 
 SERVICE = "/ps.v1.ParameterService/"
+
+WARN_UNREACHABLE_AFTER = 2.0
+"""Seconds a shard may stay unreachable at Join before a warning names its address."""
+
+JOIN_ATTEMPT_SECONDS = 5.0
+"""Longest single Join attempt, seconds (Join answers in milliseconds; the rest is connecting)."""
 
 WIRE_DTYPES = ("float32", "float16", "bfloat16")
 """Values of ``wire_dtype``: float16/bfloat16 halve the bytes of a float32 model."""
@@ -202,7 +209,7 @@ class PSClient:
                 return self._call(fn, what)
             except grpc.RpcError as exc:
                 if attempt == MAX_RECOVERIES or not self._recover(k, exc, repush):
-                    raise
+                    raise ShardError.from_rpc(self.servers[k], exc, waits=not what.startswith("Push ")) from exc
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _recover(self, k: int, exc: grpc.RpcError, repush: bool = True) -> bool:
@@ -234,11 +241,44 @@ class PSClient:
         return True
 
     def _join_shard(self, k: int) -> ps_pb2.JoinResponse:
+        """Join shard ``k``, retrying while it is unreachable (still starting, restarting) for at most
+        ``retry_deadline`` seconds; after :data:`WARN_UNREACHABLE_AFTER` seconds a warning names the
+        address.
+
+        Raises:
+            ShardUnreachableError: no answer within ``retry_deadline``. ShardError: a refusal.
+        """
         req = ps_pb2.JoinRequest(rank=self.rank, num_workers=self.num_workers, incarnation=self.incarnation)
-        return self._call(
-            lambda: self._stubs[k].Join(req, timeout=self.timeout, metadata=self._metadata, wait_for_ready=True),
-            f"Join {self.servers[k]}",
-        )
+        start = time.monotonic()
+        stop = start + self.retry_deadline
+        delays = backoff_delays(base=0.1, cap=1.0)
+        warned = False
+        while True:
+            # each attempt is short: a connection that hangs (a dropped SYN) must not use the whole budget
+            attempt = max(0.1, min(self.timeout, stop - time.monotonic(), JOIN_ATTEMPT_SECONDS))
+            try:
+                return self._stubs[k].Join(req, timeout=attempt, metadata=self._metadata)
+            except grpc.RpcError as exc:
+                code = exc.code()
+                if code not in RETRYABLE:
+                    raise ShardError.from_rpc(self.servers[k], exc) from exc
+                now = time.monotonic()
+                if now >= stop:
+                    raise ShardUnreachableError(
+                        self.servers[k], code, exc.details() or "", self.retry_deadline
+                    ) from exc
+                if not warned and now - start >= WARN_UNREACHABLE_AFTER:
+                    warned = True
+                    log.warning(
+                        "rank %d: shard %s not reachable yet (%s: %s); %s. Retrying for up to %g s (--retry-deadline).",
+                        self.rank,
+                        self.servers[k],
+                        code.name,
+                        exc.details(),
+                        HINT_UNREACHABLE,
+                        self.retry_deadline,
+                    )
+                time.sleep(max(0.0, min(next(delays), stop - now)))
 
     def _require_plan(self) -> Plan:
         if self.plan is None:
@@ -250,7 +290,8 @@ class PSClient:
         """Join every shard (waiting up to ``retry_deadline`` for shards that are still starting).
 
         Raises:
-            grpc.RpcError: a shard refused the join.
+            ShardUnreachableError: a shard did not answer within ``retry_deadline`` (its address is named).
+            ShardError: a shard refused the join.
             RuntimeError: the shards disagree on mode or their indices do not match ``servers``.
         """
         replies = self._each_shard(self._join_shard)
@@ -338,10 +379,13 @@ class PSClient:
             for msg in self._partitions_of(k, values, ps_pb2.InitRequest):
                 yield self._sent(msg)
 
-        reply = self._call(
-            lambda: self._stubs[k].Init(stream(), timeout=self.timeout, metadata=self._metadata),
-            f"Init {self.servers[k]}",
-        )
+        try:
+            reply = self._call(
+                lambda: self._stubs[k].Init(stream(), timeout=self.timeout, metadata=self._metadata),
+                f"Init {self.servers[k]}",
+            )
+        except grpc.RpcError as exc:
+            raise ShardError.from_rpc(self.servers[k], exc) from exc
         log.info("rank %d: shard %d init %s", self.rank, k, "applied" if reply.applied else "already done")
 
     def _wait_initialized(self, replies: Mapping[int, ps_pb2.JoinResponse], init_timeout: float) -> None:
@@ -542,7 +586,7 @@ class PSClient:
             Each shard's answer, in shard order.
 
         Raises:
-            grpc.RpcError: INVALID_ARGUMENT, FAILED_PRECONDITION, ABORTED (too stale: pull, then
+            ShardError: INVALID_ARGUMENT, FAILED_PRECONDITION, ABORTED (too stale: pull, then
                 push the next clock) and others after retries.
         """
         flats = self._stage(grads)
@@ -597,7 +641,9 @@ class PSClient:
             The lowest version among the shards.
 
         Raises:
-            grpc.RpcError: DEADLINE_EXCEEDED if the round does not complete within ``timeout``.
+            RoundTimeoutError: DEADLINE_EXCEEDED, the round did not complete within ``timeout``;
+                ``.ranks`` are the ranks it waits for.
+            ShardError: other refusals (a ``grpc.RpcError``: branch on ``.code()``).
         """
         plan = self._require_plan()
 
@@ -654,7 +700,7 @@ class PSClient:
             The lowest version among the shards.
 
         Raises:
-            grpc.RpcError: as :meth:`push` and :meth:`pull`. A push refused as too stale
+            ShardError: as :meth:`push` and :meth:`pull`. A push refused as too stale
                 (ABORTED) is counted in ``refused_pushes`` and followed by a plain :meth:`pull`.
         """
         step = self.begin_push_pull(out, stream=False)
@@ -737,11 +783,11 @@ class PSClient:
                 stub.Leave(req, timeout=5.0, metadata=self._metadata)
             except grpc.RpcError as exc:
                 log.info("leave %s: %s", self.servers[k], exc.code())
+        for ch in self._channels:  # cancels calls still in flight (an interrupted step's round wait)
+            ch.close()
         if self._heartbeat is not None:
             self._heartbeat.join(timeout=5.0)
         self._pool.shutdown(wait=True)
-        for ch in self._channels:
-            ch.close()
 
     def __enter__(self) -> PSClient:
         return self

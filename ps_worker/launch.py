@@ -16,6 +16,7 @@ import math
 import os
 import queue
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -33,12 +34,11 @@ from tqdm import tqdm
 from ps_proto.v1 import ps_pb2, ps_pb2_grpc
 from ps_server import jsonout
 from ps_server.config import join_timeout_flag, mode_flags
-from ps_server.flags import FlagParser
+from ps_server.core.modes import MODES
+from ps_server.flags import FlagParser, secret
 from ps_server.process_env import GLIBC_TUNABLES, available_cpus, launch_environment
-from ps_server.shard import MODES
-from ps_worker.cli import training_flags
 from ps_worker.faults import Fault, parse_faults
-from ps_worker.workloads import WORKLOADS
+from ps_worker.flags import WORKLOAD_NAMES, CommandParser, training_flags
 
 LISTENING = re.compile(r"listening on (\S+)")
 METRICS = re.compile(r"metrics on (http://\S+)")
@@ -60,7 +60,7 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child before e
 
 def launch_parser(environ: Mapping[str, str] | None = None) -> FlagParser:
     """The ``ps-launch`` flags (DESIGN section 10)."""
-    p = FlagParser(
+    p = CommandParser(
         prog="ps-launch",
         description="Run a grpc-ps cluster and a training job on this machine.",
         epilog=(
@@ -97,7 +97,7 @@ def launch_parser(environ: Mapping[str, str] | None = None) -> FlagParser:
         "workload",
         nargs="?",
         default=p.environ.get("PS_WORKLOAD", "digits"),
-        choices=sorted(WORKLOADS),
+        choices=WORKLOAD_NAMES,
         help="built-in workload [env PS_WORKLOAD]",
     )
     return p
@@ -288,12 +288,18 @@ def server_flags(args: Any, log_dir: Path) -> list[str]:
 
 
 def shard_statuses(addresses: Sequence[str], timeout: float = 10.0) -> list[ps_pb2.ShardStatus]:
-    """Admin/GetStatus of every shard (the shards' own account of clocks and refusals)."""
+    """Admin/GetStatus of every shard (the shards' own account of clocks and refusals), with the admin
+    token the shards took from this environment (``PS_ADMIN_TOKEN`` or ``PS_ADMIN_TOKEN_FILE``), if any."""
+    try:
+        token = secret(os.environ.get("PS_ADMIN_TOKEN", ""), os.environ.get("PS_ADMIN_TOKEN_FILE", ""), "--admin-token")
+    except ValueError:
+        token = ""
+    metadata = (("authorization", f"Bearer {token}"),) if token else ()
     statuses = []
     for address in addresses:
         with grpc.insecure_channel(address) as channel:
-            reply = ps_pb2_grpc.AdminStub(channel).GetStatus(ps_pb2.GetStatusRequest(), timeout=timeout)
-            statuses.append(reply.status)
+            stub = ps_pb2_grpc.AdminStub(channel)
+            statuses.append(stub.GetStatus(ps_pb2.GetStatusRequest(), timeout=timeout, metadata=metadata).status)
     return statuses
 
 
@@ -317,6 +323,54 @@ def finished_version(statuses: Sequence[ps_pb2.ShardStatus], steps: int) -> int 
     return version if all(d >= steps for d in done) else None
 
 
+class MembershipWatch:
+    """Polls one shard's status and says when a rank's state or incarnation changes (an eviction, a
+    rejoin), so a fault injection shows its consequences on the console."""
+
+    def __init__(self, address: str, interval: float = 0.5) -> None:
+        self.address = address
+        self.interval = interval
+        self.seen: dict[int, tuple[int, int]] = {}
+        self.next = 0.0
+
+    def changes(self) -> list[str]:
+        now = time.monotonic()
+        if now < self.next:
+            return []
+        self.next = now + self.interval
+        try:
+            (status,) = shard_statuses([self.address], timeout=2.0)
+        except grpc.RpcError:
+            return []
+        lines = []
+        for w in status.workers:
+            before = self.seen.get(w.rank)
+            self.seen[w.rank] = (w.state, w.incarnation)
+            if before is None or before == (w.state, w.incarnation) or before[0] == ps_pb2.WORKER_STATE_PENDING:
+                continue  # nothing new, or a first join
+            state = ps_pb2.WorkerState.Name(w.state).removeprefix("WORKER_STATE_").lower()
+            if w.state == ps_pb2.WORKER_STATE_EVICTED:
+                lines.append(
+                    f"shard-0 evicted rank {w.rank} at clock {w.clock} (its lease lapsed); rounds go on without it"
+                )
+            elif w.incarnation != before[1] and w.state == ps_pb2.WORKER_STATE_LIVE:
+                lines.append(f"shard-0 counts rank {w.rank} again (new incarnation {w.incarnation}, clock {w.clock})")
+            elif w.state != ps_pb2.WORKER_STATE_LEFT:
+                lines.append(f"rank {w.rank} is {state} on shard-0 (clock {w.clock})")
+        return lines
+
+
+def close_bars(bars: Sequence[tqdm]) -> None:
+    """Close the progress bars (last first, so each clears its own line) and leave the cursor at the
+    start of a clean line, so what follows is not printed in the middle of a bar's old line."""
+    shown = [b for b in bars if not b.disable]
+    for b in reversed(bars):
+        b.close()
+    if shown:
+        sys.stderr.write("\r\x1b[K")
+        sys.stderr.flush()
+
+
 def tail(path: Path, lines: int = 15) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
@@ -337,6 +391,34 @@ def read_events(child: Child, events: queue.Queue[tuple[str, dict[str, Any]]]) -
     events.put((child.name, {"event": "exit"}))
 
 
+@dataclass
+class RankRun:
+    """What one process of a rank did, as ps-launch saw it from its events."""
+
+    first: int
+    """Step it started at (a restarted rank resumes at the cluster's clock)."""
+    last: int
+    """Last step it reported."""
+    report: dict[str, Any] | None = None
+    """Its final report (None: killed before the end)."""
+    started: float = 0.0
+    """``time.perf_counter()`` of its first step."""
+
+    @property
+    def steps(self) -> int:
+        return max(0, (self.report["steps"] if self.report else self.last) - self.first)
+
+
+def _finite(x: Any) -> float | None:
+    return None if x is None or not math.isfinite(x) else float(x)
+
+
+def mean(values: Sequence[float | None]) -> float | None:
+    """Mean of the values that are numbers; None when there are none (a rank that trained no step)."""
+    known = [v for v in values if v is not None and math.isfinite(v)]
+    return sum(known) / len(known) if known else None
+
+
 def summarize(
     args: Any,
     done: list[dict[str, Any]],
@@ -344,24 +426,30 @@ def summarize(
     addresses: list[str],
     statuses: Sequence[ps_pb2.ShardStatus] = (),
     metrics_urls: Mapping[str, str] | None = None,
+    runs: Mapping[int, Sequence[RankRun]] | None = None,
+    train_seconds: float | None = None,
 ) -> dict[str, Any]:
-    """The run's summary from every worker's final report and the shards' status; ``metrics_urls``
-    maps process name (``shard-0``, ``worker-1``) to its ``/metrics`` URL."""
+    """The run's summary from what each rank actually did: every worker's final report, the steps
+    each of its processes ran (``runs``: rank -> its processes, restarts included) and the shards'
+    status. ``metrics_urls`` maps process name (``shard-0``, ``worker-1``) to its ``/metrics`` URL.
+    Throughput is steps run (all ranks, all processes) over ``train_seconds`` (first step of any
+    rank to the last step of all; start-up excluded), and samples are those steps times the batch."""
     done = sorted(done, key=lambda d: d["rank"])
-    total_steps = sum(d["steps"] for d in done)
+    runs = runs or {d["rank"]: [RankRun(d.get("first_step", 0), d["steps"], d)] for d in done}
     rejected: dict[str, int] = {}
     for st in statuses:
         for reason, n in st.rejected_pushes.items():
             rejected[reason] = max(rejected.get(reason, 0), n)
+    first_status = statuses[0] if statuses else None
     shard_view = {
-        "clocks": [w.clock for w in statuses[0].workers] if statuses else [],
+        "clocks": [w.clock for w in first_status.workers] if first_status else [],
+        "pushes": [w.pushes for w in first_status.workers] if first_status else [],
         "worker_states": [
-            ps_pb2.WorkerState.Name(w.state).removeprefix("WORKER_STATE_").lower() for w in statuses[0].workers
+            ps_pb2.WorkerState.Name(w.state).removeprefix("WORKER_STATE_").lower() for w in first_status.workers
         ]
-        if statuses
+        if first_status
         else [],
-        "incarnations": [w.incarnation for w in statuses[0].workers] if statuses else [],
-        "pushes": [w.pushes for w in statuses[0].workers] if statuses else [],
+        "incarnations": [w.incarnation for w in first_status.workers] if first_status else [],
         "restored_from": [
             st.restored_from_version if st.HasField("restored_from_version") else None for st in statuses
         ],
@@ -374,7 +462,30 @@ def summarize(
         "staleness_p90": max((st.staleness.p90 for st in statuses), default=0.0),
         "staleness_p99": max((st.staleness.p99 for st in statuses), default=0.0),
         "staleness_max": max((st.staleness.max for st in statuses), default=0),
+        "received_bytes": sum(st.received_bytes for st in statuses),
+        "sent_bytes": sum(st.sent_bytes for st in statuses),
     }
+    ranks = []
+    for r in range(args.workers):
+        mine = list(runs.get(r, ()))
+        steps = sum(run.steps for run in mine)
+        report = next((run.report for run in reversed(mine) if run.report), None)
+        ranks.append(
+            {
+                "rank": r,
+                "steps_run": steps,
+                "samples": steps * args.batch_size,
+                "restarts": max(0, len(mine) - 1),
+                "resumed_at": [run.first for run in mine[1:]],
+                "finished": report is not None,
+                "final_loss": _finite(report["final_loss"]) if report else None,
+            }
+        )
+    total_steps = sum(r["steps_run"] for r in ranks)
+    partial = bool(statuses) and any(r["restarts"] or not r["finished"] for r in ranks)
+    seconds = train_seconds if train_seconds else max((d["wall_seconds"] for d in done), default=0.0)
+    rate = total_steps / seconds if seconds > 0 else 0.0
+    first_done = done[0] if done else {}
     return {
         "workload": args.workload,
         "mode": args.mode,
@@ -382,18 +493,22 @@ def summarize(
         "workers": args.workers,
         "steps": args.steps,
         "batch_size": args.batch_size,
-        "final_loss": mean([d["final_loss"] for d in done]),
-        "accuracy": done[0]["accuracy"],
-        "eval_loss": done[0]["eval_loss"],
+        "final_loss": mean([r["final_loss"] for r in ranks]),
+        "accuracy": first_done.get("accuracy"),
+        "eval_loss": _finite(first_done.get("eval_loss")),
+        "bits_per_char": first_done.get("bits_per_char"),
         "accuracy_per_rank": [d["accuracy"] for d in done],
         "wall_seconds": wall,
-        "train_seconds": max(d["wall_seconds"] for d in done),
-        "steps_per_second": total_steps / max(d["wall_seconds"] for d in done),
-        "samples_per_second": sum(d["samples_per_second"] for d in done),
-        "pushed_bytes": sum(d["pushed_bytes"] for d in done),
-        "pulled_bytes": sum(d["pulled_bytes"] for d in done),
-        "version": done[0]["version"],
-        "params_sha256": done[0]["params_sha256"],
+        "train_seconds": seconds,
+        "steps_per_second": rate,
+        "samples_per_second": rate * args.batch_size,
+        "steps_run_per_rank": [r["steps_run"] for r in ranks],
+        "ranks": ranks,
+        # a killed process never reports its bytes: then the shards' count (every process's) is the truth
+        "pushed_bytes": shard_view["received_bytes"] if partial else sum(d["pushed_bytes"] for d in done),
+        "pulled_bytes": shard_view["sent_bytes"] if partial else sum(d["pulled_bytes"] for d in done),
+        "version": first_done.get("version"),
+        "params_sha256": first_done.get("params_sha256"),
         "params_sha256_per_rank": [d["params_sha256"] for d in done],
         "servers": addresses,
         "refused_pushes": sum(d.get("refused_pushes", 0) for d in done),
@@ -415,38 +530,55 @@ def nothing_to_do(args: Any, log_dir: Path, version: int, out: IO[str]) -> None:
         print(jsonout.dumps({"workload": args.workload, "mode": args.mode, **summary}), file=out, flush=True)
 
 
-def mean(values: Sequence[float | None]) -> float | None:
-    """Mean of the values that are numbers; None when there are none (a rank that trained no step)."""
-    known = [v for v in values if v is not None and math.isfinite(v)]
-    return sum(known) / len(known) if known else None
+STALENESS_UNIT = {
+    "sync": "sync: every gradient is applied to the version it was computed on",
+    "async": "versions behind when applied (--max-staleness bounds it)",
+    "ssp": "versions behind when applied; the bound s counts clocks (see the gap above)",
+    "easgd": "not measured (workers exchange parameters)",
+}
+
+
+def _restart_note(ranks: Sequence[dict[str, Any]]) -> str:
+    notes = [
+        f"rank {r['rank']} restarted {r['restarts']}x, resumed at step {', '.join(map(str, r['resumed_at']))}"
+        for r in ranks
+        if r["restarts"]
+    ]
+    notes += [f"rank {r['rank']} did not finish" for r in ranks if not r["finished"]]
+    return f" ({'; '.join(notes)})" if notes else ""
 
 
 def print_summary(s: dict[str, Any], out: IO[str]) -> None:
     mib = 1024 * 1024
+    view = s["shards_view"]
+    loss = s["final_loss"]
     rows = [
         ("workload", f"{s['workload']} ({s['mode']}, {s['shards']} shards x {s['workers']} workers)"),
         ("steps per worker", f"{s['steps']} (batch {s['batch_size']})"),
+        ("steps run per rank", f"{s['steps_run_per_rank']}{_restart_note(s['ranks'])}"),
         (
             "final loss",
-            "— (no step trained)"
-            if s["final_loss"] is None
-            else f"{s['final_loss']:.4f} (mean of the last 10 steps, all ranks)",
+            "-" if loss is None else f"{loss:.4f} (mean of the last 10 steps of each rank that finished)",
         ),
-        ("held-out accuracy", "—" if s["accuracy"] is None else f"{s['accuracy']:.4f}"),
-        ("held-out loss", "—" if s["eval_loss"] is None else f"{s['eval_loss']:.3g}"),
+        ("held-out accuracy", "-" if s["accuracy"] is None else f"{s['accuracy']:.4f}"),
+        ("held-out loss", "-" if s["eval_loss"] is None else f"{s['eval_loss']:.3g}"),
+    ]
+    if s.get("bits_per_char") is not None:
+        rows.append(("bits per char", f"{s['bits_per_char']:.3f} (held out)"))
+    rows += [
         ("wall time", f"{s['wall_seconds']:.1f} s (training {s['train_seconds']:.1f} s)"),
-        ("throughput", f"{s['steps_per_second']:.1f} steps/s, {s['samples_per_second']:.0f} samples/s"),
+        ("throughput", f"{s['steps_per_second']:.1f} steps/s, {s['samples_per_second']:.0f} samples/s (all ranks)"),
         ("bytes moved", f"pushed {s['pushed_bytes'] / mib:.1f} MiB, pulled {s['pulled_bytes'] / mib:.1f} MiB"),
         ("final version", str(s["version"])),
-        (
-            "clocks per rank",
-            f"{s['shards_view']['clocks']} (largest gap at a read: {s['shards_view']['max_clock_gap']})",
-        ),
+        ("clocks per rank", f"{view['clocks']} (largest gap at a read: {view['max_clock_gap']})"),
         (
             "staleness",
-            "p50 {staleness_p50:g}, p90 {staleness_p90:g}, p99 {staleness_p99:g}, max {staleness_max}".format(
-                **s["shards_view"]
-            ),
+            f"0 ({STALENESS_UNIT['sync']})"
+            if s["mode"] == "sync"
+            else "p50 {staleness_p50:g}, p90 {staleness_p90:g}, p99 {staleness_p99:g}, max {staleness_max}".format(
+                **view
+            )
+            + f" ({STALENESS_UNIT.get(s['mode'], 'versions behind')})",
         ),
         ("refused / dropped", f"{s['refused_pushes']} refused as too stale, {s['dropped_pushes']} dropped late"),
         ("params sha256", s["params_sha256"]),
@@ -455,6 +587,7 @@ def print_summary(s: dict[str, Any], out: IO[str]) -> None:
     print("grpc-ps run summary", file=out)
     for k, v in rows:
         print(f"  {k:<{width}}  {v}", file=out)
+    out.flush()
 
 
 def run(args: Any) -> int:
@@ -476,12 +609,16 @@ def run(args: Any) -> int:
         file=sys.stderr,
     )
     bars: list[tqdm] = []
+    failed = False
     started = time.perf_counter()
     try:
         addresses = cluster.start_shards(
             args.shards, args.workers, args.mode, server_flags(args, log_dir), metrics=not args.no_metrics
         )
-        print(f"ps-launch: {args.shards} shards on {', '.join(addresses)}; logs in {log_dir}", file=sys.stderr)
+        where = f"logs in {log_dir}" + (
+            "" if args.log_dir else " (removed at the end unless the run fails; --log-dir keeps them)"
+        )
+        print(f"ps-launch: {args.shards} shards on {', '.join(addresses)}; {where}", file=sys.stderr)
         for c in cluster.children:
             if c.metrics_url:
                 print(f"ps-launch: {c.name} metrics on {c.metrics_url}", file=sys.stderr)
@@ -552,6 +689,10 @@ def run(args: Any) -> int:
         exited: set[str] = set()
         killed: dict[str, Fault] = {}
         shards = [c for c in cluster.children if c.name.startswith("shard-")]
+        runs: dict[int, list[RankRun]] = {r: [] for r in range(args.workers)}
+        first_step: float | None = None
+        last_step = 0.0
+        watch = MembershipWatch(addresses[0]) if faults else None
 
         def inject(fault: Fault, step: int) -> None:
             tqdm.write(f"ps-launch: fault {fault} at step {step}", file=sys.stderr)
@@ -568,14 +709,28 @@ def run(args: Any) -> int:
                 tqdm.write(f"ps-launch: {fault.name} restarted (pid {shards[fault.index].proc.pid})", file=sys.stderr)
 
         while len(exited) < len(workers):
+            if watch is not None:
+                for line in watch.changes():
+                    tqdm.write(f"ps-launch: {line}", file=sys.stderr)
             try:
                 name, event = events.get(timeout=0.5)
             except queue.Empty:
                 continue
             rank = int(name.split("-")[1])
-            if event.get("event") == "step":
-                bars[rank].n = event["step"]
-                bars[rank].set_postfix(loss=f"{event['loss']:.4f}", refresh=True)
+            if event.get("event") == "start":
+                now = time.perf_counter()
+                first_step = now if first_step is None else first_step
+                runs[rank].append(RankRun(event["step"], event["step"], started=now))
+                bars[rank].reset(total=args.steps)  # the rate counts from here: start-up is not training
+                bars[rank].update(event["step"])
+                if len(runs[rank]) > 1:
+                    tqdm.write(f"ps-launch: {name} rejoined; resumes at step {event['step']}", file=sys.stderr)
+            elif event.get("event") == "step":
+                last_step = time.perf_counter()
+                if runs[rank]:
+                    runs[rank][-1].last = event["step"]
+                bars[rank].update(event["step"] - bars[rank].n)
+                bars[rank].set_postfix(loss=f"{event['loss']:.4f}", refresh=False)
                 for fault in [f for f in faults if f.due(rank, event["step"])]:
                     faults.remove(fault)
                     inject(fault, event["step"])
@@ -584,9 +739,13 @@ def run(args: Any) -> int:
                 tqdm.write(f"ps-launch: {name} metrics on {event['url']}", file=sys.stderr)
             elif event.get("event") == "done":
                 done[name] = event
+                if runs[rank]:
+                    runs[rank][-1].report = event
             elif event.get("event") == "exit" and name in killed:
                 fault = killed.pop(name)
                 workers[rank].proc.wait(timeout=30)
+                steps = runs[rank][-1].last if runs[rank] else 0
+                tqdm.write(f"ps-launch: {name} killed at step {steps} (pid {workers[rank].proc.pid})", file=sys.stderr)
                 if not fault.restart:
                     exited.add(name)  # an injected death, not a failure of the run
                     continue
@@ -599,21 +758,26 @@ def run(args: Any) -> int:
                 if code != 0 or name not in done:
                     raise RuntimeError(f"{name} failed (exit {code}):\n{tail(workers[rank].log_path)}")
         wall = time.perf_counter() - started
+        train_seconds = last_step - first_step if first_step is not None else None
         statuses = shard_statuses(addresses)
     except (RuntimeError, grpc.RpcError) as exc:
-        for b in bars:
-            b.close()
-        print(f"ps-launch: {exc}\nlogs in {log_dir}", file=sys.stderr)
+        failed = True
+        close_bars(bars)
+        what = f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.RpcError) else str(exc)
+        print(f"ps-launch: {what}\nlogs in {log_dir}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("\nps-launch: interrupted; stopping every process", file=sys.stderr)
         return 130
     finally:
         cluster.stop()
-    for b in bars:
-        b.close()
+        if not args.log_dir and not failed:  # a temporary directory: logs and checkpoints of a finished run
+            shutil.rmtree(log_dir, ignore_errors=True)
+    close_bars(bars)
     metrics_urls = {c.name: c.metrics_url for c in cluster.children if c.metrics_url}
-    summary = summarize(args, list(done.values()), wall, addresses, statuses, metrics_urls)
+    summary = summarize(
+        args, list(done.values()), wall, addresses, statuses, metrics_urls, runs=runs, train_seconds=train_seconds
+    )
     summary["faults"] = fired
     summary["restarted"] = restarts
     print_summary(summary, sys.stdout)

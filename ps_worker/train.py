@@ -46,6 +46,10 @@ class TrainSummary:
     staleness_p50: float = 0.0
     staleness_p90: float = 0.0
     staleness_max: int = 0
+    first_step: int = 0
+    """Step this process started at: a restarted rank resumes at the cluster's clock."""
+    bits_per_char: float | None = None
+    """charlm: held-out bits per character (loss / ln 2)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -79,6 +83,7 @@ def train(
     seed: int = 0,
     device: str = "cpu",
     on_step: Callable[[int, float], None] | None = None,
+    on_start: Callable[[int, int], None] | None = None,
     before_push: Callable[[int], None] | None = None,
     metrics: WorkerMetrics | None = None,
     overlap: bool = False,
@@ -94,14 +99,16 @@ def train(
         seed: model initialization and sampler shuffling seed (same on every rank).
         device: where the model runs (``cpu`` or ``cuda``).
         on_step: called with (step, loss) after every step.
+        on_start: called with (first step, steps) once initialized, just before the first step
+            (a restarted rank's first step is the cluster's clock).
         before_push: called with the step before each push (straggler injection).
         metrics: where to record each step's seconds and loss; None records nothing.
         overlap: push gradients while backward runs (``DistributedOptimizer(overlap=True)``).
     """
     torch.manual_seed(seed)
     model = workload.model().to(device)
+    client.init(model, optimizer)  # first: a wrong or unreachable shard address is named before data loads
     train_set, held_out = workload.datasets()
-    client.init(model, optimizer)
     local = None
     if client.mode == "easgd":  # EASGD workers step locally with the same optimizer settings
         kwargs = {k: v for k, v in optimizer.items() if k != "name"}
@@ -112,7 +119,6 @@ def train(
     )
     loader = DataLoader(train_set, batch_size=batch_size, sampler=sampler, drop_last=True)
     losses: list[float] = []
-    start = time.perf_counter()
     data = batches(loader, sampler)
     model.train()
     # a restarted rank resumes at the cluster's clock: --steps counts the rank's whole run
@@ -128,6 +134,9 @@ def train(
             resume_at,
             steps,
         )
+    if on_start is not None:
+        on_start(first, steps)
+    start = time.perf_counter()  # training only: Init and the first pull are start-up
     for step in range(first, steps):
         step_start = time.perf_counter()
         x, y = next(data)
@@ -170,6 +179,8 @@ def train(
         staleness_p50=quantile(client.staleness, 0.5),
         staleness_p90=quantile(client.staleness, 0.9),
         staleness_max=max(client.staleness, default=0),
+        first_step=first,
+        bits_per_char=scores.get("bits_per_char"),
     )
 
 

@@ -56,6 +56,37 @@ def test_restarted_worker_rejoins_and_is_counted(tmp_path) -> None:
 
 
 @pytest.mark.slow
+def test_watch_recovery_demo_shows_the_restarted_rank_training(tmp_path) -> None:
+    """README's "Watch recovery happen" (issue 12 item 3): the console shows the kill, the eviction
+    and the rejoin, the restarted rank trains to the end, and the summary counts what each rank did.
+    Rank 0 is slowed (50 ms a step) so that it is still training when the new process of rank 1, which
+    imports torch on a loaded machine, rejoins."""
+    out = subprocess.run(
+        [*LAUNCH, "--log-dir", str(tmp_path), "--steps", "600", "--slow-rank", "0", "--slow-ms", "50"]
+        + ["--fault", "kill-worker:1@step=40,restart", "digits"],
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    s = json.loads(out.stdout.strip().splitlines()[-1])
+    console = out.stderr
+    for line in ("worker-1 killed at step", "shard-0 evicted rank 1", "worker-1 rejoined; resumes at step"):
+        assert line in console, console[-3000:]
+    assert console.index("killed at step") < console.index("evicted rank 1") < console.index("resumes at step")
+    rank1 = s["ranks"][1]
+    assert rank1["restarts"] == 1 and rank1["finished"]
+    resumed = rank1["resumed_at"][0]
+    assert resumed < 600 - 50, f"rank 1 resumed at {resumed}: it hardly trained after its restart"
+    assert rank1["steps_run"] >= 40 + (600 - resumed) - 5  # before the kill (events lag a few steps) + after
+    assert s["ranks"][0]["steps_run"] == 600 and s["steps_run_per_rank"] == [600, rank1["steps_run"]]
+    assert s["shards_view"]["clocks"] == [600, 600] and s["version"] == 600
+    assert s["samples_per_second"] == pytest.approx(s["steps_per_second"] * 32)
+    assert s["final_loss"] is not None and s["pushed_bytes"] > 0
+    assert "steps run per rank" in out.stdout and "rank 1 restarted 1x" in out.stdout
+
+
+@pytest.mark.slow
 def test_killed_shard_restarts_and_training_completes(tmp_path) -> None:
     # the default 10 s lease: this test is about a shard's restart, not about evictions
     clean = launch(tmp_path / "clean", "--steps", "300", "--lease-timeout", "10")

@@ -12,7 +12,7 @@ import pytest
 from ps_proto.v1 import ps_pb2
 from ps_server.admin_cli import admin_parser, update_request
 from ps_server.admin_client import ShardResult, _Watchdog, reconnect_delays
-from ps_server.admin_view import render_status, render_top, settings_lines, settings_text, status_json
+from ps_server.admin_view import render_status, render_top, settings_lines, settings_text, staleness_cell, status_json
 
 
 def config(**kw: object) -> ps_pb2.ClusterConfig:
@@ -35,7 +35,7 @@ def config(**kw: object) -> ps_pb2.ClusterConfig:
          "lr 0.05, sync quorum 3 of 4, round timeout 30s"),
         (config(mode=ps_pb2.MODE_ASYNC, max_staleness=8, staleness_lr="inverse"), ps_pb2.MODE_UNSPECIFIED,
          "lr 0.05, async max staleness 8, staleness lr inverse"),
-        (config(mode=ps_pb2.MODE_SSP, staleness=2), ps_pb2.MODE_UNSPECIFIED, "lr 0.05, ssp staleness 2"),
+        (config(mode=ps_pb2.MODE_SSP, staleness=2), ps_pb2.MODE_UNSPECIFIED, "lr 0.05, ssp staleness 2 clocks"),
         (config(mode=ps_pb2.MODE_EASGD, easgd_sync=True), ps_pb2.MODE_UNSPECIFIED,
          "lr 0.05, easgd moving rate 0.225, period 10 (rounds)"),
     ],
@@ -50,7 +50,7 @@ def test_a_pending_mode_gets_a_line_with_its_parameters() -> None:
     )
     assert lines == [
         "settings: lr 0.05, sync quorum all, round timeout off",
-        "pending: ssp at the next round boundary (staleness 1)",
+        "pending: ssp at the next round boundary (staleness 1 clock)",
     ]
 
 
@@ -78,7 +78,7 @@ def test_status_shows_settings_staleness_and_refused_pushes() -> None:
     lines = render_status([shard(0), shard(1)])
     assert lines[1:3] == [
         "settings: lr 0.05, async max staleness none, staleness lr constant",
-        "pending: ssp at the next round boundary (staleness 0)",
+        "pending: ssp at the next round boundary (staleness 0 clocks)",
     ]
     header = lines[4].split()
     assert header[7:9] == ["STALENESS", "REFUSED"]
@@ -91,9 +91,9 @@ def test_shards_that_disagree_get_a_settings_line_each() -> None:
     lines = render_status([shard(0), other])
     assert lines[1:5] == [
         "settings 0/2: lr 0.05, async max staleness none, staleness lr constant",
-        "pending 0/2: ssp at the next round boundary (staleness 0)",
+        "pending 0/2: ssp at the next round boundary (staleness 0 clocks)",
         "settings 1/2: lr 0.1, async max staleness none, staleness lr constant",
-        "pending 1/2: ssp at the next round boundary (staleness 0)",
+        "pending 1/2: ssp at the next round boundary (staleness 0 clocks)",
     ]
     assert lines[5] == "sync round open 4.5s, waiting for rank 3; if it is gone: ps-admin evict 3"
     rank3 = [line for line in lines if line.split()[:2] == ["3", "live"]]
@@ -106,7 +106,7 @@ def test_top_frame_keeps_the_settings_in_80x24() -> None:
     lines = render_top(results, 80, 24, 2.0, time.time())
     assert len(lines) <= 23 and all(len(line) <= 80 for line in lines)
     assert lines[2] == "settings: lr 0.05, async max staleness none, staleness lr constant"
-    assert lines[3] == "pending: ssp at the next round boundary (staleness 0)"
+    assert lines[3] == "pending: ssp at the next round boundary (staleness 0 clocks)"
     header = next(line for line in lines if line.startswith("SHARD"))
     assert "STALENESS" in header and "REFUSED" in header and "VERSION" in header
 
@@ -164,3 +164,12 @@ def test_watchdog_cancels_a_silent_stream_and_on_stop() -> None:
     dog = _Watchdog(stopped, stop, patience=60)  # type: ignore[arg-type]
     stop.set()
     assert stopped.cancelled.wait(5) and not dog.silent
+
+
+def test_lr_before_init_is_a_dash_and_sync_staleness_is_zero() -> None:
+    """Issue 12 item 9: ``settings: lr 0`` before Init read as a learning rate of zero; sync mode,
+    where no gradient is ever stale, showed ``-``."""
+    assert settings_text(ps_pb2.ClusterConfig(mode=ps_pb2.MODE_SYNC)).startswith("lr -, sync")
+    assert staleness_cell(ps_pb2.StalenessSummary(), "sync") == "0"
+    assert staleness_cell(ps_pb2.StalenessSummary(), "async") == "-"
+    assert staleness_cell(ps_pb2.StalenessSummary(count=3, p50=1, p90=2, max=5), "ssp") == "1/2/5"

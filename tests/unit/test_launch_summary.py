@@ -1,0 +1,73 @@
+"""ps-launch's summary from what each rank did (issue 12, items 3 and 6); no processes."""
+
+from __future__ import annotations
+
+import io
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from ps_worker.launch import RankRun, print_summary, summarize
+
+ARGS = SimpleNamespace(workload="charlm", mode="sync", shards=2, workers=2, steps=300, batch_size=32)
+
+
+def report(rank: int, first: int = 0, loss: float = 0.5, **more) -> dict:
+    return {
+        "rank": rank,
+        "steps": 300,
+        "first_step": first,
+        "final_loss": loss,
+        "accuracy": 0.5,
+        "eval_loss": 1.2,
+        "bits_per_char": 1.73,
+        "wall_seconds": 5.0,
+        "samples_per_second": 1.0,
+        "pushed_bytes": 10,
+        "pulled_bytes": 10,
+        "version": 300,
+        "params_sha256": "ab",
+        **more,
+    }
+
+
+def test_a_restarted_rank_is_counted_by_what_it_ran() -> None:
+    """Rank 1 killed at step 40, restarted, resumed at step 120: it ran 40 + 180 steps, not 300."""
+    runs = {
+        0: [RankRun(0, 300, report(0))],
+        1: [RankRun(0, 40), RankRun(120, 300, report(1, first=120))],
+    }
+    s = summarize(ARGS, [report(0), report(1, first=120)], 10.0, [], runs=runs, train_seconds=4.0)
+    assert s["steps_run_per_rank"] == [300, 220]
+    assert s["ranks"][1] == {
+        "rank": 1,
+        "steps_run": 220,
+        "samples": 220 * 32,
+        "restarts": 1,
+        "resumed_at": [120],
+        "finished": True,
+        "final_loss": 0.5,
+    }
+    assert s["steps_per_second"] == pytest.approx(520 / 4.0)
+    assert s["samples_per_second"] == pytest.approx(s["steps_per_second"] * 32)  # consistent with the batch
+    out = io.StringIO()
+    print_summary(s, out)
+    text = out.getvalue()
+    assert "steps run per rank  [300, 220] (rank 1 restarted 1x, resumed at step 120)" in text
+    assert "bits per char       1.730 (held out)" in text  # charlm's promised figure
+    assert "staleness           0 (sync:" in text
+
+
+def test_a_rank_that_trained_no_step_gives_null_not_nan() -> None:
+    runs = {0: [RankRun(0, 300, report(0))], 1: [RankRun(300, 300, report(1, first=300, loss=None))]}
+    s = summarize(ARGS, [report(0), report(1, first=300, loss=None)], 10.0, [], runs=runs, train_seconds=4.0)
+    assert s["final_loss"] == 0.5 and s["ranks"][1]["steps_run"] == 0
+    json.dumps(s, allow_nan=False)  # strict JSON
+
+
+def test_staleness_unit_is_named_per_mode() -> None:
+    s = summarize(SimpleNamespace(**{**vars(ARGS), "mode": "ssp"}), [report(0), report(1)], 1.0, [])
+    out = io.StringIO()
+    print_summary(s, out)
+    assert "versions behind when applied; the bound s counts clocks" in out.getvalue()

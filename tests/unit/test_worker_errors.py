@@ -1,0 +1,53 @@
+"""ps_worker.errors: typed client errors from gRPC failures (no sockets)."""
+
+from __future__ import annotations
+
+import grpc
+
+from ps_worker.errors import RoundTimeoutError, ShardError, ShardUnreachableError
+
+
+class FakeRpcError(grpc.RpcError):
+    def __init__(self, code: grpc.StatusCode, details: str, reason: str = "") -> None:
+        self._code, self._details, self._reason = code, details, reason
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+    def trailing_metadata(self):
+        return (("ps-reason", self._reason),) if self._reason else ()
+
+
+def test_wait_timeout_becomes_round_timeout_with_ranks() -> None:
+    exc = FakeRpcError(
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        "Version 3 not reached in 2.7 s (shard 0 is at 2; round waits for ranks [1, 3]); check those workers.",
+        "WAIT_TIMEOUT",
+    )
+    err = ShardError.from_rpc("127.0.0.1:50051", exc)
+    assert isinstance(err, RoundTimeoutError) and isinstance(err, TimeoutError) and isinstance(err, grpc.RpcError)
+    assert err.ranks == [1, 3] and err.reason == "WAIT_TIMEOUT"
+    assert str(err).startswith("Shard 127.0.0.1:50051: Version 3")
+
+
+def test_client_deadline_on_a_wait_is_a_round_timeout_without_ranks() -> None:
+    exc = FakeRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+    err = ShardError.from_rpc("h:1", exc, waits=True)
+    assert isinstance(err, RoundTimeoutError) and err.ranks is None
+    assert "ps-admin status" in str(err)
+    assert type(ShardError.from_rpc("h:1", exc)) is ShardError  # not a wait: no guess
+
+
+def test_other_refusals_keep_code_and_reason_and_name_the_shard() -> None:
+    err = ShardError.from_rpc("h:1", FakeRpcError(grpc.StatusCode.ABORTED, "too stale", "STALE"))
+    assert err.code() == grpc.StatusCode.ABORTED and err.reason == "STALE" and str(err) == "h:1: ABORTED: too stale"
+    assert ShardError.from_rpc("h:2", err) is err
+
+
+def test_unreachable_names_address_and_hint() -> None:
+    err = ShardUnreachableError("127.0.0.1:9", grpc.StatusCode.UNAVAILABLE, "Connection refused", 5.0)
+    assert str(err).startswith("Shard 127.0.0.1:9 not reachable within 5 s (UNAVAILABLE: Connection refused)")
+    assert "is the shard running? check --servers" in str(err)
