@@ -63,7 +63,9 @@ def test_kill9_worker_is_evicted_in_status_and_metrics(start_cluster) -> None:
         workload = get_workload("digits")
         torch.manual_seed(0)
         model = workload.model()
-        with PSClient([shard.address], rank=0, num_workers=2, timeout=RPC_TIMEOUT) as client:
+        # the first round waits for rank 1's process to start (torch's import alone takes seconds on a
+        # loaded machine): a deadline as long as the wait for its first step below
+        with PSClient([shard.address], rank=0, num_workers=2, timeout=120) as client:
             client.init(model, {"name": "sgd", "lr": 0.1})
             opt = DistributedOptimizer(model, client)
             x = torch.zeros(4, 64)
