@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from ps_server.core.errors import InvalidRequestError
 from ps_server.core.limits import DEFAULT_MAX_PARAMETER_BYTES, Limits
 from ps_server.core.modes import MODES, ModeSettings
-from ps_server.flags import FlagParser, secret
+from ps_server.flags import FlagParser, join_timeout_flag, mode_flags, secret
 
 LOOPBACK_NAMES = {"localhost", "ip6-localhost"}
 MAX_STREAMS = 1024
@@ -179,49 +179,6 @@ class ServerConfig:
         """The long-lived streams' pool size: every admitted stream has a thread (Health/Watch needs
         none, but counts in ``max_public_streams``), plus a few that answer refusals at once."""
         return self.max_watch_streams + self.max_public_streams + STREAM_REFUSAL_THREADS
-
-
-def mode_flags(p: FlagParser) -> None:
-    """The consistency-model flags, shared by ``ps-server`` and ``ps-launch`` (which forwards them)."""
-    p.flag(
-        "--sync-quorum",
-        type=int,
-        default=0,
-        help="sync: apply a round after the first K pushes, drop late ones (0 = every live rank)",
-    )
-    p.flag(
-        "--round-timeout",
-        type=float,
-        default=0.0,
-        help="sync: seconds after which ranks missing from an open round are reported (0 = never)",
-    )
-    p.flag(
-        "--max-staleness",
-        type=int,
-        default=-1,
-        help="async: refuse gradients more than S versions old with ABORTED (-1 = no bound)",
-    )
-    p.flag(
-        "--staleness-lr",
-        default="",
-        choices=("", "inverse"),
-        help="async: 'inverse' scales the learning rate by 1/max(1, staleness)",
-    )
-    p.flag("--staleness", type=int, default=0, help="ssp: the staleness bound s in clocks")
-    p.flag("--moving-rate", type=float, default=None, help="easgd: moving rate alpha (default 0.9/num_workers)")
-    p.flag("--communication-period", type=int, default=10, help="easgd: local steps tau between exchanges")
-    p.flag("--easgd-sync", switch=True, help="easgd: apply one period's exchanges together in rank order")
-
-
-def join_timeout_flag(p: FlagParser) -> None:
-    """``--join-timeout`` (``PS_JOIN_TIMEOUT``), shared by ``ps-server`` and ``ps-launch`` (which forwards it)."""
-    p.flag(
-        "--join-timeout",
-        type=float,
-        default=300.0,
-        help="seconds after the first worker's Join that ranks which never joined are waited for; then the "
-        "rounds and reads that need them fail, naming them (0: wait forever)",
-    )
 
 
 def server_parser(environ: Mapping[str, str] | None = None) -> FlagParser:

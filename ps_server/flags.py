@@ -94,3 +94,50 @@ def secret(value: str, path: str, flag: str) -> str:
     if not token:
         raise ValueError(f"{flag}-file {path!r} is empty.")
     return token
+
+
+# Flags shared by ps-server and ps-launch (which forwards them); here, not in ps_server.config, so
+# that ps-launch's parser imports no torch.
+
+
+def mode_flags(p: FlagParser) -> None:
+    """The consistency-model flags, shared by ``ps-server`` and ``ps-launch`` (which forwards them)."""
+    p.flag(
+        "--sync-quorum",
+        type=int,
+        default=0,
+        help="sync: apply a round after the first K pushes, drop late ones (0 = every live rank)",
+    )
+    p.flag(
+        "--round-timeout",
+        type=float,
+        default=0.0,
+        help="sync: seconds after which ranks missing from an open round are reported (0 = never)",
+    )
+    p.flag(
+        "--max-staleness",
+        type=int,
+        default=-1,
+        help="async: refuse gradients more than S versions old with ABORTED (-1 = no bound)",
+    )
+    p.flag(
+        "--staleness-lr",
+        default="",
+        choices=("", "inverse"),
+        help="async: 'inverse' scales the learning rate by 1/max(1, staleness)",
+    )
+    p.flag("--staleness", type=int, default=0, help="ssp: the staleness bound s in clocks")
+    p.flag("--moving-rate", type=float, default=None, help="easgd: moving rate alpha (default 0.9/num_workers)")
+    p.flag("--communication-period", type=int, default=10, help="easgd: local steps tau between exchanges")
+    p.flag("--easgd-sync", switch=True, help="easgd: apply one period's exchanges together in rank order")
+
+
+def join_timeout_flag(p: FlagParser) -> None:
+    """``--join-timeout`` (``PS_JOIN_TIMEOUT``), shared by ``ps-server`` and ``ps-launch`` (which forwards it)."""
+    p.flag(
+        "--join-timeout",
+        type=float,
+        default=300.0,
+        help="seconds after the first worker's Join that ranks which never joined are waited for; then the "
+        "rounds and reads that need them fail, naming them (0: wait forever)",
+    )

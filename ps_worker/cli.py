@@ -198,10 +198,8 @@ def _run(parser: Any, args: Any) -> int:
             endpoint.close()
     progress.close()
     report = jsonout.finite_or_none({"workload": args.workload, "batch_size": args.batch_size, **summary.to_dict()})
-    if args.events:
+    if args.events or args.json:  # the same last line either way: what containers' logs are read for
         print(jsonout.dumps({"event": "done", **report}), flush=True)
-    elif args.json:
-        print(jsonout.dumps(report), flush=True)
     else:
         print_summary(report, sys.stdout)
     return 0

@@ -33,9 +33,8 @@ from tqdm import tqdm
 
 from ps_proto.v1 import ps_pb2, ps_pb2_grpc
 from ps_server import jsonout
-from ps_server.config import join_timeout_flag, mode_flags
 from ps_server.core.modes import MODES
-from ps_server.flags import FlagParser, secret
+from ps_server.flags import FlagParser, join_timeout_flag, mode_flags, secret
 from ps_server.process_env import GLIBC_TUNABLES, available_cpus, launch_environment
 from ps_worker.faults import Fault, parse_faults
 from ps_worker.flags import WORKLOAD_NAMES, CommandParser, training_flags

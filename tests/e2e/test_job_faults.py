@@ -115,7 +115,7 @@ def worker_on_checkpoints(checkpoints: Path, steps: int) -> dict:
             if "listening on" in line:
                 address = line.split("listening on ", 1)[1].strip()
         worker = [PY, "-m", "ps_worker.cli", "--servers", address, "--rank", "0", "--num-workers", "2"]
-        out, _ = run([*worker, "--steps", str(steps), "--metrics-port", "-1", "digits"], timeout=120)
+        out, _ = run([*worker, "--steps", str(steps), "--metrics-port", "-1", "--json", "digits"], timeout=120)
     finally:
         server.terminate()
         try:
