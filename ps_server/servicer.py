@@ -28,6 +28,7 @@ from ps_server.wire import (
     MODE_TO_NAME,
     NAME_TO_MODE,
     dtype_name,
+    hyperparameters_from_proto,
     message_size,
     optimizer_from_proto,
     optimizer_to_proto,
@@ -41,6 +42,7 @@ STATUS_CODES: tuple[tuple[type[errors.PSError], grpc.StatusCode], ...] = (
     (errors.InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
     (errors.PreconditionError, grpc.StatusCode.FAILED_PRECONDITION),
     (errors.StalePushError, grpc.StatusCode.ABORTED),
+    (errors.HyperparametersDisagreeError, grpc.StatusCode.FAILED_PRECONDITION),
     (errors.UpdateRefusedError, grpc.StatusCode.ABORTED),
     (errors.WaitTimeoutError, grpc.StatusCode.DEADLINE_EXCEEDED),
     (errors.ShuttingDownError, grpc.StatusCode.UNAVAILABLE),
@@ -256,7 +258,12 @@ def _parse(cls: type[Any], raw: bytes) -> Any:
 def push_response(r: PushResult) -> ps_pb2.PushResponse:
     """The PushResponse of a push result."""
     return ps_pb2.PushResponse(
-        version=r.version, duplicate=r.duplicate, staleness=r.staleness, dropped=r.dropped, mode=NAME_TO_MODE[r.mode]
+        version=r.version,
+        duplicate=r.duplicate,
+        staleness=r.staleness,
+        dropped=r.dropped,
+        mode=NAME_TO_MODE[r.mode],
+        skipped=r.skipped,
     )
 
 
@@ -332,7 +339,16 @@ class ParameterServicer:
         header, parts, _ = _read_frames(
             request_iterator, self.counters, "Push", ps_pb2.PushHeader, packed=False, values="gradient"
         )
-        r = self.shard.push(header.rank, header.incarnation, header.clock, header.version, header.plan_digest, parts)
+        r = self.shard.push(
+            header.rank,
+            header.incarnation,
+            header.clock,
+            header.version,
+            header.plan_digest,
+            parts,
+            hyperparameters_from_proto(header),
+            header.skip,
+        )
         return push_response(r)
 
     @_maps_stream_errors
@@ -367,6 +383,8 @@ class ParameterServicer:
             _deadline(context),
             _wire_dtype(first.ints.get(3, 0)),
             single=single,
+            hyper=hyperparameters_from_proto(header),
+            skip=header.skip,
         )
         answer = push_response(result)
         note_push(answer)

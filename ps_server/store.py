@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -11,7 +11,7 @@ import torch
 from ps_server.core.codec import torch_dtype
 from ps_server.core.errors import NonFiniteUpdateError, UpdateRefusedError
 from ps_server.core.finite import all_finite
-from ps_server.core.optimizer import OptimizerSpec
+from ps_server.core.optimizer import OptimizerSpec, check_hyperparameter_range
 from ps_server.core.plan import PartitionSlice, Plan
 
 
@@ -40,7 +40,12 @@ class ParameterStore:
         self.optimizer_spec = optimizer
         # A shard may own no partition (a model smaller than one partition per shard); torch.optim
         # refuses an empty parameter list, so the spec is then checked on a stand-in tensor.
-        self.optimizer = optimizer.build(self.tensors or [torch.zeros(1)])
+        self.optimizer = (
+            optimizer.build(self.tensors, optimizer.group_of(p.key for p in self.partitions))
+            if self.tensors
+            else optimizer.build([torch.zeros(1)])
+        )
+        self._dtypes = list(dtypes.values())
         self._backup: dict[tuple[int, str], torch.Tensor] = {}
         # SGD: upper bounds of |parameter| and |momentum buffer| (see _sgd_stays_finite); None: measure
         self._bounds: tuple[float, float] | None = None
@@ -53,7 +58,38 @@ class ParameterStore:
     def num_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors)
 
-    def apply(self, grads: Sequence[torch.Tensor], lr_scale: float = 1.0) -> None:
+    def check_hyperparameters(self, groups: Sequence[Mapping[str, float]]) -> None:
+        """Refuse per-step hyperparameters (one mapping per parameter group) the optimizer cannot
+        take, or out of the parameters' dtype range, before anything is held or applied.
+
+        Raises:
+            InvalidRequestError: see :meth:`OptimizerSpec.check_hyperparameters`.
+        """
+        self.optimizer_spec.check_hyperparameters(groups, len(self.optimizer.param_groups))
+        for values in groups:
+            check_hyperparameter_range(values, self._dtypes)
+
+    def set_hyperparameters(self, groups: Sequence[Mapping[str, float]]) -> list[dict[str, Any]]:
+        """Set each parameter group's values (checked by :meth:`check_hyperparameters`); they stay
+        in force. Returns the previous values, for :meth:`restore_hyperparameters`."""
+        old = []
+        for group, values in zip(self.optimizer.param_groups, groups, strict=True):
+            old.append({k: v for k, v in group.items() if k != "params"})
+            for k, v in values.items():
+                if k in ("beta1", "beta2"):
+                    b1, b2 = group["betas"]
+                    group["betas"] = (float(v), b2) if k == "beta1" else (b1, float(v))
+                else:
+                    group[k] = float(v)
+        return old
+
+    def restore_hyperparameters(self, old: Sequence[Mapping[str, Any]]) -> None:
+        for group, values in zip(self.optimizer.param_groups, old, strict=True):
+            group.update(values)
+
+    def apply(
+        self, grads: Sequence[torch.Tensor], lr_scale: float = 1.0, hyper: Sequence[Mapping[str, float]] = ()
+    ) -> None:
         """One optimizer step with ``grads`` (one 1-D tensor per partition, plan order), all or
         nothing: a step that raises, or that leaves a parameter or an optimizer state value
         non-finite (inf, NaN), is undone and refused.
@@ -61,12 +97,24 @@ class ParameterStore:
         Args:
             grads: gradients; cast to each partition's dtype.
             lr_scale: multiplies every group's learning rate for this step only.
+            hyper: per parameter group, hyperparameters set for this step and kept after it
+                (checked by :meth:`check_hyperparameters`); () keeps the groups' own. A refused
+                step leaves the previous ones.
 
         Raises:
             NonFiniteUpdateError: the step would have made parameters or optimizer state non-finite.
-            UpdateRefusedError: the optimizer step raised. Either way the parameters and the
-                optimizer state are exactly as before.
+            UpdateRefusedError: the optimizer step raised. Either way the parameters, the
+                optimizer state and the hyperparameters are exactly as before.
         """
+        old = self.set_hyperparameters(hyper) if hyper else None
+        try:
+            self._apply(grads, lr_scale)
+        except Exception:
+            if old is not None:
+                self.restore_hyperparameters(old)
+            raise
+
+    def _apply(self, grads: Sequence[torch.Tensor], lr_scale: float) -> None:
         if not self.tensors:
             return
         bounds = self._sgd_stays_finite(grads, lr_scale) if self._plain_sgd() else None

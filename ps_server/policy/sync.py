@@ -17,6 +17,25 @@ from ps_server.core.errors import FutureRoundError, PreconditionError, StalePush
 Gradients = Sequence[torch.Tensor]
 """One 1-D tensor per partition owned by the shard, in plan order."""
 
+Hyperparameters = Sequence[Mapping[str, float]]
+"""Per parameter group, the hyperparameters a push sets for its step (empty: none)."""
+
+
+class _Skipped(tuple):  # type: ignore[type-arg]
+    """The gradients of a push that asks to skip the step (see :data:`SKIP`)."""
+
+
+SKIP: Gradients = _Skipped()
+"""Held in place of a rank's gradients when it asked to skip the round's step (AMP overflow)."""
+
+
+def agreed_hyperparameters(by_rank: Mapping[int, Hyperparameters]) -> Hyperparameters | None:
+    """The one set of hyperparameters every rank sent, or None when they differ."""
+    distinct = {tuple(tuple(sorted(g.items())) for g in h) for h in by_rank.values()}
+    if len(distinct) > 1:
+        return None
+    return next(iter(by_rank.values()), ())
+
 
 def aggregate(grads_by_rank: Mapping[int, Gradients]) -> list[torch.Tensor]:
     """Mean of the ranks' gradients, summed in ascending rank order.
@@ -57,9 +76,12 @@ class SyncRounds:
     def __init__(self, round: int = 0) -> None:
         self.round = round
         self.pending: dict[int, Gradients] = {}
+        self.hyper: dict[int, Hyperparameters] = {}
+        self.taken_hyper: dict[int, Hyperparameters] = {}
+        """The hyperparameters of the round :meth:`take_if_complete` last closed, by rank."""
 
-    def add(self, rank: int, clock: int, grads: Gradients) -> None:
-        """Hold ``rank``'s gradients for the round ``clock``.
+    def add(self, rank: int, clock: int, grads: Gradients, hyper: Hyperparameters = ()) -> None:
+        """Hold ``rank``'s gradients (or :data:`SKIP`) and hyperparameters for the round ``clock``.
 
         Raises:
             StalePushError: ``clock`` is an already closed round.
@@ -80,6 +102,7 @@ class SyncRounds:
                 f"Rank {rank} already pushed round {clock} under another incarnation; wait for the next round."
             )
         self.pending[rank] = grads
+        self.hyper[rank] = hyper
 
     def close_if_complete(self, expected: Iterable[int], quorum: int = 0) -> list[torch.Tensor] | None:
         """Close the round when every expected rank has pushed, or ``quorum`` pushes arrived.
@@ -105,6 +128,7 @@ class SyncRounds:
         if not (0 < quorum <= len(self.pending)) and not set(expected) <= self.pending.keys():
             return None
         held, self.pending = self.pending, {}
+        self.taken_hyper, self.hyper = self.hyper, {}
         self.round += 1
         return held
 
