@@ -171,6 +171,11 @@ class PSClient:
         self._single_response: list[bool] = []
         self.refused_pushes = 0
         self.dropped_pushes = 0
+        # sent with every push (DistributedOptimizer sets them): per parameter group, the
+        # hyperparameters of the step (an lr scheduler's values); skip: AMP found inf, skip the step
+        self.step_hyperparameters: list[dict[str, float]] = []
+        self.step_skip = False
+        self.last_step_skipped = False  # the step of the last push_pull was skipped (any rank's skip)
         self._host: dict[str, torch.Tensor] = {}
         self._heartbeat_stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
@@ -286,7 +291,9 @@ class PSClient:
         Args:
             model: its ``named_parameters()`` define the plan (float32/float16/bfloat16/float64).
             optimizer: ``{"name": "sgd", "lr": 0.1, ...}`` (see ``ps_server.core.optimizer``);
-                used by rank 0 only. Default ``{"name": "sgd", "lr": 0.1}``.
+                used by rank 0 only. Default ``{"name": "sgd", "lr": 0.1}``. Parameter groups:
+                ``"groups": [{"params": ["fc.bias", ...], "weight_decay": 0.0}, ...]`` (parameter
+                names; a parameter in no group joins the first).
             init_timeout: seconds ranks other than 0 wait for rank 0's Init.
 
         Raises:
@@ -295,8 +302,15 @@ class PSClient:
             TimeoutError: rank 0 did not initialize the shards in time.
         """
         spec = dict(optimizer or {"name": "sgd", "lr": 0.1})
-        opt = OptimizerSpec(str(spec.pop("name")), {k: float(v) for k, v in spec.items()})
+        groups = tuple(
+            (tuple(str(key) for key in g["params"]), {k: float(v) for k, v in g.items() if k != "params"})
+            for g in spec.pop("groups", ())
+        )
+        opt = OptimizerSpec(str(spec.pop("name")), {k: float(v) for k, v in spec.items()}, groups)
         named = list(model.named_parameters())
+        unknown = sorted({k for keys, _ in groups for k in keys} - {k for k, _ in named})
+        if unknown:
+            raise ValueError(f"Optimizer groups name {unknown[:4]}, which are not parameters of the model.")
         self.plan = make_plan(model_specs(named), self.num_shards, self.partition_bytes)
         self._owned_lengths = [
             {(p.key, p.offset): p.length for p in self.plan.owned_by(k)} for k in range(self.num_shards)
@@ -459,6 +473,8 @@ class PSClient:
             clock=self.versions[k] if self.mode == "sync" else self.clock,
             version=self.versions[k],
             plan_digest=self._require_plan().digest,
+            groups=[ps_pb2.GroupHyperparameters(values=h) for h in self.step_hyperparameters],
+            skip=self.step_skip,
         )
 
     def _pull_targets(self, out: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -522,6 +538,7 @@ class PSClient:
     def _account_push(self, replies: Sequence[ps_pb2.PushResponse]) -> None:
         """Clock, dropped and staleness counters, and a live mode switch, after a push."""
         self.clock += 1
+        self.last_step_skipped = any(r.skipped for r in replies)
         first = replies[0]
         if first.dropped:
             self.dropped_pushes += 1
@@ -844,6 +861,15 @@ class PendingPushPull:
                 self._out_locked(k, i)
             self._ready.add(key)
             self._build_ready(key)
+
+    def cancel(self) -> None:
+        """Abandon this push: cancel the calls started during backward (a shard applies nothing of
+        a cancelled call); nothing was accounted and the clock stays."""
+        for call in self.started.values():
+            call.cancel()
+        self.started.clear()
+        for stream in self._streams.values():
+            stream.finish()
 
     def _attempt(self, k: int, started: Any | None) -> tuple[ps_pb2.PushResponse, int, int, int]:
         c = self.client
