@@ -293,7 +293,7 @@ class PSClient:
             optimizer: ``{"name": "sgd", "lr": 0.1, ...}`` (see ``ps_server.core.optimizer``);
                 used by rank 0 only. Default ``{"name": "sgd", "lr": 0.1}``. Parameter groups:
                 ``"groups": [{"params": ["fc.bias", ...], "weight_decay": 0.0}, ...]`` (parameter
-                names; a parameter in no group joins the first).
+                names), groups 1, 2...; group 0 holds the parameters in none, with the top-level arguments.
             init_timeout: seconds ranks other than 0 wait for rank 0's Init.
 
         Raises:
@@ -865,11 +865,11 @@ class PendingPushPull:
     def cancel(self) -> None:
         """Abandon this push: cancel the calls started during backward (a shard applies nothing of
         a cancelled call); nothing was accounted and the clock stays."""
+        for stream in self._streams.values():
+            stream.abort()
         for call in self.started.values():
             call.cancel()
         self.started.clear()
-        for stream in self._streams.values():
-            stream.finish()
 
     def _attempt(self, k: int, started: Any | None) -> tuple[ps_pb2.PushResponse, int, int, int]:
         c = self.client
@@ -901,6 +901,8 @@ class PendingPushPull:
             if s.key not in self._grads:
                 self.ready(s.key, torch.zeros(math.prod(s.shape), dtype=torch_dtype(s.dtype)))
         c._last_push = [[self._out(k, i) for i in range(len(c._owned[k]))] for k in range(c.num_shards)]
+        for stream in self._streams.values():  # every frame is built: the streams may end
+            stream.finish()
 
         def one(k: int) -> tuple[ps_pb2.PushResponse, int, int, int]:
             started = self.started.pop(k, None)
@@ -958,6 +960,7 @@ class _Stream:
         self.unbuilt = groups
         self.built: list[bytes] = []
         self.finished = False
+        self.aborted = False
         self.timeout = timeout
 
     def add(self, group: list[int], frame: bytes) -> None:
@@ -971,11 +974,21 @@ class _Stream:
             self.finished = True
             self.cond.notify_all()
 
+    def abort(self) -> None:
+        """Fail the stream instead of ending it: the shard sees a cancelled call, never a push."""
+        with self.cond:
+            self.aborted = True
+            self.cond.notify_all()
+
     def messages(self) -> Iterator[bytes]:
+        # The stream ends only at finish() (the step), even when every frame went out during
+        # backward: until then the push can still be abandoned (abort) and the shard applies nothing.
         while True:
             with self.cond:
-                self.cond.wait_for(lambda: self.built or not self.unbuilt or self.finished, timeout=self.timeout)
+                self.cond.wait_for(lambda: self.built or self.finished or self.aborted, timeout=self.timeout)
+                if self.aborted:
+                    raise RuntimeError("push abandoned before step()")
                 if not self.built:
-                    return  # all sent; or finish() never came, or gave up: end the stream (the call fails)
+                    return  # finished; or finish() never came in time: end the stream (the call fails)
                 m = self.built.pop(0)
             yield m

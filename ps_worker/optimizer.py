@@ -26,7 +26,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
       (Zhang, Choromanska, LeCun 2015, Algorithm 1).
 
     As a torch optimizer: ``param_groups`` mirror the server optimizer's groups (the Init spec's
-    ``groups``, else one group of every parameter) with its numeric hyperparameters (``lr``,
+    ``groups`` after group 0 of the parameters in none) with its numeric hyperparameters (``lr``,
     ``momentum``, ``weight_decay``...); every push carries each group's current values, so an
     ``torch.optim.lr_scheduler`` stepping this optimizer drives the shards: sync applies a round
     with the values its ranks sent (they must agree, or the round is refused with
@@ -98,14 +98,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._names = sorted(spec.hyperparameter_names) if spec is not None else ["lr"]
         base = dict(spec.kwargs) if spec is not None else {"lr": float(client.config.learning_rate)}
         defaults = {k: float(v) for k, v in base.items() if k in self._names}
-        groups = spec.groups if spec is not None else ()
-        index = {key: g for g, key in zip(spec.group_of(self.params), self.params, strict=True)} if spec else {}
-        members: list[list[torch.Tensor]] = [[] for _ in range(max(1, len(groups)))]
-        for key, p in self.params.items():
-            members[index.get(key, 0)].append(p)
+        overrides = [{}, *(kwargs for _, kwargs in spec.groups)] if spec is not None else [{}]
+        index = spec.group_of(self.params) if spec is not None else [0] * len(self.params)
+        members: list[list[torch.Tensor]] = [[] for _ in overrides]
+        for g, p in zip(index, self.params.values(), strict=True):
+            members[g].append(p)
         param_groups = [
-            {"params": ps, **({k: float(v) for k, v in groups[i][1].items() if k in self._names} if groups else {})}
-            for i, ps in enumerate(members)
+            {"params": ps, **{k: float(v) for k, v in kw.items() if k in self._names}}
+            for ps, kw in zip(members, overrides, strict=True)
         ]
         super().__init__(param_groups, defaults)
         for key, p in self.params.items():  # the hooks stay; they count passes and, with overlap, push

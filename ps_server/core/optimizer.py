@@ -68,7 +68,8 @@ class OptimizerSpec:
     name: str
     kwargs: Mapping[str, float] = field(default_factory=dict)
     groups: tuple[tuple[tuple[str, ...], Mapping[str, float]], ...] = ()
-    """Parameter groups: (parameter keys, kwargs overriding ``kwargs``); () is one group of all."""
+    """Parameter groups 1, 2...: (parameter keys, kwargs overriding ``kwargs``); group 0 holds the
+    parameters listed in none, with ``kwargs`` (as torch.optim's param_groups: [rest, *groups])."""
 
     def __post_init__(self) -> None:
         if self.name not in OPTIMIZERS:
@@ -139,9 +140,13 @@ class OptimizerSpec:
         for kwargs in [self.kwargs, *({**self.kwargs, **g} for _, g in self.groups)]:
             check_hyperparameter_range(kwargs, dtypes)
 
+    @property
+    def num_groups(self) -> int:
+        return 1 + len(self.groups)
+
     def group_of(self, keys: Iterable[str]) -> list[int]:
         """The group index of each parameter key (a key in no group: group 0)."""
-        index = {k: i for i, (group_keys, _) in enumerate(self.groups) for k in group_keys}
+        index = {k: i + 1 for i, (group_keys, _) in enumerate(self.groups) for k in group_keys}
         return [index.get(k, 0) for k in keys]
 
     def build(self, params: Iterable[torch.Tensor], groups: Sequence[int] | None = None) -> torch.optim.Optimizer:
@@ -152,13 +157,11 @@ class OptimizerSpec:
         """
         params = list(params)
         groups = list(groups) if groups is not None else [0] * len(params)
-        members: list[list[torch.Tensor]] = [[] for _ in range(max(1, len(self.groups)))]
+        members: list[list[torch.Tensor]] = [[] for _ in range(self.num_groups)]
         for p, g in zip(params, groups, strict=True):
             members[g].append(p)
-        param_groups = [
-            {"params": ps, **self._torch_kwargs(self.groups[i][1] if self.groups else {})}
-            for i, ps in enumerate(members)
-        ]
+        overrides = [{}, *(kwargs for _, kwargs in self.groups)]
+        param_groups = [{"params": ps, **self._torch_kwargs(kw)} for ps, kw in zip(members, overrides, strict=True)]
         try:
             return OPTIMIZERS[self.name](param_groups, **self._torch_kwargs(self.kwargs))  # type: ignore[arg-type]
         except ValueError as exc:  # torch's own range checks, e.g. beta >= 1
