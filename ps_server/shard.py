@@ -42,7 +42,7 @@ from ps_server.core.plan import ParameterSpec, Plan, make_plan
 from ps_server.frames import response_frames
 from ps_server.membership import Member, Membership, MemberView, PushResult, WorkerState
 from ps_server.policy import asynchronous, easgd, ssp
-from ps_server.policy.sync import SKIP, Hyperparameters, SyncRounds, aggregate, agreed_hyperparameters
+from ps_server.policy.sync import Hyperparameters, SyncRounds, aggregate, agreed_hyperparameters
 from ps_server.store import ParameterStore
 
 log = logging.getLogger(__name__)
@@ -369,7 +369,7 @@ class Shard:
             if seen is not None:
                 return PushResult(seen.version, seen.staleness, True, seen.dropped, self.mode)
             self._check_replay(member, incarnation, clock)
-            result = self._accept(member, incarnation, clock, grad_version, SKIP if skip else grads, hyper)
+            result = self._accept(member, incarnation, clock, grad_version, grads, hyper, skip)
             self._advance()
             refusal = self.refusals.pop(rank, None) if result.mode == "sync" and not result.dropped else None
             if refusal is not None:  # this push completed its round, and the round was refused
@@ -415,8 +415,10 @@ class Shard:
         grad_version: int,
         grads: Sequence[torch.Tensor],
         hyper: Hyperparameters = (),
+        skip: bool = False,
     ) -> PushResult:
-        """Apply or hold one push under the lock, per mode, and account it.
+        """Apply or hold one push under the lock, per mode, and account it. Rank 0's pushes carry
+        the buffer values (async, ssp: assigned with its step, even a skipped one).
 
         Raises:
             UpdateRefusedError: async, ssp: the step was refused; nothing changed.
@@ -437,7 +439,7 @@ class Shard:
                 )
                 result = PushResult(self.version, staleness=self.rounds.round - clock, dropped=True, mode=mode)
             else:
-                self.rounds.add(member.rank, clock, grads, hyper)
+                self.rounds.add(member.rank, clock, grads, hyper, skip)
                 self.refusals.pop(member.rank, None)  # it moved on from a refused round
                 if self.round_opened is None:
                     self.round_opened, self.round_reported = self._now(), False
@@ -445,7 +447,10 @@ class Shard:
             self._record(member, incarnation, clock, result)
             return result
         tau = asynchronous.staleness(self.version, grad_version)
-        if grads is SKIP:  # the rank skipped its step: counted, nothing applied, the version stays
+        buffers = grads if member.rank == 0 and self.store.buffer_index else None
+        if skip:  # the rank skipped its step: counted, nothing applied, the version stays
+            if buffers is not None:
+                self.store.assign_buffers(buffers)
             result = PushResult(self.version, staleness=tau, mode=mode, skipped=True)
             self._record(member, incarnation, clock, result)
             self.membership.applied(member, incarnation, clock)
@@ -457,9 +462,10 @@ class Shard:
                 except StalePushError:
                     self.rejected["stale"] += 1
                     raise
-                self.store.apply(grads, lr_scale=asynchronous.lr_scale(tau, self.settings.staleness_lr), hyper=hyper)
+                scale = asynchronous.lr_scale(tau, self.settings.staleness_lr)
+                self.store.apply(grads, lr_scale=scale, hyper=hyper, buffers=buffers)
             else:  # ssp: apply at once; reads are bounded instead
-                self.store.apply(grads, hyper=hyper)
+                self.store.apply(grads, hyper=hyper, buffers=buffers)
         except UpdateRefusedError as exc:
             raise self._refusal(exc, f"the push of rank {member.rank} clock {clock}", 1) from exc
         self.staleness_counts[tau] += 1
@@ -505,6 +511,7 @@ class Shard:
                     "name": self.store.optimizer_spec.name,
                     "kwargs": dict(self.store.optimizer_spec.kwargs),
                     "groups": [[list(keys), dict(kw)] for keys, kw in self.store.optimizer_spec.groups],
+                    "buffers": list(self.store.optimizer_spec.buffers),
                 },
                 "optimizer_state": copy.deepcopy(self.store.optimizer.state_dict()),
                 "version": self.version,
@@ -540,6 +547,7 @@ class Shard:
                 state["optimizer"]["name"],
                 state["optimizer"]["kwargs"],
                 tuple((tuple(keys), dict(kw)) for keys, kw in state["optimizer"].get("groups", [])),
+                tuple(state["optimizer"].get("buffers", [])),
             ),
         )
         store.optimizer.load_state_dict(state["optimizer_state"])
@@ -587,7 +595,8 @@ class Shard:
 
     def _close_round(self, held: dict[int, Any]) -> None:
         """Apply the complete sync round ``held`` with the hyperparameters its ranks agree on, skip
-        its step when a rank asked to, or refuse it as a whole. Caller holds the lock."""
+        its step when a rank asked to, or refuse it as a whole; either way but the last, the buffer
+        partitions take the values of the round's lowest rank (rank 0). Caller holds the lock."""
         assert self.store is not None
         hyper = agreed_hyperparameters(self.rounds.taken_hyper)
         if hyper is None:
@@ -600,8 +609,11 @@ class Shard:
                 ),
             )
             return
-        if any(g is SKIP for g in held.values()):
-            skippers = sorted(r for r, g in held.items() if g is SKIP)
+        lowest = held[min(held)] if self.store.buffer_index else None
+        if self.rounds.taken_skips:
+            skippers = sorted(self.rounds.taken_skips)
+            if lowest is not None:
+                self.store.assign_buffers(lowest)
             log.info(
                 "shard %d: round %d skipped (ranks %s asked to)", self.shard_index, self.rounds.round - 1, skippers
             )
@@ -611,7 +623,7 @@ class Shard:
             self._set_version(self.rounds.round)
             return
         try:
-            self.store.apply(aggregate(held), hyper=hyper)
+            self.store.apply(aggregate(held), hyper=hyper, buffers=lowest)
         except UpdateRefusedError as exc:
             self._refuse_round(held, exc)
         else:

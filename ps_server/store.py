@@ -40,9 +40,13 @@ class ParameterStore:
         self.optimizer_spec = optimizer
         # A shard may own no partition (a model smaller than one partition per shard); torch.optim
         # refuses an empty parameter list, so the spec is then checked on a stand-in tensor.
+        buffers = set(optimizer.buffers)
+        self.buffer_index = [i for i, p in enumerate(self.partitions) if p.key in buffers]
+        self.trained_index = [i for i, p in enumerate(self.partitions) if p.key not in buffers]
+        self.trained = [self.tensors[i] for i in self.trained_index]  # what the optimizer steps
         self.optimizer = (
-            optimizer.build(self.tensors, optimizer.group_of(p.key for p in self.partitions))
-            if self.tensors
+            optimizer.build(self.trained, optimizer.group_of(self.partitions[i].key for i in self.trained_index))
+            if self.trained
             else optimizer.build([torch.zeros(1)])
         )
         self._dtypes = list(dtypes.values())
@@ -87,8 +91,18 @@ class ParameterStore:
         for group, values in zip(self.optimizer.param_groups, old, strict=True):
             group.update(values)
 
+    def assign_buffers(self, values: Sequence[torch.Tensor]) -> None:
+        """Set the buffer partitions to ``values`` (one tensor per owned partition, plan order; the
+        others are ignored). Cannot fail: the values were checked as they arrived."""
+        for i in self.buffer_index:
+            self.tensors[i].copy_(values[i])
+
     def apply(
-        self, grads: Sequence[torch.Tensor], lr_scale: float = 1.0, hyper: Sequence[Mapping[str, float]] = ()
+        self,
+        grads: Sequence[torch.Tensor],
+        lr_scale: float = 1.0,
+        hyper: Sequence[Mapping[str, float]] = (),
+        buffers: Sequence[torch.Tensor] | None = None,
     ) -> None:
         """One optimizer step with ``grads`` (one 1-D tensor per partition, plan order), all or
         nothing: a step that raises, or that leaves a parameter or an optimizer state value
@@ -100,6 +114,8 @@ class ParameterStore:
             hyper: per parameter group, hyperparameters set for this step and kept after it
                 (checked by :meth:`check_hyperparameters`); () keeps the groups' own. A refused
                 step leaves the previous ones.
+            buffers: one tensor per partition; after a successful step the buffer partitions
+                take these values (the others are ignored). None: buffers stay.
 
         Raises:
             NonFiniteUpdateError: the step would have made parameters or optimizer state non-finite.
@@ -108,20 +124,22 @@ class ParameterStore:
         """
         old = self.set_hyperparameters(hyper) if hyper else None
         try:
-            self._apply(grads, lr_scale)
+            self._apply([grads[i] for i in self.trained_index] if self.buffer_index else grads, lr_scale)
         except Exception:
             if old is not None:
                 self.restore_hyperparameters(old)
             raise
+        if buffers is not None:
+            self.assign_buffers(buffers)
 
     def _apply(self, grads: Sequence[torch.Tensor], lr_scale: float) -> None:
-        if not self.tensors:
+        if not self.trained:
             return
         bounds = self._sgd_stays_finite(grads, lr_scale) if self._plain_sgd() else None
         saved = self._save() if bounds is None else []
         lrs = [group["lr"] for group in self.optimizer.param_groups]
         try:
-            for t, g in zip(self.tensors, grads, strict=True):
+            for t, g in zip(self.trained, grads, strict=True):
                 t.grad = g.to(t.dtype)
             for group in self.optimizer.param_groups:
                 group["lr"] = group["lr"] * lr_scale
@@ -136,12 +154,12 @@ class ParameterStore:
         finally:
             for group, lr in zip(self.optimizer.param_groups, lrs, strict=True):
                 group["lr"] = lr
-            for t in self.tensors:
+            for t in self.trained:
                 t.grad = None
         if bounds is not None:
             self._bounds = bounds
             return
-        if not (all_finite(self.tensors) and all_finite(self._state_tensors())):
+        if not (all_finite(self.trained) and all_finite(self._state_tensors())):
             self._restore(saved)
             raise NonFiniteUpdateError(
                 "The update would make parameters or optimizer state non-finite (inf or NaN); it was refused and "
@@ -172,17 +190,17 @@ class ParameterStore:
             (P', B') for the step's result, or None: a non-finite gradient, or bounds too close
             to the dtype's range (the step is then copied and checked).
         """
-        limit = min(torch.finfo(t.dtype).max for t in self.tensors) / 4
+        limit = min(torch.finfo(t.dtype).max for t in self.trained) / 4
         g_max = _max_abs(grads)
         if self._bounds is None:
-            self._bounds = (_max_abs(self.tensors), _max_abs(self._state_tensors()))
+            self._bounds = (_max_abs(self.trained), _max_abs(self._state_tensors()))
         p_max, b_max = self._bounds
         group = self.optimizer.param_groups[0]
         lr, wd, momentum = group["lr"] * lr_scale, group["weight_decay"], group["momentum"]
         grad = g_max + wd * p_max
         buf = 0.0
         if momentum != 0:
-            started = all("momentum_buffer" in self.optimizer.state.get(t, {}) for t in self.tensors)
+            started = all("momentum_buffer" in self.optimizer.state.get(t, {}) for t in self.trained)
             buf = momentum * b_max + abs(1 - group["dampening"]) * grad if started else grad
             update = grad + momentum * buf if group["nesterov"] else buf
         else:
@@ -194,7 +212,7 @@ class ParameterStore:
         return (new_p, buf) if bounded else None
 
     def _state_tensors(self) -> Iterable[torch.Tensor]:
-        for t in self.tensors:
+        for t in self.trained:
             for v in self.optimizer.state.get(t, {}).values():
                 if isinstance(v, torch.Tensor):
                     yield v
@@ -203,7 +221,7 @@ class ParameterStore:
         """Copy the parameters and optimizer state into buffers kept from step to step (no
         allocation on the hot path); returns what :meth:`_restore` needs besides them."""
         saved: list[dict[str, Any] | None] = []
-        for i, t in enumerate(self.tensors):
+        for i, t in enumerate(self.trained):
             self._copy((i, ""), t)
             state = self.optimizer.state.get(t)
             saved.append(
@@ -222,7 +240,7 @@ class ParameterStore:
     def _restore(self, saved: list[dict[str, Any] | None]) -> None:
         """Put back what :meth:`_save` copied: parameters, and optimizer state (state a first step
         created is removed again)."""
-        for i, t in enumerate(self.tensors):
+        for i, t in enumerate(self.trained):
             t.copy_(self._backup[(i, "")])
             entry = saved[i]
             if entry is None:

@@ -284,6 +284,7 @@ class PSClient:
         optimizer: Mapping[str, Any] | None = None,
         *,
         init_timeout: float = 120.0,
+        buffers: bool = True,
     ) -> None:
         """Join every shard; rank 0 writes the initial values and optimizer spec, every rank then
         pulls them into ``model`` so all ranks start from identical weights.
@@ -295,6 +296,11 @@ class PSClient:
                 ``"groups": [{"params": ["fc.bias", ...], "weight_decay": 0.0}, ...]`` (parameter
                 names), groups 1, 2...; group 0 holds the parameters in none, with the top-level arguments.
             init_timeout: seconds ranks other than 0 wait for rank 0's Init.
+            buffers: the model's buffers (BatchNorm running statistics) join the plan, after the
+                parameters, as untrained entries the shards set to rank 0's values each step
+                (integer buffers travel as float64); :class:`DistributedOptimizer` loads them
+                before each forward (DDP's ``broadcast_buffers``). Pushes and pulls then include
+                them. False: parameters only.
 
         Raises:
             InvalidRequestError: a bad optimizer spec or unsupported parameter dtype.
@@ -306,12 +312,19 @@ class PSClient:
             (tuple(str(key) for key in g["params"]), {k: float(v) for k, v in g.items() if k != "params"})
             for g in spec.pop("groups", ())
         )
-        opt = OptimizerSpec(str(spec.pop("name")), {k: float(v) for k, v in spec.items()}, groups)
         named = list(model.named_parameters())
+        if buffers:
+            named += [(k, b) for k, b in model.named_buffers() if b is not None]
+        buffer_keys = tuple(k for k, _ in named[len(list(model.parameters())) :])
+        opt = OptimizerSpec(str(spec.pop("name")), {k: float(v) for k, v in spec.items()}, groups, buffer_keys)
         unknown = sorted({k for keys, _ in groups for k in keys} - {k for k, _ in named})
         if unknown:
             raise ValueError(f"Optimizer groups name {unknown[:4]}, which are not parameters of the model.")
-        self.plan = make_plan(model_specs(named), self.num_shards, self.partition_bytes)
+        self.plan = make_plan(
+            model_specs([(k, t if t.is_floating_point() else t.to(torch.float64)) for k, t in named]),
+            self.num_shards,
+            self.partition_bytes,
+        )
         self._owned_lengths = [
             {(p.key, p.offset): p.length for p in self.plan.owned_by(k)} for k in range(self.num_shards)
         ]
@@ -335,14 +348,17 @@ class PSClient:
             self._each_shard(lambda k: self._init_shard(k, self._params, opt))
         else:
             self._wait_initialized(dict(enumerate(replies)), init_timeout)
-        params = {k: p.data for k, p in named}
+        params = {k: p.data if p.is_floating_point() else torch.empty(p.shape, dtype=torch.float64) for k, p in named}
         self.pull(params, min_version=0)
+        for k, p in named:
+            if not p.is_floating_point():  # an integer buffer, pulled as float64
+                p.copy_(params[k])
         self.clock = max(self.clock, self.version) if self.mode == "sync" else self.clock
 
     def _init_shard(self, k: int, values: Mapping[str, torch.Tensor], opt: OptimizerSpec) -> None:
         """Init shard ``k`` with ``values`` (any device; copied to host memory once here)."""
         plan = self._require_plan()
-        values = {key: t.detach().to("cpu") for key, t in values.items()}
+        values = {key: t.detach().to("cpu", torch_dtype(plan.dtypes[key])) for key, t in values.items()}
         header = ps_pb2.InitHeader(
             rank=self.rank, incarnation=self.incarnation, plan=plan_to_proto(plan), optimizer=optimizer_to_proto(opt)
         )

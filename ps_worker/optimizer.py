@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from ps_server.core.codec import torch_dtype
 from ps_worker.client import PendingPushPull, PSClient
 
 log = logging.getLogger(__name__)
@@ -62,9 +63,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
         grad_scaler: the ``torch.amp.GradScaler`` stepping this optimizer, if any: a round
             skipped because of another rank's overflow then counts as an overflow for this
             rank's scaler too, so every rank's scale stays the same (DDP's behaviour).
+        broadcast_buffers: DDP's default: every step pushes this rank's buffers (BatchNorm
+            running statistics) with its gradients, the shards keep rank 0's, and every rank
+            loads them before its next forward, so at each forward every rank starts from rank
+            0's buffers (as DDP's broadcast at the start of forward; with accumulation, as DDP
+            with ``no_sync()`` on all but the last micro-batch). Needs ``client.init(model, ...,
+            buffers=True)`` (the default). False: the buffers stay each rank's own (still pushed,
+            since they are in the plan).
 
     Raises:
-        ValueError: easgd mode without a local optimizer; backward_passes_per_step < 1.
+        ValueError: easgd mode without a local optimizer; backward_passes_per_step < 1;
+            broadcast_buffers with buffers the client's plan does not carry.
     """
 
     _step_supports_amp_scaling = True
@@ -79,6 +88,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         overlap: bool = False,
         backward_passes_per_step: int = 1,
         grad_scaler: Any | None = None,
+        broadcast_buffers: bool = True,
     ) -> None:
         if client.mode == "easgd" and local_optimizer is None:
             raise ValueError("This cluster runs easgd: pass local_optimizer=torch.optim.SGD(model.parameters(), ...).")
@@ -94,6 +104,20 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.grad_scaler = grad_scaler
         self._pending: PendingPushPull | None = None
         self._passes: dict[str, int] = {}
+        plan = client._require_plan()
+        self.broadcast_buffers = broadcast_buffers
+        self.buffers = {k: b for k, b in model.named_buffers() if k in plan.dtypes}
+        missing = [k for k, b in model.named_buffers() if b is not None and k not in plan.dtypes]
+        if broadcast_buffers and missing:
+            raise ValueError(
+                f"broadcast_buffers needs the buffers in the plan, but {missing[:4]} are not: call "
+                "client.init(model, ..., buffers=True), or pass broadcast_buffers=False."
+            )
+        # pulled rank-0 buffer values, loaded into the model before its next forward
+        self._buffers_in = {k: torch.empty(b.shape, dtype=torch_dtype(plan.dtypes[k])) for k, b in self.buffers.items()}
+        self._buffers_due = False
+        if self.buffers:
+            model.register_forward_pre_hook(self._load_buffers)
         spec = client._optimizer
         self._names = sorted(spec.hyperparameter_names) if spec is not None else ["lr"]
         base = dict(spec.kwargs) if spec is not None else {"lr": float(client.config.learning_rate)}
@@ -136,6 +160,23 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self.local_optimizer is not None and extra.get("local_optimizer") is not None:
             self.local_optimizer.load_state_dict(extra["local_optimizer"])
 
+    # ------------------------------------------------------------------ buffers
+    def _load_buffers(self, module: torch.nn.Module, args: Any) -> None:
+        """Forward pre-hook: load the buffers of rank 0 the last step pulled (DDP's broadcast)."""
+        if self._buffers_due and self.broadcast_buffers:
+            with torch.no_grad():
+                for k, b in self.buffers.items():
+                    b.copy_(self._buffers_in[k])
+        self._buffers_due = False
+
+    def _out(self) -> dict[str, torch.Tensor]:
+        """Where a pull writes: the parameters themselves, and the buffers' staging tensors."""
+        return {**{k: p.data for k, p in self.params.items()}, **self._buffers_in}
+
+    def _buffer_values(self) -> dict[str, torch.Tensor]:
+        """This rank's buffers as the plan carries them (integers as float64)."""
+        return {k: b.detach().to(self._buffers_in[k].dtype) for k, b in self.buffers.items()}
+
     # ------------------------------------------------------------------ gradients
     def _grad_ready(self, key: str, param: torch.Tensor) -> None:
         """Autograd hook: ``param``'s gradient is final for this backward pass."""
@@ -147,7 +188,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self._pending is None:
             self.client.step_hyperparameters = self.hyperparameters()
             self.client.step_skip = False
-            self._pending = self.client.begin_push_pull({k: p.data for k, p in self.params.items()})
+            self._pending = self.client.begin_push_pull(self._out())
         self._pending.ready(key, param.grad)
 
     def _check_passes(self) -> None:
@@ -213,7 +254,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
             for p in self.params.values():
                 if p.grad is not None:
                     p.grad.mul_(inv.to(p.grad.device))
-        values = {k: p.data for k, p in self.params.items()}
         if self.client.mode == "easgd":
             assert self.local_optimizer is not None
             if skip:
@@ -222,20 +262,31 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self.local_steps += 1
             period = max(1, self.client.config.communication_period)
             if self.local_steps % period == 0:
-                return self.client.exchange(values)
+                values = {**{k: p.data for k, p in self.params.items()}, **self._buffer_values()}
+                version = self.client.exchange(values)  # buffers are averaged elastically too
+                with torch.no_grad():
+                    for k, b in self.buffers.items():
+                        b.copy_(values[k])
+                return version
             return self.client.version
         if self._pending is not None:  # overlap: the pushes began during backward
             pending, self._pending = self._pending, None
-            return pending.finish()
+            for k, v in self._buffer_values().items():
+                pending.ready(k, v)
+            version = pending.finish()
+            self._buffers_due = True
+            return version
         self.client.step_hyperparameters = self.hyperparameters()
         self.client.step_skip = skip
         grads = {
             k: (p.grad if p.grad is not None and not skip else torch.zeros_like(p)) for k, p in self.params.items()
         }
+        grads.update(self._buffer_values())
         try:
-            version = self.client.push_pull(grads, values)
+            version = self.client.push_pull(grads, self._out())
         finally:
             self.client.step_skip = False
+        self._buffers_due = True
         if self.client.last_step_skipped and not skip:
             self._overflow_elsewhere()
         return version

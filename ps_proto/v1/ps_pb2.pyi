@@ -73,7 +73,7 @@ class ParameterSpec(_message.Message):
     def __init__(self, key: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[Dtype, str]] = ...) -> None: ...
 
 class OptimizerSpec(_message.Message):
-    __slots__ = ("name", "kwargs", "groups")
+    __slots__ = ("name", "kwargs", "groups", "buffers")
     class KwargsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -84,10 +84,12 @@ class OptimizerSpec(_message.Message):
     NAME_FIELD_NUMBER: _ClassVar[int]
     KWARGS_FIELD_NUMBER: _ClassVar[int]
     GROUPS_FIELD_NUMBER: _ClassVar[int]
+    BUFFERS_FIELD_NUMBER: _ClassVar[int]
     name: str
     kwargs: _containers.ScalarMap[str, float]
     groups: _containers.RepeatedCompositeFieldContainer[ParamGroup]
-    def __init__(self, name: _Optional[str] = ..., kwargs: _Optional[_Mapping[str, float]] = ..., groups: _Optional[_Iterable[_Union[ParamGroup, _Mapping]]] = ...) -> None: ...
+    buffers: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., kwargs: _Optional[_Mapping[str, float]] = ..., groups: _Optional[_Iterable[_Union[ParamGroup, _Mapping]]] = ..., buffers: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ParamGroup(_message.Message):
     __slots__ = ("keys", "kwargs")

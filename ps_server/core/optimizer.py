@@ -70,6 +70,8 @@ class OptimizerSpec:
     groups: tuple[tuple[tuple[str, ...], Mapping[str, float]], ...] = ()
     """Parameter groups 1, 2...: (parameter keys, kwargs overriding ``kwargs``); group 0 holds the
     parameters listed in none, with ``kwargs`` (as torch.optim's param_groups: [rest, *groups])."""
+    buffers: tuple[str, ...] = ()
+    """Plan keys that are module buffers: not trained, set to rank 0's pushed values each step."""
 
     def __post_init__(self) -> None:
         if self.name not in OPTIMIZERS:
@@ -88,6 +90,12 @@ class OptimizerSpec:
                     f"Parameter {sorted(repeated or keys)[0]!r} is in more than one optimizer group; list each once."
                 )
             seen.update(keys)
+        trained_buffers = seen.intersection(self.buffers)
+        if trained_buffers:
+            raise InvalidRequestError(
+                f"{sorted(trained_buffers)[0]!r} is listed both as a buffer and in an optimizer group; buffers are "
+                "not trained."
+            )
 
     def _check_kwargs(self, kwargs: Mapping[str, float]) -> None:
         allowed = _KWARGS[self.name]

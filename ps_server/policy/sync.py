@@ -21,14 +21,6 @@ Hyperparameters = Sequence[Mapping[str, float]]
 """Per parameter group, the hyperparameters a push sets for its step (empty: none)."""
 
 
-class _Skipped(tuple):  # type: ignore[type-arg]
-    """The gradients of a push that asks to skip the step (see :data:`SKIP`)."""
-
-
-SKIP: Gradients = _Skipped()
-"""Held in place of a rank's gradients when it asked to skip the round's step (AMP overflow)."""
-
-
 def agreed_hyperparameters(by_rank: Mapping[int, Hyperparameters]) -> Hyperparameters | None:
     """The one set of hyperparameters every rank sent, or None when they differ."""
     distinct = {tuple(tuple(sorted(g.items())) for g in h) for h in by_rank.values()}
@@ -77,11 +69,14 @@ class SyncRounds:
         self.round = round
         self.pending: dict[int, Gradients] = {}
         self.hyper: dict[int, Hyperparameters] = {}
+        self.skips: set[int] = set()
         self.taken_hyper: dict[int, Hyperparameters] = {}
         """The hyperparameters of the round :meth:`take_if_complete` last closed, by rank."""
+        self.taken_skips: set[int] = set()
+        """The ranks of that round that asked to skip its step (AMP overflow)."""
 
-    def add(self, rank: int, clock: int, grads: Gradients, hyper: Hyperparameters = ()) -> None:
-        """Hold ``rank``'s gradients (or :data:`SKIP`) and hyperparameters for the round ``clock``.
+    def add(self, rank: int, clock: int, grads: Gradients, hyper: Hyperparameters = (), skip: bool = False) -> None:
+        """Hold ``rank``'s gradients, hyperparameters and skip request for the round ``clock``.
 
         Raises:
             StalePushError: ``clock`` is an already closed round.
@@ -103,6 +98,8 @@ class SyncRounds:
             )
         self.pending[rank] = grads
         self.hyper[rank] = hyper
+        if skip:
+            self.skips.add(rank)
 
     def close_if_complete(self, expected: Iterable[int], quorum: int = 0) -> list[torch.Tensor] | None:
         """Close the round when every expected rank has pushed, or ``quorum`` pushes arrived.
@@ -129,6 +126,7 @@ class SyncRounds:
             return None
         held, self.pending = self.pending, {}
         self.taken_hyper, self.hyper = self.hyper, {}
+        self.taken_skips, self.skips = self.skips, set()
         self.round += 1
         return held
 
