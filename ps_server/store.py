@@ -50,6 +50,8 @@ class ParameterStore:
             else optimizer.build([torch.zeros(1)])
         )
         self._dtypes = list(dtypes.values())
+        # per group, the hyperparameters pushes last set (see set_hyperparameters)
+        self._pushed: list[dict[str, float]] = [{} for _ in self.optimizer.param_groups]
         self._backup: dict[tuple[int, str], torch.Tensor] = {}
         # SGD: upper bounds of |parameter| and |momentum buffer| (see _sgd_stays_finite); None: measure
         self._bounds: tuple[float, float] | None = None
@@ -75,11 +77,17 @@ class ParameterStore:
 
     def set_hyperparameters(self, groups: Sequence[Mapping[str, float]]) -> list[dict[str, Any]]:
         """Set each parameter group's values (checked by :meth:`check_hyperparameters`); they stay
-        in force. Returns the previous values, for :meth:`restore_hyperparameters`."""
+        in force. The latest change wins: a value equal to the one pushed before leaves the group
+        as it is (an operator's UpdateConfig lr holds until a worker's schedule changes the lr).
+        Returns the previous values, for :meth:`restore_hyperparameters`."""
         old = []
-        for group, values in zip(self.optimizer.param_groups, groups, strict=True):
+        for g, (group, values) in enumerate(zip(self.optimizer.param_groups, groups, strict=True)):
             old.append({k: v for k, v in group.items() if k != "params"})
+            old[-1]["__pushed__"] = dict(self._pushed[g])
             for k, v in values.items():
+                if self._pushed[g].get(k) == v:
+                    continue
+                self._pushed[g][k] = v
                 if k in ("beta1", "beta2"):
                     b1, b2 = group["betas"]
                     group["betas"] = (float(v), b2) if k == "beta1" else (b1, float(v))
@@ -88,7 +96,9 @@ class ParameterStore:
         return old
 
     def restore_hyperparameters(self, old: Sequence[Mapping[str, Any]]) -> None:
-        for group, values in zip(self.optimizer.param_groups, old, strict=True):
+        for g, (group, values) in enumerate(zip(self.optimizer.param_groups, old, strict=True)):
+            values = dict(values)
+            self._pushed[g] = values.pop("__pushed__")
             group.update(values)
 
     def assign_buffers(self, values: Sequence[torch.Tensor]) -> None:

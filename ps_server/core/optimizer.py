@@ -124,7 +124,7 @@ class OptimizerSpec:
         if len(groups) != num_groups:
             raise InvalidRequestError(
                 f"The push carries hyperparameters for {len(groups)} parameter groups but the shard's {self.name} "
-                f"optimizer has {num_groups}; give DistributedOptimizer the same param groups as the Init spec."
+                f"optimizer has {num_groups}; every worker must pass rank 0's optimizer groups to client.init."
             )
         names = self.hyperparameter_names
         for values in groups:
