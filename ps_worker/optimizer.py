@@ -32,8 +32,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
     ``torch.optim.lr_scheduler`` stepping this optimizer drives the shards: sync applies a round
     with the values its ranks sent (they must agree, or the round is refused with
     FAILED_PRECONDITION), async and ssp apply each push with its own. The values stay in force
-    on the shards after the step (an operator's ``ps-admin set --lr`` holds until the next push
-    that carries an lr, i.e. the next step of a DistributedOptimizer). ``state_dict()`` and
+    on the shards after the step; the latest change wins (an operator's ``ps-admin set --lr``
+    holds until this optimizer's lr changes, e.g. at the scheduler's next change). ``state_dict()`` and
     ``load_state_dict()``, ``zero_grad(set_to_none=...)`` and ``step(closure)`` work as for any
     torch optimizer.
 

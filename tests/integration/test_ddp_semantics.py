@@ -358,3 +358,25 @@ def test_equivalent_to_ddp_on_gloo(start_cluster, tmp_path: Path, amp: bool) -> 
         # the local clipping ran but never cut: clipping the local gradients (grpc-ps) and clipping
         # DDP's averaged gradient agree only while neither cuts (see README, "Clipping")
         assert largest < ddp_script.MAX_NORM and ddp["largest_norm"] < ddp_script.MAX_NORM
+
+
+def test_bf16_autocast_works_unchanged(start_cluster) -> None:
+    shards = start_cluster(num_shards=2, num_workers=1)
+    steps = 4
+    x, y = data(steps * BATCH)
+
+    def run(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+        for t in range(steps):
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = F.cross_entropy(model(x[t * BATCH : (t + 1) * BATCH]), y[t * BATCH : (t + 1) * BATCH])
+            loss.backward()
+            opt.step()
+
+    model = small_model()
+    with PSClient([s.address for s in shards], rank=0, num_workers=1, timeout=RPC_TIMEOUT) as client:
+        client.init(model, {"name": "sgd", "lr": 0.1, "momentum": 0.9})
+        run(model, DistributedOptimizer(model, client))
+    reference = small_model()
+    run(reference, torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9))
+    assert_close(model, reference)
