@@ -316,6 +316,7 @@ class ParameterServicer:
             version=info.version,
             plan_digest=info.plan_digest,
             clock=info.clock,
+            optimizer=optimizer_to_proto(info.optimizer) if info.optimizer else None,
         )
 
     @_maps_errors

@@ -56,6 +56,7 @@ class JoinInfo:
     version: int
     plan_digest: str
     clock: int
+    optimizer: OptimizerSpec | None = None
 
 
 @dataclass(frozen=True)
@@ -208,6 +209,7 @@ class Shard:
                 version=self.version,
                 plan_digest=self.plan.digest if self.plan else "",
                 clock=member.clock,
+                optimizer=self.store.optimizer_spec if self.store else None,
             )
 
     def heartbeat(self, rank: int, incarnation: int) -> tuple[int, WorkerState]:
@@ -402,9 +404,13 @@ class Shard:
         """Count ``count`` refused pushes and word the refusal of ``what`` for the ranks told."""
         self.rejected[exc.reason.lower()] += count
         log.warning("shard %d: %s refused: %s", self.shard_index, what, exc)
+        advice = (
+            "push the round again once they agree"
+            if isinstance(exc, HyperparametersDisagreeError)
+            else "lower the learning rate or clip gradients, then pull and push the next gradient"
+        )
         return type(exc)(
-            f"Shard {self.shard_index} refused {what} as a whole: {exc} Version {self.version} stands; lower the "
-            "learning rate or clip gradients, then pull and push the next gradient."
+            f"Shard {self.shard_index} refused {what} as a whole: {exc} Version {self.version} stands; {advice}."
         )
 
     def _accept(

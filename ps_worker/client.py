@@ -26,7 +26,15 @@ from ps_server.channels import channel, parse_servers
 from ps_server.core.codec import dtype_name, torch_dtype, wire_dtype_allowed
 from ps_server.core.optimizer import OptimizerSpec
 from ps_server.core.plan import DEFAULT_PARTITION_BYTES, ParameterSpec, PartitionSlice, Plan, make_plan
-from ps_server.wire import MODE_TO_NAME, NAME_TO_DTYPE, message_size, optimizer_to_proto, plan_to_proto, with_partition
+from ps_server.wire import (
+    MODE_TO_NAME,
+    NAME_TO_DTYPE,
+    message_size,
+    optimizer_from_proto,
+    optimizer_to_proto,
+    plan_to_proto,
+    with_partition,
+)
 from ps_worker.compression import TopK
 from ps_worker.retry import backoff_delays, retry_call
 
@@ -390,6 +398,8 @@ class PSClient:
                 reply = self._call(
                     lambda k=k, req=req: self._stubs[k].Join(req, timeout=self.timeout, metadata=self._metadata), "Join"
                 )
+            if reply.HasField("optimizer"):  # start from rank 0's spec, as the shards do
+                self._optimizer = optimizer_from_proto(reply.optimizer)
             if reply.plan_digest != plan.digest:
                 raise RuntimeError(
                     f"Shard {self.servers[k]} holds plan {reply.plan_digest[:12]} but this model's plan is "

@@ -170,7 +170,7 @@ class JoinRequest(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., num_workers: _Optional[int] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
-    __slots__ = ("shard_index", "num_shards", "config", "initialized", "version", "plan_digest", "clock")
+    __slots__ = ("shard_index", "num_shards", "config", "initialized", "version", "plan_digest", "clock", "optimizer")
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FIELD_NUMBER: _ClassVar[int]
@@ -178,6 +178,7 @@ class JoinResponse(_message.Message):
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PLAN_DIGEST_FIELD_NUMBER: _ClassVar[int]
     CLOCK_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
     shard_index: int
     num_shards: int
     config: ClusterConfig
@@ -185,7 +186,8 @@ class JoinResponse(_message.Message):
     version: int
     plan_digest: str
     clock: int
-    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., config: _Optional[_Union[ClusterConfig, _Mapping]] = ..., initialized: _Optional[bool] = ..., version: _Optional[int] = ..., plan_digest: _Optional[str] = ..., clock: _Optional[int] = ...) -> None: ...
+    optimizer: OptimizerSpec
+    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., config: _Optional[_Union[ClusterConfig, _Mapping]] = ..., initialized: _Optional[bool] = ..., version: _Optional[int] = ..., plan_digest: _Optional[str] = ..., clock: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ...) -> None: ...
 
 class InitHeader(_message.Message):
     __slots__ = ("rank", "incarnation", "plan", "optimizer")
