@@ -350,6 +350,8 @@ class PSClient:
         self._single_response = [len(self._packing(k, sparse=False)) <= 1 for k in range(self.num_shards)]
         self._host = {}
         replies = self.join()
+        if replies[0].HasField("optimizer"):  # already initialized (e.g. restored): its spec is the truth
+            opt = optimizer_from_proto(replies[0].optimizer)
         self._params = {k: p for k, p in named}
         self._optimizer = opt
         if self.rank == 0:
