@@ -454,12 +454,14 @@ class Shard:
             return result
         tau = asynchronous.staleness(self.version, grad_version)
         buffers = grads if member.rank == 0 and self.store.buffer_index else None
-        if skip:  # the rank skipped its step: counted, nothing applied, the version stays
-            if buffers is not None:
-                self.store.assign_buffers(buffers)
-            result = PushResult(self.version, staleness=tau, mode=mode, skipped=True)
+        if skip:  # the rank skipped its step: counted, no step; only rank 0's buffers make a new version
+            version = self.version + (buffers is not None)
+            result = PushResult(version, staleness=tau, mode=mode, skipped=True)
             self._record(member, incarnation, clock, result)
             self.membership.applied(member, incarnation, clock)
+            if buffers is not None:
+                self.store.assign_buffers(buffers)
+                self._set_version(version)
             return result
         try:
             if mode == "async":

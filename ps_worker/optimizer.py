@@ -263,10 +263,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
             period = max(1, self.client.config.communication_period)
             if self.local_steps % period == 0:
                 values = {**{k: p.data for k, p in self.params.items()}, **self._buffer_values()}
-                version = self.client.exchange(values)  # buffers are averaged elastically too
+                version = self.client.exchange(values)  # float buffers are averaged elastically too
                 with torch.no_grad():
                     for k, b in self.buffers.items():
-                        b.copy_(values[k])
+                        if b.is_floating_point():  # a counter (num_batches_tracked) stays this rank's own
+                            b.copy_(values[k])
                 return version
             return self.client.version
         if self._pending is not None:  # overlap: the pushes began during backward

@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from ps_server.core.plan import DEFAULT_PARTITION_BYTES
 from ps_worker import DistributedOptimizer, PSClient
 from tests.conftest import RPC_TIMEOUT, small_model
 from tests.helpers import ddp_script
@@ -307,8 +308,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("amp", [False, True], ids=["fp32", "grad_scaler_overflow"])
-def test_equivalent_to_ddp_on_gloo(start_cluster, tmp_path: Path, amp: bool) -> None:
+@pytest.mark.parametrize(
+    "amp,overlap", [(False, False), (True, False), (False, True)], ids=["fp32", "grad_scaler_overflow", "overlap"]
+)
+def test_equivalent_to_ddp_on_gloo(start_cluster, tmp_path: Path, amp: bool, overlap: bool) -> None:
     """The same script under DistributedDataParallel (gloo, 2 CPU ranks) and grpc-ps sync (2 workers x
     2 shards): parameters and buffers equal within 1e-5 after 50 steps, on each rank."""
     port = _free_port()
@@ -330,10 +333,17 @@ def test_equivalent_to_ddp_on_gloo(start_cluster, tmp_path: Path, amp: bool) -> 
             model = models[rank]
             scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8) if amp else None
             with PSClient(
-                [s.address for s in shards], rank=rank, num_workers=ddp_script.WORLD, incarnation=1, timeout=RPC_TIMEOUT
+                [s.address for s in shards],
+                rank=rank,
+                num_workers=ddp_script.WORLD,
+                incarnation=1,
+                timeout=RPC_TIMEOUT,
+                partition_bytes=512 if overlap else DEFAULT_PARTITION_BYTES,  # overlap: several messages stream
             ) as client:
                 client.init(model, ddp_script.server_optimizer())
-                opt = DistributedOptimizer(model, client, backward_passes_per_step=ddp_script.K, grad_scaler=scaler)
+                opt = DistributedOptimizer(
+                    model, client, backward_passes_per_step=ddp_script.K, grad_scaler=scaler, overlap=overlap
+                )
                 largest = ddp_script.train(rank, model, opt, scaler)
             return model, scaler.get_scale() if scaler else None, largest
 
@@ -380,3 +390,30 @@ def test_bf16_autocast_works_unchanged(start_cluster) -> None:
     reference = small_model()
     run(reference, torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9))
     assert_close(model, reference)
+
+
+@pytest.mark.parametrize("mode", ["async", "ssp", "easgd"])
+def test_buffers_in_the_other_modes(start_cluster, mode: str) -> None:
+    """Rank 0's buffers reach the shards in async and ssp (loaded before the next forward); easgd
+    averages them elastically; training with a BatchNorm model runs in every mode."""
+    shards = start_cluster(num_shards=2, num_workers=1, mode=mode, communication_period=1)
+    model = ddp_script.cnn()
+    x, y = ddp_script.data()
+    with PSClient([s.address for s in shards], rank=0, num_workers=1, timeout=RPC_TIMEOUT) as client:
+        client.init(model, {"name": "sgd", "lr": 0.05})
+        local = torch.optim.SGD(model.parameters(), lr=0.05) if mode == "easgd" else None
+        opt = DistributedOptimizer(model, client, local_optimizer=local)
+        for t in range(3):
+            opt.zero_grad()
+            F.cross_entropy(model(x[t * BATCH : (t + 1) * BATCH]), y[t * BATCH : (t + 1) * BATCH]).backward()
+            opt.step()
+        mean = model[1].running_mean.clone()
+        tracked = model[1].num_batches_tracked.item()
+        pulled = {k: torch.empty_like(v, dtype=torch.float64) for k, v in model.state_dict().items()}
+        client.pull(pulled)
+    assert tracked == 3
+    if mode == "easgd":  # one worker, alpha 0.5 by default: between the start (0) and the worker's
+        assert 0 < pulled["1.num_batches_tracked"].item() < 3
+    else:
+        assert pulled["1.num_batches_tracked"].item() == 3
+        assert torch.allclose(pulled["1.running_mean"], mean.double())

@@ -145,3 +145,11 @@ def test_checkpoint_keeps_groups_buffers_and_scheduled_lr_and_old_checkpoints_lo
         and legacy.store.optimizer_spec.groups == ()
         and legacy.store.trained_index == [0, 1, 2]
     )
+
+
+def test_async_buffers_come_from_rank_0_only_even_when_it_skips() -> None:
+    s = shard(num_workers=2, mode="async")
+    s.push(1, 1, 0, 0, PLAN.digest, wire({"w": 0.0, "b": 0.0, "m": 9.0}))
+    assert values(s)["m"] == 0.0  # rank 1's buffers are not kept
+    s.push(0, 1, 0, 1, PLAN.digest, wire({"w": 0.0, "b": 0.0, "m": 4.0}), skip=True)
+    assert values(s)["m"] == 4.0 and s.version == 2  # a skipped push still brings rank 0's buffers (a version)
