@@ -232,7 +232,8 @@ def test_wrong_number_of_backward_passes_is_refused(start_cluster, overlap: bool
         assert opt.step() == 1
 
 
-def test_grad_scaler_overflow_on_one_rank_skips_the_round_everywhere(start_cluster) -> None:
+@pytest.mark.parametrize("unscale_first", [True, False], ids=["unscale_then_clip", "step_unscales"])
+def test_grad_scaler_overflow_on_one_rank_skips_the_round_everywhere(start_cluster, unscale_first: bool) -> None:
     shards = start_cluster(num_shards=2, num_workers=2)
     steps, overflow_step = 5, 2
     x, y = data(steps * 2 * BATCH)
@@ -254,8 +255,9 @@ def test_grad_scaler_overflow_on_one_rank_skips_the_round_everywhere(start_clust
                 if t == overflow_step and rank == 1:
                     loss = loss * float("inf")
                 scaler.scale(loss).backward()
-                scaler.unscale_(opt)
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 10.0)  # local clipping, as with DDP
+                if unscale_first:
+                    scaler.unscale_(opt)
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 10.0)  # local clipping (never cuts here)
                 scaler.step(opt)
                 scaler.update()
                 skipped.append(client.last_step_skipped)
