@@ -131,7 +131,7 @@ class OptimizerSpec:
             for k, v in values.items():
                 if k not in names:
                     raise InvalidRequestError(
-                        f"A push may set {', '.join(sorted(names))} of optimizer {self.name!r}, not {k!r}."
+                        f"A push may set {', '.join(sorted(names))} of optimizer {self.name!r}, not {k[:64]!r}."
                     )
                 if not (math.isfinite(v) and v >= 0):
                     raise InvalidRequestError(f"Hyperparameter {k}={v!r} must be a finite number >= 0.")

@@ -419,3 +419,31 @@ def test_buffers_in_the_other_modes(start_cluster, mode: str) -> None:
     else:
         assert pulled["1.num_batches_tracked"].item() == 3
         assert torch.allclose(pulled["1.running_mean"], mean.double())
+
+
+@pytest.mark.parametrize(
+    "hyper,match",
+    [
+        ([{"lr": float("nan")}], "finite number"),
+        ([{"lr": 1e39}], "beyond what float32"),
+        ([{"x" * 100_000: 0.1}], "not 'xxxx"),
+        ([{"nesterov": 1.0}], "not 'nesterov'"),
+        ([{"lr": 0.1}, {"lr": 0.1}], "for 2 parameter groups"),
+    ],
+    ids=["nan", "out_of_range", "huge_key", "flag", "group_count"],
+)
+def test_bad_hyperparameters_are_refused_and_change_nothing(start_cluster, hyper, match: str) -> None:
+    (shard,) = start_cluster(num_shards=1, num_workers=1)
+    model = small_model()
+    with PSClient([shard.address], rank=0, num_workers=1, timeout=RPC_TIMEOUT) as client:
+        client.init(model, {"name": "sgd", "lr": 0.1})
+        client.step_hyperparameters = hyper
+        grads = {k: torch.ones_like(p) for k, p in model.named_parameters()}
+        with pytest.raises(grpc.RpcError) as info:
+            client.push_pull(grads, {k: p.data for k, p in model.named_parameters()})
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert match in info.value.details() and len(info.value.details()) < 1000
+        status = shard.shard.status()
+        assert status.version == 0 and status.learning_rate == 0.1
+        client.step_hyperparameters = []
+        assert client.push_pull(grads, {k: p.data for k, p in model.named_parameters()}) == 1
