@@ -72,7 +72,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             since they are in the plan).
 
     Raises:
-        ValueError: easgd mode without a local optimizer; backward_passes_per_step < 1;
+        ValueError: easgd mode without a local optimizer; backward_passes_per_step < 1; overlap
+            with a grad_scaler;
             broadcast_buffers with buffers the client's plan does not carry.
     """
 
@@ -94,6 +95,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise ValueError("This cluster runs easgd: pass local_optimizer=torch.optim.SGD(model.parameters(), ...).")
         if backward_passes_per_step < 1:
             raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}.")
+        if overlap and grad_scaler is not None:
+            raise ValueError(
+                "overlap=True pushes gradients during backward, before a GradScaler unscales them or sees an "
+                "overflow; use overlap=False with AMP."
+            )
         self.model = model
         self.client = client
         self.local_optimizer = local_optimizer

@@ -447,3 +447,19 @@ def test_bad_hyperparameters_are_refused_and_change_nothing(start_cluster, hyper
         assert status.version == 0 and status.learning_rate == 0.1
         client.step_hyperparameters = []
         assert client.push_pull(grads, {k: p.data for k, p in model.named_parameters()}) == 1
+
+
+def test_overlap_with_amp_is_refused(start_cluster) -> None:
+    (shard,) = start_cluster(num_shards=1, num_workers=1)
+    model = small_model()
+    x, y = data(BATCH)
+    with PSClient([shard.address], rank=0, num_workers=1, timeout=RPC_TIMEOUT, partition_bytes=256) as client:
+        client.init(model, {"name": "sgd", "lr": 0.1})
+        scaler = torch.amp.GradScaler("cpu")
+        with pytest.raises(ValueError, match="overlap=False with AMP"):
+            DistributedOptimizer(model, client, overlap=True, grad_scaler=scaler)
+        opt = DistributedOptimizer(model, client, overlap=True)  # the scaler not passed: refused at step()
+        scaler.scale(F.cross_entropy(model(x), y)).backward()
+        with pytest.raises(RuntimeError, match="overlap=False with AMP"):
+            scaler.step(opt)
+        assert shard.shard.status().version == 0
