@@ -87,8 +87,9 @@ def test_distributed_optimizer_is_a_torch_optimizer(start_cluster) -> None:
             loss.backward()
             return loss
 
-        loss = opt.step(closure)
-        assert isinstance(loss, torch.Tensor) and loss.requires_grad is False or loss.grad_fn is not None
+        loss = opt.step(closure)  # the closure ran with gradients enabled, then the step
+        assert isinstance(loss, torch.Tensor) and loss.ndim == 0 and loss.grad_fn is not None
+        assert client.version == 1
         opt.zero_grad(set_to_none=False)
         assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
         opt.zero_grad()
