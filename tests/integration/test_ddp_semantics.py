@@ -427,7 +427,7 @@ def test_buffers_in_the_other_modes(start_cluster, mode: str) -> None:
     [
         ([{"lr": float("nan")}], "finite number"),
         ([{"lr": 1e39}], "beyond what float32"),
-        ([{"x" * 100_000: 0.1}], "not 'xxxx"),
+        ([{"x" * 10_000: 0.1}], "not 'xxxx"),  # within the request budget: the name check answers
         ([{"nesterov": 1.0}], "not 'nesterov'"),
         ([{"lr": 0.1}, {"lr": 0.1}], "for 2 parameter groups"),
     ],
