@@ -39,6 +39,8 @@ class PushResult:
     duplicate: bool = False
     dropped: bool = False
     mode: str = "sync"
+    skipped: bool = False
+    """The optimizer step this push joined was skipped (AMP overflow on some rank)."""
 
 
 @dataclass

@@ -32,6 +32,7 @@ from ps_server.wire import (
     NAME_TO_MODE,
     SpecList,
     dtype_name,
+    hyperparameters_from_proto,
     optimizer_from_proto,
     optimizer_to_proto,
 )
@@ -42,6 +43,7 @@ STATUS_CODES: tuple[tuple[type[errors.PSError], grpc.StatusCode], ...] = (
     (errors.InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
     (errors.PreconditionError, grpc.StatusCode.FAILED_PRECONDITION),
     (errors.StalePushError, grpc.StatusCode.ABORTED),
+    (errors.HyperparametersDisagreeError, grpc.StatusCode.FAILED_PRECONDITION),
     (errors.UpdateRefusedError, grpc.StatusCode.ABORTED),
     (errors.WaitTimeoutError, grpc.StatusCode.DEADLINE_EXCEEDED),
     (errors.ShuttingDownError, grpc.StatusCode.UNAVAILABLE),
@@ -179,7 +181,12 @@ def _parse(cls: type[Any], raw: bytes) -> Any:
 def push_response(r: PushResult) -> ps_pb2.PushResponse:
     """The PushResponse of a push result."""
     return ps_pb2.PushResponse(
-        version=r.version, duplicate=r.duplicate, staleness=r.staleness, dropped=r.dropped, mode=NAME_TO_MODE[r.mode]
+        version=r.version,
+        duplicate=r.duplicate,
+        staleness=r.staleness,
+        dropped=r.dropped,
+        mode=NAME_TO_MODE[r.mode],
+        skipped=r.skipped,
     )
 
 
@@ -234,6 +241,7 @@ class ParameterServicer:
             version=info.version,
             plan_digest=info.plan_digest,
             clock=info.clock,
+            optimizer=optimizer_to_proto(info.optimizer) if info.optimizer else None,
         )
 
     def _count(self, nbytes: int) -> None:
@@ -273,7 +281,16 @@ class ParameterServicer:
     def Push(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> ps_pb2.PushResponse:
         req = self._read(request_iterator, "Push", ps_pb2.PushHeader, "gradient")
         h = req.header
-        r = self.shard.push(h.rank, h.incarnation, h.clock, h.version, h.plan_digest, req.parts)
+        r = self.shard.push(
+            h.rank,
+            h.incarnation,
+            h.clock,
+            h.version,
+            h.plan_digest,
+            req.parts,
+            hyperparameters_from_proto(h),
+            h.skip,
+        )
         return push_response(r)
 
     @_maps_stream_errors
@@ -306,6 +323,8 @@ class ParameterServicer:
             _deadline(context),
             _wire_dtype(first.ints.get(3, 0)),
             single=single,
+            hyper=hyperparameters_from_proto(header),
+            skip=header.skip,
         )
         answer = push_response(result)
         note_push(answer)

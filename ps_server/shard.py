@@ -8,6 +8,7 @@ decide when and how updates apply; the store applies them.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import threading
 import time
@@ -22,6 +23,7 @@ from ps_server import frames
 from ps_server.core.codec import torch_dtype, wire_dtype_allowed
 from ps_server.core.errors import (
     CheckpointError,
+    HyperparametersDisagreeError,
     InvalidRequestError,
     NotInitializedError,
     PlanMismatchError,
@@ -42,7 +44,7 @@ from ps_server.core.text import quote
 from ps_server.frames import response_frames
 from ps_server.membership import Member, Membership, MemberView, PushResult, WorkerState
 from ps_server.policy import asynchronous, easgd, ssp
-from ps_server.policy.sync import SyncRounds, aggregate
+from ps_server.policy.sync import Hyperparameters, SyncRounds, aggregate, agreed_hyperparameters
 from ps_server.store import ParameterStore
 
 log = logging.getLogger(__name__)
@@ -56,6 +58,7 @@ class JoinInfo:
     version: int
     plan_digest: str
     clock: int
+    optimizer: OptimizerSpec | None = None
 
 
 @dataclass(frozen=True)
@@ -140,6 +143,7 @@ class Shard:
         self.exchange_results: dict[int, tuple[int, list[torch.Tensor]]] = {}
         # sync round or easgd period refused as a whole: rank -> the refusal it has yet to be told
         self.refusals: dict[int, UpdateRefusedError] = {}
+        self.skipped_rounds: dict[int, None] = {}  # the last sync rounds whose step was skipped (ordered)
         self.membership = Membership(self.num_workers, lease_timeout, now, join_timeout)
         self.checkpoint_every = 0
         self.on_snapshot: Callable[[int, dict[str, Any]], None] | None = None
@@ -225,6 +229,7 @@ class Shard:
                 version=self.version,
                 plan_digest=self.plan.digest if self.plan else "",
                 clock=member.clock,
+                optimizer=self.store.optimizer_spec if self.store else None,
             )
 
     def heartbeat(self, rank: int, incarnation: int) -> tuple[int, WorkerState]:
@@ -372,12 +377,21 @@ class Shard:
         grad_version: int,
         digest: str,
         partitions: Sequence[WirePartition],
+        hyper: Hyperparameters = (),
+        skip: bool = False,
     ) -> PushResult:
         """Accept ``rank``'s gradients for ``clock``; a repeated (rank, incarnation, clock) is
         answered with the original result and applied once.
 
         sync: held for round ``clock``, applied when the round closes. async: applied at once,
         refused when too stale. ssp: applied at once. easgd: refused (workers call Exchange).
+
+        Args:
+            hyper: per parameter group, the hyperparameters (lr...) of the step this push joins;
+                they stay in force after it. sync: the round's ranks must agree, or the round is
+                refused (HyperparametersDisagreeError). () keeps the shard's own.
+            skip: skip the step (AMP overflow); the gradients are ignored. sync: the round closes
+                as usual but applies nothing; async, ssp: the push counts, the version stays.
 
         Raises:
             InvalidRequestError: bad rank or partitions. NotInitializedError, PlanMismatchError,
@@ -392,6 +406,9 @@ class Shard:
                 return PushResult(seen.version, seen.staleness, True, seen.dropped, self.mode)
             self.membership.check_live(member, incarnation)
             self._check_replay(member, incarnation, clock)
+            if hyper:
+                assert self.store is not None
+                self.store.check_hyperparameters(hyper)
         grads = match_partitions(plan, self.shard_index, partitions, "gradient")
         with self._cond:
             self.membership.check_live(member, incarnation)
@@ -399,7 +416,7 @@ class Shard:
             if seen is not None:
                 return PushResult(seen.version, seen.staleness, True, seen.dropped, self.mode)
             self._check_replay(member, incarnation, clock)
-            result = self._accept(member, incarnation, clock, grad_version, grads)
+            result = self._accept(member, incarnation, clock, grad_version, grads, hyper, skip)
             self._advance()
             refusal = self.refusals.pop(rank, None) if result.mode == "sync" and not result.dropped else None
             if refusal is not None:  # this push completed its round, and the round was refused
@@ -432,15 +449,27 @@ class Shard:
         """Count ``count`` refused pushes and word the refusal of ``what`` for the ranks told."""
         self.rejected[exc.reason.lower()] += count
         log.warning("shard %d: %s refused: %s", self.shard_index, what, exc)
+        advice = (
+            "push the round again once they agree"
+            if isinstance(exc, HyperparametersDisagreeError)
+            else "lower the learning rate or clip gradients, then pull and push the next gradient"
+        )
         return type(exc)(
-            f"Shard {self.shard_index} refused {what} as a whole: {exc} Version {self.version} stands; lower the "
-            "learning rate or clip gradients, then pull and push the next gradient."
+            f"Shard {self.shard_index} refused {what} as a whole: {exc} Version {self.version} stands; {advice}."
         )
 
     def _accept(
-        self, member: Member, incarnation: int, clock: int, grad_version: int, grads: list[torch.Tensor]
+        self,
+        member: Member,
+        incarnation: int,
+        clock: int,
+        grad_version: int,
+        grads: Sequence[torch.Tensor],
+        hyper: Hyperparameters = (),
+        skip: bool = False,
     ) -> PushResult:
-        """Apply or hold one push under the lock, per mode, and account it.
+        """Apply or hold one push under the lock, per mode, and account it. Rank 0's pushes carry
+        the buffer values (async, ssp: assigned with its step, even a skipped one).
 
         Raises:
             UpdateRefusedError: async, ssp: the step was refused; nothing changed.
@@ -461,7 +490,7 @@ class Shard:
                 )
                 result = PushResult(self.version, staleness=self.rounds.round - clock, dropped=True, mode=mode)
             else:
-                self.rounds.add(member.rank, clock, grads)
+                self.rounds.add(member.rank, clock, grads, hyper, skip)
                 self.refusals.pop(member.rank, None)  # it moved on from a refused round
                 if self.round_opened is None:
                     self.round_opened, self.round_reported = self._now(), False
@@ -469,6 +498,16 @@ class Shard:
             self._record(member, incarnation, clock, result)
             return result
         tau = asynchronous.staleness(self.version, grad_version)
+        buffers = grads if member.rank == 0 and self.store.buffer_index else None
+        if skip:  # the rank skipped its step: counted, no step; only rank 0's buffers make a new version
+            version = self.version + (buffers is not None)
+            result = PushResult(version, staleness=tau, mode=mode, skipped=True)
+            self._record(member, incarnation, clock, result)
+            self.membership.applied(member, incarnation, clock)
+            if buffers is not None:
+                self.store.assign_buffers(buffers)
+                self._set_version(version)
+            return result
         try:
             if mode == "async":
                 try:
@@ -476,9 +515,10 @@ class Shard:
                 except StalePushError:
                     self.rejected["stale"] += 1
                     raise
-                self.store.apply(grads, lr_scale=asynchronous.lr_scale(tau, self.settings.staleness_lr))
+                scale = asynchronous.lr_scale(tau, self.settings.staleness_lr)
+                self.store.apply(grads, lr_scale=scale, hyper=hyper, buffers=buffers)
             else:  # ssp: apply at once; reads are bounded instead
-                self.store.apply(grads)
+                self.store.apply(grads, hyper=hyper, buffers=buffers)
         except UpdateRefusedError as exc:
             raise self._refusal(exc, f"the push of rank {member.rank} clock {clock}", 1) from exc
         self.staleness_counts[tau] += 1
@@ -520,7 +560,12 @@ class Shard:
                     "digest": self.plan.digest,
                 },
                 "tensors": [t.detach().clone() for t in self.store.tensors],
-                "optimizer": {"name": self.store.optimizer_spec.name, "kwargs": dict(self.store.optimizer_spec.kwargs)},
+                "optimizer": {
+                    "name": self.store.optimizer_spec.name,
+                    "kwargs": dict(self.store.optimizer_spec.kwargs),
+                    "groups": [[list(keys), dict(kw)] for keys, kw in self.store.optimizer_spec.groups],
+                    "buffers": list(self.store.optimizer_spec.buffers),
+                },
                 "optimizer_state": copy.deepcopy(self.store.optimizer.state_dict()),
                 "version": self.version,
                 "mode": self.mode,
@@ -551,7 +596,12 @@ class Shard:
             plan,
             self.shard_index,
             state["tensors"],
-            OptimizerSpec(state["optimizer"]["name"], state["optimizer"]["kwargs"]),
+            OptimizerSpec(
+                state["optimizer"]["name"],
+                state["optimizer"]["kwargs"],
+                tuple((tuple(keys), dict(kw)) for keys, kw in state["optimizer"].get("groups", [])),
+                tuple(state["optimizer"].get("buffers", [])),
+            ),
         )
         store.optimizer.load_state_dict(state["optimizer_state"])
         with self._cond:
@@ -571,13 +621,7 @@ class Shard:
         if self.store is not None and self.mode == "sync":
             held = self.rounds.take_if_complete(self.membership.expected(), self.settings.quorum)
             if held is not None:
-                try:
-                    self.store.apply(aggregate(held))
-                except UpdateRefusedError as exc:
-                    self._refuse_round(held, exc)
-                else:
-                    self._set_version(self.rounds.round)
-                    log.debug("shard %d: round %d applied", self.shard_index, self.version - 1)
+                self._close_round(held)
                 self.round_opened = None
         if self.store is not None and self.mode == "easgd" and self.settings.easgd_sync:
             held = self.rounds.take_if_complete(self.membership.expected())
@@ -601,6 +645,43 @@ class Shard:
             for m in self.members:
                 m.clock = max(m.clock, self.version) if self.mode == "sync" else m.clock
         self._cond.notify_all()
+
+    def _close_round(self, held: dict[int, Any]) -> None:
+        """Apply the complete sync round ``held`` with the hyperparameters its ranks agree on, skip
+        its step when a rank asked to, or refuse it as a whole; either way but the last, the buffer
+        partitions take the values of the round's lowest rank (rank 0). Caller holds the lock."""
+        assert self.store is not None
+        hyper = agreed_hyperparameters(self.rounds.taken_hyper)
+        if hyper is None:
+            sent = "; ".join(f"rank {r}: {list(h) or 'none'}" for r, h in sorted(self.rounds.taken_hyper.items()))
+            self._refuse_round(
+                held,
+                HyperparametersDisagreeError(
+                    f"its ranks sent different hyperparameters ({sent[:400]}); every rank must step the same lr "
+                    "scheduler (same schedule, same step count) and send the same param groups."
+                ),
+            )
+            return
+        lowest = held[min(held)] if self.store.buffer_index else None
+        if self.rounds.taken_skips:
+            skippers = sorted(self.rounds.taken_skips)
+            if lowest is not None:
+                self.store.assign_buffers(lowest)
+            log.info(
+                "shard %d: round %d skipped (ranks %s asked to)", self.shard_index, self.rounds.round - 1, skippers
+            )
+            self.skipped_rounds[self.rounds.round - 1] = None
+            while len(self.skipped_rounds) > 64:
+                del self.skipped_rounds[next(iter(self.skipped_rounds))]
+            self._set_version(self.rounds.round)
+            return
+        try:
+            self.store.apply(aggregate(held), hyper=hyper, buffers=lowest)
+        except UpdateRefusedError as exc:
+            self._refuse_round(held, exc)
+        else:
+            self._set_version(self.rounds.round)
+            log.debug("shard %d: round %d applied", self.shard_index, self.version - 1)
 
     def _refuse_round(self, held: dict[int, Any], exc: UpdateRefusedError) -> None:
         """The complete round (sync) or period (easgd) ``held`` could not be applied: reopen it
@@ -765,6 +846,8 @@ class Shard:
         timeout: float | None,
         wire_dtype: str = "",
         single: bool = False,
+        hyper: Hyperparameters = (),
+        skip: bool = False,
     ) -> tuple[PushResult, int, list[bytes]]:
         """:meth:`push`, then :meth:`pull` of the version it lands in, packed (one PushPull call
         per training step instead of a Push and a Pull).
@@ -774,6 +857,7 @@ class Shard:
 
         Args:
             single: the caller takes exactly one message (PushPullOnce).
+            hyper, skip: as :meth:`push`. sync: the result says whether the round was skipped.
 
         Returns:
             (push result, version, encoded PushPullResponse messages without the push answer).
@@ -792,10 +876,13 @@ class Shard:
                     f"Shard {self.shard_index}'s partitions do not fit in one message of {plan.partition_bytes} "
                     "bytes; call PushPull (a stream) instead of PushPullOnce."
                 )
-        result = self.push(rank, incarnation, clock, grad_version, digest, partitions)
+        result = self.push(rank, incarnation, clock, grad_version, digest, partitions, hyper, skip)
         min_version = clock + 1 if result.mode == "sync" else 0
         remaining = None if timeout is None else max(0.0, timeout - (self._now() - start))
         version, frames = self.pull(rank, incarnation, min_version, digest, remaining, wire_dtype, packed=True)
+        if result.mode == "sync" and not result.dropped:
+            with self._cond:
+                result = dataclasses.replace(result, skipped=clock in self.skipped_rounds)
         return result, version, frames
 
     def _response_groups(self, plan: Plan, wire_dtype: str) -> list[list[int]]:

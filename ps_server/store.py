@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -11,7 +11,7 @@ import torch
 from ps_server.core.codec import torch_dtype
 from ps_server.core.errors import NonFiniteUpdateError, UpdateRefusedError
 from ps_server.core.finite import all_finite
-from ps_server.core.optimizer import OptimizerSpec
+from ps_server.core.optimizer import OptimizerSpec, check_hyperparameter_range
 from ps_server.core.plan import PartitionSlice, Plan
 
 
@@ -40,7 +40,18 @@ class ParameterStore:
         self.optimizer_spec = optimizer
         # A shard may own no partition (a model smaller than one partition per shard); torch.optim
         # refuses an empty parameter list, so the spec is then checked on a stand-in tensor.
-        self.optimizer = optimizer.build(self.tensors or [torch.zeros(1)])
+        buffers = set(optimizer.buffers)
+        self.buffer_index = [i for i, p in enumerate(self.partitions) if p.key in buffers]
+        self.trained_index = [i for i, p in enumerate(self.partitions) if p.key not in buffers]
+        self.trained = [self.tensors[i] for i in self.trained_index]  # what the optimizer steps
+        self.optimizer = (
+            optimizer.build(self.trained, optimizer.group_of(self.partitions[i].key for i in self.trained_index))
+            if self.trained
+            else optimizer.build([torch.zeros(1)])
+        )
+        self._dtypes = list(dtypes.values())
+        # per group, the hyperparameters pushes last set (see set_hyperparameters)
+        self._pushed: list[dict[str, float]] = [{} for _ in self.optimizer.param_groups]
         self._backup: dict[tuple[int, str], torch.Tensor] = {}
         # SGD: upper bounds of |parameter| and |momentum buffer| (see _sgd_stays_finite); None: measure
         self._bounds: tuple[float, float] | None = None
@@ -53,7 +64,56 @@ class ParameterStore:
     def num_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors)
 
-    def apply(self, grads: Sequence[torch.Tensor], lr_scale: float = 1.0) -> None:
+    def check_hyperparameters(self, groups: Sequence[Mapping[str, float]]) -> None:
+        """Refuse per-step hyperparameters (one mapping per parameter group) the optimizer cannot
+        take, or out of the parameters' dtype range, before anything is held or applied.
+
+        Raises:
+            InvalidRequestError: see :meth:`OptimizerSpec.check_hyperparameters`.
+        """
+        self.optimizer_spec.check_hyperparameters(groups, len(self.optimizer.param_groups))
+        for values in groups:
+            check_hyperparameter_range(values, self._dtypes)
+
+    def set_hyperparameters(self, groups: Sequence[Mapping[str, float]]) -> list[dict[str, Any]]:
+        """Set each parameter group's values (checked by :meth:`check_hyperparameters`); they stay
+        in force. The latest change wins: a value equal to the one pushed before leaves the group
+        as it is (an operator's UpdateConfig lr holds until a worker's schedule changes the lr).
+        Returns the previous values, for :meth:`restore_hyperparameters`."""
+        old = []
+        for g, (group, values) in enumerate(zip(self.optimizer.param_groups, groups, strict=True)):
+            old.append({k: v for k, v in group.items() if k != "params"})
+            old[-1]["__pushed__"] = dict(self._pushed[g])
+            for k, v in values.items():
+                if self._pushed[g].get(k) == v:
+                    continue
+                self._pushed[g][k] = v
+                if k in ("beta1", "beta2"):
+                    b1, b2 = group["betas"]
+                    group["betas"] = (float(v), b2) if k == "beta1" else (b1, float(v))
+                else:
+                    group[k] = float(v)
+        return old
+
+    def restore_hyperparameters(self, old: Sequence[Mapping[str, Any]]) -> None:
+        for g, (group, values) in enumerate(zip(self.optimizer.param_groups, old, strict=True)):
+            values = dict(values)
+            self._pushed[g] = values.pop("__pushed__")
+            group.update(values)
+
+    def assign_buffers(self, values: Sequence[torch.Tensor]) -> None:
+        """Set the buffer partitions to ``values`` (one tensor per owned partition, plan order; the
+        others are ignored). Cannot fail: the values were checked as they arrived."""
+        for i in self.buffer_index:
+            self.tensors[i].copy_(values[i])
+
+    def apply(
+        self,
+        grads: Sequence[torch.Tensor],
+        lr_scale: float = 1.0,
+        hyper: Sequence[Mapping[str, float]] = (),
+        buffers: Sequence[torch.Tensor] | None = None,
+    ) -> None:
         """One optimizer step with ``grads`` (one 1-D tensor per partition, plan order), all or
         nothing: a step that raises, or that leaves a parameter or an optimizer state value
         non-finite (inf, NaN), is undone and refused.
@@ -61,19 +121,35 @@ class ParameterStore:
         Args:
             grads: gradients; cast to each partition's dtype.
             lr_scale: multiplies every group's learning rate for this step only.
+            hyper: per parameter group, hyperparameters set for this step and kept after it
+                (checked by :meth:`check_hyperparameters`); () keeps the groups' own. A refused
+                step leaves the previous ones.
+            buffers: one tensor per partition; after a successful step the buffer partitions
+                take these values (the others are ignored). None: buffers stay.
 
         Raises:
             NonFiniteUpdateError: the step would have made parameters or optimizer state non-finite.
-            UpdateRefusedError: the optimizer step raised. Either way the parameters and the
-                optimizer state are exactly as before.
+            UpdateRefusedError: the optimizer step raised. Either way the parameters, the
+                optimizer state and the hyperparameters are exactly as before.
         """
-        if not self.tensors:
+        old = self.set_hyperparameters(hyper) if hyper else None
+        try:
+            self._apply([grads[i] for i in self.trained_index] if self.buffer_index else grads, lr_scale)
+        except Exception:
+            if old is not None:
+                self.restore_hyperparameters(old)
+            raise
+        if buffers is not None:
+            self.assign_buffers(buffers)
+
+    def _apply(self, grads: Sequence[torch.Tensor], lr_scale: float) -> None:
+        if not self.trained:
             return
         bounds = self._sgd_stays_finite(grads, lr_scale) if self._plain_sgd() else None
         saved = self._save() if bounds is None else []
         lrs = [group["lr"] for group in self.optimizer.param_groups]
         try:
-            for t, g in zip(self.tensors, grads, strict=True):
+            for t, g in zip(self.trained, grads, strict=True):
                 t.grad = g.to(t.dtype)
             for group in self.optimizer.param_groups:
                 group["lr"] = group["lr"] * lr_scale
@@ -88,12 +164,12 @@ class ParameterStore:
         finally:
             for group, lr in zip(self.optimizer.param_groups, lrs, strict=True):
                 group["lr"] = lr
-            for t in self.tensors:
+            for t in self.trained:
                 t.grad = None
         if bounds is not None:
             self._bounds = bounds
             return
-        if not (all_finite(self.tensors) and all_finite(self._state_tensors())):
+        if not (all_finite(self.trained) and all_finite(self._state_tensors())):
             self._restore(saved)
             raise NonFiniteUpdateError(
                 "The update would make parameters or optimizer state non-finite (inf or NaN); it was refused and "
@@ -124,17 +200,17 @@ class ParameterStore:
             (P', B') for the step's result, or None: a non-finite gradient, or bounds too close
             to the dtype's range (the step is then copied and checked).
         """
-        limit = min(torch.finfo(t.dtype).max for t in self.tensors) / 4
+        limit = min(torch.finfo(t.dtype).max for t in self.trained) / 4
         g_max = _max_abs(grads)
         if self._bounds is None:
-            self._bounds = (_max_abs(self.tensors), _max_abs(self._state_tensors()))
+            self._bounds = (_max_abs(self.trained), _max_abs(self._state_tensors()))
         p_max, b_max = self._bounds
         group = self.optimizer.param_groups[0]
         lr, wd, momentum = group["lr"] * lr_scale, group["weight_decay"], group["momentum"]
         grad = g_max + wd * p_max
         buf = 0.0
         if momentum != 0:
-            started = all("momentum_buffer" in self.optimizer.state.get(t, {}) for t in self.tensors)
+            started = all("momentum_buffer" in self.optimizer.state.get(t, {}) for t in self.trained)
             buf = momentum * b_max + abs(1 - group["dampening"]) * grad if started else grad
             update = grad + momentum * buf if group["nesterov"] else buf
         else:
@@ -146,7 +222,7 @@ class ParameterStore:
         return (new_p, buf) if bounded else None
 
     def _state_tensors(self) -> Iterable[torch.Tensor]:
-        for t in self.tensors:
+        for t in self.trained:
             for v in self.optimizer.state.get(t, {}).values():
                 if isinstance(v, torch.Tensor):
                     yield v
@@ -155,7 +231,7 @@ class ParameterStore:
         """Copy the parameters and optimizer state into buffers kept from step to step (no
         allocation on the hot path); returns what :meth:`_restore` needs besides them."""
         saved: list[dict[str, Any] | None] = []
-        for i, t in enumerate(self.tensors):
+        for i, t in enumerate(self.trained):
             self._copy((i, ""), t)
             state = self.optimizer.state.get(t)
             saved.append(
@@ -174,7 +250,7 @@ class ParameterStore:
     def _restore(self, saved: list[dict[str, Any] | None]) -> None:
         """Put back what :meth:`_save` copied: parameters, and optimizer state (state a first step
         created is removed again)."""
-        for i, t in enumerate(self.tensors):
+        for i, t in enumerate(self.trained):
             t.copy_(self._backup[(i, "")])
             entry = saved[i]
             if entry is None:

@@ -95,11 +95,18 @@ def optimizer_from_proto(msg: ps_pb2.OptimizerSpec) -> OptimizerSpec:
     Raises:
         InvalidRequestError: see :class:`OptimizerSpec`.
     """
-    return OptimizerSpec(msg.name, dict(msg.kwargs))
+    groups = tuple((tuple(g.keys), dict(g.kwargs)) for g in msg.groups)
+    return OptimizerSpec(msg.name, dict(msg.kwargs), groups, tuple(msg.buffers))
 
 
 def optimizer_to_proto(spec: OptimizerSpec) -> ps_pb2.OptimizerSpec:
-    return ps_pb2.OptimizerSpec(name=spec.name, kwargs=dict(spec.kwargs))
+    groups = [ps_pb2.ParamGroup(keys=list(keys), kwargs=dict(kwargs)) for keys, kwargs in spec.groups]
+    return ps_pb2.OptimizerSpec(name=spec.name, kwargs=dict(spec.kwargs), groups=groups, buffers=list(spec.buffers))
+
+
+def hyperparameters_from_proto(header: ps_pb2.PushHeader) -> tuple[dict[str, float], ...]:
+    """A push header's per-group hyperparameters (() when it carries none)."""
+    return tuple(dict(g.values) for g in header.groups)
 
 
 def _varint_size(n: int) -> int:

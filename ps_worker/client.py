@@ -26,7 +26,15 @@ from ps_server.channels import channel, parse_servers
 from ps_server.core.codec import dtype_name, torch_dtype, wire_dtype_allowed
 from ps_server.core.optimizer import OptimizerSpec
 from ps_server.core.plan import DEFAULT_PARTITION_BYTES, ParameterSpec, PartitionSlice, Plan, make_plan
-from ps_server.wire import MODE_TO_NAME, NAME_TO_DTYPE, message_size, optimizer_to_proto, plan_to_proto, with_partition
+from ps_server.wire import (
+    MODE_TO_NAME,
+    NAME_TO_DTYPE,
+    message_size,
+    optimizer_from_proto,
+    optimizer_to_proto,
+    plan_to_proto,
+    with_partition,
+)
 from ps_worker.compression import TopK
 from ps_worker.errors import HINT_UNREACHABLE, ShardError, ShardUnreachableError
 from ps_worker.retry import RETRYABLE, backoff_delays, retry_call
@@ -178,6 +186,11 @@ class PSClient:
         self._single_response: list[bool] = []
         self.refused_pushes = 0
         self.dropped_pushes = 0
+        # sent with every push (DistributedOptimizer sets them): per parameter group, the
+        # hyperparameters of the step (an lr scheduler's values); skip: AMP found inf, skip the step
+        self.step_hyperparameters: list[dict[str, float]] = []
+        self.step_skip = False
+        self.last_step_skipped = False  # the step of the last push_pull was skipped (any rank's skip)
         self._host: dict[str, torch.Tensor] = {}
         self._heartbeat_stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
@@ -320,6 +333,7 @@ class PSClient:
         optimizer: Mapping[str, Any] | None = None,
         *,
         init_timeout: float = 120.0,
+        buffers: bool = True,
     ) -> None:
         """Join every shard; rank 0 writes the initial values and optimizer spec, every rank then
         pulls them into ``model`` so all ranks start from identical weights.
@@ -327,8 +341,15 @@ class PSClient:
         Args:
             model: its ``named_parameters()`` define the plan (float32/float16/bfloat16/float64).
             optimizer: ``{"name": "sgd", "lr": 0.1, ...}`` (see ``ps_server.core.optimizer``);
-                used by rank 0 only. Default ``{"name": "sgd", "lr": 0.1}``.
+                used by rank 0 only. Default ``{"name": "sgd", "lr": 0.1}``. Parameter groups:
+                ``"groups": [{"params": ["fc.bias", ...], "weight_decay": 0.0}, ...]`` (parameter
+                names), groups 1, 2...; group 0 holds the parameters in none, with the top-level arguments.
             init_timeout: seconds ranks other than 0 wait for rank 0's Init.
+            buffers: the model's buffers (BatchNorm running statistics) join the plan, after the
+                parameters, as untrained entries the shards set to rank 0's values each step
+                (integer buffers travel as float64); :class:`DistributedOptimizer` loads them
+                before each forward (DDP's ``broadcast_buffers``). Pushes and pulls then include
+                them. False: parameters only.
 
         Raises:
             InvalidRequestError: a bad optimizer spec or unsupported parameter dtype.
@@ -336,9 +357,23 @@ class PSClient:
             TimeoutError: rank 0 did not initialize the shards in time.
         """
         spec = dict(optimizer or {"name": "sgd", "lr": 0.1})
-        opt = OptimizerSpec(str(spec.pop("name")), {k: float(v) for k, v in spec.items()})
+        groups = tuple(
+            (tuple(str(key) for key in g["params"]), {k: float(v) for k, v in g.items() if k != "params"})
+            for g in spec.pop("groups", ())
+        )
         named = list(model.named_parameters())
-        self.plan = make_plan(model_specs(named), self.num_shards, self.partition_bytes)
+        if buffers:
+            named += [(k, b) for k, b in model.named_buffers() if b is not None]
+        buffer_keys = tuple(k for k, _ in named[len(list(model.parameters())) :])
+        opt = OptimizerSpec(str(spec.pop("name")), {k: float(v) for k, v in spec.items()}, groups, buffer_keys)
+        unknown = sorted({k for keys, _ in groups for k in keys} - {k for k, _ in named})
+        if unknown:
+            raise ValueError(f"Optimizer groups name {unknown[:4]}, which are not parameters of the model.")
+        self.plan = make_plan(
+            model_specs([(k, t if t.is_floating_point() else t.to(torch.float64)) for k, t in named]),
+            self.num_shards,
+            self.partition_bytes,
+        )
         self._owned_lengths = [
             {(p.key, p.offset): p.length for p in self.plan.owned_by(k)} for k in range(self.num_shards)
         ]
@@ -356,20 +391,25 @@ class PSClient:
         self._single_response = [len(self._packing(k, sparse=False)) <= 1 for k in range(self.num_shards)]
         self._host = {}
         replies = self.join()
+        if replies[0].HasField("optimizer"):  # already initialized (e.g. restored): its spec is the truth
+            opt = optimizer_from_proto(replies[0].optimizer)
         self._params = {k: p for k, p in named}
         self._optimizer = opt
         if self.rank == 0:
             self._each_shard(lambda k: self._init_shard(k, self._params, opt))
         else:
             self._wait_initialized(dict(enumerate(replies)), init_timeout)
-        params = {k: p.data for k, p in named}
+        params = {k: p.data if p.is_floating_point() else torch.empty(p.shape, dtype=torch.float64) for k, p in named}
         self.pull(params, min_version=0)
+        for k, p in named:
+            if not p.is_floating_point():  # an integer buffer, pulled as float64
+                p.copy_(params[k])
         self.clock = max(self.clock, self.version) if self.mode == "sync" else self.clock
 
     def _init_shard(self, k: int, values: Mapping[str, torch.Tensor], opt: OptimizerSpec) -> None:
         """Init shard ``k`` with ``values`` (any device; copied to host memory once here)."""
         plan = self._require_plan()
-        values = {key: t.detach().to("cpu") for key, t in values.items()}
+        values = {key: t.detach().to("cpu", torch_dtype(plan.dtypes[key])) for key, t in values.items()}
         header = ps_pb2.InitHeader(
             rank=self.rank, incarnation=self.incarnation, plan=plan_to_proto(plan), optimizer=optimizer_to_proto(opt)
         )
@@ -404,6 +444,8 @@ class PSClient:
                 reply = self._call(
                     lambda k=k, req=req: self._stubs[k].Join(req, timeout=self.timeout, metadata=self._metadata), "Join"
                 )
+            if reply.HasField("optimizer"):  # start from rank 0's spec, as the shards do
+                self._optimizer = optimizer_from_proto(reply.optimizer)
             if reply.plan_digest != plan.digest:
                 raise RuntimeError(
                     f"Shard {self.servers[k]} holds plan {reply.plan_digest[:12]} but this model's plan is "
@@ -503,6 +545,8 @@ class PSClient:
             clock=self.versions[k] if self.mode == "sync" else self.clock,
             version=self.versions[k],
             plan_digest=self._require_plan().digest,
+            groups=[ps_pb2.GroupHyperparameters(values=h) for h in self.step_hyperparameters],
+            skip=self.step_skip,
         )
 
     def _pull_targets(self, out: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -566,6 +610,7 @@ class PSClient:
     def _account_push(self, replies: Sequence[ps_pb2.PushResponse]) -> None:
         """Clock, dropped and staleness counters, and a live mode switch, after a push."""
         self.clock += 1
+        self.last_step_skipped = any(r.skipped for r in replies)
         first = replies[0]
         if first.dropped:
             self.dropped_pushes += 1
@@ -891,6 +936,15 @@ class PendingPushPull:
             self._ready.add(key)
             self._build_ready(key)
 
+    def cancel(self) -> None:
+        """Abandon this push: cancel the calls started during backward (a shard applies nothing of
+        a cancelled call); nothing was accounted and the clock stays."""
+        for stream in self._streams.values():
+            stream.abort()
+        for call in self.started.values():
+            call.cancel()
+        self.started.clear()
+
     def _attempt(self, k: int, started: Any | None) -> tuple[ps_pb2.PushResponse, int, int, int]:
         c = self.client
         self.sent[k] = 0 if started is None else self.sent[k]
@@ -921,6 +975,8 @@ class PendingPushPull:
             if s.key not in self._grads:
                 self.ready(s.key, torch.zeros(math.prod(s.shape), dtype=torch_dtype(s.dtype)))
         c._last_push = [[self._out(k, i) for i in range(len(c._owned[k]))] for k in range(c.num_shards)]
+        for stream in self._streams.values():  # every frame is built: the streams may end
+            stream.finish()
 
         def one(k: int) -> tuple[ps_pb2.PushResponse, int, int, int]:
             started = self.started.pop(k, None)
@@ -978,6 +1034,7 @@ class _Stream:
         self.unbuilt = groups
         self.built: list[bytes] = []
         self.finished = False
+        self.aborted = False
         self.timeout = timeout
 
     def add(self, group: list[int], frame: bytes) -> None:
@@ -991,11 +1048,21 @@ class _Stream:
             self.finished = True
             self.cond.notify_all()
 
+    def abort(self) -> None:
+        """Fail the stream instead of ending it: the shard sees a cancelled call, never a push."""
+        with self.cond:
+            self.aborted = True
+            self.cond.notify_all()
+
     def messages(self) -> Iterator[bytes]:
+        # The stream ends only at finish() (the step), even when every frame went out during
+        # backward: until then the push can still be abandoned (abort) and the shard applies nothing.
         while True:
             with self.cond:
-                self.cond.wait_for(lambda: self.built or not self.unbuilt or self.finished, timeout=self.timeout)
+                self.cond.wait_for(lambda: self.built or self.finished or self.aborted, timeout=self.timeout)
+                if self.aborted:
+                    raise RuntimeError("push abandoned before step()")
                 if not self.built:
-                    return  # all sent; or finish() never came, or gave up: end the stream (the call fails)
+                    return  # finished; or finish() never came in time: end the stream (the call fails)
                 m = self.built.pop(0)
             yield m

@@ -1,19 +1,22 @@
-"""``DistributedOptimizer``: a training loop's ``step()`` in every consistency model."""
+"""``DistributedOptimizer``: a torch optimizer whose ``step()`` runs on the shards, in every consistency model."""
 
 from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
+from ps_server.core.codec import torch_dtype
 from ps_worker.client import PendingPushPull, PSClient
 
 log = logging.getLogger(__name__)
 
 
-class DistributedOptimizer:
-    """Drop-in for a local optimizer.
+class DistributedOptimizer(torch.optim.Optimizer):
+    """A ``torch.optim.Optimizer`` whose step runs on the shards.
 
     - sync, async, ssp: ``step()`` pushes every parameter's ``.grad`` (the shards run the
       optimizer) and pulls the updated weights, in one PushPull call per shard. Sync pulls wait
@@ -22,6 +25,23 @@ class DistributedOptimizer:
       in ``client.refused_pushes``, the weights are pulled, and training carries on.
     - easgd: ``step()`` runs ``local_optimizer``; every tau-th step it exchanges with the center
       (Zhang, Choromanska, LeCun 2015, Algorithm 1).
+
+    As a torch optimizer: ``param_groups`` mirror the server optimizer's groups (the Init spec's
+    ``groups`` after group 0 of the parameters in none) with its numeric hyperparameters (``lr``,
+    ``momentum``, ``weight_decay``...); every push carries each group's current values, so an
+    ``torch.optim.lr_scheduler`` stepping this optimizer drives the shards: sync applies a round
+    with the values its ranks sent (they must agree, or the round is refused with
+    FAILED_PRECONDITION), async and ssp apply each push with its own. The values stay in force
+    on the shards after the step; the latest change wins (an operator's ``ps-admin set --lr``
+    holds until this optimizer's lr changes, e.g. at the scheduler's next change). ``state_dict()`` and
+    ``load_state_dict()``, ``zero_grad(set_to_none=...)`` and ``step(closure)`` work as for any
+    torch optimizer.
+
+    AMP: ``torch.amp.GradScaler`` calls ``step()`` on every step (``_step_supports_amp_scaling``);
+    scaled gradients are unscaled here; a step whose gradients overflowed pushes a skip, and in
+    sync mode any rank's skip skips the round's step on every shard (as the all-reduced gradients
+    of DDP would make every rank skip); the round still closes, so nothing hangs. Pass
+    ``grad_scaler`` so a rank whose own gradients were finite backs its scale off too.
 
     Parameters without a gradient push zeros.
 
@@ -33,12 +53,32 @@ class DistributedOptimizer:
         overlap: push each parameter's gradient while backward still runs (sync, async, ssp):
             autograd hooks (``register_post_accumulate_grad_hook``) hand every finished gradient to
             a :class:`~ps_worker.client.PendingPushPull`, whose streams send each message as soon
-            as its partitions are ready; ``step()`` then only finishes the call. Assumes one
-            backward per step (no gradient accumulation over several backward passes).
+            as its partitions are ready; ``step()`` then only finishes the call. With
+            ``backward_passes_per_step=k`` a gradient is handed over after its k-th backward pass.
+            Not with AMP (the gradients would leave scaled): refused at ``step()``.
+        backward_passes_per_step: k backward passes accumulate into ``.grad`` before each
+            ``step()`` (Horovod's name): the push carries their sum, as torch accumulates it
+            (divide the loss by k for the mean, as with DDP). With ``overlap`` or k > 1, a
+            ``step()`` after another number of backward passes is refused (ValueError).
+        grad_scaler: the ``torch.amp.GradScaler`` stepping this optimizer, if any: a round
+            skipped because of another rank's overflow then counts as an overflow for this
+            rank's scaler too, so every rank's scale stays the same (DDP's behaviour).
+        broadcast_buffers: DDP's default: every step pushes this rank's buffers (BatchNorm
+            running statistics) with its gradients, the shards keep rank 0's, and every rank
+            loads them before its next forward, so at each forward every rank starts from rank
+            0's buffers (as DDP's broadcast at the start of forward; with accumulation, as DDP
+            with ``no_sync()`` on all but the last micro-batch). Needs ``client.init(model, ...,
+            buffers=True)`` (the default). False: the buffers stay each rank's own (still pushed,
+            since they are in the plan).
 
     Raises:
-        ValueError: easgd mode without a local optimizer.
+        ValueError: easgd mode without a local optimizer; backward_passes_per_step < 1; overlap
+            with a grad_scaler;
+            broadcast_buffers with buffers the client's plan does not carry.
     """
+
+    _step_supports_amp_scaling = True
+    """GradScaler calls :meth:`step` on every step, with ``grad_scale`` and ``found_inf`` set."""
 
     def __init__(
         self,
@@ -47,54 +87,227 @@ class DistributedOptimizer:
         local_optimizer: torch.optim.Optimizer | None = None,
         *,
         overlap: bool = False,
+        backward_passes_per_step: int = 1,
+        grad_scaler: Any | None = None,
+        broadcast_buffers: bool = True,
     ) -> None:
         if client.mode == "easgd" and local_optimizer is None:
             raise ValueError("This cluster runs easgd: pass local_optimizer=torch.optim.SGD(model.parameters(), ...).")
+        if backward_passes_per_step < 1:
+            raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}.")
+        if overlap and grad_scaler is not None:
+            raise ValueError(
+                "overlap=True pushes gradients during backward, before a GradScaler unscales them or sees an "
+                "overflow; use overlap=False with AMP."
+            )
         self.model = model
         self.client = client
         self.local_optimizer = local_optimizer
         self.params = dict(model.named_parameters())
         self.local_steps = 0
         self.overlap = overlap
+        self.backward_passes_per_step = backward_passes_per_step
+        self.grad_scaler = grad_scaler
         self._pending: PendingPushPull | None = None
-        if overlap:  # the hooks stay; setting ``overlap`` to False later turns them into no-ops
-            for key, p in self.params.items():
-                if p.requires_grad:
-                    p.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, key))
+        self._passes: dict[str, int] = {}
+        plan = client._require_plan()
+        self.broadcast_buffers = broadcast_buffers
+        self.buffers = {k: b for k, b in model.named_buffers() if k in plan.dtypes}
+        missing = [k for k, b in model.named_buffers() if b is not None and k not in plan.dtypes]
+        if broadcast_buffers and missing:
+            raise ValueError(
+                f"broadcast_buffers needs the buffers in the plan, but {missing[:4]} are not: call "
+                "client.init(model, ..., buffers=True), or pass broadcast_buffers=False."
+            )
+        # pulled rank-0 buffer values, loaded into the model before its next forward
+        self._buffers_in = {k: torch.empty(b.shape, dtype=torch_dtype(plan.dtypes[k])) for k, b in self.buffers.items()}
+        self._buffers_due = False
+        if self.buffers:
+            model.register_forward_pre_hook(self._load_buffers)
+        spec = client._optimizer
+        self._names = sorted(spec.hyperparameter_names) if spec is not None else ["lr"]
+        base = dict(spec.kwargs) if spec is not None else {"lr": float(client.config.learning_rate)}
+        defaults = {k: float(v) for k, v in base.items() if k in self._names}
+        overrides = [{}, *(kwargs for _, kwargs in spec.groups)] if spec is not None else [{}]
+        index = spec.group_of(self.params) if spec is not None else [0] * len(self.params)
+        members: list[list[torch.Tensor]] = [[] for _ in overrides]
+        for g, p in zip(index, self.params.values(), strict=True):
+            members[g].append(p)
+        param_groups = [
+            {"params": ps, **{k: float(v) for k, v in kw.items() if k in self._names}}
+            for ps, kw in zip(members, overrides, strict=True)
+        ]
+        super().__init__(param_groups, defaults)
+        for key, p in self.params.items():  # the hooks stay; they count passes and, with overlap, push
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, key))
 
+    # ------------------------------------------------------------------ torch.optim.Optimizer
+    def hyperparameters(self) -> list[dict[str, float]]:
+        """Per parameter group, the values a push carries (the server optimizer's numeric arguments)."""
+        return [{k: float(g[k]) for k in self._names if k in g} for g in self.param_groups]
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's optimizer state (``param_groups`` with their lr...) plus the local step count
+        and the easgd local optimizer's state."""
+        out = super().state_dict()
+        out["ps"] = {
+            "local_steps": self.local_steps,
+            "local_optimizer": self.local_optimizer.state_dict() if self.local_optimizer is not None else None,
+        }
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output (the shards' own state is in their checkpoints)."""
+        state_dict = dict(state_dict)
+        extra = state_dict.pop("ps", None) or {}
+        super().load_state_dict(state_dict)
+        self.local_steps = int(extra.get("local_steps", self.local_steps))
+        if self.local_optimizer is not None and extra.get("local_optimizer") is not None:
+            self.local_optimizer.load_state_dict(extra["local_optimizer"])
+
+    # ------------------------------------------------------------------ buffers
+    def _load_buffers(self, module: torch.nn.Module, args: Any) -> None:
+        """Forward pre-hook: load the buffers of rank 0 the last step pulled (DDP's broadcast)."""
+        if self._buffers_due and self.broadcast_buffers:
+            with torch.no_grad():
+                for k, b in self.buffers.items():
+                    b.copy_(self._buffers_in[k])
+        self._buffers_due = False
+
+    def _out(self) -> dict[str, torch.Tensor]:
+        """Where a pull writes: the parameters themselves, and the buffers' staging tensors."""
+        return {**{k: p.data for k, p in self.params.items()}, **self._buffers_in}
+
+    def _buffer_values(self) -> dict[str, torch.Tensor]:
+        """This rank's buffers as the plan carries them (integers as float64)."""
+        return {k: b.detach().to(self._buffers_in[k].dtype) for k, b in self.buffers.items()}
+
+    # ------------------------------------------------------------------ gradients
     def _grad_ready(self, key: str, param: torch.Tensor) -> None:
         """Autograd hook: ``param``'s gradient is final for this backward pass."""
+        passes = self._passes[key] = self._passes.get(key, 0) + 1
         if param.grad is None or not self.overlap or self.client.mode == "easgd":
             return
+        if passes != self.backward_passes_per_step:
+            return
         if self._pending is None:
-            self._pending = self.client.begin_push_pull({k: p.data for k, p in self.params.items()})
+            self.client.step_hyperparameters = self.hyperparameters()
+            self.client.step_skip = False
+            self._pending = self.client.begin_push_pull(self._out())
         self._pending.ready(key, param.grad)
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear gradients, like ``torch.optim.Optimizer.zero_grad``."""
-        self.model.zero_grad(set_to_none=set_to_none)
+    def _check_passes(self) -> None:
+        """Refuse a step after another number of backward passes than ``backward_passes_per_step``
+        (with overlap, or k > 1; a single-pass step without overlap accepts any count, as before)."""
+        passes, self._passes = self._passes, {}
+        k = self.backward_passes_per_step
+        if not (self.overlap or k > 1):
+            return
+        wrong = {key: n for key, n in passes.items() if n != k}
+        if wrong:
+            if self._pending is not None:
+                self._pending.cancel()
+                self._pending = None
+            key, n = next(iter(wrong.items()))
+            raise ValueError(
+                f"step() after {n} backward passes of {key!r}, but backward_passes_per_step={k}: call backward "
+                f"exactly {k} times per step (or create the optimizer with backward_passes_per_step={n}); "
+                "nothing was pushed."
+            )
 
     @torch.no_grad()
-    def step(self) -> int:
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """One training step.
 
+        Args:
+            closure: re-evaluates the model and returns the loss (run with gradients enabled
+                before the step), as for any torch optimizer.
+
         Returns:
-            The version the model now holds (sync: the round number after this step).
+            The closure's loss when one is given; otherwise the version the model now holds
+            (sync: the round number after this step).
 
         Raises:
-            grpc.RpcError: see :meth:`PSClient.push_pull` and :meth:`PSClient.exchange`.
+            ValueError: the number of backward passes does not match ``backward_passes_per_step``.
+            RuntimeError: AMP (a GradScaler) with ``overlap``.
+            grpc.RpcError: see :meth:`PSClient.push_pull` and :meth:`PSClient.exchange`; a sync
+                round whose ranks sent different hyperparameters: FAILED_PRECONDITION.
         """
-        values = {k: p.data for k, p in self.params.items()}
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        version = self._step()
+        return loss if closure is not None else version
+
+    def _step(self) -> int:
+        found_inf = getattr(self, "found_inf", None)
+        grad_scale = getattr(self, "grad_scale", None)
+        amp = found_inf is not None
+        if amp and self._pending is not None:
+            self._pending.cancel()
+            self._pending = None
+            self._passes = {}
+            raise RuntimeError(
+                "DistributedOptimizer(overlap=True) pushes gradients during backward, before GradScaler unscales "
+                "them or sees an overflow; use overlap=False with AMP. Nothing was pushed."
+            )
+        self._check_passes()
+        skip = amp and float(found_inf) > 0
+        if grad_scale is not None and not skip:
+            inv = grad_scale.double().reciprocal().float()
+            for p in self.params.values():
+                if p.grad is not None:
+                    p.grad.mul_(inv.to(p.grad.device))
         if self.client.mode == "easgd":
             assert self.local_optimizer is not None
+            if skip:
+                return self.client.version
             self.local_optimizer.step()
             self.local_steps += 1
             period = max(1, self.client.config.communication_period)
             if self.local_steps % period == 0:
-                return self.client.exchange(values)
+                values = {**{k: p.data for k, p in self.params.items()}, **self._buffer_values()}
+                version = self.client.exchange(values)  # float buffers are averaged elastically too
+                with torch.no_grad():
+                    for k, b in self.buffers.items():
+                        if b.is_floating_point():  # a counter (num_batches_tracked) stays this rank's own
+                            b.copy_(values[k])
+                return version
             return self.client.version
         if self._pending is not None:  # overlap: the pushes began during backward
             pending, self._pending = self._pending, None
-            return pending.finish()
-        grads = {k: (p.grad if p.grad is not None else torch.zeros_like(p)) for k, p in self.params.items()}
-        return self.client.push_pull(grads, values)
+            for k, v in self._buffer_values().items():
+                pending.ready(k, v)
+            version = pending.finish()
+            self._buffers_due = True
+            return version
+        self.client.step_hyperparameters = self.hyperparameters()
+        self.client.step_skip = skip
+        grads = {
+            k: (p.grad if p.grad is not None and not skip else torch.zeros_like(p)) for k, p in self.params.items()
+        }
+        grads.update(self._buffer_values())
+        try:
+            version = self.client.push_pull(grads, self._out())
+        finally:
+            self.client.step_skip = False
+        self._buffers_due = True
+        if self.client.last_step_skipped and not skip:
+            self._overflow_elsewhere()
+        return version
+
+    def _overflow_elsewhere(self) -> None:
+        """The round was skipped for another rank's overflow: tell this rank's GradScaler, so its
+        ``update()`` backs off as every rank's does under DDP."""
+        if self.grad_scaler is None:
+            log.info(
+                "rank %d: the round was skipped for another rank's overflow; pass grad_scaler= to "
+                "DistributedOptimizer to keep every rank's loss scale the same",
+                self.client.rank,
+            )
+            return
+        state = self.grad_scaler._per_optimizer_states.get(id(self))
+        for found in (state or {}).get("found_inf_per_device", {}).values():
+            found.fill_(1.0)

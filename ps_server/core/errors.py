@@ -108,6 +108,14 @@ class NonFiniteUpdateError(UpdateRefusedError):
     reason = "NON_FINITE_UPDATE"
 
 
+class HyperparametersDisagreeError(UpdateRefusedError):
+    """The ranks of a sync round sent different hyperparameters (learning rates) for its step: the
+    round is refused as a whole, nothing changed (FAILED_PRECONDITION). Every rank must step the
+    same lr scheduler the same number of times."""
+
+    reason = "HYPERPARAMETERS_DISAGREE"
+
+
 class ShuttingDownError(PSError):
     """The shard is stopping (UNAVAILABLE)."""
 

@@ -17,6 +17,17 @@ from ps_server.core.errors import FutureRoundError, PreconditionError, StalePush
 Gradients = Sequence[torch.Tensor]
 """One 1-D tensor per partition owned by the shard, in plan order."""
 
+Hyperparameters = Sequence[Mapping[str, float]]
+"""Per parameter group, the hyperparameters a push sets for its step (empty: none)."""
+
+
+def agreed_hyperparameters(by_rank: Mapping[int, Hyperparameters]) -> Hyperparameters | None:
+    """The one set of hyperparameters every rank sent, or None when they differ."""
+    distinct = {tuple(tuple(sorted(g.items())) for g in h) for h in by_rank.values()}
+    if len(distinct) > 1:
+        return None
+    return next(iter(by_rank.values()), ())
+
 
 def aggregate(grads_by_rank: Mapping[int, Gradients]) -> list[torch.Tensor]:
     """Mean of the ranks' gradients, summed in ascending rank order.
@@ -57,9 +68,15 @@ class SyncRounds:
     def __init__(self, round: int = 0) -> None:
         self.round = round
         self.pending: dict[int, Gradients] = {}
+        self.hyper: dict[int, Hyperparameters] = {}
+        self.skips: set[int] = set()
+        self.taken_hyper: dict[int, Hyperparameters] = {}
+        """The hyperparameters of the round :meth:`take_if_complete` last closed, by rank."""
+        self.taken_skips: set[int] = set()
+        """The ranks of that round that asked to skip its step (AMP overflow)."""
 
-    def add(self, rank: int, clock: int, grads: Gradients) -> None:
-        """Hold ``rank``'s gradients for the round ``clock``.
+    def add(self, rank: int, clock: int, grads: Gradients, hyper: Hyperparameters = (), skip: bool = False) -> None:
+        """Hold ``rank``'s gradients, hyperparameters and skip request for the round ``clock``.
 
         Raises:
             StalePushError: ``clock`` is an already closed round.
@@ -80,6 +97,9 @@ class SyncRounds:
                 f"Rank {rank} already pushed round {clock} under another incarnation; wait for the next round."
             )
         self.pending[rank] = grads
+        self.hyper[rank] = hyper
+        if skip:
+            self.skips.add(rank)
 
     def close_if_complete(self, expected: Iterable[int], quorum: int = 0) -> list[torch.Tensor] | None:
         """Close the round when every expected rank has pushed, or ``quorum`` pushes arrived.
@@ -105,6 +125,8 @@ class SyncRounds:
         if not (0 < quorum <= len(self.pending)) and not set(expected) <= self.pending.keys():
             return None
         held, self.pending = self.pending, {}
+        self.taken_hyper, self.hyper = self.hyper, {}
+        self.taken_skips, self.skips = self.skips, set()
         self.round += 1
         return held
 
