@@ -54,7 +54,12 @@ def note_push(response: Any) -> None:
 REJECT_REASONS = {grpc.StatusCode.ABORTED: "stale"}
 """Status code -> ``reason`` label of ``ps_rejected_pushes_total`` where it differs from the code's name."""
 
-UPDATE_REFUSALS = {"NON_FINITE_UPDATE": "non_finite_update", "UPDATE_FAILED": "update_failed", "REPLAYED": "replayed"}
+UPDATE_REFUSALS = {
+    "NON_FINITE_UPDATE": "non_finite_update",
+    "UPDATE_FAILED": "update_failed",
+    "REPLAYED": "replayed",
+    "HYPERPARAMETERS_DISAGREE": "hyperparameters_disagree",
+}
 """``ps-reason`` of a refused update -> its ``reason`` label of ``ps_rejected_pushes_total``, counted once per
 rank told (a refused sync round reaches each of its ranks by its push or by its pull)."""
 

@@ -187,6 +187,8 @@ def test_sync_round_refused_when_ranks_send_different_lrs(start_cluster) -> None
         assert code == "FAILED_PRECONDITION"
         assert "different hyperparameters" in details and details.endswith("|1")
     assert shards[0].shard.status().version == 1
+    refused = {"reason": "hyperparameters_disagree"}  # once per rank told
+    assert shards[0].metrics.registry.get_sample_value("ps_rejected_pushes_total", refused) == 2
 
 
 def test_async_push_carries_its_lr(start_cluster) -> None:
