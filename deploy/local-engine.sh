@@ -7,6 +7,9 @@
 #                                  build the base image (debootstrap), serve the wheels on
 #                                  127.0.0.1, build grpc-ps-server, grpc-ps-worker and a
 #                                  Prometheus image, each once; writes $STATE/engine.env
+#   deploy/local-engine.sh run CMD...
+#                                  up, then CMD with engine.env exported, then down, whatever
+#                                  happens (a trap): .ci/run runs the test suite this way
 #   deploy/local-engine.sh down    remove the containers, networks and volumes of compose
 #                                  projects named grpc-ps-ci-*, stop the wheel server, and, when
 #                                  `up` started dockerd, stop it by its PID and remove the bridge
@@ -68,6 +71,8 @@ start_dockerd() {
     fi
     # Which iptables chains and bridges exist before: `down` removes only what this dockerd added.
     { iptables -S 2>/dev/null; iptables -t nat -S 2>/dev/null; } >"$STATE/iptables.before" || true
+    # dockerd also turns on IP forwarding and sets the FORWARD policy to DROP: both are put back.
+    cat /proc/sys/net/ipv4/ip_forward >"$STATE/ip_forward.before" 2>/dev/null || true
     ip -o link show type bridge 2>/dev/null | awk -F': ' '{print $2}' >"$STATE/bridges.before" || true
     step "dockerd: starting (log $STATE/dockerd.log)"
     rm -f "$STATE/dockerd.pid"
@@ -127,12 +132,18 @@ serve_wheels() {
     # torch (the CPU wheel) and every dependency of grpc-ps and of its build, as pip on this host
     # resolves them, laid out as a PEP 503 index: simple/<normalized name>/<files>.
     local wheels="$CACHE/wheels" index="$CACHE/index"
-    mkdir -p "$wheels"
+    # One resolution, with torch pinned: grpc-ps alone allows torch<3, and pip would pick the newest
+    # torch and its CUDA wheels (gigabytes). A fresh directory each time, so the index holds exactly
+    # this resolution; pip's own cache makes a second download quick.
+    rm -rf "$wheels" && mkdir -p "$wheels"
     step "wheels: pip download torch==$TORCH_VERSION, grpc-ps's dependencies, setuptools -> $wheels"
-    timeout 900 python3 -m pip download --quiet --disable-pip-version-check --only-binary=:all: \
-        --dest "$wheels" "torch==$TORCH_VERSION" "setuptools>=68" wheel
-    timeout 900 python3 -m pip download --quiet --disable-pip-version-check --dest "$wheels" "$REPO"
+    timeout 900 python3 -m pip download --quiet --disable-pip-version-check --dest "$wheels" \
+        "torch==$TORCH_VERSION" "setuptools>=68" wheel "$REPO"
     rm -f "$wheels"/grpc[-_]ps-*
+    if compgen -G "$wheels/nvidia*" >/dev/null || [[ $(find "$wheels" -name 'torch-*' | wc -l) -ne 1 ]]; then
+        echo "local-engine: the wheels hold CUDA packages or several torch versions: $(ls "$wheels")" >&2
+        return 1
+    fi
     rm -rf "$index" && mkdir -p "$index/simple"
     local file name
     for file in "$wheels"/*; do
@@ -156,7 +167,7 @@ serve_wheels() {
 build_image() {  # dockerfile tag context
     step "docker build $2 ($1)"
     local t0=$SECONDS
-    if ! timeout 1200 $DOCKER build --network host --quiet \
+    if ! timeout 1200 $DOCKER build --network host \
         --build-arg "BASE_IMAGE=$BASE_IMAGE" \
         --build-arg "TORCH_INDEX_URL=$INDEX_URL" \
         --build-arg "PIP_INDEX_URL=$INDEX_URL" \
@@ -227,6 +238,10 @@ remove_network_rules() {
             iptables -t "$table" -X "$chain" 2>/dev/null || true
         done
     done
+    local policy
+    policy=$(awk '$1 == "-P" && $2 == "FORWARD" {print $3; exit}' "$STATE/iptables.before" 2>/dev/null)
+    [[ -n $policy ]] && iptables -P FORWARD "$policy" 2>/dev/null
+    [[ -s $STATE/ip_forward.before ]] && cat "$STATE/ip_forward.before" >/proc/sys/net/ipv4/ip_forward 2>/dev/null
     for br in $(ip -o link show type bridge 2>/dev/null | awk -F': ' '{print $2}' | grep -E '^(docker0|br-[0-9a-f]{12})$'); do
         grep -qxF "$br" "$STATE/bridges.before" 2>/dev/null && continue
         ip link delete "$br" 2>/dev/null || true
@@ -264,11 +279,32 @@ cmd_down() {
     return 0
 }
 
+cmd_run() {
+    trap 'cmd_down' EXIT
+    trap 'exit 130' INT
+    trap 'exit 143' TERM
+    cmd_up
+    set -a
+    # shellcheck disable=SC1091
+    . "$STATE/engine.env"
+    set +a
+    step "running: $*"
+    local code=0
+    "$@" || code=$?
+    step "$1 exited $code"
+    return "$code"
+}
+
 case "${1:-}" in
 up) cmd_up ;;
 down) cmd_down ;;
+run)
+    shift
+    (($#)) || { echo "usage: $0 run CMD..." >&2; exit 2; }
+    cmd_run "$@"
+    ;;
 *)
-    echo "usage: $0 up|down" >&2
+    echo "usage: $0 up|down|run CMD..." >&2
     exit 2
     ;;
 esac
