@@ -76,7 +76,7 @@ start_dockerd() {
     ip -o link show type bridge 2>/dev/null | awk -F': ' '{print $2}' >"$STATE/bridges.before" || true
     step "dockerd: starting (log $STATE/dockerd.log)"
     rm -f "$STATE/dockerd.pid"
-    setsid dockerd --pidfile "$STATE/dockerd.pid" -H "$DOCKER_HOST" </dev/null >"$STATE/dockerd.log" 2>&1 &
+    setsid "$(command -v dockerd || echo /usr/sbin/dockerd)" --pidfile "$STATE/dockerd.pid" -H "$DOCKER_HOST" </dev/null >"$STATE/dockerd.log" 2>&1 &
     local launcher=$! deadline=$((SECONDS + 90))
     until docker_ok; do
         if ! kill -0 "$launcher" 2>/dev/null && ! { [[ -s $STATE/dockerd.pid ]] && kill -0 "$(cat "$STATE/dockerd.pid")" 2>/dev/null; }; then
@@ -254,7 +254,11 @@ cmd_down() {
     stop_pidfile "$STATE/index.pid"
     if docker_ok; then
         local projects project
-        projects=$(timeout 30 $DOCKER ps -a --format '{{.Label "com.docker.compose.project"}}' | grep -E '^grpc-ps-ci-' | sort -u)
+        projects=$({
+            timeout 30 $DOCKER ps -a --format '{{.Label "com.docker.compose.project"}}'
+            timeout 30 $DOCKER network ls --format '{{.Label "com.docker.compose.project"}}'
+            timeout 30 $DOCKER volume ls --format '{{.Label "com.docker.compose.project"}}'
+        } | grep -E '^grpc-ps-ci-' | sort -u)
         for project in $projects; do
             step "removing compose project $project"
             timeout 60 $DOCKER ps -aq --filter "label=com.docker.compose.project=$project" | xargs -r timeout 120 $DOCKER rm -f >/dev/null

@@ -39,7 +39,8 @@ UP_TIMEOUT = 600.0
 TRAIN_TIMEOUT = 900.0
 COMMAND_TIMEOUT = 180.0
 
-pytestmark = pytest.mark.slow
+# pyproject's 300 s per test is too short for an up, a training run and a down on two busy cores.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 
 def _engine() -> tuple[str, str]:
