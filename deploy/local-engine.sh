@@ -23,6 +23,7 @@
 #   GRPC_PS_BASE_IMAGE    base image to build on (default grpc-ps-base:bookworm, made by debootstrap
 #                         when absent); Debian bookworm with python3, python3-venv, python-is-python3
 #   DEBIAN_MIRROR         debootstrap's mirror (default http://deb.debian.org/debian)
+#   GRPC_PS_INDEX_PORT    port of the wheel index on 127.0.0.1 (default 47631; a free one if taken)
 set -euo pipefail
 
 REPO=$(cd "$(dirname "$0")/.." && pwd)
@@ -32,6 +33,7 @@ BASE_IMAGE=${GRPC_PS_BASE_IMAGE:-grpc-ps-base:bookworm}
 MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
 TORCH_VERSION=2.13.0
 PROMETHEUS_IMAGE=grpc-ps-prometheus:ci
+INDEX_PORT=${GRPC_PS_INDEX_PORT:-47631}
 # Debian's CLI (20.10, the daemon's version), not whatever else is first on PATH: a newer CLI
 # without the buildx plugin would fall back to the legacy builder with a warning anyway.
 DOCKER=/usr/bin/docker
@@ -151,8 +153,17 @@ serve_wheels() {
         mkdir -p "$index/simple/$name"
         ln -f "$file" "$index/simple/$name/" 2>/dev/null || cp "$file" "$index/simple/$name/"
     done
+    # A fixed port when it is free: the index URL is a build argument, and a new one each run would
+    # make docker rebuild every layer after it (torch included) instead of using its cache.
     local port
-    port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+    port=$(python3 -c '
+import socket, sys
+s = socket.socket()
+try:
+    s.bind(("127.0.0.1", int(sys.argv[1])))
+except OSError:
+    s.bind(("127.0.0.1", 0))
+print(s.getsockname()[1])' "$INDEX_PORT")
     setsid python3 -m http.server --bind 127.0.0.1 --directory "$index" "$port" </dev/null >"$STATE/index.log" 2>&1 &
     echo $! >"$STATE/index.pid"
     INDEX_URL="http://127.0.0.1:$port/simple"
