@@ -205,6 +205,8 @@ cmd_up() {
     cp "$(command -v prometheus)" "$ctx/prometheus"
     build_image "$REPO/.ci/prometheus.Dockerfile" "$PROMETHEUS_IMAGE" "$ctx"
     rm -rf "$ctx"
+    # What rebuilt tags left behind, on an engine of our own only.
+    [[ -s $STATE/dockerd.started ]] && timeout 120 $DOCKER image prune -f >/dev/null
     # The images are built; the index is not needed by `up --no-build`.
     stop_pidfile "$STATE/index.pid"
     cat >"$STATE/engine.env" <<EOF

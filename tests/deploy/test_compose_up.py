@@ -235,7 +235,8 @@ def _check_trained(project: Compose) -> list[dict[str, Any]]:
 
 def test_compose_up_trains_digits_in_containers(compose: Compose) -> None:
     """up: shards healthy, workers exit 0 with >= 0.95 accuracy, Prometheus scraped all four,
-    and the shards' checkpoints are on their named volumes after a stop."""
+    and the shards' checkpoints are on their named volumes after a stop; after down (volumes
+    kept) and up, the finished job has nothing to do and says so."""
     started = time.monotonic()
     compose.run("up", "-d", "--no-build", timeout=UP_TIMEOUT)
     for service in SHARDS:
@@ -267,6 +268,15 @@ def test_compose_up_trains_digits_in_containers(compose: Compose) -> None:
         assert listing.returncode == 0, listing.stderr
         assert listing.stdout.split(), f"{service}: no checkpoint in volume {volume}\n{compose.all_logs()}"
     print(f"compose up: trained in {trained:.0f} s; accuracies {[s['accuracy'] for s in summaries]}")
+
+    # down without -v, then up: the shards resume at the finished job's version from their volumes,
+    # and the workers say there is nothing to do, exiting 0 with a strict-JSON summary (null loss).
+    compose.run("down", "--timeout", "30", timeout=300)
+    compose.run("up", "-d", "--no-build", timeout=UP_TIMEOUT)
+    for summary in _check_trained(compose):
+        assert summary.get("final_loss") is None, summary
+    for service in WORKERS:
+        assert "nothing to do" in compose.logs(service), f"{service}\n{compose.all_logs()}"
 
 
 def test_compose_up_survives_a_killed_shard(compose: Compose) -> None:
