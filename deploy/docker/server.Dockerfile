@@ -6,6 +6,7 @@
 # The base of both stages: the official Python image, or any Debian bookworm with python3,
 # python3-venv and python-is-python3 (deploy/local-engine.sh makes one with debootstrap where no
 # registry can be reached). No `# syntax=` line: BuildKit would fetch that frontend from a registry.
+# checkov:skip=CKV_DOCKER_7:the tag is in BASE_IMAGE (default python:3.11-slim-bookworm), which checkov does not expand
 ARG BASE_IMAGE=python:3.11-slim-bookworm
 
 # Build stage: a virtual environment with CPU-only torch and grpc-ps. Only the environment is
