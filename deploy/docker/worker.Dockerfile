@@ -23,6 +23,12 @@ ENV PIP_NO_CACHE_DIR=1 \
 RUN python -m venv /opt/grpc-ps \
  && pip install --no-cache-dir --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
 WORKDIR /src
+# grpc-ps's dependencies first, from pyproject.toml alone: a change to the sources then rebuilds
+# only the last layer, not scipy, scikit-learn and grpcio again.
+COPY pyproject.toml .
+RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))" \
+      > /tmp/requirements.txt \
+ && pip install --no-cache-dir -r /tmp/requirements.txt
 COPY . .
 RUN pip install --no-cache-dir . \
  && python -c "import ps_server.server, ps_server.healthcheck, ps_worker.cli, ps_worker.workloads.digits"
