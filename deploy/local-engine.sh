@@ -175,10 +175,10 @@ print(s.getsockname()[1])' "$INDEX_PORT")
     step "wheels: $(ls "$wheels" | wc -l) files, $(du -sh "$wheels" | cut -f1), served on $INDEX_URL"
 }
 
-build_image() {  # dockerfile tag context
+build_image() {  # dockerfile tag context [docker build options]
     step "docker build $2 ($1)"
     local t0=$SECONDS
-    if ! timeout 1200 $DOCKER build --network host \
+    if ! timeout 1200 $DOCKER build --network host "${@:4}" \
         --build-arg "BASE_IMAGE=$BASE_IMAGE" \
         --build-arg "TORCH_INDEX_URL=$INDEX_URL" \
         --build-arg "PIP_INDEX_URL=$INDEX_URL" \
@@ -205,6 +205,9 @@ cmd_up() {
     cp "$(command -v prometheus)" "$ctx/prometheus"
     build_image "$REPO/.ci/prometheus.Dockerfile" "$PROMETHEUS_IMAGE" "$ctx"
     rm -rf "$ctx"
+    # The build stage (the same in both images) gets a tag: untagged, it would be dangling, and the
+    # prune below would take the layer cache of the next build with it.
+    build_image "$REPO/deploy/docker/server.Dockerfile" grpc-ps-build:cache "$REPO" --target build
     # What rebuilt tags left behind, on an engine of our own only.
     [[ -s $STATE/dockerd.started ]] && timeout 120 $DOCKER image prune -f >/dev/null
     # The images are built; the index is not needed by `up --no-build`.
