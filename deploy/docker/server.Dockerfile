@@ -1,27 +1,38 @@
-# syntax=docker/dockerfile:1
 # grpc-ps shard (ps-server), CPU. Build from the repository root:
 #   docker build -f deploy/docker/server.Dockerfile -t grpc-ps-server:0.1.0 .
 # Configure with PS_* environment variables (PS_SHARD_INDEX, PS_NUM_SHARDS, PS_NUM_WORKERS, ...)
 # or flags after the image name; see deploy/README.md.
 
-ARG PYTHON_TAG=3.11-slim-bookworm
+# The base of both stages: the official Python image, or any Debian bookworm with python3,
+# python3-venv and python-is-python3 (deploy/local-engine.sh makes one with debootstrap where no
+# registry can be reached). No `# syntax=` line: BuildKit would fetch that frontend from a registry.
+# checkov:skip=CKV_DOCKER_7:the tag is in BASE_IMAGE (default python:3.11-slim-bookworm), which checkov does not expand
+ARG BASE_IMAGE=python:3.11-slim-bookworm
 
 # Build stage: a virtual environment with CPU-only torch and grpc-ps. Only the environment is
 # carried over, so pip, its cache and the source tree stay out of the final image.
-FROM python:${PYTHON_TAG} AS build
+FROM ${BASE_IMAGE} AS build
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+# Unset: PyPI. Set it (with TORCH_INDEX_URL) to build from a local index, with no network.
+ARG PIP_INDEX_URL
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PATH=/opt/grpc-ps/bin:$PATH
 RUN python -m venv /opt/grpc-ps \
  && pip install --no-cache-dir --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
 WORKDIR /src
+# grpc-ps's dependencies first, from pyproject.toml alone: a change to the sources then rebuilds
+# only the last layer, not scipy, scikit-learn and grpcio again.
+COPY pyproject.toml .
+RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))" \
+      > /tmp/requirements.txt \
+ && pip install --no-cache-dir -r /tmp/requirements.txt
 COPY . .
 RUN pip install --no-cache-dir . \
- && python -c "import ps_server.server, ps_server.healthcheck"
+ && python -c "import ps_server.server, ps_server.healthcheck, ps_worker.cli, ps_worker.workloads.digits"
 
-FROM python:${PYTHON_TAG}
+FROM ${BASE_IMAGE}
 LABEL org.opencontainers.image.title="grpc-ps-server" \
       org.opencontainers.image.description="grpc-ps shard: sharded parameter server for PyTorch training over gRPC" \
       org.opencontainers.image.licenses="Apache-2.0"

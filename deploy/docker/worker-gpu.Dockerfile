@@ -1,4 +1,3 @@
-# syntax=docker/dockerfile:1
 # grpc-ps worker (ps-worker) for NVIDIA GPUs, on the official PyTorch CUDA runtime image (its
 # torch is used as is). Build from the repository root:
 #   docker build -f deploy/docker/worker-gpu.Dockerfile -t grpc-ps-worker-gpu:0.1.0 .
