@@ -121,6 +121,13 @@ def worker_parser(environ: Mapping[str, str] | None = None) -> FlagParser:
     p.flag("--no-progress", switch=True, help="no progress bar (there is none when stderr is not a terminal)")
     p.flag("--events", switch=True, help="print one JSON object per step on stdout (used by ps-launch)")
     p.flag("--log-level", default="WARNING", choices=("DEBUG", "INFO", "WARNING", "ERROR"), help="log level")
+    workload_argument(p)
+    return p
+
+
+def workload_argument(p: FlagParser) -> None:
+    """The positional WORKLOAD (a built-in name; twin ``PS_WORKLOAD``, default digits) of ps-worker
+    and ps-launch."""
     p.add_argument(
         "workload",
         nargs="?",
@@ -128,7 +135,6 @@ def worker_parser(environ: Mapping[str, str] | None = None) -> FlagParser:
         choices=WORKLOAD_NAMES,
         help="built-in workload [env PS_WORKLOAD]",
     )
-    return p
 
 
 def optimizer_spec(name: str, lr: float, momentum: float) -> dict[str, float | str]:

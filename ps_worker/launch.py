@@ -37,7 +37,7 @@ from ps_server.core.modes import MODES
 from ps_server.flags import FlagParser, join_timeout_flag, mode_flags, secret
 from ps_server.process_env import GLIBC_TUNABLES, available_cpus, launch_environment
 from ps_worker.faults import Fault, parse_faults
-from ps_worker.flags import WORKLOAD_NAMES, CommandParser, training_flags
+from ps_worker.flags import CommandParser, training_flags, workload_argument
 
 LISTENING = re.compile(r"listening on (\S+)")
 METRICS = re.compile(r"metrics on (http://\S+)")
@@ -92,13 +92,7 @@ def launch_parser(environ: Mapping[str, str] | None = None) -> FlagParser:
         default="",
         help="inject faults: kill-worker:R@step=N[,restart] or kill-shard:K@step=N[,restart], ';'-separated",
     )
-    p.add_argument(
-        "workload",
-        nargs="?",
-        default=p.environ.get("PS_WORKLOAD", "digits"),
-        choices=WORKLOAD_NAMES,
-        help="built-in workload [env PS_WORKLOAD]",
-    )
+    workload_argument(p)
     return p
 
 
