@@ -681,6 +681,9 @@ def run(args: Any) -> int:
         done: dict[str, dict[str, Any]] = {}
         exited: set[str] = set()
         killed: dict[str, Fault] = {}
+        # a killed worker with `,restart` starts again once the shards evicted it (or after three leases),
+        # so the console shows the kill, the eviction and the rejoin in that order: worker name -> deadline
+        respawn: dict[str, float] = {}
         shards = [c for c in cluster.children if c.name.startswith("shard-")]
         runs: dict[int, list[RankRun]] = {r: [] for r in range(args.workers)}
         first_step: float | None = None
@@ -705,6 +708,16 @@ def run(args: Any) -> int:
             if watch is not None:
                 for line in watch.changes():
                     tqdm.write(f"ps-launch: {line}", file=sys.stderr)
+            for name in list(respawn):
+                evicted = watch is not None and watch.seen.get(int(name.split("-")[1]), (0,))[0] == (
+                    ps_pb2.WORKER_STATE_EVICTED
+                )
+                if evicted or time.monotonic() > respawn[name]:
+                    del respawn[name]
+                    rank = int(name.split("-")[1])
+                    workers[rank] = cluster.spawn(name, workers[rank].argv)
+                    threading.Thread(target=read_events, args=(workers[rank], events), daemon=True).start()
+                    restarts.append(name)
             try:
                 name, event = events.get(timeout=0.5)
             except queue.Empty:
@@ -742,9 +755,7 @@ def run(args: Any) -> int:
                 if not fault.restart:
                     exited.add(name)  # an injected death, not a failure of the run
                     continue
-                workers[rank] = cluster.spawn(name, workers[rank].argv)
-                threading.Thread(target=read_events, args=(workers[rank], events), daemon=True).start()
-                restarts.append(name)
+                respawn[name] = time.monotonic() + 3 * args.lease_timeout
             elif event.get("event") == "exit":
                 exited.add(name)
                 code = workers[rank].proc.wait(timeout=30)
