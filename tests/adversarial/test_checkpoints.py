@@ -3,20 +3,16 @@ and a failed write is counted, named and never silent (issue 11, items 6 and 11)
 
 from __future__ import annotations
 
-import os
 import queue
 import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from types import SimpleNamespace
-from typing import Any
 
 import grpc
 import pytest
@@ -24,12 +20,12 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from ps_proto.v1 import ps_pb2, ps_pb2_grpc
-from ps_server import checkpoint as checkpoint_module
 from ps_server.admin_client import ShardResult
 from ps_server.admin_view import render_status
 from ps_server.checkpoint import CheckpointStore
 from ps_server.metrics import CHECKPOINT_FAILURE_REASONS
 from ps_worker import DistributedOptimizer, PSClient
+from tests.unit.test_checkpoint import fill_disk
 
 RPC_TIMEOUT = 30.0
 """Seconds an Admin call may take here: checkpoint writes queue behind each other on a loaded disk."""
@@ -125,20 +121,6 @@ def replace_with_file(directory: Path) -> None:
     directory.write_text("not a directory\n")
 
 
-def full_disk(monkeypatch: pytest.MonkeyPatch) -> None:
-    """From now on, checkpoint files are written to /dev/full: every write fails with ENOSPC."""
-    if not Path("/dev/full").is_char_device():
-        pytest.skip("/dev/full is not available here")
-    real_mkstemp = tempfile.mkstemp
-
-    def mkstemp(**kw: Any) -> tuple[int, str]:
-        fd, name = real_mkstemp(**kw)
-        os.close(fd)
-        return os.open("/dev/full", os.O_WRONLY), name
-
-    monkeypatch.setattr(checkpoint_module, "tempfile", SimpleNamespace(mkstemp=mkstemp))
-
-
 def failure_samples(url: str) -> dict[str, float]:
     with urllib.request.urlopen(url, timeout=10) as reply:
         text = reply.read().decode()
@@ -182,7 +164,7 @@ def test_failed_checkpoint_writes_are_counted_named_and_shown(
         assert st.checkpoint_failures == 1 and st.last_checkpoint_error == details
 
         directory.unlink()
-        full_disk(monkeypatch)
+        fill_disk(monkeypatch, "dev_full")
         details = checkpoint_fails()
         assert "No space left on device; free some space or pass another --checkpoint-dir" in details, details
         assert "unexpected pos" not in details
