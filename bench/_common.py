@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from ps_server.process_env import GLIBC_TUNABLES  # given to every measured system alike: a fair comparison
+from ps_common.process_env import GLIBC_TUNABLES  # given to every measured system alike: a fair comparison
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = Path(__file__).resolve().parent

@@ -17,7 +17,7 @@ import sys
 import time
 from typing import Any
 
-from ps_server import jsonout
+from ps_common import jsonout
 
 MODES = {
     "sync": [],

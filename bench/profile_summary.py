@@ -30,8 +30,8 @@ IDLE = (
 CATEGORIES = (
     ("check_finite: numpy isfinite of received gradients", ("check_finite",)),
     ("shard: snapshot frames (one copy, cast to the wire dtype)", ("response_frames", "_snapshot_frames")),
-    ("frames: build (the one copy of each payload sent)", ("build (ps_server/frames.py",)),
-    ("frames: read (parse, zero-copy views)", ("read (ps_server/frames.py", "fields (ps_server/frames.py")),
+    ("frames: build (the one copy of each payload sent)", ("build (ps_common/frames.py",)),
+    ("frames: read (parse, zero-copy views)", ("read (ps_common/frames.py", "fields (ps_common/frames.py")),
     ("sync round: aggregate + optimizer step", ("aggregate", "ParameterStore.apply", "optimizer")),
     ("ByteSize(): a full re-serialization", ("PyUpb_Message_ByteSize",)),
     ("protobuf: build Partition + wrap in request/response", ("PyUpb_Message_InitAttributes", "MergeFrom")),

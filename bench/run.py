@@ -38,7 +38,7 @@ from _common import (
     shard_argv,
 )
 
-from ps_server import jsonout
+from ps_common import jsonout
 
 PY = sys.executable
 STARTUP_TIMEOUT = 300.0

@@ -18,8 +18,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from ps_common.codec import check_finite, decode, encode
 from ps_proto.v1 import ps_pb2
-from ps_server.core.codec import check_finite, decode, encode
 
 
 def stages(nbytes: int) -> dict[str, Callable[[], object]]:

@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from ps_server.core.errors import CheckpointError
+from ps_common.errors import CheckpointError
 
 log = logging.getLogger(__name__)
 

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ps_common.errors import CheckpointError, NotInitializedError
 from ps_server.checkpoint import CheckpointStore, failure_reason
-from ps_server.core.errors import CheckpointError, NotInitializedError
 from ps_server.metrics import ServerMetrics
 from ps_server.shard import Shard
 

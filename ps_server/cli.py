@@ -8,8 +8,8 @@ import sys
 import threading
 from collections.abc import Sequence
 
+from ps_common.errors import CheckpointError
 from ps_server.config import config_from_args
-from ps_server.core.errors import CheckpointError
 from ps_server.server import start_server
 
 

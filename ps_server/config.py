@@ -7,10 +7,10 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from ps_server.core.errors import InvalidRequestError
+from ps_common.errors import InvalidRequestError
+from ps_common.flags import FlagParser, join_timeout_flag, mode_flags, secret
+from ps_common.modes import MODES, ModeSettings
 from ps_server.core.limits import DEFAULT_MAX_PARAMETER_BYTES, Limits
-from ps_server.core.modes import MODES, ModeSettings
-from ps_server.flags import FlagParser, join_timeout_flag, mode_flags, secret
 
 LOOPBACK_NAMES = {"localhost", "ip6-localhost"}
 MAX_STREAMS = 1024

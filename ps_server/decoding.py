@@ -4,7 +4,7 @@ gRPC answers a request its deserializer cannot parse with INTERNAL and logs the 
 :class:`DecodingInterceptor` gives every handler a deserializer that never raises: undecodable
 bytes become an :class:`Undecodable` marker, and the call is refused with INVALID_ARGUMENT (and the
 ``ps-reason`` INVALID) before the servicer sees it. Methods that read their own bytes
-(``ps_server.frames``) already refuse malformed ones with INVALID_ARGUMENT and are left as they are.
+(``ps_common.frames``) already refuse malformed ones with INVALID_ARGUMENT and are left as they are.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 
 import grpc
 
-from ps_server.core.errors import InvalidRequestError
+from ps_common.errors import InvalidRequestError
 
 log = logging.getLogger(__name__)
 

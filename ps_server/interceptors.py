@@ -24,9 +24,9 @@ from typing import Any
 
 import grpc
 
+from ps_common.wire import message_size
 from ps_proto.v1 import ps_pb2
 from ps_server.metrics import ServerMetrics
-from ps_server.wire import message_size
 
 PUSH_METHOD = "ps.v1.ParameterService/Push"
 PULL_METHOD = "ps.v1.ParameterService/Pull"
@@ -75,7 +75,7 @@ WAIT_ENDED = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVA
 
 
 def _size(message: Any) -> int:
-    if isinstance(message, bytes | memoryview):  # a hand-built frame (ps_server.frames)
+    if isinstance(message, bytes | memoryview):  # a hand-built frame (ps_common.frames)
         return len(message)
     return message_size(message) if hasattr(message, "DESCRIPTOR") else 0
 

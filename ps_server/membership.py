@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ps_server.core.errors import InvalidRequestError, NotJoinedError, ReplayedPushError, SupersededError
+from ps_common.errors import InvalidRequestError, NotJoinedError, ReplayedPushError, SupersededError
 
 log = logging.getLogger(__name__)
 

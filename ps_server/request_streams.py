@@ -3,7 +3,7 @@ else is read, then each partition checked against the plan as it arrives.
 
 A stream is refused at its first bad frame (not initialized, another plan, a slice this shard does
 not own, a repeated partition, more bytes than the plan's share of this shard takes), so a call
-never holds more than about that share (:meth:`~ps_server.core.plan.Plan.request_bytes`), whatever
+never holds more than about that share (:meth:`~ps_common.plan.Plan.request_bytes`), whatever
 the client sends and for however long.
 """
 
@@ -13,9 +13,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from ps_server import frames
-from ps_server.core.errors import InvalidRequestError
-from ps_server.core.partitions import Intake, WirePartition
+from ps_common import frames
+from ps_common.errors import InvalidRequestError
+from ps_common.partition import WirePartition
+from ps_server.core.partitions import Intake
 
 HEADER_FIELD = 1
 """Field number of the header in InitRequest, PushRequest, ExchangeRequest and PushPullRequest."""
@@ -39,7 +40,7 @@ def read_request(
     packed: bool,
     count: Callable[[int], None],
 ) -> Request:
-    """Read a stream of hand-read frames (:mod:`ps_server.frames`).
+    """Read a stream of hand-read frames (:mod:`ps_common.frames`).
 
     Args:
         request_iterator: the call's messages, as bytes.

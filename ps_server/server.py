@@ -11,6 +11,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
+from ps_common.metrics_endpoint import MetricsEndpoint, serve_metrics
 from ps_proto.v1 import ps_pb2, ps_pb2_grpc
 from ps_server.auth import TokenInterceptor
 from ps_server.checkpoint import CheckpointStore
@@ -18,7 +19,7 @@ from ps_server.checkpointer import Checkpointer
 from ps_server.config import ServerConfig
 from ps_server.decoding import DecodingInterceptor
 from ps_server.interceptors import MetricsInterceptor
-from ps_server.metrics import MetricsEndpoint, ServerMetrics, serve_metrics
+from ps_server.metrics import ServerMetrics
 from ps_server.servicer import AdminServicer, Counters, ParameterServicer, parameter_service_handler
 from ps_server.shard import Shard
 from ps_server.streams import PUBLIC, WATCH, StreamLimit, StreamLimitInterceptor

@@ -15,19 +15,12 @@ from typing import Any, TypeVar
 
 import grpc
 
-from ps_proto.v1 import ps_pb2, ps_pb2_grpc
-from ps_server import frames
-from ps_server.checkpointer import Checkpointer
-from ps_server.core import errors
-from ps_server.core.modes import ModeSettings
-from ps_server.core.optimizer import OptimizerSpec
-from ps_server.core.partitions import Intake
-from ps_server.core.plan import Plan
-from ps_server.core.text import shown
-from ps_server.interceptors import note_push
-from ps_server.request_streams import Request, read_request
-from ps_server.shard import PushResult, Shard, StatusView, WorkerState
-from ps_server.wire import (
+from ps_common import errors, frames
+from ps_common.modes import ModeSettings
+from ps_common.optimizer import OptimizerSpec
+from ps_common.plan import Plan
+from ps_common.text import shown
+from ps_common.wire import (
     MODE_TO_NAME,
     NAME_TO_MODE,
     SpecList,
@@ -36,6 +29,12 @@ from ps_server.wire import (
     optimizer_from_proto,
     optimizer_to_proto,
 )
+from ps_proto.v1 import ps_pb2, ps_pb2_grpc
+from ps_server.checkpointer import Checkpointer
+from ps_server.core.partitions import Intake
+from ps_server.interceptors import note_push
+from ps_server.request_streams import Request, read_request
+from ps_server.shard import PushResult, Shard, StatusView, WorkerState
 
 log = logging.getLogger(__name__)
 
@@ -191,7 +190,7 @@ def push_response(r: PushResult) -> ps_pb2.PushResponse:
 
 
 RAW_METHODS = frozenset({"Init", "Push", "Pull", "PushPull", "PushPullOnce", "Exchange"})
-"""ParameterService methods whose partitions travel as hand-built frames (``ps_server.frames``):
+"""ParameterService methods whose partitions travel as hand-built frames (``ps_common.frames``):
 their requests reach the servicer as ``bytes`` (Pull's small request the servicer parses itself)."""
 
 RAW_RESPONSES = frozenset({"Pull", "PushPull", "PushPullOnce", "Exchange"})

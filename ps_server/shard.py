@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
-from ps_server import frames
-from ps_server.core.codec import torch_dtype, wire_dtype_allowed
-from ps_server.core.errors import (
+from ps_common import frames
+from ps_common.codec import torch_dtype, wire_dtype_allowed
+from ps_common.errors import (
     CheckpointError,
     HyperparametersDisagreeError,
     InvalidRequestError,
@@ -35,13 +35,14 @@ from ps_server.core.errors import (
     UpdateRefusedError,
     WaitTimeoutError,
 )
+from ps_common.frames import response_frames
+from ps_common.modes import MODES, ModeSettings
+from ps_common.optimizer import OptimizerSpec, check_in_range
+from ps_common.partition import WirePartition
+from ps_common.plan import ParameterSpec, Plan, make_plan, plan_digest
+from ps_common.text import quote
 from ps_server.core.limits import Limits
-from ps_server.core.modes import MODES, ModeSettings
-from ps_server.core.optimizer import OptimizerSpec, check_in_range
-from ps_server.core.partitions import WirePartition, match_partitions
-from ps_server.core.plan import ParameterSpec, Plan, make_plan, plan_digest
-from ps_server.core.text import quote
-from ps_server.frames import response_frames
+from ps_server.core.partitions import match_partitions
 from ps_server.membership import Member, Membership, MemberView, PushResult, WorkerState
 from ps_server.policy import asynchronous, easgd, ssp
 from ps_server.policy.sync import Hyperparameters, SyncRounds, aggregate, agreed_hyperparameters
@@ -764,7 +765,7 @@ class Shard:
 
         Returns:
             (version, encoded messages) in plan order, from one consistent snapshot (see
-            :func:`ps_server.frames.response_frames`). Every rank reading the same version with
+            :func:`ps_common.frames.response_frames`). Every rank reading the same version with
             the same ``wire_dtype`` and ``packed`` shares one copy of the parameters.
 
         Raises:

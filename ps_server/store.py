@@ -8,11 +8,11 @@ from typing import Any
 
 import torch
 
-from ps_server.core.codec import torch_dtype
-from ps_server.core.errors import NonFiniteUpdateError, UpdateRefusedError
+from ps_common.codec import torch_dtype
+from ps_common.errors import NonFiniteUpdateError, UpdateRefusedError
+from ps_common.optimizer import OptimizerSpec, check_hyperparameter_range
+from ps_common.plan import PartitionSlice, Plan
 from ps_server.core.finite import all_finite
-from ps_server.core.optimizer import OptimizerSpec, check_hyperparameter_range
-from ps_server.core.plan import PartitionSlice, Plan
 
 
 class ParameterStore:

@@ -15,7 +15,7 @@ import time
 from collections.abc import Sequence
 from typing import IO, Any
 
-from ps_server import jsonout
+from ps_common import jsonout
 from ps_worker.flags import optimizer_spec, ratio, training_flags, worker_parser
 
 __all__ = ["main", "optimizer_spec", "ratio", "training_flags", "worker_parser"]
@@ -82,7 +82,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not 0 <= args.rank < args.num_workers:
         parser.error(f"--rank must be in 0..{args.num_workers - 1}, got {args.rank}")
-    from ps_server.channels import parse_servers  # grpc, not torch: still fast
+    from ps_common.channels import parse_servers  # grpc, not torch: still fast
 
     try:  # a malformed address is refused here, before any connection is attempted
         args.servers = ",".join(parse_servers(args.servers))
@@ -105,9 +105,9 @@ def _run(parser: Any, args: Any) -> int:
     import torch
     from prometheus_client import CollectorRegistry
 
-    from ps_server.core.errors import PSError
-    from ps_server.flags import secret
-    from ps_server.metrics import serve_metrics
+    from ps_common.errors import PSError
+    from ps_common.flags import secret
+    from ps_common.metrics_endpoint import serve_metrics
     from ps_worker.client import PSClient
     from ps_worker.errors import ShardError
     from ps_worker.metrics import WorkerMetrics

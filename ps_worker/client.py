@@ -20,13 +20,12 @@ from typing import TYPE_CHECKING, Any
 import grpc
 import torch
 
-from ps_proto.v1 import ps_pb2, ps_pb2_grpc
-from ps_server import frames
-from ps_server.channels import channel, parse_servers
-from ps_server.core.codec import dtype_name, torch_dtype, wire_dtype_allowed
-from ps_server.core.optimizer import OptimizerSpec
-from ps_server.core.plan import DEFAULT_PARTITION_BYTES, ParameterSpec, PartitionSlice, Plan, make_plan
-from ps_server.wire import (
+from ps_common import frames
+from ps_common.channels import channel, parse_servers
+from ps_common.codec import dtype_name, torch_dtype, wire_dtype_allowed
+from ps_common.optimizer import OptimizerSpec
+from ps_common.plan import DEFAULT_PARTITION_BYTES, ParameterSpec, PartitionSlice, Plan, make_plan
+from ps_common.wire import (
     MODE_TO_NAME,
     NAME_TO_DTYPE,
     message_size,
@@ -35,6 +34,7 @@ from ps_server.wire import (
     plan_to_proto,
     with_partition,
 )
+from ps_proto.v1 import ps_pb2, ps_pb2_grpc
 from ps_worker.compression import TopK
 from ps_worker.errors import HINT_UNREACHABLE, ShardError, ShardUnreachableError
 from ps_worker.retry import RETRYABLE, backoff_delays, retry_call
@@ -340,7 +340,7 @@ class PSClient:
 
         Args:
             model: its ``named_parameters()`` define the plan (float32/float16/bfloat16/float64).
-            optimizer: ``{"name": "sgd", "lr": 0.1, ...}`` (see ``ps_server.core.optimizer``);
+            optimizer: ``{"name": "sgd", "lr": 0.1, ...}`` (see ``ps_common.optimizer``);
                 used by rank 0 only. Default ``{"name": "sgd", "lr": 0.1}``. Parameter groups:
                 ``"groups": [{"params": ["fc.bias", ...], "weight_decay": 0.0}, ...]`` (parameter
                 names), groups 1, 2...; group 0 holds the parameters in none, with the top-level arguments.

@@ -12,8 +12,8 @@ import sys
 from collections.abc import Mapping
 from typing import NoReturn
 
-from ps_server.channels import tls_flags
-from ps_server.flags import FlagParser
+from ps_common.channels import tls_flags
+from ps_common.flags import FlagParser
 
 WORKLOAD_NAMES = ("charlm", "digits", "linreg")
 """The built-in workloads (the keys of ``ps_worker.workloads.WORKLOADS``, sorted; a test keeps them equal)."""

@@ -31,11 +31,11 @@ from typing import IO, Any
 import grpc
 from tqdm import tqdm
 
+from ps_common import jsonout
+from ps_common.flags import FlagParser, join_timeout_flag, mode_flags, secret
+from ps_common.modes import MODES
+from ps_common.process_env import GLIBC_TUNABLES, available_cpus, launch_environment
 from ps_proto.v1 import ps_pb2, ps_pb2_grpc
-from ps_server import jsonout
-from ps_server.core.modes import MODES
-from ps_server.flags import FlagParser, join_timeout_flag, mode_flags, secret
-from ps_server.process_env import GLIBC_TUNABLES, available_cpus, launch_environment
 from ps_worker.faults import Fault, parse_faults
 from ps_worker.flags import CommandParser, training_flags, workload_argument
 

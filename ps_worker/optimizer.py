@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from ps_server.core.codec import torch_dtype
+from ps_common.codec import torch_dtype
 from ps_worker.client import PendingPushPull, PSClient
 
 log = logging.getLogger(__name__)

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
-from ps_server.core.optimizer import OptimizerSpec
+from ps_common.optimizer import OptimizerSpec
 from ps_worker.client import PSClient
 from ps_worker.metrics import WorkerMetrics
 from ps_worker.optimizer import DistributedOptimizer

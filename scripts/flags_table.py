@@ -7,9 +7,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from ps_server.admin_cli import admin_parser
+from ps_admin.cli import admin_parser
+from ps_common.flags import FlagParser
 from ps_server.config import server_parser
-from ps_server.flags import FlagParser
 from ps_worker.cli import worker_parser
 from ps_worker.launch import launch_parser
 

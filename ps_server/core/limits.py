@@ -12,10 +12,10 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ps_server.core.codec import DTYPES
-from ps_server.core.errors import InvalidRequestError
-from ps_server.core.plan import DEFAULT_PARTITION_BYTES, HEADER_BYTES, MAX_PARTITION_BYTES, ParameterSpec
-from ps_server.core.text import quote
+from ps_common.codec import DTYPES
+from ps_common.errors import InvalidRequestError
+from ps_common.plan import DEFAULT_PARTITION_BYTES, HEADER_BYTES, MAX_PARTITION_BYTES, ParameterSpec
+from ps_common.text import quote
 
 DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 """Default ``--max-message-bytes`` (16 MiB)."""

@@ -4,39 +4,18 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from ps_server.core.codec import DTYPES, check_finite, decode, torch_dtype, wire_dtype_allowed
-from ps_server.core.errors import InvalidRequestError, UnknownKeyError
-from ps_server.core.plan import PartitionSlice, Plan
-from ps_server.core.text import quote
+from ps_common.codec import DTYPES, check_finite, decode, torch_dtype, wire_dtype_allowed
+from ps_common.errors import InvalidRequestError, UnknownKeyError
+from ps_common.partition import WirePartition
+from ps_common.plan import PartitionSlice, Plan
+from ps_common.text import quote
 
 ITEMSIZES = {name: dtype.itemsize for name, dtype in DTYPES.items()}
 """Bytes per element of each wire dtype."""
-
-
-@dataclass(frozen=True)
-class WirePartition:
-    """One received partition before validation: raw ``data`` of ``length`` elements of ``dtype``
-    (a wire dtype name) at ``offset`` of the flattened parameter ``key``; with ``indices``
-    (uint32 little-endian, ascending), a top-k sparse slice whose ``data`` holds one value per
-    index. ``data``/``indices`` are ``bytes`` or byte memoryviews of a received message."""
-
-    key: str
-    offset: int
-    length: int
-    dtype: str
-    data: bytes | memoryview
-    indices: bytes | memoryview = b""
-    finite: bool = False
-    """Already checked to hold no NaN or infinity (as each message arrived, overlapping the rest of
-    the stream); :func:`match_partitions` then skips the check."""
-    slot: int = -1
-    """Its position among the shard's partitions, when an :class:`Intake` admitted it (every check
-    of :meth:`Intake.slot` passed); :func:`match_partitions` then does not repeat them."""
 
 
 def densify(part: WirePartition, dtype: torch.dtype, what: str) -> torch.Tensor:

@@ -9,7 +9,7 @@ Distributed Deep Learning", IJCAI 2016 (section 3, eq. 3).
 
 from __future__ import annotations
 
-from ps_server.core.errors import StalePushError
+from ps_common.errors import StalePushError
 
 
 def staleness(version_now: int, grad_version: int) -> int:

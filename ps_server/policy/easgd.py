@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from ps_server.core.errors import NonFiniteUpdateError
+from ps_common.errors import NonFiniteUpdateError
 from ps_server.core.finite import all_finite
 
 

@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
-from ps_server.core.errors import FutureRoundError, PreconditionError, StalePushError
+from ps_common.errors import FutureRoundError, PreconditionError, StalePushError
 
 Gradients = Sequence[torch.Tensor]
 """One 1-D tensor per partition owned by the shard, in plan order."""

@@ -18,10 +18,10 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from ps_common import frames
+from ps_common.plan import ParameterSpec, plan_digest
+from ps_common.wire import plan_to_proto
 from ps_proto.v1 import ps_pb2, ps_pb2_grpc
-from ps_server import frames
-from ps_server.core.plan import ParameterSpec, plan_digest
-from ps_server.wire import plan_to_proto
 from ps_worker import PSClient
 from tests.conftest import RPC_TIMEOUT, small_model
 

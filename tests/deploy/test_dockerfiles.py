@@ -8,7 +8,7 @@ import pytest
 from deploy_tools import require_tool
 from deployment import REPO, parse_dockerfile, run_tool
 
-from ps_server.process_env import GLIBC_TUNABLES
+from ps_common.process_env import GLIBC_TUNABLES
 
 DOCKERFILES = sorted((REPO / "deploy" / "docker").glob("*.Dockerfile"))
 

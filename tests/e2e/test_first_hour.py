@@ -306,7 +306,7 @@ def test_item9_ps_admin_checkpoint_prints_an_absolute_path(tmp_path) -> None:
         finally:
             client.close()
         out = subprocess.run(
-            [sys.executable, "-m", "ps_server.admin_cli", "--servers", address, "checkpoint"],
+            [sys.executable, "-m", "ps_admin.cli", "--servers", address, "checkpoint"],
             capture_output=True,
             text=True,
             cwd=tmp_path,

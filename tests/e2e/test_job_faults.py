@@ -57,7 +57,7 @@ def test_malformed_address_fails_at_once_naming_it(address: str, complaint: str)
     assert out.returncode == 2, out.stderr[-2000:]
     assert f"--servers: Shard address {address!r}" in out.stderr and complaint in out.stderr, out.stderr
     assert seconds < 40  # start-up (torch import) on a loaded machine; no connection attempt
-    admin, _ = run([PY, "-m", "ps_server.admin_cli", "--servers", address, "status"], timeout=50)
+    admin, _ = run([PY, "-m", "ps_admin.cli", "--servers", address, "status"], timeout=50)
     assert admin.returncode == 2 and f"Shard address {address!r}" in admin.stderr, admin.stderr
 
 

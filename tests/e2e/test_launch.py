@@ -12,7 +12,7 @@ import threading
 
 import pytest
 
-from ps_server.process_env import GLIBC_TUNABLES
+from ps_common.process_env import GLIBC_TUNABLES
 
 LAUNCH = [sys.executable, "-m", "ps_worker.launch"]
 

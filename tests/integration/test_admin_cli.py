@@ -19,15 +19,15 @@ import grpc
 import pytest
 import torch
 
+from ps_admin.client import ShardResult, Watcher, watch
+from ps_admin.view import render_top
 from ps_proto.v1 import ps_pb2, ps_pb2_grpc
-from ps_server.admin_client import ShardResult, Watcher, watch
-from ps_server.admin_view import render_top
 from ps_server.config import ServerConfig
 from ps_server.server import ShardServer, start_server
 from ps_worker import PSClient
 from tests.conftest import RPC_TIMEOUT, small_model
 
-ADMIN = [sys.executable, "-m", "ps_server.admin_cli"]
+ADMIN = [sys.executable, "-m", "ps_admin.cli"]
 
 
 def ps_admin(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

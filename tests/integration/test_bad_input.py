@@ -8,9 +8,9 @@ import grpc
 import pytest
 import torch
 
+from ps_common.codec import encode
+from ps_common.wire import plan_to_proto
 from ps_proto.v1 import ps_pb2, ps_pb2_grpc
-from ps_server.core.codec import encode
-from ps_server.wire import plan_to_proto
 from ps_worker import PSClient
 from tests.conftest import RPC_TIMEOUT, small_model
 
@@ -151,7 +151,7 @@ def test_init_with_another_plan_is_refused(live) -> None:
     other = PSClient([shard.address], rank=1, num_workers=2, incarnation=1, timeout=RPC_TIMEOUT)
     try:
         big = torch.nn.Linear(8, 9)
-        from ps_server.core.plan import make_plan
+        from ps_common.plan import make_plan
         from ps_worker.client import model_specs
 
         plan = make_plan(model_specs(list(big.named_parameters())), 1)
@@ -176,7 +176,7 @@ def test_init_with_another_plan_is_refused(live) -> None:
     [({"name": "pickle", "lr": 0.1}, "Unknown optimizer"), ({"name": "sgd", "lr": float("inf")}, "finite")],
 )
 def test_bad_optimizer_spec_is_refused_before_anything_is_sent(start_cluster, optimizer, message) -> None:
-    from ps_server.core.errors import InvalidRequestError
+    from ps_common.errors import InvalidRequestError
 
     (shard,) = start_cluster(num_shards=1, num_workers=1)
     with PSClient([shard.address], rank=0, num_workers=1, timeout=RPC_TIMEOUT) as client:
@@ -188,7 +188,7 @@ def test_bad_optimizer_spec_is_refused_before_anything_is_sent(start_cluster, op
 def test_bad_optimizer_on_the_wire_is_invalid_argument(start_cluster) -> None:
     (shard,) = start_cluster(num_shards=1, num_workers=1)
     model = small_model()
-    from ps_server.core.plan import make_plan
+    from ps_common.plan import make_plan
     from ps_worker.client import model_specs
 
     plan = make_plan(model_specs(list(model.named_parameters())), 1)

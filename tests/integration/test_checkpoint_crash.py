@@ -23,8 +23,8 @@ from types import TracebackType
 
 import pytest
 
+from ps_common.errors import CheckpointError
 from ps_server.checkpoint import CheckpointStore
-from ps_server.core.errors import CheckpointError
 from tests.helpers.checkpoint_writer import expected_state
 from tests.helpers.compare import assert_identical
 

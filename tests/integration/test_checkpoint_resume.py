@@ -88,7 +88,7 @@ def test_admin_checkpoint_writes_now_and_needs_a_directory(tmp_path, start_clust
 
 
 def test_checkpoint_of_another_cluster_shape_is_refused(tmp_path) -> None:
-    from ps_server.core.errors import CheckpointError
+    from ps_common.errors import CheckpointError
 
     shard = start_server(ServerConfig(shard_index=0, num_shards=1, num_workers=1, port=0, checkpoint_dir=str(tmp_path)))
     try:

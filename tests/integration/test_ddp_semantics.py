@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ps_server.core.plan import DEFAULT_PARTITION_BYTES
+from ps_common.plan import DEFAULT_PARTITION_BYTES
 from ps_worker import DistributedOptimizer, PSClient
 from tests.conftest import RPC_TIMEOUT, small_model
 from tests.helpers import ddp_script

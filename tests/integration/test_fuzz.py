@@ -3,7 +3,7 @@ and mutated bytes on all 17 methods a shard serves.
 
 Every refusal carries one of the contract's status codes, the shard's state is unchanged by a
 refused call, and the shard keeps serving. Undecodable bytes get INVALID_ARGUMENT on every method
-(the data RPCs read by ps_server.frames, the others through ps_server.decoding); no call ever
+(the data RPCs read by ps_common.frames, the others through ps_server.decoding); no call ever
 ends INTERNAL or UNKNOWN.
 """
 
@@ -17,11 +17,11 @@ from grpc_reflection.v1alpha import reflection_pb2
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from ps_common import frames
+from ps_common.wire import plan_to_proto
 from ps_proto.v1 import ps_pb2, ps_pb2_grpc
-from ps_server import frames
 from ps_server.config import ServerConfig
 from ps_server.server import start_server
-from ps_server.wire import plan_to_proto
 from ps_worker import PSClient
 from tests.conftest import RPC_TIMEOUT, small_model
 

@@ -11,8 +11,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
+from ps_common.metrics_endpoint import serve_metrics
 from ps_proto.v1 import ps_pb2, ps_pb2_grpc
-from ps_server.metrics import serve_metrics
 from ps_worker.client import PSClient
 from ps_worker.metrics import WorkerMetrics
 from ps_worker.train import train

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from ps_server.metrics import serve_metrics
+from ps_common.metrics_endpoint import serve_metrics
 from ps_worker.metrics import WorkerMetrics
 
 DEADLINE = 60.0

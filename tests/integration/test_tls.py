@@ -14,8 +14,8 @@ import grpc
 import pytest
 import torch
 
+from ps_common.channels import channel
 from ps_proto.v1 import ps_pb2, ps_pb2_grpc
-from ps_server.channels import channel
 from ps_worker import DistributedOptimizer, PSClient
 from tests.conftest import RPC_TIMEOUT, small_model
 
@@ -130,8 +130,8 @@ def test_mutual_tls_requires_a_client_certificate(start_cluster, pki: Path) -> N
 
 
 def test_tls_settings_are_validated(pki: Path) -> None:
+    from ps_common.errors import InvalidRequestError
     from ps_server.config import ServerConfig
-    from ps_server.core.errors import InvalidRequestError
 
     with pytest.raises(InvalidRequestError, match="go together"):
         ServerConfig(0, 1, 1, tls_cert=str(pki / "shard.pem"))
@@ -144,7 +144,7 @@ def test_tls_settings_are_validated(pki: Path) -> None:
 def ps_admin(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     environ = {k: v for k, v in os.environ.items() if not k.startswith("PS_")} | (env or {})
     return subprocess.run(
-        [sys.executable, "-m", "ps_server.admin_cli", *args], capture_output=True, text=True, timeout=60, env=environ
+        [sys.executable, "-m", "ps_admin.cli", *args], capture_output=True, text=True, timeout=60, env=environ
     )
 
 

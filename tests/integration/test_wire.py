@@ -10,7 +10,7 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from ps_server import frames
+from ps_common import frames
 from ps_worker.client import PSClient
 from ps_worker.train import train
 from ps_worker.workloads import get_workload

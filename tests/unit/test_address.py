@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ps_server.channels import parse_address, parse_servers
+from ps_common.channels import parse_address, parse_servers
 
 
 @pytest.mark.parametrize(

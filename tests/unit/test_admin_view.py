@@ -9,10 +9,10 @@ import time
 import grpc
 import pytest
 
+from ps_admin.cli import admin_parser, update_request
+from ps_admin.client import ShardResult, _Watchdog, reconnect_delays
+from ps_admin.view import render_status, render_top, settings_lines, settings_text, staleness_cell, status_json
 from ps_proto.v1 import ps_pb2
-from ps_server.admin_cli import admin_parser, update_request
-from ps_server.admin_client import ShardResult, _Watchdog, reconnect_delays
-from ps_server.admin_view import render_status, render_top, settings_lines, settings_text, staleness_cell, status_json
 
 
 def config(**kw: object) -> ps_pb2.ClusterConfig:

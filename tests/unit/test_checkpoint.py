@@ -23,11 +23,11 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
+from ps_common.errors import CheckpointError
+from ps_common.optimizer import OPTIMIZERS, OptimizerSpec
 from ps_server import checkpoint as checkpoint_module
 from ps_server.checkpoint import FORMAT, FORMAT_VERSION, CheckpointStore, digest, failure_reason
 from ps_server.checkpointer import Checkpointer, CheckpointFailures
-from ps_server.core.errors import CheckpointError
-from ps_server.core.optimizer import OPTIMIZERS, OptimizerSpec
 from ps_server.metrics import CHECKPOINT_FAILURE_REASONS, ServerMetrics
 from tests.helpers.compare import assert_identical, bits
 

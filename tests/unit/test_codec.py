@@ -6,10 +6,11 @@ import numpy as np
 import pytest
 import torch
 
-from ps_server.core.codec import DTYPES, decode, encode
-from ps_server.core.errors import InvalidRequestError, UnknownKeyError
-from ps_server.core.partitions import WirePartition, match_partitions
-from ps_server.core.plan import ParameterSpec, make_plan
+from ps_common.codec import DTYPES, decode, encode
+from ps_common.errors import InvalidRequestError, UnknownKeyError
+from ps_common.partition import WirePartition
+from ps_common.plan import ParameterSpec, make_plan
+from ps_server.core.partitions import match_partitions
 
 
 @pytest.mark.parametrize("name", sorted(DTYPES))

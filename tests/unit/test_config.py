@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from ps_common.errors import InvalidRequestError
 from ps_server.config import ServerConfig, config_from_args, is_loopback
-from ps_server.core.errors import InvalidRequestError
 
 BASE = ["--shard-index", "0", "--num-shards", "2", "--num-workers", "2"]
 

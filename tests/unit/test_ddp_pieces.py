@@ -8,13 +8,13 @@ import io
 import pytest
 import torch
 
-from ps_server import frames
-from ps_server.core.codec import encode
-from ps_server.core.errors import HyperparametersDisagreeError, InvalidRequestError, UpdateRefusedError
-from ps_server.core.modes import ModeSettings
-from ps_server.core.optimizer import OptimizerSpec
-from ps_server.core.partitions import WirePartition
-from ps_server.core.plan import ParameterSpec, make_plan
+from ps_common import frames
+from ps_common.codec import encode
+from ps_common.errors import HyperparametersDisagreeError, InvalidRequestError, UpdateRefusedError
+from ps_common.modes import ModeSettings
+from ps_common.optimizer import OptimizerSpec
+from ps_common.partition import WirePartition
+from ps_common.plan import ParameterSpec, make_plan
 from ps_server.policy.sync import agreed_hyperparameters
 from ps_server.shard import Shard
 from ps_server.store import ParameterStore

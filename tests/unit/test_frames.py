@@ -8,11 +8,11 @@ import pytest
 import torch
 from hypothesis import given
 
+from ps_common import frames
+from ps_common.codec import encode
+from ps_common.errors import InvalidRequestError
+from ps_common.wire import NAME_TO_DTYPE
 from ps_proto.v1 import ps_pb2
-from ps_server import frames
-from ps_server.core.codec import encode
-from ps_server.core.errors import InvalidRequestError
-from ps_server.wire import NAME_TO_DTYPE
 
 KEYS = st.text(min_size=1, max_size=12)
 DTYPE_NAMES = st.sampled_from(["float32", "float16", "bfloat16", "float64"])

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from ps_server.jsonout import dumps, finite_or_none
+from ps_common.jsonout import dumps, finite_or_none
 
 
 def strict_loads(text: str) -> object:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ps_server.core.errors import InvalidRequestError
-from ps_server.core.optimizer import OPTIMIZERS, OptimizerSpec
+from ps_common.errors import InvalidRequestError
+from ps_common.optimizer import OPTIMIZERS, OptimizerSpec
 
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))

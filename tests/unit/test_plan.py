@@ -11,11 +11,12 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ps_server.core.errors import InvalidRequestError, UnknownKeyError
+from ps_common.errors import InvalidRequestError, UnknownKeyError
+from ps_common.partition import WirePartition
+from ps_common.plan import FRAME_BYTES, HEADER_BYTES, ParameterSpec, make_plan
+from ps_common.text import quote, shown
 from ps_server.core.limits import Limits
-from ps_server.core.partitions import Intake, WirePartition, match_partitions
-from ps_server.core.plan import FRAME_BYTES, HEADER_BYTES, ParameterSpec, make_plan
-from ps_server.core.text import quote, shown
+from ps_server.core.partitions import Intake, match_partitions
 
 SPECS = (
     ParameterSpec("fc1.weight", (128, 64), "float32"),

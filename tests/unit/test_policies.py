@@ -7,8 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ps_server.core.errors import InvalidRequestError, NonFiniteUpdateError, StalePushError, WaitTimeoutError
-from ps_server.core.modes import ModeSettings
+from ps_common.errors import InvalidRequestError, NonFiniteUpdateError, StalePushError, WaitTimeoutError
+from ps_common.modes import ModeSettings
 from ps_server.policy import asynchronous, easgd, ssp
 from ps_server.policy.sync import SyncRounds
 
@@ -36,8 +36,8 @@ def test_inverse_staleness_learning_rate(tau: int, scale: float) -> None:
 
 
 def test_scaled_step_equals_plain_sgd_with_the_scaled_rate() -> None:
-    from ps_server.core.optimizer import OptimizerSpec
-    from ps_server.core.plan import ParameterSpec, make_plan
+    from ps_common.optimizer import OptimizerSpec
+    from ps_common.plan import ParameterSpec, make_plan
     from ps_server.store import ParameterStore
 
     plan = make_plan([ParameterSpec("w", (4,), "float32")], 1)
@@ -60,10 +60,10 @@ def test_ssp_read_condition() -> None:
 
 
 def shard_for(mode: str, n: int, **kw: object):
-    from ps_server.core.codec import encode
-    from ps_server.core.optimizer import OptimizerSpec
-    from ps_server.core.partitions import WirePartition
-    from ps_server.core.plan import ParameterSpec, make_plan
+    from ps_common.codec import encode
+    from ps_common.optimizer import OptimizerSpec
+    from ps_common.partition import WirePartition
+    from ps_common.plan import ParameterSpec, make_plan
     from ps_server.shard import Shard
 
     plan = make_plan([ParameterSpec("w", (3,), "float32")], 1)
@@ -166,7 +166,7 @@ def test_an_exchange_that_overflows_changes_nothing() -> None:
 
 
 def test_shard_exchange_is_algorithm_1_and_idempotent() -> None:
-    from ps_server import frames
+    from ps_common import frames
 
     shard, plan, wire = shard_for("easgd", 2, moving_rate=0.5)
     x = torch.tensor([2.0, 4.0, -2.0])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ps_server.process_env import GLIBC_TUNABLES, available_cpus, launch_environment
+from ps_common.process_env import GLIBC_TUNABLES, available_cpus, launch_environment
 
 
 def test_defaults_are_added_and_the_rest_is_kept() -> None:

@@ -7,9 +7,9 @@ import threading
 import pytest
 import torch
 
-from ps_server import frames
-from ps_server.core.codec import encode
-from ps_server.core.errors import (
+from ps_common import frames
+from ps_common.codec import encode
+from ps_common.errors import (
     InvalidRequestError,
     NonFiniteUpdateError,
     NotInitializedError,
@@ -19,10 +19,10 @@ from ps_server.core.errors import (
     StalePushError,
     WaitTimeoutError,
 )
-from ps_server.core.modes import ModeSettings
-from ps_server.core.optimizer import OptimizerSpec
-from ps_server.core.partitions import WirePartition
-from ps_server.core.plan import ParameterSpec, make_plan
+from ps_common.modes import ModeSettings
+from ps_common.optimizer import OptimizerSpec
+from ps_common.partition import WirePartition
+from ps_common.plan import ParameterSpec, make_plan
 from ps_server.shard import Shard, WorkerState
 
 SPECS = [ParameterSpec("w", (6,), "float32"), ParameterSpec("b", (2,), "float32")]
@@ -137,7 +137,7 @@ def test_stale_round_push_is_aborted(shard: Shard) -> None:
 
 def test_pull_for_a_round_without_its_push_is_push_lost(shard: Shard) -> None:
     """After a restart from an older checkpoint the acknowledged push is gone: waiting would deadlock."""
-    from ps_server.core.errors import PushLostError
+    from ps_common.errors import PushLostError
 
     with pytest.raises(PushLostError, match="push round 0 again"):
         shard.pull(0, 1, 1, PLAN.digest, timeout=1.0)
@@ -177,7 +177,7 @@ def test_lapsed_lease_evicts_and_the_round_goes_on(shard: Shard, clock: FakeCloc
 
 
 def test_close_wakes_waiters(shard: Shard) -> None:
-    from ps_server.core.errors import ShuttingDownError
+    from ps_common.errors import ShuttingDownError
 
     errors: list[Exception] = []
 

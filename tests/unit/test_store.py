@@ -7,10 +7,10 @@ import copy
 import pytest
 import torch
 
-from ps_server.core.errors import InvalidRequestError, NonFiniteUpdateError, UpdateRefusedError
+from ps_common.errors import InvalidRequestError, NonFiniteUpdateError, UpdateRefusedError
+from ps_common.optimizer import OptimizerSpec
+from ps_common.plan import ParameterSpec, make_plan
 from ps_server.core.finite import all_finite
-from ps_server.core.optimizer import OptimizerSpec
-from ps_server.core.plan import ParameterSpec, make_plan
 from ps_server.store import ParameterStore
 
 PLAN = make_plan([ParameterSpec("w", (40,), "float32"), ParameterSpec("b", (8,), "float32")], 1, 64)

@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 
-from ps_server.core.errors import PreconditionError, StalePushError
+from ps_common.errors import PreconditionError, StalePushError
 from ps_server.policy.sync import SyncRounds, aggregate
 
 

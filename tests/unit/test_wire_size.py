@@ -6,9 +6,9 @@ import random
 
 import torch
 
+from ps_common.codec import encode
+from ps_common.wire import message_size
 from ps_proto.v1 import ps_pb2
-from ps_server.core.codec import encode
-from ps_server.wire import message_size
 
 
 def test_message_size_equals_bytesize() -> None:

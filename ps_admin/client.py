@@ -17,8 +17,8 @@ from typing import Any
 
 import grpc
 
+from ps_common.channels import secure_or_plain
 from ps_proto.v1 import ps_pb2, ps_pb2_grpc
-from ps_server.channels import secure_or_plain
 
 FATAL = frozenset({grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED})
 """Codes no retry cures: ``top`` stops at once on them and watchers do not reconnect."""

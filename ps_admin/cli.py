@@ -19,13 +19,13 @@ from typing import IO, Any
 
 import grpc
 
+from ps_admin.client import FATAL, Reply, Watcher, checkpoint, evict_worker, fetch_all, update_config
+from ps_admin.view import STATE_NAMES, render_status, render_top, settings_lines, status_json
+from ps_common import jsonout
+from ps_common.channels import credentials, parse_servers, tls_flags
+from ps_common.flags import FlagParser
+from ps_common.modes import MODES
 from ps_proto.v1 import ps_pb2
-from ps_server import jsonout
-from ps_server.admin_client import FATAL, Reply, Watcher, checkpoint, evict_worker, fetch_all, update_config
-from ps_server.admin_view import STATE_NAMES, render_status, render_top, settings_lines, status_json
-from ps_server.channels import credentials, parse_servers, tls_flags
-from ps_server.core.modes import MODES
-from ps_server.flags import FlagParser
 
 UINT32_MAX = 2**32 - 1
 

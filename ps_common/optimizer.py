@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ps_server.core.errors import InvalidRequestError
+from ps_common.errors import InvalidRequestError
 
 OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
     "sgd": torch.optim.SGD,

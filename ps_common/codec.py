@@ -13,7 +13,7 @@ import warnings
 import numpy as np
 import torch
 
-from ps_server.core.errors import InvalidRequestError
+from ps_common.errors import InvalidRequestError
 
 if sys.byteorder != "little":  # pragma: no cover - every supported platform is little-endian
     raise ImportError("grpc-ps sends raw little-endian tensors and needs a little-endian host.")

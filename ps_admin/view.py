@@ -12,8 +12,8 @@ from typing import Any
 
 from google.protobuf.json_format import MessageToDict
 
+from ps_admin.client import ShardResult
 from ps_proto.v1 import ps_pb2
-from ps_server.admin_client import ShardResult
 
 STATE_NAMES = {
     ps_pb2.WORKER_STATE_UNSPECIFIED: "?",

@@ -10,7 +10,7 @@ from typing import Any
 
 import grpc
 
-from ps_server.flags import FlagParser
+from ps_common.flags import FlagParser
 
 ADDRESS_HINT = "write HOST:PORT, e.g. 127.0.0.1:50051 ([::1]:50051 for IPv6)"
 

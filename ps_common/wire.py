@@ -5,11 +5,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any, overload
 
+from ps_common.errors import InvalidRequestError
+from ps_common.optimizer import OptimizerSpec
+from ps_common.partition import WirePartition
+from ps_common.plan import ParameterSpec, Plan
 from ps_proto.v1 import ps_pb2
-from ps_server.core.errors import InvalidRequestError
-from ps_server.core.optimizer import OptimizerSpec
-from ps_server.core.partitions import WirePartition
-from ps_server.core.plan import ParameterSpec, Plan
 
 DTYPE_TO_NAME = {
     ps_pb2.DTYPE_FLOAT32: "float32",

@@ -15,9 +15,9 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from ps_server.core.codec import itemsize
-from ps_server.core.errors import InvalidRequestError
-from ps_server.core.text import quote
+from ps_common.codec import itemsize
+from ps_common.errors import InvalidRequestError
+from ps_common.text import quote
 
 DEFAULT_PARTITION_BYTES = 4 * 1024 * 1024
 """Default upper bound of one partition's payload, in bytes (4 MiB)."""

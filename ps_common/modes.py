@@ -7,8 +7,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ps_server.core.errors import InvalidRequestError
-from ps_server.core.text import quote
+from ps_common.errors import InvalidRequestError
+from ps_common.text import quote
 
 MODES = ("async", "easgd", "ssp", "sync")
 STALENESS_LR_RULES = ("", "inverse")

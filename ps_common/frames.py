@@ -24,11 +24,11 @@ from typing import Any
 
 import torch
 
+from ps_common.codec import DTYPES, decode
+from ps_common.errors import InvalidRequestError
+from ps_common.partition import WirePartition
+from ps_common.wire import DTYPE_TO_NAME, NAME_TO_DTYPE
 from ps_proto.v1 import ps_pb2
-from ps_server.core.codec import DTYPES, decode
-from ps_server.core.errors import InvalidRequestError
-from ps_server.core.partitions import WirePartition
-from ps_server.wire import DTYPE_TO_NAME, NAME_TO_DTYPE
 
 VARINT, I64, LEN, I32 = 0, 1, 2, 5
 """Protobuf wire types."""

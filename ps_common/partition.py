@@ -1,0 +1,26 @@
+"""One partition as it arrives on the wire, before any check."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class WirePartition:
+    """One received partition before validation: raw ``data`` of ``length`` elements of ``dtype``
+    (a wire dtype name) at ``offset`` of the flattened parameter ``key``; with ``indices``
+    (uint32 little-endian, ascending), a top-k sparse slice whose ``data`` holds one value per
+    index. ``data``/``indices`` are ``bytes`` or byte memoryviews of a received message."""
+
+    key: str
+    offset: int
+    length: int
+    dtype: str
+    data: bytes | memoryview
+    indices: bytes | memoryview = b""
+    finite: bool = False
+    """Already checked to hold no NaN or infinity (as each message arrived, overlapping the rest of
+    the stream); :func:`match_partitions` then skips the check."""
+    slot: int = -1
+    """Its position among the shard's partitions, when an :class:`Intake` admitted it (every check
+    of :meth:`Intake.slot` passed); :func:`match_partitions` then does not repeat them."""
