@@ -1,87 +1,123 @@
-"""Domain errors of grpc-ps; the servicer maps each class to one gRPC status code.
+"""Domain errors of grpc-ps, their reasons and their gRPC status codes: one table for both sides.
 
-Each class has a ``reason`` that travels in the trailing metadata ``ps-reason`` of the refused
-call, so clients can tell apart refusals that share a status code (an evicted rank rejoins, a
-restarted shard is re-synchronized) without parsing messages.
+Each class has a ``reason`` (a :class:`Reason`) that travels in the trailing metadata
+:data:`REASON_KEY` of the refused call, so clients can tell apart refusals that share a status code
+(an evicted rank rejoins, a restarted shard is re-synchronized) without parsing messages, and a
+``code``: the name of its ``grpc.StatusCode`` (a subclass inherits its parent's). The servicer
+aborts with ``code`` and ``reason``; the worker's exceptions (``ps_worker.errors``) map back.
 """
 
 from __future__ import annotations
+
+import enum
+
+REASON_KEY = "ps-reason"
+"""Trailing metadata key of a refused call's :class:`Reason`."""
+
+
+class Reason(enum.StrEnum):
+    """Why a shard refused a call (the ``ps-reason`` trailing metadata value)."""
+
+    ERROR = "ERROR"
+    INVALID = "INVALID"
+    UNKNOWN_KEY = "UNKNOWN_KEY"
+    PRECONDITION = "PRECONDITION"
+    NOT_INITIALIZED = "NOT_INITIALIZED"
+    PLAN_MISMATCH = "PLAN_MISMATCH"
+    NOT_JOINED = "NOT_JOINED"
+    SUPERSEDED = "SUPERSEDED"
+    FUTURE_ROUND = "FUTURE_ROUND"
+    PUSH_LOST = "PUSH_LOST"
+    JOIN_TIMEOUT = "JOIN_TIMEOUT"
+    STALE = "STALE"
+    REPLAYED = "REPLAYED"
+    UPDATE_FAILED = "UPDATE_FAILED"
+    NON_FINITE_UPDATE = "NON_FINITE_UPDATE"
+    HYPERPARAMETERS_DISAGREE = "HYPERPARAMETERS_DISAGREE"
+    SHUTTING_DOWN = "SHUTTING_DOWN"
+    WAIT_TIMEOUT = "WAIT_TIMEOUT"
+    CHECKPOINT = "CHECKPOINT"
+    TOO_MANY_STREAMS = "TOO_MANY_STREAMS"
 
 
 class PSError(Exception):
     """Base class. The message is shown to the caller and says what to do."""
 
-    reason = "ERROR"
+    reason: Reason = Reason.ERROR
+    code = "INTERNAL"
 
 
 class InvalidRequestError(PSError):
     """A request is malformed: unknown key, wrong dtype or length, non-finite values, bad config
     (INVALID_ARGUMENT)."""
 
-    reason = "INVALID"
+    reason: Reason = Reason.INVALID
+    code = "INVALID_ARGUMENT"
 
 
 class UnknownKeyError(InvalidRequestError):
     """A partition names a parameter or a slice this shard does not own (INVALID_ARGUMENT)."""
 
-    reason = "UNKNOWN_KEY"
+    reason: Reason = Reason.UNKNOWN_KEY
 
 
 class PreconditionError(PSError):
     """The shard is not in a state to serve the request (FAILED_PRECONDITION)."""
 
-    reason = "PRECONDITION"
+    reason: Reason = Reason.PRECONDITION
+    code = "FAILED_PRECONDITION"
 
 
 class NotInitializedError(PreconditionError):
     """The shard has not been initialized yet: rank 0 must call Init first."""
 
-    reason = "NOT_INITIALIZED"
+    reason: Reason = Reason.NOT_INITIALIZED
 
 
 class PlanMismatchError(PreconditionError):
     """The caller's plan digest differs from the shard's."""
 
-    reason = "PLAN_MISMATCH"
+    reason: Reason = Reason.PLAN_MISMATCH
 
 
 class NotJoinedError(PreconditionError):
     """The rank is not joined (evicted, left, or the shard restarted): Join again, then pull."""
 
-    reason = "NOT_JOINED"
+    reason: Reason = Reason.NOT_JOINED
 
 
 class SupersededError(PreconditionError):
     """A newer incarnation of the rank has joined; this process is stale and should exit."""
 
-    reason = "SUPERSEDED"
+    reason: Reason = Reason.SUPERSEDED
 
 
 class FutureRoundError(PreconditionError):
     """A sync push for a round the shard has not reached (it restarted from an older checkpoint,
     or the worker did not pull): pull from the shard, then push the round it holds."""
 
-    reason = "FUTURE_ROUND"
+    reason: Reason = Reason.FUTURE_ROUND
 
 
 class PushLostError(PreconditionError):
     """A sync pull waits for a round that holds no push from this rank: the push it acknowledged
     was lost when the shard restarted from a checkpoint. Push the gradient again, then pull."""
 
-    reason = "PUSH_LOST"
+    reason: Reason = Reason.PUSH_LOST
 
 
 class RanksMissingError(PreconditionError):
     """Ranks never joined within ``--join-timeout`` of the first Join, and a sync round, an ssp read
     or an easgd period waits for them: start them, or evict them to go on without them."""
 
-    reason = "JOIN_TIMEOUT"
+    reason: Reason = Reason.JOIN_TIMEOUT
 
 
 class StalePushError(PSError):
     """A push is too old to apply: pull the current parameters and retry (ABORTED)."""
 
-    reason = "STALE"
+    reason: Reason = Reason.STALE
+    code = "ABORTED"
 
 
 class ReplayedPushError(StalePushError):
@@ -89,7 +125,7 @@ class ReplayedPushError(StalePushError):
     and older than the answers it remembers: applied already (or skipped), never applied again
     (ABORTED): pull and push the next clock."""
 
-    reason = "REPLAYED"
+    reason: Reason = Reason.REPLAYED
 
 
 class UpdateRefusedError(PSError):
@@ -97,7 +133,8 @@ class UpdateRefusedError(PSError):
     optimizer state and version are as they were. Sync mode refuses the whole round; every rank of
     it is told. Pull and push the next gradient."""
 
-    reason = "UPDATE_FAILED"
+    reason: Reason = Reason.UPDATE_FAILED
+    code = "ABORTED"
 
 
 class NonFiniteUpdateError(UpdateRefusedError):
@@ -105,7 +142,7 @@ class NonFiniteUpdateError(UpdateRefusedError):
     parameters or optimizer state non-finite, although every value sent was finite; refused as a
     whole, nothing changed (ABORTED)."""
 
-    reason = "NON_FINITE_UPDATE"
+    reason: Reason = Reason.NON_FINITE_UPDATE
 
 
 class HyperparametersDisagreeError(UpdateRefusedError):
@@ -113,23 +150,27 @@ class HyperparametersDisagreeError(UpdateRefusedError):
     round is refused as a whole, nothing changed (FAILED_PRECONDITION). Every rank must step the
     same lr scheduler the same number of times."""
 
-    reason = "HYPERPARAMETERS_DISAGREE"
+    reason: Reason = Reason.HYPERPARAMETERS_DISAGREE
+    code = "FAILED_PRECONDITION"
 
 
 class ShuttingDownError(PSError):
     """The shard is stopping (UNAVAILABLE)."""
 
-    reason = "SHUTTING_DOWN"
+    reason: Reason = Reason.SHUTTING_DOWN
+    code = "UNAVAILABLE"
 
 
 class WaitTimeoutError(PSError):
     """A wait for a version ran past its deadline (DEADLINE_EXCEEDED)."""
 
-    reason = "WAIT_TIMEOUT"
+    reason: Reason = Reason.WAIT_TIMEOUT
+    code = "DEADLINE_EXCEEDED"
 
 
 class CheckpointError(PSError):
     """A checkpoint cannot be written (directory not writable, disk full) or read, or checkpoints
     exist but none of them loads (INTERNAL). The message names the file or directory."""
 
-    reason = "CHECKPOINT"
+    reason: Reason = Reason.CHECKPOINT
+    code = "INTERNAL"

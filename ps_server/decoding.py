@@ -15,12 +15,9 @@ from typing import Any
 
 import grpc
 
-from ps_common.errors import InvalidRequestError
+from ps_common.errors import REASON_KEY, InvalidRequestError
 
 log = logging.getLogger(__name__)
-
-REASON_KEY = "ps-reason"
-"""Trailing metadata key of a refusal's reason (as ``ps_server.servicer.REASON_KEY``)."""
 
 
 class Undecodable:
@@ -64,7 +61,7 @@ class DecodingInterceptor(grpc.ServerInterceptor):
         log.warning("%s refused (INVALID_ARGUMENT): %s", method, message)
         if self.on_refused is not None:
             self.on_refused()
-        context.set_trailing_metadata(((REASON_KEY, InvalidRequestError.reason),))
+        context.set_trailing_metadata(((REASON_KEY, str(InvalidRequestError.reason)),))
         context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
 
     def _checked(self, method: str, requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:

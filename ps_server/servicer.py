@@ -1,6 +1,6 @@
 """gRPC servicers of a shard: decode, call :class:`~ps_server.shard.Shard`, encode.
 
-Domain errors become status codes through :data:`STATUS_CODES`, the one table of the mapping.
+Domain errors become status codes through their class's ``code`` (``ps_common.errors``, one table for both sides).
 """
 
 from __future__ import annotations
@@ -38,20 +38,6 @@ from ps_server.shard import PushResult, Shard, StatusView, WorkerState
 
 log = logging.getLogger(__name__)
 
-STATUS_CODES: tuple[tuple[type[errors.PSError], grpc.StatusCode], ...] = (
-    (errors.InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
-    (errors.PreconditionError, grpc.StatusCode.FAILED_PRECONDITION),
-    (errors.StalePushError, grpc.StatusCode.ABORTED),
-    (errors.HyperparametersDisagreeError, grpc.StatusCode.FAILED_PRECONDITION),
-    (errors.UpdateRefusedError, grpc.StatusCode.ABORTED),
-    (errors.WaitTimeoutError, grpc.StatusCode.DEADLINE_EXCEEDED),
-    (errors.ShuttingDownError, grpc.StatusCode.UNAVAILABLE),
-    (errors.CheckpointError, grpc.StatusCode.INTERNAL),
-)
-"""Domain error class -> gRPC status code (first match wins)."""
-
-REASON_KEY = "ps-reason"
-"""Trailing metadata key carrying the domain error's ``reason`` of a refused call."""
 
 WORKER_STATES = {
     WorkerState.PENDING: ps_pb2.WORKER_STATE_PENDING,
@@ -64,11 +50,8 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def status_code(exc: errors.PSError) -> grpc.StatusCode:
-    """The status code of a domain error."""
-    for cls, code in STATUS_CODES:
-        if isinstance(exc, cls):
-            return code
-    return grpc.StatusCode.INTERNAL
+    """The status code of a domain error (its class's ``code``, ``ps_common.errors``)."""
+    return grpc.StatusCode[exc.code]
 
 
 class Counters:
@@ -93,7 +76,7 @@ def _refuse(servicer: Any, name: str, exc: errors.PSError, context: grpc.Service
     level = logging.INFO if code == grpc.StatusCode.DEADLINE_EXCEEDED else logging.WARNING
     message = shown(str(exc))  # client text escaped and cut short: one log line, a detail gRPC can send
     log.log(level, "%s refused (%s): %s", name, code.name, message)
-    context.set_trailing_metadata(((REASON_KEY, exc.reason),))
+    context.set_trailing_metadata(((errors.REASON_KEY, str(exc.reason)),))
     context.abort(code, message)
 
 

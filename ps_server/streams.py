@@ -35,11 +35,13 @@ from typing import Any
 
 import grpc
 
+from ps_common.errors import REASON_KEY, Reason
+
 DATA_SERVICE = "/ps.v1.ParameterService/"
 WATCH_SERVICE = "/ps.v1.Admin/"
 WATCH = "watch"
 PUBLIC = "public"
-REASON = "TOO_MANY_STREAMS"
+REASON = Reason.TOO_MANY_STREAMS
 """``ps-reason`` of a refused stream: not worth retrying until another stream closes."""
 
 
@@ -87,7 +89,7 @@ def stream_group(method: str, handler: grpc.RpcMethodHandler) -> str | None:
 
 
 def _refuse(limit: StreamLimit, context: grpc.ServicerContext) -> None:
-    context.set_trailing_metadata((("ps-reason", REASON),))
+    context.set_trailing_metadata(((REASON_KEY, str(REASON)),))
     context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, limit.refusal())
 
 
