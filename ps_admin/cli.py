@@ -10,7 +10,6 @@ shard on stderr), 2 on bad flags.
 
 from __future__ import annotations
 
-import argparse
 import shutil
 import sys
 import time
@@ -21,30 +20,14 @@ import grpc
 
 from ps_admin.client import FATAL, Reply, Watcher, checkpoint, evict_worker, fetch_all, update_config
 from ps_admin.view import STATE_NAMES, render_status, render_top, settings_lines, status_json
-from ps_common import jsonout
+from ps_common import jsonout, modes
 from ps_common.channels import credentials, parse_servers, tls_flags
 from ps_common.flags import FlagParser
-from ps_common.modes import MODES
+from ps_common.modes import MODES, uint32
 from ps_proto.v1 import ps_pb2
 
-UINT32_MAX = 2**32 - 1
-
-SET_FIELDS = (
-    ("lr", "learning_rate"),
-    ("sync_quorum", "sync_quorum"),
-    ("round_timeout", "round_timeout_seconds"),
-    ("max_staleness", "max_staleness"),
-    ("staleness_lr", "staleness_lr"),
-    ("staleness", "staleness"),
-    ("moving_rate", "moving_rate"),
-    ("communication_period", "communication_period"),
-)
-"""``set`` flag destination -> UpdateConfigRequest field (``--mode`` is handled apart)."""
-
-SET_FLAGS = (
-    "--lr, --mode, --sync-quorum, --round-timeout, --max-staleness, --staleness-lr, --staleness, "
-    "--moving-rate, --communication-period"
-)
+SET_FLAGS = ", ".join(("--lr", "--mode", *(m.flag for m in modes.UPDATABLE)))
+"""Every flag of ``set`` (its usage error lists them)."""
 
 
 # ---------------------------------------------------------------------------------------- commands
@@ -97,11 +80,9 @@ def cmd_top(args: Any, out: IO[str], err: IO[str]) -> int:
 
 def update_request(args: Any) -> ps_pb2.UpdateConfigRequest:
     """The UpdateConfigRequest of the ``set`` flags given (unset flags leave their field unset)."""
-    fields: dict[str, Any] = {
-        field: getattr(args, dest) for dest, field in SET_FIELDS if getattr(args, dest) is not None
-    }
-    if fields.get("staleness_lr") == "none":
-        fields["staleness_lr"] = ""
+    fields = modes.set_request_fields(args)
+    if args.lr is not None:
+        fields["learning_rate"] = args.lr
     if args.mode is not None:
         fields["mode"] = ps_pb2.Mode.Value(f"MODE_{args.mode.upper()}")
     return ps_pb2.UpdateConfigRequest(**fields)
@@ -175,14 +156,6 @@ def positive(text: str) -> float:
     return value
 
 
-def count(text: str) -> int:
-    """An integer in 0..2**32-1 (a uint32 field of ps.proto)."""
-    value = int(text)
-    if not 0 <= value <= UINT32_MAX:
-        raise argparse.ArgumentTypeError(f"{text} is out of range; give an integer from 0 to {UINT32_MAX}")
-    return value
-
-
 def add_set_flags(p: FlagParser) -> None:
     """``set``'s flags. Their twins are ``PS_SET_*``: ``PS_LR``, ``PS_MODE``, … configure workers
     and shards, and must not turn into changes when ``ps-admin`` runs beside them."""
@@ -196,17 +169,8 @@ def add_set_flags(p: FlagParser) -> None:
         "switch the consistency model at the next sync round boundary (not into or out of easgd)",
         choices=MODES,
     )
-    flag("--sync-quorum", "(sync) apply a round after the first K pushes (0 = every live rank)", type=count)
-    flag("--round-timeout", "(sync) seconds until ranks missing from a round are reported (0 = never)", type=float)
-    flag("--max-staleness", "(async) refuse gradients more than S versions old (-1 = no bound)", type=int)
-    flag(
-        "--staleness-lr",
-        "(async) 'inverse' scales the lr by 1/max(1, staleness); 'none' does not",
-        choices=("inverse", "none"),
-    )
-    flag("--staleness", "(ssp) the staleness bound s in clocks", type=count)
-    flag("--moving-rate", "(easgd) the moving rate alpha, in (0, 1]", type=float)
-    flag("--communication-period", "(easgd) local steps tau between exchanges", type=count)
+    for m in modes.UPDATABLE:
+        flag(m.flag, m.set_help, type=m.set_type, choices=m.set_choices)
 
 
 def admin_parser(environ: Mapping[str, str] | None = None) -> FlagParser:
@@ -232,7 +196,7 @@ def admin_parser(environ: Mapping[str, str] | None = None) -> FlagParser:
         environ=p.environ,
     )
     evict = sub.add_parser("evict", help="stop counting a rank on every shard", environ=p.environ)
-    evict.add_argument("rank", type=count, metavar="RANK", help="the rank to evict; it may rejoin with a restart")
+    evict.add_argument("rank", type=uint32, metavar="RANK", help="the rank to evict; it may rejoin with a restart")
     p.twins += status.twins + top.twins + change.twins  # one list of every flag and twin of the command
     change.set_defaults(set_usage_error=change.error)
     return p
@@ -267,7 +231,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not 0.1 <= args.interval <= 3600:
             parser.error(f"--interval must be from 0.1 to 3600 seconds, got {args.interval:g}.")
         return cmd_top(args, sys.stdout, sys.stderr)
-    if args.command == "set" and not any(getattr(args, d) is not None for d, _ in (*SET_FIELDS, ("mode", ""))):
+    if args.command == "set" and not (args.lr is not None or args.mode is not None or modes.set_request_fields(args)):
         args.set_usage_error(f"set needs at least one change: {SET_FLAGS}.")
     try:
         return COMMANDS[args.command](args, sys.stdout, sys.stderr)

@@ -13,6 +13,7 @@ from typing import Any
 from google.protobuf.json_format import MessageToDict
 
 from ps_admin.client import ShardResult
+from ps_common import modes
 from ps_proto.v1 import ps_pb2
 
 STATE_NAMES = {
@@ -64,56 +65,18 @@ def clock_gap(status: ps_pb2.ShardStatus) -> int | None:
     return max(clocks) - min(clocks) if clocks else None
 
 
-def seconds(value: float) -> str:
-    """``0`` -> ``off``; ``2.5`` -> ``2.5s``."""
-    return "off" if value <= 0 else f"{value:g}s"
-
-
 # ---------------------------------------------------------------------------------------- settings in force
-def mode_parameters(config: ps_pb2.ClusterConfig, mode: str) -> dict[str, Any]:
-    """The parameters of ``mode`` in ``config``, by their ClusterConfig field names (for ``--json``)."""
-    if mode == "sync":
-        return {"sync_quorum": config.sync_quorum, "round_timeout_seconds": config.round_timeout_seconds}
-    if mode == "async":
-        return {"max_staleness": config.max_staleness, "staleness_lr": config.staleness_lr}
-    if mode == "ssp":
-        return {"staleness": config.staleness}
-    if mode == "easgd":
-        return {
-            "moving_rate": config.moving_rate,
-            "communication_period": config.communication_period,
-            "easgd_sync": config.easgd_sync,
-        }
-    return {}
-
-
-def parameters_text(config: ps_pb2.ClusterConfig, mode: str) -> str:
-    """``mode``'s parameters for people: ``quorum all, round timeout off``."""
-    if mode == "sync":
-        quorum = "all" if config.sync_quorum == 0 else f"{config.sync_quorum} of {config.num_workers}"
-        return f"quorum {quorum}, round timeout {seconds(config.round_timeout_seconds)}"
-    if mode == "async":
-        bound = "none" if config.max_staleness < 0 else str(config.max_staleness)
-        return f"max staleness {bound}, staleness lr {config.staleness_lr or 'constant'}"
-    if mode == "ssp":  # the bound counts clocks (a rank's pushes), not versions
-        return f"staleness {config.staleness} clock{'' if config.staleness == 1 else 's'}"
-    if mode == "easgd":
-        kind = "rounds" if config.easgd_sync else "async"
-        return f"moving rate {config.moving_rate:g}, period {config.communication_period} ({kind})"
-    return "?"
-
-
 def settings_text(config: ps_pb2.ClusterConfig) -> str:
     """The learning rate and the parameters of the mode in force: ``lr 0.05, sync quorum all, round timeout off``."""
     mode = mode_text(config.mode)
     lr = f"{config.learning_rate:g}" if config.learning_rate else "-"  # 0: not initialized yet (no optimizer)
-    return f"lr {lr}, {mode} {parameters_text(config, mode)}"
+    return f"lr {lr}, {mode} {modes.parameters_text(config, mode)}"
 
 
 def pending_text(config: ps_pb2.ClusterConfig, pending_mode: int) -> str:
     """``ssp at the next round boundary (staleness 1)``, or ``""`` when no switch is pending."""
     pending = mode_text(pending_mode)
-    return f"{pending} at the next round boundary ({parameters_text(config, pending)})" if pending else ""
+    return f"{pending} at the next round boundary ({modes.parameters_text(config, pending)})" if pending else ""
 
 
 def settings_lines(shards: Sequence[tuple[str, ps_pb2.ClusterConfig, int]]) -> list[str]:
@@ -360,7 +323,7 @@ def status_json(results: Sequence[ShardResult]) -> dict[str, Any]:
                 "mode": mode,
                 "pending_mode": mode_text(s.pending_mode) or None,
                 "learning_rate": s.config.learning_rate,
-                "mode_parameters": mode_parameters(s.config, mode),
+                "mode_parameters": modes.parameters_json(s.config, mode),
                 "live_workers": len(live_clocks(s)),
                 "clock_gap": clock_gap(s),
                 "staleness": {

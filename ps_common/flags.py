@@ -11,6 +11,8 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from ps_common import modes
+
 TRUE = {"1", "true", "yes", "on"}
 FALSE = {"0", "false", "no", "off", ""}
 
@@ -101,35 +103,13 @@ def secret(value: str, path: str, flag: str) -> str:
 
 
 def mode_flags(p: FlagParser) -> None:
-    """The consistency-model flags, shared by ``ps-server`` and ``ps-launch`` (which forwards them)."""
-    p.flag(
-        "--sync-quorum",
-        type=int,
-        default=0,
-        help="sync: apply a round after the first K pushes, drop late ones (0 = every live rank)",
-    )
-    p.flag(
-        "--round-timeout",
-        type=float,
-        default=0.0,
-        help="sync: seconds after which ranks missing from an open round are reported (0 = never)",
-    )
-    p.flag(
-        "--max-staleness",
-        type=int,
-        default=-1,
-        help="async: refuse gradients more than S versions old with ABORTED (-1 = no bound)",
-    )
-    p.flag(
-        "--staleness-lr",
-        default="",
-        choices=("", "inverse"),
-        help="async: 'inverse' scales the learning rate by 1/max(1, staleness)",
-    )
-    p.flag("--staleness", type=int, default=0, help="ssp: the staleness bound s in clocks")
-    p.flag("--moving-rate", type=float, default=None, help="easgd: moving rate alpha (default 0.9/num_workers)")
-    p.flag("--communication-period", type=int, default=10, help="easgd: local steps tau between exchanges")
-    p.flag("--easgd-sync", switch=True, help="easgd: apply one period's exchanges together in rank order")
+    """The consistency-model flags (one per row of :data:`ps_common.modes.PARAMETERS`), shared by
+    ``ps-server`` and ``ps-launch`` (which forwards them with :func:`ps_common.modes.forward_flags`)."""
+    for m in modes.PARAMETERS:
+        if m.switch:
+            p.flag(m.flag, switch=True, help=m.help)
+        else:
+            p.flag(m.flag, type=m.type, default=m.default, choices=m.choices, help=m.help)
 
 
 def join_timeout_flag(p: FlagParser) -> None:

@@ -7,6 +7,7 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from ps_common import modes
 from ps_common.errors import InvalidRequestError
 from ps_common.flags import FlagParser, join_timeout_flag, mode_flags, secret
 from ps_common.modes import MODES, ModeSettings
@@ -51,6 +52,7 @@ class ServerConfig:
     max_parameter_bytes: int = DEFAULT_MAX_PARAMETER_BYTES
     """Largest model an Init may declare, in bytes of all its parameters (every shard's share)."""
     max_workers_threads: int = 0
+    # the mode parameters (ps_common.modes.PARAMETERS, in its order and with its defaults)
     sync_quorum: int = 0
     round_timeout: float = 0.0
     max_staleness: int = -1
@@ -145,18 +147,7 @@ class ServerConfig:
         Raises:
             InvalidRequestError: a parameter out of range.
         """
-        return ModeSettings(
-            mode=self.mode,
-            num_workers=self.num_workers,
-            sync_quorum=self.sync_quorum,
-            round_timeout=self.round_timeout,
-            max_staleness=self.max_staleness,
-            staleness_lr=self.staleness_lr,
-            staleness=self.staleness,
-            moving_rate=self.moving_rate,
-            communication_period=self.communication_period,
-            easgd_sync=self.easgd_sync,
-        )
+        return ModeSettings(mode=self.mode, num_workers=self.num_workers, **modes.settings_of(self))
 
     @property
     def limits(self) -> Limits:
@@ -274,17 +265,10 @@ def config_from_args(
             tls_cert=args.tls_cert,
             tls_key=args.tls_key,
             tls_client_ca=args.tls_client_ca,
-            sync_quorum=args.sync_quorum,
-            round_timeout=args.round_timeout,
-            max_staleness=args.max_staleness,
-            staleness_lr=args.staleness_lr,
-            staleness=args.staleness,
-            moving_rate=args.moving_rate,
-            communication_period=args.communication_period,
-            easgd_sync=args.easgd_sync,
             metrics_port=args.metrics_port,
             max_watch_streams=args.max_watch_streams,
             max_public_streams=args.max_public_streams,
+            **modes.settings_of(args),
         )
     except InvalidRequestError as exc:
         parser.error(str(exc))

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 import grpc
 
-from ps_common import errors, frames
+from ps_common import errors, frames, modes
 from ps_common.modes import ModeSettings
 from ps_common.optimizer import OptimizerSpec
 from ps_common.plan import Plan
@@ -132,14 +132,7 @@ def cluster_config(settings: ModeSettings, lease_timeout: float, learning_rate: 
         num_workers=settings.num_workers,
         lease_timeout_seconds=lease_timeout,
         learning_rate=learning_rate,
-        sync_quorum=settings.sync_quorum,
-        round_timeout_seconds=settings.round_timeout,
-        max_staleness=settings.max_staleness,
-        staleness_lr=settings.staleness_lr,
-        staleness=settings.staleness,
-        moving_rate=settings.alpha,
-        communication_period=settings.communication_period,
-        easgd_sync=settings.easgd_sync,
+        **modes.config_fields(settings),
     )
 
 
@@ -426,18 +419,6 @@ def status_to_proto(
     )
 
 
-UPDATABLE = {
-    "sync_quorum": "sync_quorum",
-    "round_timeout_seconds": "round_timeout",
-    "max_staleness": "max_staleness",
-    "staleness_lr": "staleness_lr",
-    "staleness": "staleness",
-    "moving_rate": "moving_rate",
-    "communication_period": "communication_period",
-}
-"""UpdateConfigRequest field -> ModeSettings attribute."""
-
-
 class AdminServicer(ps_pb2_grpc.AdminServicer):
     """ps.v1.Admin over one :class:`Shard`."""
 
@@ -480,7 +461,7 @@ class AdminServicer(ps_pb2_grpc.AdminServicer):
     def UpdateConfig(
         self, request: ps_pb2.UpdateConfigRequest, context: grpc.ServicerContext
     ) -> ps_pb2.UpdateConfigResponse:
-        changes = {attr: getattr(request, name) for name, attr in UPDATABLE.items() if request.HasField(name)}
+        changes = modes.changes_from_request(request)
         if request.mode != ps_pb2.MODE_UNSPECIFIED and request.mode not in MODE_TO_NAME:
             raise errors.InvalidRequestError(f"Unknown mode {request.mode}.")
         settings = self.shard.update_config(

@@ -480,14 +480,14 @@ class Shard:
         if mode == "easgd":
             raise PreconditionError("This cluster runs easgd: workers call Exchange every tau steps, not Push.")
         if mode == "sync":
-            if clock < self.rounds.round and self.settings.quorum:
+            if clock < self.rounds.round and self.settings.sync_quorum:
                 self.rejected["late"] += 1
                 log.info(
                     "shard %d: rank %d's push for closed round %d dropped (quorum %d)",
                     self.shard_index,
                     member.rank,
                     clock,
-                    self.settings.quorum,
+                    self.settings.sync_quorum,
                 )
                 result = PushResult(self.version, staleness=self.rounds.round - clock, dropped=True, mode=mode)
             else:
@@ -620,7 +620,7 @@ class Shard:
         """Close a complete sync round, apply a pending mode switch at a round boundary, and wake
         waiters. Caller holds the lock."""
         if self.store is not None and self.mode == "sync":
-            held = self.rounds.take_if_complete(self.membership.expected(), self.settings.quorum)
+            held = self.rounds.take_if_complete(self.membership.expected(), self.settings.sync_quorum)
             if held is not None:
                 self._close_round(held)
                 self.round_opened = None
@@ -628,7 +628,7 @@ class Shard:
             held = self.rounds.take_if_complete(self.membership.expected())
             if held is not None:
                 try:
-                    ds = easgd.exchange_round(self.store.tensors, held, self.settings.alpha)
+                    ds = easgd.exchange_round(self.store.tensors, held, self.settings.moving_rate)
                 except UpdateRefusedError as exc:
                     self._refuse_round(held, exc)
                 else:
@@ -725,7 +725,7 @@ class Shard:
                 return self._wait(ready, due, describe)
             except WaitTimeoutError:
                 missing = self.report_missing()
-                quorum = self.settings.quorum if self.mode == "sync" else 0  # K of N: the others can close rounds
+                quorum = self.settings.sync_quorum if self.mode == "sync" else 0  # K of N: the others can close rounds
                 if missing and not (quorum and len(self.membership.expected()) - len(missing) >= quorum):
                     raise RanksMissingError(self.membership.joins.describe(missing, self.shard_index)) from None
         self._wait(ready, deadline, describe)
@@ -979,7 +979,7 @@ class Shard:
                 self._exchanged(member, incarnation, clock, version, d)
             else:
                 try:
-                    d = easgd.exchange(self.store.tensors, x, self.settings.alpha)
+                    d = easgd.exchange(self.store.tensors, x, self.settings.moving_rate)
                 except UpdateRefusedError as exc:
                     raise self._refusal(exc, f"the exchange of rank {rank} clock {clock}", 1) from exc
                 version = self.version + 1

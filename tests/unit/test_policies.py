@@ -216,7 +216,7 @@ def test_mode_settings_are_validated(kwargs, message) -> None:
 
 
 def test_default_moving_rate_is_09_over_n() -> None:
-    assert ModeSettings("easgd", num_workers=4).alpha == pytest.approx(0.225)
+    assert ModeSettings("easgd", num_workers=4).moving_rate == pytest.approx(0.225)
 
 
 def test_update_config_changes_lr_at_once_and_mode_at_the_round_boundary() -> None:
