@@ -18,8 +18,14 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from ps_common.codec import check_finite, decode, encode
+from ps_common.codec import check_finite, decode
 from ps_proto.v1 import ps_pb2
+
+
+def encode(flat: torch.Tensor) -> bytes:
+    """Raw bytes of a 1-D CPU tensor, ``tensor.numpy().tobytes()``: the copy the protobuf path makes
+    (grpc-ps itself copies once, from the tensor into the message: ``ps_common.frames.build``)."""
+    return flat.contiguous().view(torch.uint8).numpy().tobytes()
 
 
 def stages(nbytes: int) -> dict[str, Callable[[], object]]:

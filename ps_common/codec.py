@@ -1,37 +1,53 @@
 """Tensor codecs: torch tensors <-> raw little-endian bytes of one partition.
 
-Names of wire dtypes are the strings ``float32``, ``float16``, ``bfloat16``, ``float64``; the
-proto enum is mapped in the servicer and client. Decoding wraps the received ``bytes`` without a
-copy (``torch.frombuffer``) and the caller copies it once into its destination.
+:data:`DTYPES` is the one table of wire dtypes: name (``float32``, ``float16``, ``bfloat16``,
+``float64``), torch dtype, ``ps.v1.Dtype`` value and bytes per element. Decoding wraps the received
+``bytes`` without a copy (``torch.frombuffer``) and the caller copies it once into its destination.
 """
 
 from __future__ import annotations
 
 import sys
 import warnings
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from ps_common.errors import InvalidRequestError
+from ps_proto.v1 import ps_pb2
 
 if sys.byteorder != "little":  # pragma: no cover - every supported platform is little-endian
     raise ImportError("grpc-ps sends raw little-endian tensors and needs a little-endian host.")
 
-# torch.frombuffer warns that `bytes` is read-only; we never write through the view.
-warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
 
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float64": torch.float64,
+@dataclass(frozen=True)
+class WireDtype:
+    """A dtype that travels: its wire name, torch dtype, ``ps.v1.Dtype`` value and bytes per element."""
+
+    name: str
+    torch: torch.dtype
+    proto: int
+    itemsize: int
+
+
+DTYPES: dict[str, WireDtype] = {
+    d.name: d
+    for d in (
+        WireDtype("float32", torch.float32, ps_pb2.DTYPE_FLOAT32, 4),
+        WireDtype("float16", torch.float16, ps_pb2.DTYPE_FLOAT16, 2),
+        WireDtype("bfloat16", torch.bfloat16, ps_pb2.DTYPE_BFLOAT16, 2),
+        WireDtype("float64", torch.float64, ps_pb2.DTYPE_FLOAT64, 8),
+    )
 }
-NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+"""The one table of wire dtypes, by name (the proto enum's order)."""
+
+_BY_TORCH = {d.torch: d for d in DTYPES.values()}
+_BY_PROTO = {d.proto: d for d in DTYPES.values()}
 
 
-def torch_dtype(name: str) -> torch.dtype:
-    """The torch dtype of a wire dtype name.
+def wire_dtype(name: str) -> WireDtype:
+    """The row of a wire dtype name.
 
     Raises:
         InvalidRequestError: unsupported name.
@@ -42,6 +58,24 @@ def torch_dtype(name: str) -> torch.dtype:
         raise InvalidRequestError(f"Unsupported dtype {name!r}; expected one of {', '.join(sorted(DTYPES))}.") from None
 
 
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a wire dtype name.
+
+    Raises:
+        InvalidRequestError: unsupported name.
+    """
+    return wire_dtype(name).torch
+
+
+def itemsize(name: str) -> int:
+    """Bytes per element of a wire dtype name.
+
+    Raises:
+        InvalidRequestError: unsupported name.
+    """
+    return wire_dtype(name).itemsize
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """The wire name of a torch dtype.
 
@@ -49,16 +83,35 @@ def dtype_name(dtype: torch.dtype) -> str:
         InvalidRequestError: not a floating dtype grpc-ps transports.
     """
     try:
-        return NAMES[dtype]
+        return _BY_TORCH[dtype].name
     except KeyError:
         raise InvalidRequestError(
             f"Parameters of dtype {dtype} are not supported; use one of {', '.join(sorted(DTYPES))}."
         ) from None
 
 
-def itemsize(name: str) -> int:
-    """Bytes per element of a wire dtype name."""
-    return torch_dtype(name).itemsize
+def dtype_from_proto(value: int) -> str:
+    """The wire name of a ``ps.v1.Dtype`` value.
+
+    Raises:
+        InvalidRequestError: DTYPE_UNSPECIFIED or unknown.
+    """
+    try:
+        return _BY_PROTO[value].name
+    except KeyError:
+        raise InvalidRequestError(
+            f"Partition dtype {value} is unspecified or unknown; set it to one of "
+            f"{', '.join(ps_pb2.Dtype.Name(v) for v in _BY_PROTO)}."
+        ) from None
+
+
+def dtype_to_proto(name: str) -> int:
+    """The ``ps.v1.Dtype`` value of a wire dtype name.
+
+    Raises:
+        InvalidRequestError: unsupported name.
+    """
+    return wire_dtype(name).proto
 
 
 def wire_dtype_allowed(wire: str, param: str) -> bool:
@@ -66,17 +119,6 @@ def wire_dtype_allowed(wire: str, param: str) -> bool:
     narrower float (float16/bfloat16 for float32 or float64, float32 for float64) that the
     receiver widens (wire compression)."""
     return wire == param or torch_dtype(wire).itemsize < torch_dtype(param).itemsize
-
-
-def encode(flat: torch.Tensor) -> bytes:
-    """Raw bytes of a 1-D contiguous CPU tensor (one copy).
-
-    Args:
-        flat: shape ``[n]``, any dtype of :data:`DTYPES`, on the CPU.
-    """
-    if flat.device.type != "cpu" or flat.dim() != 1:
-        raise ValueError("encode() takes a 1-D CPU tensor; stage device tensors through host memory.")
-    return flat.contiguous().view(torch.uint8).numpy().tobytes()
 
 
 def decode(data: bytes | memoryview, name: str, length: int) -> torch.Tensor:
@@ -103,6 +145,19 @@ def decode(data: bytes | memoryview, name: str, length: int) -> torch.Tensor:
     if length == 0:
         return torch.empty(0, dtype=dtype)
     return torch.frombuffer(data, dtype=dtype, count=length)
+
+
+def _spend_read_only_warning() -> None:
+    """``torch.frombuffer`` over ``bytes`` warns that the buffer is not writable, once per process
+    (``TORCH_WARN_ONCE``; every call when ``torch.set_warn_always(True)``). :func:`decode` never
+    writes through its view, so the one warning is spent here under a local filter: the process's
+    warnings filters stay as they were, and decoding pays nothing per call."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
+        torch.frombuffer(bytes(4), dtype=torch.float32)
+
+
+_spend_read_only_warning()
 
 
 def check_finite(t: torch.Tensor, what: str) -> None:

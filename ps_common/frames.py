@@ -24,11 +24,9 @@ from typing import Any
 
 import torch
 
-from ps_common.codec import DTYPES, decode
+from ps_common.codec import DTYPES, decode, dtype_from_proto
 from ps_common.errors import InvalidRequestError
 from ps_common.partition import WirePartition
-from ps_common.wire import DTYPE_TO_NAME, NAME_TO_DTYPE
-from ps_proto.v1 import ps_pb2
 
 VARINT, I64, LEN, I32 = 0, 1, 2, 5
 """Protobuf wire types."""
@@ -99,7 +97,7 @@ _TAG_KEY, _TAG_OFFSET, _TAG_LENGTH, _TAG_DTYPE, _TAG_DATA, _TAG_INDICES = (
     bytes([5 << 3 | LEN]),
     bytes([6 << 3 | LEN]),
 )
-_DTYPE_FIELD = {d: _TAG_DTYPE + varint(NAME_TO_DTYPE[name]) for name, d in DTYPES.items()}
+_DTYPE_FIELD = {d.torch: _TAG_DTYPE + varint(d.proto) for d in DTYPES.values()}
 """The dtype field of each wire dtype, encoded."""
 
 
@@ -274,12 +272,7 @@ def read_partition(buf: memoryview) -> WirePartition:
                 length = value
             elif field == 4:
                 dtype = value
-    if dtype not in DTYPE_TO_NAME:
-        raise InvalidRequestError(
-            f"Partition dtype {dtype} is unspecified or unknown; set it to one of "
-            f"{', '.join(ps_pb2.Dtype.Name(v) for v in DTYPE_TO_NAME)}."
-        )
-    return WirePartition(key, offset, length, DTYPE_TO_NAME[dtype], data, indices)  # type: ignore[index]
+    return WirePartition(key, offset, length, dtype_from_proto(dtype), data, indices)  # type: ignore[arg-type]
 
 
 @dataclass

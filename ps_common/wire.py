@@ -5,19 +5,12 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any, overload
 
-from ps_common.errors import InvalidRequestError
+from ps_common.codec import dtype_from_proto, dtype_to_proto
 from ps_common.optimizer import OptimizerSpec
 from ps_common.partition import WirePartition
 from ps_common.plan import ParameterSpec, Plan
 from ps_proto.v1 import ps_pb2
 
-DTYPE_TO_NAME = {
-    ps_pb2.DTYPE_FLOAT32: "float32",
-    ps_pb2.DTYPE_FLOAT16: "float16",
-    ps_pb2.DTYPE_BFLOAT16: "bfloat16",
-    ps_pb2.DTYPE_FLOAT64: "float64",
-}
-NAME_TO_DTYPE = {v: k for k, v in DTYPE_TO_NAME.items()}
 MODE_TO_NAME = {
     ps_pb2.MODE_SYNC: "sync",
     ps_pb2.MODE_ASYNC: "async",
@@ -27,24 +20,9 @@ MODE_TO_NAME = {
 NAME_TO_MODE = {v: k for k, v in MODE_TO_NAME.items()}
 
 
-def dtype_name(value: int) -> str:
-    """Wire dtype name of a ``ps.v1.Dtype`` value.
-
-    Raises:
-        InvalidRequestError: DTYPE_UNSPECIFIED or unknown.
-    """
-    try:
-        return DTYPE_TO_NAME[value]
-    except KeyError:
-        raise InvalidRequestError(
-            f"Partition dtype {value} is unspecified or unknown; set it to one of "
-            f"{', '.join(ps_pb2.Dtype.Name(v) for v in DTYPE_TO_NAME)}."
-        ) from None
-
-
 def partition_from_proto(msg: ps_pb2.Partition) -> WirePartition:
     """Core partition of a message (no copy of the payload)."""
-    return WirePartition(msg.key, msg.offset, msg.length, dtype_name(msg.dtype), msg.data)
+    return WirePartition(msg.key, msg.offset, msg.length, dtype_from_proto(msg.dtype), msg.data)
 
 
 def spec_from_proto(m: ps_pb2.ParameterSpec) -> ParameterSpec:
@@ -53,7 +31,7 @@ def spec_from_proto(m: ps_pb2.ParameterSpec) -> ParameterSpec:
     Raises:
         InvalidRequestError: an unspecified or unknown dtype.
     """
-    return ParameterSpec(m.key, tuple(m.shape), dtype_name(m.dtype))
+    return ParameterSpec(m.key, tuple(m.shape), dtype_from_proto(m.dtype))
 
 
 def specs_from_proto(msgs: Iterable[ps_pb2.ParameterSpec]) -> list[ParameterSpec]:
@@ -82,7 +60,7 @@ class SpecList(Sequence[ParameterSpec]):
 
 def plan_to_proto(plan: Plan) -> ps_pb2.PlanInfo:
     return ps_pb2.PlanInfo(
-        specs=[ps_pb2.ParameterSpec(key=s.key, shape=s.shape, dtype=NAME_TO_DTYPE[s.dtype]) for s in plan.specs],
+        specs=[ps_pb2.ParameterSpec(key=s.key, shape=s.shape, dtype=dtype_to_proto(s.dtype)) for s in plan.specs],
         num_shards=plan.num_shards,
         partition_bytes=plan.partition_bytes,
         digest=plan.digest,

@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 import grpc
 
 from ps_common import errors, frames, modes
+from ps_common.codec import dtype_from_proto
 from ps_common.modes import ModeSettings
 from ps_common.optimizer import OptimizerSpec
 from ps_common.plan import Plan
@@ -24,7 +25,6 @@ from ps_common.wire import (
     MODE_TO_NAME,
     NAME_TO_MODE,
     SpecList,
-    dtype_name,
     hyperparameters_from_proto,
     optimizer_from_proto,
     optimizer_to_proto,
@@ -112,7 +112,7 @@ def _wire_dtype(value: int) -> str:
     Raises:
         InvalidRequestError: an unknown value.
     """
-    return "" if value == ps_pb2.DTYPE_UNSPECIFIED else dtype_name(value)
+    return "" if value == ps_pb2.DTYPE_UNSPECIFIED else dtype_from_proto(value)
 
 
 def _deadline(context: grpc.ServicerContext) -> float | None:

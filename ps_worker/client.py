@@ -22,12 +22,11 @@ import torch
 
 from ps_common import frames
 from ps_common.channels import channel, parse_servers
-from ps_common.codec import dtype_name, torch_dtype, wire_dtype_allowed
+from ps_common.codec import dtype_name, dtype_to_proto, torch_dtype, wire_dtype_allowed
 from ps_common.optimizer import OptimizerSpec
 from ps_common.plan import DEFAULT_PARTITION_BYTES, ParameterSpec, PartitionSlice, Plan, make_plan
 from ps_common.wire import (
     MODE_TO_NAME,
-    NAME_TO_DTYPE,
     message_size,
     optimizer_from_proto,
     optimizer_to_proto,
@@ -377,7 +376,7 @@ class PSClient:
         self._owned_lengths = [
             {(p.key, p.offset): p.length for p in self.plan.owned_by(k)} for k in range(self.num_shards)
         ]
-        self._wire_dtypes = {key: NAME_TO_DTYPE[name] for key, name in self.plan.dtypes.items()}
+        self._wire_dtypes = {key: dtype_to_proto(name) for key, name in self.plan.dtypes.items()}
         if self.wire_dtype is not None:
             narrow = {key: wire_dtype_allowed(self.wire_dtype, name) for key, name in self.plan.dtypes.items()}
             if not all(narrow.values()):
@@ -700,7 +699,7 @@ class PSClient:
             return 0
 
         flats, device_out = self._pull_targets(out)
-        wire = NAME_TO_DTYPE[self.wire_dtype] if self.wire_dtype else ps_pb2.DTYPE_UNSPECIFIED
+        wire = dtype_to_proto(self.wire_dtype) if self.wire_dtype else ps_pb2.DTYPE_UNSPECIFIED
 
         def one(k: int) -> tuple[int, int]:
             def attempt() -> tuple[int, int]:
@@ -861,7 +860,7 @@ class PendingPushPull:
         for k, owned in enumerate(client._owned):
             for i, part in enumerate(owned):
                 self._by_key.setdefault(part.key, []).append((k, i))
-        self._wire = NAME_TO_DTYPE[client.wire_dtype] if client.wire_dtype else 0
+        self._wire = dtype_to_proto(client.wire_dtype) if client.wire_dtype else 0
         if client._request_groups is None:  # fixed by the plan, wire dtype and top-k ratio
             client._request_groups = [client._packing(k, sparse=True) or [[]] for k in range(client.num_shards)]
         self.groups = client._request_groups

@@ -8,11 +8,11 @@ import grpc
 import pytest
 import torch
 
-from ps_common.codec import encode
 from ps_common.wire import plan_to_proto
 from ps_proto.v1 import ps_pb2, ps_pb2_grpc
 from ps_worker import PSClient
 from tests.conftest import RPC_TIMEOUT, small_model
+from tests.helpers.tensors import encode
 
 
 @pytest.fixture

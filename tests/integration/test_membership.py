@@ -105,7 +105,7 @@ def test_kill9_worker_is_evicted_in_status_and_metrics(start_cluster) -> None:
 def test_duplicate_push_is_applied_once_over_grpc(start_cluster) -> None:
     import torch
 
-    from ps_common.codec import encode
+    from tests.helpers.tensors import encode
 
     (shard,) = start_cluster(num_shards=1, num_workers=1)
     model = torch.nn.Linear(2, 1, bias=False)

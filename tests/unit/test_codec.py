@@ -2,20 +2,25 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
 
-from ps_common.codec import DTYPES, decode, encode
+from ps_common.codec import DTYPES, decode, dtype_from_proto, dtype_name, dtype_to_proto, itemsize, torch_dtype
 from ps_common.errors import InvalidRequestError, UnknownKeyError
 from ps_common.partition import WirePartition
 from ps_common.plan import ParameterSpec, make_plan
+from ps_proto.v1 import ps_pb2
 from ps_server.core.partitions import match_partitions
+from tests.helpers.tensors import encode
 
 
 @pytest.mark.parametrize("name", sorted(DTYPES))
 def test_roundtrip_is_bit_exact(name: str) -> None:
-    t = torch.randn(1000).to(DTYPES[name])
+    t = torch.randn(1000).to(DTYPES[name].torch)
     data = encode(t)
     assert isinstance(data, bytes) and len(data) == 1000 * t.element_size()
     assert torch.equal(decode(data, name, 1000), t)
@@ -23,6 +28,38 @@ def test_roundtrip_is_bit_exact(name: str) -> None:
 
 def test_bytes_are_little_endian_float32() -> None:
     assert encode(torch.tensor([1.0], dtype=torch.float32)) == b"\x00\x00\x80\x3f"
+
+
+def test_one_dtype_table_names_torch_and_proto_alike() -> None:
+    assert [d.name for d in DTYPES.values()] == list(DTYPES)
+    assert {d.proto for d in DTYPES.values()} == set(ps_pb2.Dtype.values()) - {ps_pb2.DTYPE_UNSPECIFIED}
+    for name, d in DTYPES.items():
+        assert ps_pb2.Dtype.Name(d.proto) == "DTYPE_" + name.upper()
+        assert d.itemsize == d.torch.itemsize == itemsize(name)
+        assert torch_dtype(name) is d.torch and dtype_name(d.torch) == name
+        assert dtype_from_proto(dtype_to_proto(name)) == name
+
+
+def test_unknown_dtypes_are_refused_in_a_full_sentence() -> None:
+    with pytest.raises(InvalidRequestError, match="Unsupported dtype 'int8'; expected one of bfloat16, float16"):
+        torch_dtype("int8")
+    with pytest.raises(InvalidRequestError, match="Parameters of dtype torch.int64 are not supported"):
+        dtype_name(torch.int64)
+    with pytest.raises(
+        InvalidRequestError, match="Partition dtype 0 is unspecified or unknown; set it to one of DTYPE_FLOAT32"
+    ):
+        dtype_from_proto(ps_pb2.DTYPE_UNSPECIFIED)
+
+
+def test_decoding_bytes_warns_nothing_and_leaves_the_warnings_filters_alone() -> None:
+    code = (
+        "import warnings, numpy, torch, ps_proto.v1.ps_pb2; before = list(warnings.filters); "
+        "import ps_common.codec as c; "
+        "assert warnings.filters == before, 'codec changed the warnings filters'; "
+        "warnings.simplefilter('error'); c.decode(bytes(8), 'float32', 2); "
+        "c.decode(memoryview(bytes(4)), 'bfloat16', 2)"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
 def test_wrong_byte_count_is_refused() -> None:

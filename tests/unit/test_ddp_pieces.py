@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from ps_common import frames
-from ps_common.codec import encode
 from ps_common.errors import HyperparametersDisagreeError, InvalidRequestError, UpdateRefusedError
 from ps_common.modes import ModeSettings
 from ps_common.optimizer import OptimizerSpec
@@ -18,6 +17,7 @@ from ps_common.plan import ParameterSpec, make_plan
 from ps_server.policy.sync import agreed_hyperparameters
 from ps_server.shard import Shard
 from ps_server.store import ParameterStore
+from tests.helpers.tensors import encode
 
 SPECS = [ParameterSpec("w", (4,), "float32"), ParameterSpec("b", (2,), "float32"), ParameterSpec("m", (2,), "float32")]
 PLAN = make_plan(SPECS, 1, 1 << 20)

@@ -9,14 +9,14 @@ import torch
 from hypothesis import given
 
 from ps_common import frames
-from ps_common.codec import encode
+from ps_common.codec import DTYPES
 from ps_common.errors import InvalidRequestError
-from ps_common.wire import NAME_TO_DTYPE
 from ps_proto.v1 import ps_pb2
+from tests.helpers.tensors import encode
 
 KEYS = st.text(min_size=1, max_size=12)
 DTYPE_NAMES = st.sampled_from(["float32", "float16", "bfloat16", "float64"])
-TORCH = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
+TORCH = {name: d.torch for name, d in DTYPES.items()}
 
 
 @st.composite
@@ -39,7 +39,7 @@ def as_proto(p: frames.OutPartition) -> ps_pb2.Partition:
         key=p.key,
         offset=p.offset,
         length=p.length,
-        dtype=NAME_TO_DTYPE[name],
+        dtype=DTYPES[name].proto,
         data=encode(p.values) if p.values.numel() else b"",
         indices=encode(p.indices) if p.indices is not None else b"",
     )

@@ -60,11 +60,11 @@ def test_ssp_read_condition() -> None:
 
 
 def shard_for(mode: str, n: int, **kw: object):
-    from ps_common.codec import encode
     from ps_common.optimizer import OptimizerSpec
     from ps_common.partition import WirePartition
     from ps_common.plan import ParameterSpec, make_plan
     from ps_server.shard import Shard
+    from tests.helpers.tensors import encode
 
     plan = make_plan([ParameterSpec("w", (3,), "float32")], 1)
     shard = Shard(0, 1, ModeSettings(mode, num_workers=n, **kw))

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from ps_common import frames
-from ps_common.codec import encode
 from ps_common.errors import (
     InvalidRequestError,
     NonFiniteUpdateError,
@@ -24,6 +23,7 @@ from ps_common.optimizer import OptimizerSpec
 from ps_common.partition import WirePartition
 from ps_common.plan import ParameterSpec, make_plan
 from ps_server.shard import Shard, WorkerState
+from tests.helpers.tensors import encode
 
 SPECS = [ParameterSpec("w", (6,), "float32"), ParameterSpec("b", (2,), "float32")]
 PLAN = make_plan(SPECS, 1, 16)

@@ -6,9 +6,9 @@ import random
 
 import torch
 
-from ps_common.codec import encode
 from ps_common.wire import message_size
 from ps_proto.v1 import ps_pb2
+from tests.helpers.tensors import encode
 
 
 def test_message_size_equals_bytesize() -> None:
