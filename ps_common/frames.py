@@ -34,8 +34,20 @@ VARINT, I64, LEN, I32 = 0, 1, 2, 5
 PARTITION_FIELD = 2
 """Field number of the partition(s) in every message that carries them."""
 
-PACK_OVERHEAD = 64
-"""Bytes counted per packed partition for its header fields (plus the key's length)."""
+PARTITION_OVERHEAD_BYTES = 64
+"""Bytes a partition's fields other than its key and payload take at most on the wire (the tag and
+length of the partition and of each of its fields): :func:`pack` counts them per partition, and so
+does ``Plan.request_bytes``."""
+
+MESSAGE_OVERHEAD_BYTES = 64 * 1024
+"""Bytes a message may take besides its partitions (version, header, answer): a shard's largest
+``partition_bytes`` is ``--max-message-bytes`` less this, a client's channel takes messages of
+``partition_bytes`` plus this, and a request stream's header may spend this much."""
+
+PACKING_VERSION = 1
+"""Version of :func:`pack` (with :data:`PARTITION_OVERHEAD_BYTES`), the rule by which the shard and
+the worker both group partitions into PushPull messages. The plan digest covers it, so a worker that
+packs otherwise is refused (PLAN_MISMATCH) instead of misreading frames: bump it with any change."""
 
 MAX_FIELDS = 64
 """Most fields of a partition, and of a message besides its partitions: a few more than ps.v1 has,
@@ -151,7 +163,7 @@ def pack(sizes: Sequence[tuple[int, int]], budget: int) -> list[list[int]]:
     groups: list[list[int]] = []
     used = budget + 1
     for i, (nbytes, keylen) in enumerate(sizes):
-        cost = nbytes + keylen + PACK_OVERHEAD
+        cost = nbytes + keylen + PARTITION_OVERHEAD_BYTES
         if used + cost > budget:
             groups.append([])
             used = 0
@@ -232,15 +244,6 @@ def iter_fields(buf: memoryview, start: int = 0, end: int | None = None) -> Iter
         else:
             raise InvalidRequestError(f"Malformed message: wire type {wire_type}; send a valid ps.v1 message.")
         yield field, wire_type, value
-
-
-def fields(buf: memoryview, start: int = 0, end: int | None = None) -> list[tuple[int, int, int | memoryview]]:
-    """Every field of one encoded message (see :func:`iter_fields`), in order.
-
-    Raises:
-        InvalidRequestError: malformed encoding (truncated, groups, field number 0).
-    """
-    return list(iter_fields(buf, start, end))
 
 
 def read_partition(buf: memoryview) -> WirePartition:

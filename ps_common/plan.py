@@ -17,19 +17,13 @@ from dataclasses import dataclass
 
 from ps_common.codec import itemsize
 from ps_common.errors import InvalidRequestError
+from ps_common.frames import MESSAGE_OVERHEAD_BYTES, PACKING_VERSION, PARTITION_OVERHEAD_BYTES
 from ps_common.text import quote
 
 DEFAULT_PARTITION_BYTES = 4 * 1024 * 1024
 """Default upper bound of one partition's payload, in bytes (4 MiB)."""
 
 MAX_PARTITION_BYTES = 64 * 1024 * 1024
-
-HEADER_BYTES = 64 * 1024
-"""Bytes a request stream may spend on its header message, on top of its partitions."""
-
-FRAME_BYTES = 64
-"""Bytes a partition's fields other than its key and payload take at most on the wire (tag and
-length of the message and of each field; ``frames.PACK_OVERHEAD`` counts the same)."""
 
 
 @dataclass(frozen=True)
@@ -91,15 +85,15 @@ class Plan:
     def request_bytes(self, shard: int, sparse: bool = True) -> int:
         """Most bytes a well-formed request carrying ``shard``'s partitions takes on the wire: each
         partition dense (``sparse=False``: values, Init and Exchange) or top-k sparse (gradients:
-        up to a 4-byte index per element besides its value), with its key and :data:`FRAME_BYTES`,
-        plus :data:`HEADER_BYTES` for the header."""
+        up to a 4-byte index per element besides its value), with its key and
+        ``frames.PARTITION_OVERHEAD_BYTES``, plus ``frames.MESSAGE_OVERHEAD_BYTES`` for the header."""
         return self._request_bytes[sparse][shard]
 
     @functools.cached_property
     def _request_bytes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         def total(owned: tuple[PartitionSlice, ...], index_bytes: int) -> int:
-            return HEADER_BYTES + sum(
-                p.length * (itemsize(self.dtypes[p.key]) + index_bytes) + len(p.key.encode()) + FRAME_BYTES
+            return MESSAGE_OVERHEAD_BYTES + sum(
+                p.length * (itemsize(self.dtypes[p.key]) + index_bytes) + len(p.key.encode()) + PARTITION_OVERHEAD_BYTES
                 for p in owned
             )
 
@@ -125,11 +119,16 @@ class Plan:
         return loads
 
 
-def plan_digest(specs: Sequence[ParameterSpec], num_shards: int, partition_bytes: int) -> str:
-    """Hex sha256 of the canonical JSON of the plan's inputs (the plan is a pure function of them)."""
+def plan_digest(
+    specs: Sequence[ParameterSpec], num_shards: int, partition_bytes: int, packing: int = PACKING_VERSION
+) -> str:
+    """Hex sha256 of the canonical JSON of the plan's inputs (the plan is a pure function of them)
+    and of the version of the packing rule (``frames.PACKING_VERSION``) that client and shard must
+    share: peers that would cut or pack partitions differently get different digests."""
     canonical = json.dumps(
         {
             "v": 1,
+            "packing": packing,
             "num_shards": num_shards,
             "partition_bytes": partition_bytes,
             "specs": [[s.key, list(s.shape), s.dtype] for s in specs],

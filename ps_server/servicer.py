@@ -136,8 +136,8 @@ def cluster_config(settings: ModeSettings, lease_timeout: float, learning_rate: 
     )
 
 
-SMALL_FRAME = 64 * 1024
-"""A first PushPull frame up to this size, or the only one, gets the push's answer prepended (a
+SMALL_FRAME_BYTES = 64 * 1024
+"""A first PushPull frame up to this many bytes, or the only one, gets the push's answer prepended (a
 copy); larger ones are sent after a message of their own with the answer."""
 
 
@@ -306,7 +306,7 @@ class ParameterServicer:
         # A response of one message stays one; otherwise a large first frame is not copied to
         # prepend the answer: the answer goes alone, with the version
         lead = frames.bytes_field(3, answer.SerializeToString())
-        if len(out) == 1 or len(out[0]) <= SMALL_FRAME:
+        if len(out) == 1 or len(out[0]) <= SMALL_FRAME_BYTES:
             out = [lead + out[0], *out[1:]]
         else:
             out = [lead + frames.uint_field(1, version), *out]

@@ -46,9 +46,6 @@ log = logging.getLogger(__name__)
 MAX_RECOVERIES = 3
 """Recoveries (rejoin, re-init, resync) one call may go through before its error is raised."""
 
-MESSAGE_OVERHEAD = 64 * 1024
-"""Bytes allowed above ``partition_bytes`` for a message's header fields."""
-
 SERVICE = "/ps.v1.ParameterService/"
 
 WARN_UNREACHABLE_AFTER = 2.0
@@ -140,7 +137,7 @@ class PSClient:
         self.partition_bytes = partition_bytes
         self.metrics = metrics
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
-        limit = partition_bytes + MESSAGE_OVERHEAD
+        limit = partition_bytes + frames.MESSAGE_OVERHEAD_BYTES
         options = [
             ("grpc.max_receive_message_length", limit),
             ("grpc.max_send_message_length", limit),

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 from ps_common.codec import DTYPES
 from ps_common.errors import InvalidRequestError
-from ps_common.plan import DEFAULT_PARTITION_BYTES, HEADER_BYTES, MAX_PARTITION_BYTES, ParameterSpec
+from ps_common.frames import MESSAGE_OVERHEAD_BYTES
+from ps_common.plan import DEFAULT_PARTITION_BYTES, MAX_PARTITION_BYTES, ParameterSpec
 from ps_common.text import quote
 
 DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
@@ -73,7 +74,7 @@ class Limits:
     @property
     def max_partition_bytes(self) -> int:
         """Largest ``partition_bytes``: one partition and its frame's header fit in a message."""
-        return min(MAX_PARTITION_BYTES, self.max_message_bytes - HEADER_BYTES)
+        return min(MAX_PARTITION_BYTES, self.max_message_bytes - MESSAGE_OVERHEAD_BYTES)
 
     def check_key_count(self, n: int) -> None:
         """Raises InvalidRequestError when a plan declares more than :attr:`max_keys` parameters."""

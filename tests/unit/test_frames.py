@@ -114,7 +114,7 @@ def test_pack_fills_messages_in_order_up_to_the_budget() -> None:
 
 
 def test_packing_counts_wire_bytes_key_bytes_and_top_k_indices() -> None:
-    budget = 2 * (1000 + frames.PACK_OVERHEAD + 1)
+    budget = 2 * (1000 + frames.PARTITION_OVERHEAD_BYTES + 1)
     assert frames.packing([("a", 250), ("b", 250)], [4, 4], budget) == [[0, 1]]
     assert frames.packing([("a", 250), ("b", 251)], [4, 4], budget) == [[0], [1]]
     assert frames.packing([("é", 250), ("b", 250)], [4, 4], budget) == [[0], [1]]  # 2 key bytes

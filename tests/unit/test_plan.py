@@ -11,12 +11,16 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ps_common.errors import InvalidRequestError, UnknownKeyError
+from ps_common.errors import InvalidRequestError, PlanMismatchError, Reason, UnknownKeyError
+from ps_common.frames import MESSAGE_OVERHEAD_BYTES, PACKING_VERSION, PARTITION_OVERHEAD_BYTES
+from ps_common.modes import ModeSettings
+from ps_common.optimizer import OptimizerSpec
 from ps_common.partition import WirePartition
-from ps_common.plan import FRAME_BYTES, HEADER_BYTES, ParameterSpec, make_plan
+from ps_common.plan import ParameterSpec, make_plan, plan_digest
 from ps_common.text import quote, shown
 from ps_server.core.limits import Limits
 from ps_server.core.partitions import Intake, match_partitions
+from ps_server.shard import Shard
 
 SPECS = (
     ParameterSpec("fc1.weight", (128, 64), "float32"),
@@ -169,8 +173,16 @@ def test_request_bytes_bound_a_well_formed_request() -> None:
         owned = plan.owned_by(shard)
         dense = sum(p.length * 4 + len(p.key) for p in owned)
         assert dense < plan.request_bytes(shard, sparse=False) < plan.request_bytes(shard)
-        assert plan.request_bytes(shard, sparse=False) == dense + HEADER_BYTES + FRAME_BYTES * len(owned)
-        assert plan.request_bytes(shard) <= 2 * dense + HEADER_BYTES + FRAME_BYTES * len(owned)
+        overhead = MESSAGE_OVERHEAD_BYTES + PARTITION_OVERHEAD_BYTES * len(owned)
+        assert plan.request_bytes(shard, sparse=False) == dense + overhead
+        assert plan.request_bytes(shard) <= 2 * dense + overhead
+
+
+def test_the_digest_covers_the_packing_rule_client_and_shard_share() -> None:
+    plan = make_plan(SPECS, 2, 4096)
+    assert plan.digest == plan_digest(SPECS, 2, 4096, packing=PACKING_VERSION)
+    assert plan_digest(SPECS, 2, 4096, packing=PACKING_VERSION + 1) != plan.digest
+    assert len({plan.digest, plan_digest(SPECS, 2, 4097), plan_digest(SPECS, 1, 4096)}) == 3
 
 
 def test_intake_refuses_the_first_bad_partition() -> None:
@@ -217,3 +229,18 @@ def test_match_partitions_does_not_repeat_an_intakes_checks_but_still_finds_repe
     forged = dataclasses.replace(wire(owned[1], key="nope"), slot=1)  # a slot that names another slice
     with pytest.raises(UnknownKeyError):
         match_partitions(plan, 0, [admitted[0], forged], "gradient")
+
+
+def test_a_shard_refuses_a_client_that_packs_otherwise_with_plan_mismatch() -> None:
+    plan = make_plan(SPECS, 1, 4096)
+    values = [
+        WirePartition(p.key, p.offset, p.length, "float32", torch.ones(p.length).numpy().tobytes())
+        for p in plan.owned_by(0)
+    ]
+    shard = Shard(0, 1, ModeSettings("sync", num_workers=1))
+    shard.init(SPECS, 1, 4096, plan.digest, OptimizerSpec("sgd", {"lr": 0.1}), values)
+    other = plan_digest(SPECS, 1, 4096, packing=PACKING_VERSION + 1)
+    with pytest.raises(PlanMismatchError) as err:
+        shard.check_plan(other)
+    assert err.value.reason == Reason.PLAN_MISMATCH
+    assert shard.check_plan(plan.digest) is not None
