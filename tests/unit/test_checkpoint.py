@@ -686,6 +686,14 @@ class RecordingStore(CheckpointStore):
         return super().save(state, version)
 
 
+def started(store: CheckpointStore, shard: MovingShard, metrics: ServerMetrics | None) -> Checkpointer:
+    """A checkpointer of ``shard`` with its writer thread running."""
+    checkpointer = Checkpointer(store, metrics)
+    checkpointer.attach(shard)  # type: ignore[arg-type]
+    checkpointer.start()
+    return checkpointer
+
+
 def failures_by_reason(metrics: ServerMetrics) -> dict[str, float]:
     return {
         s.labels["reason"]: s.value
@@ -698,7 +706,7 @@ def failures_by_reason(metrics: ServerMetrics) -> dict[str, float]:
 def test_a_snapshot_older_than_the_newest_checkpoint_is_dropped(tmp_path: Path) -> None:
     store = RecordingStore(tmp_path, 0, keep=3)
     shard = MovingShard(version=5)
-    checkpointer = Checkpointer(store, shard, every=1, metrics=None)  # type: ignore[arg-type]
+    checkpointer = started(store, shard, metrics=None)
     assert checkpointer.checkpoint_now()[0] == 5
     checkpointer.offer(3, {"version": 3})  # taken before version 5, handed over after it was written
     checkpointer.close(final=False)  # finishes the waiting snapshot
@@ -709,7 +717,7 @@ def test_a_snapshot_older_than_the_newest_checkpoint_is_dropped(tmp_path: Path) 
 def test_parallel_checkpoint_now_writes_in_version_order_and_shares_writes(tmp_path: Path) -> None:
     store = RecordingStore(tmp_path, 0, keep=2)
     shard = MovingShard(moving=True)
-    checkpointer = Checkpointer(store, shard, every=0, metrics=None)  # type: ignore[arg-type]
+    checkpointer = started(store, shard, metrics=None)
     with ThreadPoolExecutor(max_workers=8) as pool:
         answers = [f.result(timeout=60) for f in [pool.submit(checkpointer.checkpoint_now) for _ in range(40)]]
     checkpointer.close(final=False)
@@ -726,7 +734,7 @@ def test_failed_writes_are_counted_by_reason_and_shown_until_a_write_succeeds(tm
     store = CheckpointStore(directory, 0)
     metrics = ServerMetrics(CollectorRegistry())
     shard = MovingShard(moving=True)
-    checkpointer = Checkpointer(store, shard, every=0, metrics=metrics)  # type: ignore[arg-type]
+    checkpointer = started(store, shard, metrics=metrics)
     assert checkpointer.failures() == CheckpointFailures(0, "")
     assert failures_by_reason(metrics) == dict.fromkeys(CHECKPOINT_FAILURE_REASONS, 0.0)
     directory.write_text("a file where the directory should be")
