@@ -1,19 +1,9 @@
 """Checkpoint files of one shard: atomic, versioned, digest-checked, loaded with ``weights_only=True``.
 
-On-disk layout (format version 1). A checkpoint of shard ``k`` at version ``v`` is the file
-``shard-{k}-v{v:012d}.pt`` in the checkpoint directory, written by ``torch.save`` (a zip archive)
-and holding one dict, the envelope::
-
-    {"format": "grpc-ps.checkpoint", "format_version": 1, "shard_index": k, "version": v,
-     "sha256": "<64 hex digits>", "state": {...the caller's state...}}
-
-``sha256`` is the digest of a canonical encoding of the other five fields: every value tagged with
-its type, strings and containers length-prefixed, dict items in order, tensors as dtype, shape and
-their raw bytes in row-major order. A reader recomputes it from what ``torch.load`` returned, so a
-file whose bytes were torn, truncated, zeroed or flipped either fails to load or fails the digest;
-only a file whose loaded content equals what was saved is valid. The state may hold only what
-``torch.load(weights_only=True)`` accepts: tensors, dicts, lists, tuples, str, bytes, int, float,
-bool, None, ``torch.Size`` and ``torch.dtype`` (no pickled classes; DESIGN §8).
+A checkpoint of shard ``k`` at version ``v`` is the file ``shard-{k}-v{v:012d}.pt`` in the
+checkpoint directory; what it holds (an envelope with a sha256 digest, format version 1) and how it
+is validated is :mod:`ps_server.checkpoint_format` (``FORMAT``, ``FORMAT_VERSION`` and ``digest``
+are re-exported here).
 
 A save writes ``.shard-{k}-v{v:012d}.<random>.tmp`` in the same directory, fsyncs it, renames it
 onto the final name and fsyncs the directory, so a kill at any instant leaves either the previous
@@ -29,13 +19,11 @@ and then all but the newest ``keep`` of the rest.
 from __future__ import annotations
 
 import errno
-import hashlib
 import logging
 import os
 import re
 import tempfile
 import threading
-from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,14 +32,21 @@ from typing import Any
 import torch
 
 from ps_common.errors import CheckpointError
+from ps_server import checkpoint_format
+from ps_server.checkpoint_failures import failure_message, failure_reason, os_error_in
+from ps_server.checkpoint_format import FORMAT, FORMAT_VERSION, digest
+
+__all__ = [
+    "FORMAT",
+    "FORMAT_VERSION",
+    "CheckpointInfo",
+    "CheckpointStore",
+    "digest",
+    "failure_reason",
+    "os_error_in",
+]
 
 log = logging.getLogger(__name__)
-
-FORMAT = "grpc-ps.checkpoint"
-"""Value of the envelope's ``format`` field."""
-
-FORMAT_VERSION = 1
-"""Envelope layout this module writes and reads."""
 
 _FINAL = re.compile(r"shard-(\d+)-v(\d+)\.pt")
 _TEMP = re.compile(r"\.shard-(\d+)-.*\.tmp")
@@ -59,49 +54,12 @@ _TEMP = re.compile(r"\.shard-(\d+)-.*\.tmp")
 _locks: dict[tuple[Path, int], threading.RLock] = {}
 _locks_guard = threading.Lock()
 
-_REASON_OF_ERRNO = {
-    errno.ENOSPC: "no_space",
-    errno.EDQUOT: "no_space",
-    errno.EACCES: "permission",
-    errno.EPERM: "permission",
-    errno.EROFS: "permission",
-    errno.ENOTDIR: "not_a_directory",
-    errno.EEXIST: "not_a_directory",
-    errno.EISDIR: "not_a_directory",
-}
-
 
 def _lock_for(directory: Path, shard_index: int) -> threading.RLock:
     """One lock per (directory, shard) in this process, shared by every store opened on them, so a
     second store cannot remove the temp file of a save in progress."""
     with _locks_guard:
         return _locks.setdefault((directory.resolve(), shard_index), threading.RLock())
-
-
-def os_error_in(exc: BaseException) -> OSError | None:
-    """The first :class:`OSError` with an errno in ``exc``'s chain (``exc`` itself, then its cause or
-    context, outermost first): torch reports a full disk as ``RuntimeError: ... unexpected pos N vs M``
-    with the ``OSError(ENOSPC)`` of the failed write as its context."""
-    seen: set[int] = set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        if isinstance(current, OSError) and current.errno is not None:
-            return current
-        current = current.__cause__ or current.__context__
-    return None
-
-
-def failure_reason(exc: BaseException) -> str:
-    """Why a checkpoint write failed, as one of ``ps_server.metrics.CHECKPOINT_FAILURE_REASONS`` (the
-    ``reason`` label of ``ps_checkpoint_failures_total``): from the errno found in
-    ``exc``'s chain (``no_space``: ENOSPC or EDQUOT; ``permission``: EACCES, EPERM or EROFS;
-    ``not_a_directory``: the directory or a parent is a file), ``io_error`` for another OSError,
-    ``other`` when no OSError is in the chain."""
-    found = os_error_in(exc)
-    if found is None:
-        return "other"
-    return _REASON_OF_ERRNO.get(found.errno, "io_error")
 
 
 @dataclass(frozen=True)
@@ -228,7 +186,7 @@ class CheckpointStore:
             raise ValueError(f"Checkpoint version must be an int >= 0, got {version!r}.")
         if not isinstance(state, Mapping):
             raise TypeError(f"Checkpoint state must be a dict, got {type(state).__name__}.")
-        envelope = self._envelope(dict(state), version)
+        envelope = checkpoint_format.envelope(dict(state), self.shard_index, version)
         final = self.path_for(version)
         with self._lock:
             self._write(envelope, final)
@@ -250,7 +208,7 @@ class CheckpointStore:
                     f"Shard {self.shard_index} has no checkpoint at version {version} in {self.directory} "
                     f"(versions there: {have})."
                 )
-            state, problem = self._read(path, version)
+            state, problem = checkpoint_format.read(path, self.shard_index, version)
         if problem:
             raise CheckpointError(f"Checkpoint {path} {problem}.")
         return state
@@ -273,7 +231,7 @@ class CheckpointStore:
         with self._lock:
             found = self.checkpoints()
             for info in reversed(found):
-                state, problem = self._read(info.path, info.version)
+                state, problem = checkpoint_format.read(info.path, self.shard_index, info.version)
                 if not problem:
                     log.info(
                         "Loaded checkpoint of shard %d at version %d from %s", self.shard_index, info.version, info.path
@@ -307,16 +265,6 @@ class CheckpointStore:
 
     # -- internals -------------------------------------------------------------------------------
 
-    def _envelope(self, state: dict[str, Any], version: int) -> dict[str, Any]:
-        body = {
-            "format": FORMAT,
-            "format_version": FORMAT_VERSION,
-            "shard_index": self.shard_index,
-            "version": version,
-            "state": state,
-        }
-        return {**body, "sha256": digest(body)}
-
     def _mkdir(self) -> None:
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
@@ -324,19 +272,7 @@ class CheckpointStore:
             raise CheckpointError(self._write_failure("create", exc)) from exc
 
     def _write_failure(self, what: str, exc: BaseException) -> str:
-        """The message of a failed ``what`` ("create", "write <name> in"): cause and what to do.
-        The cause is the OSError in ``exc``'s chain when there is one (torch's "unexpected pos N vs
-        M" on a full disk reads "No space left on device")."""
-        os_error = os_error_in(exc)
-        code = os_error.errno if os_error is not None else None
-        reason = os_error.strerror if os_error is not None and os_error.strerror else str(exc)
-        if code in (errno.ENOSPC, errno.EDQUOT):
-            hint = "free some space or pass another --checkpoint-dir"
-        elif code in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EEXIST):
-            hint = f"make it a directory writable by this process (uid {os.getuid()}) or pass another --checkpoint-dir"
-        else:
-            hint = "check the disk and the directory, or pass another --checkpoint-dir"
-        return f"Cannot {what} checkpoint directory {self.directory}: {reason}; {hint}."
+        return failure_message(self.directory, what, exc)
 
     def _write(self, envelope: dict[str, Any], final: Path) -> None:
         self._mkdir()
@@ -437,66 +373,3 @@ class CheckpointStore:
         if not ok:
             return {}, "fails its sha256 digest check (the file is corrupt)"
         return env["state"], None
-
-
-def digest(value: Any) -> str:
-    """sha256 hex digest of a canonical encoding of ``value`` (see the module docstring).
-
-    Equal for a value before ``torch.save`` and after ``torch.load``; tensors are hashed by dtype,
-    shape and content (device and strides do not count).
-
-    Raises:
-        TypeError: ``value`` holds something other than the types a checkpoint may hold.
-    """
-    h = hashlib.sha256()
-    _feed(h, value, "")
-    return h.hexdigest()
-
-
-_SEQUENCE_TAGS: dict[type, bytes] = {tuple: b"(", list: b"[", torch.Size: b"Z"}
-
-
-def _feed(h: Any, value: Any, where: str) -> None:
-    kind = type(value)
-    if value is None:
-        h.update(b"N")
-    elif kind is bool:
-        h.update(b"T" if value else b"F")
-    elif kind is int:
-        h.update(b"I%d;" % value)
-    elif kind is float:
-        h.update(b"R" + value.hex().encode() + b";")
-    elif kind is str or kind is bytes:
-        raw = value.encode("utf-8", "surrogatepass") if kind is str else value
-        h.update(b"S" if kind is str else b"Y")
-        h.update(b"%d:" % len(raw))
-        h.update(raw)
-    elif kind is torch.dtype:
-        h.update(b"D" + str(value).encode() + b";")
-    elif kind in (tuple, list, torch.Size):
-        h.update(_SEQUENCE_TAGS[kind] + b"%d:" % len(value))
-        for i, item in enumerate(value):
-            _feed(h, item, f"{where}[{i}]")
-    elif kind in (dict, OrderedDict):
-        h.update(b"{%d:" % len(value))
-        for k, item in value.items():
-            inner = f"{where}[{k!r}]" if where else str(k)
-            _feed(h, k, f"a key of {inner}")
-            _feed(h, item, inner)
-    elif kind in (torch.Tensor, torch.nn.Parameter):
-        _feed_tensor(h, value, where)
-    else:
-        raise TypeError(
-            f"{where or 'The value'} is a {kind.__module__}.{kind.__qualname__}; a checkpoint holds only tensors, "
-            "dicts, lists, tuples, str, bytes, int, float, bool, None, torch.Size and torch.dtype "
-            "(torch.load weights_only=True)."
-        )
-
-
-def _feed_tensor(h: Any, value: torch.Tensor, where: str) -> None:
-    if value.layout != torch.strided or value.is_quantized or value.is_meta:
-        raise TypeError(f"{where} is a {value.layout} tensor; a checkpoint holds only dense tensors.")
-    t = value.detach().resolve_conj().resolve_neg().cpu().contiguous()
-    h.update(b"X" + str(t.dtype).encode() + b"%r;" % (tuple(t.shape),))
-    if t.numel():
-        h.update(t.reshape(-1).view(torch.uint8).numpy())

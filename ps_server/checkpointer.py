@@ -18,11 +18,15 @@ from pathlib import Path
 from typing import Any
 
 from ps_common.errors import CheckpointError, NotInitializedError
-from ps_server.checkpoint import CheckpointStore, failure_reason
+from ps_server.checkpoint import CheckpointStore
+from ps_server.checkpoint_failures import failure_reason
 from ps_server.metrics import ServerMetrics
 from ps_server.shard import Shard
 
 log = logging.getLogger(__name__)
+
+CLOSE_TIMEOUT = 600.0
+"""Seconds :meth:`Checkpointer.close` waits for the write in progress (a big model on a slow disk)."""
 
 
 @dataclass(frozen=True)
@@ -40,24 +44,27 @@ class CheckpointFailures:
 
 
 class Checkpointer:
-    """Writes ``shard``'s snapshots to ``store`` off the request path, in version order.
+    """Writes a shard's snapshots to ``store`` off the request path, in version order.
 
-    Snapshots are taken by the shard at exact versions (``every``), so in sync mode every shard
-    checkpoints the same rounds; if a write is still running when the next snapshot arrives, the
-    newer one replaces the waiting one (the slow disk skips versions, never blocks training).
+    The shard takes its snapshots at exact versions (built with ``Shard(checkpoint_every=V,
+    on_snapshot=checkpointer.offer)``), so in sync mode every shard checkpoints the same rounds; if
+    a write is still running when the next snapshot arrives, the newer one replaces the waiting one
+    (the slow disk skips versions, never blocks training).
+
+    Lifecycle: construct (starts nothing), :meth:`attach` the shard, :meth:`resume`, :meth:`start`
+    the writer thread, and :meth:`close` (joins the writer, then writes the final checkpoint).
 
     Args:
-        store: where checkpoints go.
-        shard: the state to save and restore.
-        every: checkpoint every ``every`` versions; 0 only on demand and at shutdown.
+        store: where checkpoints go; its ``shard_index`` names the writer thread
+            (``checkpointer-{k}``) and the log lines.
         metrics: records ``ps_checkpoint_duration_seconds``, ``ps_last_checkpoint_version`` and
             ``ps_checkpoint_failures_total``.
     """
 
-    def __init__(self, store: CheckpointStore, shard: Shard, every: int, metrics: ServerMetrics | None) -> None:
+    def __init__(self, store: CheckpointStore, metrics: ServerMetrics | None = None) -> None:
         self.store = store
-        self.shard = shard
         self.metrics = metrics
+        self._shard: Shard | None = None
         self._cond = threading.Condition()
         self._waiting: tuple[int, dict[str, Any]] | None = None
         self._closed = False
@@ -69,12 +76,34 @@ class Checkpointer:
         self._newest: int | None = None
         self._answer: tuple[int, tuple[int, Path, float] | str] | None = None
         self._failures = CheckpointFailures()
+        self._thread: threading.Thread | None = None
         self.final_error: str | None = None
         """Set by :meth:`close` when the final checkpoint failed (the process should exit non-zero)."""
-        shard.checkpoint_every = every
-        shard.on_snapshot = self.offer
-        self._thread = threading.Thread(target=self._run, name=f"checkpointer-{shard.shard_index}", daemon=True)
-        self._thread.start()
+
+    @property
+    def shard(self) -> Shard:
+        """The attached shard.
+
+        Raises:
+            RuntimeError: no shard was attached yet.
+        """
+        if self._shard is None:
+            raise RuntimeError("Checkpointer has no shard: call attach(shard) first.")
+        return self._shard
+
+    def attach(self, shard: Shard) -> None:
+        """Save and restore ``shard`` (whose ``on_snapshot`` should be :meth:`offer`); once, first."""
+        self._shard = shard
+
+    def start(self) -> None:
+        """Start the writer thread ``checkpointer-{k}`` (joined by :meth:`close`); idempotent."""
+        with self._cond:
+            if self._thread is not None or self._closed:
+                return
+            self._thread = threading.Thread(
+                target=self._run, name=f"checkpointer-{self.store.shard_index}", daemon=True
+            )
+            self._thread.start()
 
     def resume(self) -> int | None:
         """Restore the newest complete checkpoint, if any; returns its version.
@@ -117,7 +146,7 @@ class Checkpointer:
                 if self._newest is not None and version <= self._newest:
                     log.debug(
                         "shard %d: snapshot at version %d dropped: version %d is already written",
-                        self.shard.shard_index,
+                        self.store.shard_index,
                         version,
                         self._newest,
                     )
@@ -144,7 +173,7 @@ class Checkpointer:
                 self.metrics.checkpoint_failures.labels(reason).inc()
             log.error(
                 "shard %d: checkpoint at version %d failed (%s): %s",
-                self.shard.shard_index,
+                self.store.shard_index,
                 version,
                 reason,
                 message,
@@ -160,7 +189,7 @@ class Checkpointer:
         if self.metrics is not None:
             self.metrics.observe_checkpoint(self._newest, seconds)
         log.info(
-            "shard %d: checkpoint at version %d written in %.3f s (%s)", self.shard.shard_index, version, seconds, path
+            "shard %d: checkpoint at version %d written in %.3f s (%s)", self.store.shard_index, version, seconds, path
         )
         return path, seconds
 
@@ -196,12 +225,19 @@ class Checkpointer:
             return version, path, seconds
 
     def close(self, final: bool = True) -> None:
-        """Finish the waiting write, then (``final``) write the current state once more; a failed
+        """Finish the waiting write and join the writer thread (within ``CLOSE_TIMEOUT`` seconds,
+        logged when it did not end), then (``final``) write the current state once more; a failed
         final write sets :attr:`final_error` (never raises, so the shard still stops)."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-        self._thread.join(timeout=600)
+            thread = self._thread
+        if thread is not None:
+            thread.join(timeout=CLOSE_TIMEOUT)
+            if thread.is_alive():
+                log.warning(
+                    "shard %d: checkpoint writer did not end within %.0f s", self.store.shard_index, CLOSE_TIMEOUT
+                )
         if final:
             try:
                 self.checkpoint_now()

@@ -21,8 +21,9 @@ from ps_server.decoding import DecodingInterceptor
 from ps_server.interceptors import MetricsInterceptor
 from ps_server.metrics import ServerMetrics
 from ps_server.servicer import AdminServicer, Counters, ParameterServicer, parameter_service_handler
-from ps_server.shard import Shard
+from ps_server.shard import Shard, StatusView
 from ps_server.streams import PUBLIC, WATCH, StreamLimit, StreamLimitInterceptor
+from ps_server.threads import OwnedThreads
 
 log = logging.getLogger(__name__)
 
@@ -31,11 +32,17 @@ SERVICE_NAMES = (
     ps_pb2.DESCRIPTOR.services_by_name["Admin"].full_name,
 )
 
+JOIN_TIMEOUT = 5.0
+"""Seconds :meth:`ShardServer.stop` waits, after the gRPC grace period, for its threads to end."""
+
 
 class ShardServer:
     """A running shard: gRPC server, state, and the lease reaper.
 
-    Use :func:`start_server`; call :meth:`stop` to shut down.
+    Use :func:`start_server` (which calls :meth:`start`); call :meth:`stop` to shut down. The
+    threads it owns (``threads``: the lease reaper ``lease-reaper-{k}``, the data plane's pool
+    ``shard{k}_*``, the streams' pool ``shard{k}-streams_*``) start in :meth:`start` or with the gRPC
+    server and are joined by :meth:`stop`; the checkpointer joins its own writer.
     """
 
     def __init__(
@@ -51,6 +58,8 @@ class ShardServer:
         metrics_endpoint: MetricsEndpoint | None = None,
         checkpointer: Checkpointer | None = None,
         streams: StreamLimitInterceptor | None = None,
+        pool: futures.ThreadPoolExecutor | None = None,
+        threads: OwnedThreads | None = None,
     ) -> None:
         self.config = config
         self.server = server
@@ -64,8 +73,18 @@ class ShardServer:
         self.checkpointer = checkpointer
         self.streams = streams
         """The long-lived streams' limits (``.limits[group].open``) and pool."""
-        self._reaper = threading.Thread(target=self._reap, name=f"lease-reaper-{config.shard_index}", daemon=True)
-        self._reaper.start()
+        self._pool = pool
+        self.threads = threads or OwnedThreads()
+        """The threads this server started (joined by :meth:`stop`)."""
+        self._started = False
+
+    def start(self) -> None:
+        """Start the lease reaper ``lease-reaper-{k}`` (the gRPC server is started by
+        :func:`start_server`); idempotent, and a no-op once stopping."""
+        if self._started or self._stopping.is_set():
+            return
+        self._started = True
+        self.threads.start(self._reap, f"lease-reaper-{self.config.shard_index}")
 
     @property
     def address(self) -> str:
@@ -73,6 +92,11 @@ class ShardServer:
         host = self.config.host
         host = "127.0.0.1" if host in ("0.0.0.0", "") else host
         return f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
+
+    @property
+    def stopped(self) -> bool:
+        """True once :meth:`stop` was called."""
+        return self._stopping.is_set()
 
     @property
     def metrics_url(self) -> str | None:
@@ -86,17 +110,21 @@ class ShardServer:
             self.shard.report_missing()
 
     def stop(self, grace: float = 2.0) -> None:
-        """Mark NOT_SERVING, wake waiters with UNAVAILABLE, and stop within ``grace`` seconds."""
+        """Mark NOT_SERVING, wake waiters with UNAVAILABLE, and stop within ``grace`` seconds; then
+        join this server's threads (within ``JOIN_TIMEOUT`` more seconds; any still alive is logged)."""
         self._stopping.set()
         self.health.enter_graceful_shutdown()
         self.shard.close()
         if self.checkpointer is not None:
             self.checkpointer.close(final=True)
         self.server.stop(grace).wait(grace + 1)
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
         if self.streams is not None:
             self.streams.pool.shutdown(wait=False)
         if self.metrics_endpoint is not None:
             self.metrics_endpoint.close()
+        self.threads.join(JOIN_TIMEOUT, f"shard {self.config.shard_index}")
         log.info("shard %d stopped", self.config.shard_index)
 
     def wait(self) -> None:
@@ -128,27 +156,40 @@ def start_server(config: ServerConfig, shard: Shard | None = None) -> ShardServe
     Raises:
         RuntimeError: the address or the metrics port could not be bound.
         CheckpointError: ``checkpoint_dir`` is not writable, or holds checkpoints none of which loads.
+        ValueError: ``shard`` is given with periodic checkpoints (``checkpoint_dir`` and
+            ``checkpoint_every``): a shard's snapshot hook is fixed when it is built.
     """
-    shard = shard or Shard(
-        config.shard_index,
-        config.num_shards,
-        config.mode_settings(),
-        config.lease_timeout,
-        join_timeout=config.join_timeout,
-        limits=config.limits,
-    )
-    counters = Counters()
-    metrics = ServerMetrics(CollectorRegistry(), shard.status)
+    if shard is not None and config.checkpoint_dir and config.checkpoint_every:
+        raise ValueError(
+            "start_server cannot checkpoint a given shard every N versions (its on_snapshot is set when it is "
+            "built); pass shard=None, or checkpoint_every=0."
+        )
+    # In order: metrics and the checkpointer (nothing started), the shard that offers it its
+    # snapshots, the resume, then the threads once the port is bound.
+    served: Shard | None = shard
+    metrics = ServerMetrics(CollectorRegistry(), lambda: _status(served))
     checkpointer = None
     if config.checkpoint_dir:
         store = CheckpointStore(config.checkpoint_dir, config.shard_index, keep=config.checkpoint_keep)
         store.ensure_writable()
-        checkpointer = Checkpointer(store, shard, config.checkpoint_every, metrics)
-        try:
-            checkpointer.resume()
-        except Exception:
-            checkpointer.close(final=False)
-            raise
+        checkpointer = Checkpointer(store, metrics)
+    if shard is None:
+        shard = Shard(
+            config.shard_index,
+            config.num_shards,
+            config.mode_settings(),
+            config.lease_timeout,
+            join_timeout=config.join_timeout,
+            limits=config.limits,
+            checkpoint_every=config.checkpoint_every if checkpointer is not None else 0,
+            on_snapshot=checkpointer.offer if checkpointer is not None else None,
+        )
+    served = shard
+    if checkpointer is not None:
+        checkpointer.attach(shard)
+        checkpointer.resume()
+    counters = Counters()
+    threads = OwnedThreads()
     options = [
         ("grpc.max_receive_message_length", config.max_message_bytes),
         ("grpc.max_send_message_length", config.max_message_bytes),
@@ -165,12 +206,11 @@ def start_server(config: ServerConfig, shard: Shard | None = None) -> ShardServe
                 config.max_public_streams, "Health/Watch and reflection streams", "--max-public-streams"
             ),
         },
-        futures.ThreadPoolExecutor(
-            max_workers=config.stream_threads, thread_name_prefix=f"shard{config.shard_index}-streams"
-        ),
+        threads.pool(config.stream_threads, f"shard{config.shard_index}-streams"),
     )
+    pool = threads.pool(config.threads, f"shard{config.shard_index}")
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=config.threads, thread_name_prefix=f"shard{config.shard_index}"),
+        pool,
         interceptors=[
             MetricsInterceptor(metrics, lambda: shard.mode),
             TokenInterceptor(config.token, config.admin_token, on_refused=lambda code: counters.add(rejected=1)),
@@ -204,6 +244,8 @@ def start_server(config: ServerConfig, shard: Shard | None = None) -> ShardServe
         except RuntimeError:
             server.stop(None)
             raise
+    if checkpointer is not None:
+        checkpointer.start()
     server.start()
     for name in ("", *SERVICE_NAMES):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -216,6 +258,27 @@ def start_server(config: ServerConfig, shard: Shard | None = None) -> ShardServe
         port,
         config.num_workers,
     )
-    return ShardServer(
-        config, server, port, shard, health_servicer, counters, stopping, metrics, endpoint, checkpointer, streams
+    running = ShardServer(
+        config,
+        server,
+        port,
+        shard,
+        health_servicer,
+        counters,
+        stopping,
+        metrics,
+        endpoint,
+        checkpointer,
+        streams,
+        pool=pool,
+        threads=threads,
     )
+    running.start()
+    return running
+
+
+def _status(shard: Shard | None) -> StatusView:
+    """``shard.status()`` for the metrics' collector, which is built before the shard."""
+    if shard is None:
+        raise RuntimeError("the shard's status was read before the shard was built")
+    return shard.status()

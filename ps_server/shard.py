@@ -110,6 +110,10 @@ class Shard:
         join_timeout: seconds after the first Join after which waits that need a rank that never
             joined fail with RanksMissingError (0: wait for it forever).
         limits: bounds on the plans an Init may declare (defaults of :class:`Limits`).
+        checkpoint_every: hand a snapshot to ``on_snapshot`` every ``checkpoint_every`` versions
+            (0: never; checkpoints are then written only on demand and at shutdown).
+        on_snapshot: called as ``on_snapshot(version, state)`` under the shard's lock with the
+            :meth:`export_state` of that version (``Checkpointer.offer``); must not block.
     """
 
     def __init__(
@@ -121,6 +125,8 @@ class Shard:
         now: Callable[[], float] = time.monotonic,
         join_timeout: float = 0.0,
         limits: Limits | None = None,
+        checkpoint_every: int = 0,
+        on_snapshot: Callable[[int, dict[str, Any]], None] | None = None,
     ) -> None:
         self.shard_index = shard_index
         self.limits = limits or Limits()
@@ -146,8 +152,8 @@ class Shard:
         self.refusals: dict[int, UpdateRefusedError] = {}
         self.skipped_rounds: dict[int, None] = {}  # the last sync rounds whose step was skipped (ordered)
         self.membership = Membership(self.num_workers, lease_timeout, now, join_timeout)
-        self.checkpoint_every = 0
-        self.on_snapshot: Callable[[int, dict[str, Any]], None] | None = None
+        self.checkpoint_every = checkpoint_every
+        self.on_snapshot = on_snapshot
         self.last_checkpoint_version: int | None = None
         self.restored_from_version: int | None = None
         self._store_epoch = 0

@@ -6,6 +6,14 @@ so every request and wait here is bounded in the same way.
 
 from __future__ import annotations
 
-from tests.integration.conftest import Trainer, poll, start_shards, start_trainer, tool, wait_until
+from tests.integration.conftest import (
+    Trainer,
+    poll,
+    start_cluster,
+    start_module_cluster,
+    start_trainer,
+    tool,
+    wait_until,
+)
 
-__all__ = ["Trainer", "poll", "start_shards", "start_trainer", "tool", "wait_until"]
+__all__ = ["Trainer", "poll", "start_cluster", "start_module_cluster", "start_trainer", "tool", "wait_until"]

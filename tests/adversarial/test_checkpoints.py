@@ -32,13 +32,13 @@ RPC_TIMEOUT = 30.0
 
 
 def test_acknowledged_checkpoints_survive_parallel_admin_checkpoints(
-    tmp_path: Path, start_shards, start_trainer, wait_until
+    tmp_path: Path, start_cluster, start_trainer, wait_until
 ) -> None:
     """Item 6. A shard checkpointing every version while it trains gets 160 Admin/Checkpoint calls from
     8 threads. Every acknowledged (version, path) stays on disk until --checkpoint-keep newer ones
     exist; the newest version on disk and GetStatus' last_checkpoint_version never go backwards."""
     keep, calls = 3, 160
-    (shard,) = start_shards(1, checkpoint_dir=str(tmp_path), checkpoint_every=1, checkpoint_keep=keep)
+    (shard,) = start_cluster(1, num_workers=1, checkpoint_dir=str(tmp_path), checkpoint_every=1, checkpoint_keep=keep)
     trainer = start_trainer([shard.address], pace=0.005)
     wait_until(lambda: shard.shard.version >= 5, 60, "training to reach version 5")
     store = CheckpointStore(tmp_path, 0, keep=keep)  # the test's own view of the directory
@@ -133,7 +133,7 @@ def failure_samples(url: str) -> dict[str, float]:
 
 
 def test_failed_checkpoint_writes_are_counted_named_and_shown(
-    tmp_path: Path, start_shards, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, start_cluster, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Item 11. A checkpoint directory replaced by a file, then a full disk: Admin/Checkpoint fails
     with INTERNAL naming the cause ("No space left on device", not torch's "unexpected pos"),
@@ -141,7 +141,7 @@ def test_failed_checkpoint_writes_are_counted_named_and_shown(
     ps_checkpoint_failures_total{reason} counts them by reason; a later successful write clears the
     error, the count stays."""
     directory = tmp_path / "ckpt"
-    (shard,) = start_shards(1, checkpoint_dir=str(directory))
+    (shard,) = start_cluster(1, num_workers=1, checkpoint_dir=str(directory))
     train_steps(shard.address, 2)
     assert failure_samples(shard.metrics_url) == dict.fromkeys(CHECKPOINT_FAILURE_REASONS, 0.0)
     with grpc.insecure_channel(shard.address) as channel:

@@ -32,17 +32,17 @@ SHORT = 1024
 
 
 @pytest.fixture
-def fresh(start_shards):
+def fresh(start_cluster):
     """One uninitialized shard (2 workers) and a channel to it."""
-    (shard,) = start_shards(1, num_workers=2)
+    (shard,) = start_cluster(1, num_workers=2)
     with grpc.insecure_channel(shard.address) as channel:
         yield shard, channel
 
 
 @pytest.fixture
-def live(start_shards):
+def live(start_cluster):
     """One initialized shard (2 workers), rank 0 joined through PSClient: (shard, channel, client)."""
-    (shard,) = start_shards(1, num_workers=2)
+    (shard,) = start_cluster(1, num_workers=2)
     client = PSClient([shard.address], rank=0, num_workers=2, incarnation=1, timeout=RPC_TIMEOUT)
     client.init(small_model(), {"name": "sgd", "lr": 0.1})
     with grpc.insecure_channel(shard.address) as channel:
@@ -90,10 +90,10 @@ BOMB = [ParameterSpec("w", (10**12, 10**12), "float32")]
 
 
 @pytest.mark.parametrize("initialized", [False, True], ids=["fresh", "initialized"])
-def test_item1_init_plan_bomb_is_refused_fast(start_shards, initialized: bool) -> None:
+def test_item1_init_plan_bomb_is_refused_fast(start_cluster, initialized: bool) -> None:
     """Sixteen ~120-byte InitHeaders declaring [1e12, 1e12] in 1-byte partitions, and one header of
     a million keys, are refused in well under a second each; health still answers."""
-    (shard,) = start_shards(1, num_workers=2)
+    (shard,) = start_cluster(1, num_workers=2)
     if initialized:
         client = PSClient([shard.address], rank=0, num_workers=2, incarnation=1, timeout=RPC_TIMEOUT)
         client.init(small_model(), {"name": "sgd", "lr": 0.1})
@@ -386,8 +386,8 @@ def test_item12_update_config_keeps_serving_after_refusals(live) -> None:
     assert reply.config.staleness == 3
 
 
-def test_item9_on_a_token_protected_shard_the_token_is_checked_first(start_shards) -> None:
-    (shard,) = start_shards(1, num_workers=1, token="worker-secret", admin_token="admin-secret")
+def test_item9_on_a_token_protected_shard_the_token_is_checked_first(start_cluster) -> None:
+    (shard,) = start_cluster(1, num_workers=1, token="worker-secret", admin_token="admin-secret")
     with grpc.insecure_channel(shard.address) as channel:
         call = channel.unary_unary("/ps.v1.Admin/GetStatus")
         assert refused(call, GARBAGE).code() == grpc.StatusCode.UNAUTHENTICATED

@@ -39,8 +39,8 @@ def grads_of(m: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("mode", ["sync", "ssp"])
-def test_join_timeout_names_the_ranks_that_never_joined(start_shards, caplog, mode: str) -> None:
-    (shard,) = start_shards(1, num_workers=3, mode=mode, join_timeout=JOIN_TIMEOUT, lease_timeout=30.0)
+def test_join_timeout_names_the_ranks_that_never_joined(start_cluster, caplog, mode: str) -> None:
+    (shard,) = start_cluster(1, num_workers=3, mode=mode, join_timeout=JOIN_TIMEOUT, lease_timeout=30.0)
     m = model()
     params = {k: p.data for k, p in m.named_parameters()}
     caplog.set_level(logging.ERROR, logger="ps_server.shard")
@@ -72,8 +72,8 @@ def test_join_timeout_names_the_ranks_that_never_joined(start_shards, caplog, mo
         assert reason_of(again.value) == "JOIN_TIMEOUT" and time.monotonic() - start < 5
 
 
-def test_late_ranks_and_evicted_ranks_let_the_job_go_on(start_shards) -> None:
-    (shard,) = start_shards(1, num_workers=3, join_timeout=JOIN_TIMEOUT, lease_timeout=30.0)
+def test_late_ranks_and_evicted_ranks_let_the_job_go_on(start_cluster) -> None:
+    (shard,) = start_cluster(1, num_workers=3, join_timeout=JOIN_TIMEOUT, lease_timeout=30.0)
     m0, m1 = model(), model()
     p0 = {k: p.data for k, p in m0.named_parameters()}
     p1 = {k: p.data for k, p in m1.named_parameters()}
@@ -99,10 +99,10 @@ def test_late_ranks_and_evicted_ranks_let_the_job_go_on(start_shards) -> None:
         assert torch.equal(p0["weight"], p1["weight"])
 
 
-def test_no_join_deadline_before_the_first_join_and_none_when_disabled(start_shards) -> None:
+def test_no_join_deadline_before_the_first_join_and_none_when_disabled(start_cluster) -> None:
     # shards up long before their workers: the clock starts at the first Join, not at the shard's start
-    (late,) = start_shards(1, num_workers=2, join_timeout=0.5, lease_timeout=30.0)
-    (never,) = start_shards(1, num_workers=2, join_timeout=0, lease_timeout=30.0)
+    (late,) = start_cluster(1, num_workers=2, join_timeout=0.5, lease_timeout=30.0)
+    (never,) = start_cluster(1, num_workers=2, join_timeout=0, lease_timeout=30.0)
     time.sleep(1.0)  # not a synchronization: the time that passes before any worker comes
     for shard in (late, never):
         m = model()
@@ -117,7 +117,7 @@ def test_no_join_deadline_before_the_first_join_and_none_when_disabled(start_sha
             assert c0.pull({k: p.data for k, p in m.named_parameters()}, min_version=1) == 1
     assert "join_timeout" not in status(never.address).rejected_pushes
     # join_timeout=0 waits forever: the shard's wait for rank 1 ends only at the RPC deadline, as before
-    (forever,) = start_shards(1, num_workers=2, join_timeout=0, lease_timeout=30.0)
+    (forever,) = start_cluster(1, num_workers=2, join_timeout=0, lease_timeout=30.0)
     with PSClient([forever.address], rank=0, num_workers=2, timeout=1.5, retry_deadline=0.1) as c0:
         m = model()
         c0.init(m, {"name": "sgd", "lr": 0.1})
@@ -127,9 +127,9 @@ def test_no_join_deadline_before_the_first_join_and_none_when_disabled(start_sha
         assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
 
 
-def test_missing_backup_rank_does_not_stop_a_quorum(start_shards, wait_until) -> None:
+def test_missing_backup_rank_does_not_stop_a_quorum(start_cluster, wait_until) -> None:
     # --sync-quorum 2 of 3: rank 2 never joins, but ranks 0 and 1 close every round without it
-    (shard,) = start_shards(1, num_workers=3, sync_quorum=2, join_timeout=1.0, lease_timeout=30.0)
+    (shard,) = start_cluster(1, num_workers=3, sync_quorum=2, join_timeout=1.0, lease_timeout=30.0)
     m0, m1 = model(), model()
     p0 = {k: p.data for k, p in m0.named_parameters()}
     p1 = {k: p.data for k, p in m1.named_parameters()}

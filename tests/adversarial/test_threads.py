@@ -146,7 +146,7 @@ def streams_closed(shard: Any) -> bool:
     return all(limit.open == 0 for limit in limits.values())
 
 
-def test_item3_open_watch_streams_leave_training_its_threads(start_shards, wait_until) -> None:
+def test_item3_open_watch_streams_leave_training_its_threads(start_cluster, wait_until) -> None:
     """64 open streams (48 unauthenticated Health/Watch, 16 Admin/WatchStatus) on a token-protected
     shard: training keeps >= 90 % of its unloaded step rate.
 
@@ -158,7 +158,7 @@ def test_item3_open_watch_streams_leave_training_its_threads(start_shards, wait_
     with and without the streams are reported too. Both shards live in this process, so the streams'
     CPU cost (a few % of a core for 64) is borne by both sides: this measures what the streams do to
     the shard's threads, the subject of the test."""
-    twins = [start_shards(1, token=TOKEN, admin_token=ADMIN_TOKEN)[0] for _ in range(2)]
+    twins = [start_cluster(1, num_workers=1, token=TOKEN, admin_token=ADMIN_TOKEN)[0] for _ in range(2)]
     trainers = [Trainer(shard.address) for shard in twins]
     ratios: list[float] = []
     rates: list[list[tuple[float, bool]]] = [[], []]  # per trainer: (steps/s, loaded)
@@ -207,8 +207,8 @@ def test_item3_open_watch_streams_leave_training_its_threads(start_shards, wait_
 
 
 @pytest.fixture
-def secured_shard(start_shards):
-    (shard,) = start_shards(1, token=TOKEN, admin_token=ADMIN_TOKEN)
+def secured_shard(start_cluster):
+    (shard,) = start_cluster(1, num_workers=1, token=TOKEN, admin_token=ADMIN_TOKEN)
     return shard
 
 

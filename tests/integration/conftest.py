@@ -1,4 +1,5 @@
-"""Fixtures of the operations tests: in-process shards, a background trainer, external tools."""
+"""Fixtures of the integration tests: one way to start in-process shards (``start_cluster``), a background
+trainer, external tools."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -54,26 +56,69 @@ def wait_until() -> Callable[..., Any]:
     return poll
 
 
-@pytest.fixture
-def start_shards() -> Iterator[Callable[..., list[ShardServer]]]:
-    """``start_shards(n, num_workers=1, **config)``: n shards on 127.0.0.1:0 with /metrics on a free
-    port; all stopped at teardown."""
-    started: list[ShardServer] = []
+class Cluster(list[ShardServer]):
+    """Shards started together, shard ``k`` at index ``k``."""
 
-    def start(n: int, num_workers: int = 1, **config: Any) -> list[ShardServer]:
+    @property
+    def addresses(self) -> list[str]:
+        """``host:port`` of every shard, in shard order (what ``PSClient`` and ``--servers`` take)."""
+        return [s.address for s in self]
+
+
+class Clusters:
+    """Starts in-process shards on 127.0.0.1:0 and stops every one it started (:meth:`stop_all`).
+
+    Call it as ``start_cluster(num_shards=2, num_workers=2, **config)``: ``config`` is any other
+    :class:`ServerConfig` field; ``/metrics`` is served on a free port unless ``metrics_port`` says
+    otherwise. :meth:`ShardServer.stop` joins each shard's threads (the lease reaper, the gRPC pools,
+    the checkpoint writer), so a test leaves none behind.
+    """
+
+    def __init__(self) -> None:
+        self.started: list[ShardServer] = []
+
+    def __call__(self, num_shards: int = 2, num_workers: int = 2, **config: Any) -> Cluster:
         config.setdefault("metrics_port", 0)
-        servers = [
-            start_server(
-                ServerConfig(shard_index=k, num_shards=n, num_workers=num_workers, host="127.0.0.1", port=0, **config)
-            )
-            for k in range(n)
+        config.setdefault("host", "127.0.0.1")
+        configs = [
+            ServerConfig(shard_index=k, num_shards=num_shards, num_workers=num_workers, port=0, **config)
+            for k in range(num_shards)
         ]
-        started.extend(servers)
-        return servers
+        return Cluster(self.start(c) for c in configs)
 
-    yield start
-    for s in started:
-        s.stop(grace=0.5)
+    def start(self, config: ServerConfig) -> ShardServer:
+        """Start one shard of exactly ``config`` (a restart: the config of a stopped shard, with
+        ``port`` set to its old port to come back on the same address)."""
+        server = start_server(config)
+        self.started.append(server)
+        return server
+
+    def restart(self, server: ShardServer, same_port: bool = False) -> ShardServer:
+        """Start ``server``'s config again (on a new free port, or on its old one)."""
+        return self.start(replace(server.config, port=server.port if same_port else 0))
+
+    def stop_all(self, grace: float = 0.5) -> None:
+        """Stop every shard the test did not stop itself (a second stop would write another final checkpoint)."""
+        for s in self.started:
+            if not s.stopped:
+                s.stop(grace=grace)
+
+
+@pytest.fixture
+def start_cluster() -> Iterator[Clusters]:
+    """``start_cluster(num_shards=2, num_workers=2, **config)`` -> a :class:`Cluster` of running shards;
+    all stopped (threads joined) at teardown. Also ``start_cluster.start(config)`` and ``.restart``."""
+    clusters = Clusters()
+    yield clusters
+    clusters.stop_all()
+
+
+@pytest.fixture(scope="module")
+def start_module_cluster() -> Iterator[Clusters]:
+    """:func:`start_cluster` for module-scoped fixtures: the shards live until the module's tests end."""
+    clusters = Clusters()
+    yield clusters
+    clusters.stop_all()
 
 
 class Trainer:

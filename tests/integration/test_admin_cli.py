@@ -23,7 +23,7 @@ from ps_admin.client import ShardResult, Watcher, watch
 from ps_admin.view import render_top
 from ps_proto.v1 import ps_pb2, ps_pb2_grpc
 from ps_server.config import ServerConfig
-from ps_server.server import ShardServer, start_server
+from ps_server.server import ShardServer
 from ps_worker import PSClient
 from tests.conftest import RPC_TIMEOUT, small_model
 
@@ -58,9 +58,9 @@ def rpc_count(shard: ShardServer, method: str, code: str) -> float:
 
 
 @pytest.fixture
-def training(start_shards, start_trainer, wait_until):
+def training(start_cluster, start_trainer, wait_until):
     """Two shards and one rank training in the background (at least 3 steps done): (shards, trainer)."""
-    shards = start_shards(2, num_workers=1)
+    shards = start_cluster(2, num_workers=1)
     trainer = start_trainer([s.address for s in shards], pace=0.05)
     wait_until(lambda: trainer.steps >= 3 or trainer.error, 30, "3 training steps")
     assert trainer.error is None, trainer.error
@@ -74,10 +74,10 @@ def cluster(training):
 
 
 @pytest.fixture
-def waiting_round(start_shards, wait_until) -> Iterator[tuple[list[ShardServer], Future[int]]]:
+def waiting_round(start_cluster, wait_until) -> Iterator[tuple[list[ShardServer], Future[int]]]:
     """Two shards of a 2-rank sync cluster where rank 0 pushed round 0 and waits in a pull; rank 1
     never comes. Yields (shards, the pull's future)."""
-    shards = start_shards(2, num_workers=2)
+    shards = start_cluster(2, num_workers=2)
     client = PSClient([s.address for s in shards], rank=0, num_workers=2, timeout=30, retry_deadline=5)
     pool = ThreadPoolExecutor(1)
     try:
@@ -154,8 +154,8 @@ def test_unreachable_shard_is_one_line_and_exit_1(cluster) -> None:
     assert "1/2 shards" in result.stdout and "down" in result.stdout
 
 
-def test_admin_token(start_shards) -> None:
-    (s,) = start_shards(1, admin_token="admin-secret")
+def test_admin_token(start_cluster) -> None:
+    (s,) = start_cluster(1, num_workers=1, admin_token="admin-secret")
     refused = ps_admin("--servers", s.address, "status")
     assert refused.returncode == 1
     assert refused.stderr.strip().splitlines() == [
@@ -242,8 +242,8 @@ def test_top_frame_fits_any_cluster_in_80x24() -> None:
 
 
 # ---------------------------------------------------------------------------------------- WatchStatus
-def test_watch_cancels_its_stream_when_closed_or_stopped(start_shards, wait_until) -> None:
-    (s,) = start_shards(1)
+def test_watch_cancels_its_stream_when_closed_or_stopped(start_cluster, wait_until) -> None:
+    (s,) = start_cluster(1, num_workers=1)
     with grpc.insecure_channel(s.address) as ch:
         stream = watch(ps_pb2_grpc.AdminStub(ch), 0.2, timeout=RPC_TIMEOUT)
         first, second = next(stream), next(stream)
@@ -258,10 +258,9 @@ def test_watch_cancels_its_stream_when_closed_or_stopped(start_shards, wait_unti
     assert rpc_count(s, "GetStatus", "OK") == 0
 
 
-def test_watcher_reconnects_when_a_shard_restarts(start_shards, wait_until) -> None:
-    (s,) = start_shards(1)
+def test_watcher_reconnects_when_a_shard_restarts(start_cluster, wait_until) -> None:
+    (s,) = start_cluster(1, num_workers=1)
     watcher = Watcher([s.address], "", 0.2, 2.0)
-    restarted: list[ShardServer] = []
     try:
         wait_until(lambda: watcher.snapshot()[0].ok, 10, "the first status")
         assert watcher.snapshot()[0].status.config.mode == ps_pb2.MODE_SYNC
@@ -271,7 +270,7 @@ def test_watcher_reconnects_when_a_shard_restarts(start_shards, wait_until) -> N
         def restart() -> bool:
             try:
                 config = ServerConfig(shard_index=0, num_shards=1, num_workers=1, port=s.port, mode="async")
-                restarted.append(start_server(config))
+                start_cluster.start(config)
             except RuntimeError:  # the old socket is not released yet
                 return False
             return True
@@ -283,8 +282,6 @@ def test_watcher_reconnects_when_a_shard_restarts(start_shards, wait_until) -> N
         assert back
     finally:
         watcher.close()
-        for r in restarted:
-            r.stop(grace=0.5)
 
 
 # ---------------------------------------------------------------------------------------- set
@@ -347,8 +344,8 @@ def test_a_refused_set_changes_nothing(cluster, change, code, message) -> None:
     assert [st.config for st in statuses(cluster)] == before
 
 
-def test_a_set_that_reaches_only_some_shards_says_so(start_shards) -> None:
-    (s,) = start_shards(1)
+def test_a_set_that_reaches_only_some_shards_says_so(start_cluster) -> None:
+    (s,) = start_cluster(1, num_workers=1)
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         dead = f"127.0.0.1:{sock.getsockname()[1]}"
@@ -406,9 +403,9 @@ def test_a_mode_switch_waits_for_the_round_boundary(waiting_round, wait_until) -
 
 # ---------------------------------------------------------------------------------------- checkpoint
 def test_checkpoint_on_every_shard_and_a_refusal_with_the_shards_message(
-    start_shards, start_trainer, wait_until, tmp_path
+    start_cluster, start_trainer, wait_until, tmp_path
 ) -> None:
-    shards = start_shards(2, num_workers=1, checkpoint_dir=str(tmp_path / "ckpt"))
+    shards = start_cluster(2, num_workers=1, checkpoint_dir=str(tmp_path / "ckpt"))
     trainer = start_trainer([s.address for s in shards], pace=0.05)
     wait_until(lambda: trainer.steps >= 3 or trainer.error, 30, "3 training steps")
     result = ps_admin("--servers", servers_of(shards), "checkpoint")
@@ -422,7 +419,7 @@ def test_checkpoint_on_every_shard_and_a_refusal_with_the_shards_message(
         assert version >= 3 and os.path.isfile(path) and path.startswith(str(tmp_path / "ckpt"))
         assert statuses([s])[0].last_checkpoint_version >= version
 
-    (bare,) = start_shards(1)  # no --checkpoint-dir
+    (bare,) = start_cluster(1, num_workers=1)  # no --checkpoint-dir
     mixed = ps_admin("--servers", f"{shards[0].address},{bare.address}", "checkpoint")
     assert mixed.returncode == 1
     out = mixed.stdout.splitlines()
@@ -435,8 +432,8 @@ def test_checkpoint_on_every_shard_and_a_refusal_with_the_shards_message(
 
 
 # ---------------------------------------------------------------------------------------- tokens
-def test_set_evict_and_top_take_the_admin_token_only(start_shards) -> None:
-    (s,) = start_shards(1, num_workers=2, token="worker-secret", admin_token="admin-secret")
+def test_set_evict_and_top_take_the_admin_token_only(start_cluster) -> None:
+    (s,) = start_cluster(1, num_workers=2, token="worker-secret", admin_token="admin-secret")
     denied = (
         f"ps-admin: {s.address}: PERMISSION_DENIED: /ps.v1.Admin/{{}} needs the admin token (PS_ADMIN_TOKEN); "
         "the worker token may not call Admin. (Admin needs the admin token (PS_ADMIN_TOKEN), not the worker token)"

@@ -11,8 +11,6 @@ import torch
 
 from ps_proto.v1 import ps_pb2, ps_pb2_grpc
 from ps_server.checkpoint import CheckpointStore
-from ps_server.config import ServerConfig
-from ps_server.server import start_server
 from ps_worker import DistributedOptimizer, PSClient
 from tests.conftest import RPC_TIMEOUT, small_model
 
@@ -30,20 +28,8 @@ def train(addresses: list[str], steps: int, incarnation: int = 1) -> torch.nn.Mo
     return model
 
 
-def test_sync_shards_checkpoint_the_same_versions_and_resume_exactly(tmp_path) -> None:
-    configs = [
-        ServerConfig(
-            shard_index=k,
-            num_shards=2,
-            num_workers=1,
-            port=0,
-            checkpoint_dir=str(tmp_path),
-            checkpoint_every=5,
-            checkpoint_keep=2,
-        )
-        for k in range(2)
-    ]
-    shards = [start_server(c) for c in configs]
+def test_sync_shards_checkpoint_the_same_versions_and_resume_exactly(tmp_path, start_cluster) -> None:
+    shards = start_cluster(2, num_workers=1, checkpoint_dir=str(tmp_path), checkpoint_every=5, checkpoint_keep=2)
     try:
         train([s.address for s in shards], steps=12)
         states = [s.shard.export_state() for s in shards]
@@ -53,23 +39,19 @@ def test_sync_shards_checkpoint_the_same_versions_and_resume_exactly(tmp_path) -
     versions = [[c.version for c in CheckpointStore(tmp_path, k).checkpoints()] for k in range(2)]
     assert versions == [[10, 12], [10, 12]]  # every 5 versions, the same on both shards; keep 2
 
-    restarted = [start_server(c) for c in configs]
-    try:
-        for before, s in zip(states, restarted, strict=True):
-            view = s.shard.status()
-            assert view.restored_from_version == 12 and view.version == 12
-            after = s.shard.export_state()
-            assert all(torch.equal(a, b) for a, b in zip(before["tensors"], after["tensors"], strict=True))
-            assert str(before["optimizer_state"]) == str(after["optimizer_state"])  # Adam moments and steps
-            with grpc.insecure_channel(s.address) as ch:
-                st = ps_pb2_grpc.AdminStub(ch).GetStatus(ps_pb2.GetStatusRequest(), timeout=RPC_TIMEOUT).status
-            assert st.restored_from_version == 12 and st.last_checkpoint_version == 12
-        # the worker (same incarnation) carries on where it stopped
-        train([s.address for s in restarted], steps=3)
-        assert all(s.shard.version == 15 for s in restarted)
-    finally:
-        for s in restarted:
-            s.stop(grace=0.5)
+    restarted = [start_cluster.restart(s) for s in shards]
+    for before, s in zip(states, restarted, strict=True):
+        view = s.shard.status()
+        assert view.restored_from_version == 12 and view.version == 12
+        after = s.shard.export_state()
+        assert all(torch.equal(a, b) for a, b in zip(before["tensors"], after["tensors"], strict=True))
+        assert str(before["optimizer_state"]) == str(after["optimizer_state"])  # Adam moments and steps
+        with grpc.insecure_channel(s.address) as ch:
+            st = ps_pb2_grpc.AdminStub(ch).GetStatus(ps_pb2.GetStatusRequest(), timeout=RPC_TIMEOUT).status
+        assert st.restored_from_version == 12 and st.last_checkpoint_version == 12
+    # the worker (same incarnation) carries on where it stopped
+    train([s.address for s in restarted], steps=3)
+    assert all(s.shard.version == 15 for s in restarted)
 
 
 def test_admin_checkpoint_writes_now_and_needs_a_directory(tmp_path, start_cluster) -> None:
@@ -87,32 +69,27 @@ def test_admin_checkpoint_writes_now_and_needs_a_directory(tmp_path, start_clust
     assert CheckpointStore(tmp_path, 0).latest_version() == 3
 
 
-def test_checkpoint_of_another_cluster_shape_is_refused(tmp_path) -> None:
+def test_checkpoint_of_another_cluster_shape_is_refused(tmp_path, start_cluster) -> None:
     from ps_common.errors import CheckpointError
 
-    shard = start_server(ServerConfig(shard_index=0, num_shards=1, num_workers=1, port=0, checkpoint_dir=str(tmp_path)))
+    (shard,) = start_cluster(1, num_workers=1, checkpoint_dir=str(tmp_path))
     try:
         train([shard.address], steps=2)
     finally:
         shard.stop(grace=0.5)
     with pytest.raises(CheckpointError, match="same --num-shards/--num-workers"):
-        start_server(ServerConfig(shard_index=0, num_shards=1, num_workers=3, port=0, checkpoint_dir=str(tmp_path)))
+        start_cluster(1, num_workers=3, checkpoint_dir=str(tmp_path))
 
 
-def test_push_lost_in_a_crash_is_pushed_again(tmp_path) -> None:
+def test_push_lost_in_a_crash_is_pushed_again(tmp_path, start_cluster) -> None:
     """Rank 0's push is acknowledged into an open round, then the shard dies before the round
     closes (no final checkpoint) and restarts from the previous round's checkpoint: rank 0's pull
     is refused with PUSH_LOST, it pushes again, and the round completes for both ranks."""
-    config = ServerConfig(
-        shard_index=0, num_shards=1, num_workers=2, port=0, checkpoint_dir=str(tmp_path), checkpoint_every=1
-    )
-    shard = start_server(config)
-    port = shard.port
+    (shard,) = start_cluster(1, num_workers=2, checkpoint_dir=str(tmp_path), checkpoint_every=1)
     models = [torch.nn.Linear(3, 1, bias=False) for _ in range(2)]
     for m in models:
         torch.nn.init.ones_(m.weight)
     clients = [PSClient([shard.address], rank=r, num_workers=2, incarnation=1, timeout=RPC_TIMEOUT) for r in range(2)]
-    restarted = None
     try:
         for c, m in zip(clients, models, strict=True):
             c.init(m, {"name": "sgd", "lr": 0.5})  # rank 0 writes; rank 1 finds the shard initialized
@@ -125,7 +102,7 @@ def test_push_lost_in_a_crash_is_pushed_again(tmp_path) -> None:
         shard.checkpointer.close(final=False)  # a crash: no final checkpoint
         shard.checkpointer = None
         shard.stop(grace=0)
-        restarted = start_server(ServerConfig(**{**config.__dict__, "port": port}))
+        restarted = start_cluster.restart(shard, same_port=True)
         assert restarted.shard.restored_from_version == 1 and restarted.shard.status().round_ranks == ()
         result: list[int] = []
         puller = threading.Thread(target=lambda: result.append(clients[0].pull({"weight": models[0].weight.data})))
@@ -140,5 +117,3 @@ def test_push_lost_in_a_crash_is_pushed_again(tmp_path) -> None:
     finally:
         for c in clients:
             c.close()
-        if restarted is not None:
-            restarted.stop(grace=0.5)

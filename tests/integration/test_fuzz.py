@@ -20,8 +20,6 @@ from hypothesis import strategies as st
 from ps_common import frames
 from ps_common.wire import plan_to_proto
 from ps_proto.v1 import ps_pb2, ps_pb2_grpc
-from ps_server.config import ServerConfig
-from ps_server.server import start_server
 from ps_worker import PSClient
 from tests.conftest import RPC_TIMEOUT, small_model
 
@@ -34,15 +32,14 @@ KEYS = ["0.weight", "0.bias", "2.weight", "2.bias", "", "0.weight ", "nope", "2.
 
 
 @pytest.fixture(scope="module")
-def live():
-    shard = start_server(ServerConfig(shard_index=0, num_shards=1, num_workers=2, port=0))
+def live(start_module_cluster):
+    (shard,) = start_module_cluster(1, num_workers=2)
     client = PSClient([shard.address], rank=0, num_workers=2, incarnation=1, timeout=RPC_TIMEOUT)
     client.init(small_model(), {"name": "sgd", "lr": 0.1})
     channel = grpc.insecure_channel(shard.address)
     yield shard, ps_pb2_grpc.ParameterServiceStub(channel), client
     channel.close()
     client.close()
-    shard.stop(grace=0.5)
 
 
 def fingerprint(shard) -> tuple:
@@ -220,11 +217,11 @@ NEVER = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}
 
 
 @pytest.fixture(scope="module")
-def target():
+def target(start_module_cluster):
     """An initialized sync shard of 2 workers, rank 0 joined: (shard, channel, seeds), where seeds maps
     each of the 17 methods to (call kind, valid request messages to mutate). Data-plane seeds carry
     another plan's digest, so no mutation applies a gradient; the rest are valid as they are."""
-    shard = start_server(ServerConfig(shard_index=0, num_shards=1, num_workers=2, port=0))
+    (shard,) = start_module_cluster(1, num_workers=2)
     client = PSClient([shard.address], rank=0, num_workers=2, incarnation=1, timeout=RPC_TIMEOUT)
     client.init(small_model(), {"name": "sgd", "lr": 0.1})
     plan = client.plan
@@ -270,7 +267,6 @@ def target():
     yield shard, channel, seeds
     channel.close()
     client.close()
-    shard.stop(grace=0.5)
 
 
 @st.composite

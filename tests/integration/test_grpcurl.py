@@ -26,8 +26,8 @@ def run(argv: list[str], tmp_path, expect_ok: bool = True) -> subprocess.Complet
 
 
 @pytest.fixture
-def shard(start_shards):
-    (s,) = start_shards(1, num_workers=2)
+def shard(start_cluster):
+    (s,) = start_cluster(1, num_workers=2)
     return s
 
 
@@ -79,8 +79,8 @@ def test_grpcurl_list_describe_status_join_and_health(shard, tool, tmp_path) -> 
     assert health == {"status": "SERVING"}
 
 
-def test_grpcurl_with_tokens(start_shards, tool, tmp_path) -> None:
-    (s,) = start_shards(1, token="worker-secret", admin_token="admin-secret")
+def test_grpcurl_with_tokens(start_cluster, tool, tmp_path) -> None:
+    (s,) = start_cluster(1, num_workers=1, token="worker-secret", admin_token="admin-secret")
     grpcurl = [tool("grpcurl"), "-plaintext", "-max-time", "10"]
     assert set(run([*grpcurl, s.address, "list"], tmp_path).stdout.split()) == SERVICES  # reflection stays open
     refused = run([*grpcurl, "-d", "{}", s.address, "ps.v1.Admin/GetStatus"], tmp_path, expect_ok=False)

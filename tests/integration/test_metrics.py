@@ -49,9 +49,9 @@ def promtool_check(promtool: str, text: str) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_training_moves_shard_and_worker_metrics(start_shards, tool) -> None:
+def test_training_moves_shard_and_worker_metrics(start_cluster, tool) -> None:
     promtool = tool("promtool")
-    (shard,) = start_shards(1)
+    (shard,) = start_cluster(1, num_workers=1)
     worker = WorkerMetrics(CollectorRegistry())
     endpoint = serve_metrics(worker.registry, "127.0.0.1", 0)
     client = PSClient([shard.address], rank=0, num_workers=1, timeout=10, metrics=worker)
@@ -109,8 +109,8 @@ def push_stream(*messages: ps_pb2.PushRequest):
     yield from messages
 
 
-def test_refused_pushes_are_counted_by_code_and_reason(start_shards) -> None:
-    (shard,) = start_shards(1)
+def test_refused_pushes_are_counted_by_code_and_reason(start_cluster) -> None:
+    (shard,) = start_cluster(1, num_workers=1)
     with grpc.insecure_channel(shard.address) as channel:
         stub = ps_pb2_grpc.ParameterServiceStub(channel)
         bad = ps_pb2.PushRequest(partition=ps_pb2.Partition(key="nope", length=1))
@@ -136,8 +136,8 @@ def test_refused_pushes_are_counted_by_code_and_reason(start_shards) -> None:
     assert value(s, "ps_workers", state="pending") == 0
 
 
-def test_token_refusals_are_counted(start_shards) -> None:
-    (shard,) = start_shards(1, token="worker-secret", admin_token="admin-secret")
+def test_token_refusals_are_counted(start_cluster) -> None:
+    (shard,) = start_cluster(1, num_workers=1, token="worker-secret", admin_token="admin-secret")
     with grpc.insecure_channel(shard.address) as channel:
         stub = ps_pb2_grpc.ParameterServiceStub(channel)
         with pytest.raises(grpc.RpcError) as refused:
@@ -153,7 +153,7 @@ def test_token_refusals_are_counted(start_shards) -> None:
     assert value(s, "ps_rpc_duration_seconds_count", method="ps.v1.Admin/GetStatus", code="PERMISSION_DENIED") == 1
 
 
-def test_metrics_port_in_use_is_a_clear_error(start_shards) -> None:
-    (shard,) = start_shards(1)
+def test_metrics_port_in_use_is_a_clear_error(start_cluster) -> None:
+    (shard,) = start_cluster(1, num_workers=1)
     with pytest.raises(RuntimeError, match="--metrics-port 0"):
-        start_shards(1, metrics_port=shard.metrics_endpoint.port)
+        start_cluster(1, num_workers=1, metrics_port=shard.metrics_endpoint.port)

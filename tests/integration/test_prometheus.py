@@ -82,8 +82,8 @@ def prometheus(tool, tmp_path: Path):
             p.wait(timeout=10)
 
 
-def test_prometheus_scrapes_a_live_run(start_shards, start_trainer, prometheus, wait_until, tmp_path) -> None:
-    shards = start_shards(2, num_workers=1)
+def test_prometheus_scrapes_a_live_run(start_cluster, start_trainer, prometheus, wait_until, tmp_path) -> None:
+    shards = start_cluster(2, num_workers=1)
     worker = WorkerMetrics(CollectorRegistry())
     endpoint = serve_metrics(worker.registry, "127.0.0.1", 0)
     try:

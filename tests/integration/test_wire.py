@@ -63,22 +63,22 @@ def run_steps(
     [(1 << 20, 30), (1 << 20, 3000), (256, 30)],
     ids=["one-small-message", "one-large-message", "many-messages"],
 )
-def test_push_pull_is_push_then_pull_bitwise(start_shards, partition_bytes: int, hidden: int) -> None:
+def test_push_pull_is_push_then_pull_bitwise(start_cluster, partition_bytes: int, hidden: int) -> None:
     """One message each way (a unary call; small, or larger than the size up to which the answer
     is prepended) and many (a stream, partitions packed) give the parameters that a Push then a
     Pull give, bit for bit."""
     results = []
     for fused in (False, True):
-        shards = start_shards(2, num_workers=1)
+        shards = start_cluster(2, num_workers=1)
         results.append(run_steps([s.address for s in shards], 5, fused, partition_bytes, hidden))
     assert torch.equal(results[0], results[1])
 
 
 @pytest.mark.parametrize("wire_dtype", ["bfloat16", "float16"])
-def test_narrow_wire_dtype_halves_the_shards_bytes_and_keeps_accuracy(start_shards, wire_dtype: str) -> None:
+def test_narrow_wire_dtype_halves_the_shards_bytes_and_keeps_accuracy(start_cluster, wire_dtype: str) -> None:
     bytes_in, bytes_out, accuracy = {}, {}, {}
     for wire in (None, wire_dtype):
-        (shard,) = start_shards(1, num_workers=1)
+        (shard,) = start_cluster(1, num_workers=1)
         with PSClient([shard.address], 0, 1, timeout=RPC_TIMEOUT, wire_dtype=wire) as client:
             summary = train(
                 get_workload("digits"), client, steps=150, batch_size=32, optimizer={"name": "sgd", "lr": 0.1}
@@ -92,8 +92,8 @@ def test_narrow_wire_dtype_halves_the_shards_bytes_and_keeps_accuracy(start_shar
     assert abs(accuracy[wire_dtype] - accuracy[None]) <= 0.01, accuracy
 
 
-def test_wire_dtype_must_be_narrower_than_the_parameters(start_shards) -> None:
-    (shard,) = start_shards(1, num_workers=1)
+def test_wire_dtype_must_be_narrower_than_the_parameters(start_cluster) -> None:
+    (shard,) = start_cluster(1, num_workers=1)
     with PSClient([shard.address], 0, 1, timeout=RPC_TIMEOUT, wire_dtype="bfloat16") as client:
         with pytest.raises(ValueError, match="not narrower"):
             client.init(torch.nn.Linear(2, 2).to(torch.float16))
@@ -101,10 +101,10 @@ def test_wire_dtype_must_be_narrower_than_the_parameters(start_shards) -> None:
         PSClient([shard.address], 0, 1, wire_dtype="int8")
 
 
-def test_topk_pushes_k_entries_and_converges(start_shards) -> None:
+def test_topk_pushes_k_entries_and_converges(start_cluster) -> None:
     summaries = {}
     for topk in (0.0, 0.1):
-        (shard,) = start_shards(1, num_workers=1)
+        (shard,) = start_cluster(1, num_workers=1)
         with PSClient([shard.address], 0, 1, timeout=RPC_TIMEOUT, topk=topk) as client:
             summaries[topk] = train(
                 get_workload("digits"),
@@ -121,8 +121,8 @@ def test_topk_pushes_k_entries_and_converges(start_shards) -> None:
     assert sparse.accuracy >= 0.93 and sparse.accuracy >= dense.accuracy - 0.03, (sparse.accuracy, dense.accuracy)
 
 
-def test_push_pull_once_is_refused_when_the_shard_needs_more_than_one_message(start_shards) -> None:
-    (server,) = start_shards(1, num_workers=1)
+def test_push_pull_once_is_refused_when_the_shard_needs_more_than_one_message(start_cluster) -> None:
+    (server,) = start_cluster(1, num_workers=1)
     net = model(30)
     with PSClient([server.address], 0, 1, incarnation=1, timeout=RPC_TIMEOUT, partition_bytes=256) as client:
         client.init(net)
@@ -153,14 +153,14 @@ class TwoHeads(torch.nn.Module):
 
 
 @pytest.mark.parametrize("topk", [0.0, 0.3])
-def test_pushes_overlapped_with_backward_give_the_same_parameters(start_shards, topk: float) -> None:
+def test_pushes_overlapped_with_backward_give_the_same_parameters(start_cluster, topk: float) -> None:
     from ps_worker import DistributedOptimizer
 
     gen = torch.Generator().manual_seed(1)
     x, y = torch.randn(32, 20, generator=gen), torch.randint(0, 3, (32,), generator=gen)
     results = []
     for overlap in (False, True):
-        shards = start_shards(2, num_workers=1)
+        shards = start_cluster(2, num_workers=1)
         net = TwoHeads()
         kw = {"incarnation": 1, "timeout": RPC_TIMEOUT, "partition_bytes": 512, "topk": topk}
         with PSClient([s.address for s in shards], 0, 1, **kw) as client:
