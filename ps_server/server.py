@@ -13,14 +13,16 @@ from prometheus_client import CollectorRegistry
 
 from ps_common.metrics_endpoint import MetricsEndpoint, serve_metrics
 from ps_proto.v1 import ps_pb2, ps_pb2_grpc
+from ps_server.admin_servicer import AdminServicer
 from ps_server.auth import TokenInterceptor
 from ps_server.checkpoint import CheckpointStore
 from ps_server.checkpointer import Checkpointer
 from ps_server.config import ServerConfig
+from ps_server.counters import ShardCounters
 from ps_server.decoding import DecodingInterceptor
 from ps_server.interceptors import MetricsInterceptor
 from ps_server.metrics import ServerMetrics
-from ps_server.servicer import AdminServicer, Counters, ParameterServicer, parameter_service_handler
+from ps_server.servicer import ParameterServicer, parameter_service_handler
 from ps_server.shard import Shard
 from ps_server.streams import PUBLIC, WATCH, StreamLimit, StreamLimitInterceptor
 
@@ -45,7 +47,7 @@ class ShardServer:
         port: int,
         shard: Shard,
         health_servicer: health.HealthServicer,
-        counters: Counters,
+        counters: ShardCounters,
         stopping: threading.Event,
         metrics: ServerMetrics | None = None,
         metrics_endpoint: MetricsEndpoint | None = None,
@@ -137,8 +139,8 @@ def start_server(config: ServerConfig, shard: Shard | None = None) -> ShardServe
         join_timeout=config.join_timeout,
         limits=config.limits,
     )
-    counters = Counters()
-    metrics = ServerMetrics(CollectorRegistry(), shard.status)
+    counters = shard.counters  # one set: GetStatus and Prometheus read the same numbers
+    metrics = ServerMetrics(CollectorRegistry(), shard.status, counters)
     checkpointer = None
     if config.checkpoint_dir:
         store = CheckpointStore(config.checkpoint_dir, config.shard_index, keep=config.checkpoint_keep)
@@ -172,7 +174,7 @@ def start_server(config: ServerConfig, shard: Shard | None = None) -> ShardServe
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=config.threads, thread_name_prefix=f"shard{config.shard_index}"),
         interceptors=[
-            MetricsInterceptor(metrics, lambda: shard.mode),
+            MetricsInterceptor(metrics),
             TokenInterceptor(config.token, config.admin_token, on_refused=lambda code: counters.add(rejected=1)),
             streams,
             DecodingInterceptor(on_refused=lambda: counters.add(rejected=1)),  # innermost: see its docstring
