@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 
@@ -48,8 +48,6 @@ from ps_server.waits import Waits
 log = logging.getLogger(__name__)
 
 __all__ = ["MODES", "Shard", "WorkerState", "PushResult", "PushStamp", "StatusView", "MemberView", "Snapshot"]
-
-T = TypeVar("T")
 
 SnapshotHook = Callable[[int, dict[str, Any]], None]
 """Called with (version, :meth:`Shard.export_state` output) under the shard's lock."""
