@@ -3,10 +3,12 @@
 It wraps the handler of every method (all four streaming kinds) and records the duration and
 final status code (``OK`` unless the handler aborted; the code ``context.abort`` set otherwise,
 ``UNKNOWN`` for an unexpected exception, ``CANCELLED`` when the client went away mid-stream),
-and the serialized size of every request and response message. From the outcome of
-``ps.v1.ParameterService/Push`` it also counts accepted and refused pushes and their staleness,
-and from ``Pull`` the time to its first partition (the wait for its version), so the servicer
-stays free of metrics code.
+and the serialized size of every request and response message (into the shard's
+:class:`~ps_server.counters.ShardCounters`, which GetStatus reads too). It counts the refused push
+calls the shard did not count itself (any ``ps-reason`` outside
+:data:`~ps_server.counters.SHARD_REASONS`: bad input, the token check, limits, deadlines), by status
+code, and from ``Pull`` it records the time to the first partition (the wait for its version).
+Accepted pushes reach the counters from the servicer (its push observer), not through here.
 
 Put it first in the server's interceptor list, so that it also sees the refusals of the token
 interceptor (``UNAUTHENTICATED``, ``PERMISSION_DENIED``) and of the stream limits
@@ -24,8 +26,9 @@ from typing import Any
 
 import grpc
 
+from ps_common.errors import REASON_KEY
 from ps_common.wire import message_size
-from ps_proto.v1 import ps_pb2
+from ps_server.counters import SHARD_REASONS
 from ps_server.metrics import ServerMetrics
 
 PUSH_METHOD = "ps.v1.ParameterService/Push"
@@ -33,41 +36,15 @@ PULL_METHOD = "ps.v1.ParameterService/Pull"
 PUSH_PULL_METHODS = frozenset({"ps.v1.ParameterService/PushPull", "ps.v1.ParameterService/PushPullOnce"})
 PUSH_METHODS = frozenset({PUSH_METHOD, *PUSH_PULL_METHODS})
 WAIT_METHODS = frozenset({PULL_METHOD, *PUSH_PULL_METHODS})
-UPDATE_METHODS = frozenset({*PUSH_METHODS, *WAIT_METHODS, "ps.v1.ParameterService/Exchange"})
-"""Calls that carry or await an update: where a refusal of the update itself reaches a rank."""
-
-_local = threading.local()
-"""The call a pool thread is handling, for :func:`note_push`; cleared when the handler returns, so
-that a thread never keeps the shard alive through it: a thread-local that outlives its call frees
-the shard's tensors when its thread exits, and at interpreter shutdown that aborts the process."""
-
-
-def note_push(response: Any) -> None:
-    """Tell the interceptor, from the handler's thread, that this call's push was accepted with
-    ``response`` (a PushResponse). PushPull answers in hand-built frames, so the interceptor cannot
-    read the answer off its responses as it does for Push."""
-    call = getattr(_local, "call", None)
-    if call is not None:
-        call.response = response
-
 
 REJECT_REASONS = {grpc.StatusCode.ABORTED: "stale"}
 """Status code -> ``reason`` label of ``ps_rejected_pushes_total`` where it differs from the code's name."""
-
-UPDATE_REFUSALS = {
-    "NON_FINITE_UPDATE": "non_finite_update",
-    "UPDATE_FAILED": "update_failed",
-    "REPLAYED": "replayed",
-    "HYPERPARAMETERS_DISAGREE": "hyperparameters_disagree",
-}
-"""``ps-reason`` of a refused update -> its ``reason`` label of ``ps_rejected_pushes_total``, counted once per
-rank told (a refused sync round reaches each of its ranks by its push or by its pull)."""
 
 
 def _reason(context: grpc.ServicerContext) -> str:
     """The ``ps-reason`` trailing metadata the servicer set on a refusal ("" when none)."""
     metadata = context.trailing_metadata() if hasattr(context, "trailing_metadata") else None
-    return next((str(v) for k, v in metadata or () if k == "ps-reason"), "")
+    return next((str(v) for k, v in metadata or () if k == REASON_KEY), "")
 
 
 WAIT_ENDED = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED})
@@ -94,7 +71,7 @@ def _final_code(context: grpc.ServicerContext, failed: bool) -> grpc.StatusCode:
 class _Call:
     """Bookkeeping of one RPC: bytes as they pass, then one :meth:`finish`."""
 
-    __slots__ = ("interceptor", "method", "start", "first_sent", "received", "sent", "response", "reason")
+    __slots__ = ("interceptor", "method", "start", "first_sent", "received", "sent", "reason")
 
     def __init__(self, interceptor: MetricsInterceptor, method: str) -> None:
         self.interceptor = interceptor
@@ -103,7 +80,6 @@ class _Call:
         self.first_sent: float | None = None
         self.received = 0
         self.sent = 0
-        self.response: Any = None
         self.reason = ""
 
     def requests(self, iterator: Iterator[Any]) -> Iterator[Any]:
@@ -127,33 +103,20 @@ class MetricsInterceptor(grpc.ServerInterceptor):
     """Record duration, status code and message bytes of every RPC.
 
     Args:
-        metrics: where to record.
-        mode: returns the shard's current mode, the ``mode`` label of ``ps_pushes_total``.
+        metrics: where to record (bytes and refusals into ``metrics.counters``).
     """
 
-    def __init__(self, metrics: ServerMetrics, mode: Callable[[], str]) -> None:
+    def __init__(self, metrics: ServerMetrics) -> None:
         self.metrics = metrics
-        self.mode = mode
 
     def record(self, call: _Call, code: grpc.StatusCode, end: float) -> None:
         """Account one finished RPC."""
         m = self.metrics
         m.rpc_duration.labels(call.method, code.name).observe(end - call.start)
-        if call.received:
-            m.received_bytes.labels(call.method).inc(call.received)
-        if call.sent:
-            m.sent_bytes.labels(call.method).inc(call.sent)
-        refused_update = UPDATE_REFUSALS.get(call.reason) if call.method in UPDATE_METHODS else None
-        if refused_update:
-            m.rejected_pushes.labels(refused_update).inc()
-        elif call.method in PUSH_METHODS:
-            accepted = isinstance(call.response, ps_pb2.PushResponse)  # PushPull: accepted even if its pull failed
-            if accepted:
-                if not call.response.duplicate:
-                    m.pushes.labels(self.mode()).inc()
-                    m.push_staleness.observe(call.response.staleness)
-            elif code not in (grpc.StatusCode.OK, grpc.StatusCode.CANCELLED):
-                m.rejected_pushes.labels(REJECT_REASONS.get(code, code.name.lower())).inc()
+        m.counters.transferred(call.method, call.received, call.sent)
+        refused = code not in (grpc.StatusCode.OK, grpc.StatusCode.CANCELLED)
+        if call.method in PUSH_METHODS and refused and call.reason not in SHARD_REASONS:
+            m.counters.refuse(REJECT_REASONS.get(code, code.name.lower()))
         if call.method in WAIT_METHODS:
             if call.first_sent is not None:
                 m.barrier_wait.observe(call.first_sent - call.start)
@@ -164,7 +127,6 @@ class MetricsInterceptor(grpc.ServerInterceptor):
     def _unary_response(self, behavior: Callable[..., Any], method: str, streaming: bool) -> Callable[..., Any]:
         def handle(request: Any, context: grpc.ServicerContext) -> Any:
             call = _Call(self, method)
-            _local.call = call
             if streaming:
                 request = call.requests(request)
             else:
@@ -174,11 +136,7 @@ class MetricsInterceptor(grpc.ServerInterceptor):
             except BaseException:
                 call.finish(_final_code(context, failed=True), _reason(context))
                 raise
-            finally:
-                _local.call = None  # see _local
             call.first_sent = time.perf_counter()
-            if call.response is None:
-                call.response = response
             call.sent = _size(response)
             call.finish(_final_code(context, failed=False))
             return response
@@ -188,7 +146,6 @@ class MetricsInterceptor(grpc.ServerInterceptor):
     def _stream_response(self, behavior: Callable[..., Any], method: str, streaming: bool) -> Callable[..., Any]:
         def handle(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
             call = _Call(self, method)
-            _local.call = call  # the sync server runs a stream's handler in one pool thread
             if streaming:
                 request = call.requests(request)
             else:
@@ -201,8 +158,6 @@ class MetricsInterceptor(grpc.ServerInterceptor):
             except BaseException:
                 call.finish(_final_code(context, failed=True), _reason(context))
                 raise
-            finally:
-                _local.call = None
             code = _final_code(context, failed=False)
             if code is grpc.StatusCode.OK and not context.is_active():  # it saw the client go away (WatchStatus)
                 code = grpc.StatusCode.CANCELLED

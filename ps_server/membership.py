@@ -30,6 +30,16 @@ class WorkerState(enum.Enum):
 
 
 @dataclass(frozen=True)
+class PushStamp:
+    """What makes a push (or an exchange) unique (DESIGN section 4): the rank, the incarnation of
+    its process, and its clock (the step it completes). A shard applies each stamp at most once."""
+
+    rank: int
+    incarnation: int
+    clock: int
+
+
+@dataclass(frozen=True)
 class PushResult:
     """Answer to a push: the version it was accepted at, its staleness in versions, whether it
     repeated an earlier push, and whether a quorum round had closed without it (dropped)."""

@@ -1,20 +1,24 @@
 """Prometheus metrics of a shard (DESIGN section 10), built against an injected registry.
 
-Every name here is contract. Counters and histograms are updated by
-:class:`ps_server.interceptors.MetricsInterceptor`; the gauges that mirror shard state
+Every name here is contract. RPC durations and barrier waits are recorded by
+:class:`ps_server.interceptors.MetricsInterceptor`; pushes, refused pushes, push staleness and bytes
+are read at scrape time from the shard's :class:`~ps_server.counters.ShardCounters` (the numbers
+Admin/GetStatus reports) by :class:`CountersCollector`; the gauges that mirror shard state
 (``ps_model_version``, ``ps_workers``) are read from ``Shard.status()`` at scrape time by
-:class:`ShardCollector`, so there is no second copy of that state to drift.
+:class:`ShardCollector`, so there is no second copy of any of it to drift.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
+
+from ps_server.counters import CountersView, ShardCounters
 
 if TYPE_CHECKING:
     from ps_server.shard import StatusView
@@ -25,7 +29,7 @@ RPC_SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.2
 """Seconds; up to 60 s because a sync Pull may wait a whole round (the worker's default deadline)."""
 
 STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64, 128)
-"""Versions (async) or clocks (ssp) between a gradient's base and the version it was applied to."""
+"""Upper bounds of the ``ps_push_staleness`` buckets, in versions behind (async and ssp alike)."""
 
 CHECKPOINT_SECONDS_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -69,51 +73,88 @@ _VERSION_HELP = "Applied updates on this shard (sync: the round number)."
 _WORKERS_HELP = "Worker ranks by membership state as this shard sees them (pending, live, evicted, left)."
 
 
+STALENESS_HELP = (
+    "Staleness of accepted pushes in versions behind: the shard's version minus the version the gradient was "
+    "computed on (async and ssp alike; ssp's bound s counts clocks, see GetStatus max_clock_gap); always 0 in "
+    "sync mode."
+)
+
+
+def _buckets(counts: dict[int, int], bounds: Iterable[float]) -> list[tuple[str, float]]:
+    """Cumulative (le, count) buckets of a histogram of integers, ``+Inf`` last."""
+    out = [(str(float(b)), float(sum(n for v, n in counts.items() if v <= b))) for b in bounds]
+    return [*out, ("+Inf", float(sum(counts.values())))]
+
+
+class CountersCollector(Collector):
+    """Prometheus view of :class:`ShardCounters` (metric names and help text are contract)."""
+
+    def __init__(self, counters: ShardCounters) -> None:
+        self._counters = counters
+
+    def describe(self) -> list[CounterMetricFamily | HistogramMetricFamily]:
+        return list(self._families(None))
+
+    def collect(self) -> Iterator[CounterMetricFamily | HistogramMetricFamily]:
+        yield from self._families(self._counters.view())
+
+    @staticmethod
+    def _families(view: CountersView | None) -> Iterator[CounterMetricFamily | HistogramMetricFamily]:
+        labelled = (
+            ("ps_received_bytes", "Serialized bytes of request messages received, by full method name.", "method"),
+            ("ps_sent_bytes", "Serialized bytes of response messages sent, by full method name.", "method"),
+            (
+                "ps_pushes",
+                "Pushes accepted and applied or held for their round (retried duplicates excluded), by mode.",
+                "mode",
+            ),
+            (
+                "ps_rejected_pushes",
+                "Pushes refused or dropped, by reason: the shard's own (stale, replayed, late, non_finite_update, "
+                "update_failed, hyperparameters_disagree, round_timeout, join_timeout), else the status code in "
+                "snake case, with ABORTED as 'stale'.",
+                "reason",
+            ),
+        )
+        values = (view.received_bytes, view.sent_bytes, view.pushes, view.rejected_pushes) if view else ({}, {}, {}, {})
+        for (name, text, label), counts in zip(labelled, values, strict=True):
+            family = CounterMetricFamily(name, text, labels=[label])
+            for key, n in sorted(counts.items()):
+                family.add_metric([key], n)
+            yield family
+        staleness = view.staleness if view else {}
+        yield HistogramMetricFamily(
+            "ps_push_staleness",
+            STALENESS_HELP,
+            buckets=_buckets(staleness, STALENESS_BUCKETS),
+            sum_value=float(sum(v * n for v, n in staleness.items())),
+        )
+
+
 class ServerMetrics:
     """The metrics of one shard, registered in ``registry`` (never the global default one).
 
     Args:
         registry: where every metric is registered; one per process, or one per test.
         status: ``Shard.status``; when given, registers :class:`ShardCollector` over it.
+        counters: the shard's counters (``Shard.counters``), exported by :class:`CountersCollector`;
+            fresh ones by default.
     """
 
-    def __init__(self, registry: CollectorRegistry, status: Callable[[], StatusView] | None = None) -> None:
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        status: Callable[[], StatusView] | None = None,
+        counters: ShardCounters | None = None,
+    ) -> None:
         self.registry = registry
+        self.counters = counters or ShardCounters()
+        registry.register(CountersCollector(self.counters))
         self.rpc_duration = Histogram(
             "ps_rpc_duration_seconds",
             "Seconds from the start to the end of an RPC on this shard, by full method name and final status code.",
             ["method", "code"],
             buckets=RPC_SECONDS_BUCKETS,
-            registry=registry,
-        )
-        self.received_bytes = Counter(
-            "ps_received_bytes",
-            "Serialized bytes of request messages received, by full method name.",
-            ["method"],
-            registry=registry,
-        )
-        self.sent_bytes = Counter(
-            "ps_sent_bytes",
-            "Serialized bytes of response messages sent, by full method name.",
-            ["method"],
-            registry=registry,
-        )
-        self.pushes = Counter(
-            "ps_pushes",
-            "Pushes accepted and applied or held for their round (retried duplicates excluded), by mode.",
-            ["mode"],
-            registry=registry,
-        )
-        self.rejected_pushes = Counter(
-            "ps_rejected_pushes",
-            "Pushes refused, by reason: the status code in snake case, with ABORTED as 'stale'.",
-            ["reason"],
-            registry=registry,
-        )
-        self.push_staleness = Histogram(
-            "ps_push_staleness",
-            "Staleness of accepted pushes: versions (async) or clocks (ssp) behind; always 0 in sync mode.",
-            buckets=STALENESS_BUCKETS,
             registry=registry,
         )
         self.barrier_wait = Histogram(

@@ -13,15 +13,18 @@ from prometheus_client import CollectorRegistry
 
 from ps_common.metrics_endpoint import MetricsEndpoint, serve_metrics
 from ps_proto.v1 import ps_pb2, ps_pb2_grpc
+from ps_server.admin_servicer import AdminServicer
 from ps_server.auth import TokenInterceptor
 from ps_server.checkpoint import CheckpointStore
 from ps_server.checkpointer import Checkpointer
 from ps_server.config import ServerConfig
+from ps_server.counters import ShardCounters
 from ps_server.decoding import DecodingInterceptor
 from ps_server.interceptors import MetricsInterceptor
 from ps_server.metrics import ServerMetrics
-from ps_server.servicer import AdminServicer, Counters, ParameterServicer, parameter_service_handler
-from ps_server.shard import Shard, StatusView
+from ps_server.servicer import ParameterServicer, parameter_service_handler
+from ps_server.shard import Shard
+from ps_server.shard_views import StatusView
 from ps_server.streams import PUBLIC, WATCH, StreamLimit, StreamLimitInterceptor
 from ps_server.threads import OwnedThreads
 
@@ -52,7 +55,7 @@ class ShardServer:
         port: int,
         shard: Shard,
         health_servicer: health.HealthServicer,
-        counters: Counters,
+        counters: ShardCounters,
         stopping: threading.Event,
         metrics: ServerMetrics | None = None,
         metrics_endpoint: MetricsEndpoint | None = None,
@@ -164,10 +167,11 @@ def start_server(config: ServerConfig, shard: Shard | None = None) -> ShardServe
             "start_server cannot checkpoint a given shard every N versions (its on_snapshot is set when it is "
             "built); pass shard=None, or checkpoint_every=0."
         )
-    # In order: metrics and the checkpointer (nothing started), the shard that offers it its
-    # snapshots, the resume, then the threads once the port is bound.
+    # In order: the counters, metrics and the checkpointer (nothing started), the shard that offers
+    # it its snapshots, the resume, then the threads once the port is bound.
     served: Shard | None = shard
-    metrics = ServerMetrics(CollectorRegistry(), lambda: _status(served))
+    counters = shard.counters if shard is not None else ShardCounters()  # one set: GetStatus and Prometheus
+    metrics = ServerMetrics(CollectorRegistry(), lambda: _status(served), counters)
     checkpointer = None
     if config.checkpoint_dir:
         store = CheckpointStore(config.checkpoint_dir, config.shard_index, keep=config.checkpoint_keep)
@@ -183,12 +187,12 @@ def start_server(config: ServerConfig, shard: Shard | None = None) -> ShardServe
             limits=config.limits,
             checkpoint_every=config.checkpoint_every if checkpointer is not None else 0,
             on_snapshot=checkpointer.offer if checkpointer is not None else None,
+            counters=counters,
         )
     served = shard
     if checkpointer is not None:
         checkpointer.attach(shard)
         checkpointer.resume()
-    counters = Counters()
     threads = OwnedThreads()
     options = [
         ("grpc.max_receive_message_length", config.max_message_bytes),
@@ -212,7 +216,7 @@ def start_server(config: ServerConfig, shard: Shard | None = None) -> ShardServe
     server = grpc.server(
         pool,
         interceptors=[
-            MetricsInterceptor(metrics, lambda: shard.mode),
+            MetricsInterceptor(metrics),
             TokenInterceptor(config.token, config.admin_token, on_refused=lambda code: counters.add(rejected=1)),
             streams,
             DecodingInterceptor(on_refused=lambda: counters.add(rejected=1)),  # innermost: see its docstring

@@ -9,7 +9,17 @@ Distributed Deep Learning", IJCAI 2016 (section 3, eq. 3).
 
 from __future__ import annotations
 
-from ps_common.errors import StalePushError
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from ps_common.errors import StalePushError, UpdateRefusedError
+from ps_server.membership import Member, PushResult, PushStamp
+from ps_server.policy.base import ConsistencyPolicy, ShardCore
+
+if TYPE_CHECKING:
+    from ps_server.policy.sync import Hyperparameters
 
 
 def staleness(version_now: int, grad_version: int) -> int:
@@ -41,3 +51,83 @@ def lr_scale(tau: int, rule: str) -> float:
     """Learning-rate multiplier for a gradient of staleness ``tau``: ``1 / max(1, tau)`` for
     ``rule == "inverse"`` (Zhang et al. 2016), else 1."""
     return 1.0 / max(1, tau) if rule == "inverse" else 1.0
+
+
+class ImmediatePolicy(ConsistencyPolicy):
+    """Pushes apply at once, one optimizer step each (async, ssp); subclasses say which are too stale
+    and at which learning-rate scale the others apply (:meth:`admit`)."""
+
+    staleness_unit = "versions"
+
+    def admit(self, shard: ShardCore, tau: int) -> float:
+        """The learning-rate multiplier of a push ``tau`` versions stale.
+
+        Raises:
+            StalePushError: too stale to apply.
+        """
+        return 1.0
+
+    def accept(
+        self,
+        shard: ShardCore,
+        member: Member,
+        stamp: PushStamp,
+        grad_version: int,
+        grads: Sequence[torch.Tensor],
+        hyper: Hyperparameters = (),
+        skip: bool = False,
+    ) -> PushResult:
+        """Apply the push now (rank 0's also assigns the buffer partitions); a skipped step counts
+        but makes a new version only when it carries rank 0's buffers.
+
+        Raises:
+            StalePushError: refused by :meth:`admit` (counted ``stale``). UpdateRefusedError: the
+            step was refused; nothing changed.
+        """
+        store = shard.store
+        assert store is not None
+        tau = staleness(shard.version, grad_version)
+        buffers = grads if member.rank == 0 and store.buffer_index else None
+        if skip:  # the rank skipped its step: counted, no step; only rank 0's buffers make a new version
+            version = shard.version + (buffers is not None)
+            result = PushResult(version, staleness=tau, mode=self.mode, skipped=True)
+            shard.record(member, stamp, result)
+            shard.membership.applied(member, stamp.incarnation, stamp.clock)
+            if buffers is not None:
+                store.assign_buffers(buffers)
+                shard.set_version(version)
+            return result
+        try:
+            try:
+                scale = self.admit(shard, tau)
+            except StalePushError:
+                shard.counters.refuse("stale")
+                raise
+            store.apply(grads, lr_scale=scale, hyper=hyper, buffers=buffers)
+        except UpdateRefusedError as exc:
+            raise shard.refusal(exc, f"the push of rank {member.rank} clock {stamp.clock}", 1) from exc
+        result = PushResult(shard.version + 1, staleness=tau, mode=self.mode)
+        shard.record(member, stamp, result)
+        shard.membership.applied(member, stamp.incarnation, stamp.clock)
+        shard.set_version(shard.version + 1)
+        return result
+
+
+class AsyncPolicy(ImmediatePolicy):
+    """ASP: every push is one optimizer step at once; ``--max-staleness`` refuses old gradients,
+    ``--staleness-lr inverse`` scales the others' learning rate (Zhang et al. 2016, eq. 3)."""
+
+    mode = "async"
+
+    def admit(self, shard: ShardCore, tau: int) -> float:
+        """``lr_scale(tau)`` unless ``tau > max_staleness``.
+
+        Raises:
+            StalePushError: ``tau`` above ``--max-staleness``.
+        """
+        check_staleness(tau, shard.settings.max_staleness)
+        return lr_scale(tau, shard.settings.staleness_lr)
+
+    def staleness(self, shard: ShardCore, member: Member, grad_version: int) -> int:
+        """Versions applied since ``grad_version`` (DESIGN section 3)."""
+        return staleness(shard.version, grad_version)

@@ -14,11 +14,17 @@ Both are all or nothing: when the new center (or a d) would hold inf or NaN, alt
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
-from ps_common.errors import NonFiniteUpdateError
+from ps_common.errors import NonFiniteUpdateError, PreconditionError, UpdateRefusedError
 from ps_server.core.finite import all_finite
+from ps_server.membership import Member, PushResult, PushStamp
+from ps_server.policy.base import ConsistencyPolicy, ShardCore
+
+if TYPE_CHECKING:
+    from ps_server.policy.sync import Hyperparameters
 
 
 def elastic_difference(center: Sequence[torch.Tensor], x: Sequence[torch.Tensor], alpha: float) -> list[torch.Tensor]:
@@ -74,3 +80,92 @@ def exchange_round(
             ni.add_(di)
     _commit(center, new, [di for r in sorted(ds) for di in ds[r]])
     return ds
+
+
+class EasgdPolicy(ConsistencyPolicy):
+    """EASGD: workers exchange parameters every tau steps instead of pushing gradients. Async
+    (Algorithm 1) applies each exchange at once; ``--easgd-sync`` (eqs. 5-6) applies one period's
+    exchanges of every live rank together, in rank order, when the period is complete."""
+
+    mode = "easgd"
+    exchanges = True
+
+    def accept(
+        self,
+        shard: ShardCore,
+        member: Member,
+        stamp: PushStamp,
+        grad_version: int,
+        grads: Sequence[torch.Tensor],
+        hyper: Hyperparameters = (),
+        skip: bool = False,
+    ) -> PushResult:
+        """Raises PreconditionError: easgd takes exchanges, not pushes."""
+        raise PreconditionError("This cluster runs easgd: workers call Exchange every tau steps, not Push.")
+
+    def exchange(
+        self, shard: ShardCore, member: Member, stamp: PushStamp, x: Sequence[torch.Tensor], deadline: float | None
+    ) -> tuple[int, list[torch.Tensor]]:
+        """Apply ``member``'s x (1-D tensors per partition, plan order): at once, or with its period.
+
+        Returns:
+            (the version it made, d = alpha (x - center) per partition).
+
+        Raises:
+            UpdateRefusedError: the exchange (or its period) was refused; nothing changed.
+            WaitTimeoutError, RanksMissingError, ShuttingDownError: sync period not complete.
+        """
+        store, rank = shard.store, member.rank
+        assert store is not None
+        if shard.settings.easgd_sync:
+            shard.exchange_results.pop(rank, None)
+            shard.rounds.add(rank, stamp.clock, [t.clone() for t in x])
+            shard.refusals.pop(rank, None)
+            shard.advance()
+            shard.wait_for_ranks(
+                lambda: rank in shard.exchange_results or rank in shard.refusals,
+                deadline,
+                lambda: (
+                    f"EASGD period {stamp.clock} waits for ranks "
+                    f"{shard.rounds.waiting_for(shard.membership.expected())}; check those workers."
+                ),
+            )
+            if rank in shard.refusals:
+                refusal = shard.refusals.pop(rank)
+                raise type(refusal)(str(refusal))
+            version, d = shard.exchange_results.pop(rank)
+            _exchanged(shard, member, stamp, version, d)
+            return version, d
+        try:
+            d = exchange(store.tensors, x, shard.settings.moving_rate)
+        except UpdateRefusedError as exc:
+            raise shard.refusal(exc, f"the exchange of rank {rank} clock {stamp.clock}", 1) from exc
+        version = shard.version + 1
+        _exchanged(shard, member, stamp, version, d)
+        shard.set_version(version)
+        return version, d
+
+    def advance(self, shard: ShardCore) -> None:
+        """``--easgd-sync``: apply the period once every expected rank exchanged (version = period + 1)."""
+        if shard.store is None or not shard.settings.easgd_sync:
+            return
+        held = shard.rounds.take_if_complete(shard.membership.expected())
+        if held is None:
+            return
+        try:
+            ds = exchange_round(shard.store.tensors, held, shard.settings.moving_rate)
+        except UpdateRefusedError as exc:
+            shard.refuse_round(held, exc)
+        else:
+            for rank, d in ds.items():
+                shard.exchange_results[rank] = (shard.rounds.round, d)
+            shard.set_version(shard.rounds.round)
+
+
+def _exchanged(shard: ShardCore, member: Member, stamp: PushStamp, version: int, d: list[torch.Tensor]) -> None:
+    """Account an applied exchange (before a snapshot of the version it makes is taken)."""
+    member.last_exchange = ((stamp.incarnation, stamp.clock), version, d)
+    shard.membership.applied(member, stamp.incarnation, stamp.clock)
+    member.clock = max(member.clock, stamp.clock + 1)
+    member.pushes += 1
+    shard.membership.touch(member)

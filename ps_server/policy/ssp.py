@@ -11,6 +11,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from ps_server.membership import Member, WorkerState
+from ps_server.policy.asynchronous import ImmediatePolicy
+from ps_server.policy.base import ShardCore
+
 
 def slowest(clocks: Iterable[int]) -> int | None:
     """The lowest clock among live ranks, or None when no rank is live."""
@@ -30,3 +34,38 @@ def read_gap(clock: int, live_clocks: Iterable[int]) -> int:
     """The reader's lead over the slowest live rank, in clocks (0 when it is not ahead)."""
     low = slowest(live_clocks)
     return 0 if low is None else max(0, clock - low)
+
+
+class SspPolicy(ImmediatePolicy):
+    """SSP: pushes apply at once as in async (learning-rate scale 1, never refused as stale); a read
+    by a rank at clock c waits until every live rank's clock is >= c - s (Ho et al. 2013)."""
+
+    mode = "ssp"
+    staleness_unit = "clocks"
+
+    def join_clock(self, shard: ShardCore, member: Member, restarted: bool) -> int:
+        """A restarted rank resumes at the slowest live clock, so it neither blocks nor races."""
+        if not restarted:
+            return member.clock
+        others = [m.clock for m in shard.members if m.state is WorkerState.LIVE and m is not member]
+        return min(others, default=member.clock)
+
+    def can_read(self, shard: ShardCore, member: Member, joined: bool, min_version: int) -> bool:
+        """A joined rank reads once the slowest live rank is at most s clocks behind it."""
+        return not joined or can_read(member.clock, shard.membership.clocks(), shard.settings.staleness)
+
+    def blocked(self, shard: ShardCore, member: Member, min_version: int, timeout: float | None) -> str:
+        return (
+            f"Rank {member.rank} at clock {member.clock} may read once every live rank reaches clock "
+            f"{member.clock - shard.settings.staleness} (slowest: {slowest(shard.membership.clocks())}); "
+            "check the slow workers."
+        )
+
+    def after_read(self, shard: ShardCore, member: Member, joined: bool, min_version: int) -> None:
+        """Record the reader's lead over the slowest live rank (the status's ``max_clock_gap``)."""
+        if joined:
+            shard.max_clock_gap = max(shard.max_clock_gap, read_gap(member.clock, shard.membership.clocks()))
+
+    def staleness(self, shard: ShardCore, member: Member, grad_version: int) -> int:
+        """The clock gap: ``member``'s lead over the slowest live rank, in clocks (DESIGN section 3)."""
+        return read_gap(member.clock, shard.membership.clocks())

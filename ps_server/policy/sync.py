@@ -8,11 +8,27 @@ additions is fixed, the result is bitwise identical whatever the arrival timing.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
-from ps_common.errors import FutureRoundError, PreconditionError, StalePushError
+from ps_common.errors import (
+    FutureRoundError,
+    HyperparametersDisagreeError,
+    PreconditionError,
+    PushLostError,
+    StalePushError,
+    UpdateRefusedError,
+)
+from ps_common.modes import ModeSettings
+from ps_server.membership import Member, PushResult, PushStamp
+from ps_server.policy.base import ConsistencyPolicy, ShardCore
+
+log = logging.getLogger(__name__)
+
+SKIPPED_ROUNDS = 64
+"""Skipped rounds a shard remembers, so a PushPull answers whether its round was skipped."""
 
 Gradients = Sequence[torch.Tensor]
 """One 1-D tensor per partition owned by the shard, in plan order."""
@@ -133,3 +149,150 @@ class SyncRounds:
     def waiting_for(self, expected: Iterable[int]) -> list[int]:
         """Expected ranks that have not pushed the open round, ascending."""
         return sorted(set(expected) - self.pending.keys())
+
+
+class SyncPolicy(ConsistencyPolicy):
+    """BSP: a push is held for round ``clock``; the complete round is summed in rank order and
+    applied as one step, version ``round + 1`` (``--sync-quorum K``: after the first K pushes, late
+    ones dropped; Chen et al. 2016). A read of version v waits for round v - 1."""
+
+    mode = "sync"
+    holds_pushes = True
+
+    def accept(
+        self,
+        shard: ShardCore,
+        member: Member,
+        stamp: PushStamp,
+        grad_version: int,
+        grads: Sequence[torch.Tensor],
+        hyper: Hyperparameters = (),
+        skip: bool = False,
+    ) -> PushResult:
+        """Hold the push for round ``stamp.clock``; with a quorum, drop a push for a closed round
+        (counted ``late``, answered ``dropped``).
+
+        Raises:
+            StalePushError: a closed round without a quorum (counted ``stale``). FutureRoundError:
+            a future round. PreconditionError: the rank pushed this round under another incarnation.
+        """
+        rounds = shard.rounds
+        if stamp.clock < rounds.round and shard.settings.sync_quorum:
+            shard.counters.refuse("late")
+            log.info(
+                "shard %d: rank %d's push for closed round %d dropped (quorum %d)",
+                shard.shard_index,
+                member.rank,
+                stamp.clock,
+                shard.settings.sync_quorum,
+            )
+            result = PushResult(shard.version, staleness=rounds.round - stamp.clock, dropped=True, mode=self.mode)
+        else:
+            try:
+                rounds.add(member.rank, stamp.clock, grads, hyper, skip)
+            except StalePushError:
+                shard.counters.refuse("stale")
+                raise
+            shard.refusals.pop(member.rank, None)  # it moved on from a refused round
+            if shard.round_opened is None:
+                shard.round_opened, shard.round_reported = shard.now(), False
+            result = PushResult(shard.version, mode=self.mode)
+        shard.record(member, stamp, result)
+        return result
+
+    def read_after_push(self, clock: int) -> int:
+        """The version the push's round makes."""
+        return clock + 1
+
+    def advance(self, shard: ShardCore) -> None:
+        """Close the open round once complete (every expected rank, or the quorum, pushed)."""
+        if shard.store is None:
+            return
+        held = shard.rounds.take_if_complete(shard.membership.expected(), shard.settings.sync_quorum)
+        if held is not None:
+            self._close_round(shard, held)
+            shard.round_opened = None
+
+    def _close_round(self, shard: ShardCore, held: dict[int, Gradients]) -> None:
+        """Apply the complete round ``held`` with the hyperparameters its ranks agree on, skip its
+        step when a rank asked to, or refuse it as a whole; either way but the last, the buffer
+        partitions take the values of the round's lowest rank (rank 0)."""
+        store, rounds = shard.store, shard.rounds
+        assert store is not None
+        hyper = agreed_hyperparameters(rounds.taken_hyper)
+        if hyper is None:
+            sent = "; ".join(f"rank {r}: {list(h) or 'none'}" for r, h in sorted(rounds.taken_hyper.items()))
+            shard.refuse_round(
+                held,
+                HyperparametersDisagreeError(
+                    f"its ranks sent different hyperparameters ({sent[:400]}); every rank must step the same lr "
+                    "scheduler (same schedule, same step count) and send the same param groups."
+                ),
+            )
+            return
+        lowest = held[min(held)] if store.buffer_index else None
+        if rounds.taken_skips:
+            if lowest is not None:
+                store.assign_buffers(lowest)
+            log.info(
+                "shard %d: round %d skipped (ranks %s asked to)",
+                shard.shard_index,
+                rounds.round - 1,
+                sorted(rounds.taken_skips),
+            )
+            shard.skipped_rounds[rounds.round - 1] = None
+            while len(shard.skipped_rounds) > SKIPPED_ROUNDS:
+                del shard.skipped_rounds[next(iter(shard.skipped_rounds))]
+            shard.set_version(rounds.round)
+            return
+        try:
+            store.apply(aggregate(held), hyper=hyper, buffers=lowest)
+        except UpdateRefusedError as exc:
+            shard.refuse_round(held, exc)
+        else:
+            shard.set_version(rounds.round)
+            log.debug("shard %d: round %d applied", shard.shard_index, shard.version - 1)
+
+    def quorum(self, settings: ModeSettings) -> int:
+        return settings.sync_quorum
+
+    def on_switch(self, shard: ShardCore) -> None:
+        """Every rank's clock catches up with the version: the next round is the version."""
+        for m in shard.members:
+            m.clock = max(m.clock, shard.version)
+
+    def join_clock(self, shard: ShardCore, member: Member, restarted: bool) -> int:
+        """A joining rank pushes the open round next."""
+        return shard.rounds.round
+
+    def check_read(self, shard: ShardCore, member: Member, joined: bool, min_version: int) -> None:
+        """Tell a rank whose round was refused at once; refuse a wait for a round that holds no push
+        of the rank and never will (the shard restarted from an older checkpoint).
+
+        Raises:
+            UpdateRefusedError: the refusal of the round it waits for. PushLostError: as above.
+        """
+        rank = member.rank
+        if joined and min_version > shard.version and rank in shard.refusals:
+            refusal = shard.refusals.pop(rank)  # the round it waits for was refused
+            raise type(refusal)(str(refusal))
+        round_ = shard.rounds.round
+        waits_without_its_push = min_version > shard.version and (
+            rank not in shard.rounds.pending or min_version > round_ + 1
+        )
+        if joined and waits_without_its_push and rank in shard.membership.expected():
+            raise PushLostError(
+                f"Rank {rank} waits for version {min_version} of shard {shard.shard_index}, whose open round "
+                f"{round_} holds no push from it (the shard restarted from an older checkpoint since); "
+                f"push round {round_} again, then pull."
+            )
+
+    def can_read(self, shard: ShardCore, member: Member, joined: bool, min_version: int) -> bool:
+        """Version ``min_version`` is there, or the round it waits for was refused."""
+        return shard.version >= min_version or (joined and member.rank in shard.refusals)
+
+    def after_read(self, shard: ShardCore, member: Member, joined: bool, min_version: int) -> None:
+        """Raises the refusal of the round the wait ended on (UpdateRefusedError)."""
+        if shard.version < min_version and member.rank in shard.refusals:
+            refusal = shard.refusals.pop(member.rank)
+            raise type(refusal)(str(refusal))

@@ -11,7 +11,9 @@ from prometheus_client import CollectorRegistry
 
 from ps_proto.v1 import ps_pb2
 from ps_server.interceptors import MetricsInterceptor
+from ps_server.membership import PushResult
 from ps_server.metrics import ServerMetrics
+from ps_server.servicer import push_response
 
 
 class FakeContext:
@@ -39,10 +41,10 @@ class Details:
 
 
 def wrap(
-    handler: grpc.RpcMethodHandler, method: str, mode: str = "sync"
+    handler: grpc.RpcMethodHandler, method: str, metrics: ServerMetrics | None = None
 ) -> tuple[grpc.RpcMethodHandler, ServerMetrics]:
-    metrics = ServerMetrics(CollectorRegistry())
-    wrapped = MetricsInterceptor(metrics, lambda: mode).intercept_service(lambda d: handler, Details(method))
+    metrics = metrics or ServerMetrics(CollectorRegistry())
+    wrapped = MetricsInterceptor(metrics).intercept_service(lambda d: handler, Details(method))
     assert wrapped is not None
     return wrapped, metrics
 
@@ -63,14 +65,19 @@ def test_unary_unary_records_duration_code_and_bytes() -> None:
 
 
 def test_stream_unary_push_counts_pushes_staleness_and_refusals() -> None:
-    replies = iter([ps_pb2.PushResponse(version=4, staleness=3), ps_pb2.PushResponse(version=4, duplicate=True)])
+    """Accepted pushes reach the counters from the servicer's push observer (as ParameterServicer
+    tells them); the interceptor adds the bytes and the refusals by status code."""
+    m = ServerMetrics(CollectorRegistry())
+    results = iter([PushResult(4, staleness=3, mode="async"), PushResult(4, duplicate=True, mode="async")])
 
     def push(requests, ctx):
         for _ in requests:
             pass
-        return next(replies)
+        result = next(results)
+        m.counters.pushed(result)  # the servicer's push observer
+        return push_response(result)
 
-    handler, m = wrap(grpc.stream_unary_rpc_method_handler(push), "/ps.v1.ParameterService/Push", mode="async")
+    handler, m = wrap(grpc.stream_unary_rpc_method_handler(push), "/ps.v1.ParameterService/Push", m)
     msgs = [ps_pb2.PushRequest(header=ps_pb2.PushHeader(rank=1, clock=2)), ps_pb2.PushRequest()]
     handler.stream_unary(iter(msgs), FakeContext())
     handler.stream_unary(iter(msgs), FakeContext())  # a retried duplicate: not a new push
@@ -154,7 +161,7 @@ def test_client_gone_during_an_upload_is_cancelled_not_a_refusal() -> None:
 
 def test_unknown_methods_are_not_labelled() -> None:
     m = ServerMetrics(CollectorRegistry())
-    assert MetricsInterceptor(m, lambda: "sync").intercept_service(lambda d: None, Details("/x.Y/Z")) is None
+    assert MetricsInterceptor(m).intercept_service(lambda d: None, Details("/x.Y/Z")) is None
 
 
 def test_a_non_blocking_stream_stays_non_blocking_and_is_recorded_when_it_ends() -> None:

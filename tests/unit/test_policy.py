@@ -9,8 +9,10 @@ from hypothesis import strategies as st
 
 from ps_common.errors import InvalidRequestError, NonFiniteUpdateError, StalePushError, WaitTimeoutError
 from ps_common.modes import ModeSettings
+from ps_server.frame_cache import encode_exchange
 from ps_server.policy import asynchronous, easgd, ssp
 from ps_server.policy.sync import SyncRounds
+from ps_server.shard import PushStamp
 
 # ---------------------------------------------------------------- async (Zhang et al. 2016)
 
@@ -103,7 +105,7 @@ def test_ssp_gap_never_exceeds_s_under_random_schedules(s: int, n: int, schedule
             assert clocks[r] - min(clocks) <= s
             pulled[r], reads = True, reads + 1
         else:
-            shard.push(r, 1, shard.members[r].clock, shard.version, plan.digest, wire(torch.ones(3)))
+            shard.push(PushStamp(r, 1, shard.members[r].clock), shard.version, plan.digest, wire(torch.ones(3)))
             pulled[r] = False
     assert shard.status().max_clock_gap <= s
     # liveness: the slowest worker can always read
@@ -170,10 +172,10 @@ def test_shard_exchange_is_algorithm_1_and_idempotent() -> None:
 
     shard, plan, wire = shard_for("easgd", 2, moving_rate=0.5)
     x = torch.tensor([2.0, 4.0, -2.0])
-    version, out = shard.exchange(0, 1, 0, plan.digest, wire(x), timeout=1.0)
+    version, out = shard.exchange(PushStamp(0, 1, 0), plan.digest, wire(x), timeout=1.0, encode=encode_exchange)
     d = frames.view(frames.read(out[0]).partitions[0]).clone()
     assert version == 1 and torch.equal(d, 0.5 * x)
-    again = shard.exchange(0, 1, 0, plan.digest, wire(x), timeout=1.0)
+    again = shard.exchange(PushStamp(0, 1, 0), plan.digest, wire(x), timeout=1.0, encode=encode_exchange)
     assert again[0] == 1 and again[1] == out
     assert torch.equal(shard.store.tensors[0], 0.5 * x)  # center moved once
 
@@ -192,9 +194,9 @@ def test_quorum_closes_on_the_first_k_pushes() -> None:
 
 def test_late_push_under_quorum_is_dropped_and_counted() -> None:
     shard, plan, wire = shard_for("sync", 2, sync_quorum=1)
-    shard.push(0, 1, 0, 0, plan.digest, wire(torch.ones(3)))
+    shard.push(PushStamp(0, 1, 0), 0, plan.digest, wire(torch.ones(3)))
     assert shard.version == 1
-    late = shard.push(1, 1, 0, 0, plan.digest, wire(torch.ones(3)))
+    late = shard.push(PushStamp(1, 1, 0), 0, plan.digest, wire(torch.ones(3)))
     assert late.dropped and shard.version == 1 and shard.status().rejected_pushes == {"late": 1}
 
 
@@ -221,14 +223,14 @@ def test_default_moving_rate_is_09_over_n() -> None:
 
 def test_update_config_changes_lr_at_once_and_mode_at_the_round_boundary() -> None:
     shard, plan, wire = shard_for("sync", 2)
-    shard.push(0, 1, 0, 0, plan.digest, wire(torch.ones(3)))  # round 0 open
+    shard.push(PushStamp(0, 1, 0), 0, plan.digest, wire(torch.ones(3)))  # round 0 open
     shard.update_config(mode="async", learning_rate=0.5, sync_quorum=0)
     status = shard.status()
     assert status.learning_rate == 0.5 and status.mode == "sync" and status.pending_mode == "async"
-    shard.push(1, 1, 0, 0, plan.digest, wire(torch.ones(3)))  # closes round 0 with lr 0.5
+    shard.push(PushStamp(1, 1, 0), 0, plan.digest, wire(torch.ones(3)))  # closes round 0 with lr 0.5
     assert shard.version == 1 and shard.mode == "async" and not shard.status().pending_mode
     assert torch.allclose(shard.store.tensors[0], torch.full((3,), -0.5))
-    result = shard.push(0, 1, 1, 1, plan.digest, wire(torch.ones(3)))  # async: applied at once
+    result = shard.push(PushStamp(0, 1, 1), 1, plan.digest, wire(torch.ones(3)))  # async: applied at once
     assert result.mode == "async" and shard.version == 2
 
 

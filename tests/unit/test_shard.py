@@ -22,7 +22,8 @@ from ps_common.modes import ModeSettings
 from ps_common.optimizer import OptimizerSpec
 from ps_common.partition import WirePartition
 from ps_common.plan import ParameterSpec, make_plan
-from ps_server.shard import Shard, WorkerState
+from ps_server.frame_cache import FrameCache
+from ps_server.shard import PushStamp, Shard, WorkerState
 from tests.helpers.tensors import encode
 
 SPECS = [ParameterSpec("w", (6,), "float32"), ParameterSpec("b", (2,), "float32")]
@@ -55,7 +56,7 @@ def tick(shard: Shard, clock: FakeClock, seconds: int) -> list[int]:
 
 
 def values(shard: Shard) -> torch.Tensor:
-    _, out = shard.pull(0, 1, 0, PLAN.digest, timeout=1.0)
+    _, out = shard.pull(0, 1, 0, PLAN.digest, timeout=1.0, encode=FrameCache().encoder())
     return torch.cat([frames.view(p).clone() for raw in out for p in frames.read(raw).partitions])
 
 
@@ -77,37 +78,37 @@ def test_push_before_init_is_refused_and_changes_nothing(clock: FakeClock) -> No
     s = Shard(0, 1, ModeSettings("sync", num_workers=2), now=clock)
     s.join(0, 2, 1)
     with pytest.raises(NotInitializedError, match="rank 0 must call Init"):
-        s.push(0, 1, 0, 0, PLAN.digest, wire(1.0))
+        s.push(PushStamp(0, 1, 0), 0, PLAN.digest, wire(1.0))
     assert s.status().version == 0 and s.status().workers[0].pushes == 0
 
 
 def test_sync_round_applies_the_rank_ordered_mean(shard: Shard) -> None:
-    shard.push(1, 1, 0, 0, PLAN.digest, wire(3.0))
+    shard.push(PushStamp(1, 1, 0), 0, PLAN.digest, wire(3.0))
     assert shard.version == 0 and shard.status().round_ranks == (1,)
-    shard.push(0, 1, 0, 0, PLAN.digest, wire(1.0))
+    shard.push(PushStamp(0, 1, 0), 0, PLAN.digest, wire(1.0))
     assert shard.version == 1
     assert torch.equal(values(shard), torch.full((8,), 1.0 - 0.5 * 2.0))
 
 
 def test_duplicate_push_is_answered_once_and_applied_once(shard: Shard) -> None:
-    first = shard.push(0, 1, 0, 0, PLAN.digest, wire(1.0))
-    again = shard.push(0, 1, 0, 0, PLAN.digest, wire(1.0))
+    first = shard.push(PushStamp(0, 1, 0), 0, PLAN.digest, wire(1.0))
+    again = shard.push(PushStamp(0, 1, 0), 0, PLAN.digest, wire(1.0))
     assert again.duplicate and not first.duplicate and again.version == first.version
     assert shard.status().workers[0].pushes == 1
-    shard.push(1, 1, 0, 0, PLAN.digest, wire(1.0))
+    shard.push(PushStamp(1, 1, 0), 0, PLAN.digest, wire(1.0))
     assert shard.version == 1
-    late_dup = shard.push(0, 1, 0, 0, PLAN.digest, wire(1.0))
+    late_dup = shard.push(PushStamp(0, 1, 0), 0, PLAN.digest, wire(1.0))
     assert late_dup.duplicate and shard.version == 1
 
 
 @pytest.mark.parametrize(
     ("call", "error", "message"),
     [
-        (lambda s: s.push(2, 1, 0, 0, PLAN.digest, wire(1.0)), InvalidRequestError, "out of range"),
-        (lambda s: s.push(0, 1, 0, 0, "f" * 64, wire(1.0)), PlanMismatchError, "does not match"),
-        (lambda s: s.push(0, 1, 0, 0, PLAN.digest, wire(float("nan"))), InvalidRequestError, "NaN"),
-        (lambda s: s.push(0, 1, 3, 0, PLAN.digest, wire(1.0)), PreconditionError, "pull version 3"),
-        (lambda s: s.push(0, 0, 0, 0, PLAN.digest, wire(1.0)), PreconditionError, "superseded"),
+        (lambda s: s.push(PushStamp(2, 1, 0), 0, PLAN.digest, wire(1.0)), InvalidRequestError, "out of range"),
+        (lambda s: s.push(PushStamp(0, 1, 0), 0, "f" * 64, wire(1.0)), PlanMismatchError, "does not match"),
+        (lambda s: s.push(PushStamp(0, 1, 0), 0, PLAN.digest, wire(float("nan"))), InvalidRequestError, "NaN"),
+        (lambda s: s.push(PushStamp(0, 1, 3), 0, PLAN.digest, wire(1.0)), PreconditionError, "pull version 3"),
+        (lambda s: s.push(PushStamp(0, 0, 0), 0, PLAN.digest, wire(1.0)), PreconditionError, "superseded"),
         (lambda s: s.join(0, 3, 1), InvalidRequestError, "num_workers=2"),
         (lambda s: s.init(SPECS[:1], 1, 16, make_plan(SPECS[:1], 1, 16).digest, SGD, []), PlanMismatchError, "match"),
     ],
@@ -128,11 +129,11 @@ def test_init_is_first_writer_wins(shard: Shard) -> None:
 
 
 def test_stale_round_push_is_aborted(shard: Shard) -> None:
-    shard.push(0, 1, 0, 0, PLAN.digest, wire(1.0))
-    shard.push(1, 1, 0, 0, PLAN.digest, wire(1.0))
+    shard.push(PushStamp(0, 1, 0), 0, PLAN.digest, wire(1.0))
+    shard.push(PushStamp(1, 1, 0), 0, PLAN.digest, wire(1.0))
     with pytest.raises(StalePushError, match="closed"):
         shard.join(0, 2, 2)  # a restarted rank 0 replays clock 0 under a new incarnation
-        shard.push(0, 2, 0, 0, PLAN.digest, wire(2.0))
+        shard.push(PushStamp(0, 2, 0), 0, PLAN.digest, wire(2.0))
 
 
 def test_pull_for_a_round_without_its_push_is_push_lost(shard: Shard) -> None:
@@ -141,25 +142,25 @@ def test_pull_for_a_round_without_its_push_is_push_lost(shard: Shard) -> None:
 
     with pytest.raises(PushLostError, match="push round 0 again"):
         shard.pull(0, 1, 1, PLAN.digest, timeout=1.0)
-    shard.push(0, 1, 0, 0, PLAN.digest, wire(1.0))
+    shard.push(PushStamp(0, 1, 0), 0, PLAN.digest, wire(1.0))
     with pytest.raises(PushLostError):
         shard.pull(0, 1, 3, PLAN.digest, timeout=1.0)  # beyond the open round: also unreachable
 
 
 def test_pull_waits_for_the_round_and_times_out_naming_the_laggard(shard: Shard) -> None:
-    shard.push(0, 1, 0, 0, PLAN.digest, wire(1.0))
+    shard.push(PushStamp(0, 1, 0), 0, PLAN.digest, wire(1.0))
     with pytest.raises(WaitTimeoutError, match=r"ranks \[1\]"):
         shard.pull(0, 1, 1, PLAN.digest, timeout=0.0)
     got: list[int] = []
     waiter = threading.Thread(target=lambda: got.append(shard.pull(0, 1, 1, PLAN.digest, timeout=10.0)[0]))
     waiter.start()
-    shard.push(1, 1, 0, 0, PLAN.digest, wire(1.0))
+    shard.push(PushStamp(1, 1, 0), 0, PLAN.digest, wire(1.0))
     waiter.join(timeout=10.0)
     assert got == [1]
 
 
 def test_lapsed_lease_evicts_and_the_round_goes_on(shard: Shard, clock: FakeClock) -> None:
-    shard.push(0, 1, 0, 0, PLAN.digest, wire(1.0))
+    shard.push(PushStamp(0, 1, 0), 0, PLAN.digest, wire(1.0))
     assert tick(shard, clock, 5) == []
     shard.heartbeat(0, 1)
     assert tick(shard, clock, 5) == []
@@ -167,12 +168,12 @@ def test_lapsed_lease_evicts_and_the_round_goes_on(shard: Shard, clock: FakeCloc
     assert shard.version == 1
     assert [w.state for w in shard.status().workers] == [WorkerState.LIVE, WorkerState.EVICTED]
     with pytest.raises(PreconditionError, match="call Join again"):
-        shard.push(1, 1, 0, 0, PLAN.digest, wire(1.0))
+        shard.push(PushStamp(1, 1, 0), 0, PLAN.digest, wire(1.0))
     shard.join(1, 2, 2)  # comes back with a higher incarnation and is counted again
     assert shard.status().workers[1].clock == 1
-    shard.push(0, 1, 1, 1, PLAN.digest, wire(1.0))
+    shard.push(PushStamp(0, 1, 1), 1, PLAN.digest, wire(1.0))
     assert shard.version == 1
-    shard.push(1, 2, 1, 1, PLAN.digest, wire(1.0))
+    shard.push(PushStamp(1, 2, 1), 1, PLAN.digest, wire(1.0))
     assert shard.version == 2
 
 
@@ -181,7 +182,7 @@ def test_close_wakes_waiters(shard: Shard) -> None:
 
     errors: list[Exception] = []
 
-    shard.push(0, 1, 0, 0, PLAN.digest, wire(1.0))  # round 0 waits for rank 1
+    shard.push(PushStamp(0, 1, 0), 0, PLAN.digest, wire(1.0))  # round 0 waits for rank 1
 
     def wait() -> None:
         try:
@@ -208,21 +209,21 @@ def test_the_shards_own_pause_evicts_nobody(shard: Shard, clock: FakeClock) -> N
 
 
 def test_a_round_that_would_make_parameters_non_finite_is_refused_as_a_whole(shard: Shard) -> None:
-    shard.push(0, 1, 0, 0, PLAN.digest, wire(3e38))
+    shard.push(PushStamp(0, 1, 0), 0, PLAN.digest, wire(3e38))
     with pytest.raises(NonFiniteUpdateError, match="round 0 \\(ranks \\[0, 1\\]\\)"):
-        shard.push(1, 1, 0, 0, PLAN.digest, wire(3e38))  # the sum overflows float32
+        shard.push(PushStamp(1, 1, 0), 0, PLAN.digest, wire(3e38))  # the sum overflows float32
     with pytest.raises(NonFiniteUpdateError, match="unchanged"):  # the other rank learns it from its pull
         shard.pull(0, 1, 1, PLAN.digest, timeout=1.0)
     assert shard.version == 0 and shard.status().round_ranks == ()
     assert shard.status().rejected_pushes == {"non_finite_update": 2}
     assert torch.equal(values(shard), torch.ones(8))
-    shard.push(0, 1, 0, 0, PLAN.digest, wire(1.0))  # the same stamps push round 0 again
-    assert not shard.push(1, 1, 0, 0, PLAN.digest, wire(1.0)).duplicate
+    shard.push(PushStamp(0, 1, 0), 0, PLAN.digest, wire(1.0))  # the same stamps push round 0 again
+    assert not shard.push(PushStamp(1, 1, 0), 0, PLAN.digest, wire(1.0)).duplicate
     assert shard.version == 1 and torch.equal(values(shard), torch.full((8,), 0.5))
 
 
 def test_a_refused_round_reaches_a_waiting_pull(shard: Shard) -> None:
-    shard.push(0, 1, 0, 0, PLAN.digest, wire(3e38))
+    shard.push(PushStamp(0, 1, 0), 0, PLAN.digest, wire(3e38))
     errors: list[BaseException] = []
 
     def wait() -> None:
@@ -234,7 +235,7 @@ def test_a_refused_round_reaches_a_waiting_pull(shard: Shard) -> None:
     waiter = threading.Thread(target=wait)
     waiter.start()
     with pytest.raises(NonFiniteUpdateError):
-        shard.push(1, 1, 0, 0, PLAN.digest, wire(3e38))
+        shard.push(PushStamp(1, 1, 0), 0, PLAN.digest, wire(3e38))
     waiter.join(10.0)
     assert not waiter.is_alive() and len(errors) == 1 and isinstance(errors[0], NonFiniteUpdateError)
 
@@ -249,35 +250,35 @@ def async_shard(clock: FakeClock) -> Shard:
 def test_a_replay_beyond_the_window_is_refused_and_the_mark_survives_a_checkpoint(clock: FakeClock) -> None:
     s = async_shard(clock)
     for c in range(70):
-        s.push(0, 1, c, c, PLAN.digest, wire(0.001))
-    assert s.push(0, 1, 69, 0, PLAN.digest, wire(0.001)).duplicate
+        s.push(PushStamp(0, 1, c), c, PLAN.digest, wire(0.001))
+    assert s.push(PushStamp(0, 1, 69), 0, PLAN.digest, wire(0.001)).duplicate
     with pytest.raises(ReplayedPushError, match="clock 3 is a replay"):
-        s.push(0, 1, 3, 0, PLAN.digest, wire(0.001))
+        s.push(PushStamp(0, 1, 3), 0, PLAN.digest, wire(0.001))
     assert s.version == 70 and s.status().rejected_pushes == {"replayed": 1}
     saved = s.export_state()
 
     restarted = Shard(0, 1, ModeSettings("async", num_workers=1), now=clock)
     restarted.restore(saved)
     with pytest.raises(ReplayedPushError):
-        restarted.push(0, 1, 3, 0, PLAN.digest, wire(0.001))
-    assert restarted.push(0, 1, 69, 0, PLAN.digest, wire(0.001)).duplicate
-    restarted.push(0, 1, 70, 70, PLAN.digest, wire(0.001))
+        restarted.push(PushStamp(0, 1, 3), 0, PLAN.digest, wire(0.001))
+    assert restarted.push(PushStamp(0, 1, 69), 0, PLAN.digest, wire(0.001)).duplicate
+    restarted.push(PushStamp(0, 1, 70), 70, PLAN.digest, wire(0.001))
     assert restarted.version == 71
     restarted.join(0, 1, 2)  # a new incarnation starts its clocks over
-    restarted.push(0, 2, 0, 71, PLAN.digest, wire(0.001))
+    restarted.push(PushStamp(0, 2, 0), 71, PLAN.digest, wire(0.001))
     assert restarted.version == 72
 
 
 def test_a_checkpoint_without_marks_still_loads(clock: FakeClock) -> None:
     s = async_shard(clock)
-    s.push(0, 1, 0, 0, PLAN.digest, wire(0.001))
+    s.push(PushStamp(0, 1, 0), 0, PLAN.digest, wire(0.001))
     saved = s.export_state()
     for member in saved["members"]:  # as written before high-water marks existed
         del member["high_water"], member["history"]
     restarted = Shard(0, 1, ModeSettings("async", num_workers=1), now=clock)
     restarted.restore(saved)
     assert restarted.version == 1 and restarted.members[0].high_water == -1
-    restarted.push(0, 1, 1, 1, PLAN.digest, wire(0.001))
+    restarted.push(PushStamp(0, 1, 1), 1, PLAN.digest, wire(0.001))
     assert restarted.version == 2
 
 

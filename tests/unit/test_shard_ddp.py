@@ -14,8 +14,9 @@ from ps_common.modes import ModeSettings
 from ps_common.optimizer import OptimizerSpec
 from ps_common.partition import WirePartition
 from ps_common.plan import ParameterSpec, make_plan
+from ps_server.frame_cache import FrameCache
 from ps_server.policy.sync import agreed_hyperparameters
-from ps_server.shard import Shard
+from ps_server.shard import PushStamp, Shard
 from ps_server.store import ParameterStore
 from tests.helpers.tensors import encode
 
@@ -40,7 +41,7 @@ def shard(num_workers: int = 2, mode: str = "sync") -> Shard:
 
 
 def values(s: Shard) -> dict[str, float]:
-    _, out = s.pull(0, 1, 0, PLAN.digest, timeout=1.0)
+    _, out = s.pull(0, 1, 0, PLAN.digest, timeout=1.0, encode=FrameCache().encoder())
     return {p.key: frames.view(p)[0].item() for raw in out for p in frames.read(raw).partitions}
 
 
@@ -83,21 +84,21 @@ def test_store_per_group_step_buffers_and_refused_step_keeps_hyperparameters() -
 def test_sync_round_uses_the_agreed_lr_refuses_disagreement_and_skips_on_any_skip() -> None:
     s = shard()
     hyper = [{"lr": 0.1}, {"lr": 0.1}]
-    s.push(0, 1, 0, 0, PLAN.digest, wire({"w": 1.0, "b": 1.0, "m": 5.0}), hyper)
-    s.push(1, 1, 0, 0, PLAN.digest, wire({"w": 3.0, "b": 3.0, "m": 9.0}), hyper)
+    s.push(PushStamp(0, 1, 0), 0, PLAN.digest, wire({"w": 1.0, "b": 1.0, "m": 5.0}), hyper)
+    s.push(PushStamp(1, 1, 0), 0, PLAN.digest, wire({"w": 3.0, "b": 3.0, "m": 9.0}), hyper)
     v = values(s)
     assert v["w"] == pytest.approx(1 - 0.1 * (2.0 + 0.1))  # lr 0.1 (not the spec's 0.5), decay 0.1
     assert v["b"] == pytest.approx(1 - 0.1 * 2.0)
     assert v["m"] == 5.0  # rank 0's buffer, not the mean
     assert s.learning_rate() == pytest.approx(0.1)
     # disagreement: the round is refused as a whole, both ranks are told, nothing changed
-    s.push(0, 1, 1, 1, PLAN.digest, wire({"w": 1.0, "b": 1.0, "m": 6.0}), hyper)
+    s.push(PushStamp(0, 1, 1), 1, PLAN.digest, wire({"w": 1.0, "b": 1.0, "m": 6.0}), hyper)
     with pytest.raises(HyperparametersDisagreeError, match="different hyperparameters"):
-        s.push(1, 1, 1, 1, PLAN.digest, wire({"w": 1.0, "b": 1.0, "m": 6.0}), [{"lr": 0.2}, {"lr": 0.1}])
+        s.push(PushStamp(1, 1, 1), 1, PLAN.digest, wire({"w": 1.0, "b": 1.0, "m": 6.0}), [{"lr": 0.2}, {"lr": 0.1}])
     assert s.version == 1 and values(s) == v
     # a skip from any rank: the round closes, the step is skipped, rank 0's buffers still arrive
-    s.push(0, 1, 1, 1, PLAN.digest, wire({"w": 1.0, "b": 1.0, "m": 6.0}), hyper)
-    s.push(1, 1, 1, 1, PLAN.digest, wire({"w": 0.0, "b": 0.0, "m": 0.0}), hyper, skip=True)
+    s.push(PushStamp(0, 1, 1), 1, PLAN.digest, wire({"w": 1.0, "b": 1.0, "m": 6.0}), hyper)
+    s.push(PushStamp(1, 1, 1), 1, PLAN.digest, wire({"w": 0.0, "b": 0.0, "m": 0.0}), hyper, skip=True)
     assert s.version == 2 and 1 in s.skipped_rounds
     after = values(s)
     assert after["w"] == v["w"] and after["b"] == v["b"] and after["m"] == 6.0
@@ -106,22 +107,22 @@ def test_sync_round_uses_the_agreed_lr_refuses_disagreement_and_skips_on_any_ski
 def test_update_config_lr_holds_until_a_push_changes_it() -> None:
     s = shard(num_workers=1, mode="async")
     s.update_config(learning_rate=0.01)
-    s.push(0, 1, 0, 0, PLAN.digest, wire({"w": 1.0, "b": 0.0, "m": 0.0}))
+    s.push(PushStamp(0, 1, 0), 0, PLAN.digest, wire({"w": 1.0, "b": 0.0, "m": 0.0}))
     assert values(s)["w"] == pytest.approx(1 - 0.01 * (1.0 + 0.1))
-    s.push(0, 1, 1, 1, PLAN.digest, wire({"w": 0.0, "b": 0.0, "m": 0.0}), [{"lr": 0.3}, {"lr": 0.3}])
+    s.push(PushStamp(0, 1, 1), 1, PLAN.digest, wire({"w": 0.0, "b": 0.0, "m": 0.0}), [{"lr": 0.3}, {"lr": 0.3}])
     assert s.learning_rate() == pytest.approx(0.3)
     # the latest change wins: the operator's lr holds while the pushed lr stays the same...
     s.update_config(learning_rate=0.02)
-    s.push(0, 1, 2, 2, PLAN.digest, wire({"w": 0.0, "b": 0.0, "m": 0.0}), [{"lr": 0.3}, {"lr": 0.3}])
+    s.push(PushStamp(0, 1, 2), 2, PLAN.digest, wire({"w": 0.0, "b": 0.0, "m": 0.0}), [{"lr": 0.3}, {"lr": 0.3}])
     assert s.learning_rate() == pytest.approx(0.02)
     # ...until the worker's schedule changes it
-    s.push(0, 1, 3, 3, PLAN.digest, wire({"w": 0.0, "b": 0.0, "m": 0.0}), [{"lr": 0.4}, {"lr": 0.3}])
+    s.push(PushStamp(0, 1, 3), 3, PLAN.digest, wire({"w": 0.0, "b": 0.0, "m": 0.0}), [{"lr": 0.4}, {"lr": 0.3}])
     assert [g["lr"] for g in s.store.optimizer.param_groups] == [0.4, 0.02]  # type: ignore[union-attr]
 
 
 def test_checkpoint_keeps_groups_buffers_and_scheduled_lr_and_old_checkpoints_load() -> None:
     s = shard(num_workers=1)
-    s.push(0, 1, 0, 0, PLAN.digest, wire({"w": 1.0, "b": 1.0, "m": 4.0}), [{"lr": 0.2}, {"lr": 0.05}])
+    s.push(PushStamp(0, 1, 0), 0, PLAN.digest, wire({"w": 1.0, "b": 1.0, "m": 4.0}), [{"lr": 0.2}, {"lr": 0.05}])
     state = s.export_state()
     buf = io.BytesIO()
     torch.save(state, buf)
@@ -149,7 +150,7 @@ def test_checkpoint_keeps_groups_buffers_and_scheduled_lr_and_old_checkpoints_lo
 
 def test_async_buffers_come_from_rank_0_only_even_when_it_skips() -> None:
     s = shard(num_workers=2, mode="async")
-    s.push(1, 1, 0, 0, PLAN.digest, wire({"w": 0.0, "b": 0.0, "m": 9.0}))
+    s.push(PushStamp(1, 1, 0), 0, PLAN.digest, wire({"w": 0.0, "b": 0.0, "m": 9.0}))
     assert values(s)["m"] == 0.0  # rank 1's buffers are not kept
-    s.push(0, 1, 0, 1, PLAN.digest, wire({"w": 0.0, "b": 0.0, "m": 4.0}), skip=True)
+    s.push(PushStamp(0, 1, 0), 1, PLAN.digest, wire({"w": 0.0, "b": 0.0, "m": 4.0}), skip=True)
     assert values(s)["m"] == 4.0 and s.version == 2  # a skipped push still brings rank 0's buffers (a version)

@@ -1,0 +1,177 @@
+"""The one interface of the consistency models (DESIGN section 5): what a shard asks its mode.
+
+A :class:`ConsistencyPolicy` decides, for the :class:`~ps_server.shard.Shard` that holds the lock,
+what happens to a push (applied now, held for its round, or refused as stale, and with which
+learning-rate scale), when a round or an EASGD period closes, whether a read can be served, where a
+rejoining rank resumes, why a read is blocked, and what staleness means in the mode. The shard keeps
+the lock, the waits, idempotence and membership; every ``mode`` decision is a method here. Policies
+hold no state of their own (the shard's state is passed in), so one instance per mode serves every
+shard (:data:`ps_server.policy.POLICIES`).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, ClassVar, Protocol
+
+import torch
+
+from ps_common.errors import PreconditionError, UpdateRefusedError
+from ps_common.modes import ModeSettings
+from ps_server.membership import Member, Membership, PushResult, PushStamp
+
+if TYPE_CHECKING:
+    from ps_server.counters import ShardCounters
+    from ps_server.policy.sync import Hyperparameters, SyncRounds
+    from ps_server.store import ParameterStore
+
+
+class ShardCore(Protocol):
+    """The state of a shard that its policy reads and changes (the caller holds the shard's lock)."""
+
+    shard_index: int
+    settings: ModeSettings
+    version: int
+    store: ParameterStore | None
+    rounds: SyncRounds
+    round_opened: float | None
+    round_reported: bool
+    max_clock_gap: int
+    refusals: dict[int, UpdateRefusedError]
+    skipped_rounds: dict[int, None]
+    exchange_results: dict[int, tuple[int, list[torch.Tensor]]]
+    membership: Membership
+    counters: ShardCounters
+
+    @property
+    def members(self) -> list[Member]: ...
+
+    def now(self) -> float:
+        """Monotonic seconds."""
+
+    def record(self, member: Member, stamp: PushStamp, result: PushResult) -> None:
+        """Account an accepted push: clock, pushes, lease, the answer to its repeats."""
+
+    def set_version(self, version: int) -> None:
+        """Advance the version (and offer a snapshot at every ``checkpoint_every``-th)."""
+
+    def refusal(self, exc: UpdateRefusedError, what: str, count: int) -> UpdateRefusedError:
+        """Count ``count`` refused pushes; the refusal of ``what`` as the ranks are told it."""
+
+    def refuse_round(self, held: dict[int, Sequence[torch.Tensor]], exc: UpdateRefusedError) -> None:
+        """Reopen the complete round ``held`` empty and leave each of its ranks ``exc``."""
+
+    def advance(self) -> None:
+        """Let the policy close what is complete, switch a pending mode, wake the waiters."""
+
+    def wait_for_ranks(self, ready: Callable[[], bool], deadline: float | None, describe: Callable[[], str]) -> None:
+        """Wait on the shard's condition until ``ready()`` (see ``Shard.wait_for_ranks``)."""
+
+
+class ConsistencyPolicy(ABC):
+    """One consistency model. Every method runs under the shard's lock and raises domain errors only.
+
+    Class attributes:
+        mode: the ``--mode`` name.
+        staleness_unit: what :meth:`staleness` counts in this mode (DESIGN section 3): ``"versions"``
+            (async), ``"clocks"`` (ssp: the clock gap), ``""`` where nothing is stale (sync, easgd).
+        holds_pushes: pushes wait for their round (sync): a closed round refuses its clocks itself
+            (no high-water mark), and a refused round is told to the pushes that completed it.
+        exchanges: workers call Exchange, not Push (easgd).
+    """
+
+    mode: ClassVar[str]
+    staleness_unit: ClassVar[str] = ""
+    holds_pushes: ClassVar[bool] = False
+    exchanges: ClassVar[bool] = False
+
+    # ----------------------------------------------------------------- pushes
+    @abstractmethod
+    def accept(
+        self,
+        shard: ShardCore,
+        member: Member,
+        stamp: PushStamp,
+        grad_version: int,
+        grads: Sequence[torch.Tensor],
+        hyper: Hyperparameters = (),
+        skip: bool = False,
+    ) -> PushResult:
+        """Apply ``member``'s push now, hold it for its round, or refuse it; account it.
+
+        Args:
+            stamp: who pushed which clock. grad_version: the version the gradients were computed on.
+            grads: one 1-D tensor per partition of the shard, in plan order (the store's dtypes).
+            hyper, skip: as ``Shard.push``.
+
+        Raises:
+            StalePushError: too stale (async), a closed round (sync, no quorum).
+            UpdateRefusedError: the step was refused; nothing changed.
+            PreconditionError: the mode takes no pushes (easgd).
+        """
+
+    def read_after_push(self, clock: int) -> int:
+        """The version a PushPull of ``clock`` reads (0: whatever the shard holds)."""
+        return 0
+
+    # ----------------------------------------------------------------- rounds
+    def advance(self, shard: ShardCore) -> None:
+        """Close a complete round or EASGD period, if one is (nothing in async and ssp)."""
+        return None
+
+    def quorum(self, settings: ModeSettings) -> int:
+        """Pushes that close a round whoever sent them (0: every expected rank); ranks that never
+        joined are then not "missing" while the others can still close rounds."""
+        return 0
+
+    def on_switch(self, shard: ShardCore) -> None:
+        """The shard just switched into this mode at a round boundary (the rounds restart at its version)."""
+        return None
+
+    # ----------------------------------------------------------------- membership
+    def join_clock(self, shard: ShardCore, member: Member, restarted: bool) -> int:
+        """The clock ``member`` resumes at when it joins (``restarted``: under a new incarnation)."""
+        return member.clock
+
+    # ----------------------------------------------------------------- reads
+    def check_read(self, shard: ShardCore, member: Member, joined: bool, min_version: int) -> None:
+        """Before a read waits: raise what the reader must be told at once (a refused round)."""
+        return None
+
+    def can_read(self, shard: ShardCore, member: Member, joined: bool, min_version: int) -> bool:
+        """True when the read of ``member`` (``joined``: live under its incarnation) can be served."""
+        return True
+
+    def blocked(self, shard: ShardCore, member: Member, min_version: int, timeout: float | None) -> str:
+        """Why the read is blocked, for the timeout's message (what to check)."""
+        return (
+            f"Version {min_version} not reached in {timeout:.1f} s (shard {shard.shard_index} is at "
+            f"{shard.version}; round waits for ranks {shard.rounds.waiting_for(shard.membership.expected())}); "
+            "check those workers."
+        )
+
+    def after_read(self, shard: ShardCore, member: Member, joined: bool, min_version: int) -> None:
+        """After the wait, before the parameters are copied: raise a refusal the wait ended on, or
+        account the read (ssp's clock gap)."""
+        return None
+
+    def staleness(self, shard: ShardCore, member: Member, grad_version: int) -> int:
+        """The staleness of ``member`` in :attr:`staleness_unit` (0 where nothing is stale)."""
+        return 0
+
+    # ----------------------------------------------------------------- exchanges
+    def check_exchange(self) -> None:
+        """Raises PreconditionError unless the mode takes exchanges (checked before anything else)."""
+        if not self.exchanges:
+            raise PreconditionError(f"Exchange is for easgd; this cluster runs {self.mode}: push and pull.")
+
+    def exchange(
+        self, shard: ShardCore, member: Member, stamp: PushStamp, x: Sequence[torch.Tensor], deadline: float | None
+    ) -> tuple[int, list[torch.Tensor]]:
+        """EASGD: take ``member``'s parameters x; returns (version, d = alpha (x - center)).
+
+        Raises:
+            PreconditionError: the mode has no exchanges.
+        """
+        raise PreconditionError(f"Exchange is for easgd; this cluster runs {self.mode}: push and pull.")

@@ -1,0 +1,230 @@
+"""The consistency-policy contract: every policy of ``POLICIES`` through one list of cases, then the
+cases only some modes have (in the style of torch elastic's rendezvous backend tests: one abstract
+case list, every backend). Real shards, no sockets, no sleeping."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ps_common.errors import PreconditionError, StalePushError, WaitTimeoutError
+from ps_common.modes import MODES, ModeSettings
+from ps_common.optimizer import OptimizerSpec
+from ps_common.partition import WirePartition
+from ps_common.plan import ParameterSpec, make_plan
+from ps_server.policy import POLICIES, ConsistencyPolicy
+from ps_server.shard import PushStamp, Shard
+from tests.helpers.tensors import encode
+
+PLAN = make_plan([ParameterSpec("w", (3,), "float32")], 1)
+
+# What each mode answers to the shared cases (DESIGN sections 3 and 5).
+EXPECTED = {
+    #        staleness unit, push applied at once, push held for its round, read after push of clock c
+    "sync": ("", False, True, lambda c: c + 1),
+    "async": ("versions", True, False, lambda c: 0),
+    "ssp": ("clocks", True, False, lambda c: 0),
+    "easgd": ("", False, False, lambda c: 0),
+}
+
+
+def wire(x: float | torch.Tensor) -> list[WirePartition]:
+    values = x if isinstance(x, torch.Tensor) else torch.full((3,), float(x))
+    return [WirePartition("w", 0, 3, "float32", encode(values))]
+
+
+def make_shard(mode: str, n: int = 2, lr: float = 1.0, **kw: object) -> Shard:
+    """An initialized shard of ``n`` joined ranks, w = 0, plain SGD with learning rate ``lr``."""
+    shard = Shard(0, 1, ModeSettings(mode, num_workers=n, **kw))  # type: ignore[arg-type]
+    for r in range(n):
+        shard.join(r, n, 1)
+    shard.init(PLAN.specs, 1, PLAN.partition_bytes, PLAN.digest, OptimizerSpec("sgd", {"lr": lr}), wire(0.0))
+    return shard
+
+
+def w(shard: Shard) -> torch.Tensor:
+    assert shard.store is not None
+    return shard.store.tensors[0].clone()
+
+
+@pytest.fixture(params=sorted(POLICIES))
+def mode(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+# ---------------------------------------------------------------- every policy
+
+
+def test_the_registry_has_one_policy_per_mode() -> None:
+    assert sorted(POLICIES) == sorted(MODES)
+    for name, policy in POLICIES.items():
+        assert isinstance(policy, ConsistencyPolicy) and policy.mode == name
+
+
+def test_the_shard_serves_the_policy_of_its_mode(mode: str) -> None:
+    assert make_shard(mode).policy is POLICIES[mode]
+
+
+def test_staleness_is_counted_in_the_unit_design_names(mode: str) -> None:
+    assert POLICIES[mode].staleness_unit == EXPECTED[mode][0]
+
+
+def test_a_push_is_applied_held_or_refused(mode: str) -> None:
+    shard = make_shard(mode)
+    _, at_once, held, _ = EXPECTED[mode]
+    if mode == "easgd":
+        with pytest.raises(PreconditionError, match="call Exchange"):
+            shard.push(PushStamp(0, 1, 0), 0, PLAN.digest, wire(1.0))
+        assert shard.version == 0 and torch.equal(w(shard), torch.zeros(3))
+        return
+    result = shard.push(PushStamp(0, 1, 0), 0, PLAN.digest, wire(1.0))
+    assert result.mode == mode and not result.duplicate
+    assert shard.version == (1 if at_once else 0)
+    assert (0 in shard.rounds.pending) is held
+    assert shard.members[0].clock == 1  # the shard counts the rank's clock, whatever the mode
+
+
+def test_a_repeated_stamp_is_answered_once(mode: str) -> None:
+    shard = make_shard(mode)
+    if POLICIES[mode].exchanges:
+        first = shard.exchange(PushStamp(0, 1, 0), PLAN.digest, wire(2.0), timeout=1.0)
+        again = shard.exchange(PushStamp(0, 1, 0), PLAN.digest, wire(2.0), timeout=1.0)
+        assert again[0] == first[0] and all(torch.equal(a, b) for a, b in zip(again[1], first[1], strict=True))
+        assert shard.version == 1
+        return
+    first = shard.push(PushStamp(0, 1, 0), 0, PLAN.digest, wire(1.0))
+    again = shard.push(PushStamp(0, 1, 0), 0, PLAN.digest, wire(1.0))
+    assert again.duplicate and again.version == first.version and shard.members[0].pushes == 1
+
+
+def test_a_read_of_the_current_version_is_served_at_once(mode: str) -> None:
+    shard = make_shard(mode)
+    version, tensors = shard.pull(0, 1, shard.version, PLAN.digest, timeout=0.0)
+    assert version == 0 and torch.equal(tensors[0], torch.zeros(3))
+    member = shard.members[0]
+    assert POLICIES[mode].can_read(shard, member, True, shard.version)
+
+
+def test_the_read_after_a_push(mode: str) -> None:
+    for clock in (0, 5):
+        assert POLICIES[mode].read_after_push(clock) == EXPECTED[mode][3](clock)
+
+
+def test_a_blocked_read_says_what_to_check(mode: str) -> None:
+    text = POLICIES[mode].blocked(make_shard(mode), make_shard(mode).members[0], 3, 1.5)
+    assert "check" in text and text.endswith(".")
+
+
+def test_advance_with_nothing_complete_changes_nothing(mode: str) -> None:
+    shard = make_shard(mode)
+    before = (shard.version, w(shard))
+    with shard._cond:
+        POLICIES[mode].advance(shard)
+    assert shard.version == before[0] and torch.equal(w(shard), before[1])
+
+
+def test_a_rank_that_joins_again_under_its_incarnation_keeps_its_clock(mode: str) -> None:
+    shard = make_shard(mode)
+    shard.members[0].clock = 3
+    if POLICIES[mode].holds_pushes:
+        shard.rounds.round = 3  # and a rank of a round policy pushes the open round next
+    assert shard.join(0, 2, 1).clock == 3
+
+
+def test_only_easgd_takes_exchanges(mode: str) -> None:
+    shard = make_shard(mode)
+    if POLICIES[mode].exchanges:
+        version, d = shard.exchange(PushStamp(0, 1, 0), PLAN.digest, wire(2.0), timeout=1.0)
+        assert version == 1 and torch.allclose(d[0], torch.full((3,), 2.0 * shard.settings.moving_rate))
+    else:
+        with pytest.raises(PreconditionError, match="Exchange is for easgd"):
+            shard.exchange(PushStamp(0, 1, 0), PLAN.digest, wire(2.0), timeout=1.0)
+
+
+# ---------------------------------------------------------------- async and ssp: applied at once
+
+
+@pytest.mark.parametrize("stale_mode", ["async", "ssp"])
+def test_a_push_applies_with_the_policy_s_learning_rate_scale(stale_mode: str) -> None:
+    """async ``--staleness-lr inverse``: lr / max(1, tau) (Zhang et al. 2016); ssp: the full lr,
+    whatever the staleness (its bound is on reads)."""
+    shard = make_shard(stale_mode, n=1, staleness_lr="inverse")  # ssp: not its rule
+    shard.push(PushStamp(0, 1, 0), 0, PLAN.digest, wire(1.0))  # w = -1
+    shard.push(PushStamp(0, 1, 1), 1, PLAN.digest, wire(1.0))  # w = -2, version 2
+    result = shard.push(PushStamp(0, 1, 2), 0, PLAN.digest, wire(1.0))  # computed on version 0: tau = 2
+    assert result.staleness == 2
+    expected = -2.5 if stale_mode == "async" else -3.0
+    assert torch.equal(w(shard), torch.full((3,), expected))
+
+
+def test_async_refuses_a_push_beyond_max_staleness_and_counts_it() -> None:
+    shard = make_shard("async", n=1, max_staleness=0)
+    shard.push(PushStamp(0, 1, 0), 0, PLAN.digest, wire(1.0))
+    with pytest.raises(StalePushError, match="--max-staleness 0"):
+        shard.push(PushStamp(0, 1, 1), 0, PLAN.digest, wire(1.0))
+    assert shard.version == 1 and shard.status().rejected_pushes == {"stale": 1}
+
+
+def test_async_staleness_is_versions_and_ssp_staleness_is_the_clock_gap() -> None:
+    asynchronous, ssp = make_shard("async"), make_shard("ssp", staleness=5)
+    for shard in (asynchronous, ssp):
+        for clock in range(3):
+            shard.push(PushStamp(0, 1, clock), clock, PLAN.digest, wire(0.0))
+    assert asynchronous.policy.staleness(asynchronous, asynchronous.members[1], 0) == 3  # versions behind
+    assert ssp.policy.staleness(ssp, ssp.members[0], 0) == 3  # rank 0 is 3 clocks ahead of rank 1
+    assert ssp.policy.staleness(ssp, ssp.members[1], 0) == 0
+
+
+# ---------------------------------------------------------------- ssp: bounded reads, rejoin
+
+
+def test_ssp_blocks_a_reader_more_than_s_clocks_ahead() -> None:
+    shard = make_shard("ssp", staleness=1)
+    for clock in range(2):
+        shard.push(PushStamp(0, 1, clock), clock, PLAN.digest, wire(0.0))
+    with pytest.raises(WaitTimeoutError, match="Rank 0 at clock 2 may read once every live rank reaches clock 1"):
+        shard.pull(0, 1, 0, PLAN.digest, timeout=0.0)
+    shard.push(PushStamp(1, 1, 0), 0, PLAN.digest, wire(0.0))
+    assert shard.pull(0, 1, 0, PLAN.digest, timeout=0.0)[0] == 3
+    assert shard.status().max_clock_gap == 1
+
+
+def test_ssp_a_restarted_rank_resumes_at_the_slowest_live_clock() -> None:
+    """Not its own clock (it would race ahead or block), not the fastest (it would block the reads
+    of every rank behind it): the slowest live rank's."""
+    shard = make_shard("ssp", n=3, staleness=10)
+    for rank, clocks in ((0, 6), (1, 2), (2, 4)):
+        for clock in range(clocks):
+            shard.push(PushStamp(rank, 1, clock), shard.version, PLAN.digest, wire(0.0))
+    assert [m.clock for m in shard.members] == [6, 2, 4]
+    assert shard.join(2, 3, 2).clock == 2
+    assert shard.members[2].clock == 2
+
+
+# ---------------------------------------------------------------- sync: rounds
+
+
+def test_sync_holds_pushes_until_the_round_is_complete_then_reads_its_version() -> None:
+    shard = make_shard("sync")
+    shard.push(PushStamp(0, 1, 0), 0, PLAN.digest, wire(1.0))
+    with pytest.raises(WaitTimeoutError, match="round waits for ranks \\[1\\]"):
+        shard.pull(0, 1, 1, PLAN.digest, timeout=0.0)
+    shard.push(PushStamp(1, 1, 0), 0, PLAN.digest, wire(3.0))
+    assert shard.version == 1 and torch.equal(w(shard), torch.full((3,), -2.0))  # mean of 1 and 3, lr 1
+
+
+def test_sync_a_joining_rank_pushes_the_open_round() -> None:
+    shard = make_shard("sync")
+    for r in range(2):
+        shard.push(PushStamp(r, 1, 0), 0, PLAN.digest, wire(1.0))
+    assert shard.join(1, 2, 2).clock == 1
+
+
+def test_a_mode_switch_swaps_the_policy_at_the_round_boundary() -> None:
+    shard = make_shard("sync")
+    shard.push(PushStamp(0, 1, 0), 0, PLAN.digest, wire(1.0))
+    shard.update_config(mode="async")
+    assert shard.policy is POLICIES["sync"] and shard.status().pending_mode == "async"
+    shard.push(PushStamp(1, 1, 0), 0, PLAN.digest, wire(1.0))  # closes round 0: the switch happens
+    assert shard.policy is POLICIES["async"] and shard.status().pending_mode == ""
+    assert shard.push(PushStamp(0, 1, 1), 1, PLAN.digest, wire(1.0)).version == 2  # applied at once
