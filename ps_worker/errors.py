@@ -43,6 +43,34 @@ import grpc
 from ps_common import errors as common
 from ps_common.errors import REASON_KEY, Reason
 
+__all__ = [
+    "ShardError",
+    "ShardUnreachableError",
+    "RoundTimeoutError",
+    "WaitTimeout",
+    "InvalidRequest",
+    "UnknownKey",
+    "PreconditionFailed",
+    "NotInitialized",
+    "PlanMismatch",
+    "NotJoined",
+    "Superseded",
+    "FutureRound",
+    "PushLost",
+    "JoinTimeout",
+    "StalePush",
+    "Replayed",
+    "UpdateRefused",
+    "NonFiniteUpdate",
+    "HyperparametersDisagree",
+    "ShuttingDown",
+    "CheckpointFailed",
+    "TooManyStreams",
+    "RECOVERABLE",
+    "error_from_rpc",
+    "reason_of",
+]
+
 HINT_UNREACHABLE = "is the shard running? check --servers (and --tls-ca if the shards serve TLS)"
 
 _RANKS = re.compile(r"waits for ranks \[([0-9, ]*)\]")

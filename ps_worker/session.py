@@ -183,7 +183,8 @@ class Session:
 
         Raises:
             TimeoutError: a shard was not initialized within ``init_timeout`` seconds.
-            RuntimeError: a shard holds another plan than ``plan_digest``.
+            RuntimeError: a shard holds another plan than ``plan_digest`` (every worker must build
+                the same model). ShardError: a refused Join.
         """
         t = self.transport
         stop = time.monotonic() + init_timeout
@@ -197,7 +198,10 @@ class Session:
                 time.sleep(next(delays))
                 req = self.join_request()
                 stub = t.stubs[k]
-                reply = t.call(lambda s=stub, r=req: s.Join(r, timeout=t.timeout, metadata=t.metadata), "Join")
+                try:
+                    reply = t.call(lambda s=stub, r=req: s.Join(r, timeout=t.timeout, metadata=t.metadata), "Join")
+                except grpc.RpcError as exc:
+                    raise error_from_rpc(t.servers[k], exc) from exc
             if reply.HasField("optimizer"):  # start from rank 0's spec, as the shards do
                 self.optimizer = optimizer_from_proto(reply.optimizer)
             if reply.plan_digest != self.plan_digest:
