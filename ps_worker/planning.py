@@ -34,7 +34,7 @@ def named_and_spec(
         (tuple(str(key) for key in g["params"]), {k: float(v) for k, v in g.items() if k != "params"})
         for g in spec.pop("groups", ())
     )
-    named = list(model.named_parameters())
+    named: list[tuple[str, torch.Tensor]] = list(model.named_parameters())
     if buffers:
         named += [(k, b) for k, b in model.named_buffers() if b is not None]
     buffer_keys = tuple(k for k, _ in named[len(list(model.parameters())) :])

@@ -9,6 +9,7 @@ cause (:data:`ps_worker.errors.RECOVERABLE`). The data calls (:mod:`ps_worker.ca
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import threading
 import time
@@ -196,10 +197,8 @@ class Session:
                         f"Shard {t.servers[k]} was not initialized within {init_timeout:.0f} s; is rank 0 running?"
                     )
                 time.sleep(next(delays))
-                req = self.join_request()
-                stub = t.stubs[k]
                 try:
-                    reply = t.call(lambda s=stub, r=req: s.Join(r, timeout=t.timeout, metadata=t.metadata), "Join")
+                    reply = t.call(functools.partial(self._join_once, k), "Join")
                 except grpc.RpcError as exc:
                     raise error_from_rpc(t.servers[k], exc) from exc
             if reply.HasField("optimizer"):  # start from rank 0's spec, as the shards do
@@ -209,6 +208,10 @@ class Session:
                     f"Shard {t.servers[k]} holds plan {reply.plan_digest[:12]} but this model's plan is "
                     f"{self.plan_digest[:12]}; every worker must build the same model."
                 )
+
+    def _join_once(self, k: int) -> ps_pb2.JoinResponse:
+        t = self.transport
+        return t.stubs[k].Join(self.join_request(), timeout=t.timeout, metadata=t.metadata)
 
     # ------------------------------------------------------------------ heartbeats
     def start_heartbeat(self) -> None:
