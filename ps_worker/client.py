@@ -126,13 +126,8 @@ class PSClient(SessionView):
 
     # ------------------------------------------------------------------ membership and init
     def join(self) -> list[ps_pb2.JoinResponse]:
-        """Join every shard (waiting up to ``retry_deadline`` for shards that are still starting).
-
-        Raises:
-            ShardUnreachableError: a shard did not answer within ``retry_deadline`` (its address is named).
-            ShardError: a shard refused the join.
-            RuntimeError: the shards disagree on mode or their indices do not match ``servers``.
-        """
+        """Join every shard, waiting up to ``retry_deadline`` for shards still starting (as
+        :meth:`Session.join <ps_worker.session.Session.join>`, which names what it raises)."""
         return self.session.join()
 
     def init(
