@@ -23,7 +23,7 @@ IDLE = (
     "do_futex_wait",
     "Child._read",
     "clock_nanosleep",
-    "PSClient._beat",
+    "Session._beat",
 )
 """Markers of a waiting thread."""
 
@@ -40,10 +40,10 @@ CATEGORIES = (
     ("encode(): tensor -> bytes", ("array_tobytes", "codec.py)")),
     ("sockets: sendmsg / recvmsg / read / write", ("sendmsg", "recvmsg", "read (libc", "write (libc", "writev")),
     ("gRPC core and Python gRPC machinery", ("cygrpc", "grpc/_server.py", "grpc/_channel.py", "grpc/_common.py")),
-    ("worker: copy received values into the weights", ("PSClient._receive (",)),
-    ("worker: stage/cast gradients, top-k", ("PSClient._out_partitions (", "TopK.compress (")),
+    ("worker: copy received values into the weights", ("WireCodec.decode (",)),
+    ("worker: stage/cast gradients, top-k", ("WireCodec.to_wire (", "TopK.compress (")),
     ("thread pools and futures", ("concurrent/futures", "threading.py")),
-    ("PSClient bookkeeping: plan lookups, staging, dicts", ("ps_worker/client.py",)),
+    ("PSClient bookkeeping: plan lookups, staging, dicts", ("ps_worker/",)),
 )
 
 

@@ -26,8 +26,9 @@ def __getattr__(name: str) -> Any:
         from ps_worker.optimizer import DistributedOptimizer
 
         return DistributedOptimizer
-    if name in _ERRORS:
+    if name in _ERRORS or name[:1].isupper():  # the error classes of ps_worker.errors
         from ps_worker import errors
 
-        return getattr(errors, name)
+        if name in errors.__all__:
+            return getattr(errors, name)
     raise AttributeError(f"module 'ps_worker' has no attribute {name!r}")

@@ -1,12 +1,36 @@
 """The errors :class:`~ps_worker.PSClient` raises when a shard refuses a call or cannot be reached.
 
 Each is a ``grpc.RpcError`` (``.code()``, ``.details()``, ``.trailing_metadata()`` as gRPC's own), so
-code that branches on ``.code()`` keeps working; they add the shard's address, and the subclasses
-say what went wrong in words a user can act on::
+code that branches on ``.code()`` keeps working; they add the shard's address and its ``.reason``
+(a :class:`~ps_common.errors.Reason`, "" when the shard gave none). The classes mirror the shard's
+domain errors (``ps_common.errors``) one for one: the shard aborts a call with a status code and a
+``ps-reason``, and :func:`error_from_rpc` (the one place that maps them) picks the class by reason.
+A class's ``status`` is the code the shard sends with its reason; ``reason`` the reason itself::
 
-    ShardError                 a shard refused a call (any status code); .address, .reason
-    ├── ShardUnreachableError  no answer from a shard within --retry-deadline (not running, wrong address)
-    └── RoundTimeoutError      a sync round / SSP read did not complete in time; .ranks it waits for
+    ShardError                      a shard refused a call (any status code); .address, .reason
+    ├── ShardUnreachableError       no answer within --retry-deadline (not running, wrong address)
+    ├── RoundTimeoutError           a sync round / SSP read did not complete in time; .ranks it waits for
+    │   └── WaitTimeout             DEADLINE_EXCEEDED  WAIT_TIMEOUT: the shard's wait ran out
+    ├── InvalidRequest              INVALID_ARGUMENT   INVALID: wrong dtype/length, non-finite, bad config
+    │   └── UnknownKey              INVALID_ARGUMENT   UNKNOWN_KEY: a key or slice the shard does not own
+    ├── PreconditionFailed          FAILED_PRECONDITION PRECONDITION
+    │   ├── NotInitialized          NOT_INITIALIZED: rank 0 has not called Init (the client re-inits/waits)
+    │   ├── PlanMismatch            PLAN_MISMATCH: another model's plan
+    │   ├── NotJoined               NOT_JOINED: evicted, or the shard restarted (the client rejoins)
+    │   ├── Superseded              SUPERSEDED: a newer incarnation of this rank joined; exit
+    │   ├── FutureRound             FUTURE_ROUND: the shard is behind this push (the client adopts its round)
+    │   ├── PushLost                PUSH_LOST: the shard lost an acknowledged push (the client pushes again)
+    │   └── JoinTimeout             JOIN_TIMEOUT: ranks never joined within --join-timeout
+    ├── StalePush                   ABORTED            STALE: too stale; pull and push the next clock
+    │   └── Replayed                ABORTED            REPLAYED: that clock was applied already
+    ├── UpdateRefused               ABORTED            UPDATE_FAILED: the optimizer step failed; nothing changed
+    │   ├── NonFiniteUpdate         ABORTED            NON_FINITE_UPDATE
+    │   └── HyperparametersDisagree FAILED_PRECONDITION HYPERPARAMETERS_DISAGREE: ranks' lrs differ
+    ├── ShuttingDown                UNAVAILABLE        SHUTTING_DOWN
+    ├── CheckpointFailed            INTERNAL           CHECKPOINT
+    └── TooManyStreams              RESOURCE_EXHAUSTED TOO_MANY_STREAMS: wait for another stream to close
+
+The session's recoveries (:mod:`ps_worker.session`) branch on these classes: :data:`RECOVERABLE`.
 """
 
 from __future__ import annotations
@@ -16,26 +40,79 @@ from collections.abc import Sequence
 
 import grpc
 
+from ps_common import errors as common
+from ps_common.errors import REASON_KEY, Reason
+
+__all__ = [
+    "ShardError",
+    "ShardUnreachableError",
+    "RoundTimeoutError",
+    "WaitTimeout",
+    "InvalidRequest",
+    "UnknownKey",
+    "PreconditionFailed",
+    "NotInitialized",
+    "PlanMismatch",
+    "NotJoined",
+    "Superseded",
+    "FutureRound",
+    "PushLost",
+    "JoinTimeout",
+    "StalePush",
+    "Replayed",
+    "UpdateRefused",
+    "NonFiniteUpdate",
+    "HyperparametersDisagree",
+    "ShuttingDown",
+    "CheckpointFailed",
+    "TooManyStreams",
+    "RECOVERABLE",
+    "error_from_rpc",
+    "reason_of",
+]
+
 HINT_UNREACHABLE = "is the shard running? check --servers (and --tls-ca if the shards serve TLS)"
 
 _RANKS = re.compile(r"waits for ranks \[([0-9, ]*)\]")
 
+_BY_REASON: dict[str, type[ShardError]] = {}
+"""Reason -> the class that stands for it (filled by ``ShardError.__init_subclass__``)."""
 
-def _reason(exc: grpc.RpcError) -> str:
+
+def reason_of(exc: BaseException) -> str:
+    """The ``ps-reason`` a shard attached to a refusal: a :class:`Reason` when it is one grpc-ps
+    knows, the raw string otherwise, "" when none (or ``exc`` has no trailing metadata)."""
     try:
-        metadata = exc.trailing_metadata() or ()
+        metadata = exc.trailing_metadata() or ()  # type: ignore[attr-defined]
     except (AttributeError, ValueError):
         return ""
-    return next((str(v) for key, v in metadata if key == "ps-reason"), "")
+    value = next((str(v) for key, v in metadata if key == REASON_KEY), "")
+    try:
+        return Reason(value) if value else ""
+    except ValueError:
+        return value
 
 
 class ShardError(grpc.RpcError):
     """A call to the shard at ``address`` failed after retries and recoveries.
 
+    Class attributes (of the subclasses that mirror a shard error): ``reason``, the
+    :class:`Reason`, and ``status``, the ``grpc.StatusCode`` the shard sends with it.
+
     Attributes:
         address: ``host:port`` of the shard, as given in ``servers``.
         reason: the shard's ``ps-reason`` (``NOT_JOINED``, ``STALE``, ``WAIT_TIMEOUT``, …), "" when none.
     """
+
+    reason: str = ""
+    status: grpc.StatusCode | None = None
+
+    def __init_subclass__(cls, mirrors: type[common.PSError] | None = None, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        if mirrors is not None:
+            cls.reason = mirrors.reason
+            cls.status = grpc.StatusCode[mirrors.code]
+            _BY_REASON[mirrors.reason] = cls
 
     def __init__(
         self,
@@ -49,30 +126,13 @@ class ShardError(grpc.RpcError):
         self._code = code
         self._details = details
         self._metadata = tuple(metadata)
-        self.reason = next((str(v) for key, v in self._metadata if key == "ps-reason"), "")
+        self.reason = reason_of(self)
         super().__init__(message or f"{address}: {code.name}: {details}")
 
     @classmethod
     def from_rpc(cls, address: str, exc: grpc.RpcError, waits: bool = False) -> ShardError:
-        """The typed error of ``exc``, a failed call to ``address`` (returned as is when already typed);
-        ``waits``: the call may wait for a round (Pull, PushPull, Exchange), so a deadline without the
-        shard's reason is a :class:`RoundTimeoutError` too."""
-        if isinstance(exc, ShardError):
-            return exc
-        code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
-        details = (exc.details() if hasattr(exc, "details") else str(exc)) or ""
-        try:
-            metadata = tuple(exc.trailing_metadata() or ())
-        except (AttributeError, ValueError):
-            metadata = ()
-        reason = _reason(exc)
-        if code == grpc.StatusCode.DEADLINE_EXCEEDED and reason == "WAIT_TIMEOUT":
-            return RoundTimeoutError(address, code, details, metadata)
-        if code == grpc.StatusCode.DEADLINE_EXCEEDED and not reason and waits:
-            # the client's own deadline: the shard did not say why (it answers before that deadline
-            # when a round or an SSP read keeps it waiting)
-            return RoundTimeoutError(address, code, details, metadata)
-        return cls(address, code, details, metadata)
+        """:func:`error_from_rpc` (kept as ``ShardError.from_rpc``, as callers use it)."""
+        return error_from_rpc(address, exc, waits)
 
     def code(self) -> grpc.StatusCode:
         return self._code
@@ -106,7 +166,12 @@ class RoundTimeoutError(ShardError, TimeoutError):
     those workers, or ``ps-admin evict RANK`` one that is gone."""
 
     def __init__(
-        self, address: str, code: grpc.StatusCode, details: str, metadata: Sequence[tuple[str, str]] = ()
+        self,
+        address: str,
+        code: grpc.StatusCode,
+        details: str,
+        metadata: Sequence[tuple[str, str]] = (),
+        message: str | None = None,
     ) -> None:
         found = _RANKS.search(details or "")
         self.ranks: list[int] | None = (
@@ -120,3 +185,129 @@ class RoundTimeoutError(ShardError, TimeoutError):
                 "wait for a worker that is gone (ps-admin status shows which), or raise the timeout."
             )
         super().__init__(address, code, details, metadata, message=text)
+
+
+class WaitTimeout(RoundTimeoutError, mirrors=common.WaitTimeoutError):
+    """The shard's wait for a version (a sync round, an SSP read) ran past the call's deadline and
+    the shard said so, naming the ranks it waits for."""
+
+
+class InvalidRequest(ShardError, mirrors=common.InvalidRequestError):
+    """The shard refused a malformed request: wrong dtype or length, non-finite values, bad config."""
+
+
+class UnknownKey(InvalidRequest, mirrors=common.UnknownKeyError):
+    """A partition names a parameter or slice the shard does not own (a different model?)."""
+
+
+class PreconditionFailed(ShardError, mirrors=common.PreconditionError):
+    """The shard is not in a state to serve the call."""
+
+
+class NotInitialized(PreconditionFailed, mirrors=common.NotInitializedError):
+    """The shard holds no parameters: rank 0 has not called Init (or the shard restarted without a
+    checkpoint; the client then writes its values again, rank 0, or waits for rank 0)."""
+
+
+class PlanMismatch(PreconditionFailed, mirrors=common.PlanMismatchError):
+    """The shard holds another plan (another model, or another ``partition_bytes``)."""
+
+
+class NotJoined(PreconditionFailed, mirrors=common.NotJoinedError):
+    """The rank is not joined at the shard (evicted after a partition, or the shard restarted):
+    the client joins again."""
+
+
+class Superseded(PreconditionFailed, mirrors=common.SupersededError):
+    """A newer incarnation of this rank joined: this process is stale and should exit."""
+
+
+class FutureRound(PreconditionFailed, mirrors=common.FutureRoundError):
+    """A sync push for a round the shard has not reached (it restarted from an older checkpoint):
+    the client adopts the shard's round."""
+
+
+class PushLost(PreconditionFailed, mirrors=common.PushLostError):
+    """The shard lost a push it had acknowledged (it restarted from a checkpoint): the client
+    adopts its round and pushes the gradient again."""
+
+
+class JoinTimeout(PreconditionFailed, mirrors=common.RanksMissingError):
+    """Ranks never joined within ``--join-timeout`` and a round waits for them: start or evict them."""
+
+
+class StalePush(ShardError, mirrors=common.StalePushError):
+    """A push too stale to apply: pull the current parameters and push the next clock."""
+
+
+class Replayed(StalePush, mirrors=common.ReplayedPushError):
+    """A push whose (rank, incarnation, clock) the shard applied (or skipped) already."""
+
+
+class UpdateRefused(ShardError, mirrors=common.UpdateRefusedError):
+    """An update refused as a whole (the optimizer step failed); nothing changed on the shard."""
+
+
+class NonFiniteUpdate(UpdateRefused, mirrors=common.NonFiniteUpdateError):
+    """An update would have made parameters or optimizer state non-finite; nothing changed."""
+
+
+class HyperparametersDisagree(UpdateRefused, mirrors=common.HyperparametersDisagreeError):
+    """The ranks of a sync round sent different hyperparameters (learning rates): every rank must
+    step the same lr scheduler the same number of times."""
+
+
+class ShuttingDown(ShardError, mirrors=common.ShuttingDownError):
+    """The shard is stopping."""
+
+
+class CheckpointFailed(ShardError, mirrors=common.CheckpointError):
+    """The shard could not write or read a checkpoint (the message names the file)."""
+
+
+class TooManyStreams(ShardError):
+    """The shard's cap on open streams of this kind is reached: not worth retrying until another
+    stream closes (the message names the flag that sets the cap)."""
+
+    reason = Reason.TOO_MANY_STREAMS
+    status = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+_BY_REASON[Reason.TOO_MANY_STREAMS] = TooManyStreams
+
+RECOVERABLE: tuple[type[ShardError], ...] = (NotJoined, NotInitialized, FutureRound, PushLost)
+"""Refusals the session recovers from (rejoin, re-init or wait, adopt the round, push again)."""
+
+
+def error_from_rpc(address: str, exc: grpc.RpcError, waits: bool = False) -> ShardError:
+    """The typed error of ``exc``, a failed call to the shard at ``address``.
+
+    The class is the one of the shard's ``ps-reason`` (see the module docstring); without a reason
+    it is :class:`ShardError`, except a deadline on a call that may wait for a round (``waits``:
+    Pull, PushPull, Exchange), which is a :class:`RoundTimeoutError` (the shard answers before that
+    deadline when a round keeps it waiting, so the client's own deadline ran out). ``exc`` is
+    returned as is when already typed.
+
+    Args:
+        address: ``host:port`` of the shard.
+        exc: the failure (a ``grpc.Call`` error, or anything with ``code()``/``details()``).
+        waits: the call may wait for a round.
+
+    Returns:
+        A :class:`ShardError` (or subclass) with ``exc``'s code, details and trailing metadata.
+    """
+    if isinstance(exc, ShardError):
+        return exc
+    code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
+    details = (exc.details() if hasattr(exc, "details") else str(exc)) or ""
+    try:
+        metadata = tuple(exc.trailing_metadata() or ())
+    except (AttributeError, ValueError):
+        metadata = ()
+    reason = reason_of(exc)
+    cls = _BY_REASON.get(reason) if reason else None
+    if cls is not None:
+        return cls(address, code, details, metadata)
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED and not reason and waits:
+        return RoundTimeoutError(address, code, details, metadata)
+    return ShardError(address, code, details, metadata)

@@ -1,6 +1,6 @@
 """Prometheus metrics of a worker (DESIGN section 10), built against an injected registry.
 
-:class:`~ps_worker.client.PSClient` records push and pull times and bytes when given a
+:class:`~ps_worker.client.PSClient` records push, pull and push-pull (step) times and bytes when given a
 :class:`WorkerMetrics`; :func:`~ps_worker.train.train` records step times and the loss. Without
 one (the default) nothing is recorded and no global state is touched.
 """
@@ -30,7 +30,15 @@ class WorkerMetrics:
         )
         self.push_duration = Histogram(
             "ps_worker_push_duration_seconds",
-            "Seconds of one push of every gradient to every shard (in parallel), retries included.",
+            "Seconds of one separate push of every gradient to every shard (in parallel), retries included; "
+            "the push alone, never a pull.",
+            buckets=STEP_SECONDS_BUCKETS,
+            registry=registry,
+        )
+        self.push_pull_duration = Histogram(
+            "ps_worker_push_pull_duration_seconds",
+            "Seconds a training step waits on the shards: one PushPull (push and the pull of its round) or "
+            "one EASGD exchange with every shard, retries included.",
             buckets=STEP_SECONDS_BUCKETS,
             registry=registry,
         )

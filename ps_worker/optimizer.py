@@ -10,7 +10,8 @@ from typing import Any
 import torch
 
 from ps_common.codec import torch_dtype
-from ps_worker.client import PendingPushPull, PSClient
+from ps_worker.client import PSClient
+from ps_worker.pushpull import PendingPushPull
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             ignored otherwise.
         overlap: push each parameter's gradient while backward still runs (sync, async, ssp):
             autograd hooks (``register_post_accumulate_grad_hook``) hand every finished gradient to
-            a :class:`~ps_worker.client.PendingPushPull`, whose streams send each message as soon
+            a :class:`~ps_worker.pushpull.PendingPushPull`, whose streams send each message as soon
             as its partitions are ready; ``step()`` then only finishes the call. With
             ``backward_passes_per_step=k`` a gradient is handed over after its k-th backward pass.
             Not with AMP (the gradients would leave scaled): refused at ``step()``.
@@ -91,7 +92,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         grad_scaler: Any | None = None,
         broadcast_buffers: bool = True,
     ) -> None:
-        if client.mode == "easgd" and local_optimizer is None:
+        if client.worker_mode.local_optimizer and local_optimizer is None:
             raise ValueError("This cluster runs easgd: pass local_optimizer=torch.optim.SGD(model.parameters(), ...).")
         if backward_passes_per_step < 1:
             raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}.")
@@ -110,7 +111,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.grad_scaler = grad_scaler
         self._pending: PendingPushPull | None = None
         self._passes: dict[str, int] = {}
-        plan = client._require_plan()
+        plan = client.path.plan
         self.broadcast_buffers = broadcast_buffers
         self.buffers = {k: b for k, b in model.named_buffers() if k in plan.dtypes}
         missing = [k for k, b in model.named_buffers() if b is not None and k not in plan.dtypes]
@@ -124,7 +125,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._buffers_due = False
         if self.buffers:
             model.register_forward_pre_hook(self._load_buffers)
-        spec = client._optimizer
+        spec = client.optimizer_spec
         self._names = sorted(spec.hyperparameter_names) if spec is not None else ["lr"]
         base = dict(spec.kwargs) if spec is not None else {"lr": float(client.config.learning_rate)}
         defaults = {k: float(v) for k, v in base.items() if k in self._names}
@@ -187,7 +188,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _grad_ready(self, key: str, param: torch.Tensor) -> None:
         """Autograd hook: ``param``'s gradient is final for this backward pass."""
         passes = self._passes[key] = self._passes.get(key, 0) + 1
-        if param.grad is None or not self.overlap or self.client.mode == "easgd":
+        if param.grad is None or not self.overlap or self.client.worker_mode.local_optimizer:
             return
         if passes != self.backward_passes_per_step:
             return
@@ -260,22 +261,41 @@ class DistributedOptimizer(torch.optim.Optimizer):
             for p in self.params.values():
                 if p.grad is not None:
                     p.grad.mul_(inv.to(p.grad.device))
-        if self.client.mode == "easgd":
-            assert self.local_optimizer is not None
-            if skip:
-                return self.client.version
-            self.local_optimizer.step()
-            self.local_steps += 1
-            period = max(1, self.client.config.communication_period)
-            if self.local_steps % period == 0:
-                values = {**{k: p.data for k, p in self.params.items()}, **self._buffer_values()}
-                version = self.client.exchange(values)  # float buffers are averaged elastically too
-                with torch.no_grad():
-                    for k, b in self.buffers.items():
-                        if b.is_floating_point():  # a counter (num_batches_tracked) stays this rank's own
-                            b.copy_(values[k])
-                return version
+        return self.client.worker_mode.step(self, skip)
+
+    def local_step(self, skip: bool) -> int:
+        """EASGD's step (:class:`~ps_worker.consistency.ElasticAveraging`): a local optimizer step,
+        and every communication period tau an exchange with the center (the float buffers are
+        averaged elastically too). ``skip``: AMP found inf, nothing is stepped.
+
+        Returns:
+            The version of the center after the last exchange.
+        """
+        assert self.local_optimizer is not None
+        if skip:
             return self.client.version
+        self.local_optimizer.step()
+        self.local_steps += 1
+        settings = self.client.settings
+        period = settings.communication_period if settings is not None else 1
+        if self.local_steps % period == 0:
+            values = {**{k: p.data for k, p in self.params.items()}, **self._buffer_values()}
+            version = self.client.exchange(values)
+            with torch.no_grad():
+                for k, b in self.buffers.items():
+                    if b.is_floating_point():  # a counter (num_batches_tracked) stays this rank's own
+                        b.copy_(values[k])
+            return version
+        return self.client.version
+
+    def push_pull_step(self, skip: bool) -> int:
+        """The step of sync, async and ssp (:mod:`ps_worker.consistency`): push every gradient (and
+        this rank's buffers) and pull the weights in one PushPull per shard, or finish the one that
+        began during backward (``overlap``). ``skip``: AMP found inf, push a skip (zeros).
+
+        Returns:
+            The version the model now holds (sync: the round number after this step).
+        """
         if self._pending is not None:  # overlap: the pushes began during backward
             pending, self._pending = self._pending, None
             for k, v in self._buffer_values().items():

@@ -10,6 +10,9 @@ from typing import TypeVar
 
 import grpc
 
+from ps_common.errors import REASON_KEY  # noqa: F401 - re-exported
+from ps_worker.errors import reason_of
+
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
@@ -22,8 +25,6 @@ RETRYABLE = frozenset(
 """Transient codes: the shard is restarting or unreachable, the call ran out of time, or the shard is
 busy (``RESOURCE_EXHAUSTED`` from gRPC's limit of concurrent calls; see :func:`is_transient`)."""
 
-REASON_KEY = "ps-reason"
-"""Trailing metadata key of a shard's refusal reason (``ps_server.servicer.REASON_KEY``)."""
 
 TOO_LARGE = "larger than max"
 """gRPC's words for a message over ``grpc.max_*_message_length``: retrying would send it again."""
@@ -48,7 +49,7 @@ def is_transient(exc: grpc.RpcError, codes: Collection[grpc.StatusCode] = RETRYA
     if code not in codes:
         return False
     if code is grpc.StatusCode.RESOURCE_EXHAUSTED:
-        return not _reason(exc) and TOO_LARGE not in _details(exc)
+        return not reason_of(exc) and TOO_LARGE not in _details(exc)
     return True
 
 
@@ -84,11 +85,3 @@ def retry_call(
 
 def _details(exc: grpc.RpcError) -> str:
     return (exc.details() if hasattr(exc, "details") else str(exc)) or ""
-
-
-def _reason(exc: grpc.RpcError) -> str:
-    try:
-        metadata = exc.trailing_metadata() or ()
-    except (AttributeError, ValueError):
-        return ""
-    return next((str(v) for key, v in metadata if key == REASON_KEY), "")

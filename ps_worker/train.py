@@ -110,7 +110,8 @@ def train(
     client.init(model, optimizer)  # first: a wrong or unreachable shard address is named before data loads
     train_set, held_out = workload.datasets()
     local = None
-    if client.mode == "easgd":  # EASGD workers step locally with the same optimizer settings
+    mode = client.worker_mode
+    if mode.local_optimizer:  # EASGD workers step locally with the same optimizer settings
         kwargs = {k: v for k, v in optimizer.items() if k != "name"}
         local = OptimizerSpec(str(optimizer["name"]), kwargs).build(model.parameters())
     opt = DistributedOptimizer(model, client, local_optimizer=local, overlap=overlap)
@@ -122,9 +123,8 @@ def train(
     data = batches(loader, sampler)
     model.train()
     # a restarted rank resumes at the cluster's clock: --steps counts the rank's whole run
-    resume_at = (
-        client.exchanges * max(1, client.config.communication_period) if client.mode == "easgd" else client.clock
-    )
+    assert client.settings is not None  # joined
+    resume_at = mode.progress(client.session, client.settings)
     first = min(resume_at, steps)
     if first >= steps:
         log.warning(
@@ -154,8 +154,7 @@ def train(
         if on_step is not None:
             on_step(step + 1, losses[-1])
     wall = time.perf_counter() - start
-    if client.mode == "easgd":  # the center is EASGD's model; local x only explores around it
-        client.pull({k: p.data for k, p in model.named_parameters()})
+    client.worker_mode.finish(client, model)  # easgd: the center is the model; local x only explores around it
     model.eval()
     scores = workload.evaluate(model.cpu(), held_out)
     tail = losses[-10:]
@@ -173,7 +172,7 @@ def train(
         version=client.version,
         params_sha256=params_sha256(model),
         mode=client.mode,
-        clock=client.clock if client.mode != "easgd" else client.exchanges,
+        clock=client.worker_mode.shard_clock(client.session),
         refused_pushes=client.refused_pushes,
         dropped_pushes=client.dropped_pushes,
         staleness_p50=quantile(client.staleness, 0.5),

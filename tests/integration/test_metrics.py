@@ -92,7 +92,8 @@ def test_training_moves_shard_and_worker_metrics(start_cluster, tool) -> None:
 
     w = samples(worker_text)
     assert value(w, "ps_worker_step_duration_seconds_count") == STEPS
-    assert value(w, "ps_worker_push_duration_seconds_count") == STEPS  # PushPull: push and the round's pull
+    assert value(w, "ps_worker_push_pull_duration_seconds_count") == STEPS  # PushPull: push and the round's pull
+    assert value(w, "ps_worker_push_duration_seconds_count") == 0  # the push alone: no separate push here
     assert value(w, "ps_worker_pull_duration_seconds_count") == 1
     assert math.isfinite(value(w, "ps_worker_loss")) and value(w, "ps_worker_loss") > 0
     # Both sides count serialized message bytes, so they agree exactly.

@@ -114,7 +114,7 @@ def test_prometheus_scrapes_a_live_run(start_cluster, start_trainer, prometheus,
         )
         assert all(float(r["value"][1]) > 0 for r in rates)
         answered('rate(ps_worker_sent_bytes_total{job="worker"}[30s])', 1)
-        answered("ps_worker_push_duration_seconds_count", 1)
+        answered("ps_worker_push_pull_duration_seconds_count", 1)
         assert trainer.error is None
         trainer.stop()
         assert trainer.steps > 0

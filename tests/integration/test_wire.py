@@ -127,8 +127,9 @@ def test_push_pull_once_is_refused_when_the_shard_needs_more_than_one_message(st
     with PSClient([server.address], 0, 1, incarnation=1, timeout=RPC_TIMEOUT, partition_bytes=256) as client:
         client.init(net)
         zeros = {k: torch.zeros(p.numel()) for k, p in net.named_parameters()}
-        head = frames.bytes_field(1, client._push_header(0).SerializeToString())
-        request = frames.build(client._out_partitions(0, zeros, compress=False), head)
+        codec = client.path.codec
+        head = frames.bytes_field(1, codec.push_header(client.session.stamp(0)))
+        request = frames.build(codec.out_partitions(0, zeros, compress=False), head)
         with grpc.insecure_channel(server.address) as ch, pytest.raises(grpc.RpcError) as err:
             ch.unary_unary("/ps.v1.ParameterService/PushPullOnce")(request, timeout=RPC_TIMEOUT)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "call PushPull" in err.value.details()

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import grpc
+import pytest
 
-from ps_worker.errors import RoundTimeoutError, ShardError, ShardUnreachableError
+from ps_common import errors as common
+from ps_common.errors import Reason
+from ps_worker import errors
+from ps_worker.errors import RoundTimeoutError, ShardError, ShardUnreachableError, error_from_rpc, reason_of
 
 
 class FakeRpcError(grpc.RpcError):
@@ -51,3 +55,40 @@ def test_unreachable_names_address_and_hint() -> None:
     err = ShardUnreachableError("127.0.0.1:9", grpc.StatusCode.UNAVAILABLE, "Connection refused", 5.0)
     assert str(err).startswith("Shard 127.0.0.1:9 not reachable within 5 s (UNAVAILABLE: Connection refused)")
     assert "is the shard running? check --servers" in str(err)
+
+
+def _server_classes(cls: type[common.PSError] = common.PSError) -> list[type[common.PSError]]:
+    return [cls, *(c for sub in cls.__subclasses__() for c in _server_classes(sub))]
+
+
+@pytest.mark.parametrize("reason", list(Reason))
+def test_every_reason_maps_to_its_own_class(reason: Reason) -> None:
+    server = {c.reason: c for c in _server_classes()}.get(reason)
+    code = grpc.StatusCode[server.code] if server is not None else grpc.StatusCode.RESOURCE_EXHAUSTED
+    err = error_from_rpc("h:1", FakeRpcError(code, "refused", reason.value))
+    assert isinstance(err, ShardError) and isinstance(err, grpc.RpcError)
+    assert err.reason == reason and err.code() == code and err.address == "h:1"
+    if reason == Reason.ERROR:  # the base reason: no more specific class
+        assert type(err) is ShardError
+    else:
+        assert type(err).reason == reason and type(err).status == code
+
+
+def test_the_client_classes_mirror_the_server_hierarchy() -> None:
+    for server in _server_classes()[1:]:
+        client = type(error_from_rpc("h:1", FakeRpcError(grpc.StatusCode[server.code], "x", server.reason)))
+        parent = type(error_from_rpc("h:1", FakeRpcError(grpc.StatusCode.UNKNOWN, "x", server.__base__.reason)))
+        assert issubclass(client, parent), (client, parent)
+    assert issubclass(errors.WaitTimeout, RoundTimeoutError)  # still caught as before
+    assert issubclass(errors.Replayed, errors.StalePush) and issubclass(errors.JoinTimeout, errors.PreconditionFailed)
+
+
+def test_unknown_reasons_and_plain_failures_stay_shard_errors() -> None:
+    err = error_from_rpc("h:1", FakeRpcError(grpc.StatusCode.INTERNAL, "new", "SOMETHING_NEW"))
+    assert type(err) is ShardError and err.reason == "SOMETHING_NEW"
+    assert type(error_from_rpc("h:1", FakeRpcError(grpc.StatusCode.UNAVAILABLE, "down"))) is ShardError
+    assert reason_of(ValueError("no metadata")) == ""
+
+
+def test_recoverable_refusals_are_the_session_s() -> None:
+    assert set(errors.RECOVERABLE) == {errors.NotJoined, errors.NotInitialized, errors.FutureRound, errors.PushLost}

@@ -1,0 +1,174 @@
+"""The worker side of the consistency models (DESIGN section 5): one object per mode.
+
+The shard decides when an update applies; the worker decides what a step sends and what it waits
+for. Each :class:`WorkerMode` says that for one mode, and is looked up by name in
+:data:`WORKER_MODES` (:func:`worker_mode`):
+
+- ``sync`` (BSP): a step is one PushPull for the round: the push is stamped with the round (the
+  version its gradient was computed on) and the pull waits for the round's result.
+- ``async`` (ASP) and ``ssp``: a step pushes, stamped with the worker's clock, then pulls at that
+  clock (one PushPull call; the ssp shard holds the pull while this rank is more than s clocks
+  ahead of the slowest, Ho et al. 2013).
+- ``easgd``: a step is a local optimizer step; every communication period tau the worker
+  exchanges its parameters with the center (async EASGD, Zhang, Choromanska, LeCun 2015,
+  Algorithm 1); at the end the center is the model.
+
+The mode's parameters come from one place: :func:`settings_from_config` reads the
+:class:`~ps_common.modes.ModeSettings` of a Join response's ``ClusterConfig``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from ps_common.modes import ModeSettings
+from ps_common.wire import MODE_TO_NAME
+from ps_proto.v1 import ps_pb2
+
+if TYPE_CHECKING:
+    from ps_worker.client import PSClient
+    from ps_worker.optimizer import DistributedOptimizer
+    from ps_worker.session import Session
+
+
+def settings_from_config(config: ps_pb2.ClusterConfig) -> ModeSettings:
+    """The mode and its parameters as a shard announced them (Join, and each push's answer).
+
+    Raises:
+        InvalidRequestError: the shard sent values out of range.
+    """
+    return ModeSettings(
+        mode=MODE_TO_NAME[config.mode],
+        num_workers=max(1, config.num_workers, config.sync_quorum),
+        sync_quorum=config.sync_quorum,
+        round_timeout=config.round_timeout_seconds,
+        max_staleness=config.max_staleness,
+        staleness_lr=config.staleness_lr,
+        staleness=config.staleness,
+        moving_rate=config.moving_rate or None,
+        communication_period=max(1, config.communication_period),
+        easgd_sync=config.easgd_sync,
+    )
+
+
+class WorkerMode:
+    """What a worker's step does in one consistency model. The base is async (ASP)."""
+
+    name = "async"
+    local_optimizer = False
+    """The step runs a local optimizer (the shards keep a center, not the model)."""
+    counts_staleness = True
+    """The push's staleness is recorded in ``client.staleness`` (sync pushes are never stale)."""
+
+    def adopt_join(self, session: Session, replies: Sequence[ps_pb2.JoinResponse]) -> None:
+        """Take the progress the shards remember for this rank (a restarted rank resumes there)."""
+        session.clock = max(r.clock for r in replies)
+
+    def after_init(self, session: Session) -> None:
+        """Once the initial weights are pulled (``session.version`` is the shards' lowest version)."""
+
+    def push_clock(self, session: Session, k: int) -> int:
+        """The ``clock`` a push to shard ``k`` is stamped with: the step count."""
+        return session.clock
+
+    def pull_floor(self, session: Session, k: int) -> int:
+        """The version a pull from shard ``k`` waits for (async, ssp: none; ssp's wait is the shard's)."""
+        return 0
+
+    def shard_clock(self, session: Session) -> int:
+        """The count the shards keep for this rank (Join's ``clock``): its pushes."""
+        return session.clock
+
+    def progress(self, session: Session, settings: ModeSettings) -> int:
+        """The training step this rank is at (where a restarted rank resumes)."""
+        return session.clock
+
+    def step(self, opt: DistributedOptimizer, skip: bool) -> int:
+        """One ``DistributedOptimizer.step()``'s communication; returns the version the model holds.
+
+        Args:
+            opt: the optimizer (its gradients are final, and unscaled).
+            skip: AMP found inf on this rank: push a skip (zeros) instead of the gradients.
+        """
+        return opt.push_pull_step(skip)
+
+    def finish(self, client: PSClient, model: torch.nn.Module) -> None:
+        """After the last step: make ``model`` the model the job trained (nothing to do but in easgd)."""
+
+
+class Asynchronous(WorkerMode):
+    """ASP: each push is one optimizer step on the shards at once; pulls never wait."""
+
+    name = "async"
+
+
+class StaleSynchronous(WorkerMode):
+    """SSP with bound s: as async; the shard holds a pull at clock c until the slowest live
+    worker's clock is >= c - s (Ho et al. 2013)."""
+
+    name = "ssp"
+
+
+class Synchronous(WorkerMode):
+    """BSP: a push joins the round of the version its gradient was computed on, per shard (a
+    shard restored from an older checkpoint is followed); the pull waits for that round."""
+
+    name = "sync"
+    counts_staleness = False
+
+    def after_init(self, session: Session) -> None:
+        session.clock = max(session.clock, session.version)
+
+    def push_clock(self, session: Session, k: int) -> int:
+        return session.versions[k]
+
+    def pull_floor(self, session: Session, k: int) -> int:
+        return session.versions[k] + 1 if session.pushed[k] else session.versions[k]
+
+
+class ElasticAveraging(WorkerMode):
+    """EASGD: local steps, and an exchange with the center every communication period tau
+    (Zhang, Choromanska, LeCun 2015, Algorithm 1; eqs. 5-6 with ``--easgd-sync``)."""
+
+    name = "easgd"
+    local_optimizer = True
+
+    def adopt_join(self, session: Session, replies: Sequence[ps_pb2.JoinResponse]) -> None:
+        session.exchanges = max(r.clock for r in replies)
+
+    def shard_clock(self, session: Session) -> int:
+        """Its exchanges."""
+        return session.exchanges
+
+    def progress(self, session: Session, settings: ModeSettings) -> int:
+        return session.exchanges * settings.communication_period
+
+    def step(self, opt: DistributedOptimizer, skip: bool) -> int:
+        return opt.local_step(skip)
+
+    def finish(self, client: PSClient, model: torch.nn.Module) -> None:
+        """The center is EASGD's model; local x only explores around it: pull it into ``model``."""
+        client.pull({k: p.data for k, p in model.named_parameters()})
+
+
+WORKER_MODES: dict[str, WorkerMode] = {
+    m.name: m for m in (Synchronous(), Asynchronous(), StaleSynchronous(), ElasticAveraging())
+}
+"""Mode name (``ps_common.modes.MODES``) -> its worker side."""
+
+
+def worker_mode(name: str) -> WorkerMode:
+    """The worker side of mode ``name``; before a Join (``""``), async's (no waits, step count).
+
+    Raises:
+        ValueError: an unknown mode.
+    """
+    if not name:
+        return WORKER_MODES["async"]
+    try:
+        return WORKER_MODES[name]
+    except KeyError:
+        raise ValueError(f"Unknown mode {name!r}; expected one of {', '.join(sorted(WORKER_MODES))}.") from None

@@ -1,0 +1,250 @@
+"""A PushPull in progress: a training step's push and pull, one call per shard, overlapping backward.
+
+:class:`PendingPushPull` is made by :meth:`ps_worker.client.PSClient.begin_push_pull`. Gradients
+arrive one parameter at a time (autograd hooks); each message of a started stream goes out as soon as
+its partitions are ready. It stamps, recovers and accounts through the session
+(:class:`~ps_worker.session.Session`), never through the client's own state.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import grpc
+import torch
+
+from ps_common import frames
+from ps_common.codec import torch_dtype
+from ps_proto.v1 import ps_pb2
+from ps_worker.calls import DataPath, is_stale
+
+log = logging.getLogger(__name__)
+
+
+class PendingPushPull:
+    """A :meth:`~ps_worker.client.PSClient.push_pull` in progress; made by
+    :meth:`~ps_worker.client.PSClient.begin_push_pull`.
+
+    Thread-safe: :meth:`ready` may be called from autograd hooks while gRPC threads send.
+    """
+
+    def __init__(self, path: DataPath, out: Mapping[str, torch.Tensor], stream: bool) -> None:
+        self.codec = codec = path.require_codec()
+        self.path = path
+        self.session = path.session
+        self.transport = t = path.transport
+        self.out = out
+        self.flats, self.device_out = path.staging.pull_targets(codec.plan, out)
+        self._lock = threading.Lock()
+        self._cond = threading.Condition()
+        self._grads: dict[str, torch.Tensor] = {}
+        self._ready: set[str] = set()
+        self._outs: list[dict[int, frames.OutPartition]] = [{} for _ in range(t.num_shards)]
+        self._by_key: dict[str, list[tuple[int, int]]] = {}
+        for k, owned in enumerate(codec.owned):
+            for i, part in enumerate(owned):
+                self._by_key.setdefault(part.key, []).append((k, i))
+        self.groups = codec.request_groups  # fixed by the plan, wire dtype and top-k ratio
+        self.started: dict[int, Any] = {}
+        self.sent = [0] * t.num_shards
+        # started streams: the frames built as their gradients become ready, and the groups still to build
+        self._streams: dict[int, _Stream] = {}
+        self._heads: dict[int, bytes] = {}
+        if stream:
+            for k in range(t.num_shards):
+                if not self._once(k):
+                    self._streams[k] = _Stream(self._cond, list(self.groups[k]), t.timeout)
+                    self._heads[k] = self._head(k)
+                    self.started[k] = t.push_pull_calls[k](
+                        self._streams[k].messages(), timeout=t.timeout, metadata=t.metadata
+                    )
+
+    # -------------------------------------------------------------- what goes on the wire
+    def _once(self, k: int) -> bool:
+        return len(self.groups[k]) == 1 and self.codec.single_response[k]
+
+    def _out(self, k: int, i: int) -> frames.OutPartition:
+        """Shard ``k``'s partition ``i`` as it goes on the wire, made once (top-k updates its
+        error-feedback memory once per step, however often the message is sent)."""
+        with self._lock:
+            return self._out_locked(k, i)
+
+    def _out_locked(self, k: int, i: int) -> frames.OutPartition:
+        made = self._outs[k].get(i)
+        if made is None:
+            part = self.codec.owned[k][i]
+            made = self._outs[k][i] = self.codec.to_wire(part, self._grads[part.key], compress=True)
+        return made
+
+    def _group_ready(self, k: int, g: list[int]) -> bool:
+        owned = self.codec.owned[k]
+        return all(owned[i].key in self._ready for i in g)
+
+    def _head(self, k: int) -> bytes:
+        """The header fields of shard ``k``'s first request message."""
+        return self.codec.push_pull_head(self.session.stamp(k))
+
+    def _messages(self, k: int) -> Iterator[bytes]:
+        """Shard ``k``'s request messages, once every gradient is ready (a call made in ``finish()``);
+        built as gRPC sends them."""
+        work = [[self._out(k, i) for i in g] for g in self.groups[k]]
+        return _frames_of(work, self._head(k), self.transport.sent, self.sent, k)
+
+    def _build_ready(self, key: str) -> None:
+        """Build the frames of started streams whose partitions are now all ready (caller holds
+        ``_lock``)."""
+        for k, stream in self._streams.items():
+            for g in [g for g in stream.unbuilt if self._group_ready(k, g)]:
+                m = self.transport.sent(frames.build((self._out_locked(k, i) for i in g), self._heads[k]))
+                self._heads[k] = b""
+                self.sent[k] += len(m)
+                stream.add(g, m)
+
+    # -------------------------------------------------------------- the caller's side
+    def ready(self, key: str, grad: torch.Tensor) -> None:
+        """The gradient of parameter ``key`` is final (any device; copied to host here if needed).
+        Its partitions are cast or top-k selected, and the messages they complete are built,
+        here in the caller's thread; gRPC's sending threads only hand the bytes over."""
+        flat = grad.detach().reshape(-1)
+        if flat.device.type != "cpu":
+            flat = flat.to("cpu")
+        with self._lock:
+            self._grads[key] = flat
+            for k, i in self._by_key.get(key, ()):
+                self._out_locked(k, i)
+            self._ready.add(key)
+            self._build_ready(key)
+
+    def cancel(self) -> None:
+        """Abandon this push: cancel the calls started during backward (a shard applies nothing of
+        a cancelled call); nothing was accounted and the clock stays."""
+        for stream in self._streams.values():
+            stream.abort()
+        for call in self.started.values():
+            call.cancel()
+        self.started.clear()
+
+    def _attempt(self, k: int, started: Any | None) -> tuple[ps_pb2.PushResponse, int, int, int]:
+        t = self.transport
+        self.sent[k] = 0 if started is None else self.sent[k]
+        if started is not None:
+            replies: Iterator[bytes] = started
+        elif self._once(k):
+            (only,) = self._messages(k)
+            replies = iter([t.push_pull_once[k](only, timeout=t.timeout, metadata=t.metadata)])
+        else:
+            replies = t.push_pull_calls[k](self._messages(k), timeout=t.timeout, metadata=t.metadata)
+        version, received, answer = self.codec.decode(k, replies, self.flats, t.servers[k], t.received)
+        if answer is None:
+            raise RuntimeError(f"Shard {t.servers[k]} answered PushPull without the push's answer.")
+        return answer, version, self.sent[k], received
+
+    def finish(self) -> int:
+        """Send what is left (zeros for parameters without a gradient), wait for every shard,
+        copy the new weights into ``out``.
+
+        Returns:
+            The lowest version among the shards.
+
+        Raises:
+            grpc.RpcError: as :meth:`~ps_worker.client.PSClient.push_pull`.
+        """
+        t, s = self.transport, self.session
+        for spec in self.codec.plan.specs:
+            if spec.key not in self._grads:
+                self.ready(spec.key, torch.zeros(math.prod(spec.shape), dtype=torch_dtype(spec.dtype)))
+        self.path.last_push = [[self._out(k, i) for i in range(len(self.codec.owned[k]))] for k in range(t.num_shards)]
+        for stream in self._streams.values():  # every frame is built: the streams may end
+            stream.finish()
+
+        def one(k: int) -> tuple[ps_pb2.PushResponse, int, int, int]:
+            started = self.started.pop(k, None)
+            if started is not None:
+                try:
+                    return self._attempt(k, started)
+                except grpc.RpcError:
+                    # a stream started during backward failed: the whole push again, with the
+                    # same stamp (a shard that accepted it answers as for a duplicate), recovering
+                    pass
+            return s.with_recovery(k, lambda: self._attempt(k, None), f"PushPull {t.servers[k]}", repush=False)
+
+        start = time.perf_counter()
+        try:
+            results = t.each_shard(one)
+        except grpc.RpcError as exc:
+            if not is_stale(exc):
+                raise
+            s.push_refused()  # too stale: the step is done, its gradient refused
+            log.info("rank %d: push refused as too stale (%s); pulling", s.rank, exc.details())
+            return self.path.pull(self.out)
+        finally:
+            for stream in self._streams.values():
+                stream.finish()
+        self.path.observe("push_pull_duration", start)
+        s.pushed_bytes += sum(r[2] for r in results)
+        s.pulled_bytes += sum(r[3] for r in results)
+        s.account_push([r[0] for r in results])
+        return self.path.finish_pull([r[1] for r in results], self.device_out, self.flats)
+
+
+def _frames_of(
+    work: list[list[frames.OutPartition]], head: bytes, sent: Callable[[bytes], bytes], counts: list[int], k: int
+) -> Iterator[bytes]:
+    """Build and yield one message per group of ``work``, ``head`` leading the first. The
+    generator runs in gRPC's sending thread and lets go of each group once built, so that thread
+    never holds the last reference to a tensor: a thread that frees a tensor while it exits during
+    interpreter shutdown aborts the process (seen with a thread-local of the shard's interceptor)."""
+    while work:
+        m = sent(frames.build(work.pop(0), head))
+        head = b""
+        counts[k] += len(m)
+        yield m
+
+
+class _Stream:
+    """A started PushPull stream: the frames :meth:`PendingPushPull.ready` builds, handed to
+    gRPC's sending thread as they come. Holds bytes and indices only, never tensors (see
+    :func:`_frames_of`)."""
+
+    def __init__(self, cond: threading.Condition, groups: list[list[int]], timeout: float) -> None:
+        self.cond = cond
+        self.unbuilt = groups
+        self.built: list[bytes] = []
+        self.finished = False
+        self.aborted = False
+        self.timeout = timeout
+
+    def add(self, group: list[int], frame: bytes) -> None:
+        with self.cond:
+            self.unbuilt.remove(group)
+            self.built.append(frame)
+            self.cond.notify_all()
+
+    def finish(self) -> None:
+        with self.cond:
+            self.finished = True
+            self.cond.notify_all()
+
+    def abort(self) -> None:
+        """Fail the stream instead of ending it: the shard sees a cancelled call, never a push."""
+        with self.cond:
+            self.aborted = True
+            self.cond.notify_all()
+
+    def messages(self) -> Iterator[bytes]:
+        # The stream ends only at finish() (the step), even when every frame went out during
+        # backward: until then the push can still be abandoned (abort) and the shard applies nothing.
+        while True:
+            with self.cond:
+                self.cond.wait_for(lambda: self.built or self.finished or self.aborted, timeout=self.timeout)
+                if self.aborted:
+                    raise RuntimeError("push abandoned before step()")
+                if not self.built:
+                    return  # finished; or finish() never came in time: end the stream (the call fails)
+                m = self.built.pop(0)
+            yield m

@@ -1,0 +1,389 @@
+"""A worker's session with the shards: who it is, where it is, and how it gets back in step.
+
+:class:`Session` holds the rank, incarnation, clock and the shards' versions, joins the shards,
+keeps the lease alive with a heartbeat thread, and recovers from the refusals that name a fixable
+cause (:data:`ps_worker.errors.RECOVERABLE`). The data calls (:mod:`ps_worker.calls`,
+:mod:`ps_worker.pushpull`) stamp their requests and account their answers through it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from typing import Generic, TypeVar
+
+import grpc
+
+from ps_common.modes import ModeSettings
+from ps_common.optimizer import OptimizerSpec
+from ps_common.wire import MODE_TO_NAME, optimizer_from_proto
+from ps_proto.v1 import ps_pb2
+from ps_worker import errors
+from ps_worker.consistency import WorkerMode, settings_from_config, worker_mode
+from ps_worker.encoding import Stamp
+from ps_worker.errors import HINT_UNREACHABLE, ShardUnreachableError, error_from_rpc
+from ps_worker.retry import RETRYABLE, backoff_delays
+from ps_worker.transport import LEAVE_SECONDS, Transport
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+MAX_RECOVERIES = 3
+"""Recoveries (rejoin, re-init, resync) one call may go through before its error is raised."""
+
+WARN_UNREACHABLE_AFTER = 2.0
+"""Seconds a shard may stay unreachable at Join before a warning names its address."""
+
+JOIN_ATTEMPT_SECONDS = 5.0
+"""Longest single Join attempt, seconds (Join answers in milliseconds; the rest is connecting)."""
+
+
+class Session:
+    """Membership and progress of one worker process at every shard.
+
+    Args:
+        transport: the channels to the shards.
+        rank: this worker's rank, ``0 <= rank < num_workers``.
+        num_workers: ranks in the cluster.
+        incarnation: grows each time this rank restarts.
+
+    Attributes:
+        clock: completed steps (pushes) of this rank; exchanges: completed EASGD exchanges.
+        versions: per shard, the version of the parameters this rank last pulled; version: their minimum.
+        pushed: per shard, a push of this rank waits in the shard's open round (sync).
+        settings: the mode and its parameters, as the shards announced them at Join.
+        recoveries: how often each :class:`~ps_common.errors.Reason` was recovered from.
+        staleness: histogram of the staleness of this rank's applied pushes (async, ssp).
+        reinit: rank 0's way to write shard ``k``'s values again (set by the client).
+        repush: pushes the last gradient to shard ``k`` again (set by the client).
+    """
+
+    def __init__(self, transport: Transport, rank: int, num_workers: int, incarnation: int) -> None:
+        self.transport = transport
+        self.rank = rank
+        self.num_workers = num_workers
+        self.incarnation = incarnation
+        n = transport.num_shards
+        self.worker: WorkerMode = worker_mode("")
+        self._mode = ""
+        self.settings: ModeSettings | None = None
+        self.config = ps_pb2.ClusterConfig()
+        self.lease_timeout = 10.0
+        self.clock = 0
+        self.exchanges = 0
+        self.version = 0
+        self.versions = [0] * n
+        self.pushed = [False] * n
+        self.pushed_bytes = 0
+        self.pulled_bytes = 0
+        self.refused_pushes = 0
+        self.dropped_pushes = 0
+        self.staleness: Counter[int] = Counter()
+        self.recoveries: Counter[str] = Counter()
+        self.last_step_skipped = False
+        # sent with every push (DistributedOptimizer sets them): per parameter group, the
+        # hyperparameters of the step (an lr scheduler's values); skip: AMP found inf, skip the step
+        self.step_hyperparameters: list[dict[str, float]] = []
+        self.step_skip = False
+        self.optimizer: OptimizerSpec | None = None
+        self.plan_digest = ""
+        self.reinit: Callable[[int], None] | None = None
+        self.repush: Callable[[int], None] | None = None
+        self._heartbeat_stop = threading.Event()
+        self._heartbeat: threading.Thread | None = None
+
+    @property
+    def mode(self) -> str:
+        """The cluster's mode ("" before the first Join)."""
+        return self._mode
+
+    @mode.setter
+    def mode(self, name: str) -> None:
+        self.worker = worker_mode(name)
+        self._mode = name
+
+    # ------------------------------------------------------------------ joining
+    def join_request(self) -> ps_pb2.JoinRequest:
+        return ps_pb2.JoinRequest(rank=self.rank, num_workers=self.num_workers, incarnation=self.incarnation)
+
+    def join_shard(self, k: int) -> ps_pb2.JoinResponse:
+        """Join shard ``k``, retrying while it is unreachable (still starting, restarting) for at most
+        ``retry_deadline`` seconds; after :data:`WARN_UNREACHABLE_AFTER` seconds a warning names the
+        address.
+
+        Raises:
+            ShardUnreachableError: no answer within ``retry_deadline``. ShardError: a refusal.
+        """
+        t = self.transport
+        address = t.servers[k]
+        req = self.join_request()
+        start = time.monotonic()
+        stop = start + t.retry_deadline
+        delays = backoff_delays(base=0.1, cap=1.0)
+        warned = False
+        while True:
+            # each attempt is short: a connection that hangs (a dropped SYN) must not use the whole budget
+            attempt = max(0.1, min(t.timeout, stop - time.monotonic(), JOIN_ATTEMPT_SECONDS))
+            try:
+                return t.stubs[k].Join(req, timeout=attempt, metadata=t.metadata)
+            except grpc.RpcError as exc:
+                code = exc.code()
+                if code not in RETRYABLE:
+                    raise error_from_rpc(address, exc) from exc
+                now = time.monotonic()
+                if now >= stop:
+                    raise ShardUnreachableError(address, code, exc.details() or "", t.retry_deadline) from exc
+                if not warned and now - start >= WARN_UNREACHABLE_AFTER:
+                    warned = True
+                    log.warning(
+                        "rank %d: shard %s not reachable yet (%s: %s); %s. Retrying for up to %g s (--retry-deadline).",
+                        self.rank,
+                        address,
+                        code.name,
+                        exc.details(),
+                        HINT_UNREACHABLE,
+                        t.retry_deadline,
+                    )
+                time.sleep(max(0.0, min(next(delays), stop - now)))
+
+    def join(self) -> list[ps_pb2.JoinResponse]:
+        """Join every shard, take the mode and this rank's progress from their answers, and start
+        the heartbeat thread.
+
+        Raises:
+            ShardUnreachableError: a shard did not answer within ``retry_deadline``.
+            ShardError: a shard refused the join.
+            RuntimeError: the shards disagree on mode or their indices do not match ``servers``.
+        """
+        t = self.transport
+        replies = t.each_shard(self.join_shard)
+        for k, r in enumerate(replies):
+            if r.shard_index != k or r.num_shards != t.num_shards:
+                raise RuntimeError(
+                    f"{t.servers[k]} is shard {r.shard_index} of {r.num_shards}, but it is listed at "
+                    f"position {k} of {t.num_shards}; list every shard in shard-index order."
+                )
+        modes = {r.config.mode for r in replies}
+        if len(modes) != 1:
+            raise RuntimeError(f"Shards disagree on the mode ({sorted(MODE_TO_NAME[m] for m in modes)}).")
+        self.config = replies[0].config
+        self.settings = settings_from_config(self.config)
+        self.mode = self.settings.mode
+        self.lease_timeout = self.config.lease_timeout_seconds or 10.0
+        self.worker.adopt_join(self, replies)
+        self.start_heartbeat()
+        return replies
+
+    def wait_initialized(self, replies: Mapping[int, ps_pb2.JoinResponse], init_timeout: float) -> None:
+        """Poll Join on the shards of ``replies`` (shard -> last reply) until rank 0 initialized them.
+
+        Raises:
+            TimeoutError: a shard was not initialized within ``init_timeout`` seconds.
+            RuntimeError: a shard holds another plan than ``plan_digest`` (every worker must build
+                the same model). ShardError: a refused Join.
+        """
+        t = self.transport
+        stop = time.monotonic() + init_timeout
+        delays = backoff_delays(base=0.02, cap=0.5)
+        for k, reply in replies.items():
+            while not reply.initialized:
+                if time.monotonic() > stop:
+                    raise TimeoutError(
+                        f"Shard {t.servers[k]} was not initialized within {init_timeout:.0f} s; is rank 0 running?"
+                    )
+                time.sleep(next(delays))
+                try:
+                    reply = t.call(functools.partial(self._join_once, k), "Join")
+                except grpc.RpcError as exc:
+                    raise error_from_rpc(t.servers[k], exc) from exc
+            if reply.HasField("optimizer"):  # start from rank 0's spec, as the shards do
+                self.optimizer = optimizer_from_proto(reply.optimizer)
+            if reply.plan_digest != self.plan_digest:
+                raise RuntimeError(
+                    f"Shard {t.servers[k]} holds plan {reply.plan_digest[:12]} but this model's plan is "
+                    f"{self.plan_digest[:12]}; every worker must build the same model."
+                )
+
+    def _join_once(self, k: int) -> ps_pb2.JoinResponse:
+        t = self.transport
+        return t.stubs[k].Join(self.join_request(), timeout=t.timeout, metadata=t.metadata)
+
+    # ------------------------------------------------------------------ heartbeats
+    def start_heartbeat(self) -> None:
+        """Start the heartbeat thread (once): a Heartbeat to every shard each third of the lease."""
+        if self._heartbeat is None:
+            self._heartbeat = threading.Thread(target=self._beat, name=f"ps-heartbeat-{self.rank}", daemon=True)
+            self._heartbeat.start()
+
+    def stop_heartbeat(self, wait: bool = True) -> None:
+        """Stop the heartbeat thread; ``wait``: join it (at most :data:`LEAVE_SECONDS`)."""
+        self._heartbeat_stop.set()
+        if wait and self._heartbeat is not None:
+            self._heartbeat.join(timeout=LEAVE_SECONDS)
+
+    def _beat(self) -> None:
+        t = self.transport
+        req = ps_pb2.HeartbeatRequest(rank=self.rank, incarnation=self.incarnation)
+        while not self._heartbeat_stop.wait(self.lease_timeout / 3):
+            for k, stub in enumerate(t.stubs):
+                try:
+                    stub.Heartbeat(req, timeout=max(1.0, self.lease_timeout / 3), metadata=t.metadata)
+                except grpc.RpcError as exc:
+                    log.debug("heartbeat to %s failed: %s", t.servers[k], exc.code())
+
+    # ------------------------------------------------------------------ recovery
+    def with_recovery(self, k: int, fn: Callable[[], T], what: str, repush: bool = True) -> T:
+        """``fn`` with retries of transient errors, and at most :data:`MAX_RECOVERIES` recoveries
+        from refusals that name a fixable cause (see :meth:`recover`; ``repush=False`` when ``fn``
+        pushes again itself, as PushPull does).
+
+        Raises:
+            ShardError: the typed error of the last failure (:func:`~ps_worker.errors.error_from_rpc`).
+        """
+        address = self.transport.servers[k]
+        for attempt in range(MAX_RECOVERIES + 1):
+            try:
+                return self.transport.call(fn, what)
+            except grpc.RpcError as exc:
+                err = error_from_rpc(address, exc, waits=not what.startswith("Push "))
+                if attempt == MAX_RECOVERIES or not self.recover(k, err, repush):
+                    raise err from exc
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def recover(self, k: int, err: errors.ShardError, repush: bool = True) -> bool:
+        """Bring shard ``k`` and this session back in step after a refusal; True when the call
+        should be made again.
+
+        - :class:`~ps_worker.errors.NotJoined` (evicted after a partition, or the shard restarted): Join again.
+        - :class:`~ps_worker.errors.NotInitialized` (the shard restarted with no checkpoint): rank 0
+          writes its current values again (first writer wins); other ranks wait for that. Then Join.
+        - :class:`~ps_worker.errors.FutureRound` (the shard restarted from an older checkpoint): adopt its round.
+        - :class:`~ps_worker.errors.PushLost` (the shard restarted and lost an acknowledged push of an
+          open round): adopt its round and push the last gradient again.
+        """
+        if not isinstance(err, errors.RECOVERABLE):
+            return False
+        address = self.transport.servers[k]
+        log.warning("rank %d: shard %s refused (%s: %s); recovering", self.rank, address, err.reason, err.details())
+        self.recoveries[str(err.reason)] += 1
+        if isinstance(err, errors.NotInitialized):
+            if self.rank == 0 and self.reinit is not None:
+                self.reinit(k)
+            else:
+                self.wait_initialized({k: self.join_shard(k)}, self.transport.retry_deadline)
+        reply = self.join_shard(k)
+        self.versions[k] = reply.version
+        self.pushed[k] = False
+        if isinstance(err, errors.PushLost) and repush and self.repush is not None:
+            self.repush(k)
+        return True
+
+    # ------------------------------------------------------------------ stamps and answers
+    def stamp(self, k: int) -> Stamp:
+        """What a push to shard ``k`` carries now (see :meth:`WorkerMode.push_clock`)."""
+        return Stamp(
+            self.rank,
+            self.incarnation,
+            self.worker.push_clock(self, k),
+            self.versions[k],
+            self.step_hyperparameters,
+            self.step_skip,
+        )
+
+    def pull_floor(self, k: int, min_version: int | None) -> int:
+        """The version a pull from shard ``k`` waits for: ``min_version``, or the mode's."""
+        return min_version if min_version is not None else self.worker.pull_floor(self, k)
+
+    def push_refused(self) -> None:
+        """A push refused as too stale: the step is done (the clock advances), its gradient refused."""
+        self.refused_pushes += 1
+        self.clock += 1
+
+    def account_push(self, replies: Sequence[ps_pb2.PushResponse]) -> None:
+        """Clock, dropped and staleness counters, and a live mode switch, after a push."""
+        self.clock += 1
+        self.last_step_skipped = any(r.skipped for r in replies)
+        first = replies[0]
+        if first.dropped:
+            self.dropped_pushes += 1
+        elif not first.duplicate and self.worker.counts_staleness:
+            self.staleness[int(first.staleness)] += 1
+        if first.mode and MODE_TO_NAME.get(first.mode, self.mode) != self.mode:
+            new = MODE_TO_NAME[first.mode]
+            log.info("rank %d: the cluster switched from %s to %s", self.rank, self.mode, new)
+            self.mode = new
+            if self.settings is not None:
+                self.settings = dataclasses.replace(self.settings, mode=new)
+
+    def adopt_versions(self, versions: list[int]) -> int:
+        """The shards' versions after a pull (nothing of this rank is held in an open round now);
+        returns the lowest."""
+        self.versions = versions
+        self.pushed = [False] * len(versions)
+        self.version = min(versions)
+        return self.version
+
+    def close(self) -> None:
+        """Stop the heartbeat, leave every shard (best effort), close the transport and join the
+        heartbeat thread. Idempotent."""
+        self.stop_heartbeat(wait=False)
+        self.transport.close(ps_pb2.LeaveRequest(rank=self.rank, incarnation=self.incarnation))
+        self.stop_heartbeat(wait=True)
+
+
+V = TypeVar("V")
+
+
+class _SessionField(Generic[V]):
+    """An attribute of a :class:`SessionView` that is its session's (read and written there)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, view: SessionView | None, owner: type | None = None) -> V:
+        if view is None:
+            return self  # type: ignore[return-value]
+        return getattr(view.session, self.name)
+
+    def __set__(self, view: SessionView, value: V) -> None:
+        setattr(view.session, self.name, value)
+
+
+class SessionView:
+    """The session's state as attributes of the object that holds it (``PSClient``): reads, and for
+    tests and tools writes, go to ``self.session``."""
+
+    session: Session
+    mode: _SessionField[str] = _SessionField()
+    config: _SessionField[ps_pb2.ClusterConfig] = _SessionField()
+    settings: _SessionField[ModeSettings | None] = _SessionField()
+    lease_timeout: _SessionField[float] = _SessionField()
+    incarnation: _SessionField[int] = _SessionField()
+    clock: _SessionField[int] = _SessionField()
+    exchanges: _SessionField[int] = _SessionField()
+    version: _SessionField[int] = _SessionField()
+    versions: _SessionField[list[int]] = _SessionField()
+    pushed_bytes: _SessionField[int] = _SessionField()
+    pulled_bytes: _SessionField[int] = _SessionField()
+    staleness: _SessionField[Counter[int]] = _SessionField()
+    recoveries: _SessionField[Counter[str]] = _SessionField()
+    refused_pushes: _SessionField[int] = _SessionField()
+    dropped_pushes: _SessionField[int] = _SessionField()
+    step_hyperparameters: _SessionField[list[dict[str, float]]] = _SessionField()
+    step_skip: _SessionField[bool] = _SessionField()
+    last_step_skipped: _SessionField[bool] = _SessionField()
+
+    @property
+    def worker_mode(self) -> WorkerMode:
+        """What a step does in the cluster's mode (:mod:`ps_worker.consistency`)."""
+        return self.session.worker
+
+    @property
+    def optimizer_spec(self) -> OptimizerSpec | None:
+        """The server optimizer's spec in force (rank 0's, as the shards hold it), once initialized."""
+        return self.session.optimizer

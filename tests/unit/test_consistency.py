@@ -1,0 +1,65 @@
+"""ps_worker.consistency: one worker-side object per mode, looked up by name (no sockets)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from ps_common.modes import MODES, ModeSettings
+from ps_proto.v1 import ps_pb2
+from ps_worker.consistency import WORKER_MODES, settings_from_config, worker_mode
+
+
+def session(**kw):
+    base = {"clock": 7, "exchanges": 3, "version": 9, "versions": [9, 10], "pushed": [True, False]}
+    return SimpleNamespace(**{**base, **kw})
+
+
+def test_every_mode_has_its_worker_side() -> None:
+    assert sorted(WORKER_MODES) == sorted(MODES)
+    assert worker_mode("").name == "async"  # before Join: no waits, the step count
+    with pytest.raises(ValueError, match="Unknown mode 'bsp'"):
+        worker_mode("bsp")
+
+
+def test_sync_pushes_the_round_and_pulls_its_result() -> None:
+    sync, s = worker_mode("sync"), session()
+    assert [sync.push_clock(s, k) for k in range(2)] == [9, 10]
+    assert [sync.pull_floor(s, k) for k in range(2)] == [10, 10]
+    assert not sync.counts_staleness and not sync.local_optimizer
+    sync.after_init(s)
+    assert s.clock == 9  # a rank joining a running job starts at the round
+
+
+@pytest.mark.parametrize("name", ["async", "ssp"])
+def test_async_and_ssp_push_the_clock_and_never_wait_at_the_client(name: str) -> None:
+    mode, s = worker_mode(name), session()
+    assert [mode.push_clock(s, k) for k in range(2)] == [7, 7] and mode.pull_floor(s, 0) == 0
+    assert mode.counts_staleness and mode.progress(s, ModeSettings(name)) == 7 and mode.shard_clock(s) == 7
+
+
+def test_easgd_counts_exchanges_and_resumes_a_period_per_exchange() -> None:
+    easgd, s = worker_mode("easgd"), session()
+    assert easgd.local_optimizer and easgd.shard_clock(s) == 3
+    assert easgd.progress(s, ModeSettings("easgd", communication_period=4)) == 12
+    replies = [ps_pb2.JoinResponse(clock=2), ps_pb2.JoinResponse(clock=5)]
+    easgd.adopt_join(s, replies)
+    worker_mode("sync").adopt_join(s, replies)
+    assert s.exchanges == 5 and s.clock == 5
+
+
+def test_settings_come_from_the_join_response() -> None:
+    config = ps_pb2.ClusterConfig(
+        mode=ps_pb2.MODE_EASGD,
+        num_workers=4,
+        max_staleness=-1,
+        moving_rate=0.2,
+        communication_period=6,
+        easgd_sync=True,
+    )
+    assert settings_from_config(config) == ModeSettings(
+        "easgd", num_workers=4, moving_rate=0.2, communication_period=6, easgd_sync=True
+    )
+    ssp = settings_from_config(ps_pb2.ClusterConfig(mode=ps_pb2.MODE_SSP, num_workers=2, staleness=3))
+    assert ssp.staleness == 3 and ssp.communication_period == 1

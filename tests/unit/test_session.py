@@ -1,0 +1,165 @@
+"""ps_worker.session: stamps, pull floors and recovery decisions, against a fake transport (no sockets)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+import pytest
+
+from ps_common.errors import Reason
+from ps_proto.v1 import ps_pb2
+from ps_worker import errors
+from ps_worker.session import Session
+
+
+class Refusal(grpc.RpcError):
+    def __init__(self, code: grpc.StatusCode, reason: str = "", details: str = "refused") -> None:
+        self._code, self._reason, self._details = code, reason, details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+        return (("ps-reason", self._reason),) if self._reason else ()
+
+
+class FakeStub:
+    def __init__(self, k: int, num_shards: int, version: int) -> None:
+        self.k, self.num_shards, self.version = k, num_shards, version
+        self.joins = 0
+
+    def Heartbeat(self, req: ps_pb2.HeartbeatRequest, **kwargs: Any) -> ps_pb2.HeartbeatResponse:  # noqa: N802
+        return ps_pb2.HeartbeatResponse()
+
+    def Join(self, req: ps_pb2.JoinRequest, **kwargs: Any) -> ps_pb2.JoinResponse:  # noqa: N802 - gRPC's name
+        self.joins += 1
+        config = ps_pb2.ClusterConfig(mode=ps_pb2.MODE_SYNC, num_workers=2, communication_period=10)
+        return ps_pb2.JoinResponse(
+            shard_index=self.k,
+            num_shards=self.num_shards,
+            version=self.version,
+            clock=self.version,
+            initialized=True,
+            plan_digest="d",
+            config=config,
+        )
+
+
+class FakeTransport:
+    """What Session uses of a Transport: servers, stubs, deadlines, fan-out and calls (no retries)."""
+
+    def __init__(self, num_shards: int = 2, version: int = 4) -> None:
+        self.servers = [f"h:{k}" for k in range(num_shards)]
+        self.stubs = [FakeStub(k, num_shards, version) for k in range(num_shards)]
+        self.timeout, self.retry_deadline, self.metadata = 1.0, 1.0, ()
+        self.closed = False
+
+    @property
+    def num_shards(self) -> int:
+        return len(self.servers)
+
+    def each_shard(self, fn: Callable[[int], Any]) -> list[Any]:
+        return [fn(k) for k in range(self.num_shards)]
+
+    def call(self, fn: Callable[[], Any], what: str) -> Any:
+        return fn()
+
+    def close(self, leave: Any = None) -> None:
+        self.closed = True
+
+
+def joined(version: int = 4) -> tuple[Session, FakeTransport]:
+    t = FakeTransport(version=version)
+    s = Session(t, rank=1, num_workers=2, incarnation=9)  # type: ignore[arg-type]
+    s.plan_digest = "d"
+    s.start_heartbeat = lambda: None  # type: ignore[method-assign]  # no thread here
+    s.join()
+    return s, t
+
+
+def failing(*refusals: grpc.RpcError) -> Callable[[], str]:
+    left = list(refusals)
+
+    def fn() -> str:
+        if left:
+            raise left.pop(0)
+        return "done"
+
+    return fn
+
+
+def test_join_takes_mode_settings_and_progress_from_the_shards() -> None:
+    s, _ = joined(version=4)
+    assert s.mode == "sync" and s.worker.name == "sync" and s.clock == 4
+    assert s.settings is not None and s.settings.communication_period == 10 and s.settings.num_workers == 2
+    s.versions = [4, 5]
+    s.pushed = [True, False]
+    assert [s.stamp(k).clock for k in range(2)] == [4, 5]  # sync: the round of each shard
+    assert [s.pull_floor(k, None) for k in range(2)] == [5, 5] and s.pull_floor(0, 0) == 0
+
+
+@pytest.mark.parametrize("reason", [Reason.NOT_JOINED, Reason.FUTURE_ROUND])
+def test_a_fixable_refusal_rejoins_and_retries(reason: Reason) -> None:
+    s, t = joined()
+    s.pushed = [True, True]
+    before = t.stubs[0].joins
+    refusal = Refusal(grpc.StatusCode.FAILED_PRECONDITION, reason.value)
+    assert s.with_recovery(0, failing(refusal), "Pull h:0") == "done"
+    assert t.stubs[0].joins == before + 1 and s.pushed == [False, True] and s.recoveries[reason.value] == 1
+
+
+def test_a_lost_push_is_pushed_again_unless_the_call_pushes_itself() -> None:
+    s, _ = joined()
+    pushed_again: list[int] = []
+    s.repush = pushed_again.append
+    lost = Refusal(grpc.StatusCode.FAILED_PRECONDITION, "PUSH_LOST")
+    s.with_recovery(1, failing(lost), "Pull h:1")
+    s.with_recovery(1, failing(lost), "PushPull h:1", repush=False)
+    assert pushed_again == [1] and s.recoveries["PUSH_LOST"] == 2
+
+
+def test_rank_0_writes_a_shard_that_lost_its_values_again() -> None:
+    s, _ = joined()
+    s.rank = 0
+    written: list[int] = []
+    s.reinit = written.append
+    s.with_recovery(1, failing(Refusal(grpc.StatusCode.FAILED_PRECONDITION, "NOT_INITIALIZED")), "Push h:1")
+    assert written == [1]
+
+
+def test_other_refusals_raise_typed_at_once_and_recoveries_are_bounded() -> None:
+    s, _ = joined()
+    with pytest.raises(errors.StalePush) as stale:
+        s.with_recovery(0, failing(Refusal(grpc.StatusCode.ABORTED, "STALE")), "Push h:0")
+    assert stale.value.address == "h:0" and not s.recoveries
+    with pytest.raises(errors.RoundTimeoutError):  # a wait without the shard's reason: the client's deadline
+        s.with_recovery(0, failing(Refusal(grpc.StatusCode.DEADLINE_EXCEEDED)), "Pull h:0")
+    evicted = [Refusal(grpc.StatusCode.FAILED_PRECONDITION, "NOT_JOINED") for _ in range(5)]
+    with pytest.raises(errors.NotJoined):
+        s.with_recovery(0, failing(*evicted), "Pull h:0")
+    assert s.recoveries["NOT_JOINED"] == 3
+
+
+def test_push_answers_move_the_clock_and_a_live_mode_switch() -> None:
+    s, _ = joined()
+    s.account_push([ps_pb2.PushResponse(mode=ps_pb2.MODE_ASYNC, staleness=2), ps_pb2.PushResponse()])
+    assert s.clock == 5 and s.mode == "async" and s.settings is not None and s.settings.mode == "async"
+    s.account_push([ps_pb2.PushResponse(staleness=2)])
+    assert s.staleness[2] == 1  # async counts staleness; the sync push before it did not
+    s.push_refused()
+    assert s.clock == 7 and s.refused_pushes == 1
+    assert s.adopt_versions([8, 6]) == 6 and s.pushed == [False, False]
+
+
+def test_close_leaves_and_joins_the_heartbeat() -> None:
+    t = FakeTransport()
+    s = Session(t, rank=0, num_workers=2, incarnation=1)  # type: ignore[arg-type]
+    s.lease_timeout = 1e-3
+    s.start_heartbeat()
+    s.close()
+    assert t.closed and s._heartbeat is not None and not s._heartbeat.is_alive()
