@@ -319,3 +319,17 @@ def parameters_text(config: Any, mode: str) -> str:
     (``?`` for an unknown mode)."""
     shown = [(p.joiner, p.show(getattr(config, p.field), config.num_workers)) for p in of_mode(mode)]
     return "".join(text if i == 0 else joiner + text for i, (joiner, text) in enumerate(shown)) or "?"
+
+
+def settings_from_config(mode: str, config: Any) -> ModeSettings:
+    """The settings a shard announced in a ``ps.v1.ClusterConfig`` (Join, each push's answer), read
+    through :data:`PARAMETERS` (an unset moving rate means the default 0.9/num_workers; a period
+    below 1 step is 1).
+
+    Raises:
+        InvalidRequestError: the shard sent values out of range.
+    """
+    values = {p.name: getattr(config, p.field) for p in PARAMETERS}
+    values["moving_rate"] = values["moving_rate"] or None
+    values["communication_period"] = max(1, values["communication_period"])
+    return ModeSettings(mode=mode, num_workers=max(1, config.num_workers, config.sync_quorum), **values)

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ps_common import modes
 from ps_common.modes import ModeSettings
 from ps_common.wire import MODE_TO_NAME
 from ps_proto.v1 import ps_pb2
@@ -40,18 +41,7 @@ def settings_from_config(config: ps_pb2.ClusterConfig) -> ModeSettings:
     Raises:
         InvalidRequestError: the shard sent values out of range.
     """
-    return ModeSettings(
-        mode=MODE_TO_NAME[config.mode],
-        num_workers=max(1, config.num_workers, config.sync_quorum),
-        sync_quorum=config.sync_quorum,
-        round_timeout=config.round_timeout_seconds,
-        max_staleness=config.max_staleness,
-        staleness_lr=config.staleness_lr,
-        staleness=config.staleness,
-        moving_rate=config.moving_rate or None,
-        communication_period=max(1, config.communication_period),
-        easgd_sync=config.easgd_sync,
-    )
+    return modes.settings_from_config(MODE_TO_NAME[config.mode], config)
 
 
 class WorkerMode:
