@@ -14,6 +14,7 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
 from ps_common.optimizer import OptimizerSpec
+from ps_worker import resume
 from ps_worker.client import PSClient
 from ps_worker.metrics import WorkerMetrics
 from ps_worker.optimizer import DistributedOptimizer
@@ -119,13 +120,12 @@ def train(
     )
     loader = DataLoader(train_set, batch_size=batch_size, sampler=sampler, drop_last=True)
     losses: list[float] = []
-    data = batches(loader, sampler)
     model.train()
     # a restarted rank resumes at the cluster's clock: --steps counts the rank's whole run
-    resume_at = (
-        client.exchanges * max(1, client.config.communication_period) if client.mode == "easgd" else client.clock
-    )
+    resume_at = resume.resume_step(client)
     first = min(resume_at, steps)
+    resume.reseed(seed, client.rank, first)  # and skips the batches already consumed
+    data = resume.batches(loader, sampler, first)
     if first >= steps:
         log.warning(
             "rank %d: nothing to do: the cluster is at step %d, and --steps is %d (a finished job's checkpoints?); "
