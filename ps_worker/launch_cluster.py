@@ -334,19 +334,20 @@ def read_events(child: Child, events: queue.Queue[tuple[str, dict[str, Any]]]) -
 
 
 def read_output(child: Child, events: queue.Queue[tuple[str, dict[str, Any]]]) -> None:
-    """A user script's stdout: every line goes to its log (the last few kept in ``child.last_lines``);
-    a line that is a JSON object with an ``event`` is also forwarded to ``events``. Then ``exit``."""
+    """A user script's stdout: every line goes to its log; a line that is a JSON object with an ``event``
+    is also forwarded to ``events``, the last few others are kept in ``child.last_lines``. Then ``exit``."""
     assert child.proc.stdout is not None
     for line in child.proc.stdout:
         child.log_file.write(line)
         child.log_file.flush()
-        if line.strip():
-            child.last_lines.append(line.rstrip("\n"))
+        event = None
         if line.startswith("{"):
             try:
                 event = json.loads(line)
             except json.JSONDecodeError:
-                continue
-            if isinstance(event, dict) and "event" in event:
-                events.put((child.name, event))
+                pass
+        if isinstance(event, dict) and "event" in event:
+            events.put((child.name, event))
+        elif line.strip():
+            child.last_lines.append(line.rstrip("\n"))
     events.put((child.name, {"event": "exit"}))
