@@ -116,3 +116,17 @@ def test_psclient_from_env_reads_the_environment(monkeypatch) -> None:
         assert client.rank == 1 and client.num_workers == 2 and client.servers == list(GOOD["PS_SERVERS"].split(","))
     finally:
         client.close()
+
+
+def test_the_readme_documents_every_variable_and_its_script_compiles() -> None:
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme.split("## Your own training script\n", 1)[1].split("\n## ", 1)[0]
+    table = [line for line in section.splitlines() if line.startswith("| `PS_")]
+    assert {v.name for v in CONTRACT} == {
+        name for line in table for name in line.split("|")[1].strip(" `").split("`, `")
+    }
+    script = section.split("```python\n", 1)[1].split("```", 1)[0]
+    compile(script, "README.md", "exec")
+    assert "PSClient.from_env(model)" in script
