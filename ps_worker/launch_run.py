@@ -275,8 +275,8 @@ def script_done(rank: int, addresses: list[str], runs: list[RankRun], said: dict
     except grpc.RpcError:
         clock = runs[-1].last if runs else 0
     report = {**said, "rank": rank, "steps": clock}
-    if not runs:  # it finished between two polls of the shard's status
-        runs.append(RankRun(clock, clock))
+    if not runs:  # it ran and finished between two polls of the shard's status: from a fresh start, then
+        runs.append(RankRun(0, clock))
     runs[-1].last = max(runs[-1].last, clock)
     runs[-1].report = report
     return report
