@@ -136,7 +136,8 @@ def run(args: Any, target: Target | None = None) -> int:
         runs: dict[int, list[RankRun]] = {r: [] for r in range(args.workers)}
         first_step: float | None = None
         last_step = 0.0
-        watch = MembershipWatch(addresses[0]) if faults or script else None
+        announce = bool(faults)  # membership changes go on the console when faults are injected
+        watch = MembershipWatch(addresses[0]) if announce or script else None
         incarnations: dict[int, int] = {}  # a script's rank -> the incarnation its current run started with
 
         def inject(fault: Fault, step: int) -> None:
@@ -169,7 +170,7 @@ def run(args: Any, target: Target | None = None) -> int:
         while len(exited) < len(workers):
             if watch is not None:
                 for line in watch.changes():
-                    if faults:
+                    if announce:
                         tqdm.write(f"ps-launch: {line}", file=sys.stderr)
                 if script:
                     script_progress()
