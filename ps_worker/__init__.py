@@ -9,10 +9,18 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ps_worker.client import PSClient
+    from ps_worker.env import init_from_env
     from ps_worker.errors import RoundTimeoutError, ShardError, ShardUnreachableError
     from ps_worker.optimizer import DistributedOptimizer
 
-__all__ = ["PSClient", "DistributedOptimizer", "RoundTimeoutError", "ShardError", "ShardUnreachableError"]
+__all__ = [
+    "PSClient",
+    "DistributedOptimizer",
+    "RoundTimeoutError",
+    "ShardError",
+    "ShardUnreachableError",
+    "init_from_env",
+]
 
 _ERRORS = ("RoundTimeoutError", "ShardError", "ShardUnreachableError")
 
@@ -26,6 +34,10 @@ def __getattr__(name: str) -> Any:
         from ps_worker.optimizer import DistributedOptimizer
 
         return DistributedOptimizer
+    if name == "init_from_env":
+        from ps_worker.env import init_from_env
+
+        return init_from_env
     if name in _ERRORS or name[:1].isupper():  # the error classes of ps_worker.errors
         from ps_worker import errors
 

@@ -294,3 +294,15 @@ class PSClient(SessionView):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    @classmethod
+    def from_env(
+        cls, model: torch.nn.Module | None = None, optimizer: Mapping[str, Any] | None = None, **overrides: Any
+    ) -> PSClient:
+        """A client configured by the environment contract (``PS_SERVERS``, ``PS_RANK``, ``PS_NUM_WORKERS``,
+        token, TLS, ``PS_WIRE_DTYPE``...: :data:`ps_worker.env.CONTRACT`), joined with ``model`` when given
+        (``optimizer``: default from ``PS_OPTIMIZER``/``PS_LR``/``PS_MOMENTUM``); ``overrides`` are
+        constructor arguments that win. Raises ``ps_worker.env.EnvError`` naming a missing or invalid variable."""
+        from ps_worker.env import init_from_env
+
+        return init_from_env(model, optimizer, client_class=cls, **overrides)

@@ -6,7 +6,7 @@ import hashlib
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -14,6 +14,7 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
 from ps_common.optimizer import OptimizerSpec
+from ps_worker import resume
 from ps_worker.client import PSClient
 from ps_worker.metrics import WorkerMetrics
 from ps_worker.optimizer import DistributedOptimizer
@@ -64,15 +65,6 @@ def params_sha256(model: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
-def batches(loader: DataLoader, sampler: DistributedSampler) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Endless batches; each pass over the data is a new sampler epoch (new shuffle)."""
-    epoch = 0
-    while True:
-        sampler.set_epoch(epoch)
-        yield from loader
-        epoch += 1
-
-
 def train(
     workload: Workload,
     client: PSClient,
@@ -120,12 +112,12 @@ def train(
     )
     loader = DataLoader(train_set, batch_size=batch_size, sampler=sampler, drop_last=True)
     losses: list[float] = []
-    data = batches(loader, sampler)
     model.train()
     # a restarted rank resumes at the cluster's clock: --steps counts the rank's whole run
-    assert client.settings is not None  # joined
-    resume_at = mode.progress(client.session, client.settings)
+    resume_at = resume.resume_step(client)
     first = min(resume_at, steps)
+    resume.reseed(seed, client.rank, first)  # and skips the batches already consumed
+    data = resume.batches(loader, sampler, first)
     if first >= steps:
         log.warning(
             "rank %d: nothing to do: the cluster is at step %d, and --steps is %d (a finished job's checkpoints?); "

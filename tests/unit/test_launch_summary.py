@@ -71,3 +71,28 @@ def test_staleness_unit_is_named_per_mode() -> None:
     out = io.StringIO()
     print_summary(s, out)
     assert "versions behind when applied; the bound s counts clocks" in out.getvalue()
+
+
+def test_a_user_script_s_summary_counts_clocks_and_shows_what_each_rank_said() -> None:
+    from ps_proto.v1 import ps_pb2
+    from ps_worker.launch_summary import print_script_summary, summarize_script
+
+    args = SimpleNamespace(workload="train.py", mode="sync", shards=1, workers=2, steps=50, batch_size=32)
+    status = ps_pb2.ShardStatus(version=50, received_bytes=2 * 1024 * 1024, sent_bytes=1024 * 1024)
+    status.workers.extend(ps_pb2.WorkerStatus(rank=r, clock=50) for r in (0, 1))
+    runs = {0: [RankRun(0, 50, {"rank": 0, "steps": 50})], 1: [RankRun(0, 12), RankRun(12, 50, {"steps": 50})]}
+    done = {0: {"rank": 0, "steps": 50, "accuracy": 0.91}, 1: {"rank": 1, "steps": 50}}
+    lines = {0: ["loading", "rank 0 done"], 1: []}
+    s = summarize_script(args, done, 9.0, ["127.0.0.1:1"], [status], runs, lines, train_seconds=5.0)
+    assert s["steps_run_per_rank"] == [50, 50] and s["ranks"][1]["restarts"] == 1
+    assert s["accuracy"] == 0.91 and s["version"] == 50 and s["steps_per_second"] == pytest.approx(100 / 5.0)
+    assert [r["last_line"] for r in s["ranks"]] == ["rank 0 done", ""]
+    json.dumps(s, allow_nan=False)
+    out = io.StringIO()
+    print_script_summary(s, out)
+    text = out.getvalue()
+    assert text.startswith("grpc-ps run summary\n  script              train.py (sync, 1 shards x 2 workers)\n")
+    assert "steps run per rank  [50, 50] (rank 1 restarted 1x, resumed at step 12)" in text
+    assert "held-out accuracy   0.9100 (rank 0's report)" in text
+    assert "rank 0 said         rank 0 done" in text and "rank 1 said         -" in text
+    assert "pushed 2.0 MiB, pulled 1.0 MiB" in text

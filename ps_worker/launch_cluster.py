@@ -1,0 +1,338 @@
+"""ps-launch's processes: shards and workers started on this machine, watched and stopped.
+
+Every child runs in its own session with ``PR_SET_PDEATHSIG`` (SIGTERM when the launcher dies, even
+by SIGKILL); :meth:`Cluster.stop` ends every one of them. Also the shards' status as ps-launch reads
+it (``Admin/GetStatus``) and the flags it forwards to every ``ps-server``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import grpc
+
+from ps_common import modes
+from ps_common.flags import secret
+from ps_proto.v1 import ps_pb2, ps_pb2_grpc
+
+LISTENING = re.compile(r"listening on (\S+)")
+METRICS = re.compile(r"metrics on (http://\S+)")
+PR_SET_PDEATHSIG = 1
+
+
+STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
+    """Ask Linux to send SIGTERM to this child when the launcher dies (even by SIGKILL), and take
+    back the stop signals the launcher blocks while it spawns."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass
+
+
+@dataclass
+class Child:
+    """One started process and where its output goes."""
+
+    name: str
+    proc: subprocess.Popen[str]
+    log_path: Path
+    log_file: IO[str]
+    argv: list[str] = field(default_factory=list)
+    """What follows ``python -m`` (or ``python``, for a script: see ``python_args``)."""
+    events: list[dict[str, Any]] = field(default_factory=list)
+    metrics_url: str | None = None
+    python_args: tuple[str, ...] = ("-m",)
+    extra_env: dict[str, str] = field(default_factory=dict)
+    """Variables of this process only (a user script's contract: ``PS_RANK``...)."""
+    last_lines: deque[str] = field(default_factory=lambda: deque(maxlen=5))
+    """The last lines it printed on stdout (a user script's own summary)."""
+
+
+class Cluster:
+    """Local shard and worker processes; :meth:`stop` ends every one of them.
+
+    Args:
+        log_dir: where each process's log goes.
+        env: the environment of every process (``PYTHONUNBUFFERED=1`` is added).
+    """
+
+    def __init__(self, log_dir: Path, env: Mapping[str, str]) -> None:
+        self.log_dir = log_dir
+        self.children: list[Child] = []
+        self.env = {**env, "PYTHONUNBUFFERED": "1"}
+
+    def spawn(
+        self,
+        name: str,
+        argv: Sequence[str],
+        extra_env: Mapping[str, str] | None = None,
+        python_args: Sequence[str] = ("-m",),
+    ) -> Child:
+        """Start ``python {python_args} {argv}`` as ``name`` (log: ``LOG_DIR/{name}.log``, appended to)
+        with the cluster's environment and ``extra_env``."""
+        log_path = self.log_dir / f"{name}.log"
+        log_file = open(log_path, "a")  # noqa: SIM115 - closed in stop(); appended to on a restart
+        # Ctrl-C between fork and registration would leave a child nobody stops: hold it until then.
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        try:
+            proc = subprocess.Popen(
+                [sys.executable, *python_args, *argv],
+                stdout=subprocess.PIPE,
+                stderr=log_file,
+                text=True,
+                env={**self.env, **(extra_env or {})},
+                preexec_fn=_die_with_parent,
+                start_new_session=True,
+            )
+            child = Child(
+                name,
+                proc,
+                log_path,
+                log_file,
+                argv=list(argv),
+                python_args=tuple(python_args),
+                extra_env=dict(extra_env or {}),
+            )
+            self.children.append(child)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        print(f"ps-launch: started {name} (pid {proc.pid})", file=sys.stderr, flush=True)
+        return child
+
+    def respawn(self, child: Child) -> Child:
+        """Start ``child``'s command again, with its environment, under its name."""
+        return self.spawn(child.name, child.argv, child.extra_env, child.python_args)
+
+    def start_shards(
+        self,
+        n: int,
+        workers: int,
+        mode: str,
+        extra: Sequence[str] = (),
+        deadline: float = 60.0,
+        metrics: bool = True,
+    ) -> list[str]:
+        """Start ``n`` shards on free ports (``extra``: more ps-server flags; ``/metrics`` too, unless
+        ``metrics`` is False); returns their addresses in shard order.
+
+        Raises:
+            RuntimeError: a shard exited or did not report its port in time.
+        """
+        shards = [
+            self.spawn(
+                f"shard-{k}",
+                [
+                    "ps_server.cli",
+                    "--shard-index",
+                    str(k),
+                    "--num-shards",
+                    str(n),
+                    "--num-workers",
+                    str(workers),
+                    "--mode",
+                    mode,
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    "0",
+                    "--metrics-port",
+                    "0" if metrics else "-1",
+                    *extra,
+                ],
+            )
+            for k in range(n)
+        ]
+        found: queue.Queue[tuple[int, str | None]] = queue.Queue()
+        for k, child in enumerate(shards):
+            threading.Thread(target=self._read_address, args=(k, child, found), daemon=True).start()
+        addresses: dict[int, str] = {}
+        stop = time.monotonic() + deadline
+        while len(addresses) < n:
+            try:
+                k, addr = found.get(timeout=max(0.01, stop - time.monotonic()))
+            except queue.Empty:
+                raise RuntimeError(f"Shards did not start within {deadline:.0f} s; see {self.log_dir}") from None
+            if addr is None:
+                raise RuntimeError(f"shard-{k} exited before serving:\n{tail(shards[k].log_path)}")
+            addresses[k] = addr
+        return [addresses[k] for k in range(n)]
+
+    def restart_shard(self, child: Child, address: str, deadline: float = 60.0) -> Child:
+        """Start a killed shard again with its command, on its old port; returns the new child.
+
+        Raises:
+            RuntimeError: it did not serve again within ``deadline`` seconds.
+        """
+        argv = list(child.argv)
+        argv[argv.index("--port") + 1] = address.rsplit(":", 1)[1]
+        new = self.spawn(child.name, argv)
+        found: queue.Queue[tuple[int, str | None]] = queue.Queue()
+        threading.Thread(target=self._read_address, args=(0, new, found), daemon=True).start()
+        try:
+            _, addr = found.get(timeout=deadline)
+        except queue.Empty:
+            raise RuntimeError(f"{child.name} did not serve again within {deadline:.0f} s") from None
+        if addr is None:
+            raise RuntimeError(f"{child.name} exited when restarted:\n{tail(new.log_path)}")
+        return new
+
+    @staticmethod
+    def _read_address(k: int, child: Child, found: queue.Queue[tuple[int, str | None]]) -> None:
+        assert child.proc.stdout is not None
+        for line in child.proc.stdout:
+            url = METRICS.search(line)
+            if url:
+                child.metrics_url = url.group(1)
+            m = LISTENING.search(line)
+            if m:
+                found.put((k, m.group(1)))
+                break
+        else:
+            found.put((k, None))
+            return
+        for line in child.proc.stdout:  # keep draining so the shard never blocks on stdout
+            child.log_file.write(line)
+
+    def stop(self, grace: float = 5.0) -> None:
+        """SIGTERM every live child, wait ``grace`` seconds, SIGKILL what is left."""
+        for c in self.children:
+            if c.proc.poll() is None:
+                c.proc.send_signal(signal.SIGTERM)
+        stop = time.monotonic() + grace
+        for c in self.children:
+            try:
+                c.proc.wait(timeout=max(0.01, stop - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                c.proc.kill()
+                c.proc.wait(timeout=5)
+            c.log_file.close()
+
+
+def server_flags(args: Any, log_dir: Path) -> list[str]:
+    """The mode and checkpoint parameters ps-launch forwards to every ps-server."""
+    flags = [
+        "--checkpoint-dir",
+        str(log_dir / "checkpoints"),
+        "--checkpoint-every",
+        str(args.checkpoint_every),
+        "--lease-timeout",
+        str(args.lease_timeout),
+        "--join-timeout",
+        str(args.join_timeout),
+    ]
+    return flags + modes.forward_flags(args)  # every mode parameter, from ps_common.modes' one table
+
+
+def shard_statuses(addresses: Sequence[str], timeout: float = 10.0) -> list[ps_pb2.ShardStatus]:
+    """Admin/GetStatus of every shard (the shards' own account of clocks and refusals), with the admin
+    token the shards took from this environment (``PS_ADMIN_TOKEN`` or ``PS_ADMIN_TOKEN_FILE``), if any."""
+    try:
+        token = secret(os.environ.get("PS_ADMIN_TOKEN", ""), os.environ.get("PS_ADMIN_TOKEN_FILE", ""), "--admin-token")
+    except ValueError:
+        token = ""
+    metadata = (("authorization", f"Bearer {token}"),) if token else ()
+    statuses = []
+    for address in addresses:
+        with grpc.insecure_channel(address) as channel:
+            stub = ps_pb2_grpc.AdminStub(channel)
+            statuses.append(stub.GetStatus(ps_pb2.GetStatusRequest(), timeout=timeout, metadata=metadata).status)
+    return statuses
+
+
+class MembershipWatch:
+    """Polls one shard's status and says when a rank's state or incarnation changes (an eviction, a
+    rejoin), so a fault injection shows its consequences on the console. ``clocks`` keeps each rank's
+    (clock, incarnation) as last seen: the progress of a user's script, which prints no step events."""
+
+    def __init__(self, address: str, interval: float = 0.5) -> None:
+        self.address = address
+        self.interval = interval
+        self.seen: dict[int, tuple[int, int]] = {}
+        self.clocks: dict[int, tuple[int, int]] = {}
+        self.next = 0.0
+
+    def changes(self) -> list[str]:
+        now = time.monotonic()
+        if now < self.next:
+            return []
+        self.next = now + self.interval
+        try:
+            (status,) = shard_statuses([self.address], timeout=2.0)
+        except grpc.RpcError:
+            return []
+        lines = []
+        for w in status.workers:
+            before = self.seen.get(w.rank)
+            self.seen[w.rank] = (w.state, w.incarnation)
+            if w.state == ps_pb2.WORKER_STATE_LIVE:
+                self.clocks[w.rank] = (w.clock, w.incarnation)
+            if before is None or before == (w.state, w.incarnation) or before[0] == ps_pb2.WORKER_STATE_PENDING:
+                continue  # nothing new, or a first join
+            state = ps_pb2.WorkerState.Name(w.state).removeprefix("WORKER_STATE_").lower()
+            if w.state == ps_pb2.WORKER_STATE_EVICTED:
+                lines.append(
+                    f"shard-0 evicted rank {w.rank} at clock {w.clock} (its lease lapsed); rounds go on without it"
+                )
+            elif w.incarnation != before[1] and w.state == ps_pb2.WORKER_STATE_LIVE:
+                lines.append(f"shard-0 counts rank {w.rank} again (new incarnation {w.incarnation}, clock {w.clock})")
+            elif w.state != ps_pb2.WORKER_STATE_LEFT:
+                lines.append(f"rank {w.rank} is {state} on shard-0 (clock {w.clock})")
+        return lines
+
+
+def tail(path: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def read_events(child: Child, events: queue.Queue[tuple[str, dict[str, Any]]]) -> None:
+    """Forward a worker's JSON lines to ``events``; other lines go to its log."""
+    assert child.proc.stdout is not None
+    for line in child.proc.stdout:
+        try:
+            event = json.loads(line)
+        except json.JSONDecodeError:
+            child.log_file.write(line)
+            continue
+        events.put((child.name, event))
+    events.put((child.name, {"event": "exit"}))
+
+
+def read_output(child: Child, events: queue.Queue[tuple[str, dict[str, Any]]]) -> None:
+    """A user script's stdout: every line goes to its log; a line that is a JSON object with an ``event``
+    is also forwarded to ``events``, the last few others are kept in ``child.last_lines``. Then ``exit``."""
+    assert child.proc.stdout is not None
+    for line in child.proc.stdout:
+        child.log_file.write(line)
+        child.log_file.flush()
+        event = None
+        if line.startswith("{"):
+            try:
+                event = json.loads(line)
+            except json.JSONDecodeError:
+                pass
+        if isinstance(event, dict) and "event" in event:
+            events.put((child.name, event))
+        elif line.strip():
+            child.last_lines.append(line.rstrip("\n"))
+    events.put((child.name, {"event": "exit"}))

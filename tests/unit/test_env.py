@@ -1,0 +1,132 @@
+"""The environment contract of a user's training script (ps_worker.env): its errors name the variable."""
+
+from __future__ import annotations
+
+import pytest
+
+from ps_common.flags import env_name
+from ps_worker.env import CONTRACT, EnvError, init_from_env, read_env
+from ps_worker.flags import worker_parser
+
+GOOD = {"PS_SERVERS": "127.0.0.1:50051,127.0.0.1:50052", "PS_RANK": "1", "PS_NUM_WORKERS": "2"}
+
+
+def test_the_three_required_variables_are_enough() -> None:
+    s = read_env(GOOD)
+    assert s.servers == ("127.0.0.1:50051", "127.0.0.1:50052") and s.rank == 1 and s.num_workers == 2
+    assert (s.steps, s.batch_size, s.optimizer, s.lr, s.momentum, s.seed) == (300, 32, "sgd", 0.1, 0.9, 0)
+    assert (s.token, s.wire_dtype, s.topk, s.timeout, s.incarnation) == ("", "native", 0.0, 60.0, None)
+    assert s.optimizer_spec() == {"name": "sgd", "lr": 0.1, "momentum": 0.9}
+
+
+@pytest.mark.parametrize("missing", ["PS_SERVERS", "PS_RANK", "PS_NUM_WORKERS"])
+def test_a_missing_required_variable_is_named_with_what_to_set(missing: str) -> None:
+    env = {k: v for k, v in GOOD.items() if k != missing}
+    with pytest.raises(EnvError, match=rf"^{missing} is not set: set it to .*ps-launch, the compose file"):
+        read_env(env)
+    with pytest.raises(EnvError, match=rf"^{missing} is not set"):
+        read_env({**env, missing: "  "})
+
+
+@pytest.mark.parametrize(
+    ("more", "message"),
+    [
+        ({"PS_RANK": "one"}, "PS_RANK='one' is not an integer; set PS_RANK to an integer."),
+        ({"PS_RANK": "2"}, "PS_RANK=2 is outside 0..1 (PS_NUM_WORKERS=2)"),
+        ({"PS_RANK": "-1"}, "PS_RANK='-1' must be >= 0."),
+        ({"PS_NUM_WORKERS": "0", "PS_RANK": "0"}, "PS_NUM_WORKERS='0' must be >= 1."),
+        ({"PS_SERVERS": "ps-0"}, "PS_SERVERS: Shard address 'ps-0' has no port"),
+        ({"PS_WIRE_DTYPE": "int8"}, "PS_WIRE_DTYPE='int8' is invalid; choose from native, bfloat16, float16."),
+        ({"PS_TOPK": "2"}, "PS_TOPK=2 is not in [0, 1]."),
+        ({"PS_LR": "nan"}, "PS_LR='nan' must be >= 0."),
+        ({"PS_STEPS": "many"}, "PS_STEPS='many' is not an integer"),
+        ({"PS_OPTIMIZER": "lion"}, "PS_OPTIMIZER='lion' is invalid; choose from sgd"),
+        ({"PS_TLS_CERT": "c.pem"}, "PS_TLS_CERT and PS_TLS_KEY go together"),
+        ({"PS_TLS_CERT": "c.pem", "PS_TLS_KEY": "k.pem"}, "PS_TLS_CERT needs PS_TLS_CA"),
+        ({"PS_TOKEN": "a", "PS_TOKEN_FILE": "/x"}, "Give PS_TOKEN or PS_TOKEN_FILE, not both."),
+        ({"PS_TOKEN_FILE": "/nonexistent/token"}, "PS_TOKEN_FILE '/nonexistent/token' cannot be read"),
+    ],
+)
+def test_an_invalid_value_is_named_with_its_value(more: dict[str, str], message: str) -> None:
+    with pytest.raises(EnvError) as err:
+        read_env({**GOOD, **more})
+    assert message in str(err.value)
+
+
+def test_token_file_and_every_optional_variable(tmp_path) -> None:
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    s = read_env(
+        {
+            **GOOD,
+            "PS_TOKEN_FILE": str(token),
+            "PS_WIRE_DTYPE": "bfloat16",
+            "PS_TOPK": "0.01",
+            "PS_TIMEOUT": "5",
+            "PS_INCARNATION": "7",
+            "PS_STEPS": "40",
+            "PS_OPTIMIZER": "adamw",
+            "PS_LR": "0.003",
+        }
+    )
+    assert (s.token, s.wire_dtype, s.topk, s.timeout, s.incarnation, s.steps) == ("s3cret", "bfloat16", 0.01, 5, 7, 40)
+    assert s.optimizer_spec() == {"name": "adamw", "lr": 0.003}
+
+
+def test_the_contract_uses_ps_worker_s_own_twins() -> None:
+    """A script and ps-worker run from the same environment: every variable is a ps-worker twin."""
+    twins = {env for _, env, _ in worker_parser({}).twins}
+    assert {v.name for v in CONTRACT} <= twins
+    assert all(v.name == env_name("--" + v.name[3:].lower().replace("_", "-")) for v in CONTRACT)
+
+
+class FakeClient:
+    def __init__(self, servers, rank, num_workers, **kwargs) -> None:  # noqa: ANN001
+        self.args = (servers, rank, num_workers, kwargs)
+        self.inits: list[tuple[object, dict]] = []
+        self.closed = False
+
+    def init(self, model, optimizer) -> None:  # noqa: ANN001
+        self.inits.append((model, optimizer))
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_init_from_env_builds_and_joins_a_client_overrides_win() -> None:
+    client = init_from_env("model", environ={**GOOD, "PS_WIRE_DTYPE": "float16"}, client_class=FakeClient, timeout=3.0)
+    servers, rank, workers, kwargs = client.args
+    assert servers == ["127.0.0.1:50051", "127.0.0.1:50052"] and (rank, workers) == (1, 2)
+    assert kwargs["wire_dtype"] == "float16" and kwargs["timeout"] == 3.0 and kwargs["token"] is None
+    assert client.inits == [("model", {"name": "sgd", "lr": 0.1, "momentum": 0.9})]
+    bare = init_from_env(environ=GOOD, client_class=FakeClient, rank=0)
+    assert bare.args[1] == 0 and bare.inits == []
+
+
+def test_psclient_from_env_reads_the_environment(monkeypatch) -> None:
+    from ps_worker import PSClient
+
+    monkeypatch.delenv("PS_SERVERS", raising=False)
+    with pytest.raises(EnvError, match="PS_SERVERS is not set"):
+        PSClient.from_env()
+    for k, v in GOOD.items():
+        monkeypatch.setenv(k, v)
+    client = PSClient.from_env()
+    try:
+        assert client.rank == 1 and client.num_workers == 2 and client.servers == list(GOOD["PS_SERVERS"].split(","))
+    finally:
+        client.close()
+
+
+def test_the_readme_documents_every_variable_and_its_script_compiles() -> None:
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme.split("## Your own training script\n", 1)[1].split("\n## ", 1)[0]
+    table = [line for line in section.splitlines() if line.startswith("| `PS_")]
+    assert {v.name for v in CONTRACT} == {
+        name for line in table for name in line.split("|")[1].strip(" `").split("`, `")
+    }
+    script = section.split("```python\n", 1)[1].split("```", 1)[0]
+    compile(script, "README.md", "exec")
+    assert "PSClient.from_env(model)" in script
