@@ -124,17 +124,18 @@ def plan_digest(
 ) -> str:
     """Hex sha256 of the canonical JSON of the plan's inputs (the plan is a pure function of them)
     and of the version of the packing rule (``frames.PACKING_VERSION``) that client and shard must
-    share: peers that would cut or pack partitions differently get different digests."""
-    canonical = json.dumps(
-        {
-            "v": 1,
-            "packing": packing,
-            "num_shards": num_shards,
-            "partition_bytes": partition_bytes,
-            "specs": [[s.key, list(s.shape), s.dtype] for s in specs],
-        },
-        separators=(",", ":"),
-    )
+    share: peers that would cut or pack partitions differently get different digests.
+    ``packing=0`` gives the digest of releases before the packing version joined it (their rule is
+    version 1's); checkpoints they wrote still restore (:func:`ps_server.shard_state.load_state`)."""
+    inputs: dict[str, object] = {"v": 1, "packing": packing}
+    if not packing:
+        del inputs["packing"]
+    inputs |= {
+        "num_shards": num_shards,
+        "partition_bytes": partition_bytes,
+        "specs": [[s.key, list(s.shape), s.dtype] for s in specs],
+    }
+    canonical = json.dumps(inputs, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 

@@ -9,6 +9,7 @@ import torch
 
 from ps_common import frames
 from ps_common.errors import (
+    CheckpointError,
     InvalidRequestError,
     NonFiniteUpdateError,
     NotInitializedError,
@@ -21,7 +22,7 @@ from ps_common.errors import (
 from ps_common.modes import ModeSettings
 from ps_common.optimizer import OptimizerSpec
 from ps_common.partition import WirePartition
-from ps_common.plan import ParameterSpec, make_plan
+from ps_common.plan import ParameterSpec, make_plan, plan_digest
 from ps_server.frame_cache import FrameCache
 from ps_server.shard import PushStamp, Shard, WorkerState
 from tests.helpers.tensors import encode
@@ -280,6 +281,21 @@ def test_a_checkpoint_without_marks_still_loads(clock: FakeClock) -> None:
     assert restarted.version == 1 and restarted.members[0].high_water == -1
     restarted.push(PushStamp(0, 1, 1), 1, PLAN.digest, wire(0.001))
     assert restarted.version == 2
+
+
+def test_a_checkpoint_of_the_release_before_the_packing_version_loads_and_a_forged_digest_does_not(
+    clock: FakeClock,
+) -> None:
+    s = async_shard(clock)
+    s.push(PushStamp(0, 1, 0), 0, PLAN.digest, wire(0.001))
+    saved = s.export_state()
+    saved["plan"]["digest"] = plan_digest(SPECS, 1, 16, packing=0)  # as written before the digest covered packing
+    restarted = Shard(0, 1, ModeSettings("async", num_workers=1), now=clock)
+    restarted.restore(saved)
+    assert restarted.version == 1 and restarted.plan is not None and restarted.plan.digest == PLAN.digest
+    saved["plan"]["digest"] = plan_digest(SPECS, 1, 16, packing=2)  # another packing rule: refused
+    with pytest.raises(CheckpointError, match="another release"):
+        Shard(0, 1, ModeSettings("async", num_workers=1), now=clock).restore(saved)
 
 
 def test_a_learning_rate_beyond_the_dtype_is_refused(shard: Shard) -> None:
