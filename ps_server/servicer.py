@@ -32,6 +32,7 @@ from ps_common.wire import (
 from ps_proto.v1 import ps_pb2, ps_pb2_grpc
 from ps_server.checkpointer import Checkpointer
 from ps_server.core.partitions import Intake
+from ps_server.export import export_messages
 from ps_server.interceptors import note_push
 from ps_server.request_streams import Request, read_request
 from ps_server.shard import PushResult, Shard, StatusView, WorkerState
@@ -508,3 +509,11 @@ class AdminServicer(ps_pb2_grpc.AdminServicer):
     ) -> ps_pb2.EvictWorkerResponse:
         previous, version = self.shard.evict(request.rank)
         return ps_pb2.EvictWorkerResponse(previous_state=WORKER_STATES[previous], version=version)
+
+    @_maps_stream_errors
+    def ExportParameters(
+        self, request: ps_pb2.ExportParametersRequest, context: grpc.ServicerContext
+    ) -> Iterator[ps_pb2.ExportParametersResponse]:
+        for reply in export_messages(self.shard):  # ps_server.export
+            self.counters.add(sent=reply.ByteSize())
+            yield reply
