@@ -4,8 +4,9 @@
 ``WatchStatus`` stream per shard until Ctrl-C or ``--iterations``; ``set`` changes the learning rate
 and mode parameters (``UpdateConfig``) on every shard; ``checkpoint`` has every shard write a
 checkpoint now (``Checkpoint``); ``evict RANK`` stops counting a rank (``EvictWorker``) on every
-shard. Exit status: 0 when every shard answered (and accepted), 1 when one did not (one line per
-shard on stderr), 2 on bad flags.
+shard; ``export --out model.pt`` writes the shards' model as a torch.save state_dict
+(``ps_admin.export``). Exit status: 0 when every shard answered (and accepted), 1 when one did not
+(one line per shard on stderr), 2 on bad flags.
 """
 
 from __future__ import annotations
