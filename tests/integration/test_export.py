@@ -178,3 +178,24 @@ def test_export_refusals_write_nothing(start_shards, tmp_path: Path) -> None:
     swapped = ps_admin("--servers", f"{shards[1].address},{shards[0].address}", "export", "--out", str(model_file))
     assert swapped.returncode == 1 and "shard-index order" in swapped.stderr
     assert not model_file.exists() and not list(tmp_path.glob(".ps-export-*"))
+
+
+def test_export_rpc_refuses_garbage_and_needs_the_admin_token(start_shards) -> None:
+    import grpc
+
+    (shard,) = start_shards(1, num_workers=1, admin_token="admin-secret", token="worker-secret")
+    with grpc.insecure_channel(shard.address) as channel:
+        call = channel.unary_stream("/ps.v1.Admin/ExportParameters")
+        with pytest.raises(grpc.RpcError) as garbage:
+            list(
+                call(
+                    b"\xff\xff\xff\x0f garbage",
+                    timeout=RPC_TIMEOUT,
+                    metadata=(("authorization", "Bearer admin-secret"),),
+                )
+            )
+        assert garbage.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        worker_token = (("authorization", "Bearer worker-secret"),)
+        with pytest.raises(grpc.RpcError) as refused:
+            list(call(b"", timeout=RPC_TIMEOUT, metadata=worker_token))
+        assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
