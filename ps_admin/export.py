@@ -214,5 +214,12 @@ def add_export_parser(sub: Any, environ: Mapping[str, str]) -> None:
     export = sub.add_parser("export", help="write the shards' model as a torch.save state_dict file", environ=environ)
     export.add_argument("--out", required=True, help="export: the file to write (.pt; .safetensors needs safetensors)")
     export.add_argument(
-        "--deadline", type=float, default=300.0, help="export: seconds each shard's stream may take in all"
+        "--deadline", type=seconds, default=300.0, help="export: seconds each shard's stream may take in all"
     )
+
+
+def seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise ValueError(f"{text} is not > 0")
+    return value
