@@ -4,8 +4,9 @@
 ``WatchStatus`` stream per shard until Ctrl-C or ``--iterations``; ``set`` changes the learning rate
 and mode parameters (``UpdateConfig``) on every shard; ``checkpoint`` has every shard write a
 checkpoint now (``Checkpoint``); ``evict RANK`` stops counting a rank (``EvictWorker``) on every
-shard. Exit status: 0 when every shard answered (and accepted), 1 when one did not (one line per
-shard on stderr), 2 on bad flags.
+shard; ``export --out model.pt`` writes the shards' model as a torch.save state_dict
+(``ps_admin.export``). Exit status: 0 when every shard answered (and accepted), 1 when one did not
+(one line per shard on stderr), 2 on bad flags.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import IO, Any
 import grpc
 
 from ps_admin.client import FATAL, Reply, Watcher, checkpoint, evict_worker, fetch_all, update_config
+from ps_admin.export import add_export_parser, cmd_export
 from ps_admin.view import STATE_NAMES, render_status, render_top, settings_lines, status_json
 from ps_common import jsonout, modes
 from ps_common.channels import credentials, parse_servers, tls_flags
@@ -180,7 +182,7 @@ def admin_parser(environ: Mapping[str, str] | None = None) -> FlagParser:
     p.flag("--admin-token", default="", help="bearer token of ps.v1.Admin (the shards' PS_ADMIN_TOKEN)")
     p.flag("--timeout", type=positive, default=5.0, help="deadline of each call, seconds")
     tls_flags(p)
-    sub = p.add_subparsers(dest="command", required=True, metavar="{status,top,set,checkpoint,evict}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{status,top,set,checkpoint,evict,export}")
     status = sub.add_parser("status", help="print every shard's status once", environ=p.environ)
     status.flag("--json", switch=True, help="status: print one JSON object for scripts")
     top = sub.add_parser("top", help="refresh the status table until Ctrl-C", environ=p.environ)
@@ -197,6 +199,7 @@ def admin_parser(environ: Mapping[str, str] | None = None) -> FlagParser:
     )
     evict = sub.add_parser("evict", help="stop counting a rank on every shard", environ=p.environ)
     evict.add_argument("rank", type=uint32, metavar="RANK", help="the rank to evict; it may rejoin with a restart")
+    add_export_parser(sub, p.environ)  # ps_admin.export
     p.twins += status.twins + top.twins + change.twins  # one list of every flag and twin of the command
     change.set_defaults(set_usage_error=change.error)
     return p
@@ -208,6 +211,7 @@ COMMANDS: dict[str, Callable[[Any, IO[str], IO[str]], int]] = {
     "set": cmd_set,
     "checkpoint": cmd_checkpoint,
     "evict": cmd_evict,
+    "export": cmd_export,
 }
 
 

@@ -16,6 +16,7 @@ from ps_common.wire import MODE_TO_NAME, NAME_TO_MODE, optimizer_to_proto
 from ps_proto.v1 import ps_pb2, ps_pb2_grpc
 from ps_server.checkpointer import Checkpointer
 from ps_server.counters import ShardCounters
+from ps_server.export import export_messages
 from ps_server.rpc import WORKER_STATES, cluster_config, maps_errors, maps_stream_errors
 from ps_server.shard import Shard
 from ps_server.shard_views import StatusView
@@ -170,3 +171,10 @@ class AdminServicer(ps_pb2_grpc.AdminServicer):
     ) -> ps_pb2.EvictWorkerResponse:
         previous, version = self.shard.evict(request.rank)
         return ps_pb2.EvictWorkerResponse(previous_state=WORKER_STATES[previous], version=version)
+
+    @maps_stream_errors
+    def ExportParameters(
+        self, request: ps_pb2.ExportParametersRequest, context: grpc.ServicerContext
+    ) -> Iterator[ps_pb2.ExportParametersResponse]:
+        """The shard's plan, then each partition it owns, at one version (``ps-admin export``)."""
+        yield from export_messages(self.shard)  # ps_server.export; bytes counted by the metrics interceptor

@@ -23,6 +23,7 @@ from ps_worker.calls import DataPath
 from ps_worker.compression import TopK
 from ps_worker.encoding import WIRE_DTYPES, WireCodec
 from ps_worker.errors import reason_of
+from ps_worker.model_io import ModelIO
 from ps_worker.planning import model_plan, model_specs
 from ps_worker.pushpull import PendingPushPull
 from ps_worker.session import Session, SessionView
@@ -35,7 +36,7 @@ if TYPE_CHECKING:
 __all__ = ["PSClient", "PendingPushPull", "model_specs", "reason_of", "WIRE_DTYPES"]
 
 
-class PSClient(SessionView):
+class PSClient(SessionView, ModelIO):
     """A worker's handle on all shards.
 
     Args:
@@ -59,7 +60,8 @@ class PSClient(SessionView):
             magnitude, with error feedback (:class:`~ps_worker.compression.TopK`); 0: dense.
 
     The session's state (``mode``, ``clock``, ``version``, ``versions``, counters...) reads through
-    the client (:class:`~ps_worker.session.SessionView`).
+    the client (:class:`~ps_worker.session.SessionView`); ``PSClient.from_env``, ``state_dict`` and
+    ``pull_into`` come from :class:`~ps_worker.model_io.ModelIO`.
 
     Raises:
         ValueError: bad arguments.
@@ -294,15 +296,3 @@ class PSClient(SessionView):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    @classmethod
-    def from_env(
-        cls, model: torch.nn.Module | None = None, optimizer: Mapping[str, Any] | None = None, **overrides: Any
-    ) -> PSClient:
-        """A client configured by the environment contract (``PS_SERVERS``, ``PS_RANK``, ``PS_NUM_WORKERS``,
-        token, TLS, ``PS_WIRE_DTYPE``...: :data:`ps_worker.env.CONTRACT`), joined with ``model`` when given
-        (``optimizer``: default from ``PS_OPTIMIZER``/``PS_LR``/``PS_MOMENTUM``); ``overrides`` are
-        constructor arguments that win. Raises ``ps_worker.env.EnvError`` naming a missing or invalid variable."""
-        from ps_worker.env import init_from_env
-
-        return init_from_env(model, optimizer, client_class=cls, **overrides)

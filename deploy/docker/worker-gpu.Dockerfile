@@ -18,7 +18,7 @@ WORKDIR /src
 COPY . .
 # The base image's torch satisfies grpc-ps's torch requirement, so pip keeps it (no CPU wheel).
 RUN pip install --no-cache-dir . \
- && python -c "import torch, ps_worker.cli; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
+ && python -c "import torch, ps_worker.cli, ps_worker.entrypoint; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
 # glibc malloc tuned for large gRPC messages (measured 1.4x-6x faster push/pull of multi-MiB
 # partitions): huge pages, no mmap per large buffer, no trimming, one arena. The price is RSS:
 # memory freed by the process is kept for reuse instead of returned to the system. (CUDA's own
@@ -37,4 +37,7 @@ EXPOSE 8000
 # its exit code says how training went. (Its /metrics port shows progress once it is serving.)
 HEALTHCHECK NONE
 # No CMD: the workload comes from PS_WORKLOAD (digits when unset), or an argument after the image.
-ENTRYPOINT ["ps-worker"]
+# ps_worker.entrypoint runs a user's script instead when one is named: `train.py [args]`, `-m
+# pkg.mod [args]`, or PS_SCRIPT / PS_MODULE (docs/user-script-deploy.md); it execs, so signals and
+# the exit status are the program's own.
+ENTRYPOINT ["python", "-m", "ps_worker.entrypoint"]

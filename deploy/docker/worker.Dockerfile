@@ -1,7 +1,8 @@
 # grpc-ps worker (ps-worker), CPU. Build from the repository root:
 #   docker build -f deploy/docker/worker.Dockerfile -t grpc-ps-worker:0.1.0 .
 # Configure with PS_* environment variables (PS_SERVERS, PS_RANK, PS_NUM_WORKERS, PS_STEPS, ...);
-# PS_WORKLOAD or an argument names the workload (digits by default).
+# PS_WORKLOAD or an argument names the workload (digits by default). Your own training script:
+#   docker run ... grpc-ps-worker:0.1.0 train.py --epochs 3     (or -m pkg.mod, or PS_SCRIPT=...)
 # For NVIDIA GPUs use worker-gpu.Dockerfile.
 
 # The base of both stages: the official Python image, or any Debian bookworm with python3,
@@ -56,4 +57,7 @@ EXPOSE 8000
 # its exit code says how training went. (Its /metrics port shows progress once it is serving.)
 HEALTHCHECK NONE
 # No CMD: the workload comes from PS_WORKLOAD (digits when unset), or an argument after the image.
-ENTRYPOINT ["ps-worker"]
+# ps_worker.entrypoint runs a user's script instead when one is named: `train.py [args]`, `-m
+# pkg.mod [args]`, or PS_SCRIPT / PS_MODULE (docs/user-script-deploy.md); it execs, so signals and
+# the exit status are the program's own.
+ENTRYPOINT ["python", "-m", "ps_worker.entrypoint"]

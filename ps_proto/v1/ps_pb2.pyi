@@ -553,3 +553,21 @@ class EvictWorkerResponse(_message.Message):
     previous_state: WorkerState
     version: int
     def __init__(self, previous_state: _Optional[_Union[WorkerState, str]] = ..., version: _Optional[int] = ...) -> None: ...
+
+class ExportParametersRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ExportParametersResponse(_message.Message):
+    __slots__ = ("version", "partition", "plan", "buffers", "shard_index")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    PARTITION_FIELD_NUMBER: _ClassVar[int]
+    PLAN_FIELD_NUMBER: _ClassVar[int]
+    BUFFERS_FIELD_NUMBER: _ClassVar[int]
+    SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    partition: Partition
+    plan: PlanInfo
+    buffers: _containers.RepeatedScalarFieldContainer[str]
+    shard_index: int
+    def __init__(self, version: _Optional[int] = ..., partition: _Optional[_Union[Partition, _Mapping]] = ..., plan: _Optional[_Union[PlanInfo, _Mapping]] = ..., buffers: _Optional[_Iterable[str]] = ..., shard_index: _Optional[int] = ...) -> None: ...

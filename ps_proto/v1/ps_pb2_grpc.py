@@ -490,6 +490,11 @@ class AdminStub:
                 request_serializer=ps__proto_dot_v1_dot_ps__pb2.CheckpointRequest.SerializeToString,
                 response_deserializer=ps__proto_dot_v1_dot_ps__pb2.CheckpointResponse.FromString,
                 _registered_method=True)
+        self.ExportParameters = channel.unary_stream(
+                '/ps.v1.Admin/ExportParameters',
+                request_serializer=ps__proto_dot_v1_dot_ps__pb2.ExportParametersRequest.SerializeToString,
+                response_deserializer=ps__proto_dot_v1_dot_ps__pb2.ExportParametersResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -531,6 +536,14 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ExportParameters(self, request, context):
+        """The shard's parameters at one version, with the plan, for a model file after the workers
+        are gone (ps-admin export); needs no rank, only the admin token.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -558,6 +571,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.Checkpoint,
                     request_deserializer=ps__proto_dot_v1_dot_ps__pb2.CheckpointRequest.FromString,
                     response_serializer=ps__proto_dot_v1_dot_ps__pb2.CheckpointResponse.SerializeToString,
+            ),
+            'ExportParameters': grpc.unary_stream_rpc_method_handler(
+                    servicer.ExportParameters,
+                    request_deserializer=ps__proto_dot_v1_dot_ps__pb2.ExportParametersRequest.FromString,
+                    response_serializer=ps__proto_dot_v1_dot_ps__pb2.ExportParametersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -696,6 +714,33 @@ class Admin:
             '/ps.v1.Admin/Checkpoint',
             ps__proto_dot_v1_dot_ps__pb2.CheckpointRequest.SerializeToString,
             ps__proto_dot_v1_dot_ps__pb2.CheckpointResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExportParameters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/ps.v1.Admin/ExportParameters',
+            ps__proto_dot_v1_dot_ps__pb2.ExportParametersRequest.SerializeToString,
+            ps__proto_dot_v1_dot_ps__pb2.ExportParametersResponse.FromString,
             options,
             channel_credentials,
             insecure,

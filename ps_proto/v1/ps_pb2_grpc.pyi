@@ -184,6 +184,10 @@ class AdminStub:
     """Stop counting a rank now (it may rejoin with a higher incarnation)."""
     Checkpoint: _grpc.UnaryUnaryMultiCallable[_ps_pb2.CheckpointRequest, _ps_pb2.CheckpointResponse]
     """Write a checkpoint now (needs --checkpoint-dir); returns when it is durable."""
+    ExportParameters: _grpc.UnaryStreamMultiCallable[_ps_pb2.ExportParametersRequest, _ps_pb2.ExportParametersResponse]
+    """The shard's parameters at one version, with the plan, for a model file after the workers
+    are gone (ps-admin export); needs no rank, only the admin token.
+    """
 
 @_typing.type_check_only
 class AdminAsyncStub(AdminStub):
@@ -200,6 +204,10 @@ class AdminAsyncStub(AdminStub):
     """Stop counting a rank now (it may rejoin with a higher incarnation)."""
     Checkpoint: _aio.UnaryUnaryMultiCallable[_ps_pb2.CheckpointRequest, _ps_pb2.CheckpointResponse]  # type: ignore[assignment]
     """Write a checkpoint now (needs --checkpoint-dir); returns when it is durable."""
+    ExportParameters: _aio.UnaryStreamMultiCallable[_ps_pb2.ExportParametersRequest, _ps_pb2.ExportParametersResponse]  # type: ignore[assignment]
+    """The shard's parameters at one version, with the plan, for a model file after the workers
+    are gone (ps-admin export); needs no rank, only the admin token.
+    """
 
 class AdminServicer(metaclass=_abc_1.ABCMeta):
     """Operator plane: inspect and steer one shard."""
@@ -243,5 +251,15 @@ class AdminServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_ps_pb2.CheckpointResponse, _abc.Awaitable[_ps_pb2.CheckpointResponse]]:
         """Write a checkpoint now (needs --checkpoint-dir); returns when it is durable."""
+
+    @_abc_1.abstractmethod
+    def ExportParameters(
+        self,
+        request: _ps_pb2.ExportParametersRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_ps_pb2.ExportParametersResponse], _abc.AsyncIterator[_ps_pb2.ExportParametersResponse]]:
+        """The shard's parameters at one version, with the plan, for a model file after the workers
+        are gone (ps-admin export); needs no rank, only the admin token.
+        """
 
 def add_AdminServicer_to_server(servicer: AdminServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

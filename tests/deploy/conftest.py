@@ -45,3 +45,21 @@ def rendered_k8s_yaml(kubectl: str | None) -> str:
 @pytest.fixture(scope="session")
 def rendered_k8s(rendered_k8s_yaml: str) -> list[dict[str, Any]]:
     return [doc for doc in yaml.safe_load_all(rendered_k8s_yaml) if doc]
+
+
+USER_SCRIPT_OVERLAY = REPO / "deploy" / "k8s-overlays" / "user-script"
+
+
+@pytest.fixture(scope="session")
+def rendered_user_script_yaml() -> str:
+    """``kubectl kustomize deploy/k8s-overlays/user-script`` (patches and file generators are beyond
+    kustomize_lite: this one needs kubectl, which .ci/install-deploy-tools.sh provides)."""
+    kubectl = require_tool("kubectl")
+    done = run_tool([kubectl, "kustomize", str(USER_SCRIPT_OVERLAY)], timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+@pytest.fixture(scope="session")
+def rendered_user_script(rendered_user_script_yaml: str) -> list[dict[str, Any]]:
+    return [doc for doc in yaml.safe_load_all(rendered_user_script_yaml) if doc]

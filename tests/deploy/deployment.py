@@ -39,7 +39,10 @@ class Image:
 
     @property
     def command_name(self) -> str:
-        """``ps-server`` or ``ps-worker``: the program the image's ENTRYPOINT runs."""
+        """``ps-server`` or ``ps-worker``: the program the image's ENTRYPOINT runs (the worker
+        images' ``python -m ps_worker.entrypoint`` runs ps-worker or the user's script)."""
+        if self.entrypoint[:3] == ["python", "-m", "ps_worker.entrypoint"]:
+            return "ps-worker"
         return Path(self.entrypoint[0]).name if self.entrypoint else ""
 
 
@@ -124,11 +127,17 @@ def run_tool(argv: list[str], timeout: float = 120, **kwargs: Any) -> subprocess
     return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False, **kwargs)
 
 
-def compose_config(docker_compose: str, env_file: Path) -> dict[str, Any]:
-    """``docker-compose config`` output: the model compose runs, interpolated and merged."""
-    done = run_tool(
-        [docker_compose, "-f", str(REPO / "docker-compose.yml"), "--env-file", str(env_file), "config"], cwd=REPO
-    )
+ENTRYPOINT_ENV = {"PS_SCRIPT", "PS_MODULE"}
+"""What the worker images' entry point reads (ps_worker.entrypoint), beside ps-worker's own twins."""
+
+
+def compose_config(
+    docker_compose: str, env_file: Path, overrides: tuple[Path, ...] = (), env: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """``docker-compose config`` output: the model compose runs, interpolated and merged (with the
+    ``overrides`` files after docker-compose.yml, as ``-f`` would; ``env`` the variables compose sees)."""
+    files = [arg for path in (REPO / "docker-compose.yml", *overrides) for arg in ("-f", str(path))]
+    done = run_tool([docker_compose, *files, "--env-file", str(env_file), "config"], cwd=REPO, env=env)
     if done.returncode != 0:
         raise AssertionError(f"docker-compose config failed:\n{done.stderr}")
     return yaml.safe_load(done.stdout)

@@ -14,13 +14,15 @@ from deployment import REPO, run_tool
 CONFIG = REPO / "deploy" / "checkov.yaml"
 
 
-def test_checkov_passes(rendered_k8s_yaml: str, tmp_path: Path) -> None:
+def run_checkov(files: list[Path], tmp_path: Path) -> dict[str, dict[str, int]]:
+    """checkov with deploy/checkov.yaml on ``files``; asserts no failed check and no parsing error.
+
+    Returns:
+        check type -> its summary (passed, failed, resource_count, ...).
+    """
     checkov = os.environ.get("CHECKOV") or require_tool("checkov", CHECKOV_DEFAULT)
-    rendered = tmp_path / "rendered.yaml"
-    rendered.write_text(rendered_k8s_yaml)
-    dockerfiles = sorted((REPO / "deploy" / "docker").glob("*.Dockerfile"))
     argv = [checkov, "--config-file", str(CONFIG), "--framework", "kubernetes", "dockerfile", "-o", "json"]
-    for path in (rendered, *dockerfiles):
+    for path in files:
         argv += ["-f", str(path)]
     env = {**os.environ, "BC_SKIP_MAPPING": "TRUE"}  # no mapping download: only registries are reachable
     done = run_tool(argv, timeout=180, cwd=tmp_path, env=env)
@@ -29,7 +31,6 @@ def test_checkov_passes(rendered_k8s_yaml: str, tmp_path: Path) -> None:
     reports = reports if isinstance(reports, list) else [reports]
     summaries = {r["check_type"]: r["summary"] for r in reports}
     assert set(summaries) == {"kubernetes", "dockerfile"}, summaries
-    assert summaries["kubernetes"]["resource_count"] >= 8 and summaries["dockerfile"]["resource_count"] == 3
     failed = [
         f"{c['check_id']} {c['check_name']}: {c['resource']} ({c['file_path']})"
         for r in reports
@@ -38,6 +39,22 @@ def test_checkov_passes(rendered_k8s_yaml: str, tmp_path: Path) -> None:
     assert not failed, "\n".join(failed)
     assert all(s["parsing_errors"] == 0 for s in summaries.values()), summaries
     assert done.returncode == 0, done.stderr
+    return summaries
+
+
+def test_checkov_passes(rendered_k8s_yaml: str, tmp_path: Path) -> None:
+    rendered = tmp_path / "rendered.yaml"
+    rendered.write_text(rendered_k8s_yaml)
+    dockerfiles = sorted((REPO / "deploy" / "docker").glob("*.Dockerfile"))
+    summaries = run_checkov([rendered, *dockerfiles], tmp_path)
+    assert summaries["kubernetes"]["resource_count"] >= 8 and summaries["dockerfile"]["resource_count"] == 3
+
+
+def test_checkov_passes_on_the_user_script_overlay_and_image(rendered_user_script_yaml: str, tmp_path: Path) -> None:
+    rendered = tmp_path / "user-script.yaml"
+    rendered.write_text(rendered_user_script_yaml)
+    summaries = run_checkov([rendered, REPO / "deploy" / "docker" / "examples" / "user.Dockerfile"], tmp_path)
+    assert summaries["kubernetes"]["resource_count"] >= 9 and summaries["dockerfile"]["resource_count"] == 1
 
 
 def test_every_skip_has_a_reason() -> None:

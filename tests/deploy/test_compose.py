@@ -100,3 +100,23 @@ def test_prometheus_mounts_its_compose_config(compose_model: dict[str, Any]) -> 
     assert prometheus["image"].startswith("prom/prometheus:v")
     mounts = [v.split(":") for v in prometheus["volumes"]]
     assert [str(REPO / "deploy/prometheus/prometheus-compose.yml"), "/etc/prometheus/prometheus.yml", "ro"] in mounts
+
+
+def test_user_script_override_mounts_the_script_and_needs_it_named(docker_compose: str) -> None:
+    override = ["-f", "docker-compose.yml", "-f", "deploy/compose/user-script.yml", "--env-file", ".env.example"]
+    env = {"PATH": "/usr/local/bin:/usr/bin:/bin"}
+    missing = run_tool([docker_compose, *override, "config", "-q"], timeout=60, cwd=REPO, env=env)
+    assert missing.returncode != 0 and "set PS_USER_SCRIPT to your training script" in missing.stderr
+    done = run_tool(
+        [docker_compose, *override, "config"],
+        timeout=60,
+        cwd=REPO,
+        env={**env, "PS_USER_SCRIPT": "./examples/cnn_digits.py"},
+    )
+    assert done.returncode == 0, done.stderr
+    services = yaml.safe_load(done.stdout)["services"]
+    for name in ("worker-0", "worker-1"):
+        assert services[name]["environment"]["PS_SCRIPT"] == "/opt/grpc-ps-user/train.py"
+        assert services[name]["volumes"] == [f"{REPO / 'examples/cnn_digits.py'}:/opt/grpc-ps-user/train.py:ro"]
+        assert services[name]["read_only"] is True, "the override keeps the workers locked down"
+    assert "volumes" not in services["worker-gpu-0"] and "PS_SCRIPT" not in services["ps-0"]["environment"]

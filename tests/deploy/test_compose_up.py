@@ -18,6 +18,7 @@ import secrets
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.parse
 import urllib.request
@@ -77,7 +78,7 @@ def _strict_json(line: str) -> dict[str, Any]:
 class Compose:
     """One compose project of docker-compose.yml + the CI override, driven by docker-compose."""
 
-    def __init__(self, docker: str, compose: str, workdir: Path) -> None:
+    def __init__(self, docker: str, compose: str, workdir: Path, overrides: tuple[Path, ...] = (), **env: str) -> None:
         self.docker, self.compose = docker, compose
         self.project = f"grpc-ps-ci-{secrets.token_hex(4)}"
         self.prometheus_port = _free_port()
@@ -92,6 +93,7 @@ class Compose:
             "PS_1_PORT": str(_free_port()),
             "PROMETHEUS_PORT": str(self.prometheus_port),
             "COMPOSE_HTTP_TIMEOUT": "300",
+            **env,
         }
         self.base = [
             compose,
@@ -105,6 +107,7 @@ class Compose:
             str(REPO / "docker-compose.yml"),
             "-f",
             str(REPO / ".ci" / "docker-compose.ci.yml"),
+            *(arg for path in overrides for arg in ("-f", str(path))),
         ]
 
     def run(self, *args: str, timeout: float = COMMAND_TIMEOUT, check: bool = True) -> subprocess.CompletedProcess:
@@ -195,6 +198,18 @@ class Compose:
 def compose(tmp_path: Path) -> Iterator[Compose]:
     docker, compose_bin = _engine()
     project = Compose(docker, compose_bin, tmp_path)
+    try:
+        yield project
+    finally:
+        project.down()
+
+
+@pytest.fixture
+def compose_user_script(tmp_path: Path) -> Iterator[Compose]:
+    """The project with deploy/compose/user-script.yml on top, running examples/cnn_digits.py."""
+    docker, compose_bin = _engine()
+    override = REPO / "deploy" / "compose" / "user-script.yml"
+    project = Compose(docker, compose_bin, tmp_path, (override,), PS_USER_SCRIPT="./examples/cnn_digits.py")
     try:
         yield project
     finally:
@@ -299,3 +314,65 @@ def test_compose_up_survives_a_killed_shard(compose: Compose) -> None:
     )
     summaries = _check_trained(compose)
     print(f"killed ps-1 at version {version}; accuracies {[s['accuracy'] for s in summaries]}")
+
+
+def test_compose_user_script_override_trains_and_the_model_is_exported(
+    compose_user_script: Compose, tmp_path: Path
+) -> None:
+    """The override runs examples/cnn_digits.py in the worker containers (image unchanged); once both
+    exited, `ps-admin export` on the host writes the model, which loads into the example's CNN and
+    scores the accuracy the workers reported (sync: both ranks end on the same weights and buffers)."""
+    import runpy
+
+    import torch
+
+    project = compose_user_script
+    project.run("up", "-d", "--no-build", timeout=UP_TIMEOUT)
+    summaries = _check_trained(project)
+    assert {s["accuracy"] for s in summaries} == {summaries[0]["accuracy"]}, summaries
+    # from the host, through the ports compose publishes on 127.0.0.1, as docs/user-script-deploy.md says
+    servers = f"127.0.0.1:{project.env['PS_0_PORT']},127.0.0.1:{project.env['PS_1_PORT']}"
+    token = project.env["PS_ADMIN_TOKEN"]
+    export = [sys.executable, "-m", "ps_admin.cli", "--servers", servers, "--admin-token", token]
+    done = subprocess.run(
+        [*export, "export", "--out", str(tmp_path / "model.pt")],
+        capture_output=True, text=True, timeout=COMMAND_TIMEOUT, cwd=REPO, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr + project.all_logs()
+    example = runpy.run_path(str(REPO / "examples" / "cnn_digits.py"))  # its model and its held-out split
+    model = example["cnn"](16)
+    model.load_state_dict(torch.load(tmp_path / "model.pt", weights_only=True))
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    x, y = load_digits(return_X_y=True)
+    x = torch.tensor(x / 16.0, dtype=torch.float32).reshape(-1, 1, 8, 8)
+    _, x_test, _, y_test = train_test_split(x, torch.tensor(y), test_size=0.2, random_state=0, stratify=y)
+    model.eval()
+    with torch.no_grad():
+        accuracy = float((model(x_test).argmax(1) == y_test).float().mean())
+    assert accuracy == summaries[0]["accuracy"], (accuracy, summaries)
+
+
+def test_bring_your_own_image_runs_the_copied_script_with_its_args(tmp_path: Path) -> None:
+    """deploy/docker/examples/user.Dockerfile on top of the built worker image: the script it
+    copies runs as the container's process, with the arguments after the image."""
+    docker, _ = _engine()
+    (tmp_path / "train.py").write_text("import os, sys\nprint(sys.argv[1:], os.environ['PS_RANK'], os.getpid())\n")
+    tag = f"grpc-ps-ci-user:{secrets.token_hex(4)}"
+    dockerfile = REPO / "deploy" / "docker" / "examples" / "user.Dockerfile"
+    env = {**os.environ, "DOCKER_BUILDKIT": "0"}
+    try:
+        built = subprocess.run(
+            [docker, "build", "--network", "none", "-f", str(dockerfile), "-t", tag, str(tmp_path)],
+            capture_output=True, text=True, timeout=COMMAND_TIMEOUT, env=env, stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+        assert built.returncode == 0, built.stdout[-3000:] + built.stderr
+        ran = subprocess.run(
+            [docker, "run", "--rm", "--network", "none", "--read-only", "-e", "PS_RANK=1", tag, "--epochs", "3"],
+            capture_output=True, text=True, timeout=COMMAND_TIMEOUT, env=env, stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+        assert ran.returncode == 0, ran.stderr
+        assert ran.stdout.strip() == "['--epochs', '3'] 1 1", "the script must be PID 1 (exec), with its args"
+    finally:
+        subprocess.run([docker, "rmi", "-f", tag], capture_output=True, timeout=COMMAND_TIMEOUT, env=env)

@@ -51,7 +51,8 @@ def test_entrypoints_and_health_checks() -> None:
     for name, device in (("worker.Dockerfile", "cpu"), ("worker-gpu.Dockerfile", "cuda")):
         worker = parse_dockerfile(REPO / "deploy" / "docker" / name)
         # No CMD: a CMD workload would override PS_WORKLOAD.
-        assert worker.entrypoint == ["ps-worker"] and worker.cmd == []
+        # ps-worker, or the user's script when one is named (ps_worker.entrypoint)
+        assert worker.entrypoint == ["python", "-m", "ps_worker.entrypoint"] and worker.cmd == []
         assert worker.env["PS_DEVICE"] == device
 
 
@@ -60,3 +61,18 @@ def test_dockerignore_is_an_allowlist() -> None:
     assert lines[0] == "*"
     assert {"!pyproject.toml", "!ps_proto/", "!ps_server/", "!ps_worker/"} <= set(lines)
     assert not any(line in ("!.env", "!.venv", "!.git") for line in lines)
+
+
+USER_DOCKERFILE = REPO / "deploy" / "docker" / "examples" / "user.Dockerfile"
+
+
+def test_bring_your_own_image_example_is_hadolint_clean_and_runs_the_script() -> None:
+    hadolint = require_tool("hadolint")
+    done = run_tool([hadolint, "--no-color", str(USER_DOCKERFILE)], timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    text = USER_DOCKERFILE.read_text()
+    assert "ARG WORKER_IMAGE=grpc-ps-worker:0.1.0\nFROM ${WORKER_IMAGE}\n" in text
+    image = parse_dockerfile(USER_DOCKERFILE)
+    assert image.entrypoint == [] and image.cmd == [], "the worker image's entry point must stay in force"
+    assert image.env["PS_SCRIPT"] == "/opt/grpc-ps-user/train.py"
+    assert "COPY --chown=10001:10001 train.py ./" in text and "WORKDIR /opt/grpc-ps-user" in text

@@ -239,3 +239,39 @@ def test_worker_wrapper_passes_failures_and_sigterm_through(rendered_k8s: list[d
     finally:
         assert group_gone(running)
         running.communicate(timeout=10)
+
+
+# ---------------------------------------------------------------------------------------- user-script overlay
+OVERLAY = REPO / "deploy" / "k8s-overlays" / "user-script"
+
+
+@pytest.mark.parametrize("version", ["1.30", None], ids=["k8s-1.30", "k8s-newest"])
+def test_user_script_overlay_validates_strict(rendered_user_script_yaml: str, version: str | None) -> None:
+    validate = require_tool("kubernetes-validate")
+    argv = [validate, "--strict", "--quiet", *(["-k", version] if version else []), "-"]
+    done = run_tool(argv, timeout=120, input=rendered_user_script_yaml)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_user_script_overlay_changes_only_the_workers_program(
+    rendered_k8s: list[dict[str, Any]], rendered_user_script: list[dict[str, Any]]
+) -> None:
+    (config_map,) = [r for r in rendered_user_script if r["metadata"]["name"].startswith("grpc-ps-user-script-")]
+    assert config_map["metadata"]["namespace"] == "grpc-ps"
+    assert config_map["data"] == {"train.py": (OVERLAY / "train.py").read_text()}
+    assert (OVERLAY / "train.py").read_text() == (REPO / "examples" / "cnn_digits.py").read_text()
+    sts = by_kind(rendered_user_script, "StatefulSet", "worker")
+    c, pod = container(sts), sts["spec"]["template"]["spec"]
+    assert env_of(c)["PS_SCRIPT"] == "/opt/grpc-ps-user/train.py"
+    assert {"name": "user-script", "mountPath": "/opt/grpc-ps-user", "readOnly": True} in c["volumeMounts"]
+    assert {"name": "user-script", "configMap": {"name": config_map["metadata"]["name"]}} in pod["volumes"]
+    # Everything else as deploy/k8s renders it: the same shards, services, secret, rank and token wiring.
+    base_worker = by_kind(rendered_k8s, "StatefulSet", "worker")
+    base_c = container(base_worker)
+    assert {k: v for k, v in env_of(c).items() if k != "PS_SCRIPT"} == env_of(base_c)
+    assert c["command"] == base_c["command"] and c["image"] == base_c["image"]
+    assert c["securityContext"] == base_c["securityContext"]
+    others = lambda rs: sorted(  # noqa: E731
+        (json.dumps(r, sort_keys=True) for r in rs if r["kind"] != "StatefulSet" or r["metadata"]["name"] != "worker"),
+    )
+    assert others(r for r in rendered_user_script if r is not config_map) == others(rendered_k8s)

@@ -1,0 +1,226 @@
+"""``ps-admin export``: the model held by every shard, as one ``torch.save`` state_dict file.
+
+Each shard streams its plan and its partitions (``Admin/ExportParameters``, admin token, no rank:
+the workers may all have exited); the partitions are laid back into full tensors of the plan's
+shapes and written with ``torch.save``, a plain ``{key: tensor}`` dict that
+``model.load_state_dict(torch.load(path, weights_only=True))`` reads without grpc-ps installed.
+torch is imported inside the command only: ``ps-admin`` stays torch-free at import.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+from collections.abc import Mapping, Sequence
+from concurrent import futures
+from dataclasses import dataclass, field
+from typing import IO, Any
+
+import grpc
+
+from ps_admin.client import CHANNEL_OPTIONS, error_line, metadata_of
+from ps_common.channels import secure_or_plain
+from ps_proto.v1 import ps_pb2, ps_pb2_grpc
+
+INTEGER_BUFFER_SUFFIX = ".num_batches_tracked"
+"""Buffers that travel as float64 but are int64 in torch (BatchNorm's step counter): written back
+as int64 so the file's dtypes are those of ``model.state_dict()``."""
+
+
+@dataclass
+class ShardExport:
+    """What one shard sent: its first message (plan, buffers, index) and its partitions, or the
+    error of its call."""
+
+    position: int
+    address: str
+    head: ps_pb2.ExportParametersResponse | None = None
+    partitions: list[ps_pb2.Partition] = field(default_factory=list)
+    code: grpc.StatusCode | None = None
+    details: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.head is not None and self.code is None
+
+    def error_line(self) -> str:
+        return error_line(self.address, self.code, self.details)
+
+
+def fetch_shard(
+    position: int, address: str, token: str, deadline: float, creds: grpc.ChannelCredentials | None = None
+) -> ShardExport:
+    """One shard's ExportParameters stream, read to its end within ``deadline`` seconds; a failed
+    call is returned as a result (``code``, ``details``), never raised."""
+    from ps_common.frames import MESSAGE_OVERHEAD_BYTES  # imports torch: only when exporting
+    from ps_common.plan import MAX_PARTITION_BYTES
+
+    result = ShardExport(position, address)
+    # the largest partition a plan allows plus room for its fields (the shard's --max-message-bytes
+    # bounds what it sends)
+    options = (*CHANNEL_OPTIONS, ("grpc.max_receive_message_length", MAX_PARTITION_BYTES + MESSAGE_OVERHEAD_BYTES))
+    with secure_or_plain(address, creds, options) as ch:
+        try:
+            call = ps_pb2_grpc.AdminStub(ch).ExportParameters(
+                ps_pb2.ExportParametersRequest(), timeout=deadline, metadata=metadata_of(token)
+            )
+            for reply in call:
+                if result.head is None:
+                    result.head = reply
+                elif reply.HasField("partition"):
+                    result.partitions.append(reply.partition)
+        except grpc.RpcError as exc:
+            result.code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
+            result.details = (exc.details() if hasattr(exc, "details") else str(exc)) or ""
+    if result.code is None and result.head is None:
+        result.code, result.details = grpc.StatusCode.UNKNOWN, "the shard sent no message"
+    return result
+
+
+def fetch_all(
+    addresses: Sequence[str], token: str, deadline: float, creds: grpc.ChannelCredentials | None = None
+) -> list[ShardExport]:
+    """Every shard's export, asked in parallel; one result per address, in order."""
+    with futures.ThreadPoolExecutor(max_workers=max(1, min(16, len(addresses)))) as pool:
+        return list(pool.map(lambda k: fetch_shard(k, addresses[k], token, deadline, creds), range(len(addresses))))
+
+
+class ExportError(ValueError):
+    """The shards' answers do not make one model (another cluster listed, a partition missing)."""
+
+
+def assemble(exports: Sequence[ShardExport]) -> tuple[dict[str, Any], list[int]]:
+    """Full tensors of every plan key from the shards' partitions.
+
+    Args:
+        exports: one successful :class:`ShardExport` per shard, in shard-index order.
+
+    Returns:
+        (state_dict, versions): key -> CPU tensor of the plan's shape and dtype (float32, float16,
+        bfloat16 or float64; ``*.num_batches_tracked`` buffers int64), in plan order; and each
+        shard's version.
+
+    Raises:
+        ExportError: the shards disagree on the plan, one is listed at the wrong position, or the
+            partitions do not cover every element exactly once.
+    """
+    import torch  # lazily: ps-admin imports no torch until a model is exported
+
+    from ps_common import errors
+    from ps_common.codec import decode, dtype_from_proto, torch_dtype
+    from ps_common.plan import make_plan
+    from ps_common.wire import specs_from_proto
+
+    plan = exports[0].head.plan  # type: ignore[union-attr]
+    for position, e in enumerate(exports):
+        assert e.head is not None
+        if e.head.plan.digest != plan.digest:
+            raise ExportError(
+                f"{e.address} holds another model (plan {e.head.plan.digest[:12]} vs {plan.digest[:12]}); "
+                "list the shards of one cluster."
+            )
+        if e.head.shard_index != position or plan.num_shards != len(exports):
+            raise ExportError(
+                f"{e.address} is shard {e.head.shard_index} of {plan.num_shards}, listed at position {position} "
+                f"of {len(exports)}; list every shard in shard-index order."
+            )
+    specs = specs_from_proto(plan.specs)
+    # each partition of the plan exactly once, from the shard that owns it, in the parameter's dtype
+    dtypes = {s.key: s.dtype for s in plan.specs}
+    layout = make_plan(specs, plan.num_shards, plan.partition_bytes).partitions
+    expected = {(p.key, p.offset, p.length, p.shard) for p in layout}
+    got = [(p.key, p.offset, p.length, k) for k, e in enumerate(exports) for p in e.partitions if p.key in dtypes]
+    wrong = {p.key for e in exports for p in e.partitions if p.dtype != dtypes.get(p.key)}
+    if wrong or len(got) != len(expected) or set(got) != expected:
+        keys = sorted(wrong | {key for key, *_ in expected.symmetric_difference(got)})
+        raise ExportError(f"The shards' partitions do not cover {keys[:4]} exactly once; export again.")
+    flats = {s.key: torch.empty(math.prod(s.shape), dtype=torch_dtype(s.dtype)) for s in specs}
+    for e in exports:
+        for p in e.partitions:
+            try:
+                flats[p.key][p.offset : p.offset + p.length] = decode(p.data, dtype_from_proto(p.dtype), p.length)
+            except errors.InvalidRequestError as exc:
+                raise ExportError(f"{e.address} sent a malformed partition of {p.key}: {exc}") from None
+    buffers = set(exports[0].head.buffers)  # type: ignore[union-attr]
+    state: dict[str, Any] = {}
+    for s in plan.specs:
+        t = flats[s.key].view(tuple(s.shape))
+        if s.key in buffers and s.key.endswith(INTEGER_BUFFER_SUFFIX):
+            t = t.to(torch.int64)
+        state[s.key] = t
+    return state, [e.head.version for e in exports]  # type: ignore[union-attr]
+
+
+def save(state: Mapping[str, Any], path: str) -> None:
+    """Write ``state`` to ``path`` atomically (a temp file in the same directory, then a rename):
+    ``torch.save``, or safetensors when ``path`` ends in ``.safetensors``.
+
+    Raises:
+        ExportError: ``.safetensors`` asked for but the safetensors package is not installed.
+        OSError: the file cannot be written.
+    """
+    import torch
+
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".ps-export-", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            if path.endswith(".safetensors"):
+                try:
+                    from safetensors.torch import save
+                except ImportError:
+                    missing = "Writing .safetensors needs `pip install safetensors`; or use a .pt path."
+                    raise ExportError(missing) from None
+                f.write(save({k: v.contiguous() for k, v in state.items()}))
+            else:
+                torch.save(dict(state), f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def cmd_export(args: Any, out: IO[str], err: IO[str]) -> int:
+    """``ps-admin export --out PATH``: exit 0 when the file is written, 1 when a shard failed or the
+    answers do not make one model."""
+    exports = fetch_all(args.servers, args.admin_token, args.deadline, args.creds)
+    failed = [e for e in exports if not e.ok]
+    for e in failed:
+        print(e.error_line(), file=err)
+    if failed:
+        print(f"ps-admin: export: {len(failed)} of {len(exports)} shards did not answer; nothing written.", file=err)
+        return 1
+    try:
+        state, versions = assemble(exports)
+        save(state, args.out)
+    except (ExportError, OSError) as exc:
+        print(f"ps-admin: export: {exc}", file=err)
+        return 1
+    if len(set(versions)) > 1:
+        print(
+            f"ps-admin: export: the shards were at different versions {versions} (training still running?); "
+            "each shard's part is of its own version.",
+            file=err,
+        )
+    numel = sum(t.numel() for t in state.values())
+    print(f"wrote {args.out}: {len(state)} tensors, {numel} elements, version {max(versions)}", file=out)
+    return 0
+
+
+def add_export_parser(sub: Any, environ: Mapping[str, str]) -> None:
+    """The ``export`` subcommand on ``ps-admin``'s subparsers (flags without PS_* twins)."""
+    export = sub.add_parser("export", help="write the shards' model as a torch.save state_dict file", environ=environ)
+    export.add_argument("--out", required=True, help="export: the file to write (.pt; .safetensors needs safetensors)")
+    export.add_argument(
+        "--deadline", type=seconds, default=300.0, help="export: seconds each shard's stream may take in all"
+    )
+
+
+def seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise ValueError(f"{text} is not > 0")
+    return value

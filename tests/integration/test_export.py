@@ -1,0 +1,201 @@
+"""Model export: a finished job's model from its shards, after every worker has exited.
+
+``ps-admin export`` (Admin/ExportParameters) writes a ``torch.save`` state_dict that a process
+importing only torch loads into the same architecture; ``ps_worker.export`` assembles the same
+tensors through a joined client's pull.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+import torch
+
+from ps_server.server import ShardServer
+from ps_worker import DistributedOptimizer, PSClient
+from ps_worker.export import pull_into
+from ps_worker.workloads.digits import DigitsWorkload
+from tests.conftest import RPC_TIMEOUT
+
+ROOT = Path(__file__).resolve().parents[2]
+PROCESS_TIMEOUT = 240
+
+
+def servers_of(shards: Sequence[ShardServer]) -> str:
+    return ",".join(s.address for s in shards)
+
+
+def ps_admin(*args: str) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "ps_admin.cli", "--timeout", str(RPC_TIMEOUT), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=PROCESS_TIMEOUT, cwd=ROOT)
+
+
+# A process that imports torch and nothing of grpc-ps (a finder refuses ps_*; -I leaves the
+# checkout off sys.path): the digits MLP, the exported file, the held-out set; prints accuracy.
+FRESH = textwrap.dedent(
+    """
+    import hashlib, importlib.abc, json, sys
+
+    class NoGrpcPs(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] in ("ps_common", "ps_worker", "ps_server", "ps_admin", "ps_proto"):
+                raise ImportError("grpc-ps must not be needed to load an exported model: " + name)
+            return None
+
+    sys.meta_path.insert(0, NoGrpcPs())
+    import torch
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
+    model.load_state_dict(torch.load(sys.argv[1], weights_only=True))
+    x, y = torch.load(sys.argv[2], weights_only=True)
+    with torch.no_grad():
+        accuracy = float((model(x).argmax(1) == y).float().mean())
+    h = hashlib.sha256()
+    for key, p in model.named_parameters():  # as ps_worker.train.params_sha256
+        h.update(key.encode())
+        h.update(p.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    loaded = sorted(m for m in sys.modules if m.split(".")[0].startswith("ps_"))
+    print(json.dumps({"accuracy": accuracy, "params_sha256": h.hexdigest(), "grpc_ps_modules": loaded}))
+    """
+)
+
+
+def test_export_after_every_worker_exited_loads_without_grpc_ps(start_cluster, tmp_path: Path) -> None:
+    shards = start_cluster(2, num_workers=2, admin_token="admin-secret", token="worker-secret")
+    env = {**os.environ, "PS_TOKEN": "worker-secret", "PYTHONPATH": str(ROOT)}
+    workers = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "ps_worker.cli",
+                *("--servers", servers_of(shards), "--rank", str(rank), "--num-workers", "2"),
+                *("--steps", "40", "--batch-size", "32", "--metrics-port", "-1", "--device", "cpu", "--json"),
+                "digits",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            cwd=ROOT,
+        )
+        for rank in range(2)
+    ]
+    summaries = []
+    for w in workers:
+        try:
+            out, err = w.communicate(timeout=PROCESS_TIMEOUT)
+        finally:
+            w.kill()
+        assert w.returncode == 0, err[-2000:]
+        summaries.append(json.loads(out.strip().splitlines()[-1]))
+    assert summaries[0]["params_sha256"] == summaries[1]["params_sha256"]
+
+    model_file = tmp_path / "model.pt"
+    refused = ps_admin("--servers", servers_of(shards), "export", "--out", str(model_file))
+    assert refused.returncode == 1 and "UNAUTHENTICATED" in refused.stderr and not model_file.exists()
+    admin = ("--servers", servers_of(shards), "--admin-token", "admin-secret")
+    done = ps_admin(*admin, "export", "--out", str(model_file))
+    assert done.returncode == 0, done.stderr
+    assert f"wrote {model_file}: 4 tensors" in done.stdout
+
+    _, held_out = DigitsWorkload().datasets()
+    torch.save(list(held_out.tensors), tmp_path / "held_out.pt")
+    fresh = subprocess.run(
+        [sys.executable, "-I", "-c", FRESH, str(model_file), str(tmp_path / "held_out.pt")],
+        capture_output=True,
+        text=True,
+        timeout=PROCESS_TIMEOUT,
+        cwd=tmp_path,
+    )
+    assert fresh.returncode == 0, fresh.stderr
+    result = json.loads(fresh.stdout.strip().splitlines()[-1])
+    assert result["grpc_ps_modules"] == []
+    assert result["params_sha256"] == summaries[0]["params_sha256"]  # bitwise the workers' final model
+    assert result["accuracy"] == pytest.approx(summaries[0]["accuracy"], abs=1e-9)
+
+
+class WithBatchNorm(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 6)
+        self.bn = torch.nn.BatchNorm1d(6)
+        self.out = torch.nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(self.bn(self.fc(x))))
+
+
+def test_client_state_dict_and_pull_into_match_the_exported_file(start_cluster, tmp_path: Path) -> None:
+    shards = start_cluster(2, num_workers=1)
+    torch.manual_seed(0)
+    model = WithBatchNorm()
+    with PSClient([s.address for s in shards], rank=0, num_workers=1, timeout=RPC_TIMEOUT, partition_bytes=64) as c:
+        c.init(model, {"name": "sgd", "lr": 0.1})
+        opt = DistributedOptimizer(model, c)
+        for _ in range(3):
+            opt.zero_grad()
+            model(torch.randn(16, 8)).square().mean().backward()
+            opt.step()
+        assert c.plan is not None and len(c.plan.owned_by(0)) > 1 and len(c.plan.owned_by(1)) > 1
+        values = c.state_dict(like=model.state_dict())
+        assert list(values) == [k for k, _ in model.named_parameters()] + [k for k, _ in model.named_buffers()]
+        assert values["bn.num_batches_tracked"].dtype == torch.int64
+        for key, t in model.state_dict().items():
+            assert torch.equal(values[key], t), key
+        fresh = WithBatchNorm()
+        assert c.pull_into(fresh) == c.version
+        for key, t in model.state_dict().items():
+            assert torch.equal(fresh.state_dict()[key], t), key
+        with pytest.raises(KeyError, match="no"):
+            pull_into(c, torch.nn.Linear(8, 3))
+
+    model_file = tmp_path / "model.pt"
+    done = ps_admin("--servers", servers_of(shards), "export", "--out", str(model_file))
+    assert done.returncode == 0, done.stderr
+    exported = torch.load(model_file, weights_only=True)
+    assert list(exported) == list(values)
+    for key, t in values.items():
+        assert exported[key].dtype == t.dtype and torch.equal(exported[key], t), key
+    loaded = WithBatchNorm()
+    loaded.load_state_dict(exported)  # strict: every key, every shape
+
+
+def test_export_refusals_write_nothing(start_cluster, tmp_path: Path) -> None:
+    shards = start_cluster(2, num_workers=1)
+    model_file = tmp_path / "model.pt"
+    early = ps_admin("--servers", servers_of(shards), "export", "--out", str(model_file))
+    assert early.returncode == 1 and "FAILED_PRECONDITION" in early.stderr and "rank 0 has not" in early.stderr
+    with PSClient([s.address for s in shards], rank=0, num_workers=1, timeout=RPC_TIMEOUT) as c:
+        c.init(torch.nn.Linear(4, 2))
+    swapped = ps_admin("--servers", f"{shards[1].address},{shards[0].address}", "export", "--out", str(model_file))
+    assert swapped.returncode == 1 and "shard-index order" in swapped.stderr
+    assert not model_file.exists() and not list(tmp_path.glob(".ps-export-*"))
+
+
+def test_export_rpc_refuses_garbage_and_needs_the_admin_token(start_cluster) -> None:
+    import grpc
+
+    (shard,) = start_cluster(1, num_workers=1, admin_token="admin-secret", token="worker-secret")
+    with grpc.insecure_channel(shard.address) as channel:
+        call = channel.unary_stream("/ps.v1.Admin/ExportParameters")
+        with pytest.raises(grpc.RpcError) as garbage:
+            list(
+                call(
+                    b"\xff\xff\xff\x0f garbage",
+                    timeout=RPC_TIMEOUT,
+                    metadata=(("authorization", "Bearer admin-secret"),),
+                )
+            )
+        assert garbage.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        worker_token = (("authorization", "Bearer worker-secret"),)
+        with pytest.raises(grpc.RpcError) as refused:
+            list(call(b"", timeout=RPC_TIMEOUT, metadata=worker_token))
+        assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED

@@ -1,0 +1,102 @@
+"""Export without sockets: a shard's ExportParameters messages (ps_server.export) and their
+assembly into full tensors (ps_admin.export), over a fake shard's checkpoint snapshot."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from ps_admin.export import ExportError, ShardExport, assemble
+from ps_common import errors
+from ps_common.plan import ParameterSpec, make_plan
+from ps_server.export import export_messages
+
+SPECS = [
+    ParameterSpec("fc.weight", (6, 8), "float32"),
+    ParameterSpec("fc.bias", (6,), "float32"),
+    ParameterSpec("bn.num_batches_tracked", (), "float64"),
+    ParameterSpec("emb", (5, 4), "bfloat16"),
+]
+PLAN = make_plan(SPECS, 2, partition_bytes=32)
+FULL = {
+    "fc.weight": torch.randn(6, 8),
+    "fc.bias": torch.randn(6),
+    "bn.num_batches_tracked": torch.tensor(7.0, dtype=torch.float64),
+    "emb": torch.randn(5, 4).to(torch.bfloat16),
+}
+
+
+class FakeShard:
+    """The two things export_messages uses of a Shard: its index and export_state()."""
+
+    def __init__(self, shard_index: int, initialized: bool = True) -> None:
+        self.shard_index = shard_index
+        self.initialized = initialized
+
+    def export_state(self) -> dict[str, Any]:
+        if not self.initialized:
+            raise errors.NotInitializedError("nothing to checkpoint before Init")
+        owned = PLAN.owned_by(self.shard_index)
+        return {
+            "plan": {
+                "specs": [[s.key, list(s.shape), s.dtype] for s in SPECS],
+                "num_shards": PLAN.num_shards,
+                "partition_bytes": PLAN.partition_bytes,
+                "digest": PLAN.digest,
+            },
+            "tensors": [FULL[p.key].reshape(-1)[p.offset : p.offset + p.length].clone() for p in owned],
+            "optimizer": {"name": "sgd", "kwargs": {"lr": 0.1}, "groups": [], "buffers": ["bn.num_batches_tracked"]},
+            "version": 12,
+        }
+
+
+def shard_export(k: int, address: str = "") -> ShardExport:
+    head, *rest = export_messages(FakeShard(k))
+    return ShardExport(k, address or f"127.0.0.1:{5000 + k}", head, [m.partition for m in rest])
+
+
+def test_each_shard_sends_its_plan_first_then_one_partition_per_message() -> None:
+    head, *rest = export_messages(FakeShard(1))
+    assert head.shard_index == 1 and head.version == 12 and not head.HasField("partition")
+    assert [s.key for s in head.plan.specs] == [s.key for s in SPECS] and head.plan.digest == PLAN.digest
+    assert list(head.buffers) == ["bn.num_batches_tracked"]
+    owned = PLAN.owned_by(1)
+    assert [(m.partition.key, m.partition.offset, m.partition.length) for m in rest] == [
+        (p.key, p.offset, p.length) for p in owned
+    ]
+    assert all(m.version == 12 and len(m.partition.data) <= PLAN.partition_bytes for m in rest)
+
+
+def test_an_uninitialized_shard_says_so() -> None:
+    with pytest.raises(errors.NotInitializedError, match="rank 0 has not initialized it"):
+        list(export_messages(FakeShard(0, initialized=False)))
+
+
+def test_assembled_tensors_are_the_full_parameters_with_their_dtypes() -> None:
+    state, versions = assemble([shard_export(0), shard_export(1)])
+    assert versions == [12, 12] and list(state) == [s.key for s in SPECS]
+    for key, t in FULL.items():
+        if key == "bn.num_batches_tracked":
+            assert state[key].dtype == torch.int64 and int(state[key]) == 7
+        else:
+            assert state[key].dtype == t.dtype and torch.equal(state[key], t), key
+
+
+def test_shards_out_of_order_or_missing_partitions_are_refused() -> None:
+    with pytest.raises(ExportError, match="shard-index order"):
+        assemble([shard_export(1), shard_export(0)])
+    short = shard_export(1)
+    short.partitions.pop()
+    with pytest.raises(ExportError, match="do not cover"):
+        assemble([shard_export(0), short])
+    twice = shard_export(1)
+    twice.partitions.append(twice.partitions[0])
+    with pytest.raises(ExportError, match="do not cover"):
+        assemble([shard_export(0), twice])
+    other = shard_export(1)
+    assert other.head is not None
+    other.head.plan.digest = "0" * 64
+    with pytest.raises(ExportError, match="another model"):
+        assemble([shard_export(0), other])
