@@ -345,31 +345,3 @@ class CheckpointStore:
                 log.warning("Could not remove old checkpoint %s: %s", c.path, exc.strerror)
             else:
                 log.debug("Removed old checkpoint %s", c.path)
-
-    def _read(self, path: Path, version: int) -> tuple[dict[str, Any], str | None]:
-        """(state, None) for a valid file, else ({}, why it is not valid)."""
-        try:
-            env = torch.load(path, weights_only=True, map_location="cpu")
-        except MemoryError:
-            raise
-        except Exception as exc:  # torn zip, bad pickle, disallowed global, I/O error: all mean unusable
-            detail = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-            return {}, f"does not load with torch.load(weights_only=True) ({type(exc).__name__}: {detail[:160]})"
-        if not isinstance(env, dict) or env.get("format") != FORMAT:
-            return {}, f"is not a {FORMAT} file"
-        if env.get("format_version") != FORMAT_VERSION:
-            return {}, f"has format version {env.get('format_version')!r}; this grpc-ps reads {FORMAT_VERSION}"
-        if env.get("shard_index") != self.shard_index:
-            return {}, f"belongs to shard {env.get('shard_index')!r}, not shard {self.shard_index}"
-        if env.get("version") != version:
-            return {}, f"holds version {env.get('version')!r} but its file name says {version}"
-        if not isinstance(env.get("state"), dict):
-            return {}, "has no state dict"
-        body = {k: env[k] for k in ("format", "format_version", "shard_index", "version", "state")}
-        try:
-            ok = digest(body) == env.get("sha256")
-        except TypeError as exc:
-            return {}, f"holds a value a checkpoint may not hold ({exc})"
-        if not ok:
-            return {}, "fails its sha256 digest check (the file is corrupt)"
-        return env["state"], None
