@@ -1,0 +1,208 @@
+"""The report of ``run.py``: the samples per series, the ratios the performance issue targets, the table
+and the JSON."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from _common import GLIBC_TUNABLES, describe
+from systems import Size
+
+
+@dataclass
+class Series:
+    """Samples of one (size, system, series, rank), per round."""
+
+    size: Size
+    system: str
+    family: str
+    series: str
+    rank: int
+    rounds: list[list[float]] = field(default_factory=list)
+    cpu: list[float] = field(default_factory=list)
+    """CPU seconds per step of all the system's processes, one value per round."""
+
+    @property
+    def samples(self) -> list[float]:
+        return [s for r in self.rounds for s in r]
+
+
+def find(results: Sequence[Series], size: str, system: str, series: str | None = None) -> Series | None:
+    for r in results:
+        if r.size.label == size and r.system == system and r.rank == 0 and (series is None or r.series == series):
+            return r
+    return None
+
+
+@dataclass(frozen=True)
+class Ratio:
+    name: str
+    numerator: Series
+    denominator: Series
+    target: str
+    met: bool | None
+    value: float
+    paired: tuple[float, float]
+
+
+def ratio(name: str, a: Series | None, b: Series | None, target: str, ok: Any) -> Ratio | None:
+    """median(a) / median(b); ``paired``: min-max of the per-round ratios of medians."""
+    if a is None or b is None:
+        return None
+    value = statistics.median(a.samples) / statistics.median(b.samples)
+    per_round = [statistics.median(x) / statistics.median(y) for x, y in zip(a.rounds, b.rounds, strict=False)]
+    return Ratio(name, a, b, target, bool(ok(value)), value, (min(per_round), max(per_round)))
+
+
+def ratios(results: Sequence[Series]) -> list[Ratio]:
+    """The issue's four targets, at the largest size measured (and the small model)."""
+    sizes = sorted({r.size for r in results if r.size.model == "flat"}, key=lambda s: s.nbytes)
+    out: list[Ratio | None] = []
+    if sizes:
+        big = sizes[-1].label
+        grpc11 = find(results, big, "grpc-ps 1w×1s")
+        out.append(
+            ratio(
+                f"(1) grpc-ps 1w×1s push+pull / loopback TCP round trip, {big}",
+                grpc11,
+                find(results, big, "loopback TCP"),
+                "≤ 1.5",
+                lambda v: v <= 1.5,
+            )
+        )
+        out.append(
+            ratio(
+                f"(2) grpc-ps 2w×2s sync step / gloo all_reduce, {big}",
+                find(results, big, "grpc-ps 2w×2s"),
+                find(results, big, "gloo all_reduce 2 ranks"),
+                "≤ 2.0",
+                lambda v: v <= 2.0,
+            )
+        )
+        out.append(
+            ratio(
+                f"(2) grpc-ps 2w×2s bf16 sync step / gloo all_reduce, {big}",
+                find(results, big, "grpc-ps 2w×2s bf16"),
+                find(results, big, "gloo all_reduce 2 ranks"),
+                "≤ 1.2",
+                lambda v: v <= 1.2,
+            )
+        )
+        for size in sizes:
+            for w, shards in ((1, (1, 2)), (2, (1, 2))):
+                for s in shards:
+                    out.append(
+                        ratio(
+                            f"(3) rpc PS {w}w / grpc-ps {w}w×{s}s (speed-up), {size.label}",
+                            find(results, size.label, f"rpc PS {w}w"),
+                            find(results, size.label, f"grpc-ps {w}w×{s}s"),
+                            "≥ 2.5",
+                            lambda v: v >= 2.5,
+                        )
+                    )
+    small = find(results, "small", "grpc-ps 1w×1s")
+    if small is not None:
+        ms = statistics.median(small.samples) * 1000
+        per_round = [statistics.median(r) * 1000 for r in small.rounds]
+        out.append(
+            Ratio(
+                "(4) small-model sync step, grpc-ps 1w×1s, median ms",
+                small,
+                small,
+                "≤ 1.5 ms",
+                ms <= 1.5,
+                ms,
+                (min(per_round), max(per_round)),
+            )
+        )
+    return [r for r in out if r is not None]
+
+
+def table(
+    results: Sequence[Series], found: Sequence[Ratio], args: argparse.Namespace, timings: dict[str, float]
+) -> str:
+    """The printed report: one row per (size, system, series), then the targets."""
+    lines = []
+    head = f"{'size':<6} {'system':<26} {'series':<13} {'median ms':>10} {'min–max ms':>19} {'GB/s':>6} {'CPU ms':>7}"
+    head += f" {'n':>4}"
+    lines += [head, "-" * len(head)]
+    for r in results:
+        if r.rank != 0:
+            continue
+        d = describe(r.samples)
+        gbs = r.size.nbytes / d["median"] / 1e9
+        span = f"{d['min'] * 1000:.3f}–{d['max'] * 1000:.2f}"
+        median, n, cpu = d["median"] * 1000, d["n"], statistics.median(r.cpu) * 1000
+        row = f"{r.size.label:<6} {r.system:<26} {r.series:<13} {median:>10.3f} {span:>19} {gbs:>6.2f} {cpu:>7.1f}"
+        lines.append(f"{row} {n:>4}")
+    lines.append("")
+    lines.append("GB/s = payload bytes / median step (a step moves the payload up and down: push+pull, round trip).")
+    lines.append("CPU ms = CPU time (user + system, all threads) of all the system's processes per step, median of")
+    lines.append("the rounds; it does not depend on how much of the machine other processes take.")
+    lines.append("")
+    lines.append(f"{'target':<62} {'value':>7} {'per-round':>13} {'goal':>9}  met")
+    for q in found:
+        lo, hi = q.paired
+        mark = "yes" if q.met else "NO"
+        lines.append(f"{q.name:<62} {q.value:>7.2f} {f'{lo:.2f}–{hi:.2f}':>13} {q.target:>9}  {mark}")
+    lines.append("")
+    lines.append(f"Every measured process ran with GLIBC_TUNABLES={GLIBC_TUNABLES}")
+    lines.append(f"and OMP_NUM_THREADS={args.threads}; {os.cpu_count()} cores; {args.rounds} rounds alternating.")
+    lines.append("Timings: " + ", ".join(f"{k} {v:.0f}" for k, v in timings.items()))
+    return "\n".join(lines)
+
+
+def to_json(results: Sequence[Series], found: Sequence[Ratio], args: argparse.Namespace, timings: dict[str, float]):
+    import grpc
+    import torch
+
+    return {
+        "meta": {
+            "command": sys.argv,
+            "quick": args.quick,
+            "rounds": args.rounds,
+            "threads": args.threads,
+            "glibc_tunables": GLIBC_TUNABLES,
+            "cpu_count": os.cpu_count(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "grpcio": grpc.__version__,
+            "load_average": list(os.getloadavg()),
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "timings_seconds": timings,
+        },
+        "results": [
+            {
+                "size": r.size.label,
+                "bytes": r.size.nbytes,
+                "system": r.system,
+                "family": r.family,
+                "series": r.series,
+                "rank": r.rank,
+                **describe(r.samples),
+                "rounds": r.rounds,
+                "cpu_seconds_per_step": r.cpu,
+            }
+            for r in results
+        ],
+        "ratios": [
+            {
+                "name": q.name,
+                "value": q.value,
+                "per_round_min": q.paired[0],
+                "per_round_max": q.paired[1],
+                "target": q.target,
+                "met": q.met,
+            }
+            for q in found
+        ],
+    }

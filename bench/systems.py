@@ -1,0 +1,255 @@
+"""The measured systems of ``run.py``: each a set of child processes, started once, set up per size, asked to run steps.
+
+``systems_for`` names the systems measured at a size, ``build`` makes one, ``stop_all`` stops their children.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from _common import BENCH, Child, ask_all, cpu_seconds, free_port, shard_argv
+
+PY = sys.executable
+STARTUP_TIMEOUT = 300.0
+SETUP_TIMEOUT = 300.0
+STEP_TIMEOUT = 60.0
+"""Seconds one timed step may take before the run is declared hung."""
+
+
+@dataclass(frozen=True)
+class Size:
+    """A payload: ``nbytes`` of float32 (``model="digits"``: the digits MLP for grpc-ps)."""
+
+    label: str
+    nbytes: int
+    warmup: int
+    iters: int
+    model: str = "flat"
+
+
+FAMILIES = ("memcpy", "tcp", "gloo", "rpc", "grpc-ps")
+GRID = ((1, 1), (1, 2), (2, 1), (2, 2))
+"""grpc-ps (workers, shards) measured at each size of a flat model."""
+
+
+class System:
+    """A measured configuration: its processes, set up per size, asked to run steps.
+
+    ``drivers`` time the steps (the first one's samples make the table; all are kept in the JSON);
+    ``passive`` members only serve.
+    """
+
+    family = ""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+        self.drivers: list[Child] = []
+        self.passive: list[Child] = []
+
+    @property
+    def children(self) -> list[Child]:
+        return [*self.passive, *self.drivers]
+
+    def spawn(self, name: str, script: str, *args: str, env: dict[str, str], log_dir: Path, driver: bool) -> Child:
+        child = Child(name, [PY, str(BENCH / script), *args], env, log_dir)
+        (self.drivers if driver else self.passive).append(child)
+        return child
+
+    def start(self, env: dict[str, str], log_dir: Path) -> None:
+        raise NotImplementedError
+
+    def wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        for c in self.children:
+            c.recv(max(0.01, deadline - time.monotonic()), "start-up")
+
+    def prepare(self, size: Size) -> None:
+        """Start what ``setup`` will need at ``size`` (called for every system before any setup)."""
+
+    def setup(self, size: Size) -> None:
+        ask_all(self.children, "setup", SETUP_TIMEOUT, bytes=size.nbytes)
+
+    def run(self, size: Size) -> tuple[list[dict[str, list[float]]], float]:
+        """One round: each driver's ``{series: [seconds, ...]}``, and the CPU seconds all of this
+        system's processes spent per step (warm-up included; user + system, all threads)."""
+        timeout = (size.warmup + size.iters) * STEP_TIMEOUT + 30
+        pids = [c.proc.pid for c in self.children]
+        before = sum(cpu_seconds(p) for p in pids)
+        answers = ask_all(self.drivers, "run", timeout, iters=size.iters, warmup=size.warmup)
+        cpu = sum(cpu_seconds(p) for p in pids) - before
+        steps = (size.warmup + size.iters) * len(answers[0]["samples"])
+        return [r["samples"] for r in answers], cpu / steps
+
+    def finish(self, size: Size) -> None:
+        """Release what ``setup`` built (between sizes)."""
+
+
+class Memcpy(System):
+    family = "memcpy"
+
+    def start(self, env: dict[str, str], log_dir: Path) -> None:
+        self.spawn("memcpy", "floor.py", "memcpy", env=env, log_dir=log_dir, driver=True)
+
+
+class Tcp(System):
+    family = "tcp"
+
+    def start(self, env: dict[str, str], log_dir: Path) -> None:
+        self.server = self.spawn("tcp-server", "floor.py", "tcp-server", env=env, log_dir=log_dir, driver=False)
+        self.env, self.log_dir = env, log_dir
+
+    def wait_ready(self, timeout: float) -> None:
+        port = self.server.recv(timeout, "start-up")["port"]
+        client = self.spawn(
+            "tcp-client", "floor.py", "tcp-client", "--port", str(port), env=self.env, log_dir=self.log_dir, driver=True
+        )
+        client.recv(timeout, "start-up")
+
+    def setup(self, size: Size) -> None:
+        ask_all(self.drivers, "setup", SETUP_TIMEOUT, bytes=size.nbytes)
+
+
+class Gloo(System):
+    family = "gloo"
+
+    def start(self, env: dict[str, str], log_dir: Path) -> None:
+        port = str(free_port())
+        for r in range(2):
+            args = ("--rank", str(r), "--world-size", "2", "--port", port)
+            self.spawn(f"gloo-{r}", "gloo_allreduce.py", *args, env=env, log_dir=log_dir, driver=True)
+
+
+class RpcPS(System):
+    family = "rpc"
+
+    def __init__(self, key: str, workers: int) -> None:
+        super().__init__(key)
+        self.workers = workers
+
+    def start(self, env: dict[str, str], log_dir: Path) -> None:
+        port = str(free_port())
+        common = ("--workers", str(self.workers), "--port", port)
+        self.spawn(f"rpc{self.workers}-ps", "rpc_ps.py", "--rank", "0", *common, env=env, log_dir=log_dir, driver=False)
+        for r in range(1, self.workers + 1):
+            name = f"rpc{self.workers}-worker{r}"
+            self.spawn(name, "rpc_ps.py", "--rank", str(r), *common, env=env, log_dir=log_dir, driver=True)
+
+
+class GrpcPS(System):
+    """Worker drivers live for the whole run; shard processes (``python -m ps_server.cli``) are
+    started per size, since a shard's plan is fixed at Init."""
+
+    family = "grpc-ps"
+
+    def __init__(self, key: str, workers: int, shards: int, partition_bytes: int, wire_dtype: str = "float32") -> None:
+        super().__init__(key)
+        self.workers, self.shards, self.partition_bytes = workers, shards, partition_bytes
+        self.wire_dtype = wire_dtype
+        self.shard_procs: list[Child] = []
+
+    @property
+    def children(self) -> list[Child]:
+        return [*self.shard_procs, *self.drivers]
+
+    def start(self, env: dict[str, str], log_dir: Path) -> None:
+        self.env, self.log_dir = env, log_dir
+        tag = self.key.replace(" ", "").replace("×", "x")
+        for r in range(self.workers):
+            args = ("--rank", str(r), "--workers", str(self.workers))
+            self.spawn(f"{tag}-worker{r}", "grpc_ps.py", *args, env=env, log_dir=log_dir, driver=True)
+
+    def wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        for c in self.drivers:
+            c.recv(max(0.01, deadline - time.monotonic()), "start-up")
+
+    def prepare(self, size: Size) -> None:
+        tag = self.key.replace(" ", "").replace("×", "x")
+        for k in range(self.shards):
+            argv = shard_argv(k, self.shards, self.workers)
+            self.shard_procs.append(Child(f"{tag}-{size.label}-shard{k}", argv, self.env, self.log_dir))
+
+    def setup(self, size: Size) -> None:
+        deadline = time.monotonic() + STARTUP_TIMEOUT
+        servers = [
+            c.wait_for(r"listening on (\S+)", max(0.01, deadline - time.monotonic())).group(1) for c in self.shard_procs
+        ]
+        ask_all(
+            self.drivers,
+            "setup",
+            SETUP_TIMEOUT,
+            servers=servers,
+            bytes=size.nbytes,
+            model=size.model,
+            partition_bytes=self.partition_bytes,
+            wire_dtype=self.wire_dtype,
+        )
+
+    def finish(self, size: Size) -> None:
+        ask_all(self.drivers, "close", SETUP_TIMEOUT)
+        stop_all(self.shard_procs, grace=0.0)
+        self.shard_procs = []
+
+
+def stop_all(children: Sequence[Child], grace: float = 5.0) -> None:
+    """Close every child's stdin at once, then stop each (SIGTERM, SIGKILL by pid) within ``grace``."""
+    for c in children:
+        try:
+            if c.proc.stdin is not None and c.proc.poll() is None:
+                c.proc.stdin.close()
+        except OSError:
+            pass
+    deadline = time.monotonic() + grace
+    for c in children:
+        c.stop(grace=max(0.01, deadline - time.monotonic()))
+
+
+def kib(n: int) -> str:
+    return f"{n // 1024} KiB" if n < 1 << 20 else f"{n >> 20} MiB"
+
+
+WIRE_SUFFIX = {"float32": "", "bfloat16": " bf16", "float16": " fp16"}
+
+
+def systems_for(
+    size: Size,
+    quick: bool,
+    partitions: Sequence[int],
+    families: Sequence[str] = FAMILIES,
+    grid: Sequence[tuple[int, int]] = GRID,
+    wire_dtypes: Sequence[str] = ("float32",),
+) -> list[tuple[str, str, int, int, int, str]]:
+    """(key, family, workers, shards, partition_bytes, wire dtype) measured at ``size``, of
+    ``families`` only."""
+    out: list[tuple[str, str, int, int, int, str]] = [
+        ("memcpy", "memcpy", 1, 0, 0, "float32"),
+        ("loopback TCP", "tcp", 1, 0, 0, "float32"),
+    ]
+    out += [("gloo all_reduce 2 ranks", "gloo", 2, 0, 0, "float32"), ("rpc PS 1w", "rpc", 1, 1, 0, "float32")]
+    if size.model == "digits":
+        grid = [(1, 1)]
+    else:
+        out.append(("rpc PS 2w", "rpc", 2, 1, 0, "float32"))
+        grid = [(1, 1), (2, 2)] if quick else grid
+    for wire in wire_dtypes:
+        for w, s in grid:
+            for pb in partitions:
+                suffix = ("" if len(partitions) == 1 else f" p={kib(pb)}") + WIRE_SUFFIX[wire]
+                out.append((f"grpc-ps {w}w×{s}s{suffix}", "grpc-ps", w, s, pb, wire))
+    return [spec for spec in out if spec[1] in families]
+
+
+def build(key: str, family: str, workers: int, shards: int, partition_bytes: int, wire_dtype: str) -> System:
+    if family == "memcpy":
+        return Memcpy(key)
+    if family == "tcp":
+        return Tcp(key)
+    if family == "gloo":
+        return Gloo(key)
+    if family == "rpc":
+        return RpcPS(key, workers)
+    return GrpcPS(key, workers, shards, partition_bytes, wire_dtype)
