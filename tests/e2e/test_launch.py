@@ -125,26 +125,10 @@ def test_failing_worker_fails_the_launch_and_stops_everything(tmp_path) -> None:
     assert_all_gone(out.stderr, expected=3)
 
 
-def test_ctrl_c_stops_every_process(tmp_path) -> None:
-    proc = subprocess.Popen(
-        [
-            *LAUNCH,
-            "--shards",
-            "1",
-            "--workers",
-            "1",
-            "--steps",
-            "100000",
-            "--no-progress",
-            "--no-metrics",
-            "--log-dir",
-            str(tmp_path),
-            "digits",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+def interrupt_once_worker_0_started(argv: list[str]) -> tuple[int, str]:
+    """Run ps-launch ``argv``, send it SIGINT (Ctrl-C) once it started worker-0; its exit status and
+    stderr (bounded: 120 s to start, 60 s to end)."""
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     lines: list[str] = []
     worker_started = threading.Event()
 
@@ -166,8 +150,27 @@ def test_ctrl_c_stops_every_process(tmp_path) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=10)
-    stderr = "".join(lines)
-    assert proc.returncode == 130, stderr
+    return proc.returncode, "".join(lines)
+
+
+def test_ctrl_c_stops_every_process(tmp_path) -> None:
+    code, stderr = interrupt_once_worker_0_started(
+        [
+            *LAUNCH,
+            "--shards",
+            "1",
+            "--workers",
+            "1",
+            "--steps",
+            "100000",
+            "--no-progress",
+            "--no-metrics",
+            "--log-dir",
+            str(tmp_path),
+            "digits",
+        ]
+    )
+    assert code == 130, stderr
     assert "interrupted" in stderr
     assert_all_gone(stderr, expected=2)
 
@@ -392,7 +395,7 @@ def test_a_killed_user_script_is_restarted_and_resumes_at_the_cluster_s_clock(tm
 
 
 def test_ctrl_c_stops_every_copy_of_a_user_script(tmp_path, script) -> None:
-    proc = subprocess.Popen(
+    code, stderr = interrupt_once_worker_0_started(
         [
             *LAUNCH,
             "--shards",
@@ -408,32 +411,7 @@ def test_ctrl_c_stops_every_copy_of_a_user_script(tmp_path, script) -> None:
             str(script),
             "-1",
             "0.01",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+        ]
     )
-    lines: list[str] = []
-    worker_started = threading.Event()
-
-    def read() -> None:
-        assert proc.stderr is not None
-        for line in proc.stderr:
-            lines.append(line)
-            if "started worker-0" in line:
-                worker_started.set()
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    try:
-        assert worker_started.wait(timeout=120), "".join(lines)
-        proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=60)
-        reader.join(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=10)
-    stderr = "".join(lines)
-    assert proc.returncode == 130, stderr
+    assert code == 130, stderr
     assert_all_gone(stderr, expected=2)
