@@ -130,3 +130,13 @@ def test_the_readme_documents_every_variable_and_its_script_compiles() -> None:
     script = section.split("```python\n", 1)[1].split("```", 1)[0]
     compile(script, "README.md", "exec")
     assert "PSClient.from_env(model)" in script
+
+
+def test_the_contract_s_choices_are_the_allowlists_the_client_and_shards_use() -> None:
+    """PS_OPTIMIZER and PS_WIRE_DTYPE accept exactly what ps_common's allowlist and the client take."""
+    from ps_common.optimizer import OPTIMIZERS as SERVER_OPTIMIZERS
+    from ps_worker import env
+    from ps_worker.encoding import WIRE_DTYPES as CLIENT_WIRE_DTYPES
+
+    assert set(env.OPTIMIZERS) == set(SERVER_OPTIMIZERS)
+    assert set(env.WIRE_DTYPES) - {"native"} == set(CLIENT_WIRE_DTYPES) - {"float32"}
