@@ -115,7 +115,7 @@ def test_item2_round_timeout_names_the_missing_rank(shards) -> None:
     .ranks == [1] and the shard's own words, not a raw _InactiveRpcError."""
     (shard,) = shards(1, 2)
     model = small_model()
-    client = PSClient([f"127.0.0.1:{shard.port}"], rank=0, num_workers=2, timeout=3.0, retry_deadline=1.0)
+    client = PSClient([f"127.0.0.1:{shard.port}"], rank=0, num_workers=2, timeout=8.0, retry_deadline=1.0)
     try:
         client.init(model, {"name": "sgd", "lr": 0.1})
         params = {k: p.data for k, p in model.named_parameters()}
