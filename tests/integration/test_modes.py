@@ -129,9 +129,13 @@ def test_easgd_workers_approach_the_center(start_cluster, sync: bool) -> None:
     with PSClient(addresses, rank=0, num_workers=2, incarnation=2, timeout=RPC_TIMEOUT) as c:
         c.init(center)  # a no-op on initialized shards: joins, then pulls the center
     assert mse_of(center) < 1e-2
+    # Async, a rank that finished early does not see the center move with the others' last exchanges:
+    # with the threads run one after the other (a loaded machine) its distance is 0.065, against 0.02
+    # interleaved and 3.4 at the start; a broken exchange leaves it far (sync: rounds, no such drift).
+    bound = 0.05 if sync else 0.15
     for r in results:
         distance = float((r["model"].weight.detach() - center.weight.detach()).abs().max())
-        assert distance < 0.05, f"worker is {distance} from the center"
+        assert distance < bound, f"worker is {distance} from the center"
     assert status(addresses[0]).version == (20 if sync else 40)
 
 
