@@ -113,6 +113,9 @@ def ddp_rank(rank: int, port: int, out: str, amp: bool) -> None:
         largest = train(rank, ddp, opt, scaler, ddp.no_sync)
         extra = {"scale": scaler.get_scale() if scaler else None, "largest_norm": largest}
         torch.save({"state": model.state_dict(), **extra}, out)
+        # both ranks done with gloo before either tears it down: a rank that destroys its group while
+        # the other's pair threads still run aborts ("terminate called without an active exception")
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
