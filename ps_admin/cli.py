@@ -19,7 +19,7 @@ from typing import IO, Any
 
 import grpc
 
-from ps_admin.client import FATAL, Reply, Watcher, checkpoint, evict_worker, fetch_all, update_config
+from ps_admin.client import FATAL, Reply, Watcher, checkpoint, evict_worker, fetch_all, resize, update_config
 from ps_admin.export import add_export_parser, cmd_export
 from ps_admin.view import STATE_NAMES, render_status, render_top, settings_lines, status_json
 from ps_common import jsonout, modes
@@ -87,6 +87,8 @@ def update_request(args: Any) -> ps_pb2.UpdateConfigRequest:
         fields["learning_rate"] = args.lr
     if args.mode is not None:
         fields["mode"] = ps_pb2.Mode.Value(f"MODE_{args.mode.upper()}")
+    if getattr(args, "at_version", None) is not None:
+        fields["at_version"] = args.at_version
     return ps_pb2.UpdateConfigRequest(**fields)
 
 
@@ -103,28 +105,41 @@ def report(replies: Sequence[Reply], describe: Callable[[Any], str], out: IO[str
 
 
 def cmd_set(args: Any, out: IO[str], err: IO[str]) -> int:
-    replies = update_config(args.servers, update_request(args), args.admin_token, args.timeout, args.creds)
-    report(replies, lambda _: "updated", out, err)
-    if not replies[0].ok:
-        others = len(replies) - 1
-        skipped = f"the other {others} shard{'s were' if others > 1 else ' was'} not asked, so " if others else ""
-        if replies[0].code == grpc.StatusCode.DEADLINE_EXCEEDED:  # it may have applied the change after all
-            outcome = "only the first shard may have changed; run the same set again."
+    request = update_request(args)
+    replies = update_config(args.servers, request, args.admin_token, args.timeout, args.creds)
+    (first,) = replies
+    report(
+        replies,
+        lambda r: (
+            f"scheduled at version {r.at_version} (membership epoch {r.membership_epoch}); every shard applies it there"
+        ),
+        out,
+        err,
+    )
+    if not first.ok:
+        if first.code == grpc.StatusCode.DEADLINE_EXCEEDED:  # it may have scheduled the change after all
+            print("ps-admin: set: shard 0 may have scheduled the change; `ps-admin status` shows it.", file=err)
         else:
-            outcome = "nothing changed."
-        print(f"ps-admin: set: {skipped}{outcome}", file=err)
+            print("ps-admin: set: nothing changed.", file=err)
         return 1
-    for line in settings_lines([(r.address, r.message.config, r.message.pending_mode) for r in replies if r.ok]):
+    for line in settings_lines([(first.address, first.message.config, first.message.pending_mode)]):
         print(line, file=out)
-    done = sum(r.ok for r in replies)
-    if done < len(replies):
-        print(
-            f"ps-admin: set: applied on {done} of {len(replies)} shards, so they may now disagree; fix the cause "
-            "and run the same set again (`ps-admin status` shows each shard's settings).",
-            file=err,
-        )
-        return 1
     return 0
+
+
+def cmd_resize(args: Any, out: IO[str], err: IO[str]) -> int:
+    reply = resize(args.servers, args.num_workers, args.at_version, args.admin_token, args.timeout, args.creds)
+
+    def describe(r: ps_pb2.ResizeResponse) -> str:
+        if r.previous_num_workers == r.num_workers:
+            return f"already {r.num_workers} workers"
+        return (
+            f"{r.previous_num_workers} -> {r.num_workers} workers from version {r.at_version} "
+            f"(membership epoch {r.membership_epoch}); every shard follows"
+        )
+
+    report([reply], describe, out, err)
+    return 0 if reply.ok else 1
 
 
 def cmd_checkpoint(args: Any, out: IO[str], err: IO[str]) -> int:
@@ -173,6 +188,7 @@ def add_set_flags(p: FlagParser) -> None:
     )
     for m in modes.UPDATABLE:
         flag(m.flag, m.set_help, type=m.set_type, choices=m.set_choices)
+    flag("--at-version", "the version every shard applies the change at (default: shard 0's next round)", type=uint32)
 
 
 def admin_parser(environ: Mapping[str, str] | None = None) -> FlagParser:
@@ -182,22 +198,33 @@ def admin_parser(environ: Mapping[str, str] | None = None) -> FlagParser:
     p.flag("--admin-token", default="", help="bearer token of ps.v1.Admin (the shards' PS_ADMIN_TOKEN)")
     p.flag("--timeout", type=positive, default=5.0, help="deadline of each call, seconds")
     tls_flags(p)
-    sub = p.add_subparsers(dest="command", required=True, metavar="{status,top,set,checkpoint,evict,export}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{status,top,set,resize,checkpoint,evict,export}")
     status = sub.add_parser("status", help="print every shard's status once", environ=p.environ)
     status.flag("--json", switch=True, help="status: print one JSON object for scripts")
     top = sub.add_parser("top", help="refresh the status table until Ctrl-C", environ=p.environ)
     top.flag("--interval", type=positive, default=2.0, help="top: seconds between refreshes (0.1 to 3600)")
     top.flag("--iterations", type=int, default=0, help="top: exit after this many frames (0: until Ctrl-C)")
     change = sub.add_parser(
-        "set", help="change the learning rate and mode parameters on every shard", environ=p.environ
+        "set",
+        help="change the learning rate, mode parameters or mode on every shard at one version (shard 0 schedules it)",
+        environ=p.environ,
     )
     add_set_flags(change)
+    grow = sub.add_parser(
+        "resize",
+        help="grow or shrink a running job to N workers at a round boundary (sync, async, ssp)",
+        environ=p.environ,
+    )
+    grow.add_argument("num_workers", type=uint32, metavar="N", help="ranks 0..N-1 make up the job from the resize on")
+    grow.add_argument(
+        "--at-version", type=uint32, default=None, help="the version (sync: round) it holds from (default: the next)"
+    )
     sub.add_parser(
         "checkpoint",
         help="write a checkpoint on every shard now (shards started with --checkpoint-dir)",
         environ=p.environ,
     )
-    evict = sub.add_parser("evict", help="stop counting a rank on every shard", environ=p.environ)
+    evict = sub.add_parser("evict", help="stop counting a rank on every shard (shard 0 decides)", environ=p.environ)
     evict.add_argument("rank", type=uint32, metavar="RANK", help="the rank to evict; it may rejoin with a restart")
     add_export_parser(sub, p.environ)  # ps_admin.export
     p.twins += status.twins + top.twins + change.twins  # one list of every flag and twin of the command
@@ -209,6 +236,7 @@ COMMANDS: dict[str, Callable[[Any, IO[str], IO[str]], int]] = {
     "status": cmd_status,
     "top": cmd_top,
     "set": cmd_set,
+    "resize": cmd_resize,
     "checkpoint": cmd_checkpoint,
     "evict": cmd_evict,
     "export": cmd_export,

@@ -167,32 +167,46 @@ def update_config(
     timeout: float,
     creds: grpc.ChannelCredentials | None = None,
 ) -> list[Reply]:
-    """The same ``Admin/UpdateConfig`` on every shard: the first shard first, the rest only if it
-    accepted (in parallel), so a change every shard would refuse changes none.
+    """``Admin/UpdateConfig`` on shard 0, the membership authority: it schedules the change at a
+    version (``request.at_version``, or its next round) and every shard applies it there.
 
     Returns:
-        One Reply per address; ``sent=False`` for shards skipped after the first one refused.
+        One Reply (shard 0's).
     """
 
     def call(stub: ps_pb2_grpc.AdminStub, md: Sequence[tuple[str, str]], t: float) -> ps_pb2.UpdateConfigResponse:
         return stub.UpdateConfig(request, timeout=t, metadata=md)
 
-    first = ask(addresses, [0], call, token, timeout, creds)
-    rest = range(1, len(addresses))
-    if not first[0].ok:
-        return [*first, *(Reply(k, addresses[k], sent=False) for k in rest)]
-    return [*first, *ask(addresses, rest, call, token, timeout, creds)]
+    return ask(addresses, [0], call, token, timeout, creds)
+
+
+def resize(
+    addresses: Sequence[str],
+    num_workers: int,
+    at_version: int | None,
+    token: str,
+    timeout: float,
+    creds: grpc.ChannelCredentials | None = None,
+) -> Reply:
+    """``Admin/Resize`` on shard 0: ranks ``0..num_workers-1`` from ``at_version`` (None: shard 0's
+    next round) on, on every shard."""
+
+    def call(stub: ps_pb2_grpc.AdminStub, md: Sequence[tuple[str, str]], t: float) -> ps_pb2.ResizeResponse:
+        request = ps_pb2.ResizeRequest(num_workers=num_workers, at_version=at_version)
+        return stub.Resize(request, timeout=t, metadata=md)
+
+    return ask(addresses, [0], call, token, timeout, creds)[0]
 
 
 def evict_worker(
     addresses: Sequence[str], rank: int, token: str, timeout: float, creds: grpc.ChannelCredentials | None = None
 ) -> list[Reply]:
-    """``Admin/EvictWorker`` of ``rank`` on every shard, in parallel."""
+    """``Admin/EvictWorker`` of ``rank`` on shard 0, which decides for every shard."""
 
     def call(stub: ps_pb2_grpc.AdminStub, md: Sequence[tuple[str, str]], t: float) -> ps_pb2.EvictWorkerResponse:
         return stub.EvictWorker(ps_pb2.EvictWorkerRequest(rank=rank), timeout=t, metadata=md)
 
-    return ask(addresses, range(len(addresses)), call, token, timeout, creds)
+    return ask(addresses, [0], call, token, timeout, creds)
 
 
 def checkpoint(

@@ -286,6 +286,12 @@ def changes_from_request(request: Any) -> dict[str, Any]:
     return {p.name: getattr(request, p.field) for p in UPDATABLE if request.HasField(p.field)}
 
 
+def request_fields(changes: dict[str, Any]) -> dict[str, Any]:
+    """:meth:`ModeSettings.updated`'s changes (by attribute name) as ``UpdateConfigRequest`` fields."""
+    by_name = {p.name: p for p in UPDATABLE}
+    return {by_name[name].field: value for name, value in changes.items()}
+
+
 def set_request_fields(args: Any) -> dict[str, Any]:
     """``ps-admin set``'s parsed flags -> UpdateConfigRequest fields, for the flags given (None: not given)."""
     return {p.field: p.to_request(getattr(args, p.name)) for p in UPDATABLE if getattr(args, p.name) is not None}

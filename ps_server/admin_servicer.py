@@ -98,6 +98,10 @@ def status_to_proto(
         restored_from_version=view.restored_from_version,
         checkpoint_failures=failures.count if failures else 0,
         last_checkpoint_error=failures.last_error if failures else "",
+        membership=view.membership,
+        applied_changes=view.applied_changes,
+        membership_authority=view.membership_authority,
+        durable_acks=view.durable_acks,
     )
 
 
@@ -149,12 +153,29 @@ class AdminServicer(ps_pb2_grpc.AdminServicer):
         settings = self.shard.update_config(
             mode=MODE_TO_NAME.get(request.mode, ""),
             learning_rate=request.learning_rate if request.HasField("learning_rate") else None,
+            at_version=request.at_version if request.HasField("at_version") else None,
             **changes,
         )
         view = self.shard.status()
+        scheduled = view.membership.config_changes[-1]
+        lr = request.learning_rate if request.HasField("learning_rate") else view.learning_rate
         return ps_pb2.UpdateConfigResponse(
-            config=cluster_config(settings, self.shard.lease_timeout, view.learning_rate),
+            config=cluster_config(settings, self.shard.lease_timeout, lr),
             pending_mode=NAME_TO_MODE[view.pending_mode] if view.pending_mode else ps_pb2.MODE_UNSPECIFIED,
+            at_version=scheduled.version,
+            membership_epoch=scheduled.epoch,
+        )
+
+    @maps_errors
+    def Resize(self, request: ps_pb2.ResizeRequest, context: grpc.ServicerContext) -> ps_pb2.ResizeResponse:
+        previous, at = self.shard.resize(
+            request.num_workers, request.at_version if request.HasField("at_version") else None
+        )
+        return ps_pb2.ResizeResponse(
+            previous_num_workers=previous,
+            num_workers=self.shard.num_workers,
+            at_version=at,
+            membership_epoch=self.shard.epochs.epoch,
         )
 
     @maps_errors

@@ -182,7 +182,7 @@ class Checkpointer:
             raise
         seconds = time.perf_counter() - started
         self._newest = version if self._newest is None else max(self._newest, version)
-        self.shard.last_checkpoint_version = self._newest
+        self.shard.checkpointed(self._newest)
         with self._cond:
             if self._failures.last_error:
                 self._failures = CheckpointFailures(self._failures.count, "")

@@ -64,6 +64,7 @@ class ServerConfig:
     checkpoint_dir: str = ""
     checkpoint_every: int = 0
     checkpoint_keep: int = 3
+    durable_acks: bool = False
     tls_cert: str = ""
     tls_key: str = ""
     tls_client_ca: str = ""
@@ -128,6 +129,11 @@ class ServerConfig:
             )
         if self.checkpoint_every and not self.checkpoint_dir:
             raise InvalidRequestError("--checkpoint-every needs --checkpoint-dir, where checkpoints are written.")
+        if self.durable_acks and not (self.checkpoint_dir and self.checkpoint_every == 1):
+            raise InvalidRequestError(
+                "--durable-acks needs --checkpoint-dir and --checkpoint-every 1: a push is answered once the "
+                "version it makes is in a checkpoint on disk."
+            )
         if bool(self.tls_cert) != bool(self.tls_key):
             raise InvalidRequestError("--tls-cert and --tls-key go together: pass both, or neither for plaintext.")
         if self.tls_client_ca and not self.tls_cert:
@@ -202,6 +208,12 @@ def server_parser(environ: Mapping[str, str] | None = None) -> FlagParser:
         help="checkpoint every V versions (0: only on SIGTERM and Admin/Checkpoint)",
     )
     p.flag("--checkpoint-keep", type=int, default=3, help="checkpoints kept per shard")
+    p.flag(
+        "--durable-acks",
+        switch=True,
+        help="answer a push (PushPull, and async/ssp Push) only once the version it makes is in a checkpoint on "
+        "disk, so a kill -9 of the shard loses nothing acknowledged (needs --checkpoint-every 1)",
+    )
     p.flag("--tls-cert", default="", help="PEM certificate chain of this shard: serve TLS")
     p.flag("--tls-key", default="", help="PEM private key of --tls-cert")
     p.flag("--tls-client-ca", default="", help="PEM CA that client certificates must chain to (mutual TLS)")
@@ -262,6 +274,7 @@ def config_from_args(
             checkpoint_dir=args.checkpoint_dir,
             checkpoint_every=args.checkpoint_every,
             checkpoint_keep=args.checkpoint_keep,
+            durable_acks=args.durable_acks,
             tls_cert=args.tls_cert,
             tls_key=args.tls_key,
             tls_client_ca=args.tls_client_ca,

@@ -69,6 +69,12 @@ class Member:
     high_water: int = -1
     # EASGD: ((incarnation, clock), version, d) of the last exchange, for retries.
     last_exchange: tuple[tuple[int, int], int, list[torch.Tensor]] | None = None
+    # Whether the cluster counts this rank in rounds and waits: the membership authority's decision
+    # (ps_server.epochs), the same on every shard; ``state`` is whether it joined *this* shard.
+    counted: bool = True
+    # sync: the first round the cluster counts it in (a rejoin after an eviction starts at shard 0's
+    # next round, on every shard); earlier rounds neither wait for it nor take its pushes.
+    since: int = 0
 
 
 @dataclass(frozen=True)
@@ -96,6 +102,9 @@ class Membership:
         self, num_workers: int, lease_timeout: float, now: Callable[[], float], join_timeout: float = 0.0
     ) -> None:
         self.num_workers = num_workers
+        # a resize (ps_server.epochs) keeps ranks < previous_num_workers for rounds < resize_version
+        self.previous_num_workers = num_workers
+        self.resize_version = 0
         self.lease_timeout = lease_timeout
         self.now = now
         self.members = [Member(rank=r) for r in range(num_workers)]
@@ -110,10 +119,10 @@ class Membership:
             InvalidRequestError: rank out of range.
             SupersededError: ``incarnation`` is older than the one joined.
         """
-        if not 0 <= rank < self.num_workers:
+        if not 0 <= rank < len(self.members):
             raise InvalidRequestError(
                 f"Rank {rank} is out of range: this cluster has num_workers={self.num_workers} "
-                f"(ranks 0..{self.num_workers - 1})."
+                f"(ranks 0..{self.num_workers - 1}); to grow it: `ps-admin resize {rank + 1}`."
             )
         member = self.members[rank]
         if incarnation is not None and incarnation < member.incarnation:
@@ -132,13 +141,52 @@ class Membership:
                 f"(state {member.state.value}); call Join again, then pull."
             )
 
-    def expected(self) -> list[int]:
-        """Ranks rounds and SSP reads wait for: joined and live, or not joined yet."""
-        return [m.rank for m in self.members if m.state in (WorkerState.PENDING, WorkerState.LIVE)]
+    def size(self, round: int | None = None) -> int:
+        """The worker count in force for ``round`` (None: the newest): a resize holds from its
+        ``resize_version`` on."""
+        if round is not None and round < self.resize_version:
+            return self.previous_num_workers
+        return self.num_workers
+
+    def expected(self, round: int | None = None) -> list[int]:
+        """Ranks rounds and SSP reads wait for: those the cluster counts (the authority's decision)
+        within the worker count in force for ``round`` (None: the newest)."""
+        n = self.size(round)
+        return [m.rank for m in self.members[:n] if m.counted and (round is None or m.since <= round)]
 
     def clocks(self) -> list[int]:
         """Clocks of the :meth:`expected` ranks."""
         return [self.members[r].clock for r in self.expected()]
+
+    def check_in_cluster(self, rank: int, round: int | None = None) -> None:
+        """Raise NotJoinedError when a resize left ``rank`` out of the cluster for ``round``."""
+        n = self.size(round)
+        if rank >= n:
+            raise NotJoinedError(
+                f"Rank {rank} is not in the cluster{'' if round is None else f' at round {round}'}: it was "
+                f"resized to num_workers={n} (ranks 0..{n - 1}); this rank's work is done, it should exit."
+            )
+
+    def resize(self, num_workers: int, at_version: int) -> None:
+        """Make ranks ``0..num_workers-1`` the cluster from version (sync: round) ``at_version``
+        on; new ranks are PENDING and counted, ranks beyond stay for the rounds before it."""
+        if num_workers == self.num_workers:
+            return
+        self.previous_num_workers, self.num_workers = self.num_workers, num_workers
+        self.resize_version = at_version
+        for r in range(self.previous_num_workers, num_workers):  # new ranks (again): a fresh start
+            if r < len(self.members):
+                self.members[r] = Member(rank=r)
+            else:
+                self.members.append(Member(rank=r))
+
+    def settle(self, version: int) -> None:
+        """Stop counting the ranks a resize removed once ``version`` reached its ``resize_version``
+        (they stay listed: they still read that version, then leave)."""
+        if version >= self.resize_version and self.previous_num_workers != self.num_workers:
+            for m in self.members[self.num_workers :]:
+                m.counted = False
+            self.previous_num_workers = self.num_workers
 
     @staticmethod
     def check_replay(member: Member, incarnation: int, clock: int, what: str = "Push") -> None:
@@ -220,6 +268,8 @@ class Membership:
                 "state": m.state.value,
                 "pushes": m.pushes,
                 "high_water": m.high_water,
+                "counted": int(m.counted),
+                "since": m.since,
                 "history": [
                     [inc, clock, r.version, r.staleness, int(r.duplicate), int(r.dropped), r.mode]
                     for (inc, clock), r in m.history.items()
@@ -233,15 +283,21 @@ class Membership:
         with none); live ranks get a fresh lease to come back in, and ranks saved as LEFT (they
         finished) are PENDING again: a job run again on its checkpoints goes on with every rank,
         awaited as at a first start (up to the join deadline), not with whoever rejoins first.
-        Evicted ranks stay evicted (they rejoin with a restart)."""
+        Evicted ranks stay evicted (they rejoin with a restart). A checkpoint of another worker
+        count restores the ranks both have; the caller resizes."""
         now = self.now()
+        if len(saved) != len(self.members):  # the caller sets the worker count (ps_server.epochs)
+            self.members = [Member(rank=r) for r in range(len(saved))]
+            self.num_workers = self.previous_num_workers = len(saved)
         for m, s in zip(self.members, saved, strict=True):
             m.incarnation, m.clock, m.pushes = int(s["incarnation"]), int(s["clock"]), int(s["pushes"])
             m.state = WorkerState(s["state"])
+            m.counted = bool(s.get("counted", m.state is not WorkerState.EVICTED))
             if m.state is WorkerState.LEFT:
-                m.state = WorkerState.PENDING
+                m.state, m.counted = WorkerState.PENDING, True
             m.last_seen = now if m.state is WorkerState.LIVE else None
             m.high_water = int(s.get("high_water", -1))
+            m.since = int(s.get("since", 0))
             m.history.clear()
             for inc, clock, version, staleness, duplicate, dropped, mode in s.get("history", []):
                 m.history[(int(inc), int(clock))] = PushResult(

@@ -190,6 +190,7 @@ def start_server(config: ServerConfig, shard: Shard | None = None) -> ShardServe
             counters=counters,
         )
     served = shard
+    shard.durable_acks = config.durable_acks and checkpointer is not None
     if checkpointer is not None:
         checkpointer.attach(shard)
         checkpointer.resume()

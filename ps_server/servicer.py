@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 
@@ -27,6 +27,8 @@ from ps_server.membership import PushStamp
 from ps_server.request_streams import Request, read_request
 from ps_server.rpc import WORKER_STATES, cluster_config, deadline, maps_errors, maps_stream_errors, parse, wire_dtype
 from ps_server.shard import PushResult, Shard
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -97,8 +99,10 @@ class ParameterServicer:
 
     @maps_errors
     def Join(self, request: ps_pb2.JoinRequest, context: grpc.ServicerContext) -> ps_pb2.JoinResponse:
+        self._adopt(request)
         info = self.shard.join(request.rank, request.num_workers, request.incarnation)
         return ps_pb2.JoinResponse(
+            membership=self.shard.epochs.record,
             shard_index=self.shard.shard_index,
             num_shards=self.shard.num_shards,
             config=cluster_config(self.shard.settings, self.shard.lease_timeout, self.shard.learning_rate()),
@@ -143,6 +147,7 @@ class ParameterServicer:
     def Push(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> ps_pb2.PushResponse:
         req = self._read(request_iterator, "Push", ps_pb2.PushHeader, "gradient")
         h = req.header
+        self._adopt(h)
         r = self.shard.push(
             PushStamp(h.rank, h.incarnation, h.clock),
             h.version,
@@ -152,7 +157,7 @@ class ParameterServicer:
             h.skip,
         )
         self.observer.pushed(r)
-        return push_response(r)
+        return self._told(push_response(r), h.membership_epoch)
 
     @maps_stream_errors
     def Pull(self, request: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
@@ -174,6 +179,7 @@ class ParameterServicer:
         push's answer (field 3) leads the first message."""
         req = self._read(request_iterator, "PushPullOnce" if single else "PushPull", ps_pb2.PushHeader, "gradient")
         header, parts, first = req.header, req.parts, req.first
+        self._adopt(header)
         dtype = wire_dtype(first.ints.get(3, 0))
         index = self.shard.shard_index
         result, version, out = self.shard.push_pull(
@@ -189,7 +195,7 @@ class ParameterServicer:
             skip=header.skip,
         )
         self.observer.pushed(result)
-        answer = push_response(result)
+        answer = self._told(push_response(result), header.membership_epoch)
         # A response of one message stays one; otherwise a large first frame is not copied to
         # prepend the answer: the answer goes alone, with the version
         lead = frames.bytes_field(3, answer.SerializeToString())
@@ -223,12 +229,32 @@ class ParameterServicer:
 
     @maps_errors
     def Heartbeat(self, request: ps_pb2.HeartbeatRequest, context: grpc.ServicerContext) -> ps_pb2.HeartbeatResponse:
+        self._adopt(request)
         version, state = self.shard.heartbeat(request.rank, request.incarnation)
-        return ps_pb2.HeartbeatResponse(version=version, state=WORKER_STATES[state])
+        return self._told(
+            ps_pb2.HeartbeatResponse(version=version, state=WORKER_STATES[state]), request.membership_epoch
+        )
 
     @maps_errors
     def Leave(self, request: ps_pb2.LeaveRequest, context: grpc.ServicerContext) -> ps_pb2.LeaveResponse:
-        return ps_pb2.LeaveResponse(version=self.shard.leave(request.rank, request.incarnation))
+        self._adopt(request)
+        version = self.shard.leave(request.rank, request.incarnation)
+        return self._told(ps_pb2.LeaveResponse(version=version), request.membership_epoch)
+
+    def _adopt(self, message: Any) -> None:
+        """Follow the membership record a request relays, when it is newer than the shard's."""
+        if message.HasField("membership"):
+            self.shard.adopt(message.membership)
+
+    def _told(self, answer: T, request_epoch: int) -> T:
+        """``answer`` with the shard's membership epoch, and its record when the requester knows
+        an older one (the worker relays it to the shards that are behind)."""
+        epochs = self.shard.epochs
+        answer.membership_epoch = epochs.epoch  # type: ignore[attr-defined]
+        record = epochs.for_request(request_epoch)
+        if record is not None:
+            answer.membership.CopyFrom(record)  # type: ignore[attr-defined]
+        return answer
 
 
 def _ignore(nbytes: int) -> None:

@@ -32,10 +32,12 @@ from ps_common.optimizer import OptimizerSpec
 from ps_common.partition import WirePartition
 from ps_common.plan import ParameterSpec, Plan, make_plan, plan_digest
 from ps_common.text import quote
+from ps_proto.v1 import ps_pb2
 from ps_server import shard_admin, shard_members
 from ps_server.core.limits import Limits
 from ps_server.core.partitions import match_partitions
 from ps_server.counters import ShardCounters
+from ps_server.epochs import Epochs
 from ps_server.membership import Member, Membership, MemberView, PushResult, PushStamp, WorkerState
 from ps_server.policy import POLICIES, ConsistencyPolicy
 from ps_server.policy.sync import SyncRounds
@@ -87,7 +89,7 @@ class Shard(DataPath):
         self.limits = limits or Limits()
         self.num_shards = num_shards
         self.settings = settings
-        self.num_workers = settings.num_workers
+        self.configured_num_workers = settings.num_workers  # --num-workers; a resize changes num_workers
         self.lease_timeout = lease_timeout
         self._now = now
         self._cond = threading.Condition()
@@ -105,7 +107,9 @@ class Shard(DataPath):
         # sync round or easgd period refused as a whole: rank -> the refusal it has yet to be told
         self.refusals: dict[int, UpdateRefusedError] = {}
         self.skipped_rounds: dict[int, None] = {}  # the last sync rounds whose step was skipped (ordered)
-        self.membership = Membership(self.num_workers, lease_timeout, now, join_timeout)
+        self.membership = Membership(settings.num_workers, lease_timeout, now, join_timeout)
+        self.epochs = Epochs(authority=shard_index == 0, num_workers=settings.num_workers)  # shard 0 decides
+        self.durable_acks = False  # answer pushes once their version is in a durable checkpoint
         self.checkpoint_every = checkpoint_every
         self.on_snapshot = on_snapshot
         self.last_checkpoint_version: int | None = None
@@ -120,6 +124,11 @@ class Shard(DataPath):
     def policy(self) -> ConsistencyPolicy:
         """The consistency model in force (a mode switch swaps it at a round boundary)."""
         return POLICIES[self.settings.mode]
+
+    @property
+    def num_workers(self) -> int:
+        """The cluster's worker count in force (``--num-workers`` until a resize)."""
+        return self.membership.num_workers
 
     @property
     def members(self) -> list[Member]:
@@ -186,6 +195,14 @@ class Shard(DataPath):
     def evict(self, rank: int) -> tuple[WorkerState, int]:
         """Operator eviction: stop counting ``rank`` now. Returns (previous state, version)."""
         return shard_members.evict(self, rank)
+
+    def adopt(self, record: ps_pb2.MembershipEpoch) -> bool:
+        """Follow shard 0's membership ``record`` when newer; see :func:`shard_members.adopt`."""
+        return shard_members.adopt(self, record)
+
+    def resize(self, num_workers: int, at_version: int | None = None) -> tuple[int, int]:
+        """Shard 0: ranks ``0..num_workers-1`` from ``at_version``; see :func:`shard_members.resize`."""
+        return shard_members.resize(self, num_workers, at_version)
 
     def expire_leases(self) -> list[int]:
         """Evict silent live ranks and report an overdue sync round; returns the evicted ranks."""
@@ -312,6 +329,8 @@ class Shard(DataPath):
         """Advance the version; at every ``checkpoint_every``-th version hand a snapshot to
         ``on_snapshot`` (taken under the lock, so every sync shard snapshots the same rounds)."""
         self.version = version
+        self.membership.settle(version)
+        shard_admin.apply_due(self)
         if self.checkpoint_every and self.on_snapshot and version % self.checkpoint_every == 0:
             self.on_snapshot(version, self.export_state())
 
@@ -342,6 +361,12 @@ class Shard(DataPath):
         self.waits.for_ranks(ready, deadline, describe, self.membership, self.report_missing, quorum)
 
     # ----------------------------------------------------------------- checkpoints
+    def checkpointed(self, version: int) -> None:
+        """The newest checkpoint on disk is at ``version``: wake the answers waiting for it (``durable_acks``)."""
+        with self._cond:
+            self.last_checkpoint_version = version
+            self._cond.notify_all()
+
     def export_state(self) -> dict[str, Any]:
         """Everything a restarted shard needs, as plain data ``torch.load(weights_only=True)`` reads:
         plan, parameter tensors (copies), optimizer spec and state, version, mode, members.
@@ -359,7 +384,10 @@ class Shard(DataPath):
                     self.version,
                     sorted(self.rounds.pending),
                 )
-            return export_state(self.plan, self.store, self.version, self.mode, self.membership)
+            state = export_state(self.plan, self.store, self.version, self.mode, self.membership)
+            state["epochs"] = self.epochs.export()
+            state["configured_num_workers"] = self.configured_num_workers
+            return state
 
     def restore(self, state: dict[str, Any]) -> None:
         """Resume from :meth:`export_state` output: parameters, optimizer state, version and
@@ -368,13 +396,15 @@ class Shard(DataPath):
         Raises:
             CheckpointError: the checkpoint belongs to another cluster shape or plan.
         """
-        plan, store = load_state(state, self.shard_index, self.num_shards, self.num_workers)
+        plan, store = load_state(state, self.shard_index, self.num_shards)
         with self._cond:
             self.plan, self.store = plan, store
             self._store_epoch += 1
             self.version = int(state["version"])
             self.rounds = SyncRounds(round=self.version)
             self.membership.restore(state["members"])
+            self.epochs.restore(state.get("epochs"))
+            shard_members.restored(self, state)
             self.restored_from_version = self.version
             self.last_checkpoint_version = self.version
             log.info("shard %d: resumed from its checkpoint at version %d", self.shard_index, self.version)

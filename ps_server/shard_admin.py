@@ -8,8 +8,10 @@ from typing import TYPE_CHECKING, Any
 
 from ps_common.codec import torch_dtype
 from ps_common.errors import InvalidRequestError, NotInitializedError
-from ps_common.modes import ModeSettings
+from ps_common.modes import ModeSettings, changes_from_request, request_fields
 from ps_common.optimizer import check_in_range
+from ps_common.wire import MODE_TO_NAME, NAME_TO_MODE
+from ps_proto.v1 import ps_pb2
 from ps_server.shard_views import StatusView
 
 if TYPE_CHECKING:
@@ -18,19 +20,30 @@ if TYPE_CHECKING:
 log = logging.getLogger("ps_server.shard")
 
 
-def update_config(shard: Shard, mode: str = "", learning_rate: float | None = None, **changes: Any) -> ModeSettings:
-    """Change mode parameters and the learning rate at once; a mode switch waits for the next
-    round boundary (at once when no sync round is open): the shard's policy changes with it.
+def update_config(
+    shard: Shard, mode: str = "", learning_rate: float | None = None, at_version: int | None = None, **changes: Any
+) -> ModeSettings:
+    """Shard 0: schedule a change of mode parameters, the learning rate and the mode at version
+    ``at_version`` (default: the next round, or this version when no rank is live), a decision of
+    the membership authority that every shard applies when its version reaches it (a mode switch
+    at the first round boundary from there). Validated in full now: a refused change schedules
+    nothing.
 
     Returns:
-        The settings in force (a pending switch shows in ``Shard.status``).
+        The settings the change makes, in force from its version (until then it shows as pending
+        in ``Shard.status``); the mode is the one in force until the switch.
 
     Raises:
-        InvalidRequestError: a value out of range, an unknown mode, or a switch into or out of
-            easgd; nothing changes.
+        PreconditionError: not shard 0.
+        InvalidRequestError: a value out of range, an unknown mode, a switch into or out of easgd,
+            or ``at_version`` below the shard's version or an earlier change's; nothing changes.
         NotInitializedError: a learning rate before Init.
     """
+    from ps_server.shard_members import decide_change, next_version, not_authority
+
     with shard._cond:
+        if not shard.epochs.authority:
+            raise not_authority(shard, "UpdateConfig")
         settings = shard.settings.updated(**changes)
         if mode:
             settings.updated(mode=mode)  # validate the switch now
@@ -40,19 +53,49 @@ def update_config(shard: Shard, mode: str = "", learning_rate: float | None = No
             if shard.store is None or shard.plan is None:
                 raise NotInitializedError("Set the learning rate after Init: the optimizer does not exist yet.")
             check_in_range("learning_rate", learning_rate, [torch_dtype(d) for d in shard.plan.dtypes.values()])
-            for group in shard.store.optimizer.param_groups:
-                group["lr"] = learning_rate
-        shard.settings = settings
+        at = next_version(shard) if at_version is None else at_version
+        floor = max([shard.version, *(c.version for c in shard.epochs.pending())])
+        if at < floor:
+            raise InvalidRequestError(
+                f"at_version {at} is too early: shard 0 is at version {shard.version}"
+                + (f" and a change is scheduled at {floor}" if floor > shard.version else "")
+                + f"; pick {floor} or later, or leave it out."
+            )
+        update = ps_pb2.UpdateConfigRequest(**request_fields(changes))
+        if mode:
+            update.mode = NAME_TO_MODE[mode]
+        if learning_rate is not None:
+            update.learning_rate = learning_rate
+        decide_change(shard, ps_pb2.ConfigChange(version=at, update=update))
+        apply_due(shard)
+        shard.advance()
+        return settings
+
+
+def apply_due(shard: Shard) -> None:
+    """Apply the scheduled changes the shard's version has reached, in order. A change shard 0
+    validated cannot fail here but for a learning rate before this shard's Init (skipped, logged).
+    Caller holds the lock."""
+    for change in shard.epochs.due(shard.version):
+        u = change.update
+        shard.settings = shard.settings.updated(**changes_from_request(u))
+        if u.HasField("learning_rate"):
+            if shard.store is None:
+                log.warning("shard %d: learning rate change skipped: not initialized yet", shard.shard_index)
+            else:
+                for group in shard.store.optimizer.param_groups:
+                    group["lr"] = u.learning_rate
+        mode = MODE_TO_NAME.get(u.mode, "")
         if mode:  # switching back to the mode in force cancels a pending switch
             shard.pending_mode = mode if mode != shard.mode else ""
         log.info(
-            "shard %d: config now %s%s",
+            "shard %d: config change of epoch %d applied at version %d: %s%s",
             shard.shard_index,
+            change.epoch,
+            shard.version,
             shard.settings,
             f", switching to {mode} at the next round boundary" if shard.pending_mode else "",
         )
-        shard.advance()
-        return shard.settings
 
 
 def status(shard: Shard) -> StatusView:
@@ -60,7 +103,7 @@ def status(shard: Shard) -> StatusView:
     with shard._cond:
         now = shard.now()
         store = shard.store
-        expected = shard.membership.expected()
+        expected = shard.membership.expected(shard.rounds.round)
         counted = shard.counters.view()
         return StatusView(
             shard_index=shard.shard_index,
@@ -79,10 +122,27 @@ def status(shard: Shard) -> StatusView:
             round_ranks=tuple(sorted(shard.rounds.pending)),
             round_waiting_for=tuple(shard.rounds.waiting_for(expected)) if shard.rounds.pending else (),
             round_age_seconds=0.0 if shard.round_opened is None else now - shard.round_opened,
-            pending_mode=shard.pending_mode,
+            pending_mode=shard.pending_mode or _scheduled_mode(shard),
             max_clock_gap=shard.max_clock_gap,
             rejected_pushes=counted.rejected_pushes,
             staleness=counted.staleness,
             last_checkpoint_version=shard.last_checkpoint_version,
             restored_from_version=shard.restored_from_version,
+            membership=_copy(shard.epochs.record),
+            applied_changes=tuple(_copy(c) for c in shard.epochs.applied),
+            membership_authority=shard.epochs.authority,
+            durable_acks=shard.durable_acks,
         )
+
+
+def _scheduled_mode(shard: Shard) -> str:
+    """The mode of the newest scheduled change not applied yet that switches it ("" if none)."""
+    modes = [MODE_TO_NAME.get(c.update.mode, "") for c in shard.epochs.pending()]
+    mode = next((m for m in reversed(modes) if m), "")
+    return mode if mode != shard.mode else ""
+
+
+def _copy(message: Any) -> Any:
+    out = type(message)()
+    out.CopyFrom(message)
+    return out

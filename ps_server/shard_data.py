@@ -107,6 +107,7 @@ class DataPath:
             if seen is not None:
                 return PushResult(seen.version, seen.staleness, True, seen.dropped, self.mode)
             self._check_replay(member, stamp)
+            self._check_counted(member, stamp)
             policy = self.policy
             result = policy.accept(self, member, stamp, grad_version, grads, hyper, skip)
             self.advance()
@@ -114,7 +115,45 @@ class DataPath:
                 refusal = self.refusals.pop(stamp.rank, None)
                 if refusal is not None:  # this push completed its round, and the round was refused
                     raise type(refusal)(str(refusal))
-            return result
+            applied = self.version
+        if not policy.holds_pushes:  # applied: answered once durable (a held push is answered held)
+            self.wait_durable(applied, None)
+        return result
+
+    def wait_durable(self, version: int, deadline: float | None) -> None:
+        """With ``durable_acks``: wait until ``version`` is in a checkpoint on disk (the checkpointer
+        writes every version), so the answer about to be sent survives a kill -9 of the shard.
+
+        Raises:
+            WaitTimeoutError: not durable by ``deadline``. ShuttingDownError: closing.
+        """
+        if not self.durable_acks:
+            return
+        with self._cond:
+            self.waits.until(
+                lambda: (self.last_checkpoint_version or 0) >= version,
+                deadline,
+                lambda: (
+                    f"version {version} was not checkpointed in time (--durable-acks); newest on disk: "
+                    f"{self.last_checkpoint_version}"
+                ),
+            )
+
+    def _check_counted(self, member: Member, stamp: PushStamp) -> None:
+        """Refuse a push of a round the cluster does not count the rank in (shard 0's decision:
+        a resize left it out, or, sync, it rejoined from a later round). Caller holds the lock.
+
+        Raises:
+            NotJoinedError: a resize left the rank out. StalePushError: sync, a round before the
+                rank's first counted one.
+        """
+        sync = self.policy.holds_pushes
+        self.membership.check_in_cluster(member.rank, stamp.clock if sync else None)
+        if sync and stamp.clock < member.since:
+            raise StalePushError(
+                f"Rank {member.rank} counts from round {member.since} (it rejoined; shard 0 decided): round "
+                f"{stamp.clock} goes on without it. Pull version {member.since} and push clock {member.since}."
+            )
 
     def pull(
         self,
@@ -204,6 +243,7 @@ class DataPath:
         remaining = None if timeout is None else max(0.0, timeout - (self._now() - start))
         min_version = policy.read_after_push(stamp.clock)
         version, out = self.pull(stamp.rank, stamp.incarnation, min_version, digest, remaining, wire_dtype, encode)
+        self.wait_durable(version, None if timeout is None else start + timeout)
         if policy.holds_pushes and not result.dropped:
             with self._cond:
                 result = dataclasses.replace(result, skipped=stamp.clock in self.skipped_rounds)

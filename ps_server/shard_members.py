@@ -1,13 +1,22 @@
 """The membership calls of a :class:`~ps_server.shard.Shard`: Join, Heartbeat, Leave, operator
-eviction, lease expiry and the join deadline, each under the shard's lock. Where a (re)joining rank
-resumes is its policy's to say (:meth:`~ps_server.policy.base.ConsistencyPolicy.join_clock`)."""
+eviction, lease expiry, Resize and the join deadline, each under the shard's lock. Where a
+(re)joining rank resumes is its policy's to say
+(:meth:`~ps_server.policy.base.ConsistencyPolicy.join_clock`).
+
+Shard 0 is the membership authority (:mod:`ps_server.epochs`): whether a rank counts in rounds and
+waits, and how many workers the cluster has, is decided there and nowhere else; other shards adopt
+its records. A shard's own lease clock only evicts on shard 0.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from ps_common.errors import InvalidRequestError
+from ps_common.errors import InvalidRequestError, NotJoinedError, PreconditionError
+from ps_proto.v1 import ps_pb2
+from ps_server import shard_admin
 from ps_server.membership import WorkerState
 from ps_server.shard_views import JoinInfo
 
@@ -17,21 +26,48 @@ if TYPE_CHECKING:
 log = logging.getLogger("ps_server.shard")
 
 
+NOT_AUTHORITY = (
+    "Shard {k} follows the membership and configuration shard 0 decides; send {what} to shard 0 "
+    "(ps-admin does), and every shard applies it."
+)
+
+
+def not_authority(shard: Shard, what: str) -> PreconditionError:
+    """The refusal of a membership or configuration call made to a shard other than shard 0."""
+    return PreconditionError(NOT_AUTHORITY.format(k=shard.shard_index, what=what))
+
+
 def join(shard: Shard, rank: int, num_workers: int, incarnation: int) -> JoinInfo:
     """Register ``rank`` (a higher incarnation replaces the old one: its clocks start over where
-    the policy says).
+    the policy says). On shard 0, a rank the cluster stopped counting (evicted, left) counts again:
+    a decision (:mod:`ps_server.epochs`). Another shard refuses such a rank until shard 0's record
+    counts it (workers join shard 0 first). The cluster's count (after resizes) is in the answer's
+    config; a worker started with the shards' ``--num-workers`` before a resize is welcome.
 
     Raises:
-        InvalidRequestError: rank out of range or num_workers differs from the cluster's.
+        InvalidRequestError: rank out of range, or ``num_workers`` is neither the cluster's count
+            nor the shards' ``--num-workers``.
+        NotJoinedError: a resize left the rank out, or (not shard 0) shard 0 does not count it.
         PreconditionError: a lower incarnation than one already joined.
     """
-    if num_workers != shard.num_workers:
-        raise InvalidRequestError(
-            f"This cluster has num_workers={shard.num_workers} but the worker says {num_workers}; "
-            "start every worker and shard with the same --num-workers."
-        )
     with shard._cond:
+        if num_workers not in (shard.num_workers, shard.configured_num_workers):
+            raise InvalidRequestError(
+                f"This cluster has num_workers={shard.num_workers} but the worker says {num_workers}; "
+                "start every worker and shard with the same --num-workers (after `ps-admin resize N`, "
+                "workers may say N or the shards' --num-workers)."
+            )
         member = shard.membership.get(rank, incarnation)
+        shard.membership.check_in_cluster(rank)
+        if not member.counted:
+            if not shard.epochs.authority:
+                raise NotJoinedError(
+                    f"Rank {rank} is not counted by the cluster (membership epoch {shard.epochs.epoch}: "
+                    f"{shard.epochs.record.reason or 'evicted'}); join shard 0 first, which decides."
+                )
+            # counted from the next round on every shard: no shard can have closed it yet
+            member.counted, member.since = True, next_version(shard)
+            decide(shard, f"rank {rank} rejoined (incarnation {incarnation}) from version {member.since}")
         shard.membership.joins.start()
         restarted = incarnation != member.incarnation
         if restarted:  # a new process: its clocks start over
@@ -69,20 +105,120 @@ def leave(shard: Shard, rank: int, incarnation: int) -> int:
         if member.incarnation == incarnation and member.state is WorkerState.LIVE:
             member.state = WorkerState.LEFT
             log.info("shard %d: rank %d left", shard.shard_index, rank)
+            if shard.epochs.authority:
+                member.counted = False
+                decide(shard, f"rank {rank} left")
             shard.advance()
         return shard.version
 
 
 def evict(shard: Shard, rank: int) -> tuple[WorkerState, int]:
-    """Operator eviction: stop counting ``rank`` now. Returns (previous state, version)."""
+    """Operator eviction (shard 0): stop counting ``rank`` on every shard. Returns (previous
+    state, version).
+
+    Raises:
+        PreconditionError: not shard 0. InvalidRequestError: rank out of range.
+    """
     with shard._cond:
+        if not shard.epochs.authority:
+            raise not_authority(shard, "EvictWorker")
         member = shard.membership.get(rank)
         previous = member.state
-        if previous in (WorkerState.LIVE, WorkerState.PENDING):
-            member.state = WorkerState.EVICTED
+        if previous in (WorkerState.LIVE, WorkerState.PENDING) or member.counted:
+            member.state, member.counted = WorkerState.EVICTED, False
             log.warning("shard %d: rank %d evicted by an operator", shard.shard_index, rank)
+            decide(shard, f"rank {rank} evicted by an operator")
             shard.advance()
         return previous, shard.version
+
+
+def decide(shard: Shard, reason: str) -> None:
+    """Shard 0: stamp the membership as it is now with the next epoch. Caller holds the lock."""
+    record = shard.epochs.decide(shard.membership, shard.version, reason)
+    log.info("shard %d: membership epoch %d: %s", shard.shard_index, record.epoch, reason)
+
+
+def decide_change(shard: Shard, change: ps_pb2.ConfigChange) -> None:
+    """Shard 0: schedule ``change`` with the next epoch. Caller holds the lock."""
+    reason = f"config change at version {change.version}"
+    shard.epochs.schedule(shard.membership, shard.version, change, reason)
+    log.info("shard %d: membership epoch %d: %s", shard.shard_index, shard.epochs.epoch, reason)
+
+
+def adopt(shard: Shard, record: ps_pb2.MembershipEpoch) -> bool:
+    """Follow ``record`` (shard 0's decision, relayed by a worker) when it is newer than the
+    shard's: which ranks count, the worker count, configuration changes now due. Returns whether
+    it was adopted."""
+    with shard._cond:
+        if record.epoch <= shard.epochs.epoch:
+            return False
+        shard.epochs.adopt(record, shard.membership)
+        _sync_count(shard)
+        log.info("shard %d: follows membership epoch %d (%s)", shard.shard_index, record.epoch, record.reason)
+        shard_admin.apply_due(shard)
+        shard.advance()
+        return True
+
+
+def _sync_count(shard: Shard) -> None:
+    """The settings' worker count (told to workers in ClusterConfig) is the membership's."""
+    if shard.settings.num_workers != shard.membership.num_workers:
+        shard.settings = dataclasses.replace(shard.settings, num_workers=shard.membership.num_workers)
+
+
+def resize(shard: Shard, num_workers: int, at_version: int | None = None) -> tuple[int, int]:
+    """Shard 0: make ranks ``0..num_workers-1`` the cluster from version (sync: round)
+    ``at_version`` on — by default the next round (this version when no rank is live). New ranks
+    are waited for from there; ranks beyond push no round from there. Returns (previous count,
+    the version it holds from).
+
+    Raises:
+        PreconditionError: not shard 0, or easgd (its period needs a fixed set of ranks).
+        InvalidRequestError: ``num_workers`` < 1, or ``at_version`` below the shard's version.
+    """
+    with shard._cond:
+        if not shard.epochs.authority:
+            raise not_authority(shard, "Resize")
+        if num_workers < 1:
+            raise InvalidRequestError(f"num_workers must be at least 1, got {num_workers}.")
+        if shard.mode == "easgd":
+            raise PreconditionError("Resize works in sync, async and ssp; an easgd job keeps its workers.")
+        at = next_version(shard) if at_version is None else at_version
+        if at < shard.version:
+            raise InvalidRequestError(f"at_version {at} has passed: shard 0 is at version {shard.version}.")
+        previous = shard.membership.num_workers
+        if num_workers != previous:
+            shard.membership.resize(num_workers, at)
+            _sync_count(shard)
+            decide(shard, f"resized from {previous} to {num_workers} workers at version {at}")
+            shard.membership.settle(shard.version) if at <= shard.version else None
+            shard.advance()
+        return previous, at
+
+
+def next_version(shard: Shard) -> int:
+    """The version a change decided now takes effect at by default: the next round (no rank can
+    push it anywhere before shard 0 answered this round, with the record), or this version when
+    no rank is live (nobody is training)."""
+    live = any(m.state is WorkerState.LIVE for m in shard.members)
+    return shard.version + 1 if live else shard.version
+
+
+def restored(shard: Shard, state: dict[str, Any]) -> None:
+    """After a restore: the worker count. The checkpoint's (with its resizes) stands unless
+    ``--num-workers`` differs from the one the checkpointed shard was started with: then the
+    operator changed it, and shard 0 resizes the job to it. Caller holds the lock."""
+    saved_flag = int(state.get("configured_num_workers", len(state["members"])))
+    _sync_count(shard)
+    if shard.epochs.authority and shard.configured_num_workers != saved_flag:
+        n = shard.configured_num_workers
+        previous = shard.membership.num_workers
+        if n != previous:
+            shard.membership.resize(n, shard.version)
+            shard.membership.settle(shard.version)
+            _sync_count(shard)
+            decide(shard, f"restored onto --num-workers {n} (the checkpoint has {previous})")
+        log.info("shard %d: resumed onto %d workers (checkpoint: %d)", shard.shard_index, n, previous)
 
 
 def expire_leases(shard: Shard) -> list[int]:
@@ -91,9 +227,12 @@ def expire_leases(shard: Shard) -> list[int]:
     with shard._cond:
         now = shard.now()
         evicted = []
-        for rank, silent in shard.membership.expire():
+        # only shard 0 evicts: other shards keep leases for their status, and follow its decisions
+        for rank, silent in shard.membership.expire() if shard.epochs.authority else ():
             evicted.append(rank)
+            shard.members[rank].counted = False
             log.warning("shard %d: rank %d evicted after %.1f s without a heartbeat", shard.shard_index, rank, silent)
+            decide(shard, f"rank {rank} evicted after {silent:.1f} s without a heartbeat")
         timeout = shard.settings.round_timeout
         if timeout and shard.round_opened is not None and not shard.round_reported:
             if now - shard.round_opened > timeout:
@@ -104,7 +243,7 @@ def expire_leases(shard: Shard) -> list[int]:
                     shard.shard_index,
                     shard.rounds.round,
                     now - shard.round_opened,
-                    shard.rounds.waiting_for(shard.membership.expected()),
+                    shard.rounds.waiting_for(shard.membership.expected(shard.rounds.round)),
                 )
         if evicted:
             shard.advance()

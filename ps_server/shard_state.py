@@ -42,20 +42,19 @@ def export_state(plan: Plan, store: ParameterStore, version: int, mode: str, mem
     }
 
 
-def load_state(
-    state: dict[str, Any], shard_index: int, num_shards: int, num_workers: int
-) -> tuple[Plan, ParameterStore]:
-    """The plan and the store (parameters and optimizer state) of :func:`export_state` output.
+def load_state(state: dict[str, Any], shard_index: int, num_shards: int) -> tuple[Plan, ParameterStore]:
+    """The plan and the store (parameters and optimizer state) of :func:`export_state` output
+    (the members are restored by the caller, onto any worker count).
 
     Raises:
         CheckpointError: the checkpoint belongs to another cluster shape or plan.
     """
     plan_info = state["plan"]
-    if plan_info["num_shards"] != num_shards or len(state["members"]) != num_workers:
+    if plan_info["num_shards"] != num_shards:
         raise CheckpointError(
-            f"The checkpoint is of a cluster with {plan_info['num_shards']} shards and {len(state['members'])} "
-            f"workers, but this shard runs with {num_shards} and {num_workers}; start with the same "
-            "--num-shards/--num-workers or another --checkpoint-dir."
+            f"The checkpoint is of a cluster with {plan_info['num_shards']} shards, but this shard runs with "
+            f"{num_shards}; start with the same --num-shards or another --checkpoint-dir (the shard count "
+            "of a job is fixed; its worker count is not)."
         )
     specs = [ParameterSpec(k, tuple(shape), dtype) for k, shape, dtype in plan_info["specs"]]
     plan = make_plan(specs, plan_info["num_shards"], plan_info["partition_bytes"])

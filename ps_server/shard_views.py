@@ -4,13 +4,14 @@ operators, and the consistent snapshot of its parameters that a read encodes."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from ps_common.modes import ModeSettings
 from ps_common.optimizer import OptimizerSpec
 from ps_common.plan import Plan
+from ps_proto.v1 import ps_pb2
 from ps_server.membership import MemberView
 
 
@@ -52,6 +53,11 @@ class StatusView:
     staleness: dict[int, int]
     last_checkpoint_version: int | None = None
     restored_from_version: int | None = None
+    membership: ps_pb2.MembershipEpoch = field(default_factory=ps_pb2.MembershipEpoch)
+    """The membership record the shard follows (a copy)."""
+    applied_changes: tuple[ps_pb2.ConfigChange, ...] = ()
+    membership_authority: bool = False
+    durable_acks: bool = False
 
     @property
     def mode(self) -> str:

@@ -138,6 +138,7 @@ class DataPath:
                     yield t.sent(m)
 
             reply = t.push_calls[k](messages(), timeout=t.timeout, metadata=t.metadata)
+            s.learn(k, reply)
             return reply, sent[0]
 
         result = s.with_recovery(k, attempt, f"Push {t.servers[k]}")

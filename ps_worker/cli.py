@@ -174,6 +174,7 @@ def _run(parser: Any, args: Any) -> int:
             before_push=before_push,
             metrics=metrics,
             overlap=args.overlap,
+            elastic_lr=args.elastic_lr,
         )
     except Stopped as stop:
         progress.close()

@@ -94,7 +94,6 @@ class PSClient(SessionView, ModelIO):
         self.compressor = TopK(topk) if topk else None
         self.servers = list(servers)
         self.rank = rank
-        self.num_workers = num_workers
         self.timeout = timeout
         self.retry_deadline = retry_deadline
         self.partition_bytes = partition_bytes

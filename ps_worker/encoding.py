@@ -43,6 +43,10 @@ class Stamp:
     version: int
     hyperparameters: Sequence[Mapping[str, float]] = ()
     skip: bool = False
+    membership_epoch: int = 0
+    """The membership epoch the worker knows."""
+    membership: ps_pb2.MembershipEpoch | None = None
+    """The record itself, for a shard that reported an older epoch (relayed)."""
 
 
 class WireCodec:
@@ -117,6 +121,8 @@ class WireCodec:
             plan_digest=self.plan.digest,
             groups=[ps_pb2.GroupHyperparameters(values=h) for h in stamp.hyperparameters],
             skip=stamp.skip,
+            membership_epoch=stamp.membership_epoch,
+            membership=stamp.membership,
         ).SerializeToString()
 
     def push_head(self, stamp: Stamp) -> bytes:

@@ -41,6 +41,25 @@ class Fault:
         return f"kill-{self.what}:{self.index}@step={self.step}{',restart' if self.restart else ''}"
 
 
+def parse_resizes(text: str) -> list[tuple[int, int]]:
+    """Parse ps-launch's ``--resize`` text, ``N@step=S[;N@step=S...]``, into (step, workers) pairs
+    in step order.
+
+    Raises:
+        ValueError: a malformed spec, N < 1, or two resizes at one step, saying the syntax.
+    """
+    out = []
+    for spec in filter(None, (s.strip() for s in text.split(";"))):
+        n, _, step = spec.partition("@step=")
+        if not (n.isdigit() and step.isdigit()) or int(n) < 1:
+            raise ValueError(f"--resize {spec!r}: expected N@step=S with N >= 1 workers and a step S, e.g. 4@step=100.")
+        out.append((int(step), int(n)))
+    steps = [s for s, _ in out]
+    if len(set(steps)) != len(steps):
+        raise ValueError(f"--resize: two resizes at one step ({text!r}).")
+    return sorted(out)
+
+
 def parse_faults(text: str, shards: int, workers: int) -> list[Fault]:
     """Parse ``--fault`` text.
 

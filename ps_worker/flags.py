@@ -80,6 +80,13 @@ def training_flags(p: FlagParser) -> None:
         help="push each layer's gradient while the rest of backward runs (sync, async, ssp)",
     )
     p.flag(
+        "--elastic-lr",
+        default="none",
+        choices=("none", "linear"),
+        help="when the job is resized (ps-admin resize), keep the learning rate (none) or scale it by the "
+        "worker count over the shards' --num-workers (linear scaling rule, Goyal et al. 2017)",
+    )
+    p.flag(
         "--topk",
         type=ratio,
         default=0.0,

@@ -102,6 +102,12 @@ def launch_parser(environ: Mapping[str, str] | None = None) -> FlagParser:
         default="",
         help="inject faults: kill-worker:R@step=N[,restart] or kill-shard:K@step=N[,restart], ';'-separated",
     )
+    p.flag(
+        "--resize",
+        default="",
+        help="resize the running job: N@step=S grows or shrinks it to N workers once a rank reaches step S "
+        "(ps-admin resize N; new ranks are started, ranks beyond N stop), ';'-separated (sync, async, ssp)",
+    )
     p.add_argument(
         "-m",
         dest="module",

@@ -241,14 +241,25 @@ def server_flags(args: Any, log_dir: Path) -> list[str]:
     return flags + modes.forward_flags(args)  # every mode parameter, from ps_common.modes' one table
 
 
-def shard_statuses(addresses: Sequence[str], timeout: float = 10.0) -> list[ps_pb2.ShardStatus]:
-    """Admin/GetStatus of every shard (the shards' own account of clocks and refusals), with the admin
-    token the shards took from this environment (``PS_ADMIN_TOKEN`` or ``PS_ADMIN_TOKEN_FILE``), if any."""
+def _admin_metadata() -> tuple[tuple[str, str], ...]:
     try:
         token = secret(os.environ.get("PS_ADMIN_TOKEN", ""), os.environ.get("PS_ADMIN_TOKEN_FILE", ""), "--admin-token")
     except ValueError:
         token = ""
-    metadata = (("authorization", f"Bearer {token}"),) if token else ()
+    return (("authorization", f"Bearer {token}"),) if token else ()
+
+
+def resize_job(address: str, num_workers: int, timeout: float = 10.0) -> ps_pb2.ResizeResponse:
+    """Admin/Resize on shard 0 (``address``): the job has ``num_workers`` ranks from its next round."""
+    with grpc.insecure_channel(address) as channel:
+        stub = ps_pb2_grpc.AdminStub(channel)
+        return stub.Resize(ps_pb2.ResizeRequest(num_workers=num_workers), timeout=timeout, metadata=_admin_metadata())
+
+
+def shard_statuses(addresses: Sequence[str], timeout: float = 10.0) -> list[ps_pb2.ShardStatus]:
+    """Admin/GetStatus of every shard (the shards' own account of clocks and refusals), with the admin
+    token the shards took from this environment (``PS_ADMIN_TOKEN`` or ``PS_ADMIN_TOKEN_FILE``), if any."""
+    metadata = _admin_metadata()
     statuses = []
     for address in addresses:
         with grpc.insecure_channel(address) as channel:

@@ -9,6 +9,7 @@ is shown), 130 on Ctrl-C; no process is left behind.
 
 from __future__ import annotations
 
+import argparse
 import os
 import queue
 import shutil
@@ -25,13 +26,14 @@ from tqdm import tqdm
 from ps_common import jsonout
 from ps_common.process_env import available_cpus, launch_environment
 from ps_proto.v1 import ps_pb2
-from ps_worker.faults import Fault, parse_faults
+from ps_worker.faults import Fault, parse_faults, parse_resizes
 from ps_worker.launch_cluster import (
     Child,
     Cluster,
     MembershipWatch,
     read_events,
     read_output,
+    resize_job,
     server_flags,
     shard_statuses,
     tail,
@@ -72,6 +74,7 @@ def run(args: Any, target: Target | None = None) -> int:
         return 2
     try:
         faults = parse_faults(args.fault, args.shards, args.workers)
+        resizes = parse_resizes(getattr(args, "resize", ""))
     except ValueError as exc:
         print(f"ps-launch: {exc}", file=sys.stderr)
         return 2
@@ -154,6 +157,26 @@ def run(args: Any, target: Target | None = None) -> int:
                 shards[fault.index] = cluster.restart_shard(victim, addresses[fault.index])
                 tqdm.write(f"ps-launch: {fault.name} restarted (pid {shards[fault.index].proc.pid})", file=sys.stderr)
 
+        def resize(step: int) -> None:
+            """Resize the job at ``step`` (shard 0 decides; every shard follows): start the new ranks;
+            ranks beyond the new count stop by themselves at the resize's round."""
+            _, n = resizes.pop(0)
+            answer = resize_job(addresses[0], n)
+            fired.append({"resize": n, "step": step, "at_version": answer.at_version})
+            tqdm.write(
+                f"ps-launch: resized from {answer.previous_num_workers} to {n} workers at step {step} "
+                f"(from version {answer.at_version})",
+                file=sys.stderr,
+            )
+            grown = argparse.Namespace(**{**vars(args), "workers": n})
+            for r in range(len(workers), n):
+                child = start_worker(cluster, grown, target, addresses, r)
+                workers.append(child)
+                runs[r] = []
+                bars.append(tqdm(total=args.steps, desc=f"rank {r}", position=r, unit="step", file=sys.stderr,
+                                 disable=args.no_progress or None, dynamic_ncols=True, leave=False))  # fmt: skip
+                follow(child, events, script)
+
         def script_progress() -> None:
             """A script's start and step events, from the clocks shard 0 reports."""
             assert watch is not None
@@ -207,6 +230,8 @@ def run(args: Any, target: Target | None = None) -> int:
                 for fault in [f for f in faults if f.due(rank, event["step"])]:
                     faults.remove(fault)
                     inject(fault, event["step"])
+                if resizes and event["step"] >= resizes[0][0]:
+                    resize(event["step"])
             elif event.get("event") == "metrics":
                 workers[rank].metrics_url = event["url"]
                 tqdm.write(f"ps-launch: {name} metrics on {event['url']}", file=sys.stderr)

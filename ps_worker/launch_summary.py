@@ -82,6 +82,7 @@ def shards_view(statuses: Sequence[ps_pb2.ShardStatus]) -> dict[str, Any]:
             rejected[reason] = max(rejected.get(reason, 0), n)
     first_status = statuses[0] if statuses else None
     return {
+        "versions": [st.version for st in statuses],
         "clocks": [w.clock for w in first_status.workers] if first_status else [],
         "pushes": [w.pushes for w in first_status.workers] if first_status else [],
         "worker_states": [
@@ -110,7 +111,7 @@ def shards_view(statuses: Sequence[ps_pb2.ShardStatus]) -> dict[str, Any]:
 def rank_rows(args: Any, runs: Mapping[int, Sequence[RankRun]]) -> list[dict[str, Any]]:
     """What each rank did: steps run by all its processes, restarts, where they resumed, finished or not."""
     ranks = []
-    for r in range(args.workers):
+    for r in range(max(args.workers, len(runs))):  # a resize may have started more ranks
         mine = list(runs.get(r, ()))
         steps = sum(run.steps for run in mine)
         report = next((run.report for run in reversed(mine) if run.report), None)
@@ -120,6 +121,7 @@ def rank_rows(args: Any, runs: Mapping[int, Sequence[RankRun]]) -> list[dict[str
                 "steps_run": steps,
                 "samples": steps * args.batch_size,
                 "restarts": max(0, len(mine) - 1),
+                "first_step": mine[0].first if mine else 0,
                 "resumed_at": [run.first for run in mine[1:]],
                 "finished": report is not None,
                 "final_loss": _finite(report.get("final_loss")) if report else None,
@@ -176,6 +178,9 @@ def summarize(
         "version": first_done.get("version"),
         "params_sha256": first_done.get("params_sha256"),
         "params_sha256_per_rank": [d["params_sha256"] for d in done],
+        # a resize (--resize, ps-admin resize) to fewer workers ends the ranks beyond at its round
+        "resized_out_at_per_rank": [d.get("resized_out_at") for d in done],
+        "num_workers_at_end": statuses[0].config.num_workers if statuses else args.workers,
         "servers": addresses,
         "refused_pushes": sum(d.get("refused_pushes", 0) for d in done),
         "dropped_pushes": sum(d.get("dropped_pushes", 0) for d in done),

@@ -146,6 +146,8 @@ def worker_argv(args: Any, addresses: Sequence[str], rank: int) -> list[str]:
         "--topk",
         str(args.topk),
         *(["--overlap"] if args.overlap else []),
+        "--elastic-lr",
+        args.elastic_lr,
         "--metrics-port",
         "-1" if args.no_metrics else "0",
         "--events",

@@ -142,6 +142,7 @@ class PendingPushPull:
         version, received, answer = self.codec.decode(k, replies, self.flats, t.servers[k], t.received)
         if answer is None:
             raise RuntimeError(f"Shard {t.servers[k]} answered PushPull without the push's answer.")
+        self.session.learn(k, answer)
         return answer, version, self.sent[k], received
 
     def finish(self) -> int:

@@ -63,15 +63,18 @@ def reseed(seed: int, rank: int, step: int) -> None:
         torch.manual_seed((seed * 1_000_003 + rank) * 1_000_003 + step)
 
 
-def batches(loader: Iterable[T], sampler: _Epochs, start_step: int = 0) -> Iterator[T]:
+def batches(loader: Iterable[T], sampler: _Epochs, start_step: int = 0, first_epoch: int = 0) -> Iterator[T]:
     """Endless batches of ``loader``: each pass over the data is a new sampler epoch (new shuffle),
-    starting at step ``start_step``'s epoch and skipping the batches of that epoch already consumed.
-    With ``start_step=0`` it is exactly ``set_epoch(0), loader, set_epoch(1), loader, ...``.
+    counted from ``first_epoch``, starting at step ``start_step``'s epoch and skipping the batches
+    of that epoch already consumed. With ``start_step=0`` it is exactly ``set_epoch(first_epoch),
+    loader, set_epoch(first_epoch + 1), loader, ...`` (a resized job starts its passes at the
+    resize's round).
 
     Raises:
         ValueError: see :func:`resume_position` (``len(loader)`` is the batches per epoch).
     """
     epoch, offset = resume_position(start_step, len(loader)) if start_step else (0, 0)  # type: ignore[arg-type]
+    epoch += first_epoch
     while True:
         sampler.set_epoch(epoch)
         if offset:

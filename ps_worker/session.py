@@ -96,6 +96,13 @@ class Session:
         self.repush: Callable[[int], None] | None = None
         self._heartbeat_stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
+        # the newest membership record (shard 0 decides; ps_server.epochs), the epoch each shard
+        # last reported, and the heartbeat thread's wake-up to relay a record to a shard behind
+        self.membership = ps_pb2.MembershipEpoch()
+        self.shard_epochs = [0] * n
+        self._relay = threading.Event()
+        self._epoch_lock = threading.Lock()
+        self.on_resize: Callable[[ps_pb2.MembershipEpoch], None] | None = None
 
     @property
     def mode(self) -> str:
@@ -107,9 +114,65 @@ class Session:
         self.worker = worker_mode(name)
         self._mode = name
 
+    # ------------------------------------------------------------------ membership epochs
+    def relayed(self, k: int) -> tuple[int, ps_pb2.MembershipEpoch | None]:
+        """What a request to shard ``k`` carries: the epoch this worker knows, and the record
+        itself when shard ``k`` last reported an older one."""
+        with self._epoch_lock:
+            record = self.membership
+            return record.epoch, (record if self.shard_epochs[k] < record.epoch else None)
+
+    def learn(self, k: int, answer: object) -> None:
+        """Note the membership epoch shard ``k`` answered with, and adopt the record it carries
+        when newer (a resize reaches :attr:`on_resize`); wake the heartbeat thread when a shard
+        knows an older epoch than this worker (it relays the record at once)."""
+        epoch = int(getattr(answer, "membership_epoch", 0))
+        record = answer.membership if answer.HasField("membership") else None  # type: ignore[attr-defined]
+        resized = None
+        with self._epoch_lock:
+            if record is not None and record.epoch > self.membership.epoch:
+                if record.num_workers and record.num_workers != self.membership.num_workers:
+                    resized = record
+                self.membership = record
+            self.shard_epochs[k] = max(epoch, record.epoch if record is not None else 0)
+            behind = any(e < self.membership.epoch for e in self.shard_epochs)
+        if resized is not None:
+            self._resized(resized)
+        if behind:
+            self._relay.set()
+
+    def _resized(self, record: ps_pb2.MembershipEpoch) -> None:
+        previous, self.num_workers = self.num_workers, int(record.num_workers)
+        if previous != self.num_workers:
+            log.info(
+                "rank %d: the cluster has %d workers from version %d on (was %d; membership epoch %d)",
+                self.rank,
+                self.num_workers,
+                record.resize_version,
+                previous,
+                record.epoch,
+            )
+        if self.on_resize is not None:
+            self.on_resize(record)
+
+    def in_cluster(self, clock: int) -> bool:
+        """Whether this rank pushes step ``clock``: a resize to fewer workers ends ranks beyond the
+        new count at its version (sync: round; other modes: at once)."""
+        record = self.membership
+        if not record.epoch or self.rank < record.num_workers:
+            return True
+        return self.mode == "sync" and clock < record.resize_version and self.rank < record.previous_num_workers
+
     # ------------------------------------------------------------------ joining
-    def join_request(self) -> ps_pb2.JoinRequest:
-        return ps_pb2.JoinRequest(rank=self.rank, num_workers=self.num_workers, incarnation=self.incarnation)
+    def join_request(self, k: int = 0) -> ps_pb2.JoinRequest:
+        epoch, record = self.relayed(k)
+        return ps_pb2.JoinRequest(
+            rank=self.rank,
+            num_workers=self.num_workers,
+            incarnation=self.incarnation,
+            membership_epoch=epoch,
+            membership=record,
+        )
 
     def join_shard(self, k: int) -> ps_pb2.JoinResponse:
         """Join shard ``k``, retrying while it is unreachable (still starting, restarting) for at most
@@ -121,7 +184,7 @@ class Session:
         """
         t = self.transport
         address = t.servers[k]
-        req = self.join_request()
+        req = self.join_request(k)
         start = time.monotonic()
         stop = start + t.retry_deadline
         delays = backoff_delays(base=0.1, cap=1.0)
@@ -130,7 +193,9 @@ class Session:
             # each attempt is short: a connection that hangs (a dropped SYN) must not use the whole budget
             attempt = max(0.1, min(t.timeout, stop - time.monotonic(), JOIN_ATTEMPT_SECONDS))
             try:
-                return t.stubs[k].Join(req, timeout=attempt, metadata=t.metadata)
+                reply = t.stubs[k].Join(req, timeout=attempt, metadata=t.metadata)
+                self.learn(k, reply)
+                return reply
             except grpc.RpcError as exc:
                 code = exc.code()
                 if code not in RETRYABLE:
@@ -161,7 +226,10 @@ class Session:
             RuntimeError: the shards disagree on mode or their indices do not match ``servers``.
         """
         t = self.transport
-        replies = t.each_shard(self.join_shard)
+        # shard 0 first: it decides whether this rank counts (a rejoin after an eviction), and the
+        # others follow the record its answer brings, which the joins to them carry
+        first = self.join_shard(0)
+        replies = [first, *t.each_shard(self.join_shard)[1:]] if t.num_shards > 1 else [first]
         for k, r in enumerate(replies):
             if r.shard_index != k or r.num_shards != t.num_shards:
                 raise RuntimeError(
@@ -211,11 +279,15 @@ class Session:
 
     def _join_once(self, k: int) -> ps_pb2.JoinResponse:
         t = self.transport
-        return t.stubs[k].Join(self.join_request(), timeout=t.timeout, metadata=t.metadata)
+        reply = t.stubs[k].Join(self.join_request(k), timeout=t.timeout, metadata=t.metadata)
+        self.learn(k, reply)
+        return reply
 
     # ------------------------------------------------------------------ heartbeats
     def start_heartbeat(self) -> None:
-        """Start the heartbeat thread (once): a Heartbeat to every shard each third of the lease."""
+        """Start the heartbeat thread (once): a Heartbeat to every shard each third of the lease
+        (shard 0 renews the lease; every shard gets the membership record it lacks), and at once
+        when a shard is behind this worker's membership epoch."""
         if self._heartbeat is None:
             self._heartbeat = threading.Thread(target=self._beat, name=f"ps-heartbeat-{self.rank}", daemon=True)
             self._heartbeat.start()
@@ -223,16 +295,31 @@ class Session:
     def stop_heartbeat(self, wait: bool = True) -> None:
         """Stop the heartbeat thread; ``wait``: join it (at most :data:`LEAVE_SECONDS`)."""
         self._heartbeat_stop.set()
+        self._relay.set()
         if wait and self._heartbeat is not None:
             self._heartbeat.join(timeout=LEAVE_SECONDS)
 
     def _beat(self) -> None:
         t = self.transport
-        req = ps_pb2.HeartbeatRequest(rank=self.rank, incarnation=self.incarnation)
-        while not self._heartbeat_stop.wait(self.lease_timeout / 3):
+        period = self.lease_timeout / 3
+        due = time.monotonic() + period
+        while not self._heartbeat_stop.is_set():
+            relay = self._relay.wait(max(0.0, due - time.monotonic()))
+            self._relay.clear()
+            if self._heartbeat_stop.is_set():
+                return
+            full = not relay or time.monotonic() >= due
+            if full:
+                due = time.monotonic() + period
             for k, stub in enumerate(t.stubs):
+                epoch, record = self.relayed(k)
+                if not full and record is None:
+                    continue  # a relay round: only the shards behind
+                req = ps_pb2.HeartbeatRequest(
+                    rank=self.rank, incarnation=self.incarnation, membership_epoch=epoch, membership=record
+                )
                 try:
-                    stub.Heartbeat(req, timeout=max(1.0, self.lease_timeout / 3), metadata=t.metadata)
+                    self.learn(k, stub.Heartbeat(req, timeout=max(1.0, period), metadata=t.metadata))
                 except grpc.RpcError as exc:
                     log.debug("heartbeat to %s failed: %s", t.servers[k], exc.code())
 
@@ -276,7 +363,13 @@ class Session:
                 self.reinit(k)
             else:
                 self.wait_initialized({k: self.join_shard(k)}, self.transport.retry_deadline)
-        reply = self.join_shard(k)
+        try:
+            reply = self.join_shard(k)
+        except errors.NotJoined:
+            if k == 0:
+                raise
+            self.join_shard(0)  # shard 0 stopped counting this rank: it decides the rejoin
+            reply = self.join_shard(k)
         self.versions[k] = reply.version
         self.pushed[k] = False
         if isinstance(err, errors.PushLost) and repush and self.repush is not None:
@@ -286,6 +379,7 @@ class Session:
     # ------------------------------------------------------------------ stamps and answers
     def stamp(self, k: int) -> Stamp:
         """What a push to shard ``k`` carries now (see :meth:`WorkerMode.push_clock`)."""
+        epoch, record = self.relayed(k)
         return Stamp(
             self.rank,
             self.incarnation,
@@ -293,6 +387,8 @@ class Session:
             self.versions[k],
             self.step_hyperparameters,
             self.step_skip,
+            epoch,
+            record,
         )
 
     def pull_floor(self, k: int, min_version: int | None) -> int:
@@ -332,7 +428,14 @@ class Session:
         """Stop the heartbeat, leave every shard (best effort), close the transport and join the
         heartbeat thread. Idempotent."""
         self.stop_heartbeat(wait=False)
-        self.transport.close(ps_pb2.LeaveRequest(rank=self.rank, incarnation=self.incarnation))
+
+        def leave(k: int) -> ps_pb2.LeaveRequest:  # shard 0 first: the others get its record
+            epoch, record = self.relayed(k)
+            return ps_pb2.LeaveRequest(
+                rank=self.rank, incarnation=self.incarnation, membership_epoch=epoch, membership=record
+            )
+
+        self.transport.close(leave, self.learn)
         self.stop_heartbeat(wait=True)
 
 
@@ -360,6 +463,8 @@ class SessionView:
 
     session: Session
     mode: _SessionField[str] = _SessionField()
+    num_workers: _SessionField[int] = _SessionField()
+    """The cluster's worker count: the one given, until shard 0 resizes the job."""
     config: _SessionField[ps_pb2.ClusterConfig] = _SessionField()
     settings: _SessionField[ModeSettings | None] = _SessionField()
     lease_timeout: _SessionField[float] = _SessionField()

@@ -51,6 +51,10 @@ class TrainSummary:
     """Step this process started at: a restarted rank resumes at the cluster's clock."""
     bits_per_char: float | None = None
     """charlm: held-out bits per character (loss / ln 2)."""
+    resized_out_at: int | None = None
+    """The step at which a resize to fewer workers ended this rank (None: it ran to the end)."""
+    num_workers: int = 0
+    """The cluster's worker count when this rank finished."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -79,6 +83,7 @@ def train(
     before_push: Callable[[int], None] | None = None,
     metrics: WorkerMetrics | None = None,
     overlap: bool = False,
+    elastic_lr: str = "none",
 ) -> TrainSummary:
     """Initialize through ``client`` and train ``steps`` steps.
 
@@ -96,6 +101,14 @@ def train(
         before_push: called with the step before each push (straggler injection).
         metrics: where to record each step's seconds and loss; None records nothing.
         overlap: push gradients while backward runs (``DistributedOptimizer(overlap=True)``).
+        elastic_lr: "linear" scales every group's learning rate by the cluster's worker count over
+            the shards' ``--num-workers`` (Goyal et al. 2017, the linear scaling rule), from the start
+            and at each resize; "none" keeps it.
+
+    A resize (``ps-admin resize``) reaches the loop through the client: from the resize's round
+    (sync; at once in the other modes) the data is re-sharded — a ``DistributedSampler`` with the
+    new ``num_replicas`` starts a new pass at sampler epoch = that round, and a rank started later
+    skips the batches the others consumed since — and a rank the resize left out stops.
     """
     torch.manual_seed(seed)
     model = workload.model().to(device)
@@ -107,17 +120,16 @@ def train(
         kwargs = {k: v for k, v in optimizer.items() if k != "name"}
         local = OptimizerSpec(str(optimizer["name"]), kwargs).build(model.parameters())
     opt = DistributedOptimizer(model, client, local_optimizer=local, overlap=overlap)
-    sampler = DistributedSampler(
-        train_set, num_replicas=client.num_workers, rank=client.rank, shuffle=True, seed=seed, drop_last=True
-    )
-    loader = DataLoader(train_set, batch_size=batch_size, sampler=sampler, drop_last=True)
     losses: list[float] = []
     model.train()
     # a restarted rank resumes at the cluster's clock: --steps counts the rank's whole run
     resume_at = resume.resume_step(client)
     first = min(resume_at, steps)
     resume.reseed(seed, client.rank, first)  # and skips the batches already consumed
-    data = resume.batches(loader, sampler, first)
+    sampler, data = shard_data(train_set, batch_size, seed, client, first)
+    lr_factor = elastic_factor(client, elastic_lr)
+    scale_lr(opt, lr_factor)
+    resized_out = None
     if first >= steps:
         log.warning(
             "rank %d: nothing to do: the cluster is at step %d, and --steps is %d (a finished job's checkpoints?); "
@@ -130,6 +142,17 @@ def train(
         on_start(first, steps)
     start = time.perf_counter()  # training only: Init and the first pull are start-up
     for step in range(first, steps):
+        if not client.session.in_cluster(step):
+            resized_out = step
+            log.warning(
+                "rank %d: resized out of the job at step %d (%d workers now)", client.rank, step, client.num_workers
+            )
+            break
+        if sampler.num_replicas != client.num_workers and resize_due(client, step):
+            sampler, data = shard_data(train_set, batch_size, seed, client, step)
+            factor = elastic_factor(client, elastic_lr)
+            scale_lr(opt, factor / lr_factor)
+            lr_factor = factor
         step_start = time.perf_counter()
         x, y = next(data)
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
@@ -172,7 +195,45 @@ def train(
         staleness_max=max(client.staleness, default=0),
         first_step=first,
         bits_per_char=scores.get("bits_per_char"),
+        resized_out_at=resized_out,
+        num_workers=client.num_workers,
     )
+
+
+def shard_data(train_set: Any, batch_size: int, seed: int, client: PSClient, step: int) -> tuple[Any, Any]:
+    """This rank's sampler and endless batches from ``step`` on, for the cluster's worker count:
+    before any resize, the passes of a fixed-size job (:func:`resume.batches`); from a resize's round
+    ``V`` on, passes of ``DistributedSampler(num_replicas=num_workers)`` starting at sampler epoch
+    ``V`` (every rank, however late it started, reads the same sequence)."""
+    sampler = DistributedSampler(
+        train_set, num_replicas=client.num_workers, rank=client.rank, shuffle=True, seed=seed, drop_last=True
+    )
+    loader = DataLoader(train_set, batch_size=batch_size, sampler=sampler, drop_last=True)
+    since = int(client.session.membership.resize_version)
+    if since and step >= since:
+        return sampler, resume.batches(loader, sampler, step - since, first_epoch=since)
+    return sampler, resume.batches(loader, sampler, step)
+
+
+def resize_due(client: PSClient, step: int) -> bool:
+    """Whether a new worker count holds at ``step``: from its round in sync, at once otherwise."""
+    return client.mode != "sync" or step >= client.session.membership.resize_version
+
+
+def elastic_factor(client: PSClient, elastic_lr: str) -> float:
+    """The learning-rate factor ``elastic_lr`` asks for now: 1, or (linear) the worker count over
+    the shards' ``--num-workers``."""
+    configured = client.session.membership.configured_num_workers
+    if elastic_lr != "linear" or not configured:
+        return 1.0
+    return client.num_workers / configured
+
+
+def scale_lr(opt: torch.optim.Optimizer, factor: float) -> None:
+    """Multiply every parameter group's learning rate by ``factor`` (pushes carry it)."""
+    if factor != 1.0:
+        for group in opt.param_groups:
+            group["lr"] = group["lr"] * factor
 
 
 def quantile(counts: Counter[int], q: float) -> float:

@@ -126,18 +126,26 @@ class Transport:
         if self.metrics is not None:
             self.metrics.received_bytes.inc(nbytes)
 
-    def close(self, leave: ps_pb2.LeaveRequest | None = None) -> None:
-        """Send ``leave`` to every shard (best effort), close the channels (cancelling calls still in
-        flight, such as an interrupted step's round wait) and join the pool's threads. Idempotent."""
+    def close(
+        self,
+        leave: Callable[[int], ps_pb2.LeaveRequest] | None = None,
+        told: Callable[[int, ps_pb2.LeaveResponse], None] | None = None,
+    ) -> None:
+        """Send ``leave(k)`` to every shard ``k`` in order (best effort; each answer to ``told``),
+        close the channels (cancelling calls still in flight, such as an interrupted step's round
+        wait) and join the pool's threads. Idempotent."""
         if self.closed:
             return
         self.closed = True
         if leave is not None:
             for k, stub in enumerate(self.stubs):
                 try:
-                    stub.Leave(leave, timeout=LEAVE_SECONDS, metadata=self.metadata)
+                    answer = stub.Leave(leave(k), timeout=LEAVE_SECONDS, metadata=self.metadata)
                 except grpc.RpcError as exc:
                     log.info("leave %s: %s", self.servers[k], exc.code())
+                else:
+                    if told is not None:
+                        told(k, answer)
         for ch in self.channels:
             ch.close()
         self._pool.shutdown(wait=True)

@@ -159,18 +159,66 @@ class ClusterConfig(_message.Message):
     easgd_sync: bool
     def __init__(self, mode: _Optional[_Union[Mode, str]] = ..., num_workers: _Optional[int] = ..., lease_timeout_seconds: _Optional[float] = ..., learning_rate: _Optional[float] = ..., sync_quorum: _Optional[int] = ..., round_timeout_seconds: _Optional[float] = ..., max_staleness: _Optional[int] = ..., staleness_lr: _Optional[str] = ..., staleness: _Optional[int] = ..., moving_rate: _Optional[float] = ..., communication_period: _Optional[int] = ..., easgd_sync: _Optional[bool] = ...) -> None: ...
 
+class MembershipEpoch(_message.Message):
+    __slots__ = ("epoch", "decided_at_version", "num_workers", "members", "config_changes", "reason", "resize_version", "previous_num_workers", "configured_num_workers")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    DECIDED_AT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_CHANGES_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    RESIZE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    CONFIGURED_NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    decided_at_version: int
+    num_workers: int
+    members: _containers.RepeatedCompositeFieldContainer[EpochMember]
+    config_changes: _containers.RepeatedCompositeFieldContainer[ConfigChange]
+    reason: str
+    resize_version: int
+    previous_num_workers: int
+    configured_num_workers: int
+    def __init__(self, epoch: _Optional[int] = ..., decided_at_version: _Optional[int] = ..., num_workers: _Optional[int] = ..., members: _Optional[_Iterable[_Union[EpochMember, _Mapping]]] = ..., config_changes: _Optional[_Iterable[_Union[ConfigChange, _Mapping]]] = ..., reason: _Optional[str] = ..., resize_version: _Optional[int] = ..., previous_num_workers: _Optional[int] = ..., configured_num_workers: _Optional[int] = ...) -> None: ...
+
+class EpochMember(_message.Message):
+    __slots__ = ("rank", "state", "incarnation", "since_version")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    SINCE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    state: WorkerState
+    incarnation: int
+    since_version: int
+    def __init__(self, rank: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., incarnation: _Optional[int] = ..., since_version: _Optional[int] = ...) -> None: ...
+
+class ConfigChange(_message.Message):
+    __slots__ = ("version", "update", "epoch")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    update: UpdateConfigRequest
+    epoch: int
+    def __init__(self, version: _Optional[int] = ..., update: _Optional[_Union[UpdateConfigRequest, _Mapping]] = ..., epoch: _Optional[int] = ...) -> None: ...
+
 class JoinRequest(_message.Message):
-    __slots__ = ("rank", "num_workers", "incarnation")
+    __slots__ = ("rank", "num_workers", "incarnation", "membership_epoch", "membership")
     RANK_FIELD_NUMBER: _ClassVar[int]
     NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    MEMBERSHIP_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    MEMBERSHIP_FIELD_NUMBER: _ClassVar[int]
     rank: int
     num_workers: int
     incarnation: int
-    def __init__(self, rank: _Optional[int] = ..., num_workers: _Optional[int] = ..., incarnation: _Optional[int] = ...) -> None: ...
+    membership_epoch: int
+    membership: MembershipEpoch
+    def __init__(self, rank: _Optional[int] = ..., num_workers: _Optional[int] = ..., incarnation: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., membership: _Optional[_Union[MembershipEpoch, _Mapping]] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
-    __slots__ = ("shard_index", "num_shards", "config", "initialized", "version", "plan_digest", "clock", "optimizer")
+    __slots__ = ("shard_index", "num_shards", "config", "initialized", "version", "plan_digest", "clock", "optimizer", "membership")
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FIELD_NUMBER: _ClassVar[int]
@@ -179,6 +227,7 @@ class JoinResponse(_message.Message):
     PLAN_DIGEST_FIELD_NUMBER: _ClassVar[int]
     CLOCK_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    MEMBERSHIP_FIELD_NUMBER: _ClassVar[int]
     shard_index: int
     num_shards: int
     config: ClusterConfig
@@ -187,7 +236,8 @@ class JoinResponse(_message.Message):
     plan_digest: str
     clock: int
     optimizer: OptimizerSpec
-    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., config: _Optional[_Union[ClusterConfig, _Mapping]] = ..., initialized: _Optional[bool] = ..., version: _Optional[int] = ..., plan_digest: _Optional[str] = ..., clock: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ...) -> None: ...
+    membership: MembershipEpoch
+    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., config: _Optional[_Union[ClusterConfig, _Mapping]] = ..., initialized: _Optional[bool] = ..., version: _Optional[int] = ..., plan_digest: _Optional[str] = ..., clock: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., membership: _Optional[_Union[MembershipEpoch, _Mapping]] = ...) -> None: ...
 
 class InitHeader(_message.Message):
     __slots__ = ("rank", "incarnation", "plan", "optimizer")
@@ -220,7 +270,7 @@ class InitResponse(_message.Message):
     def __init__(self, applied: _Optional[bool] = ..., version: _Optional[int] = ..., plan_digest: _Optional[str] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("rank", "incarnation", "clock", "version", "plan_digest", "groups", "skip")
+    __slots__ = ("rank", "incarnation", "clock", "version", "plan_digest", "groups", "skip", "membership_epoch", "membership")
     RANK_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     CLOCK_FIELD_NUMBER: _ClassVar[int]
@@ -228,6 +278,8 @@ class PushHeader(_message.Message):
     PLAN_DIGEST_FIELD_NUMBER: _ClassVar[int]
     GROUPS_FIELD_NUMBER: _ClassVar[int]
     SKIP_FIELD_NUMBER: _ClassVar[int]
+    MEMBERSHIP_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    MEMBERSHIP_FIELD_NUMBER: _ClassVar[int]
     rank: int
     incarnation: int
     clock: int
@@ -235,7 +287,9 @@ class PushHeader(_message.Message):
     plan_digest: str
     groups: _containers.RepeatedCompositeFieldContainer[GroupHyperparameters]
     skip: bool
-    def __init__(self, rank: _Optional[int] = ..., incarnation: _Optional[int] = ..., clock: _Optional[int] = ..., version: _Optional[int] = ..., plan_digest: _Optional[str] = ..., groups: _Optional[_Iterable[_Union[GroupHyperparameters, _Mapping]]] = ..., skip: _Optional[bool] = ...) -> None: ...
+    membership_epoch: int
+    membership: MembershipEpoch
+    def __init__(self, rank: _Optional[int] = ..., incarnation: _Optional[int] = ..., clock: _Optional[int] = ..., version: _Optional[int] = ..., plan_digest: _Optional[str] = ..., groups: _Optional[_Iterable[_Union[GroupHyperparameters, _Mapping]]] = ..., skip: _Optional[bool] = ..., membership_epoch: _Optional[int] = ..., membership: _Optional[_Union[MembershipEpoch, _Mapping]] = ...) -> None: ...
 
 class PushRequest(_message.Message):
     __slots__ = ("header", "partition")
@@ -246,34 +300,40 @@ class PushRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., partition: _Optional[_Union[Partition, _Mapping]] = ...) -> None: ...
 
 class PushResponse(_message.Message):
-    __slots__ = ("version", "duplicate", "staleness", "dropped", "mode", "skipped")
+    __slots__ = ("version", "duplicate", "staleness", "dropped", "mode", "skipped", "membership_epoch", "membership")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     DUPLICATE_FIELD_NUMBER: _ClassVar[int]
     STALENESS_FIELD_NUMBER: _ClassVar[int]
     DROPPED_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    MEMBERSHIP_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    MEMBERSHIP_FIELD_NUMBER: _ClassVar[int]
     version: int
     duplicate: bool
     staleness: int
     dropped: bool
     mode: Mode
     skipped: bool
-    def __init__(self, version: _Optional[int] = ..., duplicate: _Optional[bool] = ..., staleness: _Optional[int] = ..., dropped: _Optional[bool] = ..., mode: _Optional[_Union[Mode, str]] = ..., skipped: _Optional[bool] = ...) -> None: ...
+    membership_epoch: int
+    membership: MembershipEpoch
+    def __init__(self, version: _Optional[int] = ..., duplicate: _Optional[bool] = ..., staleness: _Optional[int] = ..., dropped: _Optional[bool] = ..., mode: _Optional[_Union[Mode, str]] = ..., skipped: _Optional[bool] = ..., membership_epoch: _Optional[int] = ..., membership: _Optional[_Union[MembershipEpoch, _Mapping]] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("rank", "incarnation", "min_version", "plan_digest", "wire_dtype")
+    __slots__ = ("rank", "incarnation", "min_version", "plan_digest", "wire_dtype", "membership_epoch")
     RANK_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     MIN_VERSION_FIELD_NUMBER: _ClassVar[int]
     PLAN_DIGEST_FIELD_NUMBER: _ClassVar[int]
     WIRE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    MEMBERSHIP_EPOCH_FIELD_NUMBER: _ClassVar[int]
     rank: int
     incarnation: int
     min_version: int
     plan_digest: str
     wire_dtype: Dtype
-    def __init__(self, rank: _Optional[int] = ..., incarnation: _Optional[int] = ..., min_version: _Optional[int] = ..., plan_digest: _Optional[str] = ..., wire_dtype: _Optional[_Union[Dtype, str]] = ...) -> None: ...
+    membership_epoch: int
+    def __init__(self, rank: _Optional[int] = ..., incarnation: _Optional[int] = ..., min_version: _Optional[int] = ..., plan_digest: _Optional[str] = ..., wire_dtype: _Optional[_Union[Dtype, str]] = ..., membership_epoch: _Optional[int] = ...) -> None: ...
 
 class PullResponse(_message.Message):
     __slots__ = ("version", "partition")
@@ -284,16 +344,18 @@ class PullResponse(_message.Message):
     def __init__(self, version: _Optional[int] = ..., partition: _Optional[_Union[Partition, _Mapping]] = ...) -> None: ...
 
 class ExchangeHeader(_message.Message):
-    __slots__ = ("rank", "incarnation", "clock", "plan_digest")
+    __slots__ = ("rank", "incarnation", "clock", "plan_digest", "membership_epoch")
     RANK_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     CLOCK_FIELD_NUMBER: _ClassVar[int]
     PLAN_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    MEMBERSHIP_EPOCH_FIELD_NUMBER: _ClassVar[int]
     rank: int
     incarnation: int
     clock: int
     plan_digest: str
-    def __init__(self, rank: _Optional[int] = ..., incarnation: _Optional[int] = ..., clock: _Optional[int] = ..., plan_digest: _Optional[str] = ...) -> None: ...
+    membership_epoch: int
+    def __init__(self, rank: _Optional[int] = ..., incarnation: _Optional[int] = ..., clock: _Optional[int] = ..., plan_digest: _Optional[str] = ..., membership_epoch: _Optional[int] = ...) -> None: ...
 
 class ExchangeRequest(_message.Message):
     __slots__ = ("header", "partition")
@@ -352,34 +414,50 @@ class PushPullOnceResponse(_message.Message):
     def __init__(self, version: _Optional[int] = ..., partitions: _Optional[_Iterable[_Union[Partition, _Mapping]]] = ..., push: _Optional[_Union[PushResponse, _Mapping]] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("rank", "incarnation")
+    __slots__ = ("rank", "incarnation", "membership_epoch", "membership")
     RANK_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    MEMBERSHIP_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    MEMBERSHIP_FIELD_NUMBER: _ClassVar[int]
     rank: int
     incarnation: int
-    def __init__(self, rank: _Optional[int] = ..., incarnation: _Optional[int] = ...) -> None: ...
+    membership_epoch: int
+    membership: MembershipEpoch
+    def __init__(self, rank: _Optional[int] = ..., incarnation: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., membership: _Optional[_Union[MembershipEpoch, _Mapping]] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("version", "state")
+    __slots__ = ("version", "state", "membership_epoch", "membership")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
+    MEMBERSHIP_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    MEMBERSHIP_FIELD_NUMBER: _ClassVar[int]
     version: int
     state: WorkerState
-    def __init__(self, version: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ...) -> None: ...
+    membership_epoch: int
+    membership: MembershipEpoch
+    def __init__(self, version: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., membership_epoch: _Optional[int] = ..., membership: _Optional[_Union[MembershipEpoch, _Mapping]] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
-    __slots__ = ("rank", "incarnation")
+    __slots__ = ("rank", "incarnation", "membership_epoch", "membership")
     RANK_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    MEMBERSHIP_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    MEMBERSHIP_FIELD_NUMBER: _ClassVar[int]
     rank: int
     incarnation: int
-    def __init__(self, rank: _Optional[int] = ..., incarnation: _Optional[int] = ...) -> None: ...
+    membership_epoch: int
+    membership: MembershipEpoch
+    def __init__(self, rank: _Optional[int] = ..., incarnation: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., membership: _Optional[_Union[MembershipEpoch, _Mapping]] = ...) -> None: ...
 
 class LeaveResponse(_message.Message):
-    __slots__ = ("version",)
+    __slots__ = ("version", "membership_epoch", "membership")
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    MEMBERSHIP_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    MEMBERSHIP_FIELD_NUMBER: _ClassVar[int]
     version: int
-    def __init__(self, version: _Optional[int] = ...) -> None: ...
+    membership_epoch: int
+    membership: MembershipEpoch
+    def __init__(self, version: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., membership: _Optional[_Union[MembershipEpoch, _Mapping]] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
     __slots__ = ("rank", "incarnation", "clock", "state", "last_seen_seconds_ago", "pushes")
@@ -398,7 +476,7 @@ class WorkerStatus(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., incarnation: _Optional[int] = ..., clock: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., last_seen_seconds_ago: _Optional[float] = ..., pushes: _Optional[int] = ...) -> None: ...
 
 class ShardStatus(_message.Message):
-    __slots__ = ("shard_index", "num_shards", "config", "initialized", "version", "plan_digest", "num_partitions", "num_elements", "parameter_bytes", "optimizer", "workers", "received_bytes", "sent_bytes", "rejected_requests", "uptime_seconds", "round_ranks", "pending_mode", "max_clock_gap", "rejected_pushes", "staleness", "round_age_seconds", "round_waiting_for", "last_checkpoint_version", "restored_from_version", "checkpoint_failures", "last_checkpoint_error")
+    __slots__ = ("shard_index", "num_shards", "config", "initialized", "version", "plan_digest", "num_partitions", "num_elements", "parameter_bytes", "optimizer", "workers", "received_bytes", "sent_bytes", "rejected_requests", "uptime_seconds", "round_ranks", "pending_mode", "max_clock_gap", "rejected_pushes", "staleness", "round_age_seconds", "round_waiting_for", "last_checkpoint_version", "restored_from_version", "checkpoint_failures", "last_checkpoint_error", "membership", "applied_changes", "membership_authority", "durable_acks")
     class RejectedPushesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -432,6 +510,10 @@ class ShardStatus(_message.Message):
     RESTORED_FROM_VERSION_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_FAILURES_FIELD_NUMBER: _ClassVar[int]
     LAST_CHECKPOINT_ERROR_FIELD_NUMBER: _ClassVar[int]
+    MEMBERSHIP_FIELD_NUMBER: _ClassVar[int]
+    APPLIED_CHANGES_FIELD_NUMBER: _ClassVar[int]
+    MEMBERSHIP_AUTHORITY_FIELD_NUMBER: _ClassVar[int]
+    DURABLE_ACKS_FIELD_NUMBER: _ClassVar[int]
     shard_index: int
     num_shards: int
     config: ClusterConfig
@@ -458,7 +540,11 @@ class ShardStatus(_message.Message):
     restored_from_version: int
     checkpoint_failures: int
     last_checkpoint_error: str
-    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., config: _Optional[_Union[ClusterConfig, _Mapping]] = ..., initialized: _Optional[bool] = ..., version: _Optional[int] = ..., plan_digest: _Optional[str] = ..., num_partitions: _Optional[int] = ..., num_elements: _Optional[int] = ..., parameter_bytes: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., received_bytes: _Optional[int] = ..., sent_bytes: _Optional[int] = ..., rejected_requests: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., round_ranks: _Optional[_Iterable[int]] = ..., pending_mode: _Optional[_Union[Mode, str]] = ..., max_clock_gap: _Optional[int] = ..., rejected_pushes: _Optional[_Mapping[str, int]] = ..., staleness: _Optional[_Union[StalenessSummary, _Mapping]] = ..., round_age_seconds: _Optional[float] = ..., round_waiting_for: _Optional[_Iterable[int]] = ..., last_checkpoint_version: _Optional[int] = ..., restored_from_version: _Optional[int] = ..., checkpoint_failures: _Optional[int] = ..., last_checkpoint_error: _Optional[str] = ...) -> None: ...
+    membership: MembershipEpoch
+    applied_changes: _containers.RepeatedCompositeFieldContainer[ConfigChange]
+    membership_authority: bool
+    durable_acks: bool
+    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., config: _Optional[_Union[ClusterConfig, _Mapping]] = ..., initialized: _Optional[bool] = ..., version: _Optional[int] = ..., plan_digest: _Optional[str] = ..., num_partitions: _Optional[int] = ..., num_elements: _Optional[int] = ..., parameter_bytes: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., received_bytes: _Optional[int] = ..., sent_bytes: _Optional[int] = ..., rejected_requests: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., round_ranks: _Optional[_Iterable[int]] = ..., pending_mode: _Optional[_Union[Mode, str]] = ..., max_clock_gap: _Optional[int] = ..., rejected_pushes: _Optional[_Mapping[str, int]] = ..., staleness: _Optional[_Union[StalenessSummary, _Mapping]] = ..., round_age_seconds: _Optional[float] = ..., round_waiting_for: _Optional[_Iterable[int]] = ..., last_checkpoint_version: _Optional[int] = ..., restored_from_version: _Optional[int] = ..., checkpoint_failures: _Optional[int] = ..., last_checkpoint_error: _Optional[str] = ..., membership: _Optional[_Union[MembershipEpoch, _Mapping]] = ..., applied_changes: _Optional[_Iterable[_Union[ConfigChange, _Mapping]]] = ..., membership_authority: _Optional[bool] = ..., durable_acks: _Optional[bool] = ...) -> None: ...
 
 class StalenessSummary(_message.Message):
     __slots__ = ("count", "p50", "p90", "p99", "max")
@@ -497,7 +583,7 @@ class WatchStatusResponse(_message.Message):
     def __init__(self, status: _Optional[_Union[ShardStatus, _Mapping]] = ...) -> None: ...
 
 class UpdateConfigRequest(_message.Message):
-    __slots__ = ("learning_rate", "mode", "sync_quorum", "round_timeout_seconds", "max_staleness", "staleness_lr", "staleness", "moving_rate", "communication_period")
+    __slots__ = ("learning_rate", "mode", "sync_quorum", "round_timeout_seconds", "max_staleness", "staleness_lr", "staleness", "moving_rate", "communication_period", "at_version")
     LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     SYNC_QUORUM_FIELD_NUMBER: _ClassVar[int]
@@ -507,6 +593,7 @@ class UpdateConfigRequest(_message.Message):
     STALENESS_FIELD_NUMBER: _ClassVar[int]
     MOVING_RATE_FIELD_NUMBER: _ClassVar[int]
     COMMUNICATION_PERIOD_FIELD_NUMBER: _ClassVar[int]
+    AT_VERSION_FIELD_NUMBER: _ClassVar[int]
     learning_rate: float
     mode: Mode
     sync_quorum: int
@@ -516,15 +603,20 @@ class UpdateConfigRequest(_message.Message):
     staleness: int
     moving_rate: float
     communication_period: int
-    def __init__(self, learning_rate: _Optional[float] = ..., mode: _Optional[_Union[Mode, str]] = ..., sync_quorum: _Optional[int] = ..., round_timeout_seconds: _Optional[float] = ..., max_staleness: _Optional[int] = ..., staleness_lr: _Optional[str] = ..., staleness: _Optional[int] = ..., moving_rate: _Optional[float] = ..., communication_period: _Optional[int] = ...) -> None: ...
+    at_version: int
+    def __init__(self, learning_rate: _Optional[float] = ..., mode: _Optional[_Union[Mode, str]] = ..., sync_quorum: _Optional[int] = ..., round_timeout_seconds: _Optional[float] = ..., max_staleness: _Optional[int] = ..., staleness_lr: _Optional[str] = ..., staleness: _Optional[int] = ..., moving_rate: _Optional[float] = ..., communication_period: _Optional[int] = ..., at_version: _Optional[int] = ...) -> None: ...
 
 class UpdateConfigResponse(_message.Message):
-    __slots__ = ("config", "pending_mode")
+    __slots__ = ("config", "pending_mode", "at_version", "membership_epoch")
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     PENDING_MODE_FIELD_NUMBER: _ClassVar[int]
+    AT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MEMBERSHIP_EPOCH_FIELD_NUMBER: _ClassVar[int]
     config: ClusterConfig
     pending_mode: Mode
-    def __init__(self, config: _Optional[_Union[ClusterConfig, _Mapping]] = ..., pending_mode: _Optional[_Union[Mode, str]] = ...) -> None: ...
+    at_version: int
+    membership_epoch: int
+    def __init__(self, config: _Optional[_Union[ClusterConfig, _Mapping]] = ..., pending_mode: _Optional[_Union[Mode, str]] = ..., at_version: _Optional[int] = ..., membership_epoch: _Optional[int] = ...) -> None: ...
 
 class CheckpointRequest(_message.Message):
     __slots__ = ()
@@ -553,6 +645,26 @@ class EvictWorkerResponse(_message.Message):
     previous_state: WorkerState
     version: int
     def __init__(self, previous_state: _Optional[_Union[WorkerState, str]] = ..., version: _Optional[int] = ...) -> None: ...
+
+class ResizeRequest(_message.Message):
+    __slots__ = ("num_workers", "at_version")
+    NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    AT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    num_workers: int
+    at_version: int
+    def __init__(self, num_workers: _Optional[int] = ..., at_version: _Optional[int] = ...) -> None: ...
+
+class ResizeResponse(_message.Message):
+    __slots__ = ("previous_num_workers", "num_workers", "at_version", "membership_epoch")
+    PREVIOUS_NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    AT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MEMBERSHIP_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    previous_num_workers: int
+    num_workers: int
+    at_version: int
+    membership_epoch: int
+    def __init__(self, previous_num_workers: _Optional[int] = ..., num_workers: _Optional[int] = ..., at_version: _Optional[int] = ..., membership_epoch: _Optional[int] = ...) -> None: ...
 
 class ExportParametersRequest(_message.Message):
     __slots__ = ()

@@ -485,6 +485,11 @@ class AdminStub:
                 request_serializer=ps__proto_dot_v1_dot_ps__pb2.EvictWorkerRequest.SerializeToString,
                 response_deserializer=ps__proto_dot_v1_dot_ps__pb2.EvictWorkerResponse.FromString,
                 _registered_method=True)
+        self.Resize = channel.unary_unary(
+                '/ps.v1.Admin/Resize',
+                request_serializer=ps__proto_dot_v1_dot_ps__pb2.ResizeRequest.SerializeToString,
+                response_deserializer=ps__proto_dot_v1_dot_ps__pb2.ResizeResponse.FromString,
+                _registered_method=True)
         self.Checkpoint = channel.unary_unary(
                 '/ps.v1.Admin/Checkpoint',
                 request_serializer=ps__proto_dot_v1_dot_ps__pb2.CheckpointRequest.SerializeToString,
@@ -516,14 +521,22 @@ class AdminServicer:
         raise NotImplementedError('Method not implemented!')
 
     def UpdateConfig(self, request, context):
-        """Change the learning rate and mode parameters at once; switch mode at the next round boundary.
+        """Schedule a change of the learning rate, mode parameters or mode at a version every shard
+        applies (shard 0 only).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def EvictWorker(self, request, context):
-        """Stop counting a rank now (it may rejoin with a higher incarnation).
+        """Stop counting a rank now, on every shard (shard 0 only; it may rejoin).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Resize(self, request, context):
+        """Grow or shrink the job to num_workers ranks at a round boundary (shard 0 only).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -566,6 +579,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.EvictWorker,
                     request_deserializer=ps__proto_dot_v1_dot_ps__pb2.EvictWorkerRequest.FromString,
                     response_serializer=ps__proto_dot_v1_dot_ps__pb2.EvictWorkerResponse.SerializeToString,
+            ),
+            'Resize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Resize,
+                    request_deserializer=ps__proto_dot_v1_dot_ps__pb2.ResizeRequest.FromString,
+                    response_serializer=ps__proto_dot_v1_dot_ps__pb2.ResizeResponse.SerializeToString,
             ),
             'Checkpoint': grpc.unary_unary_rpc_method_handler(
                     servicer.Checkpoint,
@@ -687,6 +705,33 @@ class Admin:
             '/ps.v1.Admin/EvictWorker',
             ps__proto_dot_v1_dot_ps__pb2.EvictWorkerRequest.SerializeToString,
             ps__proto_dot_v1_dot_ps__pb2.EvictWorkerResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Resize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ps.v1.Admin/Resize',
+            ps__proto_dot_v1_dot_ps__pb2.ResizeRequest.SerializeToString,
+            ps__proto_dot_v1_dot_ps__pb2.ResizeResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -179,9 +179,13 @@ class AdminStub:
     WatchStatus: _grpc.UnaryStreamMultiCallable[_ps_pb2.WatchStatusRequest, _ps_pb2.WatchStatusResponse]
     """GetStatus every interval until the caller cancels or the shard stops."""
     UpdateConfig: _grpc.UnaryUnaryMultiCallable[_ps_pb2.UpdateConfigRequest, _ps_pb2.UpdateConfigResponse]
-    """Change the learning rate and mode parameters at once; switch mode at the next round boundary."""
+    """Schedule a change of the learning rate, mode parameters or mode at a version every shard
+    applies (shard 0 only).
+    """
     EvictWorker: _grpc.UnaryUnaryMultiCallable[_ps_pb2.EvictWorkerRequest, _ps_pb2.EvictWorkerResponse]
-    """Stop counting a rank now (it may rejoin with a higher incarnation)."""
+    """Stop counting a rank now, on every shard (shard 0 only; it may rejoin)."""
+    Resize: _grpc.UnaryUnaryMultiCallable[_ps_pb2.ResizeRequest, _ps_pb2.ResizeResponse]
+    """Grow or shrink the job to num_workers ranks at a round boundary (shard 0 only)."""
     Checkpoint: _grpc.UnaryUnaryMultiCallable[_ps_pb2.CheckpointRequest, _ps_pb2.CheckpointResponse]
     """Write a checkpoint now (needs --checkpoint-dir); returns when it is durable."""
     ExportParameters: _grpc.UnaryStreamMultiCallable[_ps_pb2.ExportParametersRequest, _ps_pb2.ExportParametersResponse]
@@ -199,9 +203,13 @@ class AdminAsyncStub(AdminStub):
     WatchStatus: _aio.UnaryStreamMultiCallable[_ps_pb2.WatchStatusRequest, _ps_pb2.WatchStatusResponse]  # type: ignore[assignment]
     """GetStatus every interval until the caller cancels or the shard stops."""
     UpdateConfig: _aio.UnaryUnaryMultiCallable[_ps_pb2.UpdateConfigRequest, _ps_pb2.UpdateConfigResponse]  # type: ignore[assignment]
-    """Change the learning rate and mode parameters at once; switch mode at the next round boundary."""
+    """Schedule a change of the learning rate, mode parameters or mode at a version every shard
+    applies (shard 0 only).
+    """
     EvictWorker: _aio.UnaryUnaryMultiCallable[_ps_pb2.EvictWorkerRequest, _ps_pb2.EvictWorkerResponse]  # type: ignore[assignment]
-    """Stop counting a rank now (it may rejoin with a higher incarnation)."""
+    """Stop counting a rank now, on every shard (shard 0 only; it may rejoin)."""
+    Resize: _aio.UnaryUnaryMultiCallable[_ps_pb2.ResizeRequest, _ps_pb2.ResizeResponse]  # type: ignore[assignment]
+    """Grow or shrink the job to num_workers ranks at a round boundary (shard 0 only)."""
     Checkpoint: _aio.UnaryUnaryMultiCallable[_ps_pb2.CheckpointRequest, _ps_pb2.CheckpointResponse]  # type: ignore[assignment]
     """Write a checkpoint now (needs --checkpoint-dir); returns when it is durable."""
     ExportParameters: _aio.UnaryStreamMultiCallable[_ps_pb2.ExportParametersRequest, _ps_pb2.ExportParametersResponse]  # type: ignore[assignment]
@@ -234,7 +242,9 @@ class AdminServicer(metaclass=_abc_1.ABCMeta):
         request: _ps_pb2.UpdateConfigRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_ps_pb2.UpdateConfigResponse, _abc.Awaitable[_ps_pb2.UpdateConfigResponse]]:
-        """Change the learning rate and mode parameters at once; switch mode at the next round boundary."""
+        """Schedule a change of the learning rate, mode parameters or mode at a version every shard
+        applies (shard 0 only).
+        """
 
     @_abc_1.abstractmethod
     def EvictWorker(
@@ -242,7 +252,15 @@ class AdminServicer(metaclass=_abc_1.ABCMeta):
         request: _ps_pb2.EvictWorkerRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_ps_pb2.EvictWorkerResponse, _abc.Awaitable[_ps_pb2.EvictWorkerResponse]]:
-        """Stop counting a rank now (it may rejoin with a higher incarnation)."""
+        """Stop counting a rank now, on every shard (shard 0 only; it may rejoin)."""
+
+    @_abc_1.abstractmethod
+    def Resize(
+        self,
+        request: _ps_pb2.ResizeRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_ps_pb2.ResizeResponse, _abc.Awaitable[_ps_pb2.ResizeResponse]]:
+        """Grow or shrink the job to num_workers ranks at a round boundary (shard 0 only)."""
 
     @_abc_1.abstractmethod
     def Checkpoint(

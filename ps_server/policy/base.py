@@ -145,9 +145,10 @@ class ConsistencyPolicy(ABC):
 
     def blocked(self, shard: ShardCore, member: Member, min_version: int, timeout: float | None) -> str:
         """Why the read is blocked, for the timeout's message (what to check)."""
+        waiting = shard.rounds.waiting_for(shard.membership.expected(shard.rounds.round))
         return (
             f"Version {min_version} not reached in {timeout:.1f} s (shard {shard.shard_index} is at "
-            f"{shard.version}; round waits for ranks {shard.rounds.waiting_for(shard.membership.expected())}); "
+            f"{shard.version}; round waits for ranks {waiting}); "
             "check those workers."
         )
 

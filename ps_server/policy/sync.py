@@ -208,7 +208,7 @@ class SyncPolicy(ConsistencyPolicy):
         """Close the open round once complete (every expected rank, or the quorum, pushed)."""
         if shard.store is None:
             return
-        held = shard.rounds.take_if_complete(shard.membership.expected(), shard.settings.sync_quorum)
+        held = shard.rounds.take_if_complete(shard.membership.expected(shard.rounds.round), shard.settings.sync_quorum)
         if held is not None:
             self._close_round(shard, held)
             shard.round_opened = None
@@ -262,8 +262,8 @@ class SyncPolicy(ConsistencyPolicy):
             m.clock = max(m.clock, shard.version)
 
     def join_clock(self, shard: ShardCore, member: Member, restarted: bool) -> int:
-        """A joining rank pushes the open round next."""
-        return shard.rounds.round
+        """A joining rank pushes the open round next (a rejoined rank: its first counted round)."""
+        return max(shard.rounds.round, member.since)
 
     def check_read(self, shard: ShardCore, member: Member, joined: bool, min_version: int) -> None:
         """Tell a rank whose round was refused at once; refuse a wait for a round that holds no push
@@ -280,7 +280,7 @@ class SyncPolicy(ConsistencyPolicy):
         waits_without_its_push = min_version > shard.version and (
             rank not in shard.rounds.pending or min_version > round_ + 1
         )
-        if joined and waits_without_its_push and rank in shard.membership.expected():
+        if joined and waits_without_its_push and rank in shard.membership.expected(round_):
             raise PushLostError(
                 f"Rank {rank} waits for version {min_version} of shard {shard.shard_index}, whose open round "
                 f"{round_} holds no push from it (the shard restarted from an older checkpoint since); "

@@ -134,8 +134,10 @@ class Trainer:
         max_steps: int = 100_000,
         pace: float = 0.0,
         token: str | None = None,
+        retry_deadline: float = 5.0,
     ) -> None:
         self.addresses = addresses
+        self.retry_deadline = retry_deadline
         self.rank = rank
         self.num_workers = num_workers
         self.metrics = metrics
@@ -157,7 +159,7 @@ class Trainer:
                 rank=self.rank,
                 num_workers=self.num_workers,
                 timeout=10,
-                retry_deadline=5,
+                retry_deadline=self.retry_deadline,
                 token=self.token,
                 metrics=self.metrics,
             ) as client:

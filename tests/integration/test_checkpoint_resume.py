@@ -11,6 +11,8 @@ import torch
 
 from ps_proto.v1 import ps_pb2, ps_pb2_grpc
 from ps_server.checkpoint import CheckpointStore
+from ps_server.config import ServerConfig
+from ps_server.membership import WorkerState
 from ps_worker import DistributedOptimizer, PSClient
 from tests.conftest import RPC_TIMEOUT, small_model
 
@@ -69,7 +71,7 @@ def test_admin_checkpoint_writes_now_and_needs_a_directory(tmp_path, start_clust
     assert CheckpointStore(tmp_path, 0).latest_version() == 3
 
 
-def test_checkpoint_of_another_cluster_shape_is_refused(tmp_path, start_cluster) -> None:
+def test_a_checkpoint_restores_onto_another_worker_count_but_not_another_shard_count(tmp_path, start_cluster) -> None:
     from ps_common.errors import CheckpointError
 
     (shard,) = start_cluster(1, num_workers=1, checkpoint_dir=str(tmp_path))
@@ -77,8 +79,14 @@ def test_checkpoint_of_another_cluster_shape_is_refused(tmp_path, start_cluster)
         train([shard.address], steps=2)
     finally:
         shard.stop(grace=0.5)
-    with pytest.raises(CheckpointError, match="same --num-shards/--num-workers"):
-        start_cluster(1, num_workers=3, checkpoint_dir=str(tmp_path))
+    (again,) = start_cluster(1, num_workers=3, checkpoint_dir=str(tmp_path))  # --num-workers changed: a resize
+    st = again.shard.status()
+    assert st.num_workers == 3 and [w.state for w in st.workers] == [WorkerState.PENDING] * 3
+    assert st.version == 2 and "restored onto --num-workers 3" in st.membership.reason
+    again.stop(grace=0.5)
+    config = ServerConfig(shard_index=0, num_shards=2, num_workers=3, port=0, checkpoint_dir=str(tmp_path))
+    with pytest.raises(CheckpointError, match="same --num-shards"):
+        start_cluster.start(config)
 
 
 def test_push_lost_in_a_crash_is_pushed_again(tmp_path, start_cluster) -> None:

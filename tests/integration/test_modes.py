@@ -231,10 +231,17 @@ def test_update_config_and_watch_status_over_grpc(start_cluster) -> None:
         reply = admin.UpdateConfig(
             ps_pb2.UpdateConfigRequest(learning_rate=0.2, mode=ps_pb2.MODE_ASYNC, max_staleness=3), timeout=RPC_TIMEOUT
         )
-        assert reply.config.learning_rate == pytest.approx(0.2) and reply.config.max_staleness == 3
-        assert reply.config.mode == ps_pb2.MODE_ASYNC  # no round open: the switch happens at once
-        replies = c.push({"weight": torch.ones(1, 4)})
+        # rank 0 is live: the change is scheduled at the next round, still pending now
+        assert reply.at_version == 1 and reply.membership_epoch > 0
+        assert reply.config.learning_rate == pytest.approx(0.2) and reply.pending_mode == ps_pb2.MODE_ASYNC
+        assert shard.shard.learning_rate() == pytest.approx(0.05)  # not yet
+        c.push({"weight": torch.ones(1, 4)})  # round 0 (sync, lr 0.05) makes version 1: applied there
+        c.pull({"weight": torch.zeros(1, 4)})
+        replies = c.push({"weight": torch.ones(1, 4)})  # the first push in async
         assert replies[0].mode == ps_pb2.MODE_ASYNC and c.mode == "async"
+        st = status(shard.address)
+        assert [(a.version, a.update.learning_rate) for a in st.applied_changes] == [(1, pytest.approx(0.2))]
+        assert st.config.max_staleness == 3 and not st.pending_mode
         with pytest.raises(grpc.RpcError) as err:
             admin.UpdateConfig(ps_pb2.UpdateConfigRequest(mode=ps_pb2.MODE_EASGD), timeout=RPC_TIMEOUT)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "restart the cluster" in err.value.details()
@@ -245,7 +252,7 @@ def test_update_config_and_watch_status_over_grpc(start_cluster) -> None:
             if len(seen) == 3:
                 stream.cancel()
                 break
-        assert seen == [1, 1, 1]
+        assert seen == [2, 2, 2]
         st = status(shard.address)
         assert st.config.mode == ps_pb2.MODE_ASYNC and st.config.learning_rate == pytest.approx(0.2)
 

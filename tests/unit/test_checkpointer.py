@@ -32,6 +32,9 @@ class MovingShard:
         self.moving = moving
         self._lock = threading.Lock()
 
+    def checkpointed(self, version: int) -> None:
+        self.last_checkpoint_version = version
+
     def export_state(self) -> dict[str, Any]:
         with self._lock:
             self.version += self.moving

@@ -45,6 +45,7 @@ def test_a_restarted_rank_is_counted_by_what_it_ran() -> None:
         "steps_run": 220,
         "samples": 220 * 32,
         "restarts": 1,
+        "first_step": 0,
         "resumed_at": [120],
         "finished": True,
         "final_loss": 0.5,

@@ -55,6 +55,7 @@ def test_restored_ranks_that_left_are_awaited_again() -> None:
     states = [WorkerState.LEFT, WorkerState.LIVE, WorkerState.EVICTED, WorkerState.PENDING]
     for member, state in zip(saved.members, states, strict=True):
         member.state, member.clock, member.incarnation = state, 20, 7
+        member.counted = state is not WorkerState.EVICTED  # shard 0's decision
     resumed = Membership(4, 10.0, clock)
     resumed.restore(saved.export())
     assert [m.state for m in resumed.members] == [

@@ -92,7 +92,7 @@ def test_cluster_config_has_a_field_for_every_parameter_and_the_moving_rate_in_f
 
 
 def test_update_config_changes_exactly_the_updatable_parameters() -> None:
-    request_fields = set(ps_pb2.UpdateConfigRequest.DESCRIPTOR.fields_by_name) - {"learning_rate", "mode"}
+    request_fields = set(ps_pb2.UpdateConfigRequest.DESCRIPTOR.fields_by_name) - {"learning_rate", "mode", "at_version"}
     assert {p.field for p in UPDATABLE} == request_fields
     assert [p.name for p in PARAMETERS if not p.updatable] == ["easgd_sync"]  # workers' loop depends on it
     assert modes.changes_from_request(ps_pb2.UpdateConfigRequest()) == {}

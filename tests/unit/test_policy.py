@@ -221,15 +221,17 @@ def test_default_moving_rate_is_09_over_n() -> None:
     assert ModeSettings("easgd", num_workers=4).moving_rate == pytest.approx(0.225)
 
 
-def test_update_config_changes_lr_at_once_and_mode_at_the_round_boundary() -> None:
+def test_update_config_changes_lr_and_mode_at_the_next_round() -> None:
     shard, plan, wire = shard_for("sync", 2)
     shard.push(PushStamp(0, 1, 0), 0, plan.digest, wire(torch.ones(3)))  # round 0 open
-    shard.update_config(mode="async", learning_rate=0.5, sync_quorum=0)
+    shard.update_config(mode="async", learning_rate=0.5, sync_quorum=0)  # scheduled at version 1
     status = shard.status()
-    assert status.learning_rate == 0.5 and status.mode == "sync" and status.pending_mode == "async"
-    shard.push(PushStamp(1, 1, 0), 0, plan.digest, wire(torch.ones(3)))  # closes round 0 with lr 0.5
+    assert status.learning_rate == 0.1 and status.mode == "sync" and status.pending_mode == "async"
+    assert [(c.version, c.update.learning_rate) for c in status.membership.config_changes] == [(1, 0.5)]
+    shard.push(PushStamp(1, 1, 0), 0, plan.digest, wire(torch.ones(3)))  # closes round 0 with lr 0.1
     assert shard.version == 1 and shard.mode == "async" and not shard.status().pending_mode
-    assert torch.allclose(shard.store.tensors[0], torch.full((3,), -0.5))
+    assert shard.learning_rate() == 0.5 and [c.version for c in shard.status().applied_changes] == [1]
+    assert torch.allclose(shard.store.tensors[0], torch.full((3,), -0.1))
     result = shard.push(PushStamp(0, 1, 1), 1, plan.digest, wire(torch.ones(3)))  # async: applied at once
     assert result.mode == "async" and shard.version == 2
 

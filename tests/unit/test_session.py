@@ -69,7 +69,7 @@ class FakeTransport:
     def call(self, fn: Callable[[], Any], what: str) -> Any:
         return fn()
 
-    def close(self, leave: Any = None) -> None:
+    def close(self, leave: Any = None, told: Any = None) -> None:
         self.closed = True
 
 

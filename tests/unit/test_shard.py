@@ -170,12 +170,16 @@ def test_lapsed_lease_evicts_and_the_round_goes_on(shard: Shard, clock: FakeCloc
     assert [w.state for w in shard.status().workers] == [WorkerState.LIVE, WorkerState.EVICTED]
     with pytest.raises(PreconditionError, match="call Join again"):
         shard.push(PushStamp(1, 1, 0), 0, PLAN.digest, wire(1.0))
-    shard.join(1, 2, 2)  # comes back with a higher incarnation and is counted again
-    assert shard.status().workers[1].clock == 1
-    shard.push(PushStamp(0, 1, 1), 1, PLAN.digest, wire(1.0))
-    assert shard.version == 1
-    shard.push(PushStamp(1, 2, 1), 1, PLAN.digest, wire(1.0))
+    shard.join(1, 2, 2)  # comes back with a higher incarnation: counted again from the next round
+    assert shard.status().workers[1].clock == 2
+    shard.push(PushStamp(0, 1, 1), 1, PLAN.digest, wire(1.0))  # round 1 goes on without it
     assert shard.version == 2
+    with pytest.raises(StalePushError, match="counts from round 2"):
+        shard.push(PushStamp(1, 2, 1), 1, PLAN.digest, wire(1.0))
+    shard.push(PushStamp(0, 1, 2), 2, PLAN.digest, wire(1.0))
+    assert shard.version == 2
+    shard.push(PushStamp(1, 2, 2), 2, PLAN.digest, wire(1.0))
+    assert shard.version == 3
 
 
 def test_close_wakes_waiters(shard: Shard) -> None:

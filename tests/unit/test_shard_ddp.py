@@ -106,7 +106,7 @@ def test_sync_round_uses_the_agreed_lr_refuses_disagreement_and_skips_on_any_ski
 
 def test_update_config_lr_holds_until_a_push_changes_it() -> None:
     s = shard(num_workers=1, mode="async")
-    s.update_config(learning_rate=0.01)
+    s.update_config(learning_rate=0.01, at_version=0)  # from this version on
     s.push(PushStamp(0, 1, 0), 0, PLAN.digest, wire({"w": 1.0, "b": 0.0, "m": 0.0}))
     assert values(s)["w"] == pytest.approx(1 - 0.01 * (1.0 + 0.1))
     s.push(PushStamp(0, 1, 1), 1, PLAN.digest, wire({"w": 0.0, "b": 0.0, "m": 0.0}), [{"lr": 0.3}, {"lr": 0.3}])

@@ -1,0 +1,184 @@
+"""Shard 0 decides membership and configuration for every shard (ps_server.epochs), over real gRPC.
+
+The first test reproduces the failure the README used to document as a known limitation: a shard
+restarts while one rank's connection to it is cut for longer than the lease. Each shard used to evict
+on its own lease clock, so the restarted shard evicted the rank that shard 0 still counted, and the two
+sync workers then waited on each other until their deadline. Now only shard 0 evicts, and it heard
+from the rank all along: both ranks train to the end, every round counted the same on both shards.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+
+import grpc
+import pytest
+
+from ps_proto.v1 import ps_pb2, ps_pb2_grpc
+from ps_server.membership import WorkerState
+from tests.conftest import RPC_TIMEOUT
+
+LEASE = 1.5
+
+
+class CuttableLink:
+    """A TCP forwarder on 127.0.0.1 to ``target`` whose link can be cut (every connection closed,
+    new ones refused) and mended: one rank's channel to one shard, broken while the shard restarts."""
+
+    def __init__(self, target: tuple[str, int]) -> None:
+        self.target = target
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.listener.settimeout(0.1)
+        self.port = self.listener.getsockname()[1]
+        self.cut_off = threading.Event()
+        self.closed = threading.Event()
+        self.conns: list[socket.socket] = []
+        self.lock = threading.Lock()
+        self.threads = [threading.Thread(target=self._accept, daemon=True)]
+        self.threads[0].start()
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def _accept(self) -> None:
+        while not self.closed.is_set():
+            try:
+                down, _ = self.listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            if self.cut_off.is_set():
+                down.close()
+                continue
+            try:
+                up = socket.create_connection(self.target, timeout=2)
+            except OSError:
+                down.close()
+                continue
+            with self.lock:
+                self.conns += [down, up]
+            for a, b in ((down, up), (up, down)):
+                t = threading.Thread(target=self._pump, args=(a, b), daemon=True)
+                t.start()
+                self.threads.append(t)
+
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        src.settimeout(0.2)
+        while not self.closed.is_set() and not self.cut_off.is_set():
+            try:
+                data = src.recv(65536)
+            except TimeoutError:
+                continue
+            except OSError:
+                break
+            if not data:
+                break
+            try:
+                dst.sendall(data)
+            except OSError:
+                break
+        for s in (src, dst):
+            s.close()
+
+    def cut(self) -> None:
+        self.cut_off.set()
+        with self.lock:
+            for s in self.conns:
+                s.close()
+            self.conns.clear()
+
+    def mend(self) -> None:
+        self.cut_off.clear()
+
+    def close(self) -> None:
+        self.closed.set()
+        self.cut()
+        self.listener.close()
+        for t in self.threads:
+            t.join(5)
+
+
+@pytest.fixture
+def link() -> Iterator[list[CuttableLink]]:
+    made: list[CuttableLink] = []
+    yield made
+    for link in made:
+        link.close()
+
+
+def status(address: str) -> ps_pb2.ShardStatus:
+    with grpc.insecure_channel(address) as ch:
+        return ps_pb2_grpc.AdminStub(ch).GetStatus(ps_pb2.GetStatusRequest(), timeout=RPC_TIMEOUT).status
+
+
+def test_a_rank_cut_off_from_a_restarting_shard_is_not_evicted_there_and_both_ranks_finish(
+    start_cluster, start_trainer, wait_until, link, tmp_path
+) -> None:
+    shards = start_cluster(2, num_workers=2, lease_timeout=LEASE, checkpoint_dir=str(tmp_path), checkpoint_every=1)
+    cut = CuttableLink(("127.0.0.1", shards[1].port))
+    link.append(cut)
+    steps = 60
+    trainers = [
+        start_trainer([shards[0].address, shards[1].address], rank=0, num_workers=2, max_steps=steps, pace=0.02),
+        start_trainer(
+            [shards[0].address, cut.address], rank=1, num_workers=2, max_steps=steps, pace=0.02, retry_deadline=30
+        ),
+    ]
+    wait_until(lambda: min(t.steps for t in trainers) >= 10 or any(t.error for t in trainers), 60, "10 steps")
+    # shard 1 restarts from its checkpoint while rank 1's link to it stays cut for twice the lease:
+    # shard 1 hears nothing from rank 1 for that long, shard 0 hears its heartbeats all along
+    cut.cut()
+    cut_at = time.monotonic()
+    shards[1].stop(grace=0.5)
+    started: list = []
+
+    def restart() -> bool:
+        try:
+            started.append(start_cluster.start(replace(shards[1].config, port=shards[1].port)))
+        except RuntimeError:  # the old socket is not released yet
+            return False
+        return True
+
+    wait_until(restart, 20, f"port {shards[1].port} to bind again")
+    restarted = started[0]
+    wait_until(lambda: status(restarted.address).initialized, 30, "shard 1 to resume")
+    threading.Event().wait(max(0.0, cut_at + 2 * LEASE - time.monotonic()))  # the fault's length, not a sync
+    assert restarted.shard.status().workers[1].state is WorkerState.LIVE  # shard 1 evicts nobody
+    cut.mend()
+    wait_until(lambda: all(t.steps >= steps for t in trainers) or any(t.error for t in trainers), 120, "the end")
+    for t in trainers:
+        t.stop()
+    first, second = status(shards[0].address), status(restarted.address)
+    assert first.version == second.version  # the same rounds on both shards
+    assert not first.membership.reason.startswith("rank 1 evicted")
+
+
+def test_a_mode_switch_applies_at_the_same_version_on_both_shards(start_cluster, start_trainer, wait_until) -> None:
+    shards = start_cluster(2, num_workers=2)
+    trainers = [start_trainer([s.address for s in shards], rank=r, num_workers=2, pace=0.02) for r in (0, 1)]
+    wait_until(lambda: min(t.steps for t in trainers) >= 3 or any(t.error for t in trainers), 60, "3 steps")
+    with grpc.insecure_channel(shards[1].address) as ch:  # a follower refuses, naming shard 0
+        with pytest.raises(grpc.RpcError) as err:
+            ps_pb2_grpc.AdminStub(ch).UpdateConfig(ps_pb2.UpdateConfigRequest(mode=ps_pb2.MODE_ASYNC), timeout=5)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "send UpdateConfig to shard 0" in str(err.value)
+    with grpc.insecure_channel(shards[0].address) as ch:
+        reply = ps_pb2_grpc.AdminStub(ch).UpdateConfig(
+            ps_pb2.UpdateConfigRequest(mode=ps_pb2.MODE_ASYNC, max_staleness=5), timeout=RPC_TIMEOUT
+        )
+    wait_until(
+        lambda: all(status(s.address).config.mode == ps_pb2.MODE_ASYNC for s in shards) or any(t.error for t in trainers),
+        60,
+        "both shards to switch",
+    )
+    applied = [[(c.version, c.epoch) for c in status(s.address).applied_changes] for s in shards]
+    assert applied == [[(reply.at_version, reply.membership_epoch)]] * 2  # the same version, read from GetStatus
+    steps = min(t.steps for t in trainers)
+    wait_until(lambda: min(t.steps for t in trainers) >= steps + 3 or any(t.error for t in trainers), 60, "async steps")
+    for t in trainers:
+        t.stop()

@@ -1,0 +1,223 @@
+"""Membership epochs (ps_server.epochs) on two in-process shards: shard 0 decides, shard 1 follows
+the records a worker would relay; rounds, configuration changes and resizes land at the same
+version on both."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ps_common.errors import InvalidRequestError, NotJoinedError, PreconditionError
+from ps_common.modes import ModeSettings
+from ps_common.optimizer import OptimizerSpec
+from ps_common.partition import WirePartition
+from ps_common.plan import ParameterSpec, make_plan
+from ps_proto.v1 import ps_pb2
+from ps_server.epochs import COUNTER_BITS, Epochs
+from ps_server.membership import Membership
+from ps_server.shard import PushStamp, Shard, WorkerState
+from tests.helpers.tensors import encode
+
+SPECS = [ParameterSpec("w", (4,), "float32"), ParameterSpec("b", (4,), "float32")]
+PLAN = make_plan(SPECS, 2, 16)
+SGD = OptimizerSpec("sgd", {"lr": 0.5})
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def wire(k: int, fill: float) -> list[WirePartition]:
+    return [
+        WirePartition(p.key, p.offset, p.length, "float32", encode(torch.full((p.length,), fill)))
+        for p in PLAN.owned_by(k)
+    ]
+
+
+def cluster(num_workers: int = 3, mode: str = "sync", clock: FakeClock | None = None) -> list[Shard]:
+    clock = clock or FakeClock()
+    shards = [Shard(k, 2, ModeSettings(mode, num_workers=num_workers), lease_timeout=5.0, now=clock) for k in (0, 1)]
+    for k, s in enumerate(shards):
+        s.init(SPECS, 2, 16, PLAN.digest, SGD, wire(k, 1.0))
+        for r in range(num_workers):
+            s.join(r, num_workers, 1)
+    return shards
+
+
+def push_round(shards: list[Shard], ranks: list[int], clock: int) -> None:
+    for s in shards:
+        for r in ranks:
+            s.push(PushStamp(r, 1, clock), clock, PLAN.digest, wire(s.shard_index, 1.0))
+
+
+def relay(shards: list[Shard]) -> None:
+    """What a worker's next request or heartbeat does: hand shard 0's record to shard 1."""
+    shards[1].adopt(shards[0].epochs.record)
+
+
+def test_only_shard_0_evicts_and_shard_1_closes_the_same_round_once_told() -> None:
+    clock = FakeClock()
+    shards = cluster(clock=clock)
+    push_round(shards, [0, 1, 2], 0)
+    push_round(shards, [0, 1], 1)  # rank 2 went silent in round 1
+    for _ in range(6):  # past the lease, on both shards' clocks, the reapers waking every second
+        clock.t += 1.0
+        for r in (0, 1):
+            shards[0].heartbeat(r, 1)
+        assert shards[1].expire_leases() == []  # a follower never decides
+        evicted = shards[0].expire_leases()
+    assert evicted == [2]
+    assert (shards[0].version, shards[1].version) == (2, 1)  # shard 1 still waits for rank 2 ...
+    assert shards[1].status().round_waiting_for == (2,)
+    relay(shards)  # ... until the record reaches it: the same round closes there
+    assert (shards[0].version, shards[1].version) == (2, 2)
+    assert shards[1].members[2].state is WorkerState.EVICTED and not shards[1].members[2].counted
+    assert shards[1].epochs.epoch == shards[0].epochs.epoch > 0
+    with pytest.raises(NotJoinedError):  # its pushes are refused on shard 1 too, until it rejoins
+        shards[1].push(PushStamp(2, 1, 2), 2, PLAN.digest, wire(1, 1.0))
+
+
+def test_a_rejoin_is_decided_by_shard_0_and_followed_by_shard_1() -> None:
+    shards = cluster()
+    shards[0].evict(2)
+    relay(shards)
+    with pytest.raises(NotJoinedError, match="join shard 0 first"):
+        shards[1].join(2, 3, 2)
+    shards[0].join(2, 3, 2)  # a restarted process: shard 0 counts it again (a new epoch)
+    assert shards[0].members[2].counted and shards[0].epochs.epoch > shards[1].epochs.epoch
+    relay(shards)
+    # counted from shard 0's next round, on both shards
+    assert shards[1].join(2, 3, 2).clock == 1 and shards[1].members[2].counted
+    assert [s.membership.expected(0) for s in shards] == [[0, 1]] * 2
+    assert [s.membership.expected(1) for s in shards] == [[0, 1, 2]] * 2
+
+
+def test_followers_refuse_membership_and_configuration_calls() -> None:
+    follower = cluster()[1]
+    for call in (
+        lambda: follower.evict(0),
+        lambda: follower.update_config(learning_rate=0.1),
+        lambda: follower.resize(4),
+    ):
+        with pytest.raises(PreconditionError, match="shard 0 decides"):
+            call()
+    assert follower.epochs.epoch == 0 and follower.num_workers == 3
+
+
+def test_a_config_change_applies_at_the_same_version_on_every_shard() -> None:
+    shards = cluster(num_workers=2)
+    push_round(shards, [0], 0)  # round 0 open
+    shards[0].update_config(learning_rate=0.25, mode="async")  # default: the next round, version 1
+    relay(shards)
+    for s in shards:
+        assert [c.version for c in s.epochs.pending()] == [1] and s.learning_rate() == 0.5
+        assert s.status().pending_mode == "async"
+    push_round(shards, [1], 0)  # closes round 0 (lr 0.5) on both
+    for s in shards:
+        assert s.version == 1 and s.learning_rate() == 0.25 and s.mode == "async"
+        assert [c.version for c in s.status().applied_changes] == [1]
+    with pytest.raises(InvalidRequestError, match="too early"):
+        shards[0].update_config(learning_rate=0.1, at_version=0)
+    shards[0].update_config(learning_rate=0.125, at_version=3)  # explicit
+    relay(shards)
+    for s in shards:
+        s.push(PushStamp(0, 1, 1), 1, PLAN.digest, wire(s.shard_index, 0.0))
+        assert s.version == 2 and s.learning_rate() == 0.25
+        s.push(PushStamp(0, 1, 2), 2, PLAN.digest, wire(s.shard_index, 0.0))
+        assert s.version == 3 and s.learning_rate() == 0.125
+
+
+def test_a_late_record_applies_a_due_change_on_arrival() -> None:
+    shards = cluster(num_workers=1)
+    shards[0].update_config(sync_quorum=1, at_version=0)
+    push_round(shards, [0], 0)
+    relay(shards)  # shard 1 is at version 1 already: applied when it arrives
+    assert shards[1].settings.sync_quorum == 1 and [c.version for c in shards[1].epochs.applied] == [1]
+
+
+def test_a_resize_holds_from_its_round_on_every_shard() -> None:
+    shards = cluster(num_workers=2)
+    push_round(shards, [0, 1], 0)
+    previous, at = shards[0].resize(3)  # ranks live: from the next round
+    assert (previous, at) == (2, 2) and shards[0].num_workers == 3
+    relay(shards)
+    push_round(shards, [0, 1], 1)  # round 1 (before the resize) closes with the two ranks
+    assert [s.version for s in shards] == [2, 2]
+    push_round(shards, [0, 1], 2)  # round 2 waits for the new rank
+    assert [s.status().round_waiting_for for s in shards] == [(2,), (2,)]
+    for s in shards:
+        assert s.join(2, 2, 1).clock == 2  # it starts at the resize's round
+        s.push(PushStamp(2, 1, 2), 2, PLAN.digest, wire(s.shard_index, 1.0))
+    assert [s.version for s in shards] == [3, 3] and [s.num_workers for s in shards] == [3, 3]
+    # shrink to one: rank 1 and 2 push the rounds before it, none from it
+    shards[0].resize(1, at_version=4)
+    relay(shards)
+    push_round(shards, [0, 1, 2], 3)
+    assert [s.version for s in shards] == [4, 4]
+    for s in shards:
+        with pytest.raises(NotJoinedError, match="resized to num_workers=1"):
+            s.push(PushStamp(1, 1, 4), 4, PLAN.digest, wire(s.shard_index, 1.0))
+        assert s.pull(1, 1, 4, PLAN.digest, timeout=1.0)[0] == 4  # it still reads its last round's result
+    push_round(shards, [0], 4)
+    assert [s.version for s in shards] == [5, 5]
+    assert [[m.counted for m in s.members] for s in shards] == [[True, False, False]] * 2
+
+
+def test_resize_refusals_change_nothing() -> None:
+    shard = cluster(num_workers=2)[0]
+    with pytest.raises(InvalidRequestError, match="at least 1"):
+        shard.resize(0)
+    with pytest.raises(InvalidRequestError, match="has passed"):
+        shard.version = 5
+        shard.resize(3, at_version=4)
+    easgd = Shard(0, 1, ModeSettings("easgd", num_workers=2))
+    with pytest.raises(PreconditionError, match="easgd"):
+        easgd.resize(3)
+    assert shard.num_workers == 2 and shard.epochs.epoch == 0
+
+
+def test_a_restarted_authority_decides_above_any_epoch_before_it() -> None:
+    members = Membership(2, 5.0, FakeClock())
+    first = Epochs(authority=True, num_workers=2, wall=lambda: 1000.0)
+    first.decide(members, 0, "one")
+    first.decide(members, 0, "two")
+    assert first.epoch == (1000 << COUNTER_BITS) + 1
+    again = Epochs(authority=True, num_workers=2, wall=lambda: 1001.0)
+    again.restore(first.export())  # from a checkpoint taken then
+    assert again.decide(members, 0, "after the restart").epoch == 1001 << COUNTER_BITS
+    follower = Epochs(authority=False, num_workers=2)
+    assert follower.adopt(first.record, members) and not follower.adopt(first.record, members)
+    assert follower.adopt(again.record, members) and follower.for_request(first.epoch) is follower.record
+    assert follower.for_request(again.epoch) is None
+
+
+def test_records_carry_counted_ranks_as_live_or_pending_and_the_rest_as_evicted_or_left() -> None:
+    shard = cluster(num_workers=3)[0]
+    shard.leave(1, 1)
+    shard.evict(2)
+    states = [m.state for m in shard.epochs.record.members]
+    assert states == [ps_pb2.WORKER_STATE_LIVE, ps_pb2.WORKER_STATE_LEFT, ps_pb2.WORKER_STATE_EVICTED]
+    assert "evicted by an operator" in shard.epochs.record.reason
+
+
+def test_checkpoints_restore_onto_another_worker_count_only_when_the_flag_changed() -> None:
+    shards = cluster(num_workers=2)
+    push_round(shards, [0, 1], 0)
+    shards[0].resize(4, at_version=1)
+    state = shards[0].export_state()
+    same_flag = Shard(0, 2, ModeSettings("sync", num_workers=2))
+    same_flag.restore(state)  # --num-workers as before: the checkpoint's resize stands
+    assert same_flag.num_workers == 4 and same_flag.settings.num_workers == 4
+    new_flag = Shard(0, 2, ModeSettings("sync", num_workers=3))
+    new_flag.restore(state)  # the operator changed --num-workers: shard 0 resizes to it
+    assert new_flag.num_workers == 3 and [m.counted for m in new_flag.members] == [True, True, True, False]
+    assert "restored onto --num-workers 3" in new_flag.epochs.record.reason
+    assert new_flag.epochs.epoch > state_epoch(state)
+
+
+def state_epoch(state: dict) -> int:
+    return ps_pb2.MembershipEpoch.FromString(state["epochs"]["record"]).epoch
