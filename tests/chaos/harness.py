@@ -39,6 +39,9 @@ from typing import IO, Any
 ROOT = Path(__file__).resolve().parents[2]
 PY = sys.executable
 
+SUPERVISOR_RESTARTS = 2
+"""Restarts per rank of a worker that failed on its own (the job then still ends, and is judged)."""
+
 SLOW_MS = 105.0
 """Every worker sleeps this long before each push: a step lasts > 0.1 s, so each one is printed."""
 
@@ -488,6 +491,8 @@ class Cluster:
         self._last_incarnation = 0
         self._lock = threading.Lock()
         self.origin = time.monotonic()
+        self.restarts = [0] * spec.num_workers
+        self.closing = False
 
     # ------------------------------------------------------------------ spawning
     def _spawn(
@@ -598,14 +603,20 @@ class Cluster:
 
     # ------------------------------------------------------------------ supervision
     def reap(self) -> None:
-        """Account processes that ended: a worker's exit status; a shard that exited on its own is
-        noted and restarted (as a supervisor would)."""
-        for w in self.workers:
+        """Account processes that ended: a worker's exit status; a worker that failed on its own
+        (not killed by the test, exit status not 0) is started again, at most
+        :data:`SUPERVISOR_RESTARTS` times per rank, and a shard that exited on its own is noted and
+        restarted, as a supervisor (Kubernetes) would. Both count as failures (:func:`check_exits`)."""
+        for r, w in enumerate(self.workers):
             if w is not None and w.popen.poll() is not None and w.incarnation is not None:
                 if w.incarnation.returncode is None:
                     w.incarnation.returncode = w.popen.returncode
                     w.lines.thread.join(timeout=10)
                     w.incarnation.refused = refused_in(Path(w.files[1].name))
+                    failed = not w.intended_end and w.popen.returncode != 0
+                    if failed and not self.closing and self.restarts[r] < SUPERVISOR_RESTARTS:
+                        self.restarts[r] += 1
+                        self.start_worker(r)
         for k, s in enumerate(self.shards):
             if s is not None and s.popen.poll() is not None and not s.intended_end:
                 self.shard_exits.append(f"shard {k} exited on its own with {s.popen.returncode}")
@@ -624,12 +635,17 @@ class Cluster:
             for r in range(self.spec.num_workers)
         ]
 
+    def last_step_time(self) -> float:
+        """Monotonic time of the newest step event of any rank (the start when none yet)."""
+        return max((i.step_times[-1] for i in self.incarnations if i.step_times), default=self.origin)
+
     def last_step(self) -> int:
         """The highest step printed by any rank so far."""
         return max((i.last_step or 0 for i in self.incarnations), default=0)
 
     def close(self) -> None:
         """SIGTERM the shards (a final checkpoint), kill whatever still runs, by PID; close logs."""
+        self.closing = True
         procs = [p for p in [*self.workers, *self.shards, self.status_proc] if p is not None]
         for p in procs:
             p.intended_end = True
