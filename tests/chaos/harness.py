@@ -160,7 +160,7 @@ def longest_hang(step_times: Iterable[float], holds: Iterable[Hold]) -> tuple[fl
 
 
 def check_no_hang(
-    step_times: Iterable[float], holds: Iterable[Hold], bound: float, origin: float = 0.0
+    step_times: Iterable[float], holds: Iterable[Hold], bound: float, origin: float = 0.0, end: float | None = None
 ) -> tuple[Finding, float]:
     """Invariant 1: between the first and the last step of the job, no stretch longer than
     ``bound`` seconds passed without some rank completing a step, not counting the time the test
@@ -169,10 +169,17 @@ def check_no_hang(
     Worker faults (kill, stop, partition) are not subtracted: the other ranks must go on once the
     lapsed lease evicts the silent rank, so their gap is at most the lease plus slack.
 
+    Args:
+        end: when the job did not finish, the time the harness stopped waiting for it: the stretch
+            from the last step to ``end`` counts too (a job wedged for good is a hang).
+
     Returns:
         The finding and the measured longest unexplained gap (seconds).
     """
-    gap, at, raw = longest_hang(step_times, holds)
+    times = list(step_times)
+    if end is not None and times:
+        times.append(end)
+    gap, at, raw = longest_hang(times, holds)
     detail = (
         f"longest stretch without any step: {gap:.1f} s of shard-available time "
         f"(raw gap {raw:.1f} s from t={at - origin:.1f} s); bound {bound:.1f} s"

@@ -53,6 +53,7 @@ def test_chaos_soak(tmp_path: Path, soak_window: float, soak_seed: int) -> None:
     injector = FaultInjector(cluster, rng, Budget())
     final_status = None
     window = 0.0
+    gave_up: float | None = None  # when the end of an unfinished job stopped being waited for
     try:
         cluster.start()
         started = harness.poll(
@@ -65,6 +66,7 @@ def test_chaos_soak(tmp_path: Path, soak_window: float, soak_seed: int) -> None:
         stalled = lambda: time.monotonic() - cluster.last_step_time() > STALLED  # noqa: E731
         harness.poll(lambda: cluster.workers_done() or stalled(), TAIL_TIMEOUT, every=0.5)
         if not cluster.workers_done():
+            gave_up = time.monotonic()
             print(f"chaos soak: the job did not finish (stalled {stalled()}); judging what happened", flush=True)
         final_status = cluster.status()
     finally:
@@ -75,7 +77,7 @@ def test_chaos_soak(tmp_path: Path, soak_window: float, soak_seed: int) -> None:
     finals = cluster.finals()
     all_steps = [t for i in incarnations for t in i.step_times]
     bound = LEASE + RESTART_ALLOWANCE + SLACK
-    hang, _ = harness.check_no_hang(all_steps, injector.holds, bound, cluster.origin)
+    hang, _ = harness.check_no_hang(all_steps, injector.holds, bound, cluster.origin, end=gave_up)
     findings = [hang, harness.check_params_identical(finals)]
     applied = []
     if final_status is not None and all("error" not in s for s in final_status):

@@ -43,6 +43,13 @@ def test_no_hang_holds_when_gaps_are_explained_and_fails_on_a_wedge() -> None:
     assert not wedged.ok and gap == 45.5 and "45.5 s" in wedged.detail
 
 
+def test_a_job_that_never_finishes_is_a_hang_to_the_end() -> None:
+    steps = [0.0, 1.0, 2.0]  # then nothing: the harness gave up waiting at t=50
+    assert check_no_hang(steps, [], bound=10.0)[0].ok
+    wedged, gap = check_no_hang(steps, [], bound=10.0, end=50.0)
+    assert not wedged.ok and gap == 48.0
+
+
 def test_a_worker_fault_is_not_an_excuse() -> None:
     # a killed worker: the others must go on after the lease; nothing is subtracted for it
     finding, gap = check_no_hang([0.0, 1.0, 13.0], [], bound=10.0)
