@@ -94,6 +94,21 @@ def settings_lines(shards: Sequence[tuple[str, ps_pb2.ClusterConfig, int]]) -> l
     return lines
 
 
+def membership_line(results: Sequence[ShardResult]) -> str | None:
+    """``membership: epoch E (shard 0 decides), 3 workers; scheduled: ... at version V`` from the
+    first shard that answered, or None before any decision."""
+    status = next((r.status for r in results if r.status), None)
+    if status is None or not status.membership.epoch:
+        return None
+    m = status.membership
+    applied = {c.epoch for c in status.applied_changes}
+    pending = [c for c in m.config_changes if c.epoch not in applied]
+    text = f"membership: epoch {m.epoch} ({m.reason}), {m.num_workers} workers"
+    if pending:
+        text += "; scheduled: " + ", ".join(f"a change at version {c.version}" for c in pending)
+    return text
+
+
 def status_settings(results: Sequence[ShardResult]) -> list[str]:
     """:func:`settings_lines` of the shards that answered."""
     return settings_lines(
@@ -278,7 +293,8 @@ def checkpoint_lines(results: Sequence[ShardResult]) -> list[str]:
 def render_status(results: Sequence[ShardResult], width: int | None = None, errors: bool = False) -> list[str]:
     """The ``status`` report: a summary line, the settings in force, failing checkpoints, the shard
     table (``errors``: a line under it per shard that did not answer) and the rank table."""
-    lines = [summary_line(results), *status_settings(results)]
+    membership = membership_line(results)
+    lines = [summary_line(results), *status_settings(results), *([membership] if membership else [])]
     note = round_line(results)
     if note:
         lines.append(note)

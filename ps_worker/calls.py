@@ -158,7 +158,7 @@ class DataPath:
 
         def one(k: int) -> tuple[int, int]:
             def attempt() -> tuple[int, int]:  # the floor per attempt: a recovery may move this shard's round
-                req = codec.pull_request(s.rank, s.incarnation, s.pull_floor(k, min_version))
+                req = codec.pull_request(s.rank, s.incarnation, s.pull_floor(k, min_version), s.relayed(k)[0])
                 replies = t.pull_calls[k](req, timeout=t.timeout, metadata=t.metadata)
                 version, received, _ = codec.decode(k, replies, flats, t.servers[k], t.received)
                 return version, received
@@ -191,7 +191,7 @@ class DataPath:
         diffs: dict[str, torch.Tensor] = {spec.key: torch.zeros_like(flats[spec.key]) for spec in codec.plan.specs}
 
         def one(k: int) -> tuple[int, int, int]:
-            msgs = codec.exchange_messages(k, s.rank, s.incarnation, s.exchanges, flats)
+            msgs = codec.exchange_messages(k, s.rank, s.incarnation, s.exchanges, flats, s.relayed(k)[0])
 
             def attempt() -> tuple[int, int, int]:
                 replies = t.exchange_calls[k](iter(msgs), timeout=t.timeout, metadata=t.metadata)

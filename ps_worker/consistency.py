@@ -109,6 +109,12 @@ class Synchronous(WorkerMode):
     name = "sync"
     counts_staleness = False
 
+    def adopt_join(self, session: Session, replies: Sequence[ps_pb2.JoinResponse]) -> None:
+        """The round each shard takes this rank's push in next (a rank counted again after an
+        eviction: shard 0's next round, on every shard): the first pull waits for it."""
+        super().adopt_join(session, replies)
+        session.versions = [int(r.clock) for r in replies]
+
     def after_init(self, session: Session) -> None:
         session.clock = max(session.clock, session.version)
 

@@ -139,7 +139,9 @@ class WireCodec:
         for o in outs:
             yield frames.build([o])
 
-    def pull_request(self, rank: int, incarnation: int, min_version: int) -> ps_pb2.PullRequest:
+    def pull_request(
+        self, rank: int, incarnation: int, min_version: int, membership_epoch: int = 0
+    ) -> ps_pb2.PullRequest:
         """A ``PullRequest`` for the whole of a shard's partitions."""
         return ps_pb2.PullRequest(
             rank=rank,
@@ -147,14 +149,27 @@ class WireCodec:
             min_version=min_version,
             plan_digest=self.plan.digest,
             wire_dtype=self.wire_enum,
+            membership_epoch=membership_epoch,
         )
 
     def exchange_messages(
-        self, k: int, rank: int, incarnation: int, clock: int, flats: Mapping[str, torch.Tensor]
+        self,
+        k: int,
+        rank: int,
+        incarnation: int,
+        clock: int,
+        flats: Mapping[str, torch.Tensor],
+        membership_epoch: int = 0,
     ) -> list[bytes]:
         """An Exchange stream to shard ``k``: the header, then one partition of ``flats`` per message
         (the parameters x, exact or in ``wire_dtype``; never top-k)."""
-        header = ps_pb2.ExchangeHeader(rank=rank, incarnation=incarnation, clock=clock, plan_digest=self.plan.digest)
+        header = ps_pb2.ExchangeHeader(
+            rank=rank,
+            incarnation=incarnation,
+            clock=clock,
+            plan_digest=self.plan.digest,
+            membership_epoch=membership_epoch,
+        )
         head = _message_field(1, header.SerializeToString())
         return [head, *(frames.build([o]) for o in self.out_partitions(k, flats, compress=False))]
 

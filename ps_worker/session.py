@@ -229,7 +229,7 @@ class Session:
         # shard 0 first: it decides whether this rank counts (a rejoin after an eviction), and the
         # others follow the record its answer brings, which the joins to them carry
         first = self.join_shard(0)
-        replies = [first, *t.each_shard(self.join_shard)[1:]] if t.num_shards > 1 else [first]
+        replies = t.each_shard(lambda k: first if k == 0 else self.join_shard(k))
         for k, r in enumerate(replies):
             if r.shard_index != k or r.num_shards != t.num_shards:
                 raise RuntimeError(
@@ -352,6 +352,10 @@ class Session:
         - :class:`~ps_worker.errors.FutureRound` (the shard restarted from an older checkpoint): adopt its round.
         - :class:`~ps_worker.errors.PushLost` (the shard restarted and lost an acknowledged push of an
           open round): adopt its round and push the last gradient again.
+
+        Raises:
+            StalePush: sync, the rank was counted again from a later round than the shard's (a rejoin
+                after an eviction): the step's gradient is dropped and the pull waits for that round.
         """
         if not isinstance(err, errors.RECOVERABLE):
             return False
@@ -372,6 +376,15 @@ class Session:
             reply = self.join_shard(k)
         self.versions[k] = reply.version
         self.pushed[k] = False
+        if self.mode == "sync" and reply.clock > reply.version:
+            # counted again from a later round, on every shard (shard 0 decided): this step's
+            # gradient is for a round that goes on without this rank; wait for that round's result
+            self.versions[k] = int(reply.clock)
+            raise errors.StalePush(
+                address,
+                grpc.StatusCode.ABORTED,
+                f"rank {self.rank} rejoined and counts from round {reply.clock}: this step's gradient is dropped",
+            )
         if isinstance(err, errors.PushLost) and repush and self.repush is not None:
             self.repush(k)
         return True

@@ -141,7 +141,8 @@ def train(
     if on_start is not None:
         on_start(first, steps)
     start = time.perf_counter()  # training only: Init and the first pull are start-up
-    for step in range(first, steps):
+    step, iterations, limit = first, 0, 2 * (steps - first) + 100
+    while step < steps:
         if not client.session.in_cluster(step):
             resized_out = step
             log.warning(
@@ -166,8 +167,17 @@ def train(
         if metrics is not None:
             metrics.step_duration.observe(time.perf_counter() - step_start)
             metrics.loss.set(losses[-1])
+        # sync: the step is the round the rank holds next, the same on every rank (a refused push
+        # does not move it; a rank counted again from a later round skips to it)
+        step = client.version if client.mode == "sync" else step + 1
+        iterations += 1
+        if iterations > limit:
+            raise RuntimeError(
+                f"rank {client.rank}: {iterations} steps ran but the rounds reached only {step} of {steps}: "
+                "the shards keep refusing this rank's rounds (see the log)"
+            )
         if on_step is not None:
-            on_step(step + 1, losses[-1])
+            on_step(step, losses[-1])
     wall = time.perf_counter() - start
     client.worker_mode.finish(client, model)  # easgd: the center is the model; local x only explores around it
     model.eval()
@@ -180,8 +190,8 @@ def train(
         accuracy=scores.get("accuracy"),
         eval_loss=scores.get("loss"),
         wall_seconds=wall,
-        steps_per_second=(steps - first) / wall if wall > 0 else 0.0,
-        samples_per_second=(steps - first) * batch_size / wall if wall > 0 else 0.0,
+        steps_per_second=len(losses) / wall if wall > 0 else 0.0,
+        samples_per_second=len(losses) * batch_size / wall if wall > 0 else 0.0,
         pushed_bytes=client.pushed_bytes,
         pulled_bytes=client.pulled_bytes,
         version=client.version,

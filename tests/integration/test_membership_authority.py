@@ -171,11 +171,8 @@ def test_a_mode_switch_applies_at_the_same_version_on_both_shards(start_cluster,
         reply = ps_pb2_grpc.AdminStub(ch).UpdateConfig(
             ps_pb2.UpdateConfigRequest(mode=ps_pb2.MODE_ASYNC, max_staleness=5), timeout=RPC_TIMEOUT
         )
-    wait_until(
-        lambda: all(status(s.address).config.mode == ps_pb2.MODE_ASYNC for s in shards) or any(t.error for t in trainers),
-        60,
-        "both shards to switch",
-    )
+    switched = lambda: all(status(s.address).config.mode == ps_pb2.MODE_ASYNC for s in shards)  # noqa: E731
+    wait_until(lambda: switched() or any(t.error for t in trainers), 60, "both shards to switch")
     applied = [[(c.version, c.epoch) for c in status(s.address).applied_changes] for s in shards]
     assert applied == [[(reply.at_version, reply.membership_epoch)]] * 2  # the same version, read from GetStatus
     steps = min(t.steps for t in trainers)

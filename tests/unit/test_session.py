@@ -163,3 +163,46 @@ def test_close_leaves_and_joins_the_heartbeat() -> None:
     s.start_heartbeat()
     s.close()
     assert t.closed and s._heartbeat is not None and not s._heartbeat.is_alive()
+
+
+def test_a_newer_membership_record_is_adopted_and_relayed_only_to_the_shards_behind() -> None:
+    s, _ = joined()
+    assert s.relayed(0) == (0, None) and s.relayed(1) == (0, None)
+    record = ps_pb2.MembershipEpoch(epoch=5, num_workers=3, previous_num_workers=2, resize_version=7)
+    resized: list[int] = []
+    s.on_resize = lambda r: resized.append(r.num_workers)
+    s.learn(0, ps_pb2.PushResponse(membership_epoch=5, membership=record))  # shard 0 decided a resize
+    assert s.num_workers == 3 and resized == [3] and s.membership.epoch == 5
+    assert s.relayed(0) == (5, None)  # shard 0 knows it
+    epoch, relayed = s.relayed(1)  # shard 1 reported no epoch yet: it gets the record
+    assert epoch == 5 and relayed is not None and relayed.num_workers == 3
+    assert s._relay.is_set()  # the heartbeat thread relays it at once
+    s.learn(1, ps_pb2.HeartbeatResponse(membership_epoch=5))
+    assert s.relayed(1) == (5, None)
+    s.learn(1, ps_pb2.PushResponse(membership_epoch=4, membership=ps_pb2.MembershipEpoch(epoch=4)))
+    assert s.membership.epoch == 5  # an older record never wins
+
+
+def test_a_resize_to_fewer_workers_ends_the_ranks_beyond_at_its_round() -> None:
+    s, _ = joined()  # rank 1 of 2, sync
+    shrink = ps_pb2.MembershipEpoch(epoch=2, num_workers=1, previous_num_workers=2, resize_version=10)
+    s.learn(0, ps_pb2.JoinResponse(membership=shrink))
+    assert s.in_cluster(9) and not s.in_cluster(10)
+    s.mode = "async"  # no rounds: at once
+    assert not s.in_cluster(9)
+
+
+def test_a_rank_counted_again_from_a_later_round_drops_the_step_and_waits_for_that_round() -> None:
+    s, t = joined(version=4)
+    t.stubs[0].version = 4
+    original = t.stubs[0].Join
+
+    def later(req: ps_pb2.JoinRequest, **kw: Any) -> ps_pb2.JoinResponse:
+        reply = original(req, **kw)
+        reply.clock = 5  # shard 0 counts it from round 5; its version is 4
+        return reply
+
+    t.stubs[0].Join = later  # type: ignore[method-assign]
+    with pytest.raises(errors.StalePush, match="counts from round 5"):
+        s.with_recovery(0, failing(Refusal(grpc.StatusCode.FAILED_PRECONDITION, Reason.NOT_JOINED.value)), "Push h:0")
+    assert s.versions[0] == 5 and not s.pushed[0]

@@ -173,3 +173,19 @@ def test_lr_before_init_is_a_dash_and_sync_staleness_is_zero() -> None:
     assert staleness_cell(ps_pb2.StalenessSummary(), "sync") == "0"
     assert staleness_cell(ps_pb2.StalenessSummary(), "async") == "-"
     assert staleness_cell(ps_pb2.StalenessSummary(count=3, p50=1, p90=2, max=5), "ssp") == "1/2/5"
+
+
+def test_the_membership_line_shows_the_epoch_and_changes_not_applied_yet() -> None:
+    assert not any(line.startswith("membership:") for line in render_status([shard(0)]))
+    record = ps_pb2.MembershipEpoch(
+        epoch=7,
+        num_workers=3,
+        reason="config change at version 12",
+        config_changes=[ps_pb2.ConfigChange(version=9, epoch=6), ps_pb2.ConfigChange(version=12, epoch=7)],
+    )
+    result = shard(0)
+    assert result.status is not None
+    result.status.membership.CopyFrom(record)
+    result.status.applied_changes.append(ps_pb2.ConfigChange(version=9, epoch=6))
+    line = next(line for line in render_status([result]) if line.startswith("membership:"))
+    assert line == "membership: epoch 7 (config change at version 12), 3 workers; scheduled: a change at version 12"
