@@ -191,7 +191,8 @@ def resize(shard: Shard, num_workers: int, at_version: int | None = None) -> tup
             shard.membership.resize(num_workers, at)
             _sync_count(shard)
             decide(shard, f"resized from {previous} to {num_workers} workers at version {at}")
-            shard.membership.settle(shard.version) if at <= shard.version else None
+            if at <= shard.version:  # nobody is training: it holds now
+                shard.membership.settle(shard.version)
             shard.advance()
         return previous, at
 
@@ -209,6 +210,12 @@ def restored(shard: Shard, state: dict[str, Any]) -> None:
     ``--num-workers`` differs from the one the checkpointed shard was started with: then the
     operator changed it, and shard 0 resizes the job to it. Caller holds the lock."""
     saved_flag = int(state.get("configured_num_workers", len(state["members"])))
+    record, members = shard.epochs.record, shard.membership
+    if record.epoch and record.num_workers:  # the checkpoint's count, resizes included
+        members.num_workers = int(record.num_workers)
+        members.previous_num_workers = int(record.previous_num_workers or record.num_workers)
+        members.resize_version = int(record.resize_version)
+        members.settle(shard.version)
     _sync_count(shard)
     if shard.epochs.authority and shard.configured_num_workers != saved_flag:
         n = shard.configured_num_workers

@@ -212,6 +212,10 @@ def test_checkpoints_restore_onto_another_worker_count_only_when_the_flag_change
     same_flag = Shard(0, 2, ModeSettings("sync", num_workers=2))
     same_flag.restore(state)  # --num-workers as before: the checkpoint's resize stands
     assert same_flag.num_workers == 4 and same_flag.settings.num_workers == 4
+    shards[0].resize(1, at_version=1)  # and a shrink: 4 ranks listed, 1 counted
+    follower = Shard(1, 2, ModeSettings("sync", num_workers=2))
+    follower.restore(shards[0].export_state() | {"plan": state["plan"]})
+    assert follower.num_workers == 1 and follower.membership.expected(5) == [0]
     new_flag = Shard(0, 2, ModeSettings("sync", num_workers=3))
     new_flag.restore(state)  # the operator changed --num-workers: shard 0 resizes to it
     assert new_flag.num_workers == 3 and [m.counted for m in new_flag.members] == [True, True, True, False]
