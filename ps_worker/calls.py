@@ -88,7 +88,7 @@ class DataPath:
             ShardError: a refusal (PlanMismatch: the shard holds another plan).
         """
         t, s = self.transport, self.session
-        msgs = self.require_codec().init_messages(k, s.rank, s.incarnation, opt, values)
+        msgs = self.require_codec().init_messages(k, s.rank, s.incarnation, opt, values, s.relayed(k)[0])
         try:
             reply = t.call(
                 lambda: t.init_calls[k]((t.sent(m) for m in msgs), timeout=t.timeout, metadata=t.metadata),

@@ -174,14 +174,24 @@ class WireCodec:
         return [head, *(frames.build([o]) for o in self.out_partitions(k, flats, compress=False))]
 
     def init_messages(
-        self, k: int, rank: int, incarnation: int, optimizer: OptimizerSpec, values: Mapping[str, torch.Tensor]
+        self,
+        k: int,
+        rank: int,
+        incarnation: int,
+        optimizer: OptimizerSpec,
+        values: Mapping[str, torch.Tensor],
+        membership_epoch: int = 0,
     ) -> list[bytes]:
         """An Init stream to shard ``k``: ``InitRequest(header=...)``, then one
         ``InitRequest(partition=...)`` per partition with the exact values (each cast to the plan's
         dtype; ``values``: key -> tensor of any shape and device). The bytes equal the protobuf messages'
         ``SerializeToString()`` (``tests/unit/test_encoding.py``)."""
         header = ps_pb2.InitHeader(
-            rank=rank, incarnation=incarnation, plan=plan_to_proto(self.plan), optimizer=optimizer_to_proto(optimizer)
+            rank=rank,
+            incarnation=incarnation,
+            plan=plan_to_proto(self.plan),
+            optimizer=optimizer_to_proto(optimizer),
+            membership_epoch=membership_epoch,
         )
         msgs = [_message_field(1, header.SerializeToString())]
         dtypes = self.plan.dtypes

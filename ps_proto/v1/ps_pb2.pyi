@@ -240,16 +240,18 @@ class JoinResponse(_message.Message):
     def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., config: _Optional[_Union[ClusterConfig, _Mapping]] = ..., initialized: _Optional[bool] = ..., version: _Optional[int] = ..., plan_digest: _Optional[str] = ..., clock: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., membership: _Optional[_Union[MembershipEpoch, _Mapping]] = ...) -> None: ...
 
 class InitHeader(_message.Message):
-    __slots__ = ("rank", "incarnation", "plan", "optimizer")
+    __slots__ = ("rank", "incarnation", "plan", "optimizer", "membership_epoch")
     RANK_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     PLAN_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    MEMBERSHIP_EPOCH_FIELD_NUMBER: _ClassVar[int]
     rank: int
     incarnation: int
     plan: PlanInfo
     optimizer: OptimizerSpec
-    def __init__(self, rank: _Optional[int] = ..., incarnation: _Optional[int] = ..., plan: _Optional[_Union[PlanInfo, _Mapping]] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ...) -> None: ...
+    membership_epoch: int
+    def __init__(self, rank: _Optional[int] = ..., incarnation: _Optional[int] = ..., plan: _Optional[_Union[PlanInfo, _Mapping]] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., membership_epoch: _Optional[int] = ...) -> None: ...
 
 class InitRequest(_message.Message):
     __slots__ = ("header", "partition")
