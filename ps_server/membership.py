@@ -75,6 +75,8 @@ class Member:
     # sync: the first round the cluster counts it in (a rejoin after an eviction starts at shard 0's
     # next round, on every shard); earlier rounds neither wait for it nor take its pushes.
     since: int = 0
+    # Restored from a checkpoint and not joined since: its first Join resumes the job, it is no restart.
+    restored: bool = False
 
 
 @dataclass(frozen=True)
@@ -298,6 +300,7 @@ class Membership:
             m.last_seen = now if m.state is WorkerState.LIVE else None
             m.high_water = int(s.get("high_water", -1))
             m.since = int(s.get("since", 0))
+            m.restored = True
             m.history.clear()
             for inc, clock, version, staleness, duplicate, dropped, mode in s.get("history", []):
                 m.history[(int(inc), int(clock))] = PushResult(

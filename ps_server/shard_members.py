@@ -59,15 +59,21 @@ def join(shard: Shard, rank: int, num_workers: int, incarnation: int) -> JoinInf
             )
         member = shard.membership.get(rank, incarnation)
         shard.membership.check_in_cluster(rank)
-        if not member.counted:
+        # a sync rank whose process restarted mid-run may have pushed its last round to some shards
+        # and not others: like a rank counted again, it starts at shard 0's next round everywhere
+        replaced = shard.mode == "sync" and member.incarnation not in (0, incarnation) and not member.restored
+        if not member.counted or (replaced and shard.epochs.authority):
             if not shard.epochs.authority:
                 raise NotJoinedError(
                     f"Rank {rank} is not counted by the cluster (membership epoch {shard.epochs.epoch}: "
                     f"{shard.epochs.record.reason or 'evicted'}); join shard 0 first, which decides."
                 )
             # counted from the next round on every shard: no shard can have closed it yet
+            how = "restarted" if member.counted else "counted again"
             member.counted, member.since = True, next_version(shard)
-            decide(shard, f"rank {rank} rejoined (incarnation {incarnation}) from version {member.since}")
+            decide(shard, f"rank {rank} {how} (incarnation {incarnation}) from version {member.since}")
+            shard.advance()  # the open round may no longer wait for it
+        member.restored = False
         shard.membership.joins.start()
         restarted = incarnation != member.incarnation
         if restarted:  # a new process: its clocks start over

@@ -103,8 +103,11 @@ class StaleSynchronous(WorkerMode):
 
 
 class Synchronous(WorkerMode):
-    """BSP: a push joins the round of the version its gradient was computed on, per shard (a
-    shard restored from an older checkpoint is followed); the pull waits for that round."""
+    """BSP: a push joins the round of the version its gradient was computed on: the lowest version
+    among the shards, on every shard, so that a rank never pushes different rounds to different
+    shards (a shard ahead refuses it as stale until a shard behind — restored from an older
+    checkpoint, or closing a round the rank was counted again after — has caught up); the pull
+    waits for that round."""
 
     name = "sync"
     counts_staleness = False
@@ -119,7 +122,7 @@ class Synchronous(WorkerMode):
         session.clock = max(session.clock, session.version)
 
     def push_clock(self, session: Session, k: int) -> int:
-        return session.versions[k]
+        return min(session.versions)
 
     def pull_floor(self, session: Session, k: int) -> int:
         return session.versions[k] + 1 if session.pushed[k] else session.versions[k]

@@ -123,7 +123,7 @@ class WireCodec:
             skip=stamp.skip,
             membership_epoch=stamp.membership_epoch,
             membership=stamp.membership,
-        ).SerializeToString()
+        ).SerializeToString(deterministic=True)
 
     def push_head(self, stamp: Stamp) -> bytes:
         """The first message of a Push stream: ``PushRequest(header=...)``."""
@@ -170,7 +170,7 @@ class WireCodec:
             plan_digest=self.plan.digest,
             membership_epoch=membership_epoch,
         )
-        head = _message_field(1, header.SerializeToString())
+        head = _message_field(1, header.SerializeToString(deterministic=True))
         return [head, *(frames.build([o]) for o in self.out_partitions(k, flats, compress=False))]
 
     def init_messages(
@@ -185,7 +185,7 @@ class WireCodec:
         """An Init stream to shard ``k``: ``InitRequest(header=...)``, then one
         ``InitRequest(partition=...)`` per partition with the exact values (each cast to the plan's
         dtype; ``values``: key -> tensor of any shape and device). The bytes equal the protobuf messages'
-        ``SerializeToString()`` (``tests/unit/test_encoding.py``)."""
+        ``SerializeToString(deterministic=True)`` (map entries sorted by key) (``tests/unit/test_encoding.py``)."""
         header = ps_pb2.InitHeader(
             rank=rank,
             incarnation=incarnation,
@@ -193,7 +193,7 @@ class WireCodec:
             optimizer=optimizer_to_proto(optimizer),
             membership_epoch=membership_epoch,
         )
-        msgs = [_message_field(1, header.SerializeToString())]
+        msgs = [_message_field(1, header.SerializeToString(deterministic=True))]
         dtypes = self.plan.dtypes
         flats = {key: values[key].detach().to("cpu", torch_dtype(dtypes[key])).reshape(-1) for key in dtypes}
         for part in self.owned[k]:

@@ -217,7 +217,7 @@ def test_sync_a_joining_rank_pushes_the_open_round() -> None:
     shard = make_shard("sync")
     for r in range(2):
         shard.push(PushStamp(r, 1, 0), 0, PLAN.digest, wire(1.0))
-    assert shard.join(1, 2, 2).clock == 1
+    assert shard.join(1, 2, 2).clock == 2  # a restarted process: from shard 0's next round, on every shard
 
 
 def test_a_mode_switch_swaps_the_policy_at_the_round_boundary() -> None:

@@ -30,14 +30,14 @@ def protobuf_init(plan, k: int, opt, named, rank: int, incarnation: int) -> list
         rank=rank, incarnation=incarnation, plan=plan_to_proto(plan), optimizer=optimizer_to_proto(opt)
     )
     values = {key: t.detach().to(torch.float64 if not t.is_floating_point() else t.dtype) for key, t in named}
-    out = [ps_pb2.InitRequest(header=header).SerializeToString()]
+    out = [ps_pb2.InitRequest(header=header).SerializeToString(deterministic=True)]
     for part in plan.owned_by(k):
         flat = values[part.key].reshape(-1)[part.offset : part.offset + part.length].contiguous()
         data = flat.view(torch.uint8).numpy().tobytes()
         msg = with_partition(
             ps_pb2.InitRequest(), part.key, part.offset, part.length, dtype_to_proto(plan.dtypes[part.key]), data
         )
-        out.append(msg.SerializeToString())
+        out.append(msg.SerializeToString(deterministic=True))
     return out
 
 
@@ -69,18 +69,17 @@ def test_push_exchange_and_pull_requests_are_protobuf() -> None:
         groups=[ps_pb2.GroupHyperparameters(values={"lr": 0.05})],
         skip=True,
     )
-    assert codec.push_head(stamp) == ps_pb2.PushRequest(header=header).SerializeToString()
-    assert (
-        codec.push_pull_head(stamp)
-        == ps_pb2.PushPullRequest(header=header, wire_dtype=ps_pb2.DTYPE_BFLOAT16).SerializeToString()
-    )
+    assert codec.push_head(stamp) == ps_pb2.PushRequest(header=header).SerializeToString(deterministic=True)
+    assert codec.push_pull_head(stamp) == ps_pb2.PushPullRequest(
+        header=header, wire_dtype=ps_pb2.DTYPE_BFLOAT16
+    ).SerializeToString(deterministic=True)
     assert ps_pb2.PullRequest.FromString(codec.pull_request(1, 7, 5).SerializeToString()).wire_dtype == (
         ps_pb2.DTYPE_BFLOAT16
     )
     flats = {key: t.detach().to(torch.float32).reshape(-1) for key, t in named}
     msgs = codec.exchange_messages(0, 1, 7, 4, flats)
     expected = ps_pb2.ExchangeHeader(rank=1, incarnation=7, clock=4, plan_digest=plan.digest)
-    assert msgs[0] == ps_pb2.ExchangeRequest(header=expected).SerializeToString()
+    assert msgs[0] == ps_pb2.ExchangeRequest(header=expected).SerializeToString(deterministic=True)
     assert [ps_pb2.ExchangeRequest.FromString(m).partition.dtype for m in msgs[1:]] == [ps_pb2.DTYPE_BFLOAT16] * (
         len(plan.owned_by(0))
     )

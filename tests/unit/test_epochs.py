@@ -225,3 +225,23 @@ def test_checkpoints_restore_onto_another_worker_count_only_when_the_flag_change
 
 def state_epoch(state: dict) -> int:
     return ps_pb2.MembershipEpoch.FromString(state["epochs"]["record"]).epoch
+
+
+def test_a_process_restarted_mid_round_starts_at_the_same_round_on_every_shard() -> None:
+    shards = cluster(num_workers=2)
+    push_round(shards, [0, 1], 0)
+    push_round(shards[1:], [0, 1], 1)  # rank 1's old process pushed round 1 to shard 1 only, then died
+    push_round(shards[:1], [0], 1)
+    assert [s.version for s in shards] == [1, 2]  # shard 0 waits for rank 1's round 1
+    first = shards[0].join(1, 2, 2)  # the new process: shard 0 decides it counts from round 2
+    assert first.clock == 2 and shards[0].version == 2  # round 1 went on without it
+    relay(shards)
+    assert shards[1].join(1, 2, 2).clock == 2  # the same round on shard 1
+    push_round(shards, [0], 2)
+    for s in shards:
+        s.push(PushStamp(1, 2, 2), 2, PLAN.digest, wire(s.shard_index, 1.0))
+    assert [s.version for s in shards] == [3, 3]
+    restored = Shard(0, 2, ModeSettings("sync", num_workers=2))
+    restored.restore(shards[0].export_state())  # a whole job resumed: its first joins are no restarts
+    restored.join(0, 2, 3)
+    assert restored.join(1, 2, 3).clock == 3 and restored.members[1].since == 2
