@@ -17,18 +17,11 @@ from ps_server.epochs import COUNTER_BITS, Epochs
 from ps_server.membership import Membership
 from ps_server.shard import PushStamp, Shard, WorkerState
 from tests.helpers.tensors import encode
+from tests.unit.test_shard import FakeClock
 
 SPECS = [ParameterSpec("w", (4,), "float32"), ParameterSpec("b", (4,), "float32")]
 PLAN = make_plan(SPECS, 2, 16)
 SGD = OptimizerSpec("sgd", {"lr": 0.5})
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.t = 100.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def wire(k: int, fill: float) -> list[WirePartition]:
