@@ -110,6 +110,7 @@ class Shard(DataPath):
         self.membership = Membership(settings.num_workers, lease_timeout, now, join_timeout)
         self.epochs = Epochs(authority=shard_index == 0, num_workers=settings.num_workers)  # shard 0 decides
         self.durable_acks = False  # answer pushes once their version is in a durable checkpoint
+        self.refused_at: int | None = None  # the round last refused as a whole (reopened)
         self.checkpoint_every = checkpoint_every
         self.on_snapshot = on_snapshot
         self.last_checkpoint_version: int | None = None
@@ -317,6 +318,7 @@ class Shard(DataPath):
         empty at the same number, forget its pushes (so they may come again), and leave each of its
         ranks the refusal its push or pull will raise. Caller holds the lock; nothing else changed."""
         self.rounds.round -= 1
+        self.refused_at = self.rounds.round  # a change decided now governs the round's retry
         error = self.refusal(exc, f"round {self.rounds.round} (ranks {sorted(held)})", len(held))
         for rank in held:
             member = self.members[rank]

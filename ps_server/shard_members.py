@@ -205,10 +205,11 @@ def resize(shard: Shard, num_workers: int, at_version: int | None = None) -> tup
 
 def next_version(shard: Shard) -> int:
     """The version a change decided now takes effect at by default: the next round (no rank can
-    push it anywhere before shard 0 answered this round, with the record), or this version when
-    no rank is live (nobody is training)."""
+    push it anywhere before shard 0 answered this round, with the record); this version when no
+    rank is live (nobody is training), or when this round was refused as a whole and waits to be
+    pushed again (an operator lowering the learning rate after ``UPDATE_FAILED`` means that retry)."""
     live = any(m.state is WorkerState.LIVE for m in shard.members)
-    return shard.version + 1 if live else shard.version
+    return shard.version + 1 if live and shard.refused_at != shard.version else shard.version
 
 
 def restored(shard: Shard, state: dict[str, Any]) -> None:

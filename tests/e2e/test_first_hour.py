@@ -258,7 +258,10 @@ def test_item6_status_reports_the_learning_rate_in_force(shards) -> None:
     try:
         client.init(small_model(), {"name": "sgd", "lr": 0.1, "momentum": 0.9})
         with grpc.insecure_channel(address) as ch:
-            ps_pb2_grpc.AdminStub(ch).UpdateConfig(ps_pb2.UpdateConfigRequest(learning_rate=0.05), timeout=10)
+            admin = ps_pb2_grpc.AdminStub(ch)
+            admin.UpdateConfig(ps_pb2.UpdateConfigRequest(learning_rate=0.05, at_version=0), timeout=10)  # now
+            reply = admin.UpdateConfig(ps_pb2.UpdateConfigRequest(learning_rate=0.07), timeout=10)
+            assert reply.at_version == 1  # rank 0 is live: shard 0's next round, pending until then
     finally:
         client.close()
     status = _status(address)
