@@ -29,9 +29,12 @@ Pure bookkeeping over a :class:`~ps_server.membership.Membership`; the shard hol
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import time
 from collections.abc import Callable
 
+from ps_common.errors import InvalidRequestError
 from ps_proto.v1 import ps_pb2
 from ps_server.membership import Member, Membership, WorkerState
 
@@ -41,6 +44,9 @@ COUNTER_BITS = 20
 KEPT_CHANGES = 16
 """Configuration changes a record keeps (the newest): a shard further behind applies the rest only
 from the checkpointed settings."""
+
+MAX_WORKERS = 1 << 16
+"""Most workers a record may name: a relayed record is checked against it before anything is built."""
 
 _STATE_TO_PROTO = {
     WorkerState.PENDING: ps_pb2.WORKER_STATE_PENDING,
@@ -74,9 +80,10 @@ class Epochs:
         applied_epoch: the scheduling epoch of the newest change applied here.
     """
 
-    def __init__(self, authority: bool, num_workers: int, wall: Callable[[], float] = time.time) -> None:
+    def __init__(self, authority: bool, num_workers: int, wall: Callable[[], float] = time.time, key: str = "") -> None:
         self.authority = authority
         self.wall = wall
+        self.key = key.encode()
         self.configured = num_workers  # the shards' --num-workers
         self.record = ps_pb2.MembershipEpoch(
             num_workers=num_workers, previous_num_workers=num_workers, configured_num_workers=num_workers
@@ -122,8 +129,8 @@ class Epochs:
             ],
         )
         record.config_changes.extend(self.record.config_changes)
-        self.record = record
-        return record
+        self.record = self.signed(record)
+        return self.record
 
     def schedule(self, membership: Membership, version: int, change: ps_pb2.ConfigChange, reason: str) -> None:
         """Decide a configuration change at ``change.version`` (shard 0 only); the record keeps
@@ -132,6 +139,40 @@ class Epochs:
         change.epoch = record.epoch
         record.config_changes.append(change)
         del record.config_changes[: max(0, len(record.config_changes) - KEPT_CHANGES)]
+        self.record = self.signed(record)
+
+    # ------------------------------------------------------------------ trust
+    def _mac(self, record: ps_pb2.MembershipEpoch) -> bytes:
+        unsigned = ps_pb2.MembershipEpoch()
+        unsigned.CopyFrom(record)
+        unsigned.ClearField("signature")
+        return hmac.new(self.key, unsigned.SerializeToString(deterministic=True), hashlib.sha256).digest()
+
+    def signed(self, record: ps_pb2.MembershipEpoch) -> ps_pb2.MembershipEpoch:
+        """``record`` with its signature (none without a key)."""
+        record.signature = self._mac(record) if self.key else b""
+        return record
+
+    def check(self, record: ps_pb2.MembershipEpoch) -> None:
+        """Refuse a relayed record this shard must not follow, before it changes anything.
+
+        Raises:
+            InvalidRequestError: the shards have a key (admin token) and the record's signature does
+                not match (a forged or altered record); or a record beyond the bounds (more than
+                :data:`MAX_WORKERS` workers or members, :data:`KEPT_CHANGES` changes, ranks out of order).
+        """
+        if self.key and not hmac.compare_digest(record.signature, self._mac(record)):
+            raise InvalidRequestError(
+                "The membership record is not signed by shard 0 (a forged or altered record); it is ignored."
+            )
+        n = len(record.members)
+        if not 1 <= record.num_workers <= MAX_WORKERS or n > MAX_WORKERS or len(record.config_changes) > KEPT_CHANGES:
+            raise InvalidRequestError(
+                f"The membership record names {record.num_workers} workers, {n} members and "
+                f"{len(record.config_changes)} changes; at most {MAX_WORKERS}, {MAX_WORKERS} and {KEPT_CHANGES}."
+            )
+        if any(m.rank != r for r, m in enumerate(record.members)):
+            raise InvalidRequestError("The membership record's members are not ranks 0, 1, 2, ... in order.")
 
     # ------------------------------------------------------------------ every shard
     def adopt(self, record: ps_pb2.MembershipEpoch, membership: Membership) -> bool:

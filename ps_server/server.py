@@ -188,6 +188,7 @@ def start_server(config: ServerConfig, shard: Shard | None = None) -> ShardServe
             checkpoint_every=config.checkpoint_every if checkpointer is not None else 0,
             on_snapshot=checkpointer.offer if checkpointer is not None else None,
             counters=counters,
+            record_key=config.admin_token,
         )
     served = shard
     shard.durable_acks = config.durable_acks and checkpointer is not None

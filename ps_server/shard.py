@@ -70,6 +70,8 @@ class Shard(DataPath):
         checkpoint_every: hand a snapshot to ``on_snapshot`` at every this-many-th version (0: never).
         on_snapshot: called with (version, :meth:`export_state` output) under the lock.
         counters: where refusals are counted (fresh ones by default); Admin and Prometheus read them.
+        record_key: the key membership records are signed and checked with (the shards' admin token;
+            "" signs nothing, as on a loopback cluster without tokens).
     """
 
     def __init__(
@@ -84,6 +86,7 @@ class Shard(DataPath):
         checkpoint_every: int = 0,
         on_snapshot: SnapshotHook | None = None,
         counters: ShardCounters | None = None,
+        record_key: str = "",
     ) -> None:
         self.shard_index = shard_index
         self.limits = limits or Limits()
@@ -108,7 +111,8 @@ class Shard(DataPath):
         self.refusals: dict[int, UpdateRefusedError] = {}
         self.skipped_rounds: dict[int, None] = {}  # the last sync rounds whose step was skipped (ordered)
         self.membership = Membership(settings.num_workers, lease_timeout, now, join_timeout)
-        self.epochs = Epochs(authority=shard_index == 0, num_workers=settings.num_workers)  # shard 0 decides
+        # shard 0 decides; records are signed with the shards' admin token (``record_key``)
+        self.epochs = Epochs(authority=shard_index == 0, num_workers=settings.num_workers, key=record_key)
         self.durable_acks = False  # answer pushes once their version is in a durable checkpoint
         self.refused_at: int | None = None  # the round last refused as a whole (reopened)
         self.checkpoint_every = checkpoint_every

@@ -158,6 +158,7 @@ def adopt(shard: Shard, record: ps_pb2.MembershipEpoch) -> bool:
     with shard._cond:
         if record.epoch <= shard.epochs.epoch:
             return False
+        shard.epochs.check(record)  # signed by shard 0, within bounds: else refused, nothing changes
         shard.epochs.adopt(record, shard.membership)
         _sync_count(shard)
         log.info("shard %d: follows membership epoch %d (%s)", shard.shard_index, record.epoch, record.reason)

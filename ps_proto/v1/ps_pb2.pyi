@@ -160,7 +160,7 @@ class ClusterConfig(_message.Message):
     def __init__(self, mode: _Optional[_Union[Mode, str]] = ..., num_workers: _Optional[int] = ..., lease_timeout_seconds: _Optional[float] = ..., learning_rate: _Optional[float] = ..., sync_quorum: _Optional[int] = ..., round_timeout_seconds: _Optional[float] = ..., max_staleness: _Optional[int] = ..., staleness_lr: _Optional[str] = ..., staleness: _Optional[int] = ..., moving_rate: _Optional[float] = ..., communication_period: _Optional[int] = ..., easgd_sync: _Optional[bool] = ...) -> None: ...
 
 class MembershipEpoch(_message.Message):
-    __slots__ = ("epoch", "decided_at_version", "num_workers", "members", "config_changes", "reason", "resize_version", "previous_num_workers", "configured_num_workers")
+    __slots__ = ("epoch", "decided_at_version", "num_workers", "members", "config_changes", "reason", "resize_version", "previous_num_workers", "configured_num_workers", "signature")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     DECIDED_AT_VERSION_FIELD_NUMBER: _ClassVar[int]
     NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
@@ -170,6 +170,7 @@ class MembershipEpoch(_message.Message):
     RESIZE_VERSION_FIELD_NUMBER: _ClassVar[int]
     PREVIOUS_NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
     CONFIGURED_NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     decided_at_version: int
     num_workers: int
@@ -179,7 +180,8 @@ class MembershipEpoch(_message.Message):
     resize_version: int
     previous_num_workers: int
     configured_num_workers: int
-    def __init__(self, epoch: _Optional[int] = ..., decided_at_version: _Optional[int] = ..., num_workers: _Optional[int] = ..., members: _Optional[_Iterable[_Union[EpochMember, _Mapping]]] = ..., config_changes: _Optional[_Iterable[_Union[ConfigChange, _Mapping]]] = ..., reason: _Optional[str] = ..., resize_version: _Optional[int] = ..., previous_num_workers: _Optional[int] = ..., configured_num_workers: _Optional[int] = ...) -> None: ...
+    signature: bytes
+    def __init__(self, epoch: _Optional[int] = ..., decided_at_version: _Optional[int] = ..., num_workers: _Optional[int] = ..., members: _Optional[_Iterable[_Union[EpochMember, _Mapping]]] = ..., config_changes: _Optional[_Iterable[_Union[ConfigChange, _Mapping]]] = ..., reason: _Optional[str] = ..., resize_version: _Optional[int] = ..., previous_num_workers: _Optional[int] = ..., configured_num_workers: _Optional[int] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class EpochMember(_message.Message):
     __slots__ = ("rank", "state", "incarnation", "since_version")

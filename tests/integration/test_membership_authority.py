@@ -179,3 +179,32 @@ def test_a_mode_switch_applies_at_the_same_version_on_both_shards(start_cluster,
     wait_until(lambda: min(t.steps for t in trainers) >= steps + 3 or any(t.error for t in trainers), 60, "async steps")
     for t in trainers:
         t.stop()
+
+
+def test_records_are_signed_with_the_admin_token_and_a_forged_one_is_refused(start_cluster) -> None:
+    worker, admin = (("authorization", "Bearer w-token"),), (("authorization", "Bearer a-token"),)
+    shards = start_cluster(2, num_workers=2, token="w-token", admin_token="a-token")
+    with grpc.insecure_channel(shards[0].address) as ch0, grpc.insecure_channel(shards[1].address) as ch1:
+        ps_pb2_grpc.AdminStub(ch0).EvictWorker(ps_pb2.EvictWorkerRequest(rank=1), timeout=RPC_TIMEOUT, metadata=admin)
+        beat = ps_pb2.HeartbeatRequest(rank=0, incarnation=0)
+        record = ps_pb2_grpc.ParameterServiceStub(ch0).Heartbeat(beat, timeout=RPC_TIMEOUT, metadata=worker).membership
+        assert record.epoch > 0 and len(record.signature) == 32  # shard 0's answer to an older epoch
+        forged = ps_pb2.MembershipEpoch()
+        forged.CopyFrom(record)
+        forged.members[1].state = ps_pb2.WORKER_STATE_LIVE  # a worker un-evicts itself
+        follower = ps_pb2_grpc.ParameterServiceStub(ch1)
+        with pytest.raises(grpc.RpcError) as err:
+            follower.Heartbeat(ps_pb2.HeartbeatRequest(rank=0, membership=forged), timeout=RPC_TIMEOUT, metadata=worker)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "not signed by shard 0" in err.value.details()
+        assert status_with(ch1, admin).membership.epoch == 0  # nothing changed
+        follower.Heartbeat(ps_pb2.HeartbeatRequest(rank=0, membership=record), timeout=RPC_TIMEOUT, metadata=worker)
+        assert status_with(ch1, admin).membership.epoch == record.epoch  # the real one is followed
+        assert shards[1].shard.members[1].counted is False
+
+
+def status_with(channel: grpc.Channel, metadata: tuple[tuple[str, str], ...]) -> ps_pb2.ShardStatus:
+    return (
+        ps_pb2_grpc.AdminStub(channel)
+        .GetStatus(ps_pb2.GetStatusRequest(), timeout=RPC_TIMEOUT, metadata=metadata)
+        .status
+    )

@@ -238,3 +238,28 @@ def test_a_process_restarted_mid_round_starts_at_the_same_round_on_every_shard()
     restored.restore(shards[0].export_state())  # a whole job resumed: its first joins are no restarts
     restored.join(0, 2, 3)
     assert restored.join(1, 2, 3).clock == 3 and restored.members[1].since == 2
+
+
+def test_a_relayed_record_must_be_signed_by_shard_0_and_within_bounds() -> None:
+    clock = FakeClock()
+    shards = [Shard(k, 2, ModeSettings("sync", num_workers=2), now=clock, record_key="the-admin-token") for k in (0, 1)]
+    shards[0].evict(1)
+    record = shards[0].epochs.record
+    assert len(record.signature) == 32
+    forged = ps_pb2.MembershipEpoch()
+    forged.CopyFrom(record)
+    forged.num_workers = 1  # a worker (which relays records) alters one: refused, nothing changes
+    with pytest.raises(InvalidRequestError, match="not signed by shard 0"):
+        shards[1].adopt(forged)
+    assert shards[1].epochs.epoch == 0 and shards[1].members[1].counted
+    unsigned = ps_pb2.MembershipEpoch(epoch=record.epoch + 1, num_workers=2)
+    with pytest.raises(InvalidRequestError, match="not signed"):
+        shards[1].adopt(unsigned)
+    assert shards[1].adopt(record) and not shards[1].members[1].counted  # shard 0's own record is followed
+    keyless = Shard(1, 2, ModeSettings("sync", num_workers=2))  # a cluster without tokens: bounds still hold
+    huge = ps_pb2.MembershipEpoch(epoch=9, num_workers=10**9)
+    with pytest.raises(InvalidRequestError, match="at most 65536"):
+        keyless.adopt(huge)
+    with pytest.raises(InvalidRequestError, match="in order"):
+        keyless.adopt(ps_pb2.MembershipEpoch(epoch=9, num_workers=2, members=[ps_pb2.EpochMember(rank=1)]))
+    assert keyless.num_workers == 2 and keyless.epochs.epoch == 0
