@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from ps_common.errors import InvalidRequestError, NotJoinedError, PreconditionError
 from ps_proto.v1 import ps_pb2
 from ps_server import shard_admin
+from ps_server.epochs import MAX_WORKERS
 from ps_server.membership import WorkerState
 from ps_server.shard_views import JoinInfo
 
@@ -181,13 +182,14 @@ def resize(shard: Shard, num_workers: int, at_version: int | None = None) -> tup
 
     Raises:
         PreconditionError: not shard 0, or easgd (its period needs a fixed set of ranks).
-        InvalidRequestError: ``num_workers`` < 1, or ``at_version`` below the shard's version.
+        InvalidRequestError: ``num_workers`` outside 1..:data:`~ps_server.epochs.MAX_WORKERS`, or
+            ``at_version`` below the shard's version.
     """
     with shard._cond:
         if not shard.epochs.authority:
             raise not_authority(shard, "Resize")
-        if num_workers < 1:
-            raise InvalidRequestError(f"num_workers must be at least 1, got {num_workers}.")
+        if not 1 <= num_workers <= MAX_WORKERS:
+            raise InvalidRequestError(f"num_workers must be from 1 to {MAX_WORKERS}, got {num_workers}.")
         if shard.mode == "easgd":
             raise PreconditionError("Resize works in sync, async and ssp; an easgd job keeps its workers.")
         at = next_version(shard) if at_version is None else at_version

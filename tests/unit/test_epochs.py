@@ -162,8 +162,10 @@ def test_a_resize_holds_from_its_round_on_every_shard() -> None:
 
 def test_resize_refusals_change_nothing() -> None:
     shard = cluster(num_workers=2)[0]
-    with pytest.raises(InvalidRequestError, match="at least 1"):
+    with pytest.raises(InvalidRequestError, match="from 1 to 65536"):
         shard.resize(0)
+    with pytest.raises(InvalidRequestError, match="from 1 to 65536"):
+        shard.resize(10**9)  # refused before a member is built
     with pytest.raises(InvalidRequestError, match="has passed"):
         shard.version = 5
         shard.resize(3, at_version=4)
