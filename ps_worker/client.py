@@ -26,7 +26,8 @@ from ps_worker.errors import reason_of
 from ps_worker.model_io import ModelIO
 from ps_worker.planning import model_plan, model_specs
 from ps_worker.pushpull import PendingPushPull
-from ps_worker.session import Session, SessionView
+from ps_worker.session import Session
+from ps_worker.session_view import SessionView
 from ps_worker.staging import HostStaging
 from ps_worker.transport import Transport
 
@@ -60,7 +61,7 @@ class PSClient(SessionView, ModelIO):
             magnitude, with error feedback (:class:`~ps_worker.compression.TopK`); 0: dense.
 
     The session's state (``mode``, ``clock``, ``version``, ``versions``, counters...) reads through
-    the client (:class:`~ps_worker.session.SessionView`); ``PSClient.from_env``, ``state_dict`` and
+    the client (:class:`~ps_worker.session_view.SessionView`); ``PSClient.from_env``, ``state_dict`` and
     ``pull_into`` come from :class:`~ps_worker.model_io.ModelIO`.
 
     Raises:

@@ -15,7 +15,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from typing import Generic, TypeVar
+from typing import TypeVar
 
 import grpc
 
@@ -27,6 +27,7 @@ from ps_worker import errors
 from ps_worker.consistency import WorkerMode, settings_from_config, worker_mode
 from ps_worker.encoding import Stamp
 from ps_worker.errors import HINT_UNREACHABLE, ShardUnreachableError, error_from_rpc
+from ps_worker.relay import EpochRelay
 from ps_worker.retry import RETRYABLE, backoff_delays
 from ps_worker.transport import LEAVE_SECONDS, Transport
 
@@ -43,7 +44,7 @@ JOIN_ATTEMPT_SECONDS = 5.0
 """Longest single Join attempt, seconds (Join answers in milliseconds; the rest is connecting)."""
 
 
-class Session:
+class Session(EpochRelay):
     """Membership and progress of one worker process at every shard.
 
     Args:
@@ -96,13 +97,7 @@ class Session:
         self.repush: Callable[[int], None] | None = None
         self._heartbeat_stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
-        # the newest membership record (shard 0 decides; ps_server.epochs), the epoch each shard
-        # last reported, and the heartbeat thread's wake-up to relay a record to a shard behind
-        self.membership = ps_pb2.MembershipEpoch()
-        self.shard_epochs = [0] * n
-        self._relay = threading.Event()
-        self._epoch_lock = threading.Lock()
-        self.on_resize: Callable[[ps_pb2.MembershipEpoch], None] | None = None
+        EpochRelay.__init__(self, n)
 
     @property
     def mode(self) -> str:
@@ -113,55 +108,6 @@ class Session:
     def mode(self, name: str) -> None:
         self.worker = worker_mode(name)
         self._mode = name
-
-    # ------------------------------------------------------------------ membership epochs
-    def relayed(self, k: int) -> tuple[int, ps_pb2.MembershipEpoch | None]:
-        """What a request to shard ``k`` carries: the epoch this worker knows, and the record
-        itself when shard ``k`` last reported an older one."""
-        with self._epoch_lock:
-            record = self.membership
-            return record.epoch, (record if self.shard_epochs[k] < record.epoch else None)
-
-    def learn(self, k: int, answer: object) -> None:
-        """Note the membership epoch shard ``k`` answered with, and adopt the record it carries
-        when newer (a resize reaches :attr:`on_resize`); wake the heartbeat thread when a shard
-        knows an older epoch than this worker (it relays the record at once)."""
-        epoch = int(getattr(answer, "membership_epoch", 0))
-        record = answer.membership if answer.HasField("membership") else None  # type: ignore[attr-defined]
-        resized = None
-        with self._epoch_lock:
-            if record is not None and record.epoch > self.membership.epoch:
-                if record.num_workers and record.num_workers != self.membership.num_workers:
-                    resized = record
-                self.membership = record
-            self.shard_epochs[k] = max(epoch, record.epoch if record is not None else 0)
-            behind = any(e < self.membership.epoch for e in self.shard_epochs)
-        if resized is not None:
-            self._resized(resized)
-        if behind:
-            self._relay.set()
-
-    def _resized(self, record: ps_pb2.MembershipEpoch) -> None:
-        previous, self.num_workers = self.num_workers, int(record.num_workers)
-        if previous != self.num_workers:
-            log.info(
-                "rank %d: the cluster has %d workers from version %d on (was %d; membership epoch %d)",
-                self.rank,
-                self.num_workers,
-                record.resize_version,
-                previous,
-                record.epoch,
-            )
-        if self.on_resize is not None:
-            self.on_resize(record)
-
-    def in_cluster(self, clock: int) -> bool:
-        """Whether this rank pushes step ``clock``: a resize to fewer workers ends ranks beyond the
-        new count at its version (sync: round; other modes: at once)."""
-        record = self.membership
-        if not record.epoch or self.rank < record.num_workers:
-            return True
-        return self.mode == "sync" and clock < record.resize_version and self.rank < record.previous_num_workers
 
     # ------------------------------------------------------------------ joining
     def join_request(self, k: int = 0) -> ps_pb2.JoinRequest:
@@ -450,58 +396,3 @@ class Session:
 
         self.transport.close(leave, self.learn)
         self.stop_heartbeat(wait=True)
-
-
-V = TypeVar("V")
-
-
-class _SessionField(Generic[V]):
-    """An attribute of a :class:`SessionView` that is its session's (read and written there)."""
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name = name
-
-    def __get__(self, view: SessionView | None, owner: type | None = None) -> V:
-        if view is None:
-            return self  # type: ignore[return-value]
-        return getattr(view.session, self.name)
-
-    def __set__(self, view: SessionView, value: V) -> None:
-        setattr(view.session, self.name, value)
-
-
-class SessionView:
-    """The session's state as attributes of the object that holds it (``PSClient``): reads, and for
-    tests and tools writes, go to ``self.session``."""
-
-    session: Session
-    mode: _SessionField[str] = _SessionField()
-    num_workers: _SessionField[int] = _SessionField()
-    """The cluster's worker count: the one given, until shard 0 resizes the job."""
-    config: _SessionField[ps_pb2.ClusterConfig] = _SessionField()
-    settings: _SessionField[ModeSettings | None] = _SessionField()
-    lease_timeout: _SessionField[float] = _SessionField()
-    incarnation: _SessionField[int] = _SessionField()
-    clock: _SessionField[int] = _SessionField()
-    exchanges: _SessionField[int] = _SessionField()
-    version: _SessionField[int] = _SessionField()
-    versions: _SessionField[list[int]] = _SessionField()
-    pushed_bytes: _SessionField[int] = _SessionField()
-    pulled_bytes: _SessionField[int] = _SessionField()
-    staleness: _SessionField[Counter[int]] = _SessionField()
-    recoveries: _SessionField[Counter[str]] = _SessionField()
-    refused_pushes: _SessionField[int] = _SessionField()
-    dropped_pushes: _SessionField[int] = _SessionField()
-    step_hyperparameters: _SessionField[list[dict[str, float]]] = _SessionField()
-    step_skip: _SessionField[bool] = _SessionField()
-    last_step_skipped: _SessionField[bool] = _SessionField()
-
-    @property
-    def worker_mode(self) -> WorkerMode:
-        """What a step does in the cluster's mode (:mod:`ps_worker.consistency`)."""
-        return self.session.worker
-
-    @property
-    def optimizer_spec(self) -> OptimizerSpec | None:
-        """The server optimizer's spec in force (rank 0's, as the shards hold it), once initialized."""
-        return self.session.optimizer
