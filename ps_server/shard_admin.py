@@ -7,11 +7,12 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from ps_common.codec import torch_dtype
-from ps_common.errors import InvalidRequestError, NotInitializedError
+from ps_common.errors import InvalidRequestError, NotInitializedError, PreconditionError
 from ps_common.modes import ModeSettings, changes_from_request, request_fields
 from ps_common.optimizer import check_in_range
 from ps_common.wire import MODE_TO_NAME, NAME_TO_MODE
 from ps_proto.v1 import ps_pb2
+from ps_server.epochs import KEPT_CHANGES
 from ps_server.shard_views import StatusView
 
 if TYPE_CHECKING:
@@ -34,7 +35,8 @@ def update_config(
         in ``Shard.status``); the mode is the one in force until the switch.
 
     Raises:
-        PreconditionError: not shard 0.
+        PreconditionError: not shard 0, or :data:`~ps_server.epochs.KEPT_CHANGES` changes are
+            already scheduled and not applied.
         InvalidRequestError: a value out of range, an unknown mode, a switch into or out of easgd,
             or ``at_version`` below the shard's version or an earlier change's; nothing changes.
         NotInitializedError: a learning rate before Init.
@@ -53,8 +55,14 @@ def update_config(
             if shard.store is None or shard.plan is None:
                 raise NotInitializedError("Set the learning rate after Init: the optimizer does not exist yet.")
             check_in_range("learning_rate", learning_rate, [torch_dtype(d) for d in shard.plan.dtypes.values()])
-        at = next_version(shard) if at_version is None else at_version
-        floor = max([shard.version, *(c.version for c in shard.epochs.pending())])
+        pending = shard.epochs.pending()
+        if len(pending) >= KEPT_CHANGES:  # the record keeps this many: a 17th would push one out
+            raise PreconditionError(
+                f"{len(pending)} configuration changes are scheduled and not applied yet (the most shard 0 keeps); "
+                f"wait until version {pending[0].version}, or schedule fewer."
+            )
+        floor = max([shard.version, *(c.version for c in pending)])
+        at = max(next_version(shard), floor) if at_version is None else at_version
         if at < floor:
             raise InvalidRequestError(
                 f"at_version {at} is too early: shard 0 is at version {shard.version}"

@@ -265,3 +265,16 @@ def test_a_relayed_record_must_be_signed_by_shard_0_and_within_bounds() -> None:
     with pytest.raises(InvalidRequestError, match="in order"):
         keyless.adopt(ps_pb2.MembershipEpoch(epoch=9, num_workers=2, members=[ps_pb2.EpochMember(rank=1)]))
     assert keyless.num_workers == 2 and keyless.epochs.epoch == 0
+
+
+def test_scheduled_changes_are_bounded_and_a_default_one_comes_after_those_scheduled() -> None:
+    shard = cluster(num_workers=2)[0]
+    for v in range(5, 5 + 16):
+        shard.update_config(learning_rate=0.01, at_version=v)
+    with pytest.raises(PreconditionError, match="16 configuration changes are scheduled"):
+        shard.update_config(learning_rate=0.02)
+    assert len(shard.epochs.pending()) == 16  # none pushed out
+    other = cluster(num_workers=2)[0]
+    other.update_config(sync_quorum=1, at_version=9)
+    other.update_config(learning_rate=0.02)  # by default after the change scheduled at 9, not before
+    assert [c.version for c in other.epochs.pending()] == [9, 9]
