@@ -13,6 +13,7 @@ import argparse
 import torch
 from _common import reply, serve, timed
 
+from ps_common.process_env import tune_malloc_at_start
 from ps_worker.client import PSClient
 from ps_worker.workloads.digits import DigitsWorkload
 
@@ -29,7 +30,14 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--workers", type=int, required=True)
+    p.add_argument(
+        "--plain",
+        action="store_true",
+        help="started without GLIBC_TUNABLES: set up the process as ps-worker does (restart with them)",
+    )
     args = p.parse_args()
+    if args.plain:
+        tune_malloc_at_start()
     state: dict[str, object] = {}
 
     def close() -> None:

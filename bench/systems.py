@@ -31,7 +31,7 @@ class Size:
     model: str = "flat"
 
 
-FAMILIES = ("memcpy", "tcp", "gloo", "rpc", "grpc-ps")
+FAMILIES = ("memcpy", "tcp", "echo", "gloo", "rpc", "grpc-ps", "native")
 GRID = ((1, 1), (1, 2), (2, 1), (2, 2))
 """grpc-ps (workers, shards) measured at each size of a flat model."""
 
@@ -113,6 +113,66 @@ class Tcp(System):
         ask_all(self.drivers, "setup", SETUP_TIMEOUT, bytes=size.nbytes)
 
 
+class Echo(System):
+    """The transport's floor: a minimal grpcio echo (``grpc_echo.py``) of the payload in messages of
+    grpc-ps's partition size."""
+
+    family = "echo"
+
+    def __init__(self, key: str, partition_bytes: int) -> None:
+        super().__init__(key)
+        self.partition_bytes = partition_bytes
+
+    def start(self, env: dict[str, str], log_dir: Path) -> None:
+        self.server = self.spawn("echo-server", "grpc_echo.py", "server", env=env, log_dir=log_dir, driver=False)
+        self.env, self.log_dir = env, log_dir
+
+    def wait_ready(self, timeout: float) -> None:
+        port = self.server.recv(timeout, "start-up")["port"]
+        client = self.spawn(
+            "echo-client",
+            "grpc_echo.py",
+            "client",
+            "--port",
+            str(port),
+            env=self.env,
+            log_dir=self.log_dir,
+            driver=True,
+        )
+        client.recv(timeout, "start-up")
+
+    def setup(self, size: Size) -> None:
+        ask_all(self.drivers, "setup", SETUP_TIMEOUT, bytes=size.nbytes, partition_bytes=self.partition_bytes)
+
+
+class Native(Echo):
+    """The prototype of a native data path (``native_ps.py``): one worker, one shard, raw TCP, no
+    user-space copy, the optimizer step pipelined per partition."""
+
+    family = "native"
+
+    def start(self, env: dict[str, str], log_dir: Path) -> None:
+        self.server = self.spawn("native-shard", "native_ps.py", "shard", env=env, log_dir=log_dir, driver=False)
+        self.env, self.log_dir = env, log_dir
+
+    def wait_ready(self, timeout: float) -> None:
+        port = self.server.recv(timeout, "start-up")["port"]
+        worker = self.spawn(
+            "native-worker",
+            "native_ps.py",
+            "worker",
+            "--port",
+            str(port),
+            env=self.env,
+            log_dir=self.log_dir,
+            driver=True,
+        )
+        worker.recv(timeout, "start-up")
+
+    def setup(self, size: Size) -> None:
+        ask_all(self.children, "setup", SETUP_TIMEOUT, bytes=size.nbytes, partition_bytes=self.partition_bytes)
+
+
 class Gloo(System):
     family = "gloo"
 
@@ -145,10 +205,21 @@ class GrpcPS(System):
 
     family = "grpc-ps"
 
-    def __init__(self, key: str, workers: int, shards: int, partition_bytes: int, wire_dtype: str = "float32") -> None:
+    def __init__(
+        self,
+        key: str,
+        workers: int,
+        shards: int,
+        partition_bytes: int,
+        wire_dtype: str = "float32",
+        plain: bool = False,
+    ) -> None:
         super().__init__(key)
         self.workers, self.shards, self.partition_bytes = workers, shards, partition_bytes
         self.wire_dtype = wire_dtype
+        self.plain = plain
+        """Started as a user starts them: ``ps-server`` and a worker with no ``GLIBC_TUNABLES`` in
+        their environment (each entry point sets up what it needs itself)."""
         self.shard_procs: list[Child] = []
 
     @property
@@ -156,10 +227,12 @@ class GrpcPS(System):
         return [*self.shard_procs, *self.drivers]
 
     def start(self, env: dict[str, str], log_dir: Path) -> None:
+        if self.plain:
+            env = {k: v for k, v in env.items() if k != "GLIBC_TUNABLES"}
         self.env, self.log_dir = env, log_dir
         tag = self.key.replace(" ", "").replace("×", "x")
         for r in range(self.workers):
-            args = ("--rank", str(r), "--workers", str(self.workers))
+            args = ("--rank", str(r), "--workers", str(self.workers), *(("--plain",) if self.plain else ()))
             self.spawn(f"{tag}-worker{r}", "grpc_ps.py", *args, env=env, log_dir=log_dir, driver=True)
 
     def wait_ready(self, timeout: float) -> None:
@@ -171,6 +244,8 @@ class GrpcPS(System):
         tag = self.key.replace(" ", "").replace("×", "x")
         for k in range(self.shards):
             argv = shard_argv(k, self.shards, self.workers)
+            if self.plain:  # the console script, as a user types it
+                argv = [str(Path(PY).with_name("ps-server")), *argv[3:]]
             self.shard_procs.append(Child(f"{tag}-{size.label}-shard{k}", argv, self.env, self.log_dir))
 
     def setup(self, size: Size) -> None:
@@ -229,6 +304,7 @@ def systems_for(
         ("memcpy", "memcpy", 1, 0, 0, "float32"),
         ("loopback TCP", "tcp", 1, 0, 0, "float32"),
     ]
+    out.append(("grpc echo", "echo", 1, 0, partitions[-1], "float32"))
     out += [("gloo all_reduce 2 ranks", "gloo", 2, 0, 0, "float32"), ("rpc PS 1w", "rpc", 1, 1, 0, "float32")]
     if size.model == "digits":
         grid = [(1, 1)]
@@ -240,6 +316,9 @@ def systems_for(
             for pb in partitions:
                 suffix = ("" if len(partitions) == 1 else f" p={kib(pb)}") + WIRE_SUFFIX[wire]
                 out.append((f"grpc-ps {w}w×{s}s{suffix}", "grpc-ps", w, s, pb, wire))
+    if (1, 1) in grid and size.model == "flat":
+        out.append(("grpc-ps 1w×1s plain", "grpc-ps", 1, 1, partitions[-1], "plain"))
+        out.append(("native PS prototype 1w", "native", 1, 1, partitions[-1], "float32"))
     return [spec for spec in out if spec[1] in families]
 
 
@@ -248,8 +327,14 @@ def build(key: str, family: str, workers: int, shards: int, partition_bytes: int
         return Memcpy(key)
     if family == "tcp":
         return Tcp(key)
+    if family == "echo":
+        return Echo(key, partition_bytes)
+    if family == "native":
+        return Native(key, partition_bytes)
     if family == "gloo":
         return Gloo(key)
     if family == "rpc":
         return RpcPS(key, workers)
+    if wire_dtype == "plain":
+        return GrpcPS(key, workers, shards, partition_bytes, "float32", plain=True)
     return GrpcPS(key, workers, shards, partition_bytes, wire_dtype)

@@ -8,9 +8,7 @@ import sys
 import threading
 from collections.abc import Sequence
 
-from ps_common.errors import CheckpointError
-from ps_server.config import config_from_args
-from ps_server.server import start_server
+from ps_common.process_env import tune_malloc_at_start
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -20,7 +18,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     Returns:
         0 after a clean stop; 1 when the shard could not start, or when the final checkpoint
         written at SIGTERM/SIGINT failed (the message says why and which checkpoint is the newest).
+    Started without ``GLIBC_TUNABLES`` in its environment, the process first restarts itself with
+    grpc-ps's malloc tuning (:func:`ps_common.process_env.tune_malloc_at_start`: same PID, same
+    command line), so a plain ``ps-server`` is as fast as one started by ``ps-launch``.
     """
+    if argv is None:
+        tune_malloc_at_start()
+    # imported after the restart above: torch and grpcio take a second to load
+    from ps_common.errors import CheckpointError
+    from ps_server.config import config_from_args
+    from ps_server.server import start_server
+
     config, log_level = config_from_args(argv)
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

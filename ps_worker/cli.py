@@ -77,7 +77,9 @@ def print_summary(s: dict[str, Any], out: IO[str]) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point. Exit status: 0 done, 1 a shard refused or could not be reached, 2 bad flags,
-    130/143 interrupted by SIGINT/SIGTERM (after leaving the shards)."""
+    130/143 interrupted by SIGINT/SIGTERM (after leaving the shards). Started without
+    ``GLIBC_TUNABLES``, the process restarts itself with them once its flags are known to be good
+    (:func:`ps_common.process_env.tune_malloc_at_start`)."""
     parser = worker_parser()
     args = parser.parse_args(argv)
     if not 0 <= args.rank < args.num_workers:
@@ -91,6 +93,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if not -1 <= args.metrics_port <= 65535:
         parser.error(f"--metrics-port must be in -1..65535 (-1: off), got {args.metrics_port}")
+    if argv is None:  # the command line of this process: restart it with the malloc tuning if it lacks it
+        from ps_common.process_env import tune_malloc_at_start
+
+        tune_malloc_at_start()
     _stop_on_signals()
     logging.basicConfig(level=args.log_level, format="ps-worker %(levelname)s %(name)s: %(message)s")
     try:

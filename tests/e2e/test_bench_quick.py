@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-FAMILIES = {"memcpy", "tcp", "gloo", "rpc", "grpc-ps"}
+FAMILIES = {"memcpy", "tcp", "echo", "gloo", "rpc", "grpc-ps", "native"}
 
 
 @pytest.mark.slow
@@ -37,6 +37,8 @@ def test_quick_bench_measures_every_system(tmp_path) -> None:
         assert all(math.isfinite(s) and s > 0 for s in samples), r["system"]
         assert math.isfinite(r["median"]) and r["median"] > 0, r["system"]
     systems = {r["system"] for r in results}
-    assert {"grpc-ps 1w×1s", "grpc-ps 2w×2s", "rpc PS 1w", "rpc PS 2w"} <= systems
-    assert {q["name"][:3] for q in report["ratios"]} == {"(1)", "(2)", "(3)"}
+    assert {"grpc-ps 1w×1s", "grpc-ps 2w×2s", "rpc PS 1w", "rpc PS 2w", "grpc echo", "grpc-ps 1w×1s plain"} <= systems
+    assert {q["name"][:3] for q in report["ratios"]} == {"(1)", "(2)", "(4)"}
+    plain = next(q for q in report["ratios"] if "started plainly" in q["name"])
+    assert math.isfinite(plain["value"]) and plain["value"] > 0
     assert "GLIBC_TUNABLES=" in out.stdout

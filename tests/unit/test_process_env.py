@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import platform
+import subprocess
+import sys
+
 import pytest
 
 from ps_common.process_env import GLIBC_TUNABLES, available_cpus, launch_environment
@@ -33,3 +38,35 @@ def test_bad_counts_are_refused() -> None:
     with pytest.raises(ValueError, match="must be >= 1"):
         launch_environment({}, processes=0, cpus=2)
     assert available_cpus() >= 1
+
+
+SCRIPT = (
+    "import os, sys\n"
+    "print('before', os.getpid(), flush=True)\n"
+    "from ps_common.process_env import tune_malloc_at_start\n"
+    "tune_malloc_at_start()\n"
+    "print('after', os.getpid(), repr(os.environ.get('GLIBC_TUNABLES')), sys.argv[1:], flush=True)\n"
+)
+
+
+def _run_script(env: dict[str, str]) -> list[str]:
+    out = subprocess.run(
+        [sys.executable, "-c", SCRIPT, "--flag", "x y"], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    return out.stdout.splitlines()
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the restart is for glibc's malloc only")
+def test_a_process_started_without_the_tuning_restarts_itself_with_it_keeping_its_pid_and_arguments() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+    before, again, after = _run_script(env)
+    assert before.startswith("before ") and again == before  # the same PID ran the script's start twice
+    assert after == f"after {before.split()[1]} {GLIBC_TUNABLES!r} ['--flag', 'x y']"
+
+
+def test_a_tuning_the_user_set_is_kept_and_an_empty_one_turns_it_off() -> None:
+    for value in ("", "glibc.malloc.arena_max=2"):
+        env = {**os.environ, "GLIBC_TUNABLES": value}
+        before, after = _run_script(env)
+        assert after == f"after {before.split()[1]} {value!r} ['--flag', 'x y']"
