@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 import warnings
 from dataclasses import dataclass
@@ -161,13 +162,20 @@ _spend_read_only_warning()
 
 
 def check_finite(t: torch.Tensor, what: str) -> None:
-    """Raise if ``t`` holds NaN or infinity (numpy's isfinite where it can: ~25x faster here than
-    ``torch.isfinite(t).all()`` on 4 MiB, measured by bench/wire_costs.py).
+    """Raise if ``t`` holds NaN or infinity.
+
+    float32 and float64 vectors: one BLAS dot product ``t . t`` first (a read-only SIMD pass with no
+    temporary: about 10x cheaper than ``numpy.isfinite(a).all()`` on a 4 MiB partition, measured by
+    bench/wire_costs.py), which is finite only if every element is; only when it is not (a NaN or an
+    infinity, or squares of finite values beyond the dtype's range) does the exact
+    ``numpy.isfinite`` check decide. float16: ``numpy.isfinite``; bfloat16: its exponent bits.
 
     Raises:
         InvalidRequestError: non-finite values, naming ``what``.
     """
-    if t.dtype in (torch.float32, torch.float64, torch.float16):
+    if t.dtype in (torch.float32, torch.float64) and t.dim() == 1 and t.numel():
+        finite = math.isfinite(float(torch.dot(t, t))) or bool(np.isfinite(t.numpy()).all())
+    elif t.dtype in (torch.float32, torch.float64, torch.float16):
         finite = bool(np.isfinite(t.numpy()).all())
     elif t.dtype == torch.bfloat16 and t.is_contiguous():  # exponent bits all ones: inf or NaN
         bits = t.view(torch.int16).numpy()

@@ -9,7 +9,16 @@ import numpy as np
 import pytest
 import torch
 
-from ps_common.codec import DTYPES, decode, dtype_from_proto, dtype_name, dtype_to_proto, itemsize, torch_dtype
+from ps_common.codec import (
+    DTYPES,
+    check_finite,
+    decode,
+    dtype_from_proto,
+    dtype_name,
+    dtype_to_proto,
+    itemsize,
+    torch_dtype,
+)
 from ps_common.errors import InvalidRequestError, UnknownKeyError
 from ps_common.partition import WirePartition
 from ps_common.plan import ParameterSpec, make_plan
@@ -156,3 +165,22 @@ def test_missing_and_duplicated_partitions_are_refused() -> None:
         match_partitions(PLAN, 0, parts()[1:], "gradient")
     with pytest.raises(InvalidRequestError, match="twice"):
         match_partitions(PLAN, 0, parts() + parts()[:1], "gradient")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_check_finite_refuses_every_non_finite_value_and_accepts_huge_finite_ones(dtype: torch.dtype) -> None:
+    big = torch.finfo(dtype).max
+    finite = torch.tensor([big, -big, 1.0, 0.0, torch.finfo(dtype).tiny], dtype=dtype)
+    check_finite(finite, "huge values")  # t . t overflows: the exact check decides, and passes
+    check_finite(torch.zeros(0, dtype=dtype), "empty")
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        for at in (0, 4):
+            t = finite.clone()
+            t[at] = bad
+            with pytest.raises(InvalidRequestError, match="huge values contains NaN or infinity"):
+                check_finite(t, "huge values")
+    both = torch.tensor([float("inf"), float("-inf")], dtype=dtype)  # inf - inf in a sum: NaN, still refused
+    with pytest.raises(InvalidRequestError):
+        check_finite(both, "x")
+    strided = torch.tensor([1.0, float("nan"), 2.0, 3.0], dtype=dtype)[::2]  # a non-contiguous view: finite
+    check_finite(strided, "strided")
