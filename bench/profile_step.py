@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from _common import Child, child_env, cpu_seconds, start_shards, timed
 
+from ps_common.process_env import tune_malloc_at_start
 from ps_worker.client import PSClient
 
 
@@ -41,13 +42,17 @@ def main() -> int:
     p.add_argument(
         "--no-tunables",
         action="store_true",
-        help="start shards without GLIBC_TUNABLES (this process keeps the environment it was started with)",
+        help="run the worker (this process) and the shards without GLIBC_TUNABLES (default: both with them)",
     )
+    p.add_argument("--threads", type=int, default=1, help="intra-op threads of every process (as run.py's children)")
     p.add_argument("--rate", type=int, default=100, help="py-spy samples per second")
     p.add_argument("--profile-dir", default="", help="write worker.txt and shardK.txt here (default: no profile)")
     args = p.parse_args()
+    if not args.no_tunables:
+        tune_malloc_at_start()  # this process is the worker: the same malloc as run.py's children
+    torch.set_num_threads(args.threads)
     log_dir = Path(tempfile.mkdtemp(prefix="grpc-ps-profile-"))
-    env = child_env(1)
+    env = child_env(args.threads)
     if args.no_tunables:
         env.pop("GLIBC_TUNABLES", None)
     shards: list[Child] = []
