@@ -295,6 +295,7 @@ def measure(args: argparse.Namespace, log_dir: Path) -> dict[str, object]:
                     "load_end": os.getloadavg(),
                     "systems": series,
                     "qdisc_w0": lab.qdisc("w0") if rate else "",
+                    "tbf_drops": lab.drops() if rate else {},
                 }
         finally:
             stop_all([c for s in systems for c in s.children])
@@ -335,6 +336,11 @@ def report(result: dict[str, object], args: argparse.Namespace) -> str:
             )
         if rate:
             lines.append(crossover(systems, ref))
+            drops = r["tbf_drops"]
+            lines.append(
+                "tbf drops (egress/ingress packets, all systems this rate): "
+                + ", ".join(f"{role} {e}/{i}" for role, (e, i) in drops.items())
+            )
     return "\n".join(lines)
 
 

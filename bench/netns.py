@@ -264,6 +264,18 @@ class Netlab:
         h = self.plan.host(role)
         return sh("tc", "-n", h.ns, "-s", "qdisc", "show", "dev", h.veth_host).stdout.strip()
 
+    def drops(self) -> dict[str, tuple[int, int]]:
+        """Packets each link's tbf dropped since it was shaped: role -> (egress, ingress), read
+        from ``tc -s qdisc`` of the host end and of the switch end."""
+
+        def dropped(ns: str, dev: str) -> int:
+            out = sh("tc", "-n", ns, "-s", "qdisc", "show", "dev", dev, check=False).stdout
+            m = re.search(r"dropped (\d+)", out)
+            return int(m.group(1)) if m else 0
+
+        sw = self.plan.switch_ns
+        return {h.role: (dropped(h.ns, h.veth_host), dropped(sw, h.veth_switch)) for h in self.plan.hosts}
+
     def close(self) -> None:
         """Delete every namespace this run created (idempotent)."""
         for name in reversed(self.created):
