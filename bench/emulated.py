@@ -244,7 +244,8 @@ def measure(args: argparse.Namespace, log_dir: Path) -> dict[str, object]:
     """Build the network, start every system, then per rate: shape, check the link, run the rounds."""
     systems = plan_systems(args.workers, args.shards, args.wire_dtypes, args.gloo_ranks, args.systems)
     n_w = max([args.workers, *(s.workers for s in systems if s.family == "gloo")])
-    roles = [f"w{i}" for i in range(n_w)] + [f"s{i}" for i in range(max([1, *args.shards]))]
+    n_s = max([0, *(s.shards for s in systems)])  # grpc-ps shards; the rpc PS is on s0
+    roles = [f"w{i}" for i in range(n_w)] + [f"s{i}" for i in range(n_s)]
     plan = plan_network(roles, os.getpid(), args.subnet)
     out: dict[str, object] = {
         "load_start": os.getloadavg(),
@@ -428,7 +429,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"emulated: load average {fmt_load(os.getloadavg())}; {os.cpu_count()} CPUs", flush=True)
     try:
         result = measure(args, log_dir)
-    except (ChildError, RuntimeError, KeyboardInterrupt) as exc:
+    except (ChildError, RuntimeError, KeyboardInterrupt, SystemExit) as exc:
         print(f"emulated: {exc}\nlogs in {log_dir}", file=sys.stderr)
         return 1
     print(report(result, args))
