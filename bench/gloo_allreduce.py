@@ -2,7 +2,9 @@
 
 An all_reduce leaves every rank with the sum, which is what a sync parameter-server step gives
 (push the gradient, pull the weights the summed gradient produced). Ranks meet through
-``init_method=tcp://127.0.0.1:PORT``; gloo moves the bytes over loopback TCP.
+``init_method=tcp://MASTER_ADDR:PORT`` (``--master-addr``, default 127.0.0.1: loopback); gloo
+moves the bytes over TCP (on another interface, ``GLOO_SOCKET_IFNAME`` names the one to use, as
+``emulated.py`` does in its network namespaces).
 """
 
 from __future__ import annotations
@@ -20,10 +22,11 @@ def main() -> None:
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--world-size", type=int, required=True)
     p.add_argument("--port", type=int, required=True)
+    p.add_argument("--master-addr", default="127.0.0.1", help="address of rank 0's rendezvous store")
     args = p.parse_args()
     dist.init_process_group(
         "gloo",
-        init_method=f"tcp://127.0.0.1:{args.port}",
+        init_method=f"tcp://{args.master_addr}:{args.port}",
         rank=args.rank,
         world_size=args.world_size,
         timeout=timedelta(seconds=300),

@@ -8,7 +8,9 @@ with a shared ``torch.futures.Future``). The worker copies the weights into its 
 
 TensorPipe is restricted to its TCP transport (``uv``) and ``basic`` channel, so the bytes cross
 loopback TCP as they do for gRPC and gloo; its same-host shortcuts (shared memory, cross-memory
-attach) would not exist between two machines.
+attach) would not exist between two machines. ``--host`` (default 127.0.0.1) is the PS's address,
+where the ranks meet; on another interface ``TP_SOCKET_IFNAME`` names the one TensorPipe listens
+on (``emulated.py`` sets it in each network namespace).
 """
 
 from __future__ import annotations
@@ -61,9 +63,10 @@ def main() -> None:
     p.add_argument("--rank", type=int, required=True, help="0 is the PS, 1..W the workers")
     p.add_argument("--workers", type=int, required=True)
     p.add_argument("--port", type=int, required=True)
+    p.add_argument("--host", default="127.0.0.1", help="address of the PS (rank 0), where the ranks meet")
     args = p.parse_args()
     options = rpc.TensorPipeRpcBackendOptions(
-        init_method=f"tcp://127.0.0.1:{args.port}",
+        init_method=f"tcp://{args.host}:{args.port}",
         num_worker_threads=16,
         rpc_timeout=300,
         _transports=["uv"],
