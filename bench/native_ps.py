@@ -62,13 +62,13 @@ def shard_role() -> None:
                 p, g = params[k], grads[k]
                 if n != g.numel() * 4:
                     raise ValueError(f"partition {k}: {n} bytes, expected {g.numel() * 4}")
-                recv_exactly(conn, memoryview(g.numpy()).cast("B"))
+                recv_exactly(conn, g.numpy().data.cast("B"))
                 if not torch.isfinite(torch.dot(g, g)):
                     raise ValueError(f"partition {k} is not finite")
                 p.grad = g
                 state["optimizer"].step()  # type: ignore[attr-defined]
                 p.grad = None
-                conn.sendall(memoryview(p.detach().numpy()).cast("B"))
+                conn.sendall(p.detach().numpy().data.cast("B"))
 
     def setup(bytes: int, partition_bytes: int = 4 << 20) -> None:  # noqa: A002 - the protocol's field name
         numel = bytes // 4
@@ -99,7 +99,7 @@ def worker_role(port: int) -> None:
 
     def receive(spans: list[tuple[int, int]], weights: torch.Tensor) -> None:
         for lo, hi in spans:
-            recv_exactly(sock, memoryview(weights[lo:hi].numpy()).cast("B"))
+            recv_exactly(sock, weights[lo:hi].numpy().data.cast("B"))
 
     def step() -> None:
         spans: list[tuple[int, int]] = state["spans"]  # type: ignore[assignment]
@@ -109,7 +109,7 @@ def worker_role(port: int) -> None:
         receiver.start()
         for k, (lo, hi) in enumerate(spans):
             sock.sendall(HEADER.pack(k, (hi - lo) * 4))
-            sock.sendall(memoryview(grad[lo:hi].numpy()).cast("B"))
+            sock.sendall(grad[lo:hi].numpy().data.cast("B"))
         receiver.join(60)
         if receiver.is_alive():
             raise TimeoutError("the shard's answer did not arrive within 60 s")
