@@ -226,6 +226,19 @@ def ask_all(children: Sequence[Child], cmd: str, timeout: float, **args: Any) ->
     return [c.recv(max(0.01, deadline - time.monotonic()), cmd) for c in children]
 
 
+def stop_all(children: Sequence[Child], grace: float = 5.0) -> None:
+    """Close every child's stdin at once, then stop each (SIGTERM, SIGKILL by pid) within ``grace``."""
+    for c in children:
+        try:
+            if c.proc.stdin is not None and c.proc.poll() is None:
+                c.proc.stdin.close()
+        except OSError:
+            pass
+    deadline = time.monotonic() + grace
+    for c in children:
+        c.stop(grace=max(0.01, deadline - time.monotonic()))
+
+
 # ---------------------------------------------------------------------- child side
 def reply(msg: Mapping[str, Any]) -> None:
     """Write one JSON line to stdout (the orchestrator's end of the protocol)."""

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from _common import BENCH, Child, ChildError, ask_all, child_env, cpu_seconds, shard_argv
+from _common import BENCH, Child, ChildError, ask_all, child_env, cpu_seconds, shard_argv, stop_all
 from netns import Netlab, cleanup, parse_rate, plan_network
 
 PY = sys.executable
@@ -191,19 +191,6 @@ class Bench:
         answers = ask_all(s.drivers, "run", (a.warmup + a.iters) * STEP_TIMEOUT + 30, iters=a.iters, warmup=a.warmup)
         cpu = sum(cpu_seconds(p) for p in pids) - before
         return [next(iter(r["samples"].values())) for r in answers], cpu / (a.warmup + a.iters)
-
-
-def stop_all(children: Sequence[Child], grace: float = 5.0) -> None:
-    """Close every child's stdin at once, then stop each by its pid within ``grace`` seconds."""
-    for c in children:
-        try:
-            if c.proc.stdin is not None and c.proc.poll() is None:
-                c.proc.stdin.close()
-        except OSError:
-            pass
-    deadline = time.monotonic() + grace
-    for c in children:
-        c.stop(grace=max(0.01, deadline - time.monotonic()))
 
 
 def link_check(lab: Netlab, log_dir: Path, seconds: float = 1.0) -> dict[str, float]:

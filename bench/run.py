@@ -22,9 +22,9 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from _common import GLIBC_TUNABLES, ChildError, child_env
+from _common import GLIBC_TUNABLES, ChildError, child_env, stop_all
 from report import Series, ratios, table, to_json
-from systems import FAMILIES, STARTUP_TIMEOUT, WIRE_SUFFIX, Size, System, build, stop_all, systems_for
+from systems import FAMILIES, STARTUP_TIMEOUT, WIRE_SUFFIX, Size, System, build, systems_for
 
 from ps_common import jsonout
 

@@ -1,6 +1,6 @@
 """The measured systems of ``run.py``: each a set of child processes, started once, set up per size, asked to run steps.
 
-``systems_for`` names the systems measured at a size, ``build`` makes one, ``stop_all`` stops their children.
+``systems_for`` names the systems measured at a size, ``build`` makes one (``_common.stop_all`` stops their children).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from _common import BENCH, Child, ask_all, cpu_seconds, free_port, shard_argv
+from _common import BENCH, Child, ask_all, cpu_seconds, free_port, shard_argv, stop_all
 
 PY = sys.executable
 STARTUP_TIMEOUT = 300.0
@@ -268,19 +268,6 @@ class GrpcPS(System):
         ask_all(self.drivers, "close", SETUP_TIMEOUT)
         stop_all(self.shard_procs, grace=0.0)
         self.shard_procs = []
-
-
-def stop_all(children: Sequence[Child], grace: float = 5.0) -> None:
-    """Close every child's stdin at once, then stop each (SIGTERM, SIGKILL by pid) within ``grace``."""
-    for c in children:
-        try:
-            if c.proc.stdin is not None and c.proc.poll() is None:
-                c.proc.stdin.close()
-        except OSError:
-            pass
-    deadline = time.monotonic() + grace
-    for c in children:
-        c.stop(grace=max(0.01, deadline - time.monotonic()))
 
 
 def kib(n: int) -> str:
