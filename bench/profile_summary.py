@@ -28,7 +28,7 @@ IDLE = (
 """Markers of a waiting thread."""
 
 CATEGORIES = (
-    ("check_finite: numpy isfinite of received gradients", ("check_finite",)),
+    ("check_finite of received gradients (dot product; exact check if not finite)", ("check_finite",)),
     ("shard: snapshot frames (one copy, cast to the wire dtype)", ("response_frames", "_snapshot_frames")),
     ("frames: build (the one copy of each payload sent)", ("build (ps_common/frames.py",)),
     ("frames: read (parse, zero-copy views)", ("read (ps_common/frames.py", "fields (ps_common/frames.py")),
