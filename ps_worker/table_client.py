@@ -12,6 +12,7 @@ counts the rank in the table round). Bytes on the wire: 8 bytes per distinct id 
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -100,6 +101,10 @@ class TableClient:
         self.received_bytes = 0
         self.lookups: list[tuple[str, torch.Tensor, torch.Tensor]] = []
         """(table, distinct ids, rows leaf) of each forward since the last push (``ps_worker.tables``)."""
+        self.prefetched: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        """table -> (distinct ids, rows) pulled ahead by ``ps_worker.tables.prefetch`` for the next forward."""
+        self.calls: Counter[str] = Counter()
+        """Calls made, by method (InitTables, PullRows, PushRows)."""
 
     def _call(self, k: int, method: str, request: Any) -> Any:
         stub = self.transport.stubs[k]
@@ -110,6 +115,7 @@ class TableClient:
             except grpc.RpcError as exc:
                 raise error_from_rpc(self.transport.servers[k], exc, waits=method == "PullRows") from None
 
+        self.calls[method] += 1
         sent = request.ByteSize()
         self.sent_bytes += sent
         if self.metrics is not None:

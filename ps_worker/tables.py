@@ -137,7 +137,11 @@ def _forward(
 ) -> torch.Tensor:
     """A table module's forward: pull the input's distinct rows, look up in them."""
     unique, inverse = torch.unique(input.detach().reshape(-1).cpu().to(torch.int64), return_inverse=True)
-    rows = tables.pull({table: unique})[table].to(input.device)
+    ahead = tables.prefetched.pop(table, None)
+    if ahead is not None and torch.equal(ahead[0], unique):
+        rows = ahead[1].to(input.device)  # pulled by prefetch() together with the other tables
+    else:
+        rows = tables.pull({table: unique})[table].to(input.device)
     if torch.is_grad_enabled():
         rows.requires_grad_(True)
         tables.lookups.append((table, unique, rows))
@@ -155,6 +159,26 @@ def _forward(
     return F.embedding(local, rows)
 
 
+def prefetch(client: PSClient, ids: Mapping[str, torch.Tensor]) -> None:
+    """Pull the rows the next forward of several table modules needs in one PullRows per shard
+    (instead of one per module and shard): each module's next forward whose input has exactly
+    these distinct ids uses them without a call of its own (any other input pulls as usual).
+
+    Args:
+        ids: table name (the module's parameter name, ``"emb.weight"``) -> the int64 ids its next
+            forward looks up (any shape, duplicates allowed).
+
+    Raises:
+        RuntimeError: the client has no tables. ShardError: as :meth:`TableClient.pull`.
+    """
+    tables = client.tables
+    if tables is None:
+        raise RuntimeError("No embedding tables: call client.init(model, ...) with a model that has some first.")
+    unique = {t: torch.unique(i.detach().reshape(-1).cpu().to(torch.int64)) for t, i in ids.items()}
+    rows = tables.pull(unique)
+    tables.prefetched = {t: (unique[t], rows[t]) for t in unique}
+
+
 def push_step(tables: TableClient, scale: torch.Tensor | float | None = None, skip: bool = False) -> int:
     """Push the row gradients of the lookups since the last step (one PushRows per shard), then
     forget them. ``scale`` multiplies them (a GradScaler's 1/scale); ``skip`` pushes none (the
@@ -170,5 +194,6 @@ def push_step(tables: TableClient, scale: torch.Tensor | float | None = None, sk
             g = rows.grad.detach().to("cpu", torch.float32)
             parts[table].append((unique, g * scale.cpu() if isinstance(scale, torch.Tensor) else g * (scale or 1.0)))
     lookups.clear()
+    tables.prefetched = {}
     grads = {t: (torch.cat([i for i, _ in ps]), torch.cat([g for _, g in ps])) for t, ps in parts.items()}
     return tables.push(grads)

@@ -4,6 +4,7 @@ pull_rows/push_rows, refusals that change nothing, checkpoints, GetStatus and Pr
 
 from __future__ import annotations
 
+import subprocess
 import threading
 import urllib.request
 from typing import Any
@@ -17,6 +18,7 @@ from torch import nn
 from ps_common.tables import RowOptimizerSpec, TableSpec, initial_rows, shard_of
 from ps_proto.v1 import ps_pb2, ps_pb2_grpc
 from ps_worker import DistributedOptimizer, PSClient
+from ps_worker.tables import prefetch
 
 RPC_TIMEOUT = 20.0
 B = 8
@@ -210,7 +212,7 @@ def scrape(url: str) -> str:
         return reply.read().decode()
 
 
-def test_checkpoint_round_trip_status_and_metrics(tmp_path, start_cluster) -> None:
+def test_checkpoint_round_trip_status_and_metrics(tmp_path, start_cluster, tool) -> None:
     (shard,) = start_cluster(num_shards=1, num_workers=1, mode="async", checkpoint_dir=str(tmp_path))
     torch.manual_seed(0)
     model = Model()
@@ -235,6 +237,10 @@ def test_checkpoint_round_trip_status_and_metrics(tmp_path, start_cluster) -> No
     assert f'ps_table_rows{{table="emb.weight"}} {float(touched)}' in text
     assert 'ps_table_received_bytes_total{table="bag.weight"}' in text
     assert 'ps_received_bytes_total{method="ps.v1.ParameterService/PushRows"}' in text
+    lint = subprocess.run(
+        [tool("promtool"), "check", "metrics"], input=text, capture_output=True, text=True, timeout=30
+    )
+    assert lint.returncode == 0, lint.stdout + lint.stderr
     shard.stop(grace=0.2)
     restarted = start_cluster.restart(shard)
     assert restarted.shard.tables.version == 3
@@ -242,3 +248,21 @@ def test_checkpoint_round_trip_status_and_metrics(tmp_path, start_cluster) -> No
         torch.manual_seed(0)
         c.init(Model(), dict(OPTIMIZER))
         assert torch.equal(c.pull_rows("emb.weight", torch.arange(1000)), before)
+
+
+def test_prefetch_pulls_every_table_in_one_call_per_shard(start_cluster) -> None:
+    cluster = start_cluster(num_shards=2, num_workers=1, mode="async")
+    torch.manual_seed(0)
+    model = Model()
+    with PSClient(cluster.addresses, rank=0, num_workers=1, timeout=RPC_TIMEOUT) as c:
+        c.init(model, dict(OPTIMIZER))
+        assert c.tables is not None
+        ids, bag, offsets, _ = batch(0, 0)
+        c.tables.declare()
+        before = c.tables.calls["PullRows"]
+        plain = model(ids, bag, offsets)
+        assert c.tables.calls["PullRows"] - before == 4  # one per module and shard
+        prefetch(c, {"emb.weight": ids, "bag.weight": bag})
+        fetched = model(ids, bag, offsets)
+        assert c.tables.calls["PullRows"] - before == 6  # one more per shard for both tables
+        assert torch.equal(plain, fetched)
