@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ps_common.channels import parse_servers
+from ps_common.frames import MESSAGE_OVERHEAD_BYTES
 from ps_common.plan import DEFAULT_PARTITION_BYTES, Plan
 from ps_common.tables import TableSpec
 from ps_common.wire import optimizer_from_proto
@@ -199,7 +200,8 @@ class PSClient(SessionView, ModelIO):
     def init_tables(self, specs: Sequence[TableSpec]) -> TableClient:
         """Declare embedding tables without modules (rank 0 declares, the others wait for it);
         :meth:`init` does this for a model's sparse embeddings. Returns :attr:`tables`."""
-        self.tables = TableClient(self.transport, self.session, specs, self.metrics)
+        limit = self.partition_bytes + MESSAGE_OVERHEAD_BYTES
+        self.tables = TableClient(self.transport, self.session, specs, self.metrics, limit)
         self.tables.declare()
         return self.tables
 

@@ -20,6 +20,8 @@ import grpc
 import numpy as np
 import torch
 
+from ps_common.frames import MESSAGE_OVERHEAD_BYTES
+from ps_common.plan import DEFAULT_PARTITION_BYTES
 from ps_common.tables import RowOptimizerSpec, TableSpec, shard_of
 from ps_proto.v1 import ps_pb2
 from ps_worker.errors import error_from_rpc
@@ -32,6 +34,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 RETRY = frozenset({grpc.StatusCode.UNAVAILABLE})
+
+FRAMING_BYTES = 64 * 1024
+"""Bytes of a message kept for everything but ids and rows (as the shard's ``table_servicer``)."""
 
 
 def spec_to_proto(spec: TableSpec) -> ps_pb2.TableSpec:
@@ -84,6 +89,8 @@ class TableClient:
         session: the client's rank, incarnation and mode.
         specs: the model's tables (rank 0's are declared; the shards' answer is the truth).
         metrics: ``ps_worker_sent_bytes_total``/``received`` counters, or None.
+        max_message_bytes: the largest message the client's channels carry (``partition_bytes`` plus
+            framing): a pull whose rows exceed it is split over several calls; a push is refused.
 
     Attributes:
         clock: the clock of this rank's next PushRows (sync: the table round); None before
@@ -91,8 +98,16 @@ class TableClient:
         sent_bytes, received_bytes: payload bytes of ids and rows this worker sent and received.
     """
 
-    def __init__(self, transport: Transport, session: Session, specs: Sequence[TableSpec], metrics: Any = None) -> None:
+    def __init__(
+        self,
+        transport: Transport,
+        session: Session,
+        specs: Sequence[TableSpec],
+        metrics: Any = None,
+        max_message_bytes: int = DEFAULT_PARTITION_BYTES + MESSAGE_OVERHEAD_BYTES,
+    ) -> None:
         self.transport = transport
+        self.max_message_bytes = max_message_bytes
         self.session = session
         self.specs: dict[str, TableSpec] = {s.name: s for s in specs}
         self.metrics = metrics
@@ -152,7 +167,8 @@ class TableClient:
 
     # ------------------------------------------------------------------ pull
     def pull(self, requests: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Rows of each table's ``ids``: one PullRows per shard that owns any of them.
+        """Rows of each table's ``ids``: one PullRows per shard that owns any of them (several when
+        its rows exceed one message: reads may be split, pushes may not).
 
         Args:
             requests: table name -> int64 ids [n] (any order; duplicates read once).
@@ -167,43 +183,64 @@ class TableClient:
         min_version = clock if self.session.mode == "sync" else 0
         n = self.transport.num_shards
         plan: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-        per_shard: list[list[ps_pb2.RowBlock]] = [[] for _ in range(n)]
+        per_shard: list[list[tuple[str, torch.Tensor]]] = [[] for _ in range(n)]
         for name, ids in requests.items():
-            spec = self.specs[name]
+            self.specs[name]  # noqa: B018  (KeyError for an unknown table, before any call)
             unique, inverse = torch.unique(ids.detach().cpu().reshape(-1).to(torch.int64), return_inverse=True)
             owner = shard_of(unique, n)
             plan[name] = (unique, inverse, owner)
             for k in range(n):
                 mine = unique[owner == k]
                 if mine.numel():
-                    per_shard[k].append(ps_pb2.RowBlock(table=spec.name, ids=_ids_bytes(mine)))
+                    per_shard[k].append((name, mine))
 
-        def pull_shard(k: int) -> ps_pb2.PullRowsResponse | None:
-            if not per_shard[k]:
-                return None
-            request = ps_pb2.PullRowsRequest(
-                rank=self.session.rank,
-                incarnation=self.session.incarnation,
-                min_version=min_version,
-                blocks=per_shard[k],
-            )
-            return self._call(k, "PullRows", request)
+        def pull_shard(k: int) -> dict[str, torch.Tensor]:
+            got: dict[str, list[torch.Tensor]] = {}
+            for chunk in self._chunks(per_shard[k]):  # one request, unless the rows exceed one message
+                request = ps_pb2.PullRowsRequest(
+                    rank=self.session.rank,
+                    incarnation=self.session.incarnation,
+                    min_version=min_version,
+                    blocks=[ps_pb2.RowBlock(table=name, ids=_ids_bytes(ids)) for name, ids in chunk],
+                )
+                reply = self._call(k, "PullRows", request)
+                if len(reply.blocks) != len(chunk):
+                    raise RuntimeError(f"Shard {k} answered {len(reply.blocks)} row blocks for {len(chunk)} asked.")
+                for (name, ids), block in zip(chunk, reply.blocks, strict=True):  # answered in the order asked
+                    values = np.frombuffer(block.data, dtype="<f4").reshape(ids.numel(), self.specs[name].dim)
+                    got.setdefault(name, []).append(torch.from_numpy(values.copy()))
+            return {name: torch.cat(parts) for name, parts in got.items()}
 
         replies = self.transport.each_shard(pull_shard)
         out: dict[str, torch.Tensor] = {}
         for name, (unique, inverse, owner) in plan.items():
-            dim = self.specs[name].dim
-            rows = torch.empty(unique.numel(), dim, dtype=torch.float32)
+            rows = torch.empty(unique.numel(), self.specs[name].dim, dtype=torch.float32)
             for k, reply in enumerate(replies):
-                if reply is None:
-                    continue
-                for block in reply.blocks:
-                    if block.table == name:
-                        rows[owner == k] = torch.from_numpy(
-                            np.frombuffer(block.data, dtype="<f4").reshape(-1, dim).copy()
-                        )
+                if name in reply:
+                    rows[owner == k] = reply[name]
             out[name] = rows[inverse]
         return out
+
+    def _chunks(self, items: Sequence[tuple[str, torch.Tensor]]) -> list[list[tuple[str, torch.Tensor]]]:
+        """Split (table, ids) blocks into requests whose ids and answered rows fit in one message."""
+        budget = self.max_message_bytes - FRAMING_BYTES
+        chunks: list[list[tuple[str, torch.Tensor]]] = []
+        current: list[tuple[str, torch.Tensor]] = []
+        used = 0
+        for name, ids in items:
+            per_row = self.specs[name].row_bytes + 8
+            while ids.numel():
+                room = (budget - used) // per_row
+                if room <= 0:
+                    chunks.append(current)
+                    current, used = [], 0
+                    continue
+                take, ids = ids[:room], ids[room:]
+                current.append((name, take))
+                used += take.numel() * per_row
+        if current:
+            chunks.append(current)
+        return chunks
 
     # ------------------------------------------------------------------ push
     def push(self, grads: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> int:
@@ -241,6 +278,15 @@ class TableClient:
                             data=summed[mask].contiguous().numpy().tobytes(),
                         )
                     )
+        budget = self.max_message_bytes - FRAMING_BYTES
+        for k, blocks in enumerate(per_shard):
+            size = sum(len(b.ids) + len(b.data) for b in blocks)
+            if size > budget:
+                raise ValueError(
+                    f"This step's row gradients for shard {k} are {size} bytes, more than one message carries "
+                    f"({budget}); nothing was pushed. Touch fewer rows per step (a smaller batch), or raise the "
+                    "client's partition_bytes (and the shards' --max-message-bytes)."
+                )
         sync = self.session.mode == "sync"
 
         def push_shard(k: int) -> ps_pb2.PushRowsResponse | None:

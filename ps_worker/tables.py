@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ps_common.frames import MESSAGE_OVERHEAD_BYTES
 from ps_common.tables import DENSE_TO_ROW, ROW_OPTIMIZERS, RowOptimizerSpec, TableSpec
 from ps_worker.table_client import TableClient
 
@@ -117,7 +118,8 @@ def attach_tables(client: PSClient, model: nn.Module, optimizer: Mapping[str, An
         seed = int(getattr(m, "ps_seed", 0))
         init_std = float(getattr(m, "ps_init_std", 1.0))
         specs.append(TableSpec(table, int(m.num_embeddings), int(m.embedding_dim), row_opt, seed, init_std))
-    tables = TableClient(client.transport, client.session, specs, client.metrics)
+    limit = client.partition_bytes + MESSAGE_OVERHEAD_BYTES  # what the client's channels carry
+    tables = TableClient(client.transport, client.session, specs, client.metrics, limit)
     for (_, m), spec in zip(found, specs, strict=True):
         if "weight" in m._parameters:
             del m._parameters["weight"]  # the table is the shards'; nothing of it stays here

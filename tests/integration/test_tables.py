@@ -266,3 +266,17 @@ def test_prefetch_pulls_every_table_in_one_call_per_shard(start_cluster) -> None
         fetched = model(ids, bag, offsets)
         assert c.tables.calls["PullRows"] - before == 6  # one more per shard for both tables
         assert torch.equal(plain, fetched)
+
+
+def test_pulls_split_over_messages_and_oversized_pushes_are_refused_before_sending(start_cluster) -> None:
+    cluster = start_cluster(num_shards=2, num_workers=1, mode="async")
+    c = PSClient(cluster.addresses, rank=0, num_workers=1, timeout=RPC_TIMEOUT, partition_bytes=4096)
+    with c:
+        c.join()
+        c.init_tables([TableSpec("t", 10_000, 4, RowOptimizerSpec("sgd", {"lr": 1.0}))])
+        ids = torch.arange(0, 10_000, 7)  # 1429 rows of 24 bytes (id + row): ~4 requests per shard
+        assert torch.equal(c.pull_rows("t", ids), initial_rows("t", 0, 1.0, ids, 4))
+        assert c.tables is not None and c.tables.calls["PullRows"] >= 6
+        with pytest.raises(ValueError, match="nothing was pushed"):
+            c.push_rows({"t": (ids, torch.ones(ids.numel(), 4))})
+        assert c.tables.calls["PushRows"] == 0 and c.tables.clock == 0

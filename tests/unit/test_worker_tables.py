@@ -16,7 +16,7 @@ from ps_worker.tables import ShardedEmbedding, attach_tables, row_optimizer
 
 
 def _client() -> SimpleNamespace:
-    return SimpleNamespace(transport=None, session=None, metrics=None, tables=None)
+    return SimpleNamespace(transport=None, session=None, metrics=None, tables=None, partition_bytes=4 * 2**20)
 
 
 def test_sparse_embeddings_become_tables_and_leave_the_dense_parameters() -> None:
