@@ -109,18 +109,16 @@ class DLRM(nn.Module):
         self.tables = nn.ModuleList(tables)
         self.top = mlp((cfg.dim + cfg.num_interactions, *cfg.top, 1), last_relu=False)
         n = len(cfg.table_rows) + 1
-        pairs = torch.tril_indices(n, n, offset=-1)
-        self.pair_i: torch.Tensor
-        self.pair_j: torch.Tensor
-        self.register_buffer("pair_i", pairs[0], persistent=False)  # the pairs (i, j), i > j, of the F + 1 vectors
-        self.register_buffer("pair_j", pairs[1], persistent=False)
-        for f, vocab in enumerate(vocabularies):  # sorted ids; not parameters, so never pushed or pulled
-            self.register_buffer(f"vocab_{f}", vocab, persistent=False)
+        # plain tensors, not buffers: grpc-ps moves a model's buffers with its parameters every step
+        self.pairs = torch.tril_indices(n, n, offset=-1)  # [2, (F + 1) F / 2]: the pairs (i, j), i > j
+        self.vocabularies = list(vocabularies)  # sorted int64 ids per field
 
     def rows(self, f: int, ids: torch.Tensor) -> torch.Tensor:
         """Rows of field ``f``'s table for int64 ``ids`` ``[batch]``: the id's index in the sorted vocabulary,
         or the last row for an id outside it."""
-        vocab: torch.Tensor = getattr(self, f"vocab_{f}")
+        vocab = self.vocabularies[f]
+        if vocab.device != ids.device:  # moved once, on the first batch on another device
+            vocab = self.vocabularies[f] = vocab.to(ids.device)
         at = torch.searchsorted(vocab, ids).clamp_(max=len(vocab) - 1)
         return torch.where(vocab[at] == ids, at, len(vocab))
 
@@ -131,7 +129,8 @@ class DLRM(nn.Module):
         bags = [self.rows(f, ids[:, f].contiguous()).unsqueeze(1) for f in range(len(self.tables))]  # [batch, 1] each
         vectors = [z] + [table(bag) for table, bag in zip(self.tables, bags, strict=True)]
         t = torch.stack(vectors, dim=1)  # [batch, F + 1, dim]
-        dots = torch.bmm(t, t.transpose(1, 2))[:, self.pair_i, self.pair_j]  # [batch, (F + 1) F / 2]
+        i, j = self.pairs.to(t.device)
+        dots = torch.bmm(t, t.transpose(1, 2))[:, i, j]  # [batch, (F + 1) F / 2]
         return self.top(torch.cat([z, dots], dim=1)).squeeze(1)
 
 
