@@ -62,7 +62,7 @@ class TableCollector(Collector):
                 for t in store.tables.values()
             ]
             version = store.version
-        families = [
+        families: list[GaugeMetricFamily | CounterMetricFamily] = [
             GaugeMetricFamily("ps_table_rows", "Rows of each embedding table this shard holds.", labels=["table"]),
             GaugeMetricFamily(
                 "ps_table_memory_bytes",

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import grpc
 import numpy as np
@@ -24,6 +25,10 @@ from ps_server.membership import Membership
 from ps_server.rpc import deadline, maps_errors
 from ps_server.table_store import TableStore
 from ps_server.tables import RowGrads
+
+if TYPE_CHECKING:
+    from ps_server.counters import ShardCounters
+    from ps_server.shard import Shard
 
 log = logging.getLogger("ps_server.servicer")
 
@@ -88,12 +93,12 @@ def check_size(blocks: Sequence[ps_pb2.RowBlock], max_message_bytes: int, store:
 class TableRpcs:
     """InitTables, PullRows and PushRows of ParameterService (see the module docstring)."""
 
-    shard: object  # ps_server.shard.Shard, supplied by ParameterServicer
-    counters: object
+    shard: Shard  # supplied by ParameterServicer
+    counters: ShardCounters
 
     @maps_errors
     def InitTables(self, request: ps_pb2.InitTablesRequest, context: grpc.ServicerContext) -> ps_pb2.InitTablesResponse:
-        shard = self.shard  # type: ignore[attr-defined]
+        shard = self.shard
         specs = [spec_from_proto(t) for t in request.tables]
         remaining = deadline(context)
         with shard._cond:
@@ -118,7 +123,7 @@ class TableRpcs:
 
     @maps_errors
     def PullRows(self, request: ps_pb2.PullRowsRequest, context: grpc.ServicerContext) -> ps_pb2.PullRowsResponse:
-        shard = self.shard  # type: ignore[attr-defined]
+        shard = self.shard
         ids = [decode_ids(b.ids, b.table) for b in request.blocks]
         remaining = deadline(context)
         with shard._cond:
@@ -144,7 +149,7 @@ class TableRpcs:
     def _wait_for(self, min_version: int, remaining: float | None) -> None:
         """Wait (lock held) until the table version reaches ``min_version``, closing a sync round
         whose ranks have all pushed (an eviction can complete it)."""
-        shard = self.shard  # type: ignore[attr-defined]
+        shard = self.shard
         store: TableStore = shard.tables
         until = None if remaining is None else shard.now() + remaining
 
@@ -164,7 +169,7 @@ class TableRpcs:
 
     @maps_errors
     def PushRows(self, request: ps_pb2.PushRowsRequest, context: grpc.ServicerContext) -> ps_pb2.PushRowsResponse:
-        shard = self.shard  # type: ignore[attr-defined]
+        shard = self.shard
         ids = [decode_ids(b.ids, b.table) for b in request.blocks]
         with shard._cond:
             store: TableStore = shard.tables

@@ -81,14 +81,14 @@ def row_optimizer(optimizer: Mapping[str, Any] | None) -> tuple[dict[str, Any], 
         spec = dict(sparse)
         name = DENSE_TO_ROW.get(str(spec.pop("name")), "")
         return dense, RowOptimizerSpec(name or str(sparse["name"]), {k: float(v) for k, v in spec.items()})
-    name = DENSE_TO_ROW.get(str(dense.get("name")))
-    if name is None:
+    row_name = DENSE_TO_ROW.get(str(dense.get("name")))
+    if row_name is None:
         raise ValueError(
             f"The dense optimizer {dense.get('name')!r} has no row-wise form for embedding tables; add "
             f"optimizer['sparse'] = {{'name': one of {sorted(ROW_OPTIMIZERS)}, 'lr': ...}}."
         )
-    allowed = ROW_OPTIMIZERS[name]
-    return dense, RowOptimizerSpec(name, {k: float(v) for k, v in dense.items() if k in allowed})
+    allowed = ROW_OPTIMIZERS[row_name]
+    return dense, RowOptimizerSpec(row_name, {k: float(v) for k, v in dense.items() if k in allowed})
 
 
 def attach_tables(client: PSClient, model: nn.Module, optimizer: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
@@ -154,7 +154,7 @@ def _forward(
             local,
             rows,
             offsets,
-            mode=mode,
+            mode=str(mode or "mean"),
             per_sample_weights=per_sample_weights,
             include_last_offset=bool(getattr(module, "include_last_offset", False)),
         )
