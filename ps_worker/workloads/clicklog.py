@@ -11,7 +11,7 @@ The click probability is ``p_i = sigmoid(z_i)`` with the hidden logit
 
     z_i = b + x_i . v + sum_f s_f * w_f(id_if) + t * sum_{(f, g) in PAIRS} <u_f(id_if), u_g(id_ig)> / sqrt(k)
 
-where ``w_f(id)`` ~ N(0, 1) and ``u_f(id)`` ~ N(0, I_k) are pseudo-random functions of ``(field, id)``
+where ``w_f(id)`` ~ N(0, 1) and ``u_f(id)`` ~ N(0, I_k) are pseudo-random functions of ``(seed, field, id)``
 (a SplitMix64 hash, Steele et al. 2014, then Box-Muller), so no array of per-id weights is ever stored,
 and ``y_i ~ Bernoulli(p_i)``. The ground-truth AUC is the AUC of ``p_i`` itself on the held-out set:
 no model of the features can do better in expectation. Everything is a pure function of the seed.
@@ -27,6 +27,11 @@ import numpy as np
 
 ID_BITS = 40
 """Ids live in ``[0, 2^ID_BITS)``."""
+
+MAX_FIELDS = 63
+"""Fields and latent slots share the 12 low bits of a hash key (:func:`hashed_normal`): at most 63 fields ..."""
+MAX_LATENT_DIM = 62
+"""... and 62 latent dimensions (slot 0 is the per-id weight)."""
 
 _MASK40 = np.uint64((1 << ID_BITS) - 1)
 _MASK64 = (1 << 64) - 1
@@ -71,8 +76,11 @@ class ClickLogConfig:
             raise ValueError(f"Zipf exponents must be > 0; got {self.zipf_exponents}.")
         if any(not (0 <= a < f and 0 <= b < f and a != b) for a, b in self.pairs):
             raise ValueError(f"Every pair must name two different fields in 0..{f - 1}; got {self.pairs}.")
-        if self.latent_dim < 1 or not self.dense_weights:
-            raise ValueError("latent_dim must be >= 1 and there must be at least one dense weight.")
+        if f > MAX_FIELDS or not 1 <= self.latent_dim <= MAX_LATENT_DIM or not self.dense_weights:
+            raise ValueError(
+                f"At most {MAX_FIELDS} fields, latent_dim in 1..{MAX_LATENT_DIM} and at least one dense weight; got "
+                f"{f} fields, latent_dim {self.latent_dim}, {len(self.dense_weights)} dense weights."
+            )
 
     @property
     def num_fields(self) -> int:
@@ -135,13 +143,13 @@ def vocabulary(cfg: ClickLogConfig, fld: int) -> np.ndarray:
     return np.sort(mix_ids(np.arange(cfg.cardinalities[fld], dtype=np.int64), fld))
 
 
-def hashed_normal(ids: np.ndarray, fld: int, slot: int) -> np.ndarray:
-    """A standard normal that is a fixed function of ``(fld, slot, id)``: float64, shaped like ``ids``.
+def hashed_normal(ids: np.ndarray, fld: int, slot: int, seed: int = 0) -> np.ndarray:
+    """A standard normal that is a fixed function of ``(seed, fld, slot, id)``: float64, shaped like ``ids``.
 
     Two SplitMix64 hashes give two uniforms in (0, 1); Box-Muller (1958) turns them into one N(0, 1).
     """
     key = (ids.astype(np.uint64) << np.uint64(12)) ^ np.uint64(((fld + 1) << 6) ^ slot)
-    h1 = splitmix64(key)
+    h1 = splitmix64(key ^ np.uint64((seed * 0xD1B54A32D192ED03) & _MASK64))
     h2 = splitmix64(h1 ^ np.uint64(0xA0761D6478BD642F))
     u1 = ((h1 >> np.uint64(11)).astype(np.float64) + 0.5) * 2.0**-53
     u2 = (h2 >> np.uint64(11)).astype(np.float64) * 2.0**-53
@@ -162,9 +170,9 @@ def true_logit(cfg: ClickLogConfig, dense: np.ndarray, ids: np.ndarray) -> np.nd
     """The hidden logit ``z`` (module docstring): float64 ``[n]`` from ``dense`` ``[n, D]`` and ``ids`` ``[n, F]``."""
     z = cfg.bias + dense.astype(np.float64) @ np.asarray(cfg.dense_weights, dtype=np.float64)
     for f in range(cfg.num_fields):
-        z += cfg.id_scales[f] * hashed_normal(ids[:, f], f, 0)
+        z += cfg.id_scales[f] * hashed_normal(ids[:, f], f, 0, cfg.seed)
     latent = {
-        f: np.stack([hashed_normal(ids[:, f], f, 1 + j) for j in range(cfg.latent_dim)], axis=1)
+        f: np.stack([hashed_normal(ids[:, f], f, 1 + j, cfg.seed) for j in range(cfg.latent_dim)], axis=1)
         for f in sorted({f for pair in cfg.pairs for f in pair})
     }
     for f, g in cfg.pairs:
@@ -180,7 +188,7 @@ def generate(cfg: ClickLogConfig, n: int, stream: int) -> ClickLog:
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}.")
     rng = np.random.Generator(np.random.PCG64([cfg.seed, stream]))
-    dense = rng.standard_normal((n, cfg.num_dense))
+    dense = rng.standard_normal((n, cfg.num_dense)).astype(np.float32)  # the logit sees the features stored
     ids = np.empty((n, cfg.num_fields), dtype=np.int64)
     for f, (card, a) in enumerate(zip(cfg.cardinalities, cfg.zipf_exponents, strict=True)):
         cdf = zipf_cdf(card, a)
@@ -188,4 +196,4 @@ def generate(cfg: ClickLogConfig, n: int, stream: int) -> ClickLog:
         ids[:, f] = mix_ids(ranks, f)
     probability = 1.0 / (1.0 + np.exp(-true_logit(cfg, dense, ids)))
     clicks = (rng.random(n) < probability).astype(np.float32)
-    return ClickLog(dense.astype(np.float32), ids, clicks, probability)
+    return ClickLog(dense, ids, clicks, probability)

@@ -90,6 +90,7 @@ def test_hashed_weights_are_standard_normal_and_fixed_per_id() -> None:
     assert np.array_equal(w, hashed_normal(ids, 0, 0))
     assert abs(np.corrcoef(w, hashed_normal(ids, 0, 1))[0, 1]) < 0.02  # slots are independent
     assert abs(np.corrcoef(w, hashed_normal(ids, 1, 0))[0, 1]) < 0.02  # so are fields
+    assert abs(np.corrcoef(w, hashed_normal(ids, 0, 0, seed=1))[0, 1]) < 0.02  # and seeds
 
 
 def test_ground_truth_is_the_documented_logistic_model_with_a_sane_auc() -> None:
@@ -108,6 +109,8 @@ def test_config_is_validated() -> None:
         ClickLogConfig(cardinalities=(10, 10), zipf_exponents=(1.1,), id_scales=(0.5, 0.5), pairs=())
     with pytest.raises(ValueError, match="two different fields"):
         ClickLogConfig(pairs=((0, 0),))
+    with pytest.raises(ValueError, match="latent_dim in 1..62"):
+        ClickLogConfig(latent_dim=63)
     with pytest.raises(ValueError, match="Zipf exponents"):
         ClickLogConfig(zipf_exponents=(1.2, 0.0, 1.1, 1.2, 1.3, 1.3))
 
