@@ -125,7 +125,8 @@ def test_dlrm_shapes_sparse_gradients_and_unknown_ids() -> None:
     assert not list(model.buffers())  # grpc-ps would move buffers (the 1 MB of vocabularies) every step
     assert model.cfg.num_interactions == 3  # 3 vectors (bottom + 2 fields), 3 pairs
     train, held = w.datasets()
-    assert isinstance(train, ClickLogDataset) and len(train) == 256 and len(held) == 64
+    assert isinstance(train, ClickLogDataset) and isinstance(held, ClickLogDataset)
+    assert len(train) == 256 and len(held) == 64
     x, y = next(iter(DataLoader(train, batch_size=32)))
     assert x.shape == (32, 4 + 2) and x.dtype == torch.float64 and y.shape == (32,) and y.dtype == torch.float32
     logits = model(x)
@@ -133,7 +134,9 @@ def test_dlrm_shapes_sparse_gradients_and_unknown_ids() -> None:
     loss = w.loss(model, x, y)
     assert loss.shape == () and loss.item() > 0
     loss.backward()
-    grad = model.tables[0].weight.grad
+    table = model.tables[0]
+    assert isinstance(table, torch.nn.EmbeddingBag)
+    grad = table.weight.grad
     assert grad is not None and grad.is_sparse
     touched = grad.coalesce().indices()[0].unique()
     assert 0 < len(touched) <= 32  # only the batch's rows
