@@ -13,6 +13,7 @@ from typing import Any
 from google.protobuf.json_format import MessageToDict
 
 from ps_admin.client import ShardResult
+from ps_admin.tables_view import table_lines
 from ps_common import modes
 from ps_proto.v1 import ps_pb2
 
@@ -299,6 +300,7 @@ def render_status(results: Sequence[ShardResult], width: int | None = None, erro
     if note:
         lines.append(note)
     lines += checkpoint_lines(results)
+    lines += table_lines(results)
     lines += ["", *table(SHARD_COLUMNS, shard_rows(results), width)]
     if errors:
         lines += [f"! {r.error_line().removeprefix('ps-admin: ')}" for r in results if not r.ok]

@@ -38,6 +38,8 @@ class Reason(enum.StrEnum):
     WAIT_TIMEOUT = "WAIT_TIMEOUT"
     CHECKPOINT = "CHECKPOINT"
     TOO_MANY_STREAMS = "TOO_MANY_STREAMS"
+    TABLE_FULL = "TABLE_FULL"
+    TOO_LARGE = "TOO_LARGE"
 
 
 class PSError(Exception):
@@ -174,3 +176,19 @@ class CheckpointError(PSError):
 
     reason: Reason = Reason.CHECKPOINT
     code = "INTERNAL"
+
+
+class TableFullError(PSError):
+    """A push would create rows beyond a table's per-shard cap (``--max-table-rows``): refused as a
+    whole, nothing changed (RESOURCE_EXHAUSTED). Raise the cap, add shards, or shrink the id space."""
+
+    reason: Reason = Reason.TABLE_FULL
+    code = "RESOURCE_EXHAUSTED"
+
+
+class RequestTooLargeError(PSError):
+    """A request asks for more than one message may carry (rows of a pull, ids of a push), checked
+    before any work (RESOURCE_EXHAUSTED): split it into smaller requests."""
+
+    reason: Reason = Reason.TOO_LARGE
+    code = "RESOURCE_EXHAUSTED"

@@ -102,6 +102,8 @@ def status_to_proto(
         applied_changes=view.applied_changes,
         membership_authority=view.membership_authority,
         durable_acks=view.durable_acks,
+        tables=view.tables,
+        tables_version=view.tables_version,
     )
 
 

@@ -12,6 +12,7 @@ from ps_common.errors import InvalidRequestError
 from ps_common.flags import FlagParser, join_timeout_flag, mode_flags, secret
 from ps_common.modes import MODES, ModeSettings
 from ps_server.core.limits import DEFAULT_MAX_PARAMETER_BYTES, Limits
+from ps_server.tables import DEFAULT_MAX_TABLE_ROWS
 
 LOOPBACK_NAMES = {"localhost", "ip6-localhost"}
 MAX_STREAMS = 1024
@@ -64,6 +65,8 @@ class ServerConfig:
     checkpoint_dir: str = ""
     checkpoint_every: int = 0
     checkpoint_keep: int = 3
+    max_table_rows: int = DEFAULT_MAX_TABLE_ROWS
+    """Most rows one shard holds per embedding table; a push needing more is refused (RESOURCE_EXHAUSTED)."""
     durable_acks: bool = False
     tls_cert: str = ""
     tls_key: str = ""
@@ -122,6 +125,8 @@ class ServerConfig:
         ):
             if not 1 <= value <= MAX_STREAMS:
                 raise InvalidRequestError(f"{flag} must be in 1..{MAX_STREAMS}, got {value}.")
+        if self.max_table_rows < 0:
+            raise InvalidRequestError(f"--max-table-rows must be >= 0, got {self.max_table_rows}.")
         if self.checkpoint_every < 0 or self.checkpoint_keep < 1:
             raise InvalidRequestError(
                 f"--checkpoint-every must be >= 0 (0: only on SIGTERM and Admin/Checkpoint) and --checkpoint-keep "
@@ -209,6 +214,12 @@ def server_parser(environ: Mapping[str, str] | None = None) -> FlagParser:
     )
     p.flag("--checkpoint-keep", type=int, default=3, help="checkpoints kept per shard")
     p.flag(
+        "--max-table-rows",
+        type=int,
+        default=DEFAULT_MAX_TABLE_ROWS,
+        help="rows one shard holds per embedding table; a push that would add more is refused (RESOURCE_EXHAUSTED)",
+    )
+    p.flag(
         "--durable-acks",
         switch=True,
         help="answer a push (PushPull, and async/ssp Push) only once the version it makes is in a checkpoint on "
@@ -274,6 +285,7 @@ def config_from_args(
             checkpoint_dir=args.checkpoint_dir,
             checkpoint_every=args.checkpoint_every,
             checkpoint_keep=args.checkpoint_keep,
+            max_table_rows=args.max_table_rows,
             durable_acks=args.durable_acks,
             tls_cert=args.tls_cert,
             tls_key=args.tls_key,

@@ -26,6 +26,7 @@ from ps_server.servicer import ParameterServicer, parameter_service_handler
 from ps_server.shard import Shard
 from ps_server.shard_views import StatusView
 from ps_server.streams import PUBLIC, WATCH, StreamLimit, StreamLimitInterceptor
+from ps_server.table_metrics import TableCollector
 from ps_server.threads import OwnedThreads
 
 log = logging.getLogger(__name__)
@@ -191,6 +192,8 @@ def start_server(config: ServerConfig, shard: Shard | None = None) -> ShardServe
             record_key=config.admin_token,
         )
     served = shard
+    shard.tables.max_rows = config.max_table_rows
+    metrics.registry.register(TableCollector(shard))
     shard.durable_acks = config.durable_acks and checkpointer is not None
     if checkpointer is not None:
         checkpointer.attach(shard)

@@ -27,6 +27,7 @@ from ps_server.membership import PushStamp
 from ps_server.request_streams import Request, read_request
 from ps_server.rpc import WORKER_STATES, cluster_config, deadline, maps_errors, maps_stream_errors, parse, wire_dtype
 from ps_server.shard import PushResult, Shard
+from ps_server.table_servicer import TableRpcs
 
 T = TypeVar("T")
 
@@ -81,7 +82,7 @@ def parameter_service_handler(servicer: ParameterServicer) -> grpc.GenericRpcHan
     return grpc.method_handlers_generic_handler(descriptor.full_name, handlers)
 
 
-class ParameterServicer:
+class ParameterServicer(TableRpcs):
     """ps.v1.ParameterService over one :class:`Shard`. Not the generated servicer base: the data
     methods take and return ``bytes`` (see :func:`parameter_service_handler`, which registers it).
 

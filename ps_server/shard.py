@@ -45,6 +45,8 @@ from ps_server.shard_data import DataPath
 from ps_server.shard_state import export_state, load_state
 from ps_server.shard_views import JoinInfo, Snapshot, StatusView
 from ps_server.store import ParameterStore
+from ps_server.table_store import TableStore
+from ps_server.tables import DEFAULT_MAX_TABLE_ROWS
 from ps_server.waits import Waits
 
 log = logging.getLogger(__name__)
@@ -120,6 +122,7 @@ class Shard(DataPath):
         self.last_checkpoint_version: int | None = None
         self.restored_from_version: int | None = None
         self._store_epoch = 0
+        self.tables = TableStore(shard_index, num_shards, DEFAULT_MAX_TABLE_ROWS)  # embedding tables (issue 19)
 
     @property
     def mode(self) -> str:
@@ -393,6 +396,8 @@ class Shard(DataPath):
             state = export_state(self.plan, self.store, self.version, self.mode, self.membership)
             state["epochs"] = self.epochs.export()
             state["configured_num_workers"] = self.configured_num_workers
+            if self.tables.tables:
+                state["tables"] = self.tables.export()
             return state
 
     def restore(self, state: dict[str, Any]) -> None:
@@ -410,6 +415,7 @@ class Shard(DataPath):
             self.rounds = SyncRounds(round=self.version)
             self.membership.restore(state["members"])
             self.epochs.restore(state.get("epochs"))
+            self.tables.restore(state.get("tables"))
             shard_members.restored(self, state)
             self.restored_from_version = self.version
             self.last_checkpoint_version = self.version

@@ -14,6 +14,7 @@ from ps_common.wire import MODE_TO_NAME, NAME_TO_MODE
 from ps_proto.v1 import ps_pb2
 from ps_server.epochs import KEPT_CHANGES
 from ps_server.shard_views import StatusView
+from ps_server.table_metrics import table_status
 
 if TYPE_CHECKING:
     from ps_server.shard import Shard
@@ -140,6 +141,8 @@ def status(shard: Shard) -> StatusView:
             applied_changes=tuple(_copy(c) for c in shard.epochs.applied),
             membership_authority=shard.epochs.authority,
             durable_acks=shard.durable_acks,
+            tables=table_status(shard.tables),
+            tables_version=shard.tables.version,
         )
 
 

@@ -58,6 +58,9 @@ class StatusView:
     applied_changes: tuple[ps_pb2.ConfigChange, ...] = ()
     membership_authority: bool = False
     durable_acks: bool = False
+    tables: tuple[ps_pb2.TableStatus, ...] = ()
+    """Embedding tables this shard holds rows of (issue 19)."""
+    tables_version: int = 0
 
     @property
     def mode(self) -> str:

@@ -59,6 +59,8 @@ def print_summary(s: dict[str, Any], out: IO[str]) -> None:
     ]
     if s.get("bits_per_char") is not None:
         rows.append(("bits per char", f"{s['bits_per_char']:.3f}"))
+    if s.get("auc") is not None:
+        rows.append(("held-out AUC", f"{s['auc']:.4f} (ground truth {s['ground_truth_auc']:.4f})"))
     rows += [
         (
             "training time",

@@ -16,7 +16,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ps_common.channels import parse_servers
+from ps_common.frames import MESSAGE_OVERHEAD_BYTES
 from ps_common.plan import DEFAULT_PARTITION_BYTES, Plan
+from ps_common.tables import TableSpec
 from ps_common.wire import optimizer_from_proto
 from ps_proto.v1 import ps_pb2
 from ps_worker.calls import DataPath
@@ -29,6 +31,8 @@ from ps_worker.pushpull import PendingPushPull
 from ps_worker.session import Session
 from ps_worker.session_view import SessionView
 from ps_worker.staging import HostStaging
+from ps_worker.table_client import TableClient
+from ps_worker.tables import attach_tables
 from ps_worker.transport import Transport
 
 if TYPE_CHECKING:
@@ -67,6 +71,9 @@ class PSClient(SessionView, ModelIO):
     Raises:
         ValueError: bad arguments.
     """
+
+    tables: TableClient | None = None
+    """The model's embedding tables (``ps_worker.tables``), set by :meth:`init` or :meth:`init_tables`."""
 
     def __init__(
         self,
@@ -162,6 +169,7 @@ class PSClient(SessionView, ModelIO):
             ShardError: a refusal (PlanMismatch: the shards hold another model's plan).
             TimeoutError: rank 0 did not initialize the shards in time.
         """
+        optimizer = attach_tables(self, model, optimizer)  # sparse embeddings become shard tables (issue 19)
         named, opt, plan = model_plan(model, optimizer, buffers, self.num_shards, self.partition_bytes)
         self.path.codec = WireCodec(plan, self.wire_dtype, self.compressor)
         self.session.plan_digest = plan.digest
@@ -187,6 +195,29 @@ class PSClient(SessionView, ModelIO):
             if not p.is_floating_point():  # an integer buffer, pulled as float64
                 p.copy_(params[k])
         self.session.worker.after_init(self.session)
+
+    # ------------------------------------------------------------------ embedding tables (ps_worker.tables)
+    def init_tables(self, specs: Sequence[TableSpec]) -> TableClient:
+        """Declare embedding tables without modules (rank 0 declares, the others wait for it);
+        :meth:`init` does this for a model's sparse embeddings. Returns :attr:`tables`."""
+        limit = self.partition_bytes + MESSAGE_OVERHEAD_BYTES
+        self.tables = TableClient(self.transport, self.session, specs, self.metrics, limit)
+        self.tables.declare()
+        return self.tables
+
+    def pull_rows(self, table: str, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` (int64 [n]) of ``table`` as float32 [n, dim]: one PullRows per shard owning
+        any (sync: waits for this rank's table round). See :meth:`TableClient.pull`."""
+        if self.tables is None:
+            raise RuntimeError("No embedding tables: call init() with a model that has some, or init_tables().")
+        return self.tables.pull({table: ids})[table]
+
+    def push_rows(self, grads: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> int:
+        """One step's row gradients, table -> (int64 ids [n], float32 grads [n, dim]): see
+        :meth:`TableClient.push`. Returns the table version (sync: the round joined)."""
+        if self.tables is None:
+            raise RuntimeError("No embedding tables: call init() with a model that has some, or init_tables().")
+        return self.tables.push(grads)
 
     # ------------------------------------------------------------------ data path
     def push(self, grads: Mapping[str, torch.Tensor]) -> list[ps_pb2.PushResponse]:

@@ -28,7 +28,9 @@ A class's ``status`` is the code the shard sends with its reason; ``reason`` the
     │   └── HyperparametersDisagree FAILED_PRECONDITION HYPERPARAMETERS_DISAGREE: ranks' lrs differ
     ├── ShuttingDown                UNAVAILABLE        SHUTTING_DOWN
     ├── CheckpointFailed            INTERNAL           CHECKPOINT
-    └── TooManyStreams              RESOURCE_EXHAUSTED TOO_MANY_STREAMS: wait for another stream to close
+    ├── TooManyStreams              RESOURCE_EXHAUSTED TOO_MANY_STREAMS: wait for another stream to close
+    ├── TableFull                   RESOURCE_EXHAUSTED TABLE_FULL: a table's per-shard row cap is reached
+    └── RequestTooLarge             RESOURCE_EXHAUSTED TOO_LARGE: more rows than one message carries
 
 The session's recoveries (:mod:`ps_worker.session`) branch on these classes: :data:`RECOVERABLE`.
 """
@@ -274,6 +276,15 @@ class TooManyStreams(ShardError):
 
 
 _BY_REASON[Reason.TOO_MANY_STREAMS] = TooManyStreams
+
+
+class TableFull(ShardError, mirrors=common.TableFullError):
+    """A push would create rows beyond a table's per-shard cap (``--max-table-rows``); nothing changed."""
+
+
+class RequestTooLarge(ShardError, mirrors=common.RequestTooLargeError):
+    """A request asked for more rows than one message carries; nothing was done. Split it."""
+
 
 RECOVERABLE: tuple[type[ShardError], ...] = (NotJoined, NotInitialized, FutureRound, PushLost)
 """Refusals the session recovers from (rejoin, re-init or wait, adopt the round, push again)."""

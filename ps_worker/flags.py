@@ -15,7 +15,7 @@ from typing import NoReturn
 from ps_common.channels import tls_flags
 from ps_common.flags import FlagParser
 
-WORKLOAD_NAMES = ("charlm", "digits", "linreg")
+WORKLOAD_NAMES = ("charlm", "ctr", "digits", "linreg")
 """The built-in workloads (the keys of ``ps_worker.workloads.WORKLOADS``, sorted; a test keeps them equal)."""
 
 

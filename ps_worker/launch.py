@@ -58,7 +58,7 @@ __all__ = [
 ]
 
 USAGE = (
-    "ps-launch [flags] [charlm|digits|linreg]\n"
+    "ps-launch [flags] [charlm|ctr|digits|linreg]\n"
     "       ps-launch [flags] train.py [script args]\n"
     "       ps-launch [flags] -m package.module [args]"
 )

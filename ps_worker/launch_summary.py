@@ -165,6 +165,8 @@ def summarize(
         "accuracy": first_done.get("accuracy"),
         "eval_loss": _finite(first_done.get("eval_loss")),
         "bits_per_char": first_done.get("bits_per_char"),
+        "auc": first_done.get("auc"),
+        "ground_truth_auc": first_done.get("ground_truth_auc"),
         "accuracy_per_rank": [d["accuracy"] for d in done],
         "wall_seconds": wall,
         "train_seconds": seconds,
@@ -236,6 +238,8 @@ def print_summary(s: dict[str, Any], out: IO[str]) -> None:
     ]
     if s.get("bits_per_char") is not None:
         rows.append(("bits per char", f"{s['bits_per_char']:.3f} (held out)"))
+    if s.get("auc") is not None:
+        rows.append(("held-out AUC", f"{s['auc']:.4f} (ground truth {s['ground_truth_auc']:.4f})"))
     rows += [
         ("wall time", f"{s['wall_seconds']:.1f} s (training {s['train_seconds']:.1f} s)"),
         ("throughput", f"{s['steps_per_second']:.1f} steps/s, {s['samples_per_second']:.0f} samples/s (all ranks)"),

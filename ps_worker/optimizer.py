@@ -12,6 +12,7 @@ import torch
 from ps_common.codec import torch_dtype
 from ps_worker.client import PSClient
 from ps_worker.pushpull import PendingPushPull
+from ps_worker.tables import push_step
 
 log = logging.getLogger(__name__)
 
@@ -261,6 +262,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             for p in self.params.values():
                 if p.grad is not None:
                     p.grad.mul_(inv.to(p.grad.device))
+        if self.client.tables is not None:  # embedding tables: row gradients first (ps_worker.tables)
+            push_step(self.client.tables, inv if grad_scale is not None and not skip else None, skip)
         return self.client.worker_mode.step(self, skip)
 
     def local_step(self, skip: bool) -> int:

@@ -51,6 +51,10 @@ class TrainSummary:
     """Step this process started at: a restarted rank resumes at the cluster's clock."""
     bits_per_char: float | None = None
     """charlm: held-out bits per character (loss / ln 2)."""
+    auc: float | None = None
+    """ctr: held-out ROC AUC of the model's click probabilities."""
+    ground_truth_auc: float | None = None
+    """ctr: held-out ROC AUC of the click log's hidden probabilities (the best achievable)."""
     resized_out_at: int | None = None
     """The step at which a resize to fewer workers ended this rank (None: it ran to the end)."""
     num_workers: int = 0
@@ -205,6 +209,8 @@ def train(
         staleness_max=max(client.staleness, default=0),
         first_step=first,
         bits_per_char=scores.get("bits_per_char"),
+        auc=scores.get("auc"),
+        ground_truth_auc=scores.get("ground_truth_auc"),
         resized_out_at=resized_out,
         num_workers=client.num_workers,
     )

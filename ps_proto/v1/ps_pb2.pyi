@@ -463,6 +463,120 @@ class LeaveResponse(_message.Message):
     membership: MembershipEpoch
     def __init__(self, version: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., membership: _Optional[_Union[MembershipEpoch, _Mapping]] = ...) -> None: ...
 
+class TableSpec(_message.Message):
+    __slots__ = ("name", "num_rows", "dim", "dtype", "seed", "init_std", "optimizer")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    NUM_ROWS_FIELD_NUMBER: _ClassVar[int]
+    DIM_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    INIT_STD_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    num_rows: int
+    dim: int
+    dtype: Dtype
+    seed: int
+    init_std: float
+    optimizer: OptimizerSpec
+    def __init__(self, name: _Optional[str] = ..., num_rows: _Optional[int] = ..., dim: _Optional[int] = ..., dtype: _Optional[_Union[Dtype, str]] = ..., seed: _Optional[int] = ..., init_std: _Optional[float] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ...) -> None: ...
+
+class RowBlock(_message.Message):
+    __slots__ = ("table", "ids", "dtype", "data")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    ids: bytes
+    dtype: Dtype
+    data: bytes
+    def __init__(self, table: _Optional[str] = ..., ids: _Optional[bytes] = ..., dtype: _Optional[_Union[Dtype, str]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class InitTablesRequest(_message.Message):
+    __slots__ = ("rank", "incarnation", "tables")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    incarnation: int
+    tables: _containers.RepeatedCompositeFieldContainer[TableSpec]
+    def __init__(self, rank: _Optional[int] = ..., incarnation: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableSpec, _Mapping]]] = ...) -> None: ...
+
+class InitTablesResponse(_message.Message):
+    __slots__ = ("applied", "version", "clock", "tables")
+    APPLIED_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    CLOCK_FIELD_NUMBER: _ClassVar[int]
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    applied: bool
+    version: int
+    clock: int
+    tables: _containers.RepeatedCompositeFieldContainer[TableSpec]
+    def __init__(self, applied: _Optional[bool] = ..., version: _Optional[int] = ..., clock: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableSpec, _Mapping]]] = ...) -> None: ...
+
+class PullRowsRequest(_message.Message):
+    __slots__ = ("rank", "incarnation", "min_version", "blocks")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    MIN_VERSION_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    incarnation: int
+    min_version: int
+    blocks: _containers.RepeatedCompositeFieldContainer[RowBlock]
+    def __init__(self, rank: _Optional[int] = ..., incarnation: _Optional[int] = ..., min_version: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[RowBlock, _Mapping]]] = ...) -> None: ...
+
+class PullRowsResponse(_message.Message):
+    __slots__ = ("version", "blocks")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    blocks: _containers.RepeatedCompositeFieldContainer[RowBlock]
+    def __init__(self, version: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[RowBlock, _Mapping]]] = ...) -> None: ...
+
+class PushRowsRequest(_message.Message):
+    __slots__ = ("rank", "incarnation", "clock", "blocks")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    CLOCK_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    incarnation: int
+    clock: int
+    blocks: _containers.RepeatedCompositeFieldContainer[RowBlock]
+    def __init__(self, rank: _Optional[int] = ..., incarnation: _Optional[int] = ..., clock: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[RowBlock, _Mapping]]] = ...) -> None: ...
+
+class PushRowsResponse(_message.Message):
+    __slots__ = ("version", "duplicate")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATE_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    duplicate: bool
+    def __init__(self, version: _Optional[int] = ..., duplicate: _Optional[bool] = ...) -> None: ...
+
+class TableStatus(_message.Message):
+    __slots__ = ("name", "num_rows", "dim", "rows", "bytes", "rows_pulled", "rows_pushed", "max_rows", "optimizer")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    NUM_ROWS_FIELD_NUMBER: _ClassVar[int]
+    DIM_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    ROWS_PULLED_FIELD_NUMBER: _ClassVar[int]
+    ROWS_PUSHED_FIELD_NUMBER: _ClassVar[int]
+    MAX_ROWS_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    num_rows: int
+    dim: int
+    rows: int
+    bytes: int
+    rows_pulled: int
+    rows_pushed: int
+    max_rows: int
+    optimizer: str
+    def __init__(self, name: _Optional[str] = ..., num_rows: _Optional[int] = ..., dim: _Optional[int] = ..., rows: _Optional[int] = ..., bytes: _Optional[int] = ..., rows_pulled: _Optional[int] = ..., rows_pushed: _Optional[int] = ..., max_rows: _Optional[int] = ..., optimizer: _Optional[str] = ...) -> None: ...
+
 class WorkerStatus(_message.Message):
     __slots__ = ("rank", "incarnation", "clock", "state", "last_seen_seconds_ago", "pushes")
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -480,7 +594,7 @@ class WorkerStatus(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., incarnation: _Optional[int] = ..., clock: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., last_seen_seconds_ago: _Optional[float] = ..., pushes: _Optional[int] = ...) -> None: ...
 
 class ShardStatus(_message.Message):
-    __slots__ = ("shard_index", "num_shards", "config", "initialized", "version", "plan_digest", "num_partitions", "num_elements", "parameter_bytes", "optimizer", "workers", "received_bytes", "sent_bytes", "rejected_requests", "uptime_seconds", "round_ranks", "pending_mode", "max_clock_gap", "rejected_pushes", "staleness", "round_age_seconds", "round_waiting_for", "last_checkpoint_version", "restored_from_version", "checkpoint_failures", "last_checkpoint_error", "membership", "applied_changes", "membership_authority", "durable_acks")
+    __slots__ = ("shard_index", "num_shards", "config", "initialized", "version", "plan_digest", "num_partitions", "num_elements", "parameter_bytes", "optimizer", "workers", "received_bytes", "sent_bytes", "rejected_requests", "uptime_seconds", "round_ranks", "pending_mode", "max_clock_gap", "rejected_pushes", "staleness", "round_age_seconds", "round_waiting_for", "last_checkpoint_version", "restored_from_version", "checkpoint_failures", "last_checkpoint_error", "membership", "applied_changes", "membership_authority", "durable_acks", "tables", "tables_version")
     class RejectedPushesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -518,6 +632,8 @@ class ShardStatus(_message.Message):
     APPLIED_CHANGES_FIELD_NUMBER: _ClassVar[int]
     MEMBERSHIP_AUTHORITY_FIELD_NUMBER: _ClassVar[int]
     DURABLE_ACKS_FIELD_NUMBER: _ClassVar[int]
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    TABLES_VERSION_FIELD_NUMBER: _ClassVar[int]
     shard_index: int
     num_shards: int
     config: ClusterConfig
@@ -548,7 +664,9 @@ class ShardStatus(_message.Message):
     applied_changes: _containers.RepeatedCompositeFieldContainer[ConfigChange]
     membership_authority: bool
     durable_acks: bool
-    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., config: _Optional[_Union[ClusterConfig, _Mapping]] = ..., initialized: _Optional[bool] = ..., version: _Optional[int] = ..., plan_digest: _Optional[str] = ..., num_partitions: _Optional[int] = ..., num_elements: _Optional[int] = ..., parameter_bytes: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., received_bytes: _Optional[int] = ..., sent_bytes: _Optional[int] = ..., rejected_requests: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., round_ranks: _Optional[_Iterable[int]] = ..., pending_mode: _Optional[_Union[Mode, str]] = ..., max_clock_gap: _Optional[int] = ..., rejected_pushes: _Optional[_Mapping[str, int]] = ..., staleness: _Optional[_Union[StalenessSummary, _Mapping]] = ..., round_age_seconds: _Optional[float] = ..., round_waiting_for: _Optional[_Iterable[int]] = ..., last_checkpoint_version: _Optional[int] = ..., restored_from_version: _Optional[int] = ..., checkpoint_failures: _Optional[int] = ..., last_checkpoint_error: _Optional[str] = ..., membership: _Optional[_Union[MembershipEpoch, _Mapping]] = ..., applied_changes: _Optional[_Iterable[_Union[ConfigChange, _Mapping]]] = ..., membership_authority: _Optional[bool] = ..., durable_acks: _Optional[bool] = ...) -> None: ...
+    tables: _containers.RepeatedCompositeFieldContainer[TableStatus]
+    tables_version: int
+    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., config: _Optional[_Union[ClusterConfig, _Mapping]] = ..., initialized: _Optional[bool] = ..., version: _Optional[int] = ..., plan_digest: _Optional[str] = ..., num_partitions: _Optional[int] = ..., num_elements: _Optional[int] = ..., parameter_bytes: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., received_bytes: _Optional[int] = ..., sent_bytes: _Optional[int] = ..., rejected_requests: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., round_ranks: _Optional[_Iterable[int]] = ..., pending_mode: _Optional[_Union[Mode, str]] = ..., max_clock_gap: _Optional[int] = ..., rejected_pushes: _Optional[_Mapping[str, int]] = ..., staleness: _Optional[_Union[StalenessSummary, _Mapping]] = ..., round_age_seconds: _Optional[float] = ..., round_waiting_for: _Optional[_Iterable[int]] = ..., last_checkpoint_version: _Optional[int] = ..., restored_from_version: _Optional[int] = ..., checkpoint_failures: _Optional[int] = ..., last_checkpoint_error: _Optional[str] = ..., membership: _Optional[_Union[MembershipEpoch, _Mapping]] = ..., applied_changes: _Optional[_Iterable[_Union[ConfigChange, _Mapping]]] = ..., membership_authority: _Optional[bool] = ..., durable_acks: _Optional[bool] = ..., tables: _Optional[_Iterable[_Union[TableStatus, _Mapping]]] = ..., tables_version: _Optional[int] = ...) -> None: ...
 
 class StalenessSummary(_message.Message):
     __slots__ = ("count", "p50", "p90", "p99", "max")

@@ -80,6 +80,21 @@ class ParameterServiceStub:
                 request_serializer=ps__proto_dot_v1_dot_ps__pb2.ExchangeRequest.SerializeToString,
                 response_deserializer=ps__proto_dot_v1_dot_ps__pb2.ExchangeResponse.FromString,
                 _registered_method=True)
+        self.InitTables = channel.unary_unary(
+                '/ps.v1.ParameterService/InitTables',
+                request_serializer=ps__proto_dot_v1_dot_ps__pb2.InitTablesRequest.SerializeToString,
+                response_deserializer=ps__proto_dot_v1_dot_ps__pb2.InitTablesResponse.FromString,
+                _registered_method=True)
+        self.PullRows = channel.unary_unary(
+                '/ps.v1.ParameterService/PullRows',
+                request_serializer=ps__proto_dot_v1_dot_ps__pb2.PullRowsRequest.SerializeToString,
+                response_deserializer=ps__proto_dot_v1_dot_ps__pb2.PullRowsResponse.FromString,
+                _registered_method=True)
+        self.PushRows = channel.unary_unary(
+                '/ps.v1.ParameterService/PushRows',
+                request_serializer=ps__proto_dot_v1_dot_ps__pb2.PushRowsRequest.SerializeToString,
+                response_deserializer=ps__proto_dot_v1_dot_ps__pb2.PushRowsResponse.FromString,
+                _registered_method=True)
 
 
 class ParameterServiceServicer:
@@ -151,6 +166,27 @@ class ParameterServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def InitTables(self, request, context):
+        """Declare the model's embedding tables (every rank may send; the first declares, others must match).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PullRows(self, request, context):
+        """Read the rows a batch needs (a row never updated reads as its initial value).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PushRows(self, request, context):
+        """Row-sparse gradients of one step: applied (async, ssp) or held for the table round (sync).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -198,6 +234,21 @@ def add_ParameterServiceServicer_to_server(servicer, server):
                     servicer.Exchange,
                     request_deserializer=ps__proto_dot_v1_dot_ps__pb2.ExchangeRequest.FromString,
                     response_serializer=ps__proto_dot_v1_dot_ps__pb2.ExchangeResponse.SerializeToString,
+            ),
+            'InitTables': grpc.unary_unary_rpc_method_handler(
+                    servicer.InitTables,
+                    request_deserializer=ps__proto_dot_v1_dot_ps__pb2.InitTablesRequest.FromString,
+                    response_serializer=ps__proto_dot_v1_dot_ps__pb2.InitTablesResponse.SerializeToString,
+            ),
+            'PullRows': grpc.unary_unary_rpc_method_handler(
+                    servicer.PullRows,
+                    request_deserializer=ps__proto_dot_v1_dot_ps__pb2.PullRowsRequest.FromString,
+                    response_serializer=ps__proto_dot_v1_dot_ps__pb2.PullRowsResponse.SerializeToString,
+            ),
+            'PushRows': grpc.unary_unary_rpc_method_handler(
+                    servicer.PushRows,
+                    request_deserializer=ps__proto_dot_v1_dot_ps__pb2.PushRowsRequest.FromString,
+                    response_serializer=ps__proto_dot_v1_dot_ps__pb2.PushRowsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -444,6 +495,87 @@ class ParameterService:
             '/ps.v1.ParameterService/Exchange',
             ps__proto_dot_v1_dot_ps__pb2.ExchangeRequest.SerializeToString,
             ps__proto_dot_v1_dot_ps__pb2.ExchangeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def InitTables(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ps.v1.ParameterService/InitTables',
+            ps__proto_dot_v1_dot_ps__pb2.InitTablesRequest.SerializeToString,
+            ps__proto_dot_v1_dot_ps__pb2.InitTablesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PullRows(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ps.v1.ParameterService/PullRows',
+            ps__proto_dot_v1_dot_ps__pb2.PullRowsRequest.SerializeToString,
+            ps__proto_dot_v1_dot_ps__pb2.PullRowsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushRows(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ps.v1.ParameterService/PushRows',
+            ps__proto_dot_v1_dot_ps__pb2.PushRowsRequest.SerializeToString,
+            ps__proto_dot_v1_dot_ps__pb2.PushRowsResponse.FromString,
             options,
             channel_credentials,
             insecure,

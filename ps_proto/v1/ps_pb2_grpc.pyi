@@ -59,6 +59,12 @@ class ParameterServiceStub:
     """Stop being counted in rounds and waits."""
     Exchange: _grpc.StreamStreamMultiCallable[_ps_pb2.ExchangeRequest, _ps_pb2.ExchangeResponse]
     """EASGD: send x, receive d = alpha * (x - center); the shard sets center += d atomically."""
+    InitTables: _grpc.UnaryUnaryMultiCallable[_ps_pb2.InitTablesRequest, _ps_pb2.InitTablesResponse]
+    """Declare the model's embedding tables (every rank may send; the first declares, others must match)."""
+    PullRows: _grpc.UnaryUnaryMultiCallable[_ps_pb2.PullRowsRequest, _ps_pb2.PullRowsResponse]
+    """Read the rows a batch needs (a row never updated reads as its initial value)."""
+    PushRows: _grpc.UnaryUnaryMultiCallable[_ps_pb2.PushRowsRequest, _ps_pb2.PushRowsResponse]
+    """Row-sparse gradients of one step: applied (async, ssp) or held for the table round (sync)."""
 
 @_typing.type_check_only
 class ParameterServiceAsyncStub(ParameterServiceStub):
@@ -86,6 +92,12 @@ class ParameterServiceAsyncStub(ParameterServiceStub):
     """Stop being counted in rounds and waits."""
     Exchange: _aio.StreamStreamMultiCallable[_ps_pb2.ExchangeRequest, _ps_pb2.ExchangeResponse]  # type: ignore[assignment]
     """EASGD: send x, receive d = alpha * (x - center); the shard sets center += d atomically."""
+    InitTables: _aio.UnaryUnaryMultiCallable[_ps_pb2.InitTablesRequest, _ps_pb2.InitTablesResponse]  # type: ignore[assignment]
+    """Declare the model's embedding tables (every rank may send; the first declares, others must match)."""
+    PullRows: _aio.UnaryUnaryMultiCallable[_ps_pb2.PullRowsRequest, _ps_pb2.PullRowsResponse]  # type: ignore[assignment]
+    """Read the rows a batch needs (a row never updated reads as its initial value)."""
+    PushRows: _aio.UnaryUnaryMultiCallable[_ps_pb2.PushRowsRequest, _ps_pb2.PushRowsResponse]  # type: ignore[assignment]
+    """Row-sparse gradients of one step: applied (async, ssp) or held for the table round (sync)."""
 
 class ParameterServiceServicer(metaclass=_abc_1.ABCMeta):
     """Data plane: workers join, rank 0 initializes, everyone pushes gradients and pulls weights."""
@@ -164,6 +176,30 @@ class ParameterServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_ps_pb2.ExchangeResponse], _abc.AsyncIterator[_ps_pb2.ExchangeResponse]]:
         """EASGD: send x, receive d = alpha * (x - center); the shard sets center += d atomically."""
+
+    @_abc_1.abstractmethod
+    def InitTables(
+        self,
+        request: _ps_pb2.InitTablesRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_ps_pb2.InitTablesResponse, _abc.Awaitable[_ps_pb2.InitTablesResponse]]:
+        """Declare the model's embedding tables (every rank may send; the first declares, others must match)."""
+
+    @_abc_1.abstractmethod
+    def PullRows(
+        self,
+        request: _ps_pb2.PullRowsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_ps_pb2.PullRowsResponse, _abc.Awaitable[_ps_pb2.PullRowsResponse]]:
+        """Read the rows a batch needs (a row never updated reads as its initial value)."""
+
+    @_abc_1.abstractmethod
+    def PushRows(
+        self,
+        request: _ps_pb2.PushRowsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_ps_pb2.PushRowsResponse, _abc.Awaitable[_ps_pb2.PushRowsResponse]]:
+        """Row-sparse gradients of one step: applied (async, ssp) or held for the table round (sync)."""
 
 def add_ParameterServiceServicer_to_server(servicer: ParameterServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
 

@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 from ps_worker.workloads.base import Workload
 from ps_worker.workloads.charlm import CharLMWorkload
+from ps_worker.workloads.ctr import CTRWorkload
 from ps_worker.workloads.digits import DigitsWorkload
 from ps_worker.workloads.linreg import LinRegWorkload
 
@@ -13,6 +14,7 @@ WORKLOADS: dict[str, Callable[..., Workload]] = {
     "digits": DigitsWorkload,
     "linreg": LinRegWorkload,
     "charlm": CharLMWorkload,
+    "ctr": CTRWorkload,
 }
 
 TAKES_CORPUS = frozenset({"charlm"})

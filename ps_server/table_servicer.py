@@ -1,0 +1,210 @@
+"""The embedding-table RPCs of ``ps.v1.ParameterService`` (InitTables, PullRows, PushRows): decode,
+call the shard's :class:`~ps_server.table_store.TableStore` under the shard's condition, encode.
+
+A mixin of :class:`~ps_server.servicer.ParameterServicer` (which supplies ``shard`` and
+``counters``). Every request is bounded before any work: its ids (8 bytes each) and, for a pull,
+the rows it asks for must fit in one message of ``--max-message-bytes`` (RESOURCE_EXHAUSTED
+otherwise); every block is checked (table, ids in range and owned here, dim, dtype, finite values)
+before anything is held or applied, so a refused request changes nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import grpc
+import numpy as np
+import torch
+
+from ps_common.errors import InvalidRequestError, RequestTooLargeError
+from ps_common.tables import RowOptimizerSpec, TableSpec
+from ps_proto.v1 import ps_pb2
+from ps_server.membership import Membership
+from ps_server.rpc import deadline, maps_errors
+from ps_server.table_store import TableStore
+from ps_server.tables import RowGrads
+
+if TYPE_CHECKING:
+    from ps_server.counters import ShardCounters
+    from ps_server.shard import Shard
+
+log = logging.getLogger("ps_server.servicer")
+
+FRAMING_BYTES = 64 * 1024
+"""Bytes of a message kept for everything but ids and rows (names, headers)."""
+
+
+def spec_from_proto(msg: ps_pb2.TableSpec) -> TableSpec:
+    """A validated :class:`TableSpec` of a TableSpec message.
+
+    Raises:
+        InvalidRequestError: a bad field or row optimizer.
+    """
+    if msg.dtype not in (ps_pb2.DTYPE_UNSPECIFIED, ps_pb2.DTYPE_FLOAT32):
+        raise InvalidRequestError(f"Table {msg.name[:80]!r}: rows must be float32.")
+    opt = RowOptimizerSpec(msg.optimizer.name, dict(msg.optimizer.kwargs))
+    return TableSpec(msg.name, msg.num_rows, msg.dim, opt, msg.seed, msg.init_std)
+
+
+def spec_to_proto(spec: TableSpec) -> ps_pb2.TableSpec:
+    """The TableSpec message of ``spec``."""
+    return ps_pb2.TableSpec(
+        name=spec.name,
+        num_rows=spec.num_rows,
+        dim=spec.dim,
+        dtype=ps_pb2.DTYPE_FLOAT32,
+        seed=spec.seed,
+        init_std=spec.init_std,
+        optimizer=ps_pb2.OptimizerSpec(name=spec.optimizer.name, kwargs=dict(spec.optimizer.kwargs)),
+    )
+
+
+def decode_ids(raw: bytes, table: str) -> torch.Tensor:
+    """int64 [n] of little-endian ``raw``.
+
+    Raises:
+        InvalidRequestError: a length that is not a multiple of 8.
+    """
+    if len(raw) % 8:
+        raise InvalidRequestError(
+            f"Block of table {table[:80]!r}: ids must be int64, 8 bytes each; got {len(raw)} bytes."
+        )
+    return torch.from_numpy(np.frombuffer(raw, dtype="<i8").astype(np.int64))
+
+
+def check_size(blocks: Sequence[ps_pb2.RowBlock], max_message_bytes: int, store: TableStore, pull: bool) -> None:
+    """Refuse a request whose ids, or whose answer's rows (a pull), exceed one message.
+
+    Raises:
+        RequestTooLargeError: too many ids or rows. InvalidRequestError, PreconditionError: unknown table.
+    """
+    budget = max_message_bytes - FRAMING_BYTES
+    ids = sum(len(b.ids) for b in blocks)
+    answer = sum(len(b.ids) // 8 * store.table(b.table).spec.row_bytes for b in blocks) if pull else 0
+    if ids > budget or answer > budget:
+        raise RequestTooLargeError(
+            f"The request carries {ids // 8} row ids ({answer} bytes of rows to answer); one message carries "
+            f"{budget} bytes (--max-message-bytes less framing). Split the ids over several requests."
+        )
+
+
+class TableRpcs:
+    """InitTables, PullRows and PushRows of ParameterService (see the module docstring)."""
+
+    shard: Shard  # supplied by ParameterServicer
+    counters: ShardCounters
+
+    @maps_errors
+    def InitTables(self, request: ps_pb2.InitTablesRequest, context: grpc.ServicerContext) -> ps_pb2.InitTablesResponse:
+        shard = self.shard
+        specs = [spec_from_proto(t) for t in request.tables]
+        remaining = deadline(context)
+        with shard._cond:
+            shard.membership.get(request.rank, request.incarnation)
+            store: TableStore = shard.tables
+            if request.rank != 0 and not store.tables:  # rank 0 declares, the others wait for it
+                until = None if remaining is None else shard.now() + remaining
+                shard.waits.until(
+                    lambda: bool(store.tables),
+                    until,
+                    lambda: f"Shard {shard.shard_index}: rank 0 did not declare its tables in time; start rank 0.",
+                )
+            applied = store.declare(specs)
+            if applied:
+                shard._cond.notify_all()
+            return ps_pb2.InitTablesResponse(
+                applied=applied,
+                version=store.version,
+                clock=store.clock_of(shard.mode, request.rank, request.incarnation),
+                tables=[spec_to_proto(t.spec) for t in store.tables.values()],
+            )
+
+    @maps_errors
+    def PullRows(self, request: ps_pb2.PullRowsRequest, context: grpc.ServicerContext) -> ps_pb2.PullRowsResponse:
+        shard = self.shard
+        ids = [decode_ids(b.ids, b.table) for b in request.blocks]
+        remaining = deadline(context)
+        with shard._cond:
+            store: TableStore = shard.tables
+            shard.membership.get(request.rank, request.incarnation)
+            check_size(request.blocks, shard.limits.max_message_bytes, store, pull=True)
+            for b in request.blocks:
+                store.table(b.table)
+            if request.min_version > store.version:
+                self._wait_for(request.min_version, remaining)
+            rows = store.pull([(b.table, i) for b, i in zip(request.blocks, ids, strict=True)])
+            version = store.version
+            for b in request.blocks:
+                store.tables[b.table].bytes_sent += len(b.ids) // 8 * store.tables[b.table].spec.row_bytes
+        return ps_pb2.PullRowsResponse(
+            version=version,
+            blocks=[
+                ps_pb2.RowBlock(table=b.table, dtype=ps_pb2.DTYPE_FLOAT32, data=r.numpy().tobytes())
+                for b, r in zip(request.blocks, rows, strict=True)
+            ],
+        )
+
+    def _wait_for(self, min_version: int, remaining: float | None) -> None:
+        """Wait (lock held) until the table version reaches ``min_version``, closing a sync round
+        whose ranks have all pushed (an eviction can complete it)."""
+        shard = self.shard
+        store: TableStore = shard.tables
+        until = None if remaining is None else shard.now() + remaining
+
+        def ready() -> bool:
+            if shard.mode == "sync" and store.close_round_if_complete(shard.membership.expected(store.version)):
+                shard._cond.notify_all()
+            return store.version >= min_version
+
+        def describe() -> str:
+            missing = [r for r in shard.membership.expected(store.version) if r not in store.held]
+            return (
+                f"Shard {shard.shard_index} waited for table round {store.version} until the deadline; ranks "
+                f"{missing} have not pushed rows for it. Check those workers, or evict them."
+            )
+
+        shard.waits.until(ready, until, describe)
+
+    @maps_errors
+    def PushRows(self, request: ps_pb2.PushRowsRequest, context: grpc.ServicerContext) -> ps_pb2.PushRowsResponse:
+        shard = self.shard
+        ids = [decode_ids(b.ids, b.table) for b in request.blocks]
+        with shard._cond:
+            store: TableStore = shard.tables
+            member = shard.membership.get(request.rank, request.incarnation)
+            Membership.check_live(member, request.incarnation)
+            check_size(request.blocks, shard.limits.max_message_bytes, store, pull=False)
+            blocks: dict[str, RowGrads] = {}
+            for b, i in zip(request.blocks, ids, strict=True):
+                blocks[b.table] = self._grads(store, b, i, b.table in blocks)
+            version, duplicate = store.push(shard.mode, request.rank, request.incarnation, request.clock, blocks)
+            if not duplicate:
+                for b in request.blocks:
+                    store.tables[b.table].bytes_received += len(b.ids) + len(b.data)
+                if shard.mode != "sync" or store.close_round_if_complete(shard.membership.expected(store.version)):
+                    shard._cond.notify_all()
+            shard.membership.touch(member)
+        return ps_pb2.PushRowsResponse(version=version, duplicate=duplicate)
+
+    @staticmethod
+    def _grads(store: TableStore, block: ps_pb2.RowBlock, ids: torch.Tensor, repeated: bool) -> RowGrads:
+        """The row gradients of one block, its length and dtype checked against the table's dim.
+
+        Raises:
+            InvalidRequestError: a table twice, a dtype other than float32, data not len(ids) x dim.
+        """
+        table = store.table(block.table)
+        if repeated:
+            raise InvalidRequestError(f"PushRows names table {block.table[:80]!r} twice; send one block per table.")
+        if block.dtype != ps_pb2.DTYPE_FLOAT32:
+            raise InvalidRequestError(f"Row gradients of table {block.table[:80]!r} must be float32 (DTYPE_FLOAT32).")
+        expected = ids.numel() * table.spec.row_bytes
+        if len(block.data) != expected:
+            raise InvalidRequestError(
+                f"Block of table {block.table[:80]!r}: {ids.numel()} ids need {expected} bytes of float32 rows of dim "
+                f"{table.spec.dim}, got {len(block.data)}; the worker's table has another dim than the shards'."
+            )
+        grads = torch.from_numpy(np.frombuffer(block.data, dtype="<f4").astype(np.float32)).reshape(-1, table.spec.dim)
+        return RowGrads(ids, grads)
