@@ -70,7 +70,7 @@ def tune_malloc_at_start(environ: Mapping[str, str] | None = None, argv: Sequenc
     empty one turns the tuning off), off Linux, or with a C library other than glibc.
 
     Args:
-        environ: the environment to check and extend (``os.environ``).
+        environ: the environment to check, and to run again with the variable added (``os.environ``).
         argv: the command line to run again (``sys.orig_argv``).
 
     Raises:

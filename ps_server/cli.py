@@ -15,12 +15,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point. Prints ``ps-server: metrics on http://HOST:PORT/metrics`` (unless
     ``--metrics-port -1``), then ``ps-server: shard K/S listening on HOST:PORT`` once serving.
 
+    Started without ``GLIBC_TUNABLES`` in its environment (``argv`` None: this process's own command
+    line), the process first restarts itself with grpc-ps's malloc tuning
+    (:func:`ps_common.process_env.tune_malloc_at_start`: same PID, same command line), so a plain
+    ``ps-server`` is as fast as one started by ``ps-launch``.
+
     Returns:
         0 after a clean stop; 1 when the shard could not start, or when the final checkpoint
         written at SIGTERM/SIGINT failed (the message says why and which checkpoint is the newest).
-    Started without ``GLIBC_TUNABLES`` in its environment, the process first restarts itself with
-    grpc-ps's malloc tuning (:func:`ps_common.process_env.tune_malloc_at_start`: same PID, same
-    command line), so a plain ``ps-server`` is as fast as one started by ``ps-launch``.
     """
     if argv is None:
         tune_malloc_at_start()
