@@ -115,34 +115,32 @@ class Tcp(System):
 
 class Echo(System):
     """The transport's floor: a minimal grpcio echo (``grpc_echo.py``) of the payload in messages of
-    grpc-ps's partition size."""
+    grpc-ps's partition size. A server process, then a client that dials the port it reports."""
 
     family = "echo"
+    script, server_role, client_role = "grpc_echo.py", "server", "client"
+    setup_server = False
+    """Whether the server is set up per size too (the native shard allocates its parameters)."""
 
     def __init__(self, key: str, partition_bytes: int) -> None:
         super().__init__(key)
         self.partition_bytes = partition_bytes
 
     def start(self, env: dict[str, str], log_dir: Path) -> None:
-        self.server = self.spawn("echo-server", "grpc_echo.py", "server", env=env, log_dir=log_dir, driver=False)
+        name = f"{self.family}-{self.server_role}"
+        self.server = self.spawn(name, self.script, self.server_role, env=env, log_dir=log_dir, driver=False)
         self.env, self.log_dir = env, log_dir
 
     def wait_ready(self, timeout: float) -> None:
         port = self.server.recv(timeout, "start-up")["port"]
-        client = self.spawn(
-            "echo-client",
-            "grpc_echo.py",
-            "client",
-            "--port",
-            str(port),
-            env=self.env,
-            log_dir=self.log_dir,
-            driver=True,
-        )
+        argv = (self.client_role, "--port", str(port))
+        name = f"{self.family}-{self.client_role}"
+        client = self.spawn(name, self.script, *argv, env=self.env, log_dir=self.log_dir, driver=True)
         client.recv(timeout, "start-up")
 
     def setup(self, size: Size) -> None:
-        ask_all(self.drivers, "setup", SETUP_TIMEOUT, bytes=size.nbytes, partition_bytes=self.partition_bytes)
+        members = self.children if self.setup_server else self.drivers
+        ask_all(members, "setup", SETUP_TIMEOUT, bytes=size.nbytes, partition_bytes=self.partition_bytes)
 
 
 class Native(Echo):
@@ -150,27 +148,8 @@ class Native(Echo):
     user-space copy, the optimizer step pipelined per partition."""
 
     family = "native"
-
-    def start(self, env: dict[str, str], log_dir: Path) -> None:
-        self.server = self.spawn("native-shard", "native_ps.py", "shard", env=env, log_dir=log_dir, driver=False)
-        self.env, self.log_dir = env, log_dir
-
-    def wait_ready(self, timeout: float) -> None:
-        port = self.server.recv(timeout, "start-up")["port"]
-        worker = self.spawn(
-            "native-worker",
-            "native_ps.py",
-            "worker",
-            "--port",
-            str(port),
-            env=self.env,
-            log_dir=self.log_dir,
-            driver=True,
-        )
-        worker.recv(timeout, "start-up")
-
-    def setup(self, size: Size) -> None:
-        ask_all(self.children, "setup", SETUP_TIMEOUT, bytes=size.nbytes, partition_bytes=self.partition_bytes)
+    script, server_role, client_role = "native_ps.py", "shard", "worker"
+    setup_server = True
 
 
 class Gloo(System):

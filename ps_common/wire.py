@@ -6,9 +6,11 @@ from collections.abc import Iterable, Sequence
 from typing import Any, overload
 
 from ps_common.codec import dtype_from_proto, dtype_to_proto
+from ps_common.errors import InvalidRequestError
 from ps_common.optimizer import OptimizerSpec
 from ps_common.partition import WirePartition
 from ps_common.plan import ParameterSpec, Plan
+from ps_common.tables import RowOptimizerSpec, TableSpec
 from ps_proto.v1 import ps_pb2
 
 MODE_TO_NAME = {
@@ -131,3 +133,28 @@ def with_partition(msg: Any, key: str, offset: int, length: int, dtype: int, dat
     p = msg.partition
     p.key, p.offset, p.length, p.dtype, p.data = key, offset, length, dtype, data
     return msg
+
+
+def table_spec_from_proto(msg: ps_pb2.TableSpec) -> TableSpec:
+    """A validated :class:`~ps_common.tables.TableSpec` of a TableSpec message.
+
+    Raises:
+        InvalidRequestError: rows other than float32, a bad field or row optimizer.
+    """
+    if msg.dtype not in (ps_pb2.DTYPE_UNSPECIFIED, ps_pb2.DTYPE_FLOAT32):
+        raise InvalidRequestError(f"Table {msg.name[:80]!r}: rows must be float32.")
+    opt = RowOptimizerSpec(msg.optimizer.name, dict(msg.optimizer.kwargs))
+    return TableSpec(msg.name, msg.num_rows, msg.dim, opt, msg.seed, msg.init_std)
+
+
+def table_spec_to_proto(spec: TableSpec) -> ps_pb2.TableSpec:
+    """The TableSpec message of ``spec`` (float32 rows)."""
+    return ps_pb2.TableSpec(
+        name=spec.name,
+        num_rows=spec.num_rows,
+        dim=spec.dim,
+        dtype=ps_pb2.DTYPE_FLOAT32,
+        seed=spec.seed,
+        init_std=spec.init_std,
+        optimizer=ps_pb2.OptimizerSpec(name=spec.optimizer.name, kwargs=dict(spec.optimizer.kwargs)),
+    )

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from ps_common.errors import InvalidRequestError, RequestTooLargeError
-from ps_common.tables import RowOptimizerSpec, TableSpec
+from ps_common.wire import table_spec_from_proto, table_spec_to_proto
 from ps_proto.v1 import ps_pb2
 from ps_server.membership import Membership
 from ps_server.rpc import deadline, maps_errors
@@ -34,31 +34,6 @@ log = logging.getLogger("ps_server.servicer")
 
 FRAMING_BYTES = 64 * 1024
 """Bytes of a message kept for everything but ids and rows (names, headers)."""
-
-
-def spec_from_proto(msg: ps_pb2.TableSpec) -> TableSpec:
-    """A validated :class:`TableSpec` of a TableSpec message.
-
-    Raises:
-        InvalidRequestError: a bad field or row optimizer.
-    """
-    if msg.dtype not in (ps_pb2.DTYPE_UNSPECIFIED, ps_pb2.DTYPE_FLOAT32):
-        raise InvalidRequestError(f"Table {msg.name[:80]!r}: rows must be float32.")
-    opt = RowOptimizerSpec(msg.optimizer.name, dict(msg.optimizer.kwargs))
-    return TableSpec(msg.name, msg.num_rows, msg.dim, opt, msg.seed, msg.init_std)
-
-
-def spec_to_proto(spec: TableSpec) -> ps_pb2.TableSpec:
-    """The TableSpec message of ``spec``."""
-    return ps_pb2.TableSpec(
-        name=spec.name,
-        num_rows=spec.num_rows,
-        dim=spec.dim,
-        dtype=ps_pb2.DTYPE_FLOAT32,
-        seed=spec.seed,
-        init_std=spec.init_std,
-        optimizer=ps_pb2.OptimizerSpec(name=spec.optimizer.name, kwargs=dict(spec.optimizer.kwargs)),
-    )
 
 
 def decode_ids(raw: bytes, table: str) -> torch.Tensor:
@@ -99,7 +74,7 @@ class TableRpcs:
     @maps_errors
     def InitTables(self, request: ps_pb2.InitTablesRequest, context: grpc.ServicerContext) -> ps_pb2.InitTablesResponse:
         shard = self.shard
-        specs = [spec_from_proto(t) for t in request.tables]
+        specs = [table_spec_from_proto(t) for t in request.tables]
         remaining = deadline(context)
         with shard._cond:
             shard.membership.get(request.rank, request.incarnation)
@@ -118,7 +93,7 @@ class TableRpcs:
                 applied=applied,
                 version=store.version,
                 clock=store.clock_of(shard.mode, request.rank, request.incarnation),
-                tables=[spec_to_proto(t.spec) for t in store.tables.values()],
+                tables=[table_spec_to_proto(t.spec) for t in store.tables.values()],
             )
 
     @maps_errors

@@ -22,7 +22,8 @@ import torch
 
 from ps_common.frames import MESSAGE_OVERHEAD_BYTES
 from ps_common.plan import DEFAULT_PARTITION_BYTES
-from ps_common.tables import RowOptimizerSpec, TableSpec, shard_of
+from ps_common.tables import TableSpec, shard_of
+from ps_common.wire import table_spec_from_proto, table_spec_to_proto
 from ps_proto.v1 import ps_pb2
 from ps_worker.errors import error_from_rpc
 from ps_worker.retry import retry_call
@@ -37,25 +38,6 @@ RETRY = frozenset({grpc.StatusCode.UNAVAILABLE})
 
 FRAMING_BYTES = 64 * 1024
 """Bytes of a message kept for everything but ids and rows (as the shard's ``table_servicer``)."""
-
-
-def spec_to_proto(spec: TableSpec) -> ps_pb2.TableSpec:
-    """The TableSpec message of ``spec``."""
-    return ps_pb2.TableSpec(
-        name=spec.name,
-        num_rows=spec.num_rows,
-        dim=spec.dim,
-        dtype=ps_pb2.DTYPE_FLOAT32,
-        seed=spec.seed,
-        init_std=spec.init_std,
-        optimizer=ps_pb2.OptimizerSpec(name=spec.optimizer.name, kwargs=dict(spec.optimizer.kwargs)),
-    )
-
-
-def spec_from_proto(msg: ps_pb2.TableSpec) -> TableSpec:
-    """The :class:`TableSpec` of a TableSpec message (validated)."""
-    opt = RowOptimizerSpec(msg.optimizer.name, dict(msg.optimizer.kwargs))
-    return TableSpec(msg.name, msg.num_rows, msg.dim, opt, msg.seed, msg.init_std)
 
 
 def coalesce_rows(ids: torch.Tensor, grads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -153,10 +135,10 @@ class TableClient:
         request = ps_pb2.InitTablesRequest(
             rank=self.session.rank,
             incarnation=self.session.incarnation,
-            tables=[spec_to_proto(s) for s in self.specs.values()],
+            tables=[table_spec_to_proto(s) for s in self.specs.values()],
         )
         replies = self.transport.each_shard(lambda k: self._call(k, "InitTables", request))
-        self.specs = {t.name: spec_from_proto(t) for t in replies[0].tables}
+        self.specs = {t.name: table_spec_from_proto(t) for t in replies[0].tables}
         self.clock = max(r.clock for r in replies)
 
     def _ensure(self) -> int:
