@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import platform
+import selectors
 import subprocess
 import sys
 import time
@@ -34,9 +35,14 @@ def test_plain_ps_server_runs_with_the_malloc_tuning_under_its_own_pid() -> None
         assert proc.stdout is not None
         deadline = time.monotonic() + 60
         line = ""
-        while "listening on" not in line and time.monotonic() < deadline and proc.poll() is None:
-            line = proc.stdout.readline()
-        assert "listening on" in line, f"ps-server did not report its address (exit {proc.poll()})"
+        with selectors.DefaultSelector() as sel:
+            sel.register(proc.stdout, selectors.EVENT_READ)
+            while "listening on" not in line and proc.poll() is None:
+                left = deadline - time.monotonic()
+                if left <= 0 or not sel.select(timeout=left):
+                    break  # no output within the deadline
+                line = proc.stdout.readline()
+        assert "listening on" in line, f"ps-server did not report its address within 60 s (exit {proc.poll()})"
         environ = Path(f"/proc/{proc.pid}/environ").read_bytes()  # the PID Popen started: same process
         assert b"GLIBC_TUNABLES=" + GLIBC_TUNABLES.split(":")[0].encode() in environ
         assert Path(f"/proc/{proc.pid}/cmdline").read_bytes().split(b"\0")[1:3] == [
