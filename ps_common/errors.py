@@ -192,3 +192,11 @@ class RequestTooLargeError(PSError):
 
     reason: Reason = Reason.TOO_LARGE
     code = "RESOURCE_EXHAUSTED"
+
+
+class DataPathError(PSError):
+    """A PushPull's partitions did not come on its data connection (none open for the rank, the
+    connection broke or carried a frame outside the plan): UNAVAILABLE, so the worker calls again
+    with the partitions on the gRPC stream. Nothing of the push was applied."""
+
+    code = "UNAVAILABLE"

@@ -76,6 +76,9 @@ class ServerConfig:
     metrics_port: int = -1
     """HTTP port of ``/metrics`` on ``host``; 0 picks a free port, -1 (the library default) serves none.
     ``ps-server`` defaults to 8000."""
+    data_port: int = -1
+    """TCP port of the data connections (PushPull's partitions beside gRPC) on ``host``; 0 picks a
+    free port, -1 (the library default) serves none. ``ps-server`` defaults to 0. Never with TLS."""
     max_watch_streams: int = 16
     """Admin/WatchStatus streams (``ps-admin top``) open at once; one more is refused with
     RESOURCE_EXHAUSTED. Each holds a thread of the streams' pool, never one of the data plane's."""
@@ -97,6 +100,8 @@ class ServerConfig:
             raise InvalidRequestError(f"--num-workers must be in 1..4096, got {self.num_workers}.")
         if not 0 <= self.port <= 65535:
             raise InvalidRequestError(f"--port must be in 0..65535, got {self.port}.")
+        if not -1 <= self.data_port <= 65535:
+            raise InvalidRequestError(f"--data-port must be in -1..65535 (-1: off), got {self.data_port}.")
         if not -1 <= self.metrics_port <= 65535:
             raise InvalidRequestError(f"--metrics-port must be in -1..65535 (-1: off), got {self.metrics_port}.")
         if not self.lease_timeout > 0:
@@ -198,6 +203,13 @@ def server_parser(environ: Mapping[str, str] | None = None) -> FlagParser:
         default=8000,
         help="HTTP port of Prometheus /metrics on --host; 0 picks a free port and prints it, -1 turns it off",
     )
+    p.flag(
+        "--data-port",
+        type=int,
+        default=0,
+        help="TCP port of the data connections, where PushPull's partitions travel beside gRPC without grpcio's "
+        "copies; 0 picks a free port (Join tells workers), -1 turns them off. Off with TLS",
+    )
     p.flag("--lease-timeout", type=float, default=10.0, help="seconds without a heartbeat before a rank is evicted")
     join_timeout_flag(p)
     p.flag("--token", default="", help="bearer token workers must send to ParameterService")
@@ -291,6 +303,7 @@ def config_from_args(
             tls_key=args.tls_key,
             tls_client_ca=args.tls_client_ca,
             metrics_port=args.metrics_port,
+            data_port=args.data_port,
             max_watch_streams=args.max_watch_streams,
             max_public_streams=args.max_public_streams,
             **modes.settings_of(args),

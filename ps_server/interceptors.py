@@ -33,7 +33,9 @@ from ps_server.metrics import ServerMetrics
 
 PUSH_METHOD = "ps.v1.ParameterService/Push"
 PULL_METHOD = "ps.v1.ParameterService/Pull"
-PUSH_PULL_METHODS = frozenset({"ps.v1.ParameterService/PushPull", "ps.v1.ParameterService/PushPullOnce"})
+PUSH_PULL = "ps.v1.ParameterService/PushPull"
+"""The method the data connections' bytes are counted under (ps_received_bytes_total, ps_sent_bytes_total)."""
+PUSH_PULL_METHODS = frozenset({PUSH_PULL, "ps.v1.ParameterService/PushPullOnce"})
 PUSH_METHODS = frozenset({PUSH_METHOD, *PUSH_PULL_METHODS})
 WAIT_METHODS = frozenset({PULL_METHOD, *PUSH_PULL_METHODS})
 

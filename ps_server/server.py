@@ -19,8 +19,9 @@ from ps_server.checkpoint import CheckpointStore
 from ps_server.checkpointer import Checkpointer
 from ps_server.config import ServerConfig
 from ps_server.counters import ShardCounters
+from ps_server.data_plane import DataPlane
 from ps_server.decoding import DecodingInterceptor
-from ps_server.interceptors import MetricsInterceptor
+from ps_server.interceptors import PUSH_PULL, MetricsInterceptor
 from ps_server.metrics import ServerMetrics
 from ps_server.servicer import ParameterServicer, parameter_service_handler
 from ps_server.shard import Shard
@@ -64,8 +65,11 @@ class ShardServer:
         streams: StreamLimitInterceptor | None = None,
         pool: futures.ThreadPoolExecutor | None = None,
         threads: OwnedThreads | None = None,
+        data: DataPlane | None = None,
     ) -> None:
         self.config = config
+        self.data = data
+        """The data connections (None: ``--data-port -1`` or TLS)."""
         self.server = server
         self.port = port
         self.shard = shard
@@ -119,6 +123,8 @@ class ShardServer:
         self._stopping.set()
         self.health.enter_graceful_shutdown()
         self.shard.close()
+        if self.data is not None:
+            self.data.close()
         if self.checkpointer is not None:
             self.checkpointer.close(final=True)
         self.server.stop(grace).wait(grace + 1)
@@ -229,7 +235,8 @@ def start_server(config: ServerConfig, shard: Shard | None = None) -> ShardServe
         options=options,
         maximum_concurrent_rpcs=config.threads * 4 + config.stream_threads,
     )
-    server.add_generic_rpc_handlers((parameter_service_handler(ParameterServicer(shard, counters)),))
+    servicer = ParameterServicer(shard, counters)
+    server.add_generic_rpc_handlers((parameter_service_handler(servicer),))
     stopping = threading.Event()
     ps_pb2_grpc.add_AdminServicer_to_server(AdminServicer(shard, counters, stopping, checkpointer), server)
     health_servicer = health.HealthServicer()
@@ -253,19 +260,40 @@ def start_server(config: ServerConfig, shard: Shard | None = None) -> ShardServe
         except RuntimeError:
             server.stop(None)
             raise
+    data = None
+    if config.data_port >= 0 and not config.tls_cert:  # with TLS the bytes stay on the TLS stream
+        try:
+            data = DataPlane(
+                host,
+                config.data_port,
+                config.shard_index,
+                lambda: served.plan if served is not None else None,
+                token=config.token,
+                admin_token=config.admin_token,
+                max_connections=config.threads,
+                threads=threads,
+                counted=lambda received, sent: counters.transferred(PUSH_PULL, received, sent),
+            )
+        except RuntimeError:
+            server.stop(None)
+            if endpoint is not None:
+                endpoint.close()
+            raise
+        servicer.data = data
     if checkpointer is not None:
         checkpointer.start()
     server.start()
     for name in ("", *SERVICE_NAMES):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info(
-        "shard %d/%d serving %s on %s:%d for %d workers",
+        "shard %d/%d serving %s on %s:%d for %d workers%s",
         config.shard_index,
         config.num_shards,
         config.mode,
         host,
         port,
         config.num_workers,
+        f"; data connections on port {data.port}" if data is not None else "",
     )
     running = ShardServer(
         config,
@@ -281,6 +309,7 @@ def start_server(config: ServerConfig, shard: Shard | None = None) -> ShardServe
         streams,
         pool=pool,
         threads=threads,
+        data=data,
     )
     running.start()
     return running

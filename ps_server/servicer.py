@@ -10,23 +10,28 @@ for both sides; :mod:`ps_server.rpc`).
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import grpc
+import torch
 
 from ps_common import frames
+from ps_common.codec import torch_dtype
+from ps_common.errors import DataPathError, InvalidRequestError
 from ps_common.optimizer import OptimizerSpec
 from ps_common.plan import Plan
 from ps_common.wire import NAME_TO_MODE, SpecList, hyperparameters_from_proto, optimizer_from_proto, optimizer_to_proto
 from ps_proto.v1 import ps_pb2
 from ps_server.core.partitions import Intake
 from ps_server.counters import PushObserver, ShardCounters
+from ps_server.data_plane import DataPlane, wire_slots
 from ps_server.frame_cache import FrameCache, encode_exchange
 from ps_server.membership import PushStamp
 from ps_server.request_streams import Request, read_request
 from ps_server.rpc import WORKER_STATES, cluster_config, deadline, maps_errors, maps_stream_errors, parse, wire_dtype
 from ps_server.shard import PushResult, Shard
+from ps_server.shard_views import Snapshot
 from ps_server.table_servicer import TableRpcs
 
 T = TypeVar("T")
@@ -92,11 +97,20 @@ class ParameterServicer(TableRpcs):
         observer: told every accepted push (Push, PushPull); ``counters`` by default.
     """
 
-    def __init__(self, shard: Shard, counters: ShardCounters, observer: PushObserver | None = None) -> None:
+    def __init__(
+        self,
+        shard: Shard,
+        counters: ShardCounters,
+        observer: PushObserver | None = None,
+        data: DataPlane | None = None,
+    ) -> None:
         self.shard = shard
         self.counters = counters
         self.observer: PushObserver = observer or counters
         self.frames = FrameCache()
+        self.data = data
+        """The shard's data connections (None: PushPull's partitions travel on gRPC only)."""
+        self._slots: dict[tuple[int, int, str], list[tuple[torch.Tensor, int]]] = {}
 
     @maps_errors
     def Join(self, request: ps_pb2.JoinRequest, context: grpc.ServicerContext) -> ps_pb2.JoinResponse:
@@ -112,6 +126,7 @@ class ParameterServicer(TableRpcs):
             plan_digest=info.plan_digest,
             clock=info.clock,
             optimizer=optimizer_to_proto(info.optimizer) if info.optimizer else None,
+            data_port=self.data.port if self.data is not None else 0,
         )
 
     def _read(self, request_iterator: Iterator[bytes], what: str, header_cls: type[Any], values: str) -> Request:
@@ -175,11 +190,14 @@ class ParameterServicer(TableRpcs):
         )
         yield from out
 
-    def _push_pull(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext, single: bool) -> list[bytes]:
+    def _push_pull(self, req: Request, context: grpc.ServicerContext, single: bool) -> list[bytes]:
         """PushPull and PushPullOnce: push, then the messages of the version it lands in; the
         push's answer (field 3) leads the first message."""
-        req = self._read(request_iterator, "PushPullOnce" if single else "PushPull", ps_pb2.PushHeader, "gradient")
         header, parts, first = req.header, req.parts, req.first
+        if header.data_sequence:
+            raise InvalidRequestError(
+                "PushPullOnce carries its partitions in its one message; data_sequence is for PushPull streams."
+            )
         self._adopt(header)
         dtype = wire_dtype(first.ints.get(3, 0))
         index = self.shard.shard_index
@@ -208,11 +226,85 @@ class ParameterServicer(TableRpcs):
 
     @maps_stream_errors
     def PushPull(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
-        yield from self._push_pull(request_iterator, context, single=False)
+        req = self._read(request_iterator, "PushPull", ps_pb2.PushHeader, "gradient")
+        if req.header.data_sequence:
+            yield from self._push_pull_data(req, context)
+        else:
+            yield from self._push_pull(req, context, single=False)
+
+    def _push_pull_data(self, req: Request, context: grpc.ServicerContext) -> Iterator[bytes]:
+        """PushPull with its partitions on the rank's data connection (``data_sequence``): the same
+        checks and semantics as on the stream (every partition checked against the plan and for
+        finiteness before the push; all or nothing), then the answer alone on the stream and the
+        values on the connection.
+
+        Raises:
+            DataPathError: the frame did not come (the worker sends it again on the stream).
+            InvalidRequestError: partitions on the stream too; bad partitions.
+        """
+        header, first = req.header, req.first
+        if self.data is None:
+            raise DataPathError("This shard has no data connections; send the partitions on the PushPull stream.")
+        if req.parts:
+            raise InvalidRequestError(
+                "A PushPull with data_sequence carries its partitions on the data connection only."
+            )
+        self._adopt(header)
+        dtype = wire_dtype(first.ints.get(3, 0))
+        intake = Intake(self.shard.check_plan(header.plan_digest), self.shard.shard_index, "gradient")
+        taken = self.data.take(
+            header.rank, header.incarnation, header.data_sequence, deadline(context), context.is_active
+        )
+        parts = [intake.add(p) for p in taken]
+        result, version, (epoch, slots, live) = self.shard.push_pull(
+            PushStamp(header.rank, header.incarnation, header.clock),
+            header.version,
+            header.plan_digest,
+            parts,
+            deadline(context),
+            self._slot_encoder(dtype),
+            dtype,
+            hyper=hyperparameters_from_proto(header),
+            skip=header.skip,
+        )
+        self.observer.pushed(result)
+        answer = self._told(push_response(result), header.membership_epoch)
+        yield (
+            frames.bytes_field(3, answer.SerializeToString())
+            + frames.uint_field(1, version)
+            + frames.uint_field(4, header.data_sequence)
+        )
+        self.data.send(header.rank, header.incarnation, header.data_sequence, slots)
+        if live and self.shard.values_key() != (version, epoch):
+            # the parameters were sent from their own memory and a round closed meanwhile (a
+            # quorum round, an eviction): the values may mix two versions. The call fails and the
+            # worker pushes the same stamp again on gRPC, answered as a duplicate with one version.
+            raise DataPathError(f"Version {version} moved on while it was sent; pull it again.")
+
+    def _slot_encoder(self, dtype: str) -> Callable[[Snapshot], tuple[int, list[tuple[torch.Tensor, int]], bool]]:
+        """A snapshot's partitions for the data connection, under the shard's lock: (store epoch,
+        slots, live). sync without a wire dtype: the parameters' own memory (``live``; in sync a
+        version moves only once every live rank pushed again, so a rank's answer normally goes out
+        whole, and the sender checks); otherwise copies made once per (version, store epoch, wire
+        dtype), only the newest version's kept."""
+
+        def encode(snapshot: Snapshot) -> tuple[int, list[tuple[torch.Tensor, int]], bool]:
+            if not dtype and self.shard.policy.holds_pushes:
+                return snapshot.epoch, wire_slots(snapshot.tensors, None, copy=False), True
+            key = (snapshot.version, snapshot.epoch, dtype)
+            cached = self._slots.get(key)
+            if cached is None:
+                cached = wire_slots(snapshot.tensors, torch_dtype(dtype) if dtype else None)
+                self._slots = {k: v for k, v in self._slots.items() if k[:2] == key[:2]}
+                self._slots[key] = cached
+            return snapshot.epoch, cached, False
+
+        return encode
 
     @maps_errors
     def PushPullOnce(self, request: bytes, context: grpc.ServicerContext) -> bytes:
-        (only,) = self._push_pull(iter([request]), context, single=True)
+        req = self._read(iter([request]), "PushPullOnce", ps_pb2.PushHeader, "gradient")
+        (only,) = self._push_pull(req, context, single=True)
         return only
 
     @maps_stream_errors

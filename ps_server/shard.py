@@ -343,6 +343,11 @@ class Shard(DataPath):
         if self.checkpoint_every and self.on_snapshot and version % self.checkpoint_every == 0:
             self.on_snapshot(version, self.export_state())
 
+    def values_key(self) -> tuple[int, int]:
+        """(version, store epoch) now: the parameters' values are the same while both are."""
+        with self._cond:
+            return self.version, self._store_epoch
+
     def advance(self) -> None:
         """Let the policy close a complete round or period, switch a pending mode at a round
         boundary (the new policy takes over), and wake waiters. Caller holds the lock."""

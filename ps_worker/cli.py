@@ -159,6 +159,7 @@ def _run(parser: Any, args: Any) -> int:
             metrics=metrics,
             wire_dtype=None if args.wire_dtype == "native" else args.wire_dtype,
             topk=args.topk,
+            data_path=args.data_path,
         )
 
         def on_step(step: int, loss: float) -> None:

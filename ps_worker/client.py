@@ -63,6 +63,10 @@ class PSClient(SessionView, ModelIO):
             they receive). None: each parameter's own dtype.
         topk: push only this fraction of each partition's gradient entries, the largest in
             magnitude, with error feedback (:class:`~ps_worker.compression.TopK`); 0: dense.
+        data_path: ``"tcp"`` (default): PushPull's partitions go on the shard's data connection
+            when Join offers one (no TLS, dense pushes of more than one message), received straight
+            into the weights; ``"grpc"``: always on the gRPC stream
+            (:data:`~ps_common.dataconn.DATA_PATHS`).
 
     The session's state (``mode``, ``clock``, ``version``, ``versions``, counters...) reads through
     the client (:class:`~ps_worker.session_view.SessionView`); ``PSClient.from_env``, ``state_dict`` and
@@ -92,6 +96,7 @@ class PSClient(SessionView, ModelIO):
         metrics: WorkerMetrics | None = None,
         wire_dtype: str | None = None,
         topk: float = 0.0,
+        data_path: str = "tcp",
     ) -> None:
         servers = parse_servers(servers, "servers")
         if not 0 <= rank < num_workers:
@@ -116,6 +121,7 @@ class PSClient(SessionView, ModelIO):
             tls_cert=tls_cert,
             tls_key=tls_key,
             metrics=metrics,
+            data_path=data_path,
         )
         self.session = Session(
             self.transport, rank, num_workers, time.time_ns() // 1000 if incarnation is None else incarnation

@@ -111,8 +111,9 @@ class WireCodec:
         return frames.packing([(p.key, p.length) for p in owned], itemsizes, self.plan.partition_bytes, topk)
 
     # ------------------------------------------------------------------ requests
-    def push_header(self, stamp: Stamp) -> bytes:
-        """A serialized ``PushHeader``."""
+    def push_header(self, stamp: Stamp, data_sequence: int = 0) -> bytes:
+        """A serialized ``PushHeader`` (``data_sequence``: PushPull's partitions are that frame on
+        the data connection)."""
         return ps_pb2.PushHeader(
             rank=stamp.rank,
             incarnation=stamp.incarnation,
@@ -123,15 +124,16 @@ class WireCodec:
             skip=stamp.skip,
             membership_epoch=stamp.membership_epoch,
             membership=stamp.membership,
+            data_sequence=data_sequence,
         ).SerializeToString(deterministic=True)
 
     def push_head(self, stamp: Stamp) -> bytes:
         """The first message of a Push stream: ``PushRequest(header=...)``."""
         return _message_field(1, self.push_header(stamp))
 
-    def push_pull_head(self, stamp: Stamp) -> bytes:
+    def push_pull_head(self, stamp: Stamp, data_sequence: int = 0) -> bytes:
         """The header fields of a PushPull request's first message (header, wire dtype)."""
-        return frames.bytes_field(1, self.push_header(stamp)) + frames.uint_field(3, self.wire_enum)
+        return frames.bytes_field(1, self.push_header(stamp, data_sequence)) + frames.uint_field(3, self.wire_enum)
 
     def push_messages(self, head: bytes, outs: Iterable[frames.OutPartition]) -> Iterable[bytes]:
         """A Push stream: ``head``, then one ``PushRequest(partition=...)`` per partition, built lazily."""

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from typing import NoReturn
 
 from ps_common.channels import tls_flags
+from ps_common.dataconn import DATA_PATHS
 from ps_common.flags import FlagParser
 
 WORKLOAD_NAMES = ("charlm", "ctr", "digits", "linreg")
@@ -115,6 +116,13 @@ def worker_parser(environ: Mapping[str, str] | None = None) -> FlagParser:
     )
     p.flag("--token", default="", help="bearer token for ParameterService")
     p.flag("--token-file", default="", help="file holding the bearer token (e.g. a mounted Secret)")
+    p.flag(
+        "--data-path",
+        default="tcp",
+        choices=DATA_PATHS,
+        help="tcp: PushPull's partitions on the shard's data connection when it offers one (no TLS), else "
+        "gRPC; grpc: always on the gRPC stream",
+    )
     tls_flags(p)
     p.flag(
         "--metrics-port",

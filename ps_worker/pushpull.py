@@ -22,6 +22,7 @@ from ps_common import frames
 from ps_common.codec import torch_dtype
 from ps_proto.v1 import ps_pb2
 from ps_worker.calls import DataPath, is_stale
+from ps_worker.data_conn import DataConnection, DataLinkError
 
 log = logging.getLogger(__name__)
 
@@ -55,9 +56,15 @@ class PendingPushPull:
         # started streams: the frames built as their gradients become ready, and the groups still to build
         self._streams: dict[int, _Stream] = {}
         self._heads: dict[int, bytes] = {}
+        # shards whose partitions go on their data connection as they become ready: (connection,
+        # frame number, partitions sent); a shard whose connection failed leaves this map
+        self._frames: dict[int, tuple[DataConnection, int, set[int]]] = {}
         if stream:
             for k in range(t.num_shards):
-                if not self._once(k):
+                conn = self._data_connection(k)
+                if conn is not None:
+                    self._frames[k] = (conn, t.next_sequence(), set())
+                elif not self._once(k):
                     self._streams[k] = _Stream(self._cond, list(self.groups[k]), t.timeout)
                     self._heads[k] = self._head(k)
                     self.started[k] = t.push_pull_calls[k](
@@ -67,6 +74,28 @@ class PendingPushPull:
     # -------------------------------------------------------------- what goes on the wire
     def _once(self, k: int) -> bool:
         return len(self.groups[k]) == 1 and self.codec.single_response[k]
+
+    def _data_connection(self, k: int) -> DataConnection | None:
+        """Shard ``k``'s data connection when this push may use it: dense, more than one message."""
+        if self._once(k) or self.codec.compressor is not None:
+            return None
+        return self.transport.data_connection(k, self.session.rank, self.session.incarnation)
+
+    def _send_ready(self, key: str) -> None:
+        """Send the partitions of ``key`` to the shards whose frames go on their data connection
+        (caller holds ``_lock``); a connection that fails drops out (the push then goes on gRPC)."""
+        for k, i in self._by_key.get(key, ()):
+            frame = self._frames.get(k)
+            if frame is None:
+                continue
+            conn, sequence, sent = frame
+            try:
+                self.sent[k] += conn.send_slot(sequence, i, self._out_locked(k, i).values)
+            except DataLinkError as exc:
+                self.transport.data_failed(k, exc.details())
+                del self._frames[k]
+                continue
+            sent.add(i)
 
     def _out(self, k: int, i: int) -> frames.OutPartition:
         """Shard ``k``'s partition ``i`` as it goes on the wire, made once (top-k updates its
@@ -119,10 +148,15 @@ class PendingPushPull:
                 self._out_locked(k, i)
             self._ready.add(key)
             self._build_ready(key)
+            self._send_ready(key)
 
     def cancel(self) -> None:
         """Abandon this push: cancel the calls started during backward (a shard applies nothing of
-        a cancelled call); nothing was accounted and the clock stays."""
+        a cancelled call; a frame begun on a data connection is dropped with the connection, which
+        the next push opens again); nothing was accounted and the clock stays."""
+        for k in list(self._frames):
+            self.transport.drop_data(k)
+        self._frames.clear()
         for stream in self._streams.values():
             stream.abort()
         for call in self.started.values():
@@ -132,6 +166,10 @@ class PendingPushPull:
     def _attempt(self, k: int, started: Any | None) -> tuple[ps_pb2.PushResponse, int, int, int]:
         t = self.transport
         self.sent[k] = 0 if started is None else self.sent[k]
+        if started is None:
+            conn = self._data_connection(k)
+            if conn is not None:
+                return self._attempt_data(k, conn, t.next_sequence())
         if started is not None:
             replies: Iterator[bytes] = started
         elif self._once(k):
@@ -144,6 +182,63 @@ class PendingPushPull:
             raise RuntimeError(f"Shard {t.servers[k]} answered PushPull without the push's answer.")
         self.session.learn(k, answer)
         return answer, version, self.sent[k], received
+
+    def _attempt_data(
+        self, k: int, conn: DataConnection, sequence: int, sent_before: int = -1
+    ) -> tuple[ps_pb2.PushResponse, int, int, int]:
+        """One PushPull with the partitions on shard ``k``'s data connection: the frame first (from
+        the gradients' memory; ``sent_before`` >= 0: its partitions went out during backward and
+        only its end is sent here), then the call with the header alone; the values come back into
+        the weights on the connection after the call's first message (version, push's answer).
+
+        Raises:
+            grpc.RpcError: the call failed; :class:`DataLinkError` (UNAVAILABLE) when the
+            connection did: the retry goes on the gRPC stream.
+        """
+        t, codec = self.transport, self.codec
+        owned = codec.owned[k]
+        with conn.lock:
+            try:
+                if sent_before >= 0:
+                    sent = sent_before + conn.send_end(sequence, len(owned))
+                else:
+                    sent = conn.send(sequence, [self._out(k, i).values for i in range(len(owned))])
+            except DataLinkError as exc:
+                t.data_failed(k, exc.details())
+                raise
+            self.sent[k] = sent
+            head = codec.push_pull_head(self.session.stamp(k), sequence)
+            replies = t.push_pull_calls[k](iter([head]), timeout=t.timeout, metadata=t.metadata)
+            try:
+                msg = frames.read(next(replies))
+            except grpc.RpcError as exc:
+                if exc.code() is grpc.StatusCode.UNAVAILABLE:  # the shard lost the frame, or is stopping
+                    t.data_failed(k, exc.details() or "")
+                raise
+            if msg.ints.get(4, 0) != sequence or 3 not in msg.blobs:
+                conn.close()
+                raise DataLinkError(f"Shard {t.servers[k]} answered PushPull {sequence} without its data frame.")
+            version = msg.ints.get(1, 0)
+            answer = ps_pb2.PushResponse.FromString(msg.blobs[3])
+            wire = codec.wire
+            targets = []
+            for part in owned:
+                flat = self.flats[part.key][part.offset : part.offset + part.length]
+                targets.append((flat, wire if wire is not None and flat.dtype != wire else flat.dtype))
+            try:
+                received = conn.receive(sequence, targets, t.timeout)
+            except DataLinkError as exc:
+                t.data_failed(k, exc.details())
+                replies.cancel()
+                raise
+            for _ in replies:  # the stream ends with the status; nothing more comes
+                t.data_failed(k, "more than one answer message")
+                raise DataLinkError(f"Shard {t.servers[k]} sent more than one message for PushPull {sequence}.")
+        if t.metrics is not None:
+            t.metrics.sent_bytes.inc(sent)
+        t.received(received)
+        self.session.learn(k, answer)
+        return answer, version, sent, received
 
     def finish(self) -> int:
         """Send what is left (zeros for parameters without a gradient), wait for every shard,
@@ -164,6 +259,13 @@ class PendingPushPull:
             stream.finish()
 
         def one(k: int) -> tuple[ps_pb2.PushResponse, int, int, int]:
+            frame = self._frames.pop(k, None)
+            if frame is not None:
+                conn, sequence, _ = frame
+                try:
+                    return self._attempt_data(k, conn, sequence, self.sent[k])
+                except grpc.RpcError:
+                    pass  # as a failed stream: the whole push again, with the same stamp
             started = self.started.pop(k, None)
             if started is not None:
                 try:

@@ -141,6 +141,7 @@ class Session(EpochRelay):
             try:
                 reply = t.stubs[k].Join(req, timeout=attempt, metadata=t.metadata)
                 self.learn(k, reply)
+                t.offer_data_port(k, reply.data_port)
                 return reply
             except grpc.RpcError as exc:
                 code = exc.code()
@@ -227,6 +228,7 @@ class Session(EpochRelay):
         t = self.transport
         reply = t.stubs[k].Join(self.join_request(k), timeout=t.timeout, metadata=t.metadata)
         self.learn(k, reply)
+        t.offer_data_port(k, reply.data_port)
         return reply
 
     # ------------------------------------------------------------------ heartbeats

@@ -7,7 +7,9 @@ thread pool that runs one call per shard in parallel. It knows nothing of plans,
 
 from __future__ import annotations
 
+import itertools
 import logging
+import time
 from collections.abc import Callable, Sequence
 from concurrent import futures
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -16,8 +18,10 @@ import grpc
 
 from ps_common import frames
 from ps_common.channels import channel
+from ps_common.dataconn import DATA_PATHS
 from ps_common.wire import message_size
 from ps_proto.v1 import ps_pb2, ps_pb2_grpc
+from ps_worker.data_conn import DataConnection, DataLinkError, host_of
 from ps_worker.retry import retry_call
 
 if TYPE_CHECKING:
@@ -28,6 +32,9 @@ T = TypeVar("T")
 
 
 SERVICE = "/ps.v1.ParameterService/"
+
+DATA_RETRY_SECONDS = 30.0
+"""After a data connection failed, PushPull goes on gRPC for this long before connecting again."""
 
 LEAVE_SECONDS = 5.0
 """Deadline of the best-effort Leave at close, and of joining the pool's threads."""
@@ -62,8 +69,20 @@ class Transport:
         tls_cert: str | None = None,
         tls_key: str | None = None,
         metrics: WorkerMetrics | None = None,
+        data_path: str = "tcp",
     ) -> None:
+        if data_path not in DATA_PATHS:
+            raise ValueError(f"data_path must be one of {', '.join(DATA_PATHS)}, got {data_path!r}.")
         self.servers = list(servers)
+        self._token = token or ""
+        self.data_ports = [0] * len(self.servers)
+        """JoinResponse.data_port of each shard (0: none offered)."""
+        self._data: list[DataConnection | None] = [None] * len(self.servers)
+        self._data_off: list[bool | None] = [data_path == "grpc" or bool(tls_ca or tls_cert)] * len(self.servers)
+        """Per shard: True, never (``grpc``, TLS, a target with no host); None, connecting failed (tried
+        again after the next Join); False, used when offered."""
+        self._retry_at = [0.0] * len(self.servers)
+        self._sequence = itertools.count(1)
         self.timeout = timeout
         self.retry_deadline = retry_deadline
         self.metrics = metrics
@@ -101,6 +120,74 @@ class Transport:
     @property
     def num_shards(self) -> int:
         return len(self.servers)
+
+    # ------------------------------------------------------------------ data connections
+    def offer_data_port(self, k: int, port: int) -> None:
+        """Shard ``k`` answered Join with ``port`` (0: no data connections); a connection that
+        failed before is tried again."""
+        if port != self.data_ports[k]:
+            self.data_ports[k] = port
+            self._drop(k)
+        if self._data_off[k] is None:
+            self._data_off[k] = False
+
+    def data_connection(self, k: int, rank: int, incarnation: int) -> DataConnection | None:
+        """The open data connection to shard ``k`` for this rank and incarnation, connecting on
+        first use; None when the shard offers none, ``data_path="grpc"``, TLS, or connecting failed
+        (then gRPC carries the partitions until the shard offers another port)."""
+        if self._data_off[k] is None and time.monotonic() >= self._retry_at[k]:
+            self._data_off[k] = False
+        if self._data_off[k] is not False or not self.data_ports[k]:
+            return None
+        conn = self._data[k]
+        if conn is not None and (conn.closed or conn.rank != rank or conn.incarnation != incarnation):
+            self._drop(k)
+            conn = None
+        if conn is None:
+            host = host_of(self.servers[k])
+            if host is None:
+                self._data_off[k] = True
+                return None
+            try:
+                conn = DataConnection(host, self.data_ports[k], rank, incarnation, self._token)
+            except DataLinkError as exc:
+                log.warning("%s; PushPull to shard %s goes on gRPC alone", exc.details(), self.servers[k])
+                self.data_failed(k, "")
+                return None
+            self._data[k] = conn
+        return conn
+
+    def data_failed(self, k: int, why: str) -> None:
+        """Close shard ``k``'s data connection after a failure (``why``; "" when connecting failed,
+        already logged); gRPC alone carries PushPull for :data:`DATA_RETRY_SECONDS` or until the
+        next Join (so the retry of the failed call goes on the gRPC stream)."""
+        if why:
+            log.warning(
+                "PushPull to shard %s on its data connection failed (%s); on gRPC for now", self.servers[k], why
+            )
+        self._drop(k)
+        if self._data_off[k] is False:
+            self._data_off[k] = None
+            self._retry_at[k] = time.monotonic() + DATA_RETRY_SECONDS
+
+    @property
+    def data_connected(self) -> list[bool]:
+        """Per shard: whether a data connection is open now."""
+        return [c is not None and not c.closed for c in self._data]
+
+    def drop_data(self, k: int) -> None:
+        """Close shard ``k``'s data connection without a failure (an abandoned push's frame goes
+        with it); the next push connects again."""
+        self._drop(k)
+
+    def next_sequence(self) -> int:
+        """A frame number never used before by this transport."""
+        return next(self._sequence)
+
+    def _drop(self, k: int) -> None:
+        conn, self._data[k] = self._data[k], None
+        if conn is not None:
+            conn.close()
 
     def each_shard(self, fn: Callable[[int], T]) -> list[T]:
         """Run ``fn(shard_index)`` for every shard in parallel; once all are done, re-raise the first
@@ -146,6 +233,8 @@ class Transport:
                 else:
                     if told is not None:
                         told(k, answer)
+        for k in range(self.num_shards):
+            self._drop(k)
         for ch in self.channels:
             ch.close()
         self._pool.shutdown(wait=True)

@@ -45,6 +45,7 @@ ENV GLIBC_TUNABLES=glibc.malloc.hugetlb=1:glibc.malloc.mmap_max=0:glibc.malloc.t
     PYTHONUNBUFFERED=1 \
     PS_HOST=0.0.0.0 \
     PS_PORT=50051 \
+    PS_DATA_PORT=50052 \
     PS_METRICS_PORT=8000 \
     PS_CHECKPOINT_DIR=/var/lib/grpc-ps/checkpoints
 COPY --from=build /opt/grpc-ps /opt/grpc-ps
@@ -56,7 +57,7 @@ RUN groupadd --system --gid 10001 grpc-ps \
  && chown -R 10001:10001 /var/lib/grpc-ps
 USER 10001:10001
 WORKDIR /var/lib/grpc-ps
-EXPOSE 50051 8000
+EXPOSE 50051 50052 8000
 # gRPC health (grpc.health.v1) on 127.0.0.1:$PS_PORT; no torch import, so it is cheap. Set the
 # port with PS_PORT rather than --port, so that the check follows it.
 HEALTHCHECK --interval=10s --timeout=5s --start-period=60s --retries=3 \

@@ -61,6 +61,8 @@ def localize(
         env["PS_HOST"] = LOOPBACK  # never bind anything but loopback here
     if "PS_PORT" in env:
         env["PS_PORT"] = "0"  # the shard picks a free port and prints it
+    if "PS_DATA_PORT" in env:
+        env["PS_DATA_PORT"] = "0"  # likewise; Join tells the workers
     if "PS_CHECKPOINT_DIR" in env:
         env["PS_CHECKPOINT_DIR"] = str(workdir / "checkpoints")
     if "PS_METRICS_PORT" in env:

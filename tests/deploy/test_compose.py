@@ -64,7 +64,7 @@ def test_shards_workers_and_profiles_agree(compose_model: dict[str, Any]) -> Non
         env = shard["environment"]
         assert env["PS_SHARD_INDEX"] == name.removeprefix("ps-")
         assert env["PS_NUM_SHARDS"] == str(len(shards))
-        assert env["PS_HOST"] == "0.0.0.0" and env["PS_PORT"] == "50051"
+        assert env["PS_HOST"] == "0.0.0.0" and env["PS_PORT"] == "50051" and env["PS_DATA_PORT"] == "50052"
         assert shard["healthcheck"]["test"][:4] == ["CMD", "python", "-m", "ps_server.healthcheck"]
         (volume,) = shard["volumes"]
         assert volume.split(":")[1] == env["PS_CHECKPOINT_DIR"] and volume.split(":")[0] in compose_model["volumes"]

@@ -47,6 +47,7 @@ def test_entrypoints_and_health_checks() -> None:
     server = parse_dockerfile(REPO / "deploy" / "docker" / "server.Dockerfile")
     assert server.entrypoint == ["ps-server"] and server.cmd == []
     assert server.env["PS_HOST"] == "0.0.0.0" and server.env["PS_PORT"] == "50051"
+    assert server.env["PS_DATA_PORT"] == "50052"
     assert 'CMD ["python", "-m", "ps_server.healthcheck"]' in server.dockerfile.read_text()
     for name, device in (("worker.Dockerfile", "cpu"), ("worker-gpu.Dockerfile", "cuda")):
         worker = parse_dockerfile(REPO / "deploy" / "docker" / name)

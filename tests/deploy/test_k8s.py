@@ -86,14 +86,15 @@ def test_headless_service_and_shard_statefulset(rendered_k8s: list[dict[str, Any
     c = container(sts)
     env = env_of(c)
     assert service["spec"]["clusterIP"] == "None"
-    assert {p["name"]: p["port"] for p in service["spec"]["ports"]} == {"grpc": 50051, "metrics": 8000}
+    assert {p["name"]: p["port"] for p in service["spec"]["ports"]} == {"grpc": 50051, "data": 50052, "metrics": 8000}
     assert service["spec"]["selector"].items() <= spec["template"]["metadata"]["labels"].items()
     assert spec["serviceName"] == "ps" and spec["podManagementPolicy"] == "Parallel"
     assert spec["replicas"] == int(config_data(rendered_k8s)["PS_NUM_SHARDS"]) == 2
     assert env["PS_SHARD_INDEX"] == {"fieldRef": {"fieldPath": POD_INDEX_LABEL}}
     assert env["PS_HOST"] == "0.0.0.0" and env["PS_PORT"] == "50051"
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
-    assert ports == {"grpc": 50051, "metrics": 8000} and env["PS_METRICS_PORT"] == "8000"
+    assert ports == {"grpc": 50051, "data": 50052, "metrics": 8000} and env["PS_METRICS_PORT"] == "8000"
+    assert env["PS_DATA_PORT"] == "50052"
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert c[probe]["grpc"] == {"port": 50051}, probe
     (claim,) = spec["volumeClaimTemplates"]
@@ -160,6 +161,7 @@ def test_pdb_and_network_policies_select_the_pods(rendered_k8s: list[dict[str, A
     policy = by_kind(rendered_k8s, "NetworkPolicy", "ps")["spec"]
     assert policy["podSelector"]["matchLabels"].items() <= ps_labels.items()
     grpc_rule = next(r for r in policy["ingress"] if {"port": 50051, "protocol": "TCP"} in r["ports"])
+    assert {"port": 50052, "protocol": "TCP"} in grpc_rule["ports"]  # the data connections: workers only
     (source,) = grpc_rule["from"]
     assert source["podSelector"]["matchLabels"].items() <= worker_labels.items()
 

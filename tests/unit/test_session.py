@@ -47,6 +47,7 @@ class FakeStub:
             initialized=True,
             plan_digest="d",
             config=config,
+            data_port=6000 + self.k,
         )
 
 
@@ -58,6 +59,7 @@ class FakeTransport:
         self.stubs = [FakeStub(k, num_shards, version) for k in range(num_shards)]
         self.timeout, self.retry_deadline, self.metadata = 1.0, 1.0, ()
         self.closed = False
+        self.data_ports = [-1] * num_shards
 
     @property
     def num_shards(self) -> int:
@@ -71,6 +73,9 @@ class FakeTransport:
 
     def close(self, leave: Any = None, told: Any = None) -> None:
         self.closed = True
+
+    def offer_data_port(self, k: int, port: int) -> None:
+        self.data_ports[k] = port
 
 
 def joined(version: int = 4) -> tuple[Session, FakeTransport]:
@@ -94,7 +99,8 @@ def failing(*refusals: grpc.RpcError) -> Callable[[], str]:
 
 
 def test_join_takes_mode_settings_and_progress_from_the_shards() -> None:
-    s, _ = joined(version=4)
+    s, t = joined(version=4)
+    assert t.data_ports == [6000, 6001]  # each shard's data port goes to the transport
     assert s.mode == "sync" and s.worker.name == "sync" and s.clock == 4
     assert s.settings is not None and s.settings.communication_period == 10 and s.settings.num_workers == 2
     s.versions = [4, 5]

@@ -1,0 +1,139 @@
+"""The data connection: a PushPull's partitions as raw bytes on a TCP connection beside gRPC.
+
+grpcio's Python API copies every message twice on each side (a serializer must return ``bytes``,
+which grpcio copies into its own slice; a received message becomes a fresh ``bytes``). On the data
+connection the worker sends a gradient straight from the tensor's memory (``socket.sendmsg`` of
+memoryviews) and receives new values straight into the weights (``socket.recv_into``); the shard
+receives each partition into a tensor of its own. The PushPull call itself (header, push's
+answer, errors, deadlines, authorization) stays on gRPC; only the partitions move here
+(bench/README.md "A native data path").
+
+Wire format (little-endian, every integer fixed width):
+
+- hello, worker → shard, once: :data:`HELLO` (magic ``GPSD``, protocol, rank, incarnation,
+  token length) then the token's bytes (the worker token the gRPC calls carry, or none);
+  the shard answers :data:`REPLY` (magic, status 0 = accepted), or closes the connection.
+- a frame, either way: one :data:`RECORD` (sequence, slot, dtype, byte count) followed by that
+  many bytes for each partition, then an end record (slot :data:`END`, byte count = the number
+  of partition records). ``slot`` is the partition's position among the shard's partitions in
+  plan order; ``dtype`` its ``ps.v1.Dtype`` value. A push frame's sequence is the one its
+  PushPull header names (``PushHeader.data_sequence``); the answer's frame has the same.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the flags import DATA_PATHS from here before torch may be imported
+    import torch
+
+DATA_PATHS = ("tcp", "grpc")
+"""Where a worker's PushPull partitions travel: ``tcp``, the shard's data connection when it offers
+one, else gRPC; ``grpc``, always the gRPC stream."""
+
+MAGIC = b"GPSD"
+PROTOCOL = 1
+
+HELLO = struct.Struct("<4sIIQI")
+"""magic, protocol, rank, incarnation, token length (then the token)."""
+
+REPLY = struct.Struct("<4sI")
+"""magic, status (0: accepted)."""
+
+RECORD = struct.Struct("<QIIQ")
+"""sequence, slot, dtype (``ps.v1.Dtype``), byte count."""
+
+END = 0xFFFFFFFF
+"""The slot of a frame's end record."""
+
+MAX_TOKEN_BYTES = 4096
+"""Longest token a hello may carry."""
+
+IOV_MAX = 512
+"""Buffers per ``sendmsg`` call (Linux allows 1024)."""
+
+CHUNK_BYTES = 4 * 1024 * 1024
+"""Bytes asked of one ``recv_into``: a larger request changes nothing on loopback."""
+
+
+class DataConnectionError(ConnectionError):
+    """The data connection broke, timed out, or carried something other than what the plan says."""
+
+
+def send_all(sock: socket.socket, buffers: Sequence[bytes | memoryview]) -> int:
+    """Send every byte of ``buffers`` in order, without copying them (``sendmsg`` of up to
+    :data:`IOV_MAX` buffers at a time); returns the byte count.
+
+    Raises:
+        OSError: the connection broke, or its send timeout passed.
+    """
+    views = [memoryview(b).cast("B") for b in buffers if len(b)]
+    total = sum(len(v) for v in views)
+    i = 0
+    while i < len(views):
+        sent = sock.sendmsg(views[i : i + IOV_MAX])
+        while sent:
+            if sent >= len(views[i]):
+                sent -= len(views[i])
+                i += 1
+            else:
+                views[i] = views[i][sent:]
+                sent = 0
+    return total
+
+
+def recv_exact(sock: socket.socket, into: memoryview, deadline: float | None = None) -> None:
+    """Fill ``into`` (a writable byte memoryview) from ``sock``.
+
+    Args:
+        deadline: ``time.monotonic()`` by which the bytes must be in (None: the socket's timeout
+            alone bounds each wait).
+
+    Raises:
+        DataConnectionError: the peer closed the connection first, or the deadline passed.
+        OSError: the connection broke.
+    """
+    pos, n = 0, len(into)
+    while pos < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise DataConnectionError(f"timed out with {pos} of {n} bytes received")
+            sock.settimeout(min(left, 60.0))
+        got = sock.recv_into(into[pos : min(n, pos + CHUNK_BYTES)])
+        if not got:
+            raise DataConnectionError(f"the peer closed the connection after {pos} of {n} bytes")
+        pos += got
+
+
+def recv_struct(sock: socket.socket, fmt: struct.Struct, deadline: float | None = None) -> tuple[int, ...]:
+    """Read one fixed-width header.
+
+    Raises:
+        DataConnectionError, OSError: as :func:`recv_exact`.
+    """
+    buf = bytearray(fmt.size)
+    recv_exact(sock, memoryview(buf), deadline)
+    return fmt.unpack(buf)
+
+
+def byte_view(t: torch.Tensor) -> memoryview:
+    """The bytes of a 1-D contiguous CPU tensor, writable, without a copy."""
+    import torch
+
+    return memoryview(t.view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
+
+
+def hello(rank: int, incarnation: int, token: str) -> bytes:
+    """The hello a worker sends first."""
+    raw = token.encode()
+    return HELLO.pack(MAGIC, PROTOCOL, rank, incarnation, len(raw)) + raw
+
+
+def tune(sock: socket.socket) -> None:
+    """No Nagle delay: a frame's end record goes out at once."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

@@ -1,0 +1,327 @@
+"""A shard's data connections (:mod:`ps_common.dataconn`): partitions of PushPull beside gRPC.
+
+:class:`DataPlane` listens on ``--data-port``, admits a worker's connection after its hello (the
+worker token, as the gRPC calls carry it), and reads each push frame's partitions into tensors of
+their own, checking every record against the plan before reading its bytes. A PushPull whose
+header names a ``data_sequence`` takes that frame (:meth:`DataPlane.take`) instead of reading
+partitions from the gRPC stream, and its answer's values go back on the same connection
+(:meth:`DataPlane.send`). Everything else about the call (authorization, the push's checks and
+semantics, errors, deadlines) is the gRPC call's.
+
+Bounds: at most ``max_connections`` connections (one per rank: a new hello of a rank replaces its
+old connection); per connection one frame being read and one complete frame waiting, each at most
+the shard's partitions in their parameters' dtypes; a record whose slot, dtype or byte count is
+not the plan's closes the connection before any of its bytes are read.
+"""
+
+from __future__ import annotations
+
+import functools
+import hmac
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from ps_common import dataconn
+from ps_common.codec import DTYPES, check_finite, decode, dtype_from_proto, dtype_to_proto, wire_dtype_allowed
+from ps_common.errors import DataPathError, InvalidRequestError
+from ps_common.partition import WirePartition
+from ps_common.plan import Plan
+from ps_server.threads import OwnedThreads
+
+log = logging.getLogger(__name__)
+
+HELLO_SECONDS = 10.0
+"""A connection must send its hello within this many seconds."""
+
+POLL_SECONDS = 0.25
+"""How often a waiting PushPull checks that its call is still active."""
+
+
+@dataclass
+class _Conn:
+    sock: socket.socket
+    rank: int
+    incarnation: int
+    send_lock: threading.Lock = field(default_factory=threading.Lock)
+    ready: tuple[int, list[WirePartition]] | None = None
+    """The last complete push frame not yet taken: (sequence, partitions in slot order)."""
+    error: str = ""
+    """Why the connection closed ("" while open)."""
+
+
+class DataPlane:
+    """The data connections of one shard.
+
+    Args:
+        host: address to listen on (the gRPC server's).
+        port: TCP port; 0 picks a free one (:attr:`port` says which).
+        shard_index: this shard.
+        plan_of: the shard's plan now (None before Init).
+        token, admin_token: a hello must carry one of them when ``token`` is set.
+        max_connections: connections open at once; one more is closed after its hello is refused.
+        threads: where the listener and the connections' threads are started (joined at stop).
+        counted: called with (bytes received, bytes sent) as frames move (metrics).
+
+    Raises:
+        RuntimeError: the port could not be bound.
+    """
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        shard_index: int,
+        plan_of: Callable[[], Plan | None],
+        *,
+        token: str = "",
+        admin_token: str = "",
+        max_connections: int = 64,
+        threads: OwnedThreads | None = None,
+        counted: Callable[[int, int], None] | None = None,
+    ) -> None:
+        self.shard_index = shard_index
+        self._plan_of = plan_of
+        self._tokens = [t.encode() for t in (token, admin_token) if t] if token else []
+        self.max_connections = max_connections
+        self._threads = threads or OwnedThreads()
+        self._counted = counted or (lambda received, sent: None)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        try:
+            self._listener = socket.create_server((host, port), family=family, backlog=max_connections)
+        except OSError as exc:
+            raise RuntimeError(f"Could not bind the data port {host}:{port}: {exc}; is the port in use?") from exc
+        self.port: int = self._listener.getsockname()[1]
+        self._cond = threading.Condition()
+        self._by_rank: dict[int, _Conn] = {}
+        self._open: set[socket.socket] = set()
+        self._closed = False
+        self._threads.start(self._accept, f"shard{shard_index}-data-listener")
+
+    # ------------------------------------------------------------------ connections
+    def _accept(self) -> None:
+        while True:
+            try:
+                sock, _ = self._listener.accept()
+            except OSError:
+                return  # closed
+            with self._cond:
+                if self._closed or len(self._open) >= self.max_connections:
+                    full = not self._closed
+                    sock.close()
+                    if full:
+                        log.warning("data connection refused: %d open (the most)", self.max_connections)
+                    continue
+                self._open.add(sock)
+            self._threads.start(functools.partial(self._serve, sock), f"shard{self.shard_index}-data")
+
+    def _serve(self, sock: socket.socket) -> None:
+        conn: _Conn | None = None
+        try:
+            dataconn.tune(sock)
+            conn = self._hello(sock)
+            if conn is None:
+                return
+            sock.settimeout(None)  # a connection waits for frames as long as the worker trains
+            self._read_frames(conn)
+        except (OSError, dataconn.DataConnectionError, InvalidRequestError) as exc:
+            if conn is not None:
+                self._lost(conn, str(exc))
+        finally:
+            with self._cond:
+                self._open.discard(sock)
+                if conn is not None and self._by_rank.get(conn.rank) is conn:
+                    del self._by_rank[conn.rank]
+                if conn is not None and not conn.error:
+                    conn.error = "the worker closed its data connection"
+                self._cond.notify_all()
+            sock.close()
+
+    def _hello(self, sock: socket.socket) -> _Conn | None:
+        deadline = time.monotonic() + HELLO_SECONDS
+        magic, protocol, rank, incarnation, token_len = dataconn.recv_struct(sock, dataconn.HELLO, deadline)
+        if magic != dataconn.MAGIC or protocol != dataconn.PROTOCOL or token_len > dataconn.MAX_TOKEN_BYTES:
+            log.warning("data connection closed: not a grpc-ps data connection of protocol %d", dataconn.PROTOCOL)
+            return None
+        given = bytearray(token_len)
+        dataconn.recv_exact(sock, memoryview(given), deadline)
+        if self._tokens and not any(hmac.compare_digest(bytes(given), t) for t in self._tokens):
+            log.warning("data connection of rank %d closed: wrong token", rank)
+            return None
+        conn = _Conn(sock, rank, incarnation)
+        with self._cond:
+            old = self._by_rank.get(rank)
+            self._by_rank[rank] = conn
+            self._cond.notify_all()
+        if old is not None:
+            self._lost(old, "a newer data connection of the same rank replaced it")
+        sock.sendall(dataconn.REPLY.pack(dataconn.MAGIC, 0))
+        return conn
+
+    def _read_frames(self, conn: _Conn) -> None:
+        """Read push frames until the connection closes; each record is checked against the plan
+        before its bytes are read, and a complete frame replaces the one waiting (if any)."""
+        sock = conn.sock
+        sequence: int | None = None
+        parts: dict[int, WirePartition] = {}
+        received = 0
+        while True:
+            seq, slot, dtype_code, nbytes = dataconn.recv_struct(sock, dataconn.RECORD)
+            if sequence is not None and seq != sequence:
+                raise InvalidRequestError(f"frame {seq} began before frame {sequence} ended")
+            sequence = seq
+            if slot == dataconn.END:
+                if nbytes != len(parts):
+                    raise InvalidRequestError(f"frame {seq} ended after {len(parts)} partitions, not {nbytes}")
+                with self._cond:
+                    conn.ready = (seq, [parts[i] for i in sorted(parts)])
+                    self._cond.notify_all()
+                self._counted(received, 0)
+                sequence, parts, received = None, {}, 0
+                continue
+            owned = self._owned()
+            if slot >= len(owned) or slot in parts:
+                raise InvalidRequestError(f"frame {seq}: slot {slot} is not one of {len(owned)} or came twice")
+            part = owned[slot]
+            name = dtype_from_proto(dtype_code)
+            plan = self._plan_of()
+            assert plan is not None
+            param = plan.dtypes[part.key]
+            if name != param and not wire_dtype_allowed(name, param):
+                raise InvalidRequestError(f"frame {seq}: {name} for a {param} parameter")
+            if nbytes != part.length * DTYPES[name].itemsize:
+                raise InvalidRequestError(f"frame {seq}: {nbytes} bytes for {part.length} {name} values")
+            view = dataconn.byte_view(torch.empty(nbytes, dtype=torch.uint8))
+            dataconn.recv_exact(sock, view)
+            # checked here, while the frame's later partitions are still arriving; a partition that
+            # is not finite goes on unmarked, and the PushPull's Intake refuses it with its message
+            try:
+                check_finite(decode(view, name, part.length), "")
+                finite = True
+            except InvalidRequestError:
+                finite = False
+            parts[slot] = WirePartition(part.key, part.offset, part.length, name, view, finite=finite)
+            received += nbytes + dataconn.RECORD.size
+
+    def _owned(self) -> Sequence:
+        plan = self._plan_of()
+        if plan is None:
+            raise InvalidRequestError("a frame came before the shard was initialized")
+        return plan.owned_by(self.shard_index)
+
+    def _lost(self, conn: _Conn, why: str) -> None:
+        with self._cond:
+            if not conn.error:
+                conn.error = why
+                log.info("data connection of rank %d closed: %s", conn.rank, why)
+            if self._by_rank.get(conn.rank) is conn:
+                del self._by_rank[conn.rank]
+            self._cond.notify_all()
+        try:
+            conn.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    # ------------------------------------------------------------------ PushPull
+    def take(
+        self,
+        rank: int,
+        incarnation: int,
+        sequence: int,
+        timeout: float | None,
+        active: Callable[[], bool] = lambda: True,
+    ) -> list[WirePartition]:
+        """Wait for rank's push frame ``sequence`` and take it (partitions in slot order, not yet
+        checked for finiteness: the caller's :class:`~ps_server.core.partitions.Intake` does that).
+
+        Raises:
+            DataPathError: no connection of that rank and incarnation, it closed, the frame did
+                not come within ``timeout`` seconds, or the call ended.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while True:
+                if self._closed:
+                    raise DataPathError("The shard is stopping; its data connections are closed.")
+                conn = self._by_rank.get(rank)
+                if conn is not None and conn.incarnation == incarnation and conn.ready is not None:
+                    seq, parts = conn.ready
+                    if seq == sequence:
+                        conn.ready = None
+                        return parts
+                left = POLL_SECONDS if deadline is None else min(POLL_SECONDS, deadline - time.monotonic())
+                if left <= 0 or not active():
+                    why = "no data connection of this rank" if conn is None else "the frame did not come in time"
+                    raise DataPathError(
+                        f"The partitions of PushPull {sequence} of rank {rank} are not on its data connection "
+                        f"({why}); send them on the gRPC stream."
+                    )
+                self._cond.wait(left)
+
+    def send(self, rank: int, incarnation: int, sequence: int, slots: Sequence[tuple[torch.Tensor, int]]) -> int:
+        """Send frame ``sequence`` to rank's connection: ``slots`` are (1-D contiguous CPU tensor,
+        ``ps.v1.Dtype`` value) per partition in plan order, sent from their memory. Returns the
+        bytes sent.
+
+        Raises:
+            DataPathError: no connection of that rank and incarnation, or it broke.
+        """
+        with self._cond:
+            conn = self._by_rank.get(rank)
+        if conn is None or conn.incarnation != incarnation:
+            raise DataPathError(f"Rank {rank} has no data connection to send PushPull {sequence}'s values on.")
+        buffers: list[bytes | memoryview] = []
+        for i, (t, code) in enumerate(slots):
+            data = dataconn.byte_view(t)
+            buffers += [dataconn.RECORD.pack(sequence, i, code, len(data)), data]
+        buffers.append(dataconn.RECORD.pack(sequence, dataconn.END, 0, len(slots)))
+        try:
+            with conn.send_lock:
+                sent = dataconn.send_all(conn.sock, buffers)
+        except OSError as exc:
+            self._lost(conn, str(exc))
+            raise DataPathError(f"The data connection of rank {rank} broke while sending ({exc}).") from exc
+        self._counted(0, sent)
+        return sent
+
+    def close(self) -> None:
+        """Stop listening and close every connection (their threads end; waiters get DataPathError)."""
+        with self._cond:
+            self._closed = True
+            conns = list(self._by_rank.values())
+            opened = list(self._open)
+            self._cond.notify_all()
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accept (close alone does not, on Linux)
+        except OSError:
+            pass
+        self._listener.close()
+        for c in conns:
+            self._lost(c, "the shard is stopping")
+        for s in opened:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+
+def wire_slots(
+    tensors: Sequence[torch.Tensor], wire: torch.dtype | None, copy: bool = True
+) -> list[tuple[torch.Tensor, int]]:
+    """A snapshot's partitions as they go on the data connection, with their ``ps.v1.Dtype``
+    values: cast to ``wire`` when given (new tensors), else copies, or with ``copy=False`` the
+    parameters' own memory (the sender then checks the version did not move while it sent).
+    Taken under the shard's lock, sent after it is released."""
+    out = []
+    for t in tensors:
+        v = t.to(wire) if wire is not None and t.dtype != wire else (t.clone() if copy else t)
+        out.append((v, dtype_to_proto(_NAMES[v.dtype])))
+    return out
+
+
+_NAMES = {d.torch: d.name for d in DTYPES.values()}

@@ -1,0 +1,176 @@
+"""The worker's end of a shard's data connection (:mod:`ps_common.dataconn`).
+
+A :class:`DataConnection` sends a PushPull's partitions from the gradient tensors' memory and
+receives the answer's values straight into the weights (``recv_into`` the parameter's memory when
+the wire dtype is the parameter's; through one buffer of the wire dtype otherwise). Any failure
+closes it and raises :class:`DataLinkError`, a ``grpc.RpcError`` with code UNAVAILABLE: the
+caller's retry sends the same push (same stamp) on the gRPC stream, and the shard, which applies a
+push at most once, answers it as usual.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from collections.abc import Sequence
+
+import grpc
+import torch
+
+from ps_common import dataconn
+from ps_common.codec import DTYPES, dtype_to_proto
+
+log = logging.getLogger(__name__)
+
+CONNECT_SECONDS = 5.0
+"""Connecting and the hello's answer take at most this long; then the shard is used over gRPC alone."""
+
+
+class DataLinkError(grpc.RpcError):
+    """The data connection failed (UNAVAILABLE, retried over gRPC)."""
+
+    def __init__(self, details: str) -> None:
+        super().__init__(details)
+        self._details = details
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self) -> str:
+        return self._details
+
+    def trailing_metadata(self) -> tuple[()]:
+        return ()
+
+
+def host_of(address: str) -> str | None:
+    """The host part of ``host:port`` or ``[v6]:port``; None for other gRPC targets (``dns:///``,
+    ``unix:``), which get no data connection."""
+    if "://" in address or address.startswith("unix:"):
+        return None
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        return None
+    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
+
+
+class DataConnection:
+    """One open data connection to a shard.
+
+    Args:
+        host, port: the shard's host (as the worker dials its gRPC address) and JoinResponse.data_port.
+        rank, incarnation: this worker's (the hello binds the connection to them).
+        token: the worker token the gRPC calls carry ("" for none).
+
+    Raises:
+        DataLinkError: the connection or the hello failed within :data:`CONNECT_SECONDS`.
+    """
+
+    def __init__(self, host: str, port: int, rank: int, incarnation: int, token: str = "") -> None:
+        self.address = f"{host}:{port}"
+        self.rank = rank
+        self.incarnation = incarnation
+        self.lock = threading.Lock()
+        self.closed = False
+        try:
+            self.sock = socket.create_connection((host, port), timeout=CONNECT_SECONDS)
+        except OSError as exc:
+            raise DataLinkError(f"data connection to {self.address} failed: {exc}") from exc
+        try:
+            dataconn.tune(self.sock)
+            self.sock.sendall(dataconn.hello(rank, incarnation, token))
+            magic, status = dataconn.recv_struct(self.sock, dataconn.REPLY, time.monotonic() + CONNECT_SECONDS)
+            if magic != dataconn.MAGIC or status != 0:
+                raise dataconn.DataConnectionError(f"refused the hello (status {status})")
+        except (OSError, dataconn.DataConnectionError) as exc:
+            self.close()
+            raise DataLinkError(f"data connection to {self.address}: {exc}") from exc
+
+    def send(self, sequence: int, slots: Sequence[torch.Tensor]) -> int:
+        """Send push frame ``sequence``: ``slots`` are the shard's partitions in plan order (1-D
+        contiguous CPU tensors in their wire dtype), sent from their memory. Returns bytes sent.
+
+        Raises:
+            DataLinkError: the connection broke (it is closed).
+        """
+        buffers: list[bytes | memoryview] = []
+        for i, t in enumerate(slots):
+            data = dataconn.byte_view(t.contiguous())
+            buffers += [dataconn.RECORD.pack(sequence, i, dtype_to_proto(_NAMES[t.dtype]), len(data)), data]
+        buffers.append(dataconn.RECORD.pack(sequence, dataconn.END, 0, len(slots)))
+        return self._send(buffers)
+
+    def send_slot(self, sequence: int, slot: int, values: torch.Tensor) -> int:
+        """Send partition ``slot`` of frame ``sequence`` alone (during backward, as its gradient
+        is ready; any order). Returns bytes sent.
+
+        Raises:
+            DataLinkError: the connection broke (it is closed).
+        """
+        data = dataconn.byte_view(values.contiguous())
+        record = dataconn.RECORD.pack(sequence, slot, dtype_to_proto(_NAMES[values.dtype]), len(data))
+        return self._send([record, data])
+
+    def send_end(self, sequence: int, count: int) -> int:
+        """End frame ``sequence`` after its ``count`` partitions. Returns bytes sent.
+
+        Raises:
+            DataLinkError: the connection broke (it is closed).
+        """
+        return self._send([dataconn.RECORD.pack(sequence, dataconn.END, 0, count)])
+
+    def _send(self, buffers: list[bytes | memoryview]) -> int:
+        try:
+            self.sock.settimeout(None)
+            return dataconn.send_all(self.sock, buffers)
+        except OSError as exc:
+            self.close()
+            raise DataLinkError(f"data connection to {self.address} broke while sending: {exc}") from exc
+
+    def receive(self, sequence: int, targets: Sequence[tuple[torch.Tensor, torch.dtype]], timeout: float) -> int:
+        """Receive answer frame ``sequence`` into ``targets``: per partition in plan order, the
+        1-D CPU tensor slice of the weights it fills and the dtype it comes in (the parameter's, or
+        the wire dtype: then through a buffer and a cast). Returns bytes received.
+
+        Raises:
+            DataLinkError: the connection broke, timed out after ``timeout`` seconds, or the frame
+                is not the one expected (it is closed).
+        """
+        deadline = time.monotonic() + timeout
+        received = 0
+        try:
+            for i, (target, wire) in enumerate(targets):
+                seq, slot, code, nbytes = dataconn.recv_struct(self.sock, dataconn.RECORD, deadline)
+                want = target.numel() * wire.itemsize
+                if (seq, slot, code, nbytes) != (sequence, i, dtype_to_proto(_NAMES[wire]), want):
+                    raise dataconn.DataConnectionError(
+                        f"expected partition {i} of frame {sequence} ({want} bytes of {wire}), got partition "
+                        f"{slot} of frame {seq} ({nbytes} bytes, dtype {code})"
+                    )
+                if wire == target.dtype and target.is_contiguous():
+                    dataconn.recv_exact(self.sock, dataconn.byte_view(target), deadline)
+                else:
+                    buf = torch.empty(target.numel(), dtype=wire)
+                    dataconn.recv_exact(self.sock, dataconn.byte_view(buf), deadline)
+                    target.copy_(buf)
+                received += nbytes
+            seq, slot, _, count = dataconn.recv_struct(self.sock, dataconn.RECORD, deadline)
+            if (seq, slot, count) != (sequence, dataconn.END, len(targets)):
+                raise dataconn.DataConnectionError(f"frame {sequence} did not end after {len(targets)} partitions")
+        except (OSError, dataconn.DataConnectionError) as exc:
+            self.close()
+            raise DataLinkError(f"data connection to {self.address} failed while receiving: {exc}") from exc
+        return received
+
+    def close(self) -> None:
+        """Close the socket (idempotent)."""
+        self.closed = True
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
+_NAMES = {d.torch: d.name for d in DTYPES.values()}
