@@ -51,6 +51,7 @@ def main() -> None:
         model: str = "flat",
         partition_bytes: int = 4 << 20,  # noqa: A002
         wire_dtype: str = "float32",
+        data_path: str = "tcp",
     ) -> dict[str, object]:
         close()
         torch.manual_seed(0)
@@ -63,6 +64,7 @@ def main() -> None:
             retry_deadline=60,
             partition_bytes=partition_bytes,
             wire_dtype=None if wire_dtype == "float32" else wire_dtype,
+            data_path=data_path,
         )
         state["client"] = client
         client.init(net, {"name": "sgd", "lr": 1e-3})

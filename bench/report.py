@@ -126,6 +126,33 @@ def ratios(results: Sequence[Series]) -> list[Ratio]:
         )
         out.append(
             ratio(
+                f"(2) grpc-ps 1w×1s / loopback TCP (the data connections' floor), {big}",
+                grpc11,
+                find(results, big, "loopback TCP"),
+                "≤ 1.15",
+                lambda v: v <= 1.15,
+            )
+        )
+        out.append(
+            ratio(
+                f"(2) grpc-ps 1w×1s gRPC only / grpc echo, {big}",
+                find(results, big, "grpc-ps 1w×1s gRPC only"),
+                find(results, big, "grpc echo"),
+                "(info)",
+                lambda v: True,
+            )
+        )
+        out.append(
+            ratio(
+                f"data connections: gRPC only / grpc-ps 1w×1s (speed-up), {big}",
+                find(results, big, "grpc-ps 1w×1s gRPC only"),
+                grpc11,
+                "(info)",
+                lambda v: True,
+            )
+        )
+        out.append(
+            ratio(
                 f"(2) grpc echo / loopback TCP round trip, {big}",
                 find(results, big, "grpc echo"),
                 find(results, big, "loopback TCP"),

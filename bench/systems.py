@@ -192,10 +192,13 @@ class GrpcPS(System):
         partition_bytes: int,
         wire_dtype: str = "float32",
         plain: bool = False,
+        data_path: str = "tcp",
     ) -> None:
         super().__init__(key)
         self.workers, self.shards, self.partition_bytes = workers, shards, partition_bytes
         self.wire_dtype = wire_dtype
+        self.data_path = data_path
+        """The workers' ``data_path``: ``tcp`` (the default: data connections), ``grpc`` (gRPC alone)."""
         self.plain = plain
         """Started as a user starts them: ``ps-server`` and a worker with no ``GLIBC_TUNABLES`` in
         their environment (each entry point sets up what it needs itself)."""
@@ -241,6 +244,7 @@ class GrpcPS(System):
             model=size.model,
             partition_bytes=self.partition_bytes,
             wire_dtype=self.wire_dtype,
+            data_path=self.data_path,
         )
 
     def finish(self, size: Size) -> None:
@@ -284,6 +288,7 @@ def systems_for(
                 out.append((f"grpc-ps {w}w×{s}s{suffix}", "grpc-ps", w, s, pb, wire))
     if (1, 1) in grid and size.model == "flat":
         out.append(("grpc-ps 1w×1s plain", "grpc-ps", 1, 1, partitions[-1], "plain"))
+        out.append(("grpc-ps 1w×1s gRPC only", "grpc-ps", 1, 1, partitions[-1], "grpc-only"))
         out.append(("native PS prototype 1w", "native", 1, 1, partitions[-1], "float32"))
     return [spec for spec in out if spec[1] in families]
 
@@ -303,4 +308,6 @@ def build(key: str, family: str, workers: int, shards: int, partition_bytes: int
         return RpcPS(key, workers)
     if wire_dtype == "plain":
         return GrpcPS(key, workers, shards, partition_bytes, "float32", plain=True)
+    if wire_dtype == "grpc-only":
+        return GrpcPS(key, workers, shards, partition_bytes, "float32", data_path="grpc")
     return GrpcPS(key, workers, shards, partition_bytes, wire_dtype)

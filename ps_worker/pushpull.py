@@ -198,17 +198,19 @@ class PendingPushPull:
         t, codec = self.transport, self.codec
         owned = codec.owned[k]
         with conn.lock:
+            # the call first: its header reaches the shard while the frame is still being sent
+            head = codec.push_pull_head(self.session.stamp(k), sequence)
+            replies = t.push_pull_calls[k](iter([head]), timeout=t.timeout, metadata=t.metadata)
             try:
                 if sent_before >= 0:
                     sent = sent_before + conn.send_end(sequence, len(owned))
                 else:
                     sent = conn.send(sequence, [self._out(k, i).values for i in range(len(owned))])
             except DataLinkError as exc:
+                replies.cancel()  # the shard applies nothing of a cancelled call
                 t.data_failed(k, exc.details())
                 raise
             self.sent[k] = sent
-            head = codec.push_pull_head(self.session.stamp(k), sequence)
-            replies = t.push_pull_calls[k](iter([head]), timeout=t.timeout, metadata=t.metadata)
             try:
                 msg = frames.read(next(replies))
             except grpc.RpcError as exc:
@@ -216,7 +218,7 @@ class PendingPushPull:
                     t.data_failed(k, exc.details() or "")
                 raise
             if msg.ints.get(4, 0) != sequence or 3 not in msg.blobs:
-                conn.close()
+                t.data_failed(k, "an answer without its data frame")
                 raise DataLinkError(f"Shard {t.servers[k]} answered PushPull {sequence} without its data frame.")
             version = msg.ints.get(1, 0)
             answer = ps_pb2.PushResponse.FromString(msg.blobs[3])
