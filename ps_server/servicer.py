@@ -324,9 +324,10 @@ class ParameterServicer(TableRpcs):
     def Heartbeat(self, request: ps_pb2.HeartbeatRequest, context: grpc.ServicerContext) -> ps_pb2.HeartbeatResponse:
         self._adopt(request)
         version, state = self.shard.heartbeat(request.rank, request.incarnation)
-        return self._told(
-            ps_pb2.HeartbeatResponse(version=version, state=WORKER_STATES[state]), request.membership_epoch
+        answer = ps_pb2.HeartbeatResponse(
+            version=version, state=WORKER_STATES[state], data_port=self.data.port if self.data is not None else 0
         )
+        return self._told(answer, request.membership_epoch)
 
     @maps_errors
     def Leave(self, request: ps_pb2.LeaveRequest, context: grpc.ServicerContext) -> ps_pb2.LeaveResponse:

@@ -267,7 +267,9 @@ class Session(EpochRelay):
                     rank=self.rank, incarnation=self.incarnation, membership_epoch=epoch, membership=record
                 )
                 try:
-                    self.learn(k, stub.Heartbeat(req, timeout=max(1.0, period), metadata=t.metadata))
+                    answer = stub.Heartbeat(req, timeout=max(1.0, period), metadata=t.metadata)
+                    self.learn(k, answer)
+                    t.offer_data_port(k, answer.data_port, joined=False)
                 except grpc.RpcError as exc:
                     log.debug("heartbeat to %s failed: %s", t.servers[k], exc.code())
 

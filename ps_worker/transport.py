@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent import futures
@@ -82,6 +83,7 @@ class Transport:
         """Per shard: True, never (``grpc``, TLS, a target with no host); None, connecting failed (tried
         again after the next Join); False, used when offered."""
         self._retry_at = [0.0] * len(self.servers)
+        self._data_lock = threading.Lock()  # the heartbeat thread offers ports while steps use them
         self._sequence = itertools.count(1)
         self.timeout = timeout
         self.retry_deadline = retry_deadline
@@ -122,37 +124,46 @@ class Transport:
         return len(self.servers)
 
     # ------------------------------------------------------------------ data connections
-    def offer_data_port(self, k: int, port: int) -> None:
-        """Shard ``k`` answered Join with ``port`` (0: no data connections); a connection that
-        failed before is tried again."""
-        if port != self.data_ports[k]:
-            self.data_ports[k] = port
-            self._drop(k)
-        if self._data_off[k] is None:
-            self._data_off[k] = False
+    def offer_data_port(self, k: int, port: int, joined: bool = True) -> None:
+        """Shard ``k`` answered a Join (``joined``) or a Heartbeat with its data ``port`` (0: none).
+        A new port (a restarted shard) replaces the old connection and is tried at the next push,
+        as is any port after a Join; otherwise a connection that failed waits out
+        :data:`DATA_RETRY_SECONDS`."""
+        with self._data_lock:
+            changed = port != self.data_ports[k]
+            if changed:
+                self.data_ports[k] = port
+                self._drop_locked(k)
+            if (changed or joined) and self._data_off[k] is None:
+                self._data_off[k] = False
 
     def data_connection(self, k: int, rank: int, incarnation: int) -> DataConnection | None:
         """The open data connection to shard ``k`` for this rank and incarnation, connecting on
         first use; None when the shard offers none, ``data_path="grpc"``, TLS, or connecting failed
         (then gRPC carries the partitions until the shard offers another port)."""
-        if self._data_off[k] is None and time.monotonic() >= self._retry_at[k]:
-            self._data_off[k] = False
-        if self._data_off[k] is not False or not self.data_ports[k]:
-            return None
-        conn = self._data[k]
-        if conn is not None and (conn.closed or conn.rank != rank or conn.incarnation != incarnation):
-            self._drop(k)
-            conn = None
-        if conn is None:
+        with self._data_lock:
+            if self._data_off[k] is None and time.monotonic() >= self._retry_at[k]:
+                self._data_off[k] = False
+            port = self.data_ports[k]
+            if self._data_off[k] is not False or not port:
+                return None
+            conn = self._data[k]
+            if conn is not None and not conn.closed and (conn.rank, conn.incarnation) == (rank, incarnation):
+                return conn
+            self._drop_locked(k)
             host = host_of(self.servers[k])
             if host is None:
                 self._data_off[k] = True
                 return None
-            try:
-                conn = DataConnection(host, self.data_ports[k], rank, incarnation, self._token)
-            except DataLinkError as exc:
-                log.warning("%s; PushPull to shard %s goes on gRPC alone", exc.details(), self.servers[k])
-                self.data_failed(k, "")
+        try:  # outside the lock: a heartbeat must not wait for a connect
+            conn = DataConnection(host, port, rank, incarnation, self._token)
+        except DataLinkError as exc:
+            log.warning("%s; PushPull to shard %s goes on gRPC alone", exc.details(), self.servers[k])
+            self.data_failed(k, "")
+            return None
+        with self._data_lock:
+            if self.data_ports[k] != port or self._data[k] is not None:  # a heartbeat offered another port
+                conn.close()
                 return None
             self._data[k] = conn
         return conn
@@ -165,10 +176,11 @@ class Transport:
             log.warning(
                 "PushPull to shard %s on its data connection failed (%s); on gRPC for now", self.servers[k], why
             )
-        self._drop(k)
-        if self._data_off[k] is False:
-            self._data_off[k] = None
-            self._retry_at[k] = time.monotonic() + DATA_RETRY_SECONDS
+        with self._data_lock:
+            self._drop_locked(k)
+            if self._data_off[k] is False:
+                self._data_off[k] = None
+                self._retry_at[k] = time.monotonic() + DATA_RETRY_SECONDS
 
     @property
     def data_connected(self) -> list[bool]:
@@ -185,6 +197,10 @@ class Transport:
         return next(self._sequence)
 
     def _drop(self, k: int) -> None:
+        with self._data_lock:
+            self._drop_locked(k)
+
+    def _drop_locked(self, k: int) -> None:
         conn, self._data[k] = self._data[k], None
         if conn is not None:
             conn.close()

@@ -436,16 +436,18 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., incarnation: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., membership: _Optional[_Union[MembershipEpoch, _Mapping]] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("version", "state", "membership_epoch", "membership")
+    __slots__ = ("version", "state", "membership_epoch", "membership", "data_port")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     MEMBERSHIP_EPOCH_FIELD_NUMBER: _ClassVar[int]
     MEMBERSHIP_FIELD_NUMBER: _ClassVar[int]
+    DATA_PORT_FIELD_NUMBER: _ClassVar[int]
     version: int
     state: WorkerState
     membership_epoch: int
     membership: MembershipEpoch
-    def __init__(self, version: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., membership_epoch: _Optional[int] = ..., membership: _Optional[_Union[MembershipEpoch, _Mapping]] = ...) -> None: ...
+    data_port: int
+    def __init__(self, version: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., membership_epoch: _Optional[int] = ..., membership: _Optional[_Union[MembershipEpoch, _Mapping]] = ..., data_port: _Optional[int] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("rank", "incarnation", "membership_epoch", "membership")

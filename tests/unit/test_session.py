@@ -74,7 +74,7 @@ class FakeTransport:
     def close(self, leave: Any = None, told: Any = None) -> None:
         self.closed = True
 
-    def offer_data_port(self, k: int, port: int) -> None:
+    def offer_data_port(self, k: int, port: int, joined: bool = True) -> None:
         self.data_ports[k] = port
 
 
