@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ps_common.channels import parse_servers
+from ps_common.dataconn import DATA_PATHS
 from ps_common.flags import secret
 
 if TYPE_CHECKING:
@@ -49,6 +50,7 @@ CONTRACT: tuple[Variable, ...] = (
     Variable("PS_TLS_KEY", "", "PEM private key of PS_TLS_CERT"),
     Variable("PS_WIRE_DTYPE", "native", "gradients and weights on the wire: native, bfloat16 or float16"),
     Variable("PS_TOPK", "0", "fraction of each gradient partition pushed (error feedback); 0: dense"),
+    Variable("PS_DATA_PATH", "tcp", "PushPull's partitions: tcp (the shards' data connections when offered) or grpc"),
     Variable("PS_TIMEOUT", "60", "per-RPC deadline, seconds (a sync pull waits this long)"),
     Variable("PS_RETRY_DEADLINE", "30", "seconds to keep retrying an unreachable shard"),
     Variable("PS_INCARNATION", "", "restart counter of this rank (default: wall-clock microseconds)"),
@@ -111,6 +113,7 @@ class Settings:
     tls_key: str = ""
     wire_dtype: str = "native"
     topk: float = 0.0
+    data_path: str = "tcp"
     timeout: float = 60.0
     retry_deadline: float = 30.0
     incarnation: int | None = None
@@ -143,6 +146,7 @@ class Settings:
             "tls_key": self.tls_key or None,
             "wire_dtype": None if self.wire_dtype == "native" else self.wire_dtype,
             "topk": self.topk,
+            "data_path": self.data_path,
         }
         kwargs |= overrides
         servers = kwargs.pop("servers", list(self.servers))
@@ -199,6 +203,7 @@ def read_env(environ: Mapping[str, str] | None = None) -> Settings:
         tls_key=tls["key"],
         wire_dtype=_choice(environ, "PS_WIRE_DTYPE", WIRE_DTYPES),
         topk=topk,
+        data_path=_choice(environ, "PS_DATA_PATH", DATA_PATHS),
         timeout=_number(environ, "PS_TIMEOUT", float, 0),
         retry_deadline=_number(environ, "PS_RETRY_DEADLINE", float, 0),
         incarnation=_number(environ, "PS_INCARNATION", int, 0) if incarnation else None,
