@@ -249,14 +249,20 @@ class DataPlane:
                 if self._closed:
                     raise DataPathError("The shard is stopping; its data connections are closed.")
                 conn = self._by_rank.get(rank)
-                if conn is not None and conn.incarnation == incarnation and conn.ready is not None:
-                    seq, parts = conn.ready
-                    if seq == sequence:
-                        conn.ready = None
-                        return parts
+                # a worker's hello is answered once its connection is registered, and it calls after
+                # that: no connection of this rank and incarnation now means none is coming
+                if conn is None or conn.incarnation != incarnation:
+                    raise DataPathError(
+                        f"Rank {rank} (incarnation {incarnation}) has no data connection to this shard; send "
+                        "PushPull's partitions on the gRPC stream."
+                    )
+                if conn.ready is not None and conn.ready[0] == sequence:
+                    parts = conn.ready[1]
+                    conn.ready = None
+                    return parts
                 left = POLL_SECONDS if deadline is None else min(POLL_SECONDS, deadline - time.monotonic())
                 if left <= 0 or not active():
-                    why = "no data connection of this rank" if conn is None else "the frame did not come in time"
+                    why = "the frame did not come in time"
                     raise DataPathError(
                         f"The partitions of PushPull {sequence} of rank {rank} are not on its data connection "
                         f"({why}); send them on the gRPC stream."
