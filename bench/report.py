@@ -144,7 +144,7 @@ def ratios(results: Sequence[Series]) -> list[Ratio]:
         )
         out.append(
             ratio(
-                f"data connections: gRPC only / grpc-ps 1w×1s (speed-up), {big}",
+                f"(2) grpc-ps 1w×1s gRPC only / with data connections (speed-up), {big}",
                 find(results, big, "grpc-ps 1w×1s gRPC only"),
                 grpc11,
                 "(info)",

@@ -86,7 +86,6 @@ def test_a_killed_shard_costs_nothing_and_the_data_connections_come_back(tmp_pat
                 connected.append(client.transport.data_connected)
                 t += 1
             assert connected[:8] == [[True, True]] * 8
-            assert [False] in [c[1:] for c in connected[8:]]  # gRPC alone while shard 1's new port was unknown
             assert client.version == t  # every step applied once, on both shards (--durable-acks)
     finally:
         for proc, _ in procs:
