@@ -22,6 +22,7 @@ Wire format (little-endian, every integer fixed width):
 
 from __future__ import annotations
 
+import select
 import socket
 import struct
 import time
@@ -64,18 +65,30 @@ class DataConnectionError(ConnectionError):
     """The data connection broke, timed out, or carried something other than what the plan says."""
 
 
-def send_all(sock: socket.socket, buffers: Sequence[bytes | memoryview]) -> int:
+def send_all(sock: socket.socket, buffers: Sequence[bytes | memoryview], deadline: float) -> int:
     """Send every byte of ``buffers`` in order, without copying them (``sendmsg`` of up to
-    :data:`IOV_MAX` buffers at a time); returns the byte count.
+    :data:`IOV_MAX` buffers at a time, never blocking past ``deadline``, a ``time.monotonic()``:
+    a peer that stops reading cannot hold the sender); returns the byte count.
 
     Raises:
-        OSError: the connection broke, or its send timeout passed.
+        DataConnectionError: the deadline passed with bytes still to send.
+        OSError: the connection broke.
     """
     views = [memoryview(b).cast("B") for b in buffers if len(b)]
     total = sum(len(v) for v in views)
+    poll = select.poll()
+    poll.register(sock, select.POLLOUT)
     i = 0
     while i < len(views):
-        sent = sock.sendmsg(views[i : i + IOV_MAX])
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise DataConnectionError(f"timed out with {sum(len(v) for v in views[i:])} bytes left to send")
+        if not poll.poll(min(left, 60.0) * 1000):
+            continue
+        try:
+            sent = sock.sendmsg(views[i : i + IOV_MAX], [], socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            continue
         while sent:
             if sent >= len(views[i]):
                 sent -= len(views[i])

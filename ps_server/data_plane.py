@@ -39,6 +39,9 @@ log = logging.getLogger(__name__)
 HELLO_SECONDS = 10.0
 """A connection must send its hello within this many seconds."""
 
+SEND_SECONDS = 60.0
+"""How long an answer's frame may take to send when the call has no deadline."""
+
 POLL_SECONDS = 0.25
 """How often a waiting PushPull checks that its call is still active."""
 
@@ -269,13 +272,21 @@ class DataPlane:
                     )
                 self._cond.wait(left)
 
-    def send(self, rank: int, incarnation: int, sequence: int, slots: Sequence[tuple[torch.Tensor, int]]) -> int:
+    def send(
+        self,
+        rank: int,
+        incarnation: int,
+        sequence: int,
+        slots: Sequence[tuple[torch.Tensor, int]],
+        timeout: float | None = None,
+    ) -> int:
         """Send frame ``sequence`` to rank's connection: ``slots`` are (1-D contiguous CPU tensor,
-        ``ps.v1.Dtype`` value) per partition in plan order, sent from their memory. Returns the
-        bytes sent.
+        ``ps.v1.Dtype`` value) per partition in plan order, sent from their memory, within
+        ``timeout`` seconds (None: :data:`SEND_SECONDS`). Returns the bytes sent.
 
         Raises:
-            DataPathError: no connection of that rank and incarnation, or it broke.
+            DataPathError: no connection of that rank and incarnation, it broke, or the worker
+                did not read the frame in time (the connection is closed).
         """
         with self._cond:
             conn = self._by_rank.get(rank)
@@ -288,8 +299,10 @@ class DataPlane:
         buffers.append(dataconn.RECORD.pack(sequence, dataconn.END, 0, len(slots)))
         try:
             with conn.send_lock:
-                sent = dataconn.send_all(conn.sock, buffers)
-        except OSError as exc:
+                sent = dataconn.send_all(
+                    conn.sock, buffers, time.monotonic() + (SEND_SECONDS if timeout is None else timeout)
+                )
+        except (OSError, dataconn.DataConnectionError) as exc:
             self._lost(conn, str(exc))
             raise DataPathError(f"The data connection of rank {rank} broke while sending ({exc}).") from exc
         self._counted(0, sent)

@@ -274,7 +274,7 @@ class ParameterServicer(TableRpcs):
             + frames.uint_field(1, version)
             + frames.uint_field(4, header.data_sequence)
         )
-        self.data.send(header.rank, header.incarnation, header.data_sequence, slots)
+        self.data.send(header.rank, header.incarnation, header.data_sequence, slots, context.time_remaining())
         if live and self.shard.values_key() != (version, epoch):
             # the parameters were sent from their own memory and a round closed meanwhile (a
             # quorum round, an eviction): the values may mix two versions. The call fails and the

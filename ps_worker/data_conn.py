@@ -63,13 +63,18 @@ class DataConnection:
         host, port: the shard's host (as the worker dials its gRPC address) and JoinResponse.data_port.
         rank, incarnation: this worker's (the hello binds the connection to them).
         token: the worker token the gRPC calls carry ("" for none).
+        timeout: seconds a frame may take to send (the shard stops reading: DataLinkError).
 
     Raises:
         DataLinkError: the connection or the hello failed within :data:`CONNECT_SECONDS`.
     """
 
-    def __init__(self, host: str, port: int, rank: int, incarnation: int, token: str = "") -> None:
+    def __init__(
+        self, host: str, port: int, rank: int, incarnation: int, token: str = "", timeout: float = 60.0
+    ) -> None:
         self.address = f"{host}:{port}"
+        self.timeout = timeout
+        """Seconds a frame may take to send (the PushPull's deadline)."""
         self.rank = rank
         self.incarnation = incarnation
         self.lock = threading.Lock()
@@ -123,9 +128,8 @@ class DataConnection:
 
     def _send(self, buffers: list[bytes | memoryview]) -> int:
         try:
-            self.sock.settimeout(None)
-            return dataconn.send_all(self.sock, buffers)
-        except OSError as exc:
+            return dataconn.send_all(self.sock, buffers, time.monotonic() + self.timeout)
+        except (OSError, dataconn.DataConnectionError) as exc:
             self.close()
             raise DataLinkError(f"data connection to {self.address} broke while sending: {exc}") from exc
 

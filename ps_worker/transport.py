@@ -156,7 +156,7 @@ class Transport:
                 self._data_off[k] = True
                 return None
         try:  # outside the lock: a heartbeat must not wait for a connect
-            conn = DataConnection(host, port, rank, incarnation, self._token)
+            conn = DataConnection(host, port, rank, incarnation, self._token, self.timeout)
         except DataLinkError as exc:
             log.warning("%s; PushPull to shard %s goes on gRPC alone", exc.details(), self.servers[k])
             self.data_failed(k, "")

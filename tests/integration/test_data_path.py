@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ps_common import dataconn
+from ps_common.errors import DataPathError
 from ps_proto.v1 import ps_pb2
 from ps_worker import DistributedOptimizer, PSClient
 from ps_worker.train import params_sha256
@@ -235,4 +236,29 @@ def test_connections_are_bounded(start_cluster) -> None:
     extra = raw_connection(plane.port, rank=999)
     assert closed_by_peer(extra)
     for s in socks:
+        s.close()
+
+
+def test_sending_to_a_peer_that_stops_reading_is_bounded(start_cluster) -> None:
+    """A worker that stops reading holds neither the shard's sender nor a worker's: each send
+    gives up at its deadline, and the shard closes that connection."""
+    cluster = start_cluster(num_shards=1, num_workers=1, data_port=0)
+    plane = cluster[0].data
+    sock = raw_connection(plane.port, rank=3)
+    dataconn.recv_struct(sock, dataconn.REPLY, time.monotonic() + RPC_TIMEOUT)
+    big = torch.zeros(16 << 20, dtype=torch.float32)  # 64 MiB: more than any socket buffer
+    start = time.monotonic()
+    with pytest.raises(DataPathError, match="broke while sending"):
+        plane.send(3, 1, 5, [(big, ps_pb2.DTYPE_FLOAT32)], timeout=0.5)
+    assert time.monotonic() - start < 5
+    assert closed_by_peer(sock)
+    # the worker's side: the same bound on a socket nobody reads
+    listener = socket.create_server(("127.0.0.1", 0))
+    out = socket.create_connection(listener.getsockname(), timeout=RPC_TIMEOUT)
+    peer, _ = listener.accept()
+    start = time.monotonic()
+    with pytest.raises(dataconn.DataConnectionError, match="timed out"):
+        dataconn.send_all(out, [dataconn.byte_view(big)], time.monotonic() + 0.5)
+    assert time.monotonic() - start < 5
+    for s in (out, peer, listener):
         s.close()
