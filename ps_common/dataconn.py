@@ -141,6 +141,29 @@ def byte_view(t: torch.Tensor) -> memoryview:
     return memoryview(t.view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
 
 
+def record(sequence: int, slot: int, values: torch.Tensor) -> list[bytes | memoryview]:
+    """Partition ``slot`` of frame ``sequence``: its record and the bytes of ``values`` (a 1-D
+    contiguous CPU tensor, sent from its memory; the record's dtype is the tensor's)."""
+    from ps_common.codec import dtype_name, dtype_to_proto
+
+    data = byte_view(values)
+    return [RECORD.pack(sequence, slot, dtype_to_proto(dtype_name(values.dtype)), len(data)), data]
+
+
+def end(sequence: int, count: int) -> bytes:
+    """The end record of frame ``sequence`` after ``count`` partitions."""
+    return RECORD.pack(sequence, END, 0, count)
+
+
+def frame(sequence: int, slots: Sequence[torch.Tensor]) -> list[bytes | memoryview]:
+    """A whole frame: ``slots`` (1-D contiguous CPU tensors, plan order) and its end record."""
+    out: list[bytes | memoryview] = []
+    for i, values in enumerate(slots):
+        out += record(sequence, i, values)
+    out.append(end(sequence, len(slots)))
+    return out
+
+
 def hello(rank: int, incarnation: int, token: str) -> bytes:
     """The hello a worker sends first."""
     raw = token.encode()

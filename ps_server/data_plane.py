@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ps_common import dataconn
-from ps_common.codec import DTYPES, check_finite, decode, dtype_from_proto, dtype_to_proto, wire_dtype_allowed
+from ps_common.codec import DTYPES, check_finite, decode, dtype_from_proto, wire_dtype_allowed
 from ps_common.errors import DataPathError, InvalidRequestError
 from ps_common.partition import WirePartition
 from ps_common.plan import Plan
@@ -277,11 +277,11 @@ class DataPlane:
         rank: int,
         incarnation: int,
         sequence: int,
-        slots: Sequence[tuple[torch.Tensor, int]],
+        slots: Sequence[torch.Tensor],
         timeout: float | None = None,
     ) -> int:
-        """Send frame ``sequence`` to rank's connection: ``slots`` are (1-D contiguous CPU tensor,
-        ``ps.v1.Dtype`` value) per partition in plan order, sent from their memory, within
+        """Send frame ``sequence`` to rank's connection: ``slots`` are 1-D contiguous CPU tensors
+        (the wire dtype) per partition in plan order, sent from their memory, within
         ``timeout`` seconds (None: :data:`SEND_SECONDS`). Returns the bytes sent.
 
         Raises:
@@ -292,11 +292,7 @@ class DataPlane:
             conn = self._by_rank.get(rank)
         if conn is None or conn.incarnation != incarnation:
             raise DataPathError(f"Rank {rank} has no data connection to send PushPull {sequence}'s values on.")
-        buffers: list[bytes | memoryview] = []
-        for i, (t, code) in enumerate(slots):
-            data = dataconn.byte_view(t)
-            buffers += [dataconn.RECORD.pack(sequence, i, code, len(data)), data]
-        buffers.append(dataconn.RECORD.pack(sequence, dataconn.END, 0, len(slots)))
+        buffers = dataconn.frame(sequence, slots)
         try:
             with conn.send_lock:
                 sent = dataconn.send_all(
@@ -329,18 +325,9 @@ class DataPlane:
                 pass
 
 
-def wire_slots(
-    tensors: Sequence[torch.Tensor], wire: torch.dtype | None, copy: bool = True
-) -> list[tuple[torch.Tensor, int]]:
-    """A snapshot's partitions as they go on the data connection, with their ``ps.v1.Dtype``
-    values: cast to ``wire`` when given (new tensors), else copies, or with ``copy=False`` the
-    parameters' own memory (the sender then checks the version did not move while it sent).
-    Taken under the shard's lock, sent after it is released."""
-    out = []
-    for t in tensors:
-        v = t.to(wire) if wire is not None and t.dtype != wire else (t.clone() if copy else t)
-        out.append((v, dtype_to_proto(_NAMES[v.dtype])))
-    return out
-
-
-_NAMES = {d.torch: d.name for d in DTYPES.values()}
+def wire_slots(tensors: Sequence[torch.Tensor], wire: torch.dtype | None, copy: bool = True) -> list[torch.Tensor]:
+    """A snapshot's partitions as they go on the data connection: cast to ``wire`` when given
+    (new tensors), else copies, or with ``copy=False`` the parameters' own memory (the sender then
+    checks the version did not move while it sent). Taken under the shard's lock, sent after it is
+    released."""
+    return [t.to(wire) if wire is not None and t.dtype != wire else (t.clone() if copy else t) for t in tensors]

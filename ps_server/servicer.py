@@ -110,7 +110,7 @@ class ParameterServicer(TableRpcs):
         self.frames = FrameCache()
         self.data = data
         """The shard's data connections (None: PushPull's partitions travel on gRPC only)."""
-        self._slots: dict[tuple[int, int, str], list[tuple[torch.Tensor, int]]] = {}
+        self._slots: dict[tuple[int, int, str], list[torch.Tensor]] = {}
 
     @maps_errors
     def Join(self, request: ps_pb2.JoinRequest, context: grpc.ServicerContext) -> ps_pb2.JoinResponse:
@@ -281,14 +281,14 @@ class ParameterServicer(TableRpcs):
             # worker pushes the same stamp again on gRPC, answered as a duplicate with one version.
             raise DataPathError(f"Version {version} moved on while it was sent; pull it again.")
 
-    def _slot_encoder(self, dtype: str) -> Callable[[Snapshot], tuple[int, list[tuple[torch.Tensor, int]], bool]]:
+    def _slot_encoder(self, dtype: str) -> Callable[[Snapshot], tuple[int, list[torch.Tensor], bool]]:
         """A snapshot's partitions for the data connection, under the shard's lock: (store epoch,
         slots, live). sync without a wire dtype: the parameters' own memory (``live``; in sync a
         version moves only once every live rank pushed again, so a rank's answer normally goes out
         whole, and the sender checks); otherwise copies made once per (version, store epoch, wire
         dtype), only the newest version's kept."""
 
-        def encode(snapshot: Snapshot) -> tuple[int, list[tuple[torch.Tensor, int]], bool]:
+        def encode(snapshot: Snapshot) -> tuple[int, list[torch.Tensor], bool]:
             if not dtype and self.shard.policy.holds_pushes:
                 return snapshot.epoch, wire_slots(snapshot.tensors, None, copy=False), True
             key = (snapshot.version, snapshot.epoch, dtype)

@@ -20,7 +20,7 @@ import grpc
 import torch
 
 from ps_common import dataconn
-from ps_common.codec import DTYPES, dtype_to_proto
+from ps_common.codec import dtype_name, dtype_to_proto
 
 log = logging.getLogger(__name__)
 
@@ -95,17 +95,12 @@ class DataConnection:
 
     def send(self, sequence: int, slots: Sequence[torch.Tensor]) -> int:
         """Send push frame ``sequence``: ``slots`` are the shard's partitions in plan order (1-D
-        contiguous CPU tensors in their wire dtype), sent from their memory. Returns bytes sent.
+        CPU tensors in their wire dtype), sent from their memory. Returns bytes sent.
 
         Raises:
             DataLinkError: the connection broke (it is closed).
         """
-        buffers: list[bytes | memoryview] = []
-        for i, t in enumerate(slots):
-            data = dataconn.byte_view(t.contiguous())
-            buffers += [dataconn.RECORD.pack(sequence, i, dtype_to_proto(_NAMES[t.dtype]), len(data)), data]
-        buffers.append(dataconn.RECORD.pack(sequence, dataconn.END, 0, len(slots)))
-        return self._send(buffers)
+        return self._send(dataconn.frame(sequence, [t.contiguous() for t in slots]))
 
     def send_slot(self, sequence: int, slot: int, values: torch.Tensor) -> int:
         """Send partition ``slot`` of frame ``sequence`` alone (during backward, as its gradient
@@ -114,9 +109,7 @@ class DataConnection:
         Raises:
             DataLinkError: the connection broke (it is closed).
         """
-        data = dataconn.byte_view(values.contiguous())
-        record = dataconn.RECORD.pack(sequence, slot, dtype_to_proto(_NAMES[values.dtype]), len(data))
-        return self._send([record, data])
+        return self._send(dataconn.record(sequence, slot, values.contiguous()))
 
     def send_end(self, sequence: int, count: int) -> int:
         """End frame ``sequence`` after its ``count`` partitions. Returns bytes sent.
@@ -124,7 +117,7 @@ class DataConnection:
         Raises:
             DataLinkError: the connection broke (it is closed).
         """
-        return self._send([dataconn.RECORD.pack(sequence, dataconn.END, 0, count)])
+        return self._send([dataconn.end(sequence, count)])
 
     def _send(self, buffers: list[bytes | memoryview]) -> int:
         try:
@@ -148,7 +141,7 @@ class DataConnection:
             for i, (target, wire) in enumerate(targets):
                 seq, slot, code, nbytes = dataconn.recv_struct(self.sock, dataconn.RECORD, deadline)
                 want = target.numel() * wire.itemsize
-                if (seq, slot, code, nbytes) != (sequence, i, dtype_to_proto(_NAMES[wire]), want):
+                if (seq, slot, code, nbytes) != (sequence, i, dtype_to_proto(dtype_name(wire)), want):
                     raise dataconn.DataConnectionError(
                         f"expected partition {i} of frame {sequence} ({want} bytes of {wire}), got partition "
                         f"{slot} of frame {seq} ({nbytes} bytes, dtype {code})"
@@ -175,6 +168,3 @@ class DataConnection:
             self.sock.close()
         except OSError:
             pass
-
-
-_NAMES = {d.torch: d.name for d in DTYPES.values()}

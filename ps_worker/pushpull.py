@@ -57,13 +57,13 @@ class PendingPushPull:
         self._streams: dict[int, _Stream] = {}
         self._heads: dict[int, bytes] = {}
         # shards whose partitions go on their data connection as they become ready: (connection,
-        # frame number, partitions sent); a shard whose connection failed leaves this map
-        self._frames: dict[int, tuple[DataConnection, int, set[int]]] = {}
+        # frame number); a shard whose connection failed leaves this map
+        self._frames: dict[int, tuple[DataConnection, int]] = {}
         if stream:
             for k in range(t.num_shards):
                 conn = self._data_connection(k)
                 if conn is not None:
-                    self._frames[k] = (conn, t.next_sequence(), set())
+                    self._frames[k] = (conn, t.next_sequence())
                 elif not self._once(k):
                     self._streams[k] = _Stream(self._cond, list(self.groups[k]), t.timeout)
                     self._heads[k] = self._head(k)
@@ -88,14 +88,12 @@ class PendingPushPull:
             frame = self._frames.get(k)
             if frame is None:
                 continue
-            conn, sequence, sent = frame
+            conn, sequence = frame
             try:
                 self.sent[k] += conn.send_slot(sequence, i, self._out_locked(k, i).values)
             except DataLinkError as exc:
                 self.transport.data_failed(k, exc.details())
                 del self._frames[k]
-                continue
-            sent.add(i)
 
     def _out(self, k: int, i: int) -> frames.OutPartition:
         """Shard ``k``'s partition ``i`` as it goes on the wire, made once (top-k updates its
@@ -263,7 +261,7 @@ class PendingPushPull:
         def one(k: int) -> tuple[ps_pb2.PushResponse, int, int, int]:
             frame = self._frames.pop(k, None)
             if frame is not None:
-                conn, sequence, _ = frame
+                conn, sequence = frame
                 try:
                     return self._attempt_data(k, conn, sequence, self.sent[k])
                 except grpc.RpcError:
