@@ -18,10 +18,19 @@ Wire format (little-endian, every integer fixed width):
   of partition records). ``slot`` is the partition's position among the shard's partitions in
   plan order; ``dtype`` its ``ps.v1.Dtype`` value. A push frame's sequence is the one its
   PushPull header names (``PushHeader.data_sequence``); the answer's frame has the same.
+- a call, worker → shard: one :data:`RECORD` with slot :data:`CALL`, the call's timeout in
+  milliseconds in the dtype field (0: none) and the byte count of the request that follows: a whole
+  ``PushPullOnce`` request message, the same bytes the unary gRPC call carries. The shard answers
+  one record with slot :data:`CALL`, the gRPC status code's value in the dtype field and the byte
+  count of what follows: the PushPullOnce response message (code 0, OK), or :data:`STATUS` and the
+  refusal's ``ps-reason`` and details (UTF-8). A small model's step takes one round trip on the
+  connection and no gRPC call at all; the checks, semantics, errors and metrics are the RPC's
+  (the shard runs the same servicer method, bench/README.md "Calls on the data connection").
 """
 
 from __future__ import annotations
 
+import math
 import select
 import socket
 import struct
@@ -50,6 +59,15 @@ RECORD = struct.Struct("<QIIQ")
 
 END = 0xFFFFFFFF
 """The slot of a frame's end record."""
+
+CALL = 0xFFFFFFFE
+"""The slot of a call record (a whole PushPullOnce request, or its answer)."""
+
+STATUS = struct.Struct("<I")
+"""A refused call's answer: the byte length of its ``ps-reason``, then the reason, then the details."""
+
+MAX_CALL_MS = 0xFFFFFFFF
+"""Longest timeout a call record carries (about 49.7 days)."""
 
 MAX_TOKEN_BYTES = 4096
 """Longest token a hello may carry."""
@@ -162,6 +180,39 @@ def frame(sequence: int, slots: Sequence[torch.Tensor]) -> list[bytes | memoryvi
         out += record(sequence, i, values)
     out.append(end(sequence, len(slots)))
     return out
+
+
+def call(sequence: int, request: bytes, timeout: float | None) -> list[bytes | memoryview]:
+    """Call ``sequence``: its record (``timeout`` seconds, None for none) and ``request``."""
+    ms = 0 if timeout is None else min(MAX_CALL_MS, max(1, math.ceil(timeout * 1000)))
+    return [RECORD.pack(sequence, CALL, ms, len(request)), request]
+
+
+def answer(sequence: int, code: int, body: bytes) -> list[bytes | memoryview]:
+    """The answer of call ``sequence``: status ``code`` (a ``grpc.StatusCode`` value; 0 for OK) and
+    ``body`` (the response message, or :func:`refusal`)."""
+    return [RECORD.pack(sequence, CALL, code, len(body)), body]
+
+
+def refusal(reason: str, details: str) -> bytes:
+    """The body of a refused call's answer."""
+    raw = reason.encode()
+    return STATUS.pack(len(raw)) + raw + details.encode()
+
+
+def parse_refusal(body: bytes) -> tuple[str, str]:
+    """(reason, details) of a refused call's answer body.
+
+    Raises:
+        DataConnectionError: the body is too short for the reason it announces.
+    """
+    if len(body) < STATUS.size:
+        raise DataConnectionError("a refusal without its status")
+    (n,) = STATUS.unpack_from(body)
+    if STATUS.size + n > len(body):
+        raise DataConnectionError("a refusal whose reason runs past its end")
+    end = STATUS.size + n
+    return body[STATUS.size : end].decode(errors="replace"), body[end:].decode(errors="replace")
 
 
 def hello(rank: int, incarnation: int, token: str) -> bytes:

@@ -8,10 +8,18 @@ partitions from the gRPC stream, and its answer's values go back on the same con
 (:meth:`DataPlane.send`). Everything else about the call (authorization, the push's checks and
 semantics, errors, deadlines) is the gRPC call's.
 
+A connection also carries whole calls (a small model's ``PushPullOnce``, :data:`ps_common.dataconn.CALL`):
+the connection's thread runs the call's handler (the servicer's own method, wrapped by the
+metrics interceptor) with a :class:`CallContext` that stands for gRPC's, and sends the answer or
+the refusal's status code, reason and details back: one round trip, no gRPC call, no thread
+hand-off.
+
 Bounds: at most ``max_connections`` connections (one per rank: a new hello of a rank replaces its
 old connection); per connection one frame being read and one complete frame waiting, each at most
 the shard's partitions in their parameters' dtypes; a record whose slot, dtype or byte count is
-not the plan's closes the connection before any of its bytes are read.
+not the plan's closes the connection before any of its bytes are read; a call's request at most
+``max_call_bytes`` (the gRPC server's message limit: a longer one is refused with
+RESOURCE_EXHAUSTED and the connection closed before its bytes are read), one call at a time.
 """
 
 from __future__ import annotations
@@ -25,11 +33,12 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import grpc
 import torch
 
 from ps_common import dataconn
 from ps_common.codec import DTYPES, check_finite, decode, dtype_from_proto, wire_dtype_allowed
-from ps_common.errors import DataPathError, InvalidRequestError
+from ps_common.errors import REASON_KEY, DataPathError, InvalidRequestError
 from ps_common.partition import WirePartition
 from ps_common.plan import Plan
 from ps_server.threads import OwnedThreads
@@ -46,6 +55,74 @@ POLL_SECONDS = 0.25
 """How often a waiting PushPull checks that its call is still active."""
 
 
+class CallAborted(Exception):
+    """Raised by :meth:`CallContext.abort`, as gRPC's own ``abort`` raises, to end the handler."""
+
+
+class CallContext:
+    """What a servicer method and the metrics interceptor read of a ``grpc.ServicerContext``, for
+    a call on a data connection: the deadline, whether the worker is still connected, and the
+    status a refusal sets (``abort``, ``set_trailing_metadata``).
+
+    Args:
+        timeout: seconds the call may take (None: no deadline).
+        active: whether the connection is still open.
+        peer: the worker's address, for logs.
+    """
+
+    def __init__(self, timeout: float | None, active: Callable[[], bool], peer: str = "") -> None:
+        self._deadline = None if timeout is None else time.monotonic() + timeout
+        self._active = active
+        self._peer = peer
+        self._code: grpc.StatusCode | None = None
+        self._details = ""
+        self._metadata: tuple[tuple[str, str], ...] = ()
+
+    def time_remaining(self) -> float | None:
+        return None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
+
+    def is_active(self) -> bool:
+        return self._active() and (self._deadline is None or time.monotonic() < self._deadline)
+
+    def peer(self) -> str:
+        return self._peer
+
+    def invocation_metadata(self) -> tuple[()]:
+        return ()  # the token was checked at the connection's hello
+
+    def set_trailing_metadata(self, metadata: Sequence[tuple[str, str]]) -> None:
+        self._metadata = tuple(metadata)
+
+    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+        return self._metadata
+
+    def set_code(self, code: grpc.StatusCode) -> None:
+        self._code = code
+
+    def set_details(self, details: str) -> None:
+        self._details = details
+
+    def code(self) -> grpc.StatusCode | None:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+    def abort(self, code: grpc.StatusCode, details: str) -> None:
+        """End the call with ``code`` and ``details`` (raises :class:`CallAborted`)."""
+        self._code, self._details = code, details
+        raise CallAborted(details)
+
+    def reason(self) -> str:
+        """The ``ps-reason`` the handler set ("" when none)."""
+        return next((str(v) for k, v in self._metadata if k == REASON_KEY), "")
+
+
+CallHandler = Callable[[bytes, CallContext], bytes]
+"""A unary method on a data connection: request bytes and context in, response bytes out (refusals
+through ``context.abort``)."""
+
+
 @dataclass
 class _Conn:
     sock: socket.socket
@@ -56,6 +133,7 @@ class _Conn:
     """The last complete push frame not yet taken: (sequence, partitions in slot order)."""
     error: str = ""
     """Why the connection closed ("" while open)."""
+    peer: str = ""
 
 
 class DataPlane:
@@ -70,6 +148,9 @@ class DataPlane:
         max_connections: connections open at once; one more is closed after its hello is refused.
         threads: where the listener and the connections' threads are started (joined at stop).
         counted: called with (bytes received, bytes sent) as frames move (metrics).
+        call: the handler of calls on a connection (the servicer's PushPullOnce, wrapped by the
+            metrics interceptor, which counts their bytes); None: a call closes the connection.
+        max_call_bytes: longest call request accepted (the gRPC server's message limit).
 
     Raises:
         RuntimeError: the port could not be bound.
@@ -87,8 +168,14 @@ class DataPlane:
         max_connections: int = 64,
         threads: OwnedThreads | None = None,
         counted: Callable[[int, int], None] | None = None,
+        call: CallHandler | None = None,
+        max_call_bytes: int = 64 << 20,
     ) -> None:
         self.shard_index = shard_index
+        self._call = call
+        self.max_call_bytes = max_call_bytes
+        self.calls = 0
+        """Calls answered on the connections (refusals included)."""
         self._plan_of = plan_of
         self._tokens = [t.encode() for t in (token, admin_token) if t] if token else []
         self.max_connections = max_connections
@@ -110,7 +197,7 @@ class DataPlane:
     def _accept(self) -> None:
         while True:
             try:
-                sock, _ = self._listener.accept()
+                sock, address = self._listener.accept()
             except OSError:
                 return  # closed
             with self._cond:
@@ -121,15 +208,17 @@ class DataPlane:
                         log.warning("data connection refused: %d open (the most)", self.max_connections)
                     continue
                 self._open.add(sock)
-            self._threads.start(functools.partial(self._serve, sock), f"shard{self.shard_index}-data")
+            peer = f"{address[0]}:{address[1]}" if isinstance(address, tuple) else str(address)
+            self._threads.start(functools.partial(self._serve, sock, peer), f"shard{self.shard_index}-data")
 
-    def _serve(self, sock: socket.socket) -> None:
+    def _serve(self, sock: socket.socket, peer: str = "") -> None:
         conn: _Conn | None = None
         try:
             dataconn.tune(sock)
             conn = self._hello(sock)
             if conn is None:
                 return
+            conn.peer = peer
             sock.settimeout(None)  # a connection waits for frames as long as the worker trains
             self._read_frames(conn)
         except (OSError, dataconn.DataConnectionError, InvalidRequestError) as exc:
@@ -175,6 +264,11 @@ class DataPlane:
         received = 0
         while True:
             seq, slot, dtype_code, nbytes = dataconn.recv_struct(sock, dataconn.RECORD)
+            if slot == dataconn.CALL:
+                if sequence is not None:
+                    raise InvalidRequestError(f"call {seq} began before frame {sequence} ended")
+                self._serve_call(conn, seq, dtype_code, nbytes)
+                continue
             if sequence is not None and seq != sequence:
                 raise InvalidRequestError(f"frame {seq} began before frame {sequence} ended")
             sequence = seq
@@ -210,6 +304,49 @@ class DataPlane:
                 finite = False
             parts[slot] = WirePartition(part.key, part.offset, part.length, name, view, finite=finite)
             received += nbytes + dataconn.RECORD.size
+
+    def _serve_call(self, conn: _Conn, sequence: int, timeout_ms: int, nbytes: int) -> None:
+        """Read call ``sequence``'s request, run the handler here, send its answer.
+
+        Raises:
+            InvalidRequestError: no calls are served here, or the request is over the limit (its
+                refusal is sent first); the connection closes.
+            OSError, DataConnectionError: the connection broke.
+        """
+        if self._call is None:
+            raise InvalidRequestError(f"call {sequence}: this shard takes no calls on its data connections")
+        if nbytes > self.max_call_bytes:
+            details = (
+                f"A call of {nbytes} bytes is over this shard's limit of {self.max_call_bytes} bytes "
+                "(--max-message-bytes)."
+            )
+            exhausted = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+            self._answer(conn, sequence, exhausted, dataconn.refusal("", details), 5.0)
+            raise InvalidRequestError(f"call {sequence}: {details}")
+        request = bytearray(nbytes)
+        dataconn.recv_exact(conn.sock, memoryview(request))
+        timeout = timeout_ms / 1000 if timeout_ms else None
+        context = CallContext(timeout, lambda: not conn.error, conn.peer)
+        try:
+            response = self._call(bytes(request), context)
+            code, body = 0, response
+        except CallAborted:
+            code = (context.code() or grpc.StatusCode.UNKNOWN).value[0]
+            body = dataconn.refusal(context.reason(), context.details())
+        except Exception as exc:  # a defect: answered as gRPC answers an unexpected exception
+            log.exception("call %d of rank %d on its data connection failed", sequence, conn.rank)
+            code = grpc.StatusCode.UNKNOWN.value[0]
+            body = dataconn.refusal("", f"Exception calling application: {exc}")
+        self._answer(conn, sequence, code, body, context.time_remaining())
+        self.calls += 1
+
+    def _answer(self, conn: _Conn, sequence: int, code: int, body: bytes, timeout: float | None) -> None:
+        with conn.send_lock:
+            dataconn.send_all(
+                conn.sock,
+                dataconn.answer(sequence, code, body),
+                time.monotonic() + max(1.0, SEND_SECONDS if timeout is None else timeout),
+            )
 
     def _owned(self) -> Sequence:
         plan = self._plan_of()

@@ -35,7 +35,9 @@ PUSH_METHOD = "ps.v1.ParameterService/Push"
 PULL_METHOD = "ps.v1.ParameterService/Pull"
 PUSH_PULL = "ps.v1.ParameterService/PushPull"
 """The method the data connections' bytes are counted under (ps_received_bytes_total, ps_sent_bytes_total)."""
-PUSH_PULL_METHODS = frozenset({PUSH_PULL, "ps.v1.ParameterService/PushPullOnce"})
+PUSH_PULL_ONCE = "ps.v1.ParameterService/PushPullOnce"
+"""Also the method of the calls on the data connections (their duration, codes and bytes)."""
+PUSH_PULL_METHODS = frozenset({PUSH_PULL, PUSH_PULL_ONCE})
 PUSH_METHODS = frozenset({PUSH_METHOD, *PUSH_PULL_METHODS})
 WAIT_METHODS = frozenset({PULL_METHOD, *PUSH_PULL_METHODS})
 
@@ -124,6 +126,11 @@ class MetricsInterceptor(grpc.ServerInterceptor):
                 m.barrier_wait.observe(call.first_sent - call.start)
             elif code in WAIT_ENDED:
                 m.barrier_wait.observe(end - call.start)
+
+    def unary(self, behavior: Callable[[Any, Any], Any], method: str) -> Callable[[Any, Any], Any]:
+        """``behavior`` (a unary handler) recorded as ``method`` is: for calls that reach a servicer
+        method without gRPC (a data connection's calls, :mod:`ps_server.data_plane`)."""
+        return self._unary_response(behavior, method, False)
 
     # -------------------------------------------------------------- the four handler kinds
     def _unary_response(self, behavior: Callable[..., Any], method: str, streaming: bool) -> Callable[..., Any]:

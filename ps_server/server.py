@@ -21,7 +21,7 @@ from ps_server.config import ServerConfig
 from ps_server.counters import ShardCounters
 from ps_server.data_plane import DataPlane
 from ps_server.decoding import DecodingInterceptor
-from ps_server.interceptors import PUSH_PULL, MetricsInterceptor
+from ps_server.interceptors import PUSH_PULL, PUSH_PULL_ONCE, MetricsInterceptor
 from ps_server.metrics import ServerMetrics
 from ps_server.servicer import ParameterServicer, parameter_service_handler
 from ps_server.shard import Shard
@@ -224,10 +224,11 @@ def start_server(config: ServerConfig, shard: Shard | None = None) -> ShardServe
         threads.pool(config.stream_threads, f"shard{config.shard_index}-streams"),
     )
     pool = threads.pool(config.threads, f"shard{config.shard_index}")
+    recorder = MetricsInterceptor(metrics)
     server = grpc.server(
         pool,
         interceptors=[
-            MetricsInterceptor(metrics),
+            recorder,
             TokenInterceptor(config.token, config.admin_token, on_refused=lambda code: counters.add(rejected=1)),
             streams,
             DecodingInterceptor(on_refused=lambda: counters.add(rejected=1)),  # innermost: see its docstring
@@ -273,6 +274,8 @@ def start_server(config: ServerConfig, shard: Shard | None = None) -> ShardServe
                 max_connections=config.threads,
                 threads=threads,
                 counted=lambda received, sent: counters.transferred(PUSH_PULL, received, sent),
+                call=recorder.unary(servicer.PushPullOnce, PUSH_PULL_ONCE),
+                max_call_bytes=config.max_message_bytes,
             )
         except RuntimeError:
             server.stop(None)

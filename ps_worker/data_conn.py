@@ -6,6 +6,10 @@ the wire dtype is the parameter's; through one buffer of the wire dtype otherwis
 closes it and raises :class:`DataLinkError`, a ``grpc.RpcError`` with code UNAVAILABLE: the
 caller's retry sends the same push (same stamp) on the gRPC stream, and the shard, which applies a
 push at most once, answers it as usual.
+
+:meth:`DataConnection.call` sends a whole PushPullOnce request (a small model's step) and reads its
+answer; a refusal raises :class:`DataCallError` with the shard's status code, details and
+``ps-reason``, as the gRPC call would.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import torch
 
 from ps_common import dataconn
 from ps_common.codec import dtype_name, dtype_to_proto
+from ps_common.errors import REASON_KEY
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +48,30 @@ class DataLinkError(grpc.RpcError):
 
     def trailing_metadata(self) -> tuple[()]:
         return ()
+
+
+class DataCallError(grpc.RpcError):
+    """The shard refused a call on the data connection: its status code, details and ``ps-reason``,
+    as a refused gRPC call carries them (the connection stays open)."""
+
+    def __init__(self, code: grpc.StatusCode, details: str, reason: str) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self._code = code
+        self._details = details
+        self._metadata = ((REASON_KEY, reason),) if reason else ()
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+        return self._metadata
+
+
+CODES = {c.value[0]: c for c in grpc.StatusCode}
+"""A status code's value (as a call's answer carries it) -> the code."""
 
 
 def host_of(address: str) -> str | None:
@@ -160,6 +189,36 @@ class DataConnection:
             self.close()
             raise DataLinkError(f"data connection to {self.address} failed while receiving: {exc}") from exc
         return received
+
+    def call(self, sequence: int, request: bytes, timeout: float, max_answer_bytes: int) -> bytes:
+        """Call ``sequence``: send ``request`` (a PushPullOnce request message) and return the
+        response message, within ``timeout`` seconds (the shard gets the same deadline).
+
+        Raises:
+            DataCallError: the shard refused the call (its code, details and reason; the
+                connection stays open).
+            DataLinkError: the connection broke, the answer did not come in time, or it is not the
+                call's (over ``max_answer_bytes``, another sequence); the connection is closed.
+        """
+        deadline = time.monotonic() + timeout
+        self._send(dataconn.call(sequence, request, timeout))
+        try:
+            seq, slot, code, nbytes = dataconn.recv_struct(self.sock, dataconn.RECORD, deadline)
+            if (seq, slot) != (sequence, dataconn.CALL) or nbytes > max_answer_bytes or code not in CODES:
+                raise dataconn.DataConnectionError(
+                    f"expected the answer of call {sequence}, got slot {slot} of frame {seq} (code {code}, "
+                    f"{nbytes} bytes)"
+                )
+            body = bytearray(nbytes)
+            dataconn.recv_exact(self.sock, memoryview(body), deadline)
+            if code:
+                reason, details = dataconn.parse_refusal(bytes(body))
+        except (OSError, dataconn.DataConnectionError) as exc:
+            self.close()
+            raise DataLinkError(f"data connection to {self.address} failed while calling: {exc}") from exc
+        if code:
+            raise DataCallError(CODES[code], details, reason)
+        return bytes(body)
 
     def close(self) -> None:
         """Close the socket (idempotent)."""

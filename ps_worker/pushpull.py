@@ -61,10 +61,12 @@ class PendingPushPull:
         self._frames: dict[int, tuple[DataConnection, int]] = {}
         if stream:
             for k in range(t.num_shards):
+                if self._once(k):
+                    continue  # one message: built and sent at finish()
                 conn = self._data_connection(k)
                 if conn is not None:
                     self._frames[k] = (conn, t.next_sequence())
-                elif not self._once(k):
+                else:
                     self._streams[k] = _Stream(self._cond, list(self.groups[k]), t.timeout)
                     self._heads[k] = self._head(k)
                     self.started[k] = t.push_pull_calls[k](
@@ -76,8 +78,9 @@ class PendingPushPull:
         return len(self.groups[k]) == 1 and self.codec.single_response[k]
 
     def _data_connection(self, k: int) -> DataConnection | None:
-        """Shard ``k``'s data connection when this push may use it: dense, more than one message."""
-        if self._once(k) or self.codec.compressor is not None:
+        """Shard ``k``'s data connection when this push may use it: a push of one message (the
+        whole PushPullOnce call goes on it, top-k too), or a dense one of several (its partitions)."""
+        if not self._once(k) and self.codec.compressor is not None:
             return None
         return self.transport.data_connection(k, self.session.rank, self.session.incarnation)
 
@@ -166,6 +169,8 @@ class PendingPushPull:
         self.sent[k] = 0 if started is None else self.sent[k]
         if started is None:
             conn = self._data_connection(k)
+            if conn is not None and self._once(k):
+                return self._attempt_call(k, conn)
             if conn is not None:
                 return self._attempt_data(k, conn, t.next_sequence())
         if started is not None:
@@ -176,6 +181,29 @@ class PendingPushPull:
         else:
             replies = t.push_pull_calls[k](self._messages(k), timeout=t.timeout, metadata=t.metadata)
         version, received, answer = self.codec.decode(k, replies, self.flats, t.servers[k], t.received)
+        if answer is None:
+            raise RuntimeError(f"Shard {t.servers[k]} answered PushPull without the push's answer.")
+        self.session.learn(k, answer)
+        return answer, version, self.sent[k], received
+
+    def _attempt_call(self, k: int, conn: DataConnection) -> tuple[ps_pb2.PushResponse, int, int, int]:
+        """One PushPullOnce as a call on shard ``k``'s data connection: the same request and
+        response messages as the unary gRPC call, one round trip on the connection.
+
+        Raises:
+            grpc.RpcError: the shard refused the call (:class:`~ps_worker.data_conn.DataCallError`,
+            its code and reason); :class:`DataLinkError` (UNAVAILABLE) when the connection failed:
+            the retry goes on gRPC.
+        """
+        t = self.transport
+        (only,) = self._messages(k)
+        try:
+            with conn.lock:
+                reply = conn.call(t.next_sequence(), only, t.timeout, t.max_message_bytes)
+        except DataLinkError as exc:
+            t.data_failed(k, exc.details())
+            raise
+        version, received, answer = self.codec.decode(k, iter([reply]), self.flats, t.servers[k], t.received)
         if answer is None:
             raise RuntimeError(f"Shard {t.servers[k]} answered PushPull without the push's answer.")
         self.session.learn(k, answer)

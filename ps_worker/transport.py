@@ -89,7 +89,8 @@ class Transport:
         self.retry_deadline = retry_deadline
         self.metrics = metrics
         self.metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {token}"),) if token else ()
-        limit = partition_bytes + frames.MESSAGE_OVERHEAD_BYTES
+        self.max_message_bytes = limit = partition_bytes + frames.MESSAGE_OVERHEAD_BYTES
+        """Longest message either way (gRPC's limits on the channels; a call's answer on a data connection)."""
         options = [
             ("grpc.max_receive_message_length", limit),
             ("grpc.max_send_message_length", limit),
