@@ -6,7 +6,8 @@ connection the worker sends a gradient straight from the tensor's memory (``sock
 memoryviews) and receives new values straight into the weights (``socket.recv_into``); the shard
 receives each partition into a tensor of its own. The PushPull call itself (header, push's
 answer, errors, deadlines, authorization) stays on gRPC; only the partitions move here
-(bench/README.md "A native data path").
+(bench/README.md "A native data path"). A push of one message (a small model) goes here as a whole
+call instead, where grpcio's per-call cost would be most of the step.
 
 Wire format (little-endian, every integer fixed width):
 
@@ -42,8 +43,8 @@ if TYPE_CHECKING:  # the flags import DATA_PATHS from here before torch may be i
     import torch
 
 DATA_PATHS = ("tcp", "grpc")
-"""Where a worker's PushPull partitions travel: ``tcp``, the shard's data connection when it offers
-one, else gRPC; ``grpc``, always the gRPC stream."""
+"""Where a worker's PushPull partitions (and a small model's PushPullOnce) travel: ``tcp``, the
+shard's data connection when it offers one, else gRPC; ``grpc``, always gRPC."""
 
 MAGIC = b"GPSD"
 PROTOCOL = 1

@@ -207,8 +207,9 @@ def server_parser(environ: Mapping[str, str] | None = None) -> FlagParser:
         "--data-port",
         type=int,
         default=0,
-        help="TCP port of the data connections, where PushPull's partitions travel beside gRPC without grpcio's "
-        "copies; 0 picks a free port (Join tells workers), -1 turns them off. Off with TLS",
+        help="TCP port of the data connections, where PushPull's partitions (and a small model's whole "
+        "PushPullOnce) travel beside gRPC without grpcio's copies; 0 picks a free port (Join tells workers), "
+        "-1 turns them off. Off with TLS",
     )
     p.flag("--lease-timeout", type=float, default=10.0, help="seconds without a heartbeat before a rank is evicted")
     join_timeout_flag(p)

@@ -64,8 +64,9 @@ class PSClient(SessionView, ModelIO):
         topk: push only this fraction of each partition's gradient entries, the largest in
             magnitude, with error feedback (:class:`~ps_worker.compression.TopK`); 0: dense.
         data_path: ``"tcp"`` (default): PushPull's partitions go on the shard's data connection
-            when Join offers one (no TLS, dense pushes of more than one message), received straight
-            into the weights; ``"grpc"``: always on the gRPC stream
+            when Join offers one (no TLS; dense pushes of more than one message), received straight
+            into the weights, and a push of one message goes there as a whole PushPullOnce call
+            (one round trip, no gRPC call); ``"grpc"``: always on gRPC
             (:data:`~ps_common.dataconn.DATA_PATHS`).
 
     The session's state (``mode``, ``clock``, ``version``, ``versions``, counters...) reads through

@@ -50,7 +50,11 @@ CONTRACT: tuple[Variable, ...] = (
     Variable("PS_TLS_KEY", "", "PEM private key of PS_TLS_CERT"),
     Variable("PS_WIRE_DTYPE", "native", "gradients and weights on the wire: native, bfloat16 or float16"),
     Variable("PS_TOPK", "0", "fraction of each gradient partition pushed (error feedback); 0: dense"),
-    Variable("PS_DATA_PATH", "tcp", "PushPull's partitions: tcp (the shards' data connections when offered) or grpc"),
+    Variable(
+        "PS_DATA_PATH",
+        "tcp",
+        "PushPull's partitions and small PushPullOnce calls: tcp (the shards' data connections when offered) or grpc",
+    ),
     Variable("PS_TIMEOUT", "60", "per-RPC deadline, seconds (a sync pull waits this long)"),
     Variable("PS_RETRY_DEADLINE", "30", "seconds to keep retrying an unreachable shard"),
     Variable("PS_INCARNATION", "", "restart counter of this rank (default: wall-clock microseconds)"),

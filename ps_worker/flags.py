@@ -120,8 +120,8 @@ def worker_parser(environ: Mapping[str, str] | None = None) -> FlagParser:
         "--data-path",
         default="tcp",
         choices=DATA_PATHS,
-        help="tcp: PushPull's partitions on the shard's data connection when it offers one (no TLS), else "
-        "gRPC; grpc: always on the gRPC stream",
+        help="tcp: PushPull's partitions (a small model's whole PushPullOnce) on the shard's data connection "
+        "when it offers one (no TLS), else gRPC; grpc: always on gRPC",
     )
     tls_flags(p)
     p.flag(

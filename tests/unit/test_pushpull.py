@@ -85,6 +85,9 @@ class FakeTransport:
     def received(self, nbytes: int) -> None:
         pass
 
+    def data_connection(self, k: int, rank: int, incarnation: int) -> None:
+        return None  # the shard offers no data connection: PushPullOnce on gRPC
+
 
 def client_parts(shard: FakeShard) -> tuple[DataPath, Session, CollectorRegistry]:
     registry = CollectorRegistry()
