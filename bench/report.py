@@ -103,6 +103,15 @@ def ratios(results: Sequence[Series]) -> list[Ratio]:
                 lambda v: v >= 1.0,
             )
         )
+        out.append(
+            ratio(
+                "(1) grpc-ps 1w×1s gRPC only / calls on the data connection (speed-up), small",
+                find(results, "small", "grpc-ps 1w×1s gRPC only"),
+                small,
+                "(info)",
+                lambda v: True,
+            )
+        )
     if sizes:
         big = sizes[-1].label
         grpc11 = find(results, big, "grpc-ps 1w×1s")

@@ -286,9 +286,10 @@ def systems_for(
             for pb in partitions:
                 suffix = ("" if len(partitions) == 1 else f" p={kib(pb)}") + WIRE_SUFFIX[wire]
                 out.append((f"grpc-ps {w}w×{s}s{suffix}", "grpc-ps", w, s, pb, wire))
+    if (1, 1) in grid:  # gRPC alone: what the data connections buy (a whole call at ``small``)
+        out.append(("grpc-ps 1w×1s gRPC only", "grpc-ps", 1, 1, partitions[-1], "grpc-only"))
     if (1, 1) in grid and size.model == "flat":
         out.append(("grpc-ps 1w×1s plain", "grpc-ps", 1, 1, partitions[-1], "plain"))
-        out.append(("grpc-ps 1w×1s gRPC only", "grpc-ps", 1, 1, partitions[-1], "grpc-only"))
         out.append(("native PS prototype 1w", "native", 1, 1, partitions[-1], "float32"))
     return [spec for spec in out if spec[1] in families]
 
