@@ -118,9 +118,10 @@ class CallContext:
         return next((str(v) for k, v in self._metadata if k == REASON_KEY), "")
 
 
-CallHandler = Callable[[bytes, CallContext], bytes]
-"""A unary method on a data connection: request bytes and context in, response bytes out (refusals
-through ``context.abort``)."""
+CallHandler = Callable[[memoryview, CallContext], bytes]
+"""A unary method on a data connection: the request's bytes (a fresh buffer per call, which the
+handler may keep views of) and the context in, the response's bytes out (refusals through
+``context.abort``)."""
 
 
 @dataclass
@@ -328,7 +329,7 @@ class DataPlane:
         timeout = timeout_ms / 1000 if timeout_ms else None
         context = CallContext(timeout, lambda: not conn.error, conn.peer)
         try:
-            response = self._call(bytes(request), context)
+            response = self._call(memoryview(request), context)  # read in place, as frames are
             code, body = 0, response
         except CallAborted:
             code = (context.code() or grpc.StatusCode.UNKNOWN).value[0]

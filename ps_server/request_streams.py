@@ -33,7 +33,7 @@ class Request:
 
 
 def read_request(
-    request_iterator: Iterator[bytes],
+    request_iterator: Iterator[bytes | memoryview],
     what: str,
     header_cls: type[Any],
     open_: Callable[[Any], Intake],
@@ -105,7 +105,7 @@ class _Reader:
             raise InvalidRequestError(f"A {self.what} stream carries one header, then only partitions.")
         return intake.add(part)
 
-    def feed(self, raw: bytes) -> None:
+    def feed(self, raw: bytes | memoryview) -> None:
         """Read one message of the stream.
 
         Raises:

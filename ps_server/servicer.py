@@ -129,7 +129,9 @@ class ParameterServicer(TableRpcs):
             data_port=self.data.port if self.data is not None else 0,
         )
 
-    def _read(self, request_iterator: Iterator[bytes], what: str, header_cls: type[Any], values: str) -> Request:
+    def _read(
+        self, request_iterator: Iterator[bytes | memoryview], what: str, header_cls: type[Any], values: str
+    ) -> Request:
         """Read a Push, PushPull or Exchange stream: the header is checked against the shard's plan
         (initialized, same digest) before any partition is read, each partition as it arrives."""
 
@@ -302,7 +304,7 @@ class ParameterServicer(TableRpcs):
         return encode
 
     @maps_errors
-    def PushPullOnce(self, request: bytes, context: grpc.ServicerContext) -> bytes:
+    def PushPullOnce(self, request: bytes | memoryview, context: grpc.ServicerContext) -> bytes:
         req = self._read(iter([request]), "PushPullOnce", ps_pb2.PushHeader, "gradient")
         (only,) = self._push_pull(req, context, single=True)
         return only

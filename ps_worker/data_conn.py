@@ -190,9 +190,10 @@ class DataConnection:
             raise DataLinkError(f"data connection to {self.address} failed while receiving: {exc}") from exc
         return received
 
-    def call(self, sequence: int, request: bytes, timeout: float, max_answer_bytes: int) -> bytes:
+    def call(self, sequence: int, request: bytes, timeout: float, max_answer_bytes: int) -> memoryview:
         """Call ``sequence``: send ``request`` (a PushPullOnce request message) and return the
-        response message, within ``timeout`` seconds (the shard gets the same deadline).
+        response message (a fresh buffer, read in place), within ``timeout`` seconds (the shard
+        gets the same deadline).
 
         Raises:
             DataCallError: the shard refused the call (its code, details and reason; the
@@ -218,7 +219,7 @@ class DataConnection:
             raise DataLinkError(f"data connection to {self.address} failed while calling: {exc}") from exc
         if code:
             raise DataCallError(CODES[code], details, reason)
-        return bytes(body)
+        return memoryview(body)
 
     def close(self) -> None:
         """Close the socket (idempotent)."""

@@ -207,7 +207,7 @@ class WireCodec:
     def decode(
         self,
         k: int,
-        replies: Iterable[bytes],
+        replies: Iterable[bytes | memoryview],
         into: Mapping[str, torch.Tensor],
         address: str = "",
         on_message: Callable[[int], None] | None = None,
