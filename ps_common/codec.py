@@ -161,8 +161,9 @@ def _spend_read_only_warning() -> None:
 _spend_read_only_warning()
 
 
-def check_finite(t: torch.Tensor, what: str) -> None:
-    """Raise if ``t`` holds NaN or infinity.
+def check_finite(t: torch.Tensor, what: str) -> float:
+    """Raise if ``t`` holds NaN or infinity; return an upper bound of its absolute values when the
+    check found one for free (float32/float64: the L2 norm ``sqrt(t . t)``), else ``inf``.
 
     float32 and float64 vectors: one BLAS dot product ``t . t`` first (a read-only SIMD pass with no
     temporary: about 10x cheaper than ``numpy.isfinite(a).all()`` on a 4 MiB partition, measured by
@@ -173,8 +174,13 @@ def check_finite(t: torch.Tensor, what: str) -> None:
     Raises:
         InvalidRequestError: non-finite values, naming ``what``.
     """
+    bound = math.inf
     if t.dtype in (torch.float32, torch.float64) and t.dim() == 1 and t.numel():
-        finite = math.isfinite(float(torch.dot(t, t))) or bool(np.isfinite(t.numpy()).all())
+        square = float(torch.dot(t, t))
+        if math.isfinite(square):
+            finite, bound = True, math.sqrt(square)
+        else:
+            finite = bool(np.isfinite(t.numpy()).all())
     elif t.dtype in (torch.float32, torch.float64, torch.float16):
         finite = bool(np.isfinite(t.numpy()).all())
     elif t.dtype == torch.bfloat16 and t.is_contiguous():  # exponent bits all ones: inf or NaN
@@ -186,3 +192,4 @@ def check_finite(t: torch.Tensor, what: str) -> None:
         raise InvalidRequestError(
             f"{what} contains NaN or infinity; lower the learning rate or clip gradients, then push again."
         )
+    return bound

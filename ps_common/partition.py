@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -24,3 +25,6 @@ class WirePartition:
     slot: int = -1
     """Its position among the shard's partitions, when an :class:`Intake` admitted it (every check
     of :meth:`Intake.slot` passed); :func:`match_partitions` then does not repeat them."""
+    bound: float = math.inf
+    """An upper bound of its values' magnitudes, found by the finiteness check (the L2 norm of a
+    float32 partition); ``inf`` when unknown. Lets the optimizer step skip its own read."""

@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 import hmac
 import logging
+import math
 import socket
 import threading
 import time
@@ -299,11 +300,11 @@ class DataPlane:
             # checked here, while the frame's later partitions are still arriving; a partition that
             # is not finite goes on unmarked, and the PushPull's Intake refuses it with its message
             try:
-                check_finite(decode(view, name, part.length), "")
+                bound = check_finite(decode(view, name, part.length), "")
                 finite = True
             except InvalidRequestError:
-                finite = False
-            parts[slot] = WirePartition(part.key, part.offset, part.length, name, view, finite=finite)
+                finite, bound = False, math.inf
+            parts[slot] = WirePartition(part.key, part.offset, part.length, name, view, finite=finite, bound=bound)
             received += nbytes + dataconn.RECORD.size
 
     def _serve_call(self, conn: _Conn, sequence: int, timeout_ms: int, nbytes: int) -> None:

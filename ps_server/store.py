@@ -13,6 +13,7 @@ from ps_common.errors import NonFiniteUpdateError, UpdateRefusedError
 from ps_common.optimizer import OptimizerSpec, check_hyperparameter_range
 from ps_common.plan import PartitionSlice, Plan
 from ps_server.core.finite import all_finite
+from ps_server.core.partitions import max_abs_of
 
 
 class ParameterStore:
@@ -119,7 +120,9 @@ class ParameterStore:
         non-finite (inf, NaN), is undone and refused.
 
         Args:
-            grads: gradients; cast to each partition's dtype.
+            grads: gradients; cast to each partition's dtype. A
+                :class:`~ps_server.core.partitions.Bounded` gives the bound of their magnitudes
+                that the SGD finiteness proof needs (else it reads them once for it).
             lr_scale: multiplies every group's learning rate for this step only.
             hyper: per parameter group, hyperparameters set for this step and kept after it
                 (checked by :meth:`check_hyperparameters`); () keeps the groups' own. A refused
@@ -134,7 +137,8 @@ class ParameterStore:
         """
         old = self.set_hyperparameters(hyper) if hyper else None
         try:
-            self._apply([grads[i] for i in self.trained_index] if self.buffer_index else grads, lr_scale)
+            trained = [grads[i] for i in self.trained_index] if self.buffer_index else grads
+            self._apply(trained, lr_scale, max_abs_of(grads))
         except Exception:
             if old is not None:
                 self.restore_hyperparameters(old)
@@ -142,10 +146,10 @@ class ParameterStore:
         if buffers is not None:
             self.assign_buffers(buffers)
 
-    def _apply(self, grads: Sequence[torch.Tensor], lr_scale: float) -> None:
+    def _apply(self, grads: Sequence[torch.Tensor], lr_scale: float, known: float = math.inf) -> None:
         if not self.trained:
             return
-        bounds = self._sgd_stays_finite(grads, lr_scale) if self._plain_sgd() else None
+        bounds = self._sgd_stays_finite(grads, lr_scale, known) if self._plain_sgd() else None
         saved = self._save() if bounds is None else []
         lrs = [group["lr"] for group in self.optimizer.param_groups]
         try:
@@ -186,7 +190,9 @@ class ParameterStore:
             and not any(groups[0].get(k) for k in ("maximize", "foreach", "fused", "differentiable"))
         )
 
-    def _sgd_stays_finite(self, grads: Sequence[torch.Tensor], lr_scale: float) -> tuple[float, float] | None:
+    def _sgd_stays_finite(
+        self, grads: Sequence[torch.Tensor], lr_scale: float, known: float = math.inf
+    ) -> tuple[float, float] | None:
         """Bounds proving an SGD step keeps every value finite, or None when they do not.
 
         SGD has no division or square root, so from finite values it can only overflow. With
@@ -196,12 +202,16 @@ class ParameterStore:
         ``|p'| <= P + lr |update|``; when all stay below a quarter of the dtype's largest value
         (room for rounding), the step cannot produce inf or NaN, and needs no copy and no check.
 
+        Args:
+            known: a bound of the gradients' magnitudes found when they arrived (the L2 norms of
+                their finiteness check); ``inf``: read them here.
+
         Returns:
             (P', B') for the step's result, or None: a non-finite gradient, or bounds too close
             to the dtype's range (the step is then copied and checked).
         """
         limit = min(torch.finfo(t.dtype).max for t in self.trained) / 4
-        g_max = _max_abs(grads)
+        g_max = known if math.isfinite(known) else _max_abs(grads)
         if self._bounds is None:
             self._bounds = (_max_abs(self.trained), _max_abs(self._state_tensors()))
         p_max, b_max = self._bounds

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterable, Sequence
 
 import numpy as np
@@ -148,21 +149,37 @@ class Intake:
             UnknownKeyError, InvalidRequestError: as :meth:`slot`; NaN or infinity.
         """
         i = self.slot(part)
+        bound = part.bound
         if not len(part.indices) and not part.finite:  # sparse values are checked when densified
-            check_finite(
+            bound = check_finite(
                 decode(part.data, part.dtype, part.length),
                 f"{self.what.capitalize()} {part.key}[{part.offset}:{part.offset + part.length}]",
             )
-        return dataclasses.replace(part, finite=not len(part.indices), slot=i)
+        return dataclasses.replace(part, finite=not len(part.indices), slot=i, bound=bound)
 
     def missing(self) -> list[str]:
         """The shard's partitions not received yet, as ``key[offset:]``."""
         return [f"{p.key}[{p.offset}:]" for p, seen in zip(self.owned, self.seen, strict=True) if not seen]
 
 
+class Bounded(list[torch.Tensor]):
+    """Tensors with ``max_abs``, an upper bound of every absolute value in them that the checks
+    found on the way (``inf``: unknown), so an optimizer step need not read them again to prove
+    itself finite (:meth:`~ps_server.store.ParameterStore.apply`)."""
+
+    def __init__(self, tensors: Iterable[torch.Tensor], max_abs: float) -> None:
+        super().__init__(tensors)
+        self.max_abs = max_abs
+
+
+def max_abs_of(tensors: Sequence[torch.Tensor]) -> float:
+    """The bound a :class:`Bounded` carries; ``inf`` for any other sequence."""
+    return tensors.max_abs if isinstance(tensors, Bounded) else math.inf
+
+
 def match_partitions(
     plan: Plan, shard_index: int, received: Iterable[WirePartition], what: str, sparse_ok: bool | None = None
-) -> list[torch.Tensor]:
+) -> Bounded:
     """Check that ``received`` is exactly the shard's partitions, each well-formed and finite.
 
     Args:
@@ -175,7 +192,8 @@ def match_partitions(
     Returns:
         1-D tensors of the parameters' dtypes, one per owned partition in plan order: read-only
         views of the received bytes when the wire dtype is the parameter's, widened copies of
-        narrower wire dtypes, dense copies of sparse partitions.
+        narrower wire dtypes, dense copies of sparse partitions; with the largest of the
+        partitions' bounds (:attr:`WirePartition.bound`, found when their finiteness was checked).
 
     Raises:
         UnknownKeyError: a key that is not a parameter, or a slice this shard does not own.
@@ -185,15 +203,20 @@ def match_partitions(
     intake = Intake(plan, shard_index, what, sparse_ok)
     owned = intake.owned
     out: list[torch.Tensor | None] = [None] * len(owned)
+    bound = 0.0
     for part in received:
         i = intake.readmit(part)
         param_dtype = intake.dtypes[part.key]
         if len(part.indices):
             out[i] = densify(part, torch_dtype(param_dtype), what)
+            bound = math.inf
             continue
         tensor = decode(part.data, part.dtype, part.length)
-        if not part.finite:
-            check_finite(tensor, f"{what.capitalize()} {part.key}[{part.offset}:{part.offset + part.length}]")
+        if part.finite:
+            bound = max(bound, part.bound)
+        else:
+            where = f"{what.capitalize()} {part.key}[{part.offset}:{part.offset + part.length}]"
+            bound = max(bound, check_finite(tensor, where))
         # a narrower wire dtype is widened here, so sums and optimizer steps run in the parameter's dtype
         out[i] = tensor if part.dtype == param_dtype else tensor.to(torch_dtype(param_dtype))
     missing = intake.missing()
@@ -203,4 +226,4 @@ def match_partitions(
             f"({', '.join(missing[:4])}{'…' if len(missing) > 4 else ''}); "
             f"send every partition the plan gives shard {shard_index}."
         )
-    return [t for t in out if t is not None]
+    return Bounded((t for t in out if t is not None), bound)

@@ -22,6 +22,7 @@ from ps_common.errors import (
     UpdateRefusedError,
 )
 from ps_common.modes import ModeSettings
+from ps_server.core.partitions import Bounded, max_abs_of
 from ps_server.membership import Member, PushResult, PushStamp
 from ps_server.policy.base import ConsistencyPolicy, ShardCore
 
@@ -55,7 +56,8 @@ def aggregate(grads_by_rank: Mapping[int, Gradients]) -> list[torch.Tensor]:
         One tensor per partition: ``(g[r0] + g[r1] + ...) / len(grads_by_rank)``; with one rank,
         that rank's tensors themselves (read them, do not write them); otherwise new tensors.
         The first sum is one pass (``torch.add``) rather than a copy and an add; the result is
-        bitwise the same.
+        bitwise the same. It carries the largest of the ranks' bounds (a mean's magnitude is at
+        most the largest of its terms'; :class:`~ps_server.core.partitions.Bounded`).
 
     Raises:
         ValueError: no ranks.
@@ -63,15 +65,16 @@ def aggregate(grads_by_rank: Mapping[int, Gradients]) -> list[torch.Tensor]:
     if not grads_by_rank:
         raise ValueError("aggregate() needs at least one rank's gradients.")
     ranks = sorted(grads_by_rank)
+    bound = max(max_abs_of(grads_by_rank[r]) for r in ranks)
     if len(ranks) == 1:
-        return list(grads_by_rank[ranks[0]])
+        return Bounded(grads_by_rank[ranks[0]], bound)
     out = [torch.add(a, b) for a, b in zip(grads_by_rank[ranks[0]], grads_by_rank[ranks[1]], strict=True)]
     for r in ranks[2:]:
         for acc, g in zip(out, grads_by_rank[r], strict=True):
             acc.add_(g)
     for acc in out:
         acc.div_(len(ranks))
-    return out
+    return Bounded(out, bound)
 
 
 class SyncRounds:

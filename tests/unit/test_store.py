@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
 
 from ps_common.errors import InvalidRequestError, NonFiniteUpdateError, UpdateRefusedError
 from ps_common.optimizer import OptimizerSpec
+from ps_common.partition import WirePartition
 from ps_common.plan import ParameterSpec, make_plan
 from ps_server.core.finite import all_finite
+from ps_server.core.partitions import Bounded, match_partitions
 from ps_server.store import ParameterStore
 
 PLAN = make_plan([ParameterSpec("w", (40,), "float32"), ParameterSpec("b", (8,), "float32")], 1, 64)
@@ -131,3 +134,39 @@ def test_all_finite_is_exact_when_a_sum_overflows() -> None:
     assert not all_finite([torch.tensor([1.0, float("nan")])])
     assert not all_finite([torch.tensor([float("inf"), float("-inf")])])
     assert all_finite([torch.full((4,), 60000.0, dtype=torch.float16), torch.zeros(0), torch.arange(3)])
+
+
+def test_a_known_gradient_bound_replaces_the_steps_own_read() -> None:
+    """The bound found when the gradients arrived (Bounded) is the one the SGD proof uses: a true
+    bound gives the same bits as reading them; a bound too close to float32's range sends the
+    step through the copied-and-checked path, and a real overflow is still refused whole."""
+    plain, bounded = store("sgd", momentum=0.9), store("sgd", momentum=0.9)
+    for step in range(3):
+        g = grads(step)
+        plain.apply(g)
+        bounded.apply(Bounded(g, max(float(t.norm()) for t in g)))
+    assert all(torch.equal(a, b) for a, b in zip(plain.tensors, bounded.tensors, strict=True))
+    g = grads(4)
+    assert bounded._sgd_stays_finite(g, 1.0) is not None  # read: provably finite
+    assert bounded._sgd_stays_finite(g, 1.0, known=3e38) is None  # the known bound is what counts
+    before = snapshot(bounded)
+    with pytest.raises(NonFiniteUpdateError):
+        bounded.apply(Bounded(grads(5, scale=3e38), 3e38 * 10))
+    assert_same(before, snapshot(bounded))
+
+
+def test_match_partitions_carries_the_finite_checks_bound() -> None:
+    values = {"w": torch.tensor([3.0, -4.0] + [0.0] * 38), "b": torch.full((8,), 0.5)}
+
+    def wire(dtype: torch.dtype, name: str) -> list[WirePartition]:
+        out = []
+        for p in PLAN.owned_by(0):
+            chunk = values[p.key][p.offset : p.offset + p.length].to(dtype)
+            out.append(WirePartition(p.key, p.offset, p.length, name, chunk.view(torch.uint8).numpy().tobytes()))
+        return out
+
+    got = match_partitions(PLAN, 0, wire(torch.float32, "float32"), "gradient")
+    assert isinstance(got, Bounded) and got.max_abs == pytest.approx(5.0)  # the largest L2 norm
+    assert got.max_abs >= max(float(t.abs().max()) for t in got)
+    narrow = match_partitions(PLAN, 0, wire(torch.bfloat16, "bfloat16"), "gradient")
+    assert narrow.max_abs == math.inf  # bf16's check finds no bound: the step reads them itself

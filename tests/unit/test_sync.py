@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from ps_common.errors import PreconditionError, StalePushError
+from ps_server.core.partitions import Bounded
 from ps_server.policy.sync import SyncRounds, aggregate
 
 
@@ -73,3 +74,11 @@ def test_stale_future_and_repeated_pushes_are_refused() -> None:
     rounds.add(0, 5, grads(0))
     with pytest.raises(PreconditionError, match="already pushed"):
         rounds.add(0, 5, grads(0))
+
+
+def test_aggregate_carries_the_largest_of_the_ranks_bounds() -> None:
+    a, b = Bounded([torch.tensor([1.0, -2.0])], 2.5), Bounded([torch.tensor([-6.0, 0.0])], 6.0)
+    mean = aggregate({0: a, 1: b})
+    assert mean.max_abs == 6.0 >= float(mean[0].abs().max())
+    assert aggregate({3: a}).max_abs == 2.5
+    assert aggregate({0: a, 1: [torch.tensor([0.0, 0.0])]}).max_abs == float("inf")  # one rank unknown
