@@ -33,28 +33,12 @@ CONNECT_SECONDS = 5.0
 """Connecting and the hello's answer take at most this long; then the shard is used over gRPC alone."""
 
 
-class DataLinkError(grpc.RpcError):
-    """The data connection failed (UNAVAILABLE, retried over gRPC)."""
-
-    def __init__(self, details: str) -> None:
-        super().__init__(details)
-        self._details = details
-
-    def code(self) -> grpc.StatusCode:
-        return grpc.StatusCode.UNAVAILABLE
-
-    def details(self) -> str:
-        return self._details
-
-    def trailing_metadata(self) -> tuple[()]:
-        return ()
-
-
 class DataCallError(grpc.RpcError):
-    """The shard refused a call on the data connection: its status code, details and ``ps-reason``,
-    as a refused gRPC call carries them (the connection stays open)."""
+    """A call on the data connection ended with a status other than OK, carried as a gRPC call
+    carries it (code, details, ``ps-reason``): the shard's refusal (the connection stays open), or
+    :class:`DataLinkError`."""
 
-    def __init__(self, code: grpc.StatusCode, details: str, reason: str) -> None:
+    def __init__(self, code: grpc.StatusCode, details: str, reason: str = "") -> None:
         super().__init__(f"{code.name}: {details}")
         self._code = code
         self._details = details
@@ -68,6 +52,13 @@ class DataCallError(grpc.RpcError):
 
     def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
         return self._metadata
+
+
+class DataLinkError(DataCallError):
+    """The data connection itself failed (UNAVAILABLE, retried over gRPC)."""
+
+    def __init__(self, details: str) -> None:
+        super().__init__(grpc.StatusCode.UNAVAILABLE, details)
 
 
 CODES = {c.value[0]: c for c in grpc.StatusCode}

@@ -5,20 +5,19 @@ connection fails, and bounded, checked input on the shard's side."""
 from __future__ import annotations
 
 import socket
-import threading
 import time
 
 import grpc
 import pytest
 import torch
-import torch.nn.functional as F
 
 from ps_common import dataconn
-from ps_worker import DistributedOptimizer, PSClient
+from ps_worker import PSClient
 from ps_worker.data_conn import CODES, DataCallError
 from ps_worker.errors import reason_of
 from ps_worker.train import params_sha256
 from tests.conftest import RPC_TIMEOUT
+from tests.helpers.ranks import train_ranks
 
 STEPS = 5
 BATCH = 8
@@ -33,38 +32,16 @@ def model() -> torch.nn.Module:
 
 def train(addresses: list[str], n: int, data_path: str, cut=None) -> tuple[list[torch.nn.Module], list[list[bool]]]:
     """``n`` worker threads, STEPS sync steps each (``cut(step)`` runs on rank 0 before each step)."""
-    g = torch.Generator().manual_seed(3)
-    x, y = torch.randn(STEPS * n * BATCH, 16, generator=g), torch.randint(0, 3, (STEPS * n * BATCH,), generator=g)
-    models = [model() for _ in range(n)]
-    connected: list[list[bool]] = [[] for _ in range(n)]
-    errors: list[BaseException] = []
-
-    def work(rank: int) -> None:
-        try:
-            m = models[rank]
-            with PSClient(
-                addresses, rank=rank, num_workers=n, incarnation=1, timeout=RPC_TIMEOUT, data_path=data_path
-            ) as client:
-                client.init(m, {"name": "sgd", "lr": 0.05, "momentum": 0.9})
-                opt = DistributedOptimizer(m, client)
-                for t in range(STEPS):
-                    if cut is not None and rank == 0:
-                        cut(t)
-                    lo = n * BATCH * t + rank * BATCH
-                    opt.zero_grad()
-                    F.cross_entropy(m(x[lo : lo + BATCH]), y[lo : lo + BATCH]).backward()
-                    opt.step()
-                connected[rank] = client.transport.data_connected
-        except BaseException as exc:  # surfaced below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=work, args=(r,)) for r in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    assert not errors, errors
-    return models, connected
+    return train_ranks(
+        addresses,
+        n,
+        model,
+        STEPS,
+        BATCH,
+        {"name": "sgd", "lr": 0.05, "momentum": 0.9},
+        before_step=None if cut is None else lambda rank, t: cut(t) if rank == 0 else None,
+        data_path=data_path,
+    )
 
 
 def once_calls(server, code: str = "OK") -> float:

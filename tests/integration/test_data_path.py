@@ -5,21 +5,20 @@ checked input on the shard's side."""
 from __future__ import annotations
 
 import socket
-import threading
 import time
 from collections.abc import Callable
 
 import grpc
 import pytest
 import torch
-import torch.nn.functional as F
 
 from ps_common import dataconn
 from ps_common.errors import DataPathError
 from ps_proto.v1 import ps_pb2
-from ps_worker import DistributedOptimizer, PSClient
+from ps_worker import PSClient
 from ps_worker.train import params_sha256
 from tests.conftest import RPC_TIMEOUT
+from tests.helpers.ranks import train_ranks
 
 STEPS = 6
 BATCH = 8
@@ -35,11 +34,6 @@ def model(seed: int = 0) -> torch.nn.Module:
     )
 
 
-def data(n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(7)
-    return torch.randn(STEPS * n * BATCH, 16, generator=g), torch.randint(0, 3, (STEPS * n * BATCH,), generator=g)
-
-
 def train(
     addresses: list[str],
     n: int,
@@ -48,46 +42,21 @@ def train(
     overlap: bool = True,
     between: Callable[[int], None] | None = None,
 ) -> tuple[list[torch.nn.Module], list[list[bool]]]:
-    """``n`` worker threads, STEPS sync steps each; returns the models and, per rank, whether each
-    shard's data connection was open at the end."""
-    x, y = data(n)
-    initial = [model() for _ in range(n)]
-    connected: list[list[bool]] = [[] for _ in range(n)]
-    errors: list[BaseException] = []
-
-    def work(rank: int) -> None:
-        try:
-            m = initial[rank]
-            with PSClient(
-                addresses,
-                rank=rank,
-                num_workers=n,
-                incarnation=1,
-                timeout=RPC_TIMEOUT,
-                partition_bytes=PARTITION_BYTES,
-                wire_dtype=wire_dtype,
-                data_path=data_path,
-            ) as client:
-                client.init(m, OPTIMIZER)
-                opt = DistributedOptimizer(m, client, overlap=overlap)
-                for t in range(STEPS):
-                    if between is not None and rank == 0:
-                        between(t)
-                    lo = n * BATCH * t + rank * BATCH
-                    opt.zero_grad()
-                    F.cross_entropy(m(x[lo : lo + BATCH]), y[lo : lo + BATCH]).backward()
-                    opt.step()
-                connected[rank] = client.transport.data_connected
-        except BaseException as exc:  # surfaced below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=work, args=(r,)) for r in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    assert not errors, errors
-    return initial, connected
+    """``n`` worker threads, STEPS sync steps each (:func:`tests.helpers.ranks.train_ranks`);
+    ``between(step)`` runs on rank 0 after its backward, before its step."""
+    return train_ranks(
+        addresses,
+        n,
+        model,
+        STEPS,
+        BATCH,
+        OPTIMIZER,
+        before_step=None if between is None else lambda rank, t: between(t) if rank == 0 else None,
+        overlap=overlap,
+        partition_bytes=PARTITION_BYTES,
+        wire_dtype=wire_dtype,
+        data_path=data_path,
+    )
 
 
 @pytest.mark.parametrize("wire_dtype", [None, "bfloat16"])

@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import random
-import threading
 import time
 
 import torch
 import torch.nn.functional as F
 
-from ps_worker import DistributedOptimizer, PSClient
 from ps_worker.train import params_sha256
-from tests.conftest import RPC_TIMEOUT, small_model
+from tests.conftest import small_model
+from tests.helpers.ranks import problem, train_ranks
 
 STEPS = 20
 
@@ -20,44 +19,19 @@ OPTIMIZER = {"name": "sgd", "lr": 0.05, "momentum": 0.9}
 
 
 def data(n: int, seed: int = 123) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(STEPS * n * BATCH, 8, generator=g), torch.randint(0, 3, (STEPS * n * BATCH,), generator=g)
+    return problem(STEPS * n * BATCH, 8, seed)
 
 
 def run_workers(addresses: list[str], n: int, delays: bool, seed: int = 0) -> list[torch.nn.Module]:
     """``n`` worker threads; at step t, rank r trains on samples [nbt + rb, nbt + (r+1)b)."""
-    x, y = data(n)
-    # built here, one after another: small_model() seeds torch's global RNG, which threads share
-    initial = [small_model() for _ in range(n)]
-    models: list[torch.nn.Module | None] = [None] * n
-    errors: list[BaseException] = []
     rng = random.Random(seed)
     pauses = [[rng.uniform(0, 0.01) if delays else 0.0 for _ in range(STEPS)] for _ in range(n)]
 
-    def work(rank: int) -> None:
-        try:
-            model = initial[rank]
-            with PSClient(addresses, rank=rank, num_workers=n, incarnation=1, timeout=RPC_TIMEOUT) as client:
-                client.init(model, OPTIMIZER)
-                opt = DistributedOptimizer(model, client)
-                for t in range(STEPS):
-                    lo = n * BATCH * t + rank * BATCH
-                    opt.zero_grad()
-                    F.cross_entropy(model(x[lo : lo + BATCH]), y[lo : lo + BATCH]).backward()
-                    time.sleep(pauses[rank][t])  # artificial push delay, not synchronization
-                    opt.step()
-            models[rank] = model
-        except BaseException as exc:  # surfaced below
-            errors.append(exc)
+    def pause(rank: int, t: int) -> None:
+        time.sleep(pauses[rank][t])  # artificial push delay, not synchronization
 
-    threads = [threading.Thread(target=work, args=(r,)) for r in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    assert not errors, errors
-    assert all(m is not None for m in models)
-    return models  # type: ignore[return-value]
+    models, _ = train_ranks(addresses, n, small_model, STEPS, BATCH, OPTIMIZER, before_step=pause, features=8, seed=123)
+    return models
 
 
 def test_two_workers_equal_one_process_with_double_batch(start_cluster) -> None:
