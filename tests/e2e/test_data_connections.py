@@ -1,7 +1,8 @@
 """Data connections between real processes: ``ps-server`` offers them by default (``--data-port``
-0), a worker's PushPull partitions go there, and a shard killed with SIGKILL and restarted from its
-checkpoint (--durable-acks) costs nothing acknowledged: the worker's step retries on gRPC, it joins the new process
-(which offers a new data port) and goes on over data connections again."""
+0), a worker's PushPull partitions go there (a small model's whole PushPullOnce call), and a shard
+killed with SIGKILL and restarted from its checkpoint (--durable-acks) costs nothing acknowledged:
+the worker's step retries on gRPC, it joins the new process (which offers a new data port) and
+goes on over data connections again."""
 
 from __future__ import annotations
 
@@ -55,7 +56,10 @@ def start_shard(k: int, tmp_path: Path, port: int = 0) -> tuple[subprocess.Popen
 
 
 @pytest.mark.timeout(300)
-def test_a_killed_shard_costs_nothing_and_the_data_connections_come_back(tmp_path: Path) -> None:
+@pytest.mark.parametrize("partition_bytes", [2048, 4 << 20], ids=["frames", "calls"])
+def test_a_killed_shard_costs_nothing_and_the_data_connections_come_back(tmp_path: Path, partition_bytes) -> None:
+    """``frames``: several messages per shard, partitions as frames; ``calls``: one message per
+    shard (10 KB model), each step a PushPullOnce call on the connection."""
     procs = [start_shard(k, tmp_path) for k in range(2)]
     try:
         addresses = [a for _, a in procs]
@@ -64,7 +68,7 @@ def test_a_killed_shard_costs_nothing_and_the_data_connections_come_back(tmp_pat
         g = torch.Generator().manual_seed(1)
         x, y = torch.randn(640, 16, generator=g), torch.randint(0, 3, (640,), generator=g)
         with PSClient(
-            addresses, 0, 1, incarnation=1, timeout=RPC_TIMEOUT, retry_deadline=60, partition_bytes=2048
+            addresses, 0, 1, incarnation=1, timeout=RPC_TIMEOUT, retry_deadline=60, partition_bytes=partition_bytes
         ) as client:
             client.init(model, {"name": "sgd", "lr": 0.05})
             opt = DistributedOptimizer(model, client)
