@@ -8,11 +8,11 @@ partitions from the gRPC stream, and its answer's values go back on the same con
 (:meth:`DataPlane.send`). Everything else about the call (authorization, the push's checks and
 semantics, errors, deadlines) is the gRPC call's.
 
-A connection also carries whole calls (a small model's ``PushPullOnce``, :data:`ps_common.dataconn.CALL`):
-the connection's thread runs the call's handler (the servicer's own method, wrapped by the
-metrics interceptor) with a :class:`CallContext` that stands for gRPC's, and sends the answer or
-the refusal's status code, reason and details back: one round trip, no gRPC call, no thread
-hand-off.
+A connection also carries whole calls (a small model's ``PushPullOnce``,
+:data:`ps_common.dataconn.CALL`): the connection's thread runs the call's handler (the servicer's
+own method, wrapped by the metrics interceptor) with a :class:`~ps_server.data_calls.CallContext`
+standing for gRPC's, and sends the answer or the refusal's status code, reason and details back:
+one round trip, no gRPC call, no thread hand-off.
 
 Bounds: at most ``max_connections`` connections (one per rank: a new hello of a rank replaces its
 old connection); per connection one frame being read and one complete frame waiting, each at most
@@ -39,9 +39,10 @@ import torch
 
 from ps_common import dataconn
 from ps_common.codec import DTYPES, check_finite, decode, dtype_from_proto, wire_dtype_allowed
-from ps_common.errors import REASON_KEY, DataPathError, InvalidRequestError
+from ps_common.errors import DataPathError, InvalidRequestError
 from ps_common.partition import WirePartition
 from ps_common.plan import Plan
+from ps_server.data_calls import CallContext, CallHandler, run_call
 from ps_server.threads import OwnedThreads
 
 log = logging.getLogger(__name__)
@@ -54,75 +55,6 @@ SEND_SECONDS = 60.0
 
 POLL_SECONDS = 0.25
 """How often a waiting PushPull checks that its call is still active."""
-
-
-class CallAborted(Exception):
-    """Raised by :meth:`CallContext.abort`, as gRPC's own ``abort`` raises, to end the handler."""
-
-
-class CallContext:
-    """What a servicer method and the metrics interceptor read of a ``grpc.ServicerContext``, for
-    a call on a data connection: the deadline, whether the worker is still connected, and the
-    status a refusal sets (``abort``, ``set_trailing_metadata``).
-
-    Args:
-        timeout: seconds the call may take (None: no deadline).
-        active: whether the connection is still open.
-        peer: the worker's address, for logs.
-    """
-
-    def __init__(self, timeout: float | None, active: Callable[[], bool], peer: str = "") -> None:
-        self._deadline = None if timeout is None else time.monotonic() + timeout
-        self._active = active
-        self._peer = peer
-        self._code: grpc.StatusCode | None = None
-        self._details = ""
-        self._metadata: tuple[tuple[str, str], ...] = ()
-
-    def time_remaining(self) -> float | None:
-        return None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
-
-    def is_active(self) -> bool:
-        return self._active() and (self._deadline is None or time.monotonic() < self._deadline)
-
-    def peer(self) -> str:
-        return self._peer
-
-    def invocation_metadata(self) -> tuple[()]:
-        return ()  # the token was checked at the connection's hello
-
-    def set_trailing_metadata(self, metadata: Sequence[tuple[str, str]]) -> None:
-        self._metadata = tuple(metadata)
-
-    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
-        return self._metadata
-
-    def set_code(self, code: grpc.StatusCode) -> None:
-        self._code = code
-
-    def set_details(self, details: str) -> None:
-        self._details = details
-
-    def code(self) -> grpc.StatusCode | None:
-        return self._code
-
-    def details(self) -> str:
-        return self._details
-
-    def abort(self, code: grpc.StatusCode, details: str) -> None:
-        """End the call with ``code`` and ``details`` (raises :class:`CallAborted`)."""
-        self._code, self._details = code, details
-        raise CallAborted(details)
-
-    def reason(self) -> str:
-        """The ``ps-reason`` the handler set ("" when none)."""
-        return next((str(v) for k, v in self._metadata if k == REASON_KEY), "")
-
-
-CallHandler = Callable[[memoryview, CallContext], bytes]
-"""A unary method on a data connection: the request's bytes (a fresh buffer per call, which the
-handler may keep views of) and the context in, the response's bytes out (refusals through
-``context.abort``)."""
 
 
 @dataclass
@@ -327,18 +259,8 @@ class DataPlane:
             raise InvalidRequestError(f"call {sequence}: {details}")
         request = bytearray(nbytes)
         dataconn.recv_exact(conn.sock, memoryview(request))
-        timeout = timeout_ms / 1000 if timeout_ms else None
-        context = CallContext(timeout, lambda: not conn.error, conn.peer)
-        try:
-            response = self._call(memoryview(request), context)  # read in place, as frames are
-            code, body = 0, response
-        except CallAborted:
-            code = (context.code() or grpc.StatusCode.UNKNOWN).value[0]
-            body = dataconn.refusal(context.reason(), context.details())
-        except Exception as exc:  # a defect: answered as gRPC answers an unexpected exception
-            log.exception("call %d of rank %d on its data connection failed", sequence, conn.rank)
-            code = grpc.StatusCode.UNKNOWN.value[0]
-            body = dataconn.refusal("", f"Exception calling application: {exc}")
+        context = CallContext(timeout_ms / 1000 if timeout_ms else None, lambda: not conn.error, conn.peer)
+        code, body = run_call(self._call, memoryview(request), context, f"call {sequence} of rank {conn.rank}")
         self._answer(conn, sequence, code, body, context.time_remaining())
         self.calls += 1
 

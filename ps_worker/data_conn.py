@@ -26,6 +26,7 @@ import torch
 from ps_common import dataconn
 from ps_common.codec import dtype_name, dtype_to_proto
 from ps_common.errors import REASON_KEY
+from ps_worker.errors import StatusError
 
 log = logging.getLogger(__name__)
 
@@ -33,25 +34,13 @@ CONNECT_SECONDS = 5.0
 """Connecting and the hello's answer take at most this long; then the shard is used over gRPC alone."""
 
 
-class DataCallError(grpc.RpcError):
+class DataCallError(StatusError):
     """A call on the data connection ended with a status other than OK, carried as a gRPC call
     carries it (code, details, ``ps-reason``): the shard's refusal (the connection stays open), or
     :class:`DataLinkError`."""
 
     def __init__(self, code: grpc.StatusCode, details: str, reason: str = "") -> None:
-        super().__init__(f"{code.name}: {details}")
-        self._code = code
-        self._details = details
-        self._metadata = ((REASON_KEY, reason),) if reason else ()
-
-    def code(self) -> grpc.StatusCode:
-        return self._code
-
-    def details(self) -> str:
-        return self._details
-
-    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
-        return self._metadata
+        super().__init__(code, details, ((REASON_KEY, reason),) if reason else ())
 
 
 class DataLinkError(DataCallError):

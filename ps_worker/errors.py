@@ -95,7 +95,33 @@ def reason_of(exc: BaseException) -> str:
         return value
 
 
-class ShardError(grpc.RpcError):
+class StatusError(grpc.RpcError):
+    """A gRPC status as an exception: ``code()``, ``details()`` and ``trailing_metadata()``, as
+    grpcio's own call errors answer them (what the retry and recovery logic reads)."""
+
+    def __init__(
+        self,
+        code: grpc.StatusCode,
+        details: str,
+        metadata: Sequence[tuple[str, str]] = (),
+        message: str | None = None,
+    ) -> None:
+        self._code = code
+        self._details = details
+        self._metadata = tuple(metadata)
+        super().__init__(message or f"{code.name}: {details}")
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+        return self._metadata
+
+
+class ShardError(StatusError):
     """A call to the shard at ``address`` failed after retries and recoveries.
 
     Class attributes (of the subclasses that mirror a shard error): ``reason``, the
@@ -125,25 +151,13 @@ class ShardError(grpc.RpcError):
         message: str | None = None,
     ) -> None:
         self.address = address
-        self._code = code
-        self._details = details
-        self._metadata = tuple(metadata)
+        super().__init__(code, details, metadata, message or f"{address}: {code.name}: {details}")
         self.reason = reason_of(self)
-        super().__init__(message or f"{address}: {code.name}: {details}")
 
     @classmethod
     def from_rpc(cls, address: str, exc: grpc.RpcError, waits: bool = False) -> ShardError:
         """:func:`error_from_rpc` (kept as ``ShardError.from_rpc``, as callers use it)."""
         return error_from_rpc(address, exc, waits)
-
-    def code(self) -> grpc.StatusCode:
-        return self._code
-
-    def details(self) -> str:
-        return self._details
-
-    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
-        return self._metadata
 
 
 class ShardUnreachableError(ShardError):

@@ -6,23 +6,15 @@ from __future__ import annotations
 import grpc
 import pytest
 
+from ps_worker.errors import StatusError
 from ps_worker.retry import backoff_delays, is_transient, retry_call
 
 
-class Failure(grpc.RpcError):
+class Failure(StatusError):
+    """A failed call's error, as grpcio raises them (its code, details and ``ps-reason``)."""
+
     def __init__(self, code: grpc.StatusCode, details: str = "", reason: str = "") -> None:
-        self._code = code
-        self._details = details or code.name
-        self._metadata = (("ps-reason", reason),) if reason else ()
-
-    def code(self) -> grpc.StatusCode:
-        return self._code
-
-    def details(self) -> str:
-        return self._details
-
-    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
-        return self._metadata
+        super().__init__(code, details or code.name, (("ps-reason", reason),) if reason else ())
 
 
 def flaky(codes: list[grpc.StatusCode]):
