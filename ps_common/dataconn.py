@@ -26,7 +26,7 @@ Wire format (little-endian, every integer fixed width):
   count of what follows: the PushPullOnce response message (code 0, OK), or :data:`STATUS` and the
   refusal's ``ps-reason`` and details (UTF-8). A small model's step takes one round trip on the
   connection and no gRPC call at all; the checks, semantics, errors and metrics are the RPC's
-  (the shard runs the same servicer method, bench/README.md "Calls on the data connection").
+  (the shard runs the same servicer method; bench/README.md "Session 8").
 """
 
 from __future__ import annotations

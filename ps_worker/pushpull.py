@@ -167,17 +167,17 @@ class PendingPushPull:
     def _attempt(self, k: int, started: Any | None) -> tuple[ps_pb2.PushResponse, int, int, int]:
         t = self.transport
         self.sent[k] = 0 if started is None else self.sent[k]
-        if started is None:
-            conn = self._data_connection(k)
-            if conn is not None and self._once(k):
-                return self._attempt_call(k, conn)
-            if conn is not None:
-                return self._attempt_data(k, conn, t.next_sequence())
+        conn = self._data_connection(k) if started is None else None
+        if conn is not None and not self._once(k):
+            return self._attempt_data(k, conn, t.next_sequence())
         if started is not None:
-            replies: Iterator[bytes] = started
+            replies: Iterator[bytes | memoryview] = started
         elif self._once(k):
             (only,) = self._messages(k)
-            replies = iter([t.push_pull_once[k](only, timeout=t.timeout, metadata=t.metadata)])
+            if conn is not None:  # the whole call on the data connection
+                replies = iter([self._call(k, conn, only)])
+            else:
+                replies = iter([t.push_pull_once[k](only, timeout=t.timeout, metadata=t.metadata)])
         else:
             replies = t.push_pull_calls[k](self._messages(k), timeout=t.timeout, metadata=t.metadata)
         version, received, answer = self.codec.decode(k, replies, self.flats, t.servers[k], t.received)
@@ -186,8 +186,8 @@ class PendingPushPull:
         self.session.learn(k, answer)
         return answer, version, self.sent[k], received
 
-    def _attempt_call(self, k: int, conn: DataConnection) -> tuple[ps_pb2.PushResponse, int, int, int]:
-        """One PushPullOnce as a call on shard ``k``'s data connection: the same request and
+    def _call(self, k: int, conn: DataConnection, request: bytes) -> memoryview:
+        """PushPullOnce ``request`` as a call on shard ``k``'s data connection: the same request and
         response messages as the unary gRPC call, one round trip on the connection.
 
         Raises:
@@ -196,18 +196,12 @@ class PendingPushPull:
             the retry goes on gRPC.
         """
         t = self.transport
-        (only,) = self._messages(k)
         try:
             with conn.lock:
-                reply = conn.call(t.next_sequence(), only, t.timeout, t.max_message_bytes)
+                return conn.call(t.next_sequence(), request, t.timeout, t.max_message_bytes)
         except DataLinkError as exc:
             t.data_failed(k, exc.details())
             raise
-        version, received, answer = self.codec.decode(k, iter([reply]), self.flats, t.servers[k], t.received)
-        if answer is None:
-            raise RuntimeError(f"Shard {t.servers[k]} answered PushPull without the push's answer.")
-        self.session.learn(k, answer)
-        return answer, version, self.sent[k], received
 
     def _attempt_data(
         self, k: int, conn: DataConnection, sequence: int, sent_before: int = -1
