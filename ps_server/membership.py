@@ -8,7 +8,7 @@ from __future__ import annotations
 import enum
 import logging
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -259,23 +259,37 @@ class Membership:
             for m in self.members
         )
 
-    def export(self) -> list[dict[str, Any]]:
+    def export(self, held: Mapping[int, int] | None = None) -> list[dict[str, Any]]:
         """Plain data of every member for a checkpoint, with its high-water mark and remembered
-        answers, so a restarted shard applies no (rank, incarnation, clock) twice either."""
+        answers, so a restarted shard applies no (rank, incarnation, clock) twice either.
+
+        Args:
+            held: rank -> clock of a push the shard holds but has not applied (a sync round still
+                open), which the checkpoint leaves out: it is exported as never received (no
+                remembered answer, the rank's clock before it), so that after a restart the
+                rank's push of that clock is taken again rather than answered as a duplicate.
+        """
+        held = held or {}
+
+        def kept(m: Member) -> list[list[Any]]:
+            out = held.get(m.rank)
+            return [
+                [inc, clock, r.version, r.staleness, int(r.duplicate), int(r.dropped), r.mode]
+                for (inc, clock), r in m.history.items()
+                if not (clock == out and inc == m.incarnation)
+            ]
+
         return [
             {
                 "rank": m.rank,
                 "incarnation": m.incarnation,
-                "clock": m.clock,
+                "clock": min(m.clock, held[m.rank]) if m.rank in held else m.clock,
                 "state": m.state.value,
                 "pushes": m.pushes,
                 "high_water": m.high_water,
                 "counted": int(m.counted),
                 "since": m.since,
-                "history": [
-                    [inc, clock, r.version, r.staleness, int(r.duplicate), int(r.dropped), r.mode]
-                    for (inc, clock), r in m.history.items()
-                ],
+                "history": kept(m),
             }
             for m in self.members
         ]

@@ -398,7 +398,10 @@ class Shard(DataPath):
                     self.version,
                     sorted(self.rounds.pending),
                 )
-            state = export_state(self.plan, self.store, self.version, self.mode, self.membership)
+            # the open round's held pushes are not in the snapshot: neither are their traces in the
+            # members (a remembered answer would make the rank's push again a duplicate after a restart)
+            held = dict.fromkeys(self.rounds.pending, self.rounds.round)
+            state = export_state(self.plan, self.store, self.version, self.mode, self.membership, held)
             state["epochs"] = self.epochs.export()
             state["configured_num_workers"] = self.configured_num_workers
             if self.tables.tables:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from ps_common.errors import CheckpointError
@@ -15,8 +16,16 @@ if TYPE_CHECKING:
     from ps_server.membership import Membership
 
 
-def export_state(plan: Plan, store: ParameterStore, version: int, mode: str, membership: Membership) -> dict[str, Any]:
-    """Plan, parameter tensors (copies), optimizer spec and state, version, mode and members.
+def export_state(
+    plan: Plan,
+    store: ParameterStore,
+    version: int,
+    mode: str,
+    membership: Membership,
+    held: Mapping[int, int] | None = None,
+) -> dict[str, Any]:
+    """Plan, parameter tensors (copies), optimizer spec and state, version, mode and members
+    (``held``: rank -> clock of a push held in an open round, left out: :meth:`Membership.export`).
 
     Caller holds the shard's lock, so the copy is consistent.
     """
@@ -38,7 +47,7 @@ def export_state(plan: Plan, store: ParameterStore, version: int, mode: str, mem
         "optimizer_state": copy.deepcopy(store.optimizer.state_dict()),
         "version": version,
         "mode": mode,
-        "members": membership.export(),
+        "members": membership.export(held),
     }
 
 

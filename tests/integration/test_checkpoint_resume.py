@@ -89,10 +89,13 @@ def test_a_checkpoint_restores_onto_another_worker_count_but_not_another_shard_c
         start_cluster.start(config)
 
 
-def test_push_lost_in_a_crash_is_pushed_again(tmp_path, start_cluster) -> None:
+@pytest.mark.parametrize("final", [False, True], ids=["crash", "stop"])
+def test_push_lost_in_a_restart_is_pushed_again(tmp_path, start_cluster, final) -> None:
     """Rank 0's push is acknowledged into an open round, then the shard dies before the round
-    closes (no final checkpoint) and restarts from the previous round's checkpoint: rank 0's pull
-    is refused with PUSH_LOST, it pushes again, and the round completes for both ranks."""
+    closes (``crash``: no final checkpoint; ``stop``: a graceful stop, whose final checkpoint of the
+    same version leaves the held push out, its remembered answer too) and restarts from the previous
+    round's checkpoint: rank 0's pull is refused with PUSH_LOST, it pushes again (taken, not
+    answered as a duplicate), and the round completes for both ranks."""
     (shard,) = start_cluster(1, num_workers=2, checkpoint_dir=str(tmp_path), checkpoint_every=1)
     models = [torch.nn.Linear(3, 1, bias=False) for _ in range(2)]
     for m in models:
@@ -107,8 +110,9 @@ def test_push_lost_in_a_crash_is_pushed_again(tmp_path, start_cluster) -> None:
         for c, m in zip(clients, models, strict=True):
             assert c.pull({"weight": m.weight.data}) == 1  # round 0 applied and checkpointed at version 1
         clients[0].push(grads)  # round 1: acknowledged, held, not applied
-        shard.checkpointer.close(final=False)  # a crash: no final checkpoint
-        shard.checkpointer = None
+        if not final:
+            shard.checkpointer.close(final=False)  # a crash: no final checkpoint
+            shard.checkpointer = None
         shard.stop(grace=0)
         restarted = start_cluster.restart(shard, same_port=True)
         assert restarted.shard.restored_from_version == 1 and restarted.shard.status().round_ranks == ()
