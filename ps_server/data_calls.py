@@ -33,13 +33,11 @@ class CallContext:
     Args:
         timeout: seconds the call may take (None: no deadline).
         active: whether the connection is still open.
-        peer: the worker's address, for logs.
     """
 
-    def __init__(self, timeout: float | None, active: Callable[[], bool], peer: str = "") -> None:
+    def __init__(self, timeout: float | None, active: Callable[[], bool]) -> None:
         self._deadline = None if timeout is None else time.monotonic() + timeout
         self._active = active
-        self._peer = peer
         self._code: grpc.StatusCode | None = None
         self._details = ""
         self._metadata: tuple[tuple[str, str], ...] = ()
@@ -50,23 +48,11 @@ class CallContext:
     def is_active(self) -> bool:
         return self._active() and (self._deadline is None or time.monotonic() < self._deadline)
 
-    def peer(self) -> str:
-        return self._peer
-
-    def invocation_metadata(self) -> tuple[()]:
-        return ()  # the token was checked at the connection's hello
-
     def set_trailing_metadata(self, metadata: Sequence[tuple[str, str]]) -> None:
         self._metadata = tuple(metadata)
 
     def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
         return self._metadata
-
-    def set_code(self, code: grpc.StatusCode) -> None:
-        self._code = code
-
-    def set_details(self, details: str) -> None:
-        self._details = details
 
     def code(self) -> grpc.StatusCode | None:
         return self._code

@@ -67,7 +67,6 @@ class _Conn:
     """The last complete push frame not yet taken: (sequence, partitions in slot order)."""
     error: str = ""
     """Why the connection closed ("" while open)."""
-    peer: str = ""
 
 
 class DataPlane:
@@ -131,7 +130,7 @@ class DataPlane:
     def _accept(self) -> None:
         while True:
             try:
-                sock, address = self._listener.accept()
+                sock, _ = self._listener.accept()
             except OSError:
                 return  # closed
             with self._cond:
@@ -142,17 +141,15 @@ class DataPlane:
                         log.warning("data connection refused: %d open (the most)", self.max_connections)
                     continue
                 self._open.add(sock)
-            peer = f"{address[0]}:{address[1]}" if isinstance(address, tuple) else str(address)
-            self._threads.start(functools.partial(self._serve, sock, peer), f"shard{self.shard_index}-data")
+            self._threads.start(functools.partial(self._serve, sock), f"shard{self.shard_index}-data")
 
-    def _serve(self, sock: socket.socket, peer: str = "") -> None:
+    def _serve(self, sock: socket.socket) -> None:
         conn: _Conn | None = None
         try:
             dataconn.tune(sock)
             conn = self._hello(sock)
             if conn is None:
                 return
-            conn.peer = peer
             sock.settimeout(None)  # a connection waits for frames as long as the worker trains
             self._read_frames(conn)
         except (OSError, dataconn.DataConnectionError, InvalidRequestError) as exc:
@@ -259,10 +256,11 @@ class DataPlane:
             raise InvalidRequestError(f"call {sequence}: {details}")
         request = bytearray(nbytes)
         dataconn.recv_exact(conn.sock, memoryview(request))
-        context = CallContext(timeout_ms / 1000 if timeout_ms else None, lambda: not conn.error, conn.peer)
+        context = CallContext(timeout_ms / 1000 if timeout_ms else None, lambda: not conn.error)
         code, body = run_call(self._call, memoryview(request), context, f"call {sequence} of rank {conn.rank}")
         self._answer(conn, sequence, code, body, context.time_remaining())
-        self.calls += 1
+        with self._cond:  # connection threads answer calls concurrently
+            self.calls += 1
 
     def _answer(self, conn: _Conn, sequence: int, code: int, body: bytes, timeout: float | None) -> None:
         with conn.send_lock:

@@ -17,6 +17,7 @@ from ps_worker.data_conn import CODES, DataCallError
 from ps_worker.errors import reason_of
 from ps_worker.train import params_sha256
 from tests.conftest import RPC_TIMEOUT
+from tests.helpers.data_connections import closed_by_peer, raw_connection
 from tests.helpers.ranks import train_ranks
 
 STEPS = 5
@@ -142,8 +143,8 @@ def test_the_shards_deadline_ends_a_waiting_call(start_cluster) -> None:
 
 # ---------------------------------------------------------------------- the shard's side, raw
 def connected(port: int, rank: int = 0) -> socket.socket:
-    sock = socket.create_connection(("127.0.0.1", port), timeout=RPC_TIMEOUT)
-    sock.sendall(dataconn.hello(rank, 1, ""))
+    """A raw data connection whose hello the shard accepted."""
+    sock = raw_connection(port, rank)
     assert dataconn.recv_struct(sock, dataconn.REPLY, time.monotonic() + RPC_TIMEOUT) == (dataconn.MAGIC, 0)
     return sock
 
@@ -154,18 +155,6 @@ def answer(sock: socket.socket, sequence: int) -> tuple[grpc.StatusCode, bytes]:
     body = bytearray(nbytes)
     dataconn.recv_exact(sock, memoryview(body), time.monotonic() + RPC_TIMEOUT)
     return CODES[code], bytes(body)
-
-
-def closed_by_peer(sock: socket.socket) -> bool:
-    sock.settimeout(RPC_TIMEOUT)
-    try:
-        while sock.recv(65536):
-            pass
-        return True
-    except ConnectionResetError:
-        return True
-    except TimeoutError:
-        return False
 
 
 def test_a_malformed_call_is_refused_and_the_connection_serves_on(start_cluster) -> None:

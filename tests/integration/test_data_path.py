@@ -18,6 +18,7 @@ from ps_proto.v1 import ps_pb2
 from ps_worker import PSClient
 from ps_worker.train import params_sha256
 from tests.conftest import RPC_TIMEOUT
+from tests.helpers.data_connections import closed_by_peer, raw_connection
 from tests.helpers.ranks import train_ranks
 
 STEPS = 6
@@ -105,25 +106,6 @@ def test_a_lost_connection_falls_back_to_grpc_and_loses_nothing(start_cluster) -
 
 
 # ---------------------------------------------------------------------- the shard's side, raw
-def raw_connection(port: int, rank: int = 7, incarnation: int = 1, token: str = "") -> socket.socket:
-    sock = socket.create_connection(("127.0.0.1", port), timeout=RPC_TIMEOUT)
-    sock.sendall(dataconn.hello(rank, incarnation, token))
-    return sock
-
-
-def closed_by_peer(sock: socket.socket) -> bool:
-    """True once the shard closed the connection (EOF or reset), within RPC_TIMEOUT."""
-    sock.settimeout(RPC_TIMEOUT)
-    try:
-        while True:
-            if not sock.recv(65536):
-                return True
-    except ConnectionResetError:
-        return True
-    except TimeoutError:
-        return False
-
-
 @pytest.fixture
 def initialized(start_cluster):
     """One shard with data connections, initialized by a worker that stays joined."""

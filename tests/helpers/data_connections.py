@@ -1,0 +1,29 @@
+"""Raw data connections to a shard (``ps_common.dataconn``), for tests that speak the wire
+themselves: a hello, and whether the shard closed the connection."""
+
+from __future__ import annotations
+
+import socket
+
+from ps_common import dataconn
+from tests.conftest import RPC_TIMEOUT
+
+
+def raw_connection(port: int, rank: int = 7, incarnation: int = 1, token: str = "") -> socket.socket:
+    """A connection to ``127.0.0.1:port`` that has sent its hello (the reply is not read)."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=RPC_TIMEOUT)
+    sock.sendall(dataconn.hello(rank, incarnation, token))
+    return sock
+
+
+def closed_by_peer(sock: socket.socket) -> bool:
+    """True once the shard closed the connection (EOF or reset), within RPC_TIMEOUT."""
+    sock.settimeout(RPC_TIMEOUT)
+    try:
+        while sock.recv(65536):
+            pass
+        return True
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
