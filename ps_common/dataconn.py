@@ -27,6 +27,14 @@ Wire format (little-endian, every integer fixed width):
   refusal's ``ps-reason`` and details (UTF-8). A small model's step takes one round trip on the
   connection and no gRPC call at all; the checks, semantics, errors and metrics are the RPC's
   (the shard runs the same servicer method; bench/README.md "Session 8").
+- the answer of a PushPull whose push came as a frame, shard → worker, before the call's answer on
+  gRPC: the values frame of the version the push landed in; or :data:`ABORT` with 0 in the dtype
+  field (no values: the call's status says why); or, for a streamed sync round
+  (:mod:`ps_server.round_stream`), :data:`SPECULATE`, then the slots' records as each slot is stepped
+  (any order), then the end record once the round closed as streamed; or, instead of that end
+  record, :data:`ABORT` with 1 (drop the speculative values: the round's values follow as a frame)
+  or with 0. A marker record's byte count is 0. Until the end record of a speculative answer and
+  the call's OK, the worker holds its values apart from the weights.
 """
 
 from __future__ import annotations
@@ -47,7 +55,8 @@ DATA_PATHS = ("tcp", "grpc")
 shard's data connection when it offers one, else gRPC; ``grpc``, always gRPC."""
 
 MAGIC = b"GPSD"
-PROTOCOL = 1
+PROTOCOL = 2
+"""2: answers may be streamed (:data:`SPECULATE`, :data:`ABORT`); 1 (session 7-8) had neither."""
 
 HELLO = struct.Struct("<4sIIQI")
 """magic, protocol, rank, incarnation, token length (then the token)."""
@@ -63,6 +72,13 @@ END = 0xFFFFFFFF
 
 CALL = 0xFFFFFFFE
 """The slot of a call record (a whole PushPullOnce request, or its answer)."""
+
+SPECULATE = 0xFFFFFFFD
+"""The slot of the marker that begins a streamed round's speculative answer."""
+
+ABORT = 0xFFFFFFFC
+"""The slot of the marker that drops an answer's speculative values (dtype field 1: the round's
+values follow as a frame; 0: no values, the call's status says why)."""
 
 STATUS = struct.Struct("<I")
 """A refused call's answer: the byte length of its ``ps-reason``, then the reason, then the details."""
@@ -167,6 +183,11 @@ def record(sequence: int, slot: int, values: torch.Tensor) -> list[bytes | memor
 
     data = byte_view(values)
     return [RECORD.pack(sequence, slot, dtype_to_proto(dtype_name(values.dtype)), len(data)), data]
+
+
+def marker(sequence: int, slot: int, value: int = 0) -> bytes:
+    """A :data:`SPECULATE` or :data:`ABORT` marker of answer frame ``sequence``."""
+    return RECORD.pack(sequence, slot, value, 0)
 
 
 def end(sequence: int, count: int) -> bytes:

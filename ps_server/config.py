@@ -14,6 +14,11 @@ from ps_common.modes import MODES, ModeSettings
 from ps_server.core.limits import DEFAULT_MAX_PARAMETER_BYTES, Limits
 from ps_server.tables import DEFAULT_MAX_TABLE_ROWS
 
+STREAM_ROUNDS = ("auto", "on", "off")
+"""``--stream-rounds``: ``auto`` streams sync rounds of two or more ranks (with one rank nothing
+waits for another, and on one machine the copy a streamed slot needs is not paid back), ``on``
+every sync round whose pushes come on data connections, ``off`` none (:mod:`ps_server.round_stream`)."""
+
 LOOPBACK_NAMES = {"localhost", "ip6-localhost"}
 MAX_STREAMS = 1024
 """Upper bound of ``--max-watch-streams`` and ``--max-public-streams``."""
@@ -79,6 +84,8 @@ class ServerConfig:
     data_port: int = -1
     """TCP port of the data connections (PushPull's partitions beside gRPC) on ``host``; 0 picks a
     free port, -1 (the library default) serves none. ``ps-server`` defaults to 0. Never with TLS."""
+    stream_rounds: str = "auto"
+    """``--stream-rounds``: which sync rounds are streamed (:mod:`ps_server.round_stream`)."""
     max_watch_streams: int = 16
     """Admin/WatchStatus streams (``ps-admin top``) open at once; one more is refused with
     RESOURCE_EXHAUSTED. Each holds a thread of the streams' pool, never one of the data plane's."""
@@ -102,6 +109,10 @@ class ServerConfig:
             raise InvalidRequestError(f"--port must be in 0..65535, got {self.port}.")
         if not -1 <= self.data_port <= 65535:
             raise InvalidRequestError(f"--data-port must be in -1..65535 (-1: off), got {self.data_port}.")
+        if self.stream_rounds not in STREAM_ROUNDS:
+            raise InvalidRequestError(
+                f"--stream-rounds must be one of {', '.join(STREAM_ROUNDS)}, got {self.stream_rounds!r}."
+            )
         if not -1 <= self.metrics_port <= 65535:
             raise InvalidRequestError(f"--metrics-port must be in -1..65535 (-1: off), got {self.metrics_port}.")
         if not self.lease_timeout > 0:
@@ -211,6 +222,15 @@ def server_parser(environ: Mapping[str, str] | None = None) -> FlagParser:
         "PushPullOnce) travel beside gRPC without grpcio's copies; 0 picks a free port (Join tells workers), "
         "-1 turns them off. Off with TLS",
     )
+    p.flag(
+        "--stream-rounds",
+        default="auto",
+        choices=STREAM_ROUNDS,
+        help="sync: step each partition of a round as soon as every rank's partition is in, and stream its new "
+        "values back while later partitions still arrive (upload and download overlap on each link; the "
+        "round stays all or nothing, bitwise the same). auto: rounds of 2 or more ranks; on: every round on "
+        "data connections; off: answer once the round closed",
+    )
     p.flag("--lease-timeout", type=float, default=10.0, help="seconds without a heartbeat before a rank is evicted")
     join_timeout_flag(p)
     p.flag("--token", default="", help="bearer token workers must send to ParameterService")
@@ -305,6 +325,7 @@ def config_from_args(
             tls_client_ca=args.tls_client_ca,
             metrics_port=args.metrics_port,
             data_port=args.data_port,
+            stream_rounds=args.stream_rounds,
             max_watch_streams=args.max_watch_streams,
             max_public_streams=args.max_public_streams,
             **modes.settings_of(args),

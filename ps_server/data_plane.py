@@ -65,6 +65,8 @@ class _Conn:
     send_lock: threading.Lock = field(default_factory=threading.Lock)
     ready: tuple[int, list[WirePartition]] | None = None
     """The last complete push frame not yet taken: (sequence, partitions in slot order)."""
+    filling: tuple[int, dict[int, WirePartition]] | None = None
+    """The push frame being read: (sequence, slot -> partition landed so far)."""
     error: str = ""
     """Why the connection closed ("" while open)."""
 
@@ -84,6 +86,8 @@ class DataPlane:
         call: the handler of calls on a connection (the servicer's PushPullOnce, wrapped by the
             metrics interceptor, which counts their bytes); None: a call closes the connection.
         max_call_bytes: longest call request accepted (the gRPC server's message limit).
+        landed: called (holding no lock of this plane's) each time a push partition lands, so a
+            streamed round (:mod:`ps_server.round_stream`) can step it; :meth:`peek` reads them.
 
     Raises:
         RuntimeError: the port could not be bound.
@@ -103,8 +107,10 @@ class DataPlane:
         counted: Callable[[int, int], None] | None = None,
         call: CallHandler | None = None,
         max_call_bytes: int = 64 << 20,
+        landed: Callable[[], None] | None = None,
     ) -> None:
         self.shard_index = shard_index
+        self._landed = landed or (lambda: None)
         self._call = call
         self.max_call_bytes = max_call_bytes
         self.calls = 0
@@ -208,7 +214,9 @@ class DataPlane:
                     raise InvalidRequestError(f"frame {seq} ended after {len(parts)} partitions, not {nbytes}")
                 with self._cond:
                     conn.ready = (seq, [parts[i] for i in sorted(parts)])
+                    conn.filling = None
                     self._cond.notify_all()
+                self._landed()
                 self._counted(received, 0)
                 sequence, parts, received = None, {}, 0
                 continue
@@ -235,6 +243,9 @@ class DataPlane:
                 finite, bound = False, math.inf
             parts[slot] = WirePartition(part.key, part.offset, part.length, name, view, finite=finite, bound=bound)
             received += nbytes + dataconn.RECORD.size
+            with self._cond:
+                conn.filling = (seq, dict(parts))
+            self._landed()
 
     def _serve_call(self, conn: _Conn, sequence: int, timeout_ms: int, nbytes: int) -> None:
         """Read call ``sequence``'s request, run the handler here, send its answer.
@@ -330,6 +341,56 @@ class DataPlane:
                         f"({why}); send them on the gRPC stream."
                     )
                 self._cond.wait(left)
+
+    def peek(self, rank: int, incarnation: int, sequence: int) -> tuple[dict[int, WirePartition], bool]:
+        """The partitions of rank's push frame ``sequence`` landed so far (slot -> partition, not
+        yet checked for finiteness), and whether the frame is complete (then :meth:`take` it).
+
+        Raises:
+            DataPathError: the shard is stopping, or no connection of that rank and incarnation
+                (it closed).
+        """
+        with self._cond:
+            conn = self._connection(rank, incarnation, sequence)
+            if conn.ready is not None and conn.ready[0] == sequence:
+                return dict(enumerate(conn.ready[1])), True
+            if conn.filling is not None and conn.filling[0] == sequence:
+                return conn.filling[1], False
+            return {}, False
+
+    def _connection(self, rank: int, incarnation: int, sequence: int) -> _Conn:
+        if self._closed:
+            raise DataPathError("The shard is stopping; its data connections are closed.")
+        conn = self._by_rank.get(rank)
+        if conn is None or conn.incarnation != incarnation:
+            raise DataPathError(
+                f"Rank {rank} (incarnation {incarnation}) has no data connection to this shard for PushPull "
+                f"{sequence}; send PushPull's partitions on the gRPC stream."
+            )
+        return conn
+
+    def send_records(
+        self, rank: int, incarnation: int, sequence: int, buffers: list[bytes | memoryview], timeout: float | None
+    ) -> int:
+        """Send ``buffers`` (records of answer frame ``sequence``: :func:`ps_common.dataconn.record`,
+        markers) on rank's connection within ``timeout`` seconds. Returns the bytes sent.
+
+        Raises:
+            DataPathError: no connection of that rank and incarnation, it broke, or the worker did
+                not read in time (the connection is closed).
+        """
+        with self._cond:
+            conn = self._connection(rank, incarnation, sequence)
+        try:
+            with conn.send_lock:
+                sent = dataconn.send_all(
+                    conn.sock, buffers, time.monotonic() + (SEND_SECONDS if timeout is None else max(0.0, timeout))
+                )
+        except (OSError, dataconn.DataConnectionError) as exc:
+            self._lost(conn, str(exc))
+            raise DataPathError(f"The data connection of rank {rank} broke while sending ({exc}).") from exc
+        self._counted(0, sent)
+        return sent
 
     def send(
         self,

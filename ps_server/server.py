@@ -201,6 +201,7 @@ def start_server(config: ServerConfig, shard: Shard | None = None) -> ShardServe
     shard.tables.max_rows = config.max_table_rows
     metrics.registry.register(TableCollector(shard))
     shard.durable_acks = config.durable_acks and checkpointer is not None
+    shard.stream_rounds = config.stream_rounds
     if checkpointer is not None:
         checkpointer.attach(shard)
         checkpointer.resume()
@@ -276,6 +277,7 @@ def start_server(config: ServerConfig, shard: Shard | None = None) -> ShardServe
                 counted=lambda received, sent: counters.transferred(PUSH_PULL, received, sent),
                 call=recorder.unary(servicer.PushPullOnce, PUSH_PULL_ONCE),
                 max_call_bytes=config.max_message_bytes,
+                landed=shard.wake,
             )
         except RuntimeError:
             server.stop(None)

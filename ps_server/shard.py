@@ -33,7 +33,7 @@ from ps_common.partition import WirePartition
 from ps_common.plan import ParameterSpec, Plan, make_plan, plan_digest
 from ps_common.text import quote
 from ps_proto.v1 import ps_pb2
-from ps_server import shard_admin, shard_members
+from ps_server import round_stream, shard_admin, shard_members
 from ps_server.core.limits import Limits
 from ps_server.core.partitions import match_partitions
 from ps_server.counters import ShardCounters
@@ -41,6 +41,7 @@ from ps_server.epochs import Epochs
 from ps_server.membership import Member, Membership, MemberView, PushResult, PushStamp, WorkerState
 from ps_server.policy import POLICIES, ConsistencyPolicy
 from ps_server.policy.sync import SyncRounds
+from ps_server.round_stream import RoundStream
 from ps_server.shard_data import DataPath
 from ps_server.shard_state import export_state, load_state
 from ps_server.shard_views import JoinInfo, Snapshot, StatusView
@@ -116,6 +117,10 @@ class Shard(DataPath):
         # shard 0 decides; records are signed with the shards' admin token (``record_key``)
         self.epochs = Epochs(authority=shard_index == 0, num_workers=settings.num_workers, key=record_key)
         self.durable_acks = False  # answer pushes once their version is in a durable checkpoint
+        self.stream_rounds = "auto"  # --stream-rounds (ps_server.round_stream)
+        self.stream: RoundStream | None = None  # the sync round being streamed (round_stream)
+        self.streamed_rounds = 0  # sync rounds stepped slot by slot and closed as streamed
+        self.unstreamed_rounds = 0  # streams that ended before their round closed (then applied whole)
         self.refused_at: int | None = None  # the round last refused as a whole (reopened)
         self.checkpoint_every = checkpoint_every
         self.on_snapshot = on_snapshot
@@ -287,6 +292,7 @@ class Shard(DataPath):
                 self.check_plan(digest)
                 return False, self.version, self.plan.digest
             self.plan, self.store = plan, store
+            self.stream = None
             self._store_epoch += 1
             log.info(
                 "shard %d: initialized with %d partitions (%d bytes), plan %s, optimizer %s",
@@ -343,6 +349,15 @@ class Shard(DataPath):
         if self.checkpoint_every and self.on_snapshot and version % self.checkpoint_every == 0:
             self.on_snapshot(version, self.export_state())
 
+    def notify(self) -> None:
+        """Wake every wait on the shard's lock (caller holds it)."""
+        self._cond.notify_all()
+
+    def wake(self) -> None:
+        """Take the lock and wake every wait on it (a push partition landed on a data connection)."""
+        with self._cond:
+            self._cond.notify_all()
+
     def values_key(self) -> tuple[int, int]:
         """(version, store epoch) now: the parameters' values are the same while both are."""
         with self._cond:
@@ -398,6 +413,7 @@ class Shard(DataPath):
                     self.version,
                     sorted(self.rounds.pending),
                 )
+            round_stream.end(self, "a checkpoint needed the parameters mid-round")
             # the open round's held pushes are not in the snapshot: neither are their traces in the
             # members (a remembered answer would make the rank's push again a duplicate after a restart)
             held = dict.fromkeys(self.rounds.pending, self.rounds.round)
@@ -418,6 +434,7 @@ class Shard(DataPath):
         plan, store = load_state(state, self.shard_index, self.num_shards)
         with self._cond:
             self.plan, self.store = plan, store
+            self.stream = None
             self._store_epoch += 1
             self.version = int(state["version"])
             self.rounds = SyncRounds(round=self.version)

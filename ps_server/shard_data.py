@@ -19,6 +19,7 @@ import torch
 from ps_common.errors import StalePushError
 from ps_common.partition import WirePartition
 from ps_common.plan import Plan
+from ps_server import round_stream
 from ps_server.core.partitions import match_partitions
 from ps_server.membership import Member, PushResult, PushStamp, WorkerState
 from ps_server.policy import POLICIES
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
     from ps_server.membership import Membership
     from ps_server.policy import ConsistencyPolicy
     from ps_server.policy.sync import Hyperparameters
+    from ps_server.round_stream import RoundStream
     from ps_server.store import ParameterStore
 
 T = TypeVar("T")
@@ -69,6 +71,7 @@ class DataPath:
         partitions: Sequence[WirePartition],
         hyper: Hyperparameters = (),
         skip: bool = False,
+        stream: RoundStream | None = None,
     ) -> PushResult:
         """Accept the gradients of ``stamp``; a repeated stamp is answered with the original result
         and applied once. The policy applies the push at once (async, ssp), holds it for round
@@ -82,6 +85,8 @@ class DataPath:
                 refused (HyperparametersDisagreeError). () keeps the shard's own.
             skip: skip the step (AMP overflow); the gradients are ignored. sync: the round closes
                 as usual but applies nothing; async, ssp: the push counts, the version stays.
+            stream: sync, the streamed round this push's partitions were stepped in
+                (:mod:`ps_server.round_stream`); None: any stream of the round cannot stand for it.
 
         Raises:
             InvalidRequestError: bad rank or partitions. NotInitializedError, PlanMismatchError,
@@ -110,6 +115,8 @@ class DataPath:
             self._check_counted(member, stamp)
             policy = self.policy
             result = policy.accept(self, member, stamp, grad_version, grads, hyper, skip)
+            if policy.holds_pushes and not result.dropped:
+                round_stream.held(self, stamp.rank, stream)  # type: ignore[arg-type]
             self.advance()
             if policy.holds_pushes and not result.dropped:
                 refusal = self.refusals.pop(stamp.rank, None)
@@ -201,6 +208,8 @@ class DataPath:
             )
             self.policy.after_read(self, member, joined, min_version)
             assert self.store is not None
+            if self.store.stepped_slots:  # a streamed round's speculative slots are not a version
+                round_stream.end(self, "a read needed the parameters mid-round")  # type: ignore[arg-type]
             return self.version, encode(self._snapshot(self.version, self.store.tensors))
 
     def push_pull(
@@ -215,6 +224,7 @@ class DataPath:
         check: Callable[[Plan], None] | None = None,
         hyper: Hyperparameters = (),
         skip: bool = False,
+        stream: RoundStream | None = None,
     ) -> tuple[PushResult, int, T]:
         """:meth:`push`, then :meth:`pull` of the version it lands in (one PushPull per training
         step): sync reads version ``clock + 1``, the round the push joined; the others as a pull
@@ -224,7 +234,7 @@ class DataPath:
             encode: as :meth:`pull`.
             check: called under the lock with the plan, after the plan and ``wire_dtype`` checks
                 and before the push (PushPullOnce: the response must fit in one message).
-            hyper, skip: as :meth:`push`. sync: the result says whether the round was skipped.
+            hyper, skip, stream: as :meth:`push`. sync: the result says whether the round was skipped.
 
         Returns:
             (push result, version, ``encode(snapshot)``).
@@ -238,7 +248,7 @@ class DataPath:
             self.check_wire_dtype(plan, wire_dtype)
             if check is not None:
                 check(plan)
-        result = self.push(stamp, grad_version, digest, partitions, hyper, skip)
+        result = self.push(stamp, grad_version, digest, partitions, hyper, skip, stream)
         policy = POLICIES[result.mode]  # the mode that took the push
         remaining = None if timeout is None else max(0.0, timeout - (self._now() - start))
         min_version = policy.read_after_push(stamp.clock)

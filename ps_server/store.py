@@ -56,6 +56,10 @@ class ParameterStore:
         self._backup: dict[tuple[int, str], torch.Tensor] = {}
         # SGD: upper bounds of |parameter| and |momentum buffer| (see _sgd_stays_finite); None: measure
         self._bounds: tuple[float, float] | None = None
+        # streamed rounds (step_slot): slot -> what its undo restores besides the values; and the
+        # hyperparameters before the round's were set
+        self._stepped: dict[int, dict[str, Any] | None] = {}
+        self._stepped_hyper: list[dict[str, Any]] | None = None
 
     @property
     def num_elements(self) -> int:
@@ -180,6 +184,104 @@ class ParameterStore:
                 "they are unchanged."
             )
         self._bounds = None  # measured again at the next step that needs them
+
+    # ------------------------------------------------------------------ streamed rounds
+    def step_slot(
+        self,
+        index: int,
+        grad: torch.Tensor,
+        hyper: Sequence[Mapping[str, float]] = (),
+        buffer: torch.Tensor | None = None,
+    ) -> None:
+        """Step partition ``index`` alone, ahead of its round's close (a streamed sync round,
+        :mod:`ps_server.round_stream`): its values and optimizer state are copied first, so that
+        :meth:`undo_slots` can put every slot stepped since the last :meth:`commit_slots` back
+        exactly. The result is bitwise the one :meth:`apply` gives that partition: torch.optim's
+        single-tensor step on CPU treats every parameter on its own (SGD, Adam, AdamW, RMSprop,
+        Adagrad), and a parameter whose ``grad`` is None is left alone.
+
+        Args:
+            index: the partition's position among the shard's (plan order).
+            grad: 1-D, the partition's length; the round's rank-ordered mean (any float dtype).
+            hyper: the round's hyperparameters (set with the first slot, kept by
+                :meth:`commit_slots`, restored by :meth:`undo_slots`).
+            buffer: for a buffer partition, the value it takes (the round's lowest rank's).
+
+        Raises:
+            NonFiniteUpdateError: the step would leave the partition's values or state non-finite
+                (the slot is put back; the other stepped slots stay until :meth:`undo_slots`).
+            UpdateRefusedError: the optimizer step raised (the slot is put back).
+        """
+        if not self._stepped and hyper:
+            self._stepped_hyper = self.set_hyperparameters(hyper)
+        t = self.tensors[index]
+        entry = self._save_slot(index)
+        self._stepped[index] = entry
+        if index in self.buffer_index:
+            t.copy_(grad if buffer is None else buffer)
+            return
+        try:
+            t.grad = grad.to(t.dtype)
+            with torch.no_grad():
+                self.optimizer.step()
+        except Exception as exc:  # torch raises RuntimeError, ValueError, OverflowError...
+            self._restore_slot(index, self._stepped.pop(index))
+            raise UpdateRefusedError(f"The optimizer step failed ({exc}); nothing was applied.") from exc
+        finally:
+            t.grad = None
+        state = [v for v in self.optimizer.state.get(t, {}).values() if isinstance(v, torch.Tensor)]
+        if not (all_finite([t]) and all_finite(state)):
+            self._restore_slot(index, self._stepped.pop(index))
+            raise NonFiniteUpdateError(
+                "The update would make parameters or optimizer state non-finite (inf or NaN); it was refused and "
+                "they are unchanged."
+            )
+
+    @property
+    def stepped_slots(self) -> frozenset[int]:
+        """The partitions stepped by :meth:`step_slot` since the last commit or undo."""
+        return frozenset(self._stepped)
+
+    def commit_slots(self) -> None:
+        """The stepped slots are the round's step: keep them (and the hyperparameters set)."""
+        self._stepped.clear()
+        self._stepped_hyper = None
+        self._bounds = None  # measured again at the next step that needs them
+
+    def undo_slots(self) -> None:
+        """Put every slot stepped since the last commit back as it was, hyperparameters too."""
+        for index, entry in self._stepped.items():
+            self._restore_slot(index, entry)
+        self._stepped.clear()
+        if self._stepped_hyper is not None:
+            self.restore_hyperparameters(self._stepped_hyper)
+            self._stepped_hyper = None
+
+    def _save_slot(self, index: int) -> dict[str, Any] | None:
+        t = self.tensors[index]
+        self._copy((-1 - index, ""), t)
+        state = self.optimizer.state.get(t)
+        if not state:
+            return None
+        return {k: self._copy((-1 - index, k), v) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+
+    def _restore_slot(self, index: int, entry: dict[str, Any] | None) -> None:
+        t = self.tensors[index]
+        t.copy_(self._backup[(-1 - index, "")])
+        if index in self.buffer_index:
+            return
+        if entry is None:
+            self.optimizer.state.pop(t, None)
+            return
+        state = self.optimizer.state[t]
+        for k in [k for k in state if k not in entry]:
+            del state[k]
+        for k, v in entry.items():
+            current = state.get(k)
+            if isinstance(v, torch.Tensor) and isinstance(current, torch.Tensor) and current.shape == v.shape:
+                current.copy_(v)
+            else:
+                state[k] = v.clone() if isinstance(v, torch.Tensor) else v
 
     def _plain_sgd(self) -> bool:
         """True for torch.optim.SGD's single-tensor path (one group, not maximizing)."""

@@ -15,10 +15,11 @@ answer; a refusal raises :class:`DataCallError` with the shard's status code, de
 from __future__ import annotations
 
 import logging
+import select
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import grpc
 import torch
@@ -48,6 +49,17 @@ class DataLinkError(DataCallError):
 
     def __init__(self, details: str) -> None:
         super().__init__(grpc.StatusCode.UNAVAILABLE, details)
+
+
+GIVE_UP_POLL_MS = 50
+"""While no answer record arrives, how often (ms) a receive asks whether its call ended."""
+
+
+def commit(staged: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Copy a streamed round's values (:meth:`DataConnection.receive`) into the weights: the call
+    answered OK, so they are the round's."""
+    for target, buf in staged:
+        target.copy_(buf)
 
 
 CODES = {c.value[0]: c for c in grpc.StatusCode}
@@ -88,6 +100,7 @@ class DataConnection:
         self.incarnation = incarnation
         self.lock = threading.Lock()
         self.closed = False
+        self._buffers: dict[int, torch.Tensor] = {}
         try:
             self.sock = socket.create_connection((host, port), timeout=CONNECT_SECONDS)
         except OSError as exc:
@@ -135,40 +148,105 @@ class DataConnection:
             self.close()
             raise DataLinkError(f"data connection to {self.address} broke while sending: {exc}") from exc
 
-    def receive(self, sequence: int, targets: Sequence[tuple[torch.Tensor, torch.dtype]], timeout: float) -> int:
-        """Receive answer frame ``sequence`` into ``targets``: per partition in plan order, the
-        1-D CPU tensor slice of the weights it fills and the dtype it comes in (the parameter's, or
-        the wire dtype: then through a buffer and a cast). Returns bytes received.
+    def receive(
+        self,
+        sequence: int,
+        targets: Sequence[tuple[torch.Tensor, torch.dtype]],
+        timeout: float,
+        gave_up: Callable[[], bool] = lambda: False,
+    ) -> tuple[int, list[tuple[torch.Tensor, torch.Tensor]] | None]:
+        """Receive the answer of PushPull ``sequence`` (:mod:`ps_common.dataconn`) into ``targets``:
+        per partition in plan order, the 1-D CPU tensor slice of the weights it fills and the dtype
+        it comes in (the parameter's, or the wire dtype: then through a buffer and a cast).
+
+        A frame's values go straight into the targets. A streamed round's speculative values
+        (:data:`~ps_common.dataconn.SPECULATE`, slots in any order) go into buffers of this
+        connection instead, returned as (target, buffer) pairs for :func:`commit` once the call
+        answered OK; an :data:`~ps_common.dataconn.ABORT` drops them.
+
+        Args:
+            gave_up: polled while no record is arriving; True (the call ended with an error and
+                nothing more will come) ends the wait: returns no values.
+
+        Returns:
+            (bytes received, the speculative pairs; None when the values went into the targets,
+            or when no values came: then ``received`` is -1 and the call's status says why).
 
         Raises:
-            DataLinkError: the connection broke, timed out after ``timeout`` seconds, or the frame
-                is not the one expected (it is closed).
+            DataLinkError: the connection broke, timed out after ``timeout`` seconds, or sent
+                something other than the answer expected (it is closed).
         """
         deadline = time.monotonic() + timeout
         received = 0
+        staged: dict[int, torch.Tensor] | None = None
+        filled: set[int] = set()
         try:
-            for i, (target, wire) in enumerate(targets):
+            while True:
+                if not self._readable(deadline, gave_up):
+                    return -1, None
                 seq, slot, code, nbytes = dataconn.recv_struct(self.sock, dataconn.RECORD, deadline)
+                if seq < sequence and slot == dataconn.ABORT and not nbytes:
+                    continue  # an earlier call's end that came after its status: nothing to read
+                if seq != sequence:
+                    raise dataconn.DataConnectionError(f"expected the answer of PushPull {sequence}, got frame {seq}")
+                if slot == dataconn.SPECULATE and staged is None and not filled:
+                    staged = {}
+                    continue
+                if slot == dataconn.ABORT and not nbytes and code in (0, 1):
+                    if code == 0:
+                        return -1, None
+                    staged, filled = None, set()  # the round's values follow as a frame
+                    continue
+                if slot == dataconn.END:
+                    if nbytes != len(targets) or len(filled) != len(targets):
+                        raise dataconn.DataConnectionError(
+                            f"frame {sequence} ended after {len(filled)} of {len(targets)} partitions"
+                        )
+                    if staged is None:
+                        return received, None
+                    return received, [(targets[i][0], staged[i]) for i in sorted(staged)]
+                if slot >= len(targets) or slot in filled or (staged is None and slot != len(filled)):
+                    raise dataconn.DataConnectionError(f"partition {slot} of frame {sequence} out of place")
+                target, wire = targets[slot]
                 want = target.numel() * wire.itemsize
-                if (seq, slot, code, nbytes) != (sequence, i, dtype_to_proto(dtype_name(wire)), want):
+                if (code, nbytes) != (dtype_to_proto(dtype_name(wire)), want):
                     raise dataconn.DataConnectionError(
-                        f"expected partition {i} of frame {sequence} ({want} bytes of {wire}), got partition "
-                        f"{slot} of frame {seq} ({nbytes} bytes, dtype {code})"
+                        f"expected partition {slot} of frame {sequence} as {want} bytes of {wire}, got {nbytes} "
+                        f"bytes of dtype {code}"
                     )
-                if wire == target.dtype and target.is_contiguous():
+                if staged is not None:
+                    buf = self._buffer(slot, target.numel(), wire)
+                    dataconn.recv_exact(self.sock, dataconn.byte_view(buf), deadline)
+                    staged[slot] = buf
+                elif wire == target.dtype and target.is_contiguous():
                     dataconn.recv_exact(self.sock, dataconn.byte_view(target), deadline)
                 else:
-                    buf = torch.empty(target.numel(), dtype=wire)
+                    buf = self._buffer(slot, target.numel(), wire)
                     dataconn.recv_exact(self.sock, dataconn.byte_view(buf), deadline)
                     target.copy_(buf)
+                filled.add(slot)
                 received += nbytes
-            seq, slot, _, count = dataconn.recv_struct(self.sock, dataconn.RECORD, deadline)
-            if (seq, slot, count) != (sequence, dataconn.END, len(targets)):
-                raise dataconn.DataConnectionError(f"frame {sequence} did not end after {len(targets)} partitions")
         except (OSError, dataconn.DataConnectionError) as exc:
             self.close()
             raise DataLinkError(f"data connection to {self.address} failed while receiving: {exc}") from exc
-        return received
+
+    def _readable(self, deadline: float, gave_up: Callable[[], bool]) -> bool:
+        """Wait until a record begins to arrive (True), or ``gave_up()`` (False), by ``deadline``."""
+        poll = select.poll()
+        poll.register(self.sock, select.POLLIN)
+        while not poll.poll(GIVE_UP_POLL_MS):
+            if gave_up():
+                return bool(poll.poll(0))
+            if time.monotonic() > deadline:
+                raise dataconn.DataConnectionError("timed out waiting for the answer's values")
+        return True
+
+    def _buffer(self, slot: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """This connection's receive buffer for ``slot`` (kept from call to call)."""
+        buf = self._buffers.get(slot)
+        if buf is None or buf.numel() != numel or buf.dtype != dtype:
+            buf = self._buffers[slot] = torch.empty(numel, dtype=dtype)
+        return buf
 
     def call(self, sequence: int, request: bytes, timeout: float, max_answer_bytes: int) -> memoryview:
         """Call ``sequence``: send ``request`` (a PushPullOnce request message) and return the
@@ -204,6 +282,10 @@ class DataConnection:
     def close(self) -> None:
         """Close the socket (idempotent)."""
         self.closed = True
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)  # wakes a send or receive of another thread
+        except OSError:
+            pass
         try:
             self.sock.close()
         except OSError:

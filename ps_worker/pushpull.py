@@ -22,7 +22,7 @@ from ps_common import frames
 from ps_common.codec import torch_dtype
 from ps_proto.v1 import ps_pb2
 from ps_worker.calls import DataPath, is_stale
-from ps_worker.data_conn import DataConnection, DataLinkError
+from ps_worker.data_conn import DataConnection, DataLinkError, commit
 
 log = logging.getLogger(__name__)
 
@@ -206,10 +206,11 @@ class PendingPushPull:
     def _attempt_data(
         self, k: int, conn: DataConnection, sequence: int, sent_before: int = -1
     ) -> tuple[ps_pb2.PushResponse, int, int, int]:
-        """One PushPull with the partitions on shard ``k``'s data connection: the frame first (from
-        the gradients' memory; ``sent_before`` >= 0: its partitions went out during backward and
-        only its end is sent here), then the call with the header alone; the values come back into
-        the weights on the connection after the call's first message (version, push's answer).
+        """One PushPull with the partitions on shard ``k``'s data connection: the call with the
+        header alone, then the frame (from the gradients' memory, on a thread of its own;
+        ``sent_before`` >= 0: its partitions went out during backward and only its end is sent
+        here) while the answer's values come back on the connection (into the weights, or held
+        apart while a streamed round is open), then the call's answer (version, push's answer).
 
         Raises:
             grpc.RpcError: the call failed; :class:`DataLinkError` (UNAVAILABLE) when the
@@ -221,41 +222,47 @@ class PendingPushPull:
             # the call first: its header reaches the shard while the frame is still being sent
             head = codec.push_pull_head(self.session.stamp(k), sequence)
             replies = t.push_pull_calls[k](iter([head]), timeout=t.timeout, metadata=t.metadata)
+            wire = codec.wire
+            targets = []
+            for part in owned:
+                flat = self.flats[part.key][part.offset : part.offset + part.length]
+                targets.append((flat, wire if wire is not None and flat.dtype != wire else flat.dtype))
+            # the frame goes out beside the receive: a streamed round answers each partition while
+            # the later ones are still on their way (both directions of the link busy at once)
+            sending: _Sender | None = None
             try:
-                if sent_before >= 0:
-                    sent = sent_before + conn.send_end(sequence, len(owned))
-                else:
-                    sent = conn.send(sequence, [self._out(k, i).values for i in range(len(owned))])
+                sending = _Sender(conn, sequence, [self._out(k, i).values for i in range(len(owned))], sent_before)
+                received, staged = conn.receive(
+                    sequence,
+                    targets,
+                    t.timeout,
+                    lambda: replies.done() and replies.code() is not grpc.StatusCode.OK,
+                )
+                sent = sending.join()
             except DataLinkError as exc:
                 replies.cancel()  # the shard applies nothing of a cancelled call
+                conn.close()
+                if sending is not None:
+                    sending.join(quiet=True)
                 t.data_failed(k, exc.details())
                 raise
-            self.sent[k] = sent
             try:
                 msg = frames.read(next(replies))
             except grpc.RpcError as exc:
                 if exc.code() is grpc.StatusCode.UNAVAILABLE:  # the shard lost the frame, or is stopping
                     t.data_failed(k, exc.details() or "")
                 raise
-            if msg.ints.get(4, 0) != sequence or 3 not in msg.blobs:
+            self.sent[k] = sent
+            if msg.ints.get(4, 0) != sequence or 3 not in msg.blobs or received < 0:
                 t.data_failed(k, "an answer without its data frame")
                 raise DataLinkError(f"Shard {t.servers[k]} answered PushPull {sequence} without its data frame.")
             version = msg.ints.get(1, 0)
             answer = ps_pb2.PushResponse.FromString(msg.blobs[3])
-            wire = codec.wire
-            targets = []
-            for part in owned:
-                flat = self.flats[part.key][part.offset : part.offset + part.length]
-                targets.append((flat, wire if wire is not None and flat.dtype != wire else flat.dtype))
-            try:
-                received = conn.receive(sequence, targets, t.timeout)
-            except DataLinkError as exc:
-                t.data_failed(k, exc.details())
-                replies.cancel()
-                raise
             for _ in replies:  # the stream ends with the status; nothing more comes
                 t.data_failed(k, "more than one answer message")
                 raise DataLinkError(f"Shard {t.servers[k]} sent more than one message for PushPull {sequence}.")
+            if staged is not None:
+                commit(staged)  # the round closed as streamed: its values are the version's
         if t.metrics is not None:
             t.metrics.sent_bytes.inc(sent)
         t.received(received)
@@ -329,6 +336,40 @@ def _frames_of(
         head = b""
         counts[k] += len(m)
         yield m
+
+
+class _Sender:
+    """A push frame (or, when its partitions went out during backward, its end record) sent on a
+    thread of its own while the caller receives the answer on the same connection."""
+
+    def __init__(self, conn: DataConnection, sequence: int, slots: list[torch.Tensor], sent_before: int) -> None:
+        self.sent = 0
+        self.error: DataLinkError | None = None
+        if sent_before >= 0:  # only the end record is left: no thread
+            self.sent = sent_before + conn.send_end(sequence, len(slots))
+            self._thread: threading.Thread | None = None
+            return
+
+        def send() -> None:
+            try:
+                self.sent = conn.send(sequence, slots)
+            except DataLinkError as exc:
+                self.error = exc
+
+        self._thread = threading.Thread(target=send, name=f"push-frame-{sequence}", daemon=True)
+        self._thread.start()
+
+    def join(self, quiet: bool = False) -> int:
+        """Wait for the send (it is bounded by the connection's timeout); returns the bytes sent.
+
+        Raises:
+            DataLinkError: the send failed (unless ``quiet``).
+        """
+        if self._thread is not None:
+            self._thread.join()
+        if self.error is not None and not quiet:
+            raise self.error
+        return self.sent
 
 
 class _Stream:

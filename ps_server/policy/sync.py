@@ -22,6 +22,7 @@ from ps_common.errors import (
     UpdateRefusedError,
 )
 from ps_common.modes import ModeSettings
+from ps_server import round_stream
 from ps_server.core.partitions import Bounded, max_abs_of
 from ps_server.membership import Member, PushResult, PushStamp
 from ps_server.policy.base import ConsistencyPolicy, ShardCore
@@ -223,6 +224,8 @@ class SyncPolicy(ConsistencyPolicy):
         store, rounds = shard.store, shard.rounds
         assert store is not None
         hyper = agreed_hyperparameters(rounds.taken_hyper)
+        if hyper is None or rounds.taken_skips:
+            round_stream.end(shard, "its ranks disagree, or one asked to skip")  # type: ignore[arg-type]
         if hyper is None:
             sent = "; ".join(f"rank {r}: {list(h) or 'none'}" for r, h in sorted(rounds.taken_hyper.items()))
             shard.refuse_round(
@@ -247,6 +250,10 @@ class SyncPolicy(ConsistencyPolicy):
             while len(shard.skipped_rounds) > SKIPPED_ROUNDS:
                 del shard.skipped_rounds[next(iter(shard.skipped_rounds))]
             shard.set_version(rounds.round)
+            return
+        if round_stream.settle(shard, rounds.round - 1, list(held), hyper, False):  # type: ignore[arg-type]
+            shard.set_version(rounds.round)  # stepped slot by slot as its pushes arrived
+            log.debug("shard %d: round %d applied (streamed)", shard.shard_index, shard.version - 1)
             return
         try:
             store.apply(aggregate(held), hyper=hyper, buffers=lowest)
