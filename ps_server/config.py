@@ -15,8 +15,9 @@ from ps_server.core.limits import DEFAULT_MAX_PARAMETER_BYTES, Limits
 from ps_server.tables import DEFAULT_MAX_TABLE_ROWS
 
 STREAM_ROUNDS = ("auto", "on", "off")
-"""``--stream-rounds``: ``auto`` streams sync rounds of two or more ranks (with one rank nothing
-waits for another, and on one machine the copy a streamed slot needs is not paid back), ``on``
+"""``--stream-rounds``: ``auto`` streams sync rounds of two or more ranks whose data connections
+come from other hosts (on one machine a link is a memory copy, and the copy a streamed partition
+needs is not paid back; with one rank there is nothing to overlap but its own upload), ``on``
 every sync round whose pushes come on data connections, ``off`` none (:mod:`ps_server.round_stream`)."""
 
 LOOPBACK_NAMES = {"localhost", "ip6-localhost"}
@@ -228,8 +229,8 @@ def server_parser(environ: Mapping[str, str] | None = None) -> FlagParser:
         choices=STREAM_ROUNDS,
         help="sync: step each partition of a round as soon as every rank's partition is in, and stream its new "
         "values back while later partitions still arrive (upload and download overlap on each link; the "
-        "round stays all or nothing, bitwise the same). auto: rounds of 2 or more ranks; on: every round on "
-        "data connections; off: answer once the round closed",
+        "round stays all or nothing, bitwise the same). auto: rounds of 2 or more ranks connected from other "
+        "hosts (not loopback); on: every round on data connections; off: answer once the round closed",
     )
     p.flag("--lease-timeout", type=float, default=10.0, help="seconds without a heartbeat before a rank is evicted")
     join_timeout_flag(p)

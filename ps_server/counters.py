@@ -63,6 +63,9 @@ class CountersView:
     received_bytes: dict[str, int]
     sent_bytes: dict[str, int]
     rejected_requests: int
+    streamed_rounds: dict[str, int]
+    """Sync rounds streamed (:mod:`ps_server.round_stream`), by outcome: ``streamed`` (closed as
+    streamed), ``put_back`` (the stream ended first; the round was applied at its close)."""
 
     def data_bytes(self) -> tuple[int, int]:
         """(received, sent) bytes of partition traffic (:data:`RECEIVED_METHODS`, :data:`SENT_METHODS`):
@@ -84,6 +87,12 @@ class ShardCounters:
         self._received: Counter[str] = Counter()
         self._sent: Counter[str] = Counter()
         self._rejected_requests = 0
+        self._streamed: Counter[str] = Counter()
+
+    def streamed(self, outcome: str) -> None:
+        """Count a streamed round's outcome (``streamed`` or ``put_back``)."""
+        with self._lock:
+            self._streamed[outcome] += 1
 
     def refuse(self, reason: str, count: int = 1) -> None:
         """Count ``count`` refused (or dropped) pushes for ``reason`` (snake case)."""
@@ -127,4 +136,5 @@ class ShardCounters:
                 dict(self._received),
                 dict(self._sent),
                 self._rejected_requests,
+                dict(self._streamed),
             )

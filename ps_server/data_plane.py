@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import hmac
+import ipaddress
 import logging
 import math
 import socket
@@ -69,6 +70,8 @@ class _Conn:
     """The push frame being read: (sequence, slot -> partition landed so far)."""
     error: str = ""
     """Why the connection closed ("" while open)."""
+    loopback: bool = False
+    """The worker dialled from a loopback address (its process shares this machine)."""
 
 
 class DataPlane:
@@ -183,6 +186,10 @@ class DataPlane:
             log.warning("data connection of rank %d closed: wrong token", rank)
             return None
         conn = _Conn(sock, rank, incarnation)
+        try:
+            conn.loopback = ipaddress.ip_address(sock.getpeername()[0]).is_loopback
+        except (OSError, ValueError):
+            pass
         with self._cond:
             old = self._by_rank.get(rank)
             self._by_rank[rank] = conn
@@ -357,6 +364,12 @@ class DataPlane:
             if conn.filling is not None and conn.filling[0] == sequence:
                 return conn.filling[1], False
             return {}, False
+
+    def loopback(self, rank: int) -> bool:
+        """Whether rank's connection comes from a loopback address (False: none, or another host)."""
+        with self._cond:
+            conn = self._by_rank.get(rank)
+            return conn is not None and conn.loopback
 
     def _connection(self, rank: int, incarnation: int, sequence: int) -> _Conn:
         if self._closed:

@@ -86,6 +86,10 @@ def _buckets(counts: dict[int, int], bounds: Iterable[float]) -> list[tuple[str,
     return [*out, ("+Inf", float(sum(counts.values())))]
 
 
+STREAM_OUTCOMES = ("streamed", "put_back")
+"""The ``outcome`` label values of ``ps_streamed_rounds_total``."""
+
+
 class CountersCollector(Collector):
     """Prometheus view of :class:`ShardCounters` (metric names and help text are contract)."""
 
@@ -122,6 +126,16 @@ class CountersCollector(Collector):
             for key, n in sorted(counts.items()):
                 family.add_metric([key], n)
             yield family
+        streamed = CounterMetricFamily(
+            "ps_streamed_rounds",
+            "Sync rounds stepped partition by partition as their pushes arrived (--stream-rounds), by outcome: "
+            "streamed (the round closed as streamed), put_back (the stream ended first: every stepped partition "
+            "was put back and the round applied at its close).",
+            labels=["outcome"],
+        )
+        for outcome in STREAM_OUTCOMES:
+            streamed.add_metric([outcome], (view.streamed_rounds if view else {}).get(outcome, 0))
+        yield streamed
         staleness = view.staleness if view else {}
         yield HistogramMetricFamily(
             "ps_push_staleness",

@@ -65,6 +65,8 @@ class RoundStream:
     undone: int = 0
     """Slots stepped and put back when it ended."""
     committed: bool = False
+    casts: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
+    """(slot, wire dtype) -> the stepped slot's values cast for the wire (sent to every rank)."""
 
     @property
     def live(self) -> bool:
@@ -166,7 +168,9 @@ def end(shard: Shard, why: str) -> None:
     if shard.store is not None:
         shard.store.undo_slots()
     shard.unstreamed_rounds += 1
+    shard.counters.streamed("put_back")
     stream.ended, stream.undone = why, len(stream.stepped)
+    stream.casts.clear()
     stream.stepped.clear()
     log.info("shard %d: round %d goes unstreamed: %s", shard.shard_index, stream.round, why)
     shard.notify()
@@ -203,8 +207,10 @@ def settle(shard: Shard, round_: int, ranks: Sequence[int], hyper: Hyperparamete
     assert shard.store is not None
     shard.store.commit_slots()
     shard.streamed_rounds += 1
+    shard.counters.streamed("streamed")
     stream.committed = True
     stream.grads.clear()
+    stream.casts.clear()
     shard.notify()
     return True
 
@@ -213,7 +219,14 @@ def _key(hyper: Hyperparameters) -> tuple:
     return tuple(tuple(sorted(g.items())) for g in hyper)
 
 
-def values(store_tensors: Sequence[torch.Tensor], slot: int, wire: str) -> torch.Tensor:
-    """Slot's values as they go on the wire: the parameters' own memory, or a cast to ``wire``."""
-    t = store_tensors[slot]
-    return t.to(torch_dtype(wire)) if wire and t.dtype != torch_dtype(wire) else t
+def wire_values(shard: Shard, stream: RoundStream, slot: int, wire: str) -> torch.Tensor:
+    """A stepped slot's values as they go on the wire: the parameters' own memory, or their cast to
+    ``wire``, made once per slot for every rank of the round. Holds the lock."""
+    assert shard.store is not None
+    t = shard.store.tensors[slot]
+    if not wire or t.dtype == torch_dtype(wire):
+        return t
+    cast = stream.casts.get((slot, wire))
+    if cast is None:
+        cast = stream.casts[(slot, wire)] = t.to(torch_dtype(wire))
+    return cast

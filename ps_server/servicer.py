@@ -9,6 +9,7 @@ for both sides; :mod:`ps_server.rpc`).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -267,8 +268,11 @@ class ParameterServicer(TableRpcs):
         told = False  # the worker has the answer's end (values, or an ABORT) on its connection
         stream: round_stream.RoundStream | None = None
         try:
+            setting = self.shard.stream_rounds
+            if setting == "auto" and data.loopback(rank):
+                setting = "off"  # on one machine the link is a memory copy: nothing to overlap
             with self.shard._cond:
-                stream = round_stream.join(self.shard, stamp, hyper, header.skip, self.shard.stream_rounds)
+                stream = round_stream.join(self.shard, stamp, hyper, header.skip, setting)
             if stream is not None:
                 parts = self._stream_slots(stream, plan, stamp, sequence, dtype, context)
             else:
@@ -342,6 +346,7 @@ class ParameterServicer(TableRpcs):
         rank, incarnation = stamp.rank, stamp.incarnation
         intake = Intake(plan, shard.shard_index, "gradient")
         checked: dict[int, WirePartition] = {}
+        landed_data: dict[int, bytes | memoryview] = {}
         sent: set[int] = set()
         wait = deadline(context)
         until = None if wait is None else time.monotonic() + wait
@@ -352,25 +357,28 @@ class ParameterServicer(TableRpcs):
                 while True:
                     landed, complete = data.peek(rank, incarnation, sequence)
                     for slot in sorted(landed.keys() - checked.keys()):
-                        part = checked[slot] = intake.add(landed[slot])
-                        round_stream.offer(
-                            shard, stream, rank, slot, round_stream.gradient_of(part, plan.dtypes[part.key])
-                        )
+                        landed_data[slot] = landed[slot].data
+                        part = intake.add(landed[slot])
+                        grad = round_stream.gradient_of(part, plan.dtypes[part.key])
+                        if part.dtype != plan.dtypes[part.key]:  # the push holds the widened values
+                            part = dataclasses.replace(part, dtype=plan.dtypes[part.key], data=dataconn.byte_view(grad))
+                        checked[slot] = part
+                        round_stream.offer(shard, stream, rank, slot, grad)
                     round_stream.step_ready(shard, stream)
                     ready = sorted(stream.stepped - sent)
                     if ready or not stream.live:
+                        outgoing = [round_stream.wire_values(shard, stream, slot, dtype) for slot in ready]
                         break
                     left = None if until is None else until - time.monotonic()
                     if (left is not None and left <= 0) or not context.is_active():
                         round_stream.end(shard, f"rank {rank}'s call ended waiting for the round's slots")
                         break
                     shard._cond.wait(POLL_SECONDS if left is None else min(POLL_SECONDS, left))
-                tensors = shard.store.tensors if shard.store is not None else []
             if not stream.live:
                 break
             buffers: list[bytes | memoryview] = []
-            for slot in ready:
-                buffers += dataconn.record(sequence, slot, round_stream.values(tensors, slot, dtype))
+            for slot, values in zip(ready, outgoing, strict=True):
+                buffers += dataconn.record(sequence, slot, values)
             left = None if until is None else until - time.monotonic()
             data.send_records(rank, incarnation, sequence, buffers, left)
             sent.update(ready)
@@ -384,7 +392,7 @@ class ParameterServicer(TableRpcs):
         out = []
         for i, part in enumerate(taken):
             mine = checked.get(i)
-            out.append(mine if mine is not None and mine.data is part.data else intake.add(part))
+            out.append(mine if mine is not None and landed_data.get(i) is part.data else intake.add(part))
         return out
 
     def _slot_encoder(

@@ -14,6 +14,7 @@ from ps_worker import PSClient
 from ps_worker.train import params_sha256
 from tests.conftest import RPC_TIMEOUT
 from tests.helpers.ranks import train_ranks
+from tests.integration.test_metrics import samples, scrape, value
 
 STEPS = 5
 BATCH = 8
@@ -53,13 +54,18 @@ def train(addresses: list[str], data_path: str, optimizer: str, wire_dtype: str 
 @pytest.mark.parametrize("wire_dtype", [None, "bfloat16"])
 @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
 def test_streamed_rounds_are_bitwise_the_rounds_answered_at_their_close(start_cluster, optimizer, wire_dtype) -> None:
-    streamed = start_cluster(num_shards=2, num_workers=2, data_port=0)  # --stream-rounds auto
+    streamed = start_cluster(num_shards=2, num_workers=2, data_port=0, stream_rounds="on")
     got, connected = train(streamed.addresses, "tcp", optimizer, wire_dtype)
     assert connected == [[True, True], [True, True]]
     assert [(s.shard.streamed_rounds, s.shard.unstreamed_rounds) for s in streamed] == [(STEPS, 0)] * 2
-    closed = start_cluster(num_shards=2, num_workers=2, data_port=0, stream_rounds="off")
-    unstreamed, _ = train(closed.addresses, "tcp", optimizer, wire_dtype)
-    assert [s.shard.streamed_rounds for s in closed] == [0, 0]
+    for server in streamed:  # operators see it on /metrics
+        found = samples(scrape(server.metrics_url))
+        assert value(found, "ps_streamed_rounds_total", outcome="streamed") == STEPS
+        assert value(found, "ps_streamed_rounds_total", outcome="put_back") == 0
+    auto = start_cluster(num_shards=2, num_workers=2, data_port=0)  # auto: loopback connections do not stream
+    unstreamed, connected = train(auto.addresses, "tcp", optimizer, wire_dtype)
+    assert connected == [[True, True], [True, True]]
+    assert [(s.shard.streamed_rounds, s.shard.unstreamed_rounds) for s in auto] == [(0, 0)] * 2
     grpc_only = start_cluster(num_shards=2, num_workers=2, data_port=0)
     want, _ = train(grpc_only.addresses, "grpc", optimizer, wire_dtype)
     assert [s.shard.streamed_rounds for s in grpc_only] == [0, 0]  # no data connections: nothing streams
@@ -121,6 +127,7 @@ def test_a_bad_partition_mid_stream_puts_the_round_back_and_the_waiting_rank_get
         assert shard.version == 1
         if bad_first:  # every slot but the bad one was stepped and sent to rank 0, then put back
             assert shard.stream is not None and shard.stream.undone == len(shard.store.tensors) - 1
+            assert value(samples(scrape(cluster[0].metrics_url)), "ps_streamed_rounds_total", outcome="put_back") == 1
         out = [params_sha256(m) for m in models], shard.streamed_rounds, shard.unstreamed_rounds
         for c in clients:
             c.close()
