@@ -20,6 +20,7 @@ from ps_server.config import ServerConfig
 from ps_server.server import ShardServer, start_server
 from ps_worker import DistributedOptimizer, PSClient
 from ps_worker.metrics import WorkerMetrics
+from tests.helpers import namespaces as netns
 
 
 def find_tool(name: str) -> str:
@@ -44,6 +45,12 @@ def poll(predicate: Callable[[], Any], timeout: float, what: str, interval: floa
         if time.monotonic() > deadline:
             pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}")
         time.sleep(interval)
+
+
+@pytest.fixture
+def namespaces() -> Iterator[tuple[str, str, str]]:
+    """Two network namespaces joined by a veth pair (:func:`tests.helpers.namespaces.namespaces`)."""
+    yield from netns.namespaces()
 
 
 @pytest.fixture

@@ -14,10 +14,11 @@ import shutil
 import subprocess
 import sys
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
+
+from tests.helpers.namespaces import in_ns, sh, wait_for
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("ip") is None,
@@ -34,46 +35,6 @@ with grpc.insecure_channel(sys.argv[1]) as ch:
 print(json.dumps({"version": st.version, "states": [ps_pb2.WorkerState.Name(w.state) for w in st.workers],
                   "clocks": [w.clock for w in st.workers], "incarnations": [w.incarnation for w in st.workers]}))
 """
-
-
-def sh(*args: str) -> None:
-    subprocess.run(args, check=True, capture_output=True, timeout=30)
-
-
-@pytest.fixture
-def namespaces() -> Iterator[tuple[str, str, str]]:
-    tag = f"{os.getpid() % 100000}"
-    a, b = f"gps{tag}a", f"gps{tag}b"
-    net = f"10.231.{os.getpid() % 250}"
-    try:
-        sh("ip", "netns", "add", a)
-        sh("ip", "netns", "add", b)
-        sh("ip", "link", "add", f"v{tag}a", "netns", a, "type", "veth", "peer", "name", f"v{tag}b", "netns", b)
-        sh("ip", "-n", a, "addr", "add", f"{net}.1/30", "dev", f"v{tag}a")
-        sh("ip", "-n", b, "addr", "add", f"{net}.2/30", "dev", f"v{tag}b")
-        for ns, dev in ((a, f"v{tag}a"), (b, f"v{tag}b")):
-            sh("ip", "-n", ns, "link", "set", "lo", "up")
-            sh("ip", "-n", ns, "link", "set", dev, "up")
-    except subprocess.CalledProcessError as exc:
-        for ns in (a, b):
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
-        pytest.skip(f"cannot create network namespaces here: {exc.stderr.decode(errors='replace').strip()}")
-    yield a, b, f"{net}.1"
-    for ns in (a, b):
-        subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
-
-
-def in_ns(ns: str, *argv: str, **kwargs) -> subprocess.Popen:
-    return subprocess.Popen(["ip", "netns", "exec", ns, *argv], text=True, **kwargs)
-
-
-def wait_for(check: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if check():
-            return
-        time.sleep(0.2)  # polling with a deadline
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
 def test_partitioned_worker_is_evicted_and_rejoins(namespaces, tmp_path) -> None:
