@@ -355,7 +355,7 @@ class ParameterServicer(TableRpcs):
         while len(sent) < n:
             with shard._cond:
                 while True:
-                    landed, complete = data.peek(rank, incarnation, sequence)
+                    landed, _ = data.peek(rank, incarnation, sequence)
                     for slot in sorted(landed.keys() - checked.keys()):
                         landed_data[slot] = landed[slot].data
                         part = intake.add(landed[slot])

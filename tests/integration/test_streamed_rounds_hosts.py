@@ -96,7 +96,9 @@ class Run:
         self.procs.append(shard)
         assert shard.stdout is not None
         lines = [shard.stdout.readline() for _ in range(2)]  # metrics on ..., then listening on ...
-        assert any("listening on" in line for line in lines), lines
+        if not any("listening on" in line for line in lines):
+            self.stop()
+            pytest.fail(f"ps-server did not start: {lines}; {(tmp / f'shard-{stream_rounds}.log').read_text()[-2000:]}")
 
     def worker(self, rank: int, steps: int) -> subprocess.Popen:
         w = in_ns(
