@@ -326,16 +326,9 @@ class DataPlane:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while True:
-                if self._closed:
-                    raise DataPathError("The shard is stopping; its data connections are closed.")
-                conn = self._by_rank.get(rank)
                 # a worker's hello is answered once its connection is registered, and it calls after
                 # that: no connection of this rank and incarnation now means none is coming
-                if conn is None or conn.incarnation != incarnation:
-                    raise DataPathError(
-                        f"Rank {rank} (incarnation {incarnation}) has no data connection to this shard; send "
-                        "PushPull's partitions on the gRPC stream."
-                    )
+                conn = self._connection(rank, incarnation, sequence)
                 if conn.ready is not None and conn.ready[0] == sequence:
                     parts = conn.ready[1]
                     conn.ready = None
@@ -421,21 +414,7 @@ class DataPlane:
             DataPathError: no connection of that rank and incarnation, it broke, or the worker
                 did not read the frame in time (the connection is closed).
         """
-        with self._cond:
-            conn = self._by_rank.get(rank)
-        if conn is None or conn.incarnation != incarnation:
-            raise DataPathError(f"Rank {rank} has no data connection to send PushPull {sequence}'s values on.")
-        buffers = dataconn.frame(sequence, slots)
-        try:
-            with conn.send_lock:
-                sent = dataconn.send_all(
-                    conn.sock, buffers, time.monotonic() + (SEND_SECONDS if timeout is None else timeout)
-                )
-        except (OSError, dataconn.DataConnectionError) as exc:
-            self._lost(conn, str(exc))
-            raise DataPathError(f"The data connection of rank {rank} broke while sending ({exc}).") from exc
-        self._counted(0, sent)
-        return sent
+        return self.send_records(rank, incarnation, sequence, dataconn.frame(sequence, slots), timeout)
 
     def close(self) -> None:
         """Stop listening and close every connection (their threads end; waiters get DataPathError)."""

@@ -268,20 +268,8 @@ class ParameterStore:
     def _restore_slot(self, index: int, entry: dict[str, Any] | None) -> None:
         t = self.tensors[index]
         t.copy_(self._backup[(-1 - index, "")])
-        if index in self.buffer_index:
-            return
-        if entry is None:
-            self.optimizer.state.pop(t, None)
-            return
-        state = self.optimizer.state[t]
-        for k in [k for k in state if k not in entry]:
-            del state[k]
-        for k, v in entry.items():
-            current = state.get(k)
-            if isinstance(v, torch.Tensor) and isinstance(current, torch.Tensor) and current.shape == v.shape:
-                current.copy_(v)
-            else:
-                state[k] = v.clone() if isinstance(v, torch.Tensor) else v
+        if index not in self.buffer_index:
+            self._restore_state(t, entry)
 
     def _plain_sgd(self) -> bool:
         """True for torch.optim.SGD's single-tensor path (one group, not maximizing)."""
@@ -364,19 +352,23 @@ class ParameterStore:
         created is removed again)."""
         for i, t in enumerate(self.trained):
             t.copy_(self._backup[(i, "")])
-            entry = saved[i]
-            if entry is None:
-                self.optimizer.state.pop(t, None)
-                continue
-            state = self.optimizer.state[t]
-            for k in [k for k in state if k not in entry]:
-                del state[k]
-            for k, v in entry.items():
-                current = state.get(k)
-                if isinstance(v, torch.Tensor) and isinstance(current, torch.Tensor) and current.shape == v.shape:
-                    current.copy_(v)
-                else:
-                    state[k] = v.clone() if isinstance(v, torch.Tensor) else v
+            self._restore_state(t, saved[i])
+
+    def _restore_state(self, t: torch.Tensor, entry: dict[str, Any] | None) -> None:
+        """Put back ``t``'s optimizer state as ``entry`` (copies made by :meth:`_copy`) holds it;
+        None: the step created it, so it goes."""
+        if entry is None:
+            self.optimizer.state.pop(t, None)
+            return
+        state = self.optimizer.state[t]
+        for k in [k for k in state if k not in entry]:
+            del state[k]
+        for k, v in entry.items():
+            current = state.get(k)
+            if isinstance(v, torch.Tensor) and isinstance(current, torch.Tensor) and current.shape == v.shape:
+                current.copy_(v)
+            else:
+                state[k] = v.clone() if isinstance(v, torch.Tensor) else v
 
 
 def _max_abs(tensors: Iterable[torch.Tensor]) -> float:
