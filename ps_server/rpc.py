@@ -17,7 +17,7 @@ from ps_common.modes import ModeSettings
 from ps_common.text import shown
 from ps_common.wire import NAME_TO_MODE
 from ps_proto.v1 import ps_pb2
-from ps_server.membership import WorkerState
+from ps_server.membership import PushResult, WorkerState
 
 log = logging.getLogger("ps_server.servicer")
 
@@ -113,3 +113,15 @@ def parse(cls: type[Any], raw: bytes) -> Any:
         return cls.FromString(raw)
     except Exception:
         raise errors.InvalidRequestError(f"Malformed {cls.__name__}; send a valid ps.v1 message.") from None
+
+
+def push_response(r: PushResult) -> ps_pb2.PushResponse:
+    """The PushResponse of a push result."""
+    return ps_pb2.PushResponse(
+        version=r.version,
+        duplicate=r.duplicate,
+        staleness=r.staleness,
+        dropped=r.dropped,
+        mode=NAME_TO_MODE[r.mode],
+        skipped=r.skipped,
+    )

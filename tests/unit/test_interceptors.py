@@ -13,7 +13,7 @@ from ps_proto.v1 import ps_pb2
 from ps_server.interceptors import MetricsInterceptor
 from ps_server.membership import PushResult
 from ps_server.metrics import ServerMetrics
-from ps_server.servicer import push_response
+from ps_server.rpc import push_response
 
 
 class FakeContext:
