@@ -33,7 +33,7 @@ from ps_common.partition import WirePartition
 from ps_common.plan import ParameterSpec, Plan, make_plan, plan_digest
 from ps_common.text import quote
 from ps_proto.v1 import ps_pb2
-from ps_server import round_stream, shard_admin, shard_members
+from ps_server import shard_admin, shard_members, shard_state
 from ps_server.core.limits import Limits
 from ps_server.core.partitions import match_partitions
 from ps_server.counters import ShardCounters
@@ -43,7 +43,6 @@ from ps_server.policy import POLICIES, ConsistencyPolicy
 from ps_server.policy.sync import SyncRounds
 from ps_server.round_stream import RoundStream
 from ps_server.shard_data import DataPath
-from ps_server.shard_state import export_state, load_state
 from ps_server.shard_views import JoinInfo, Snapshot, StatusView
 from ps_server.store import ParameterStore
 from ps_server.table_store import TableStore
@@ -397,55 +396,20 @@ class Shard(DataPath):
             self._cond.notify_all()
 
     def export_state(self) -> dict[str, Any]:
-        """Everything a restarted shard needs, as plain data ``torch.load(weights_only=True)`` reads:
-        plan, parameter tensors (copies), optimizer spec and state, version, mode, members.
+        """Everything a restarted shard needs, as plain data; see :func:`shard_state.snapshot`.
 
         Raises:
             NotInitializedError: nothing to save yet.
         """
-        with self._cond:
-            if self.plan is None or self.store is None:
-                raise NotInitializedError(f"Shard {self.shard_index} has nothing to checkpoint before Init.")
-            if self.rounds.pending:
-                log.info(
-                    "shard %d: snapshot at version %d leaves out the open round's pushes from ranks %s",
-                    self.shard_index,
-                    self.version,
-                    sorted(self.rounds.pending),
-                )
-            round_stream.end(self, "a checkpoint needed the parameters mid-round")
-            # the open round's held pushes are not in the snapshot: neither are their traces in the
-            # members (a remembered answer would make the rank's push again a duplicate after a restart)
-            held = dict.fromkeys(self.rounds.pending, self.rounds.round)
-            state = export_state(self.plan, self.store, self.version, self.mode, self.membership, held)
-            state["epochs"] = self.epochs.export()
-            state["configured_num_workers"] = self.configured_num_workers
-            if self.tables.tables:
-                state["tables"] = self.tables.export()
-            return state
+        return shard_state.snapshot(self)
 
     def restore(self, state: dict[str, Any]) -> None:
-        """Resume from :meth:`export_state` output: parameters, optimizer state, version and
-        members (live ranks get a fresh lease to come back in).
+        """Resume from :meth:`export_state` output; see :func:`shard_state.resume`.
 
         Raises:
             CheckpointError: the checkpoint belongs to another cluster shape or plan.
         """
-        plan, store = load_state(state, self.shard_index, self.num_shards)
-        with self._cond:
-            self.plan, self.store = plan, store
-            self.stream = None
-            self._store_epoch += 1
-            self.version = int(state["version"])
-            self.rounds = SyncRounds(round=self.version)
-            self.membership.restore(state["members"])
-            self.epochs.restore(state.get("epochs"))
-            self.tables.restore(state.get("tables"))
-            shard_members.restored(self, state)
-            self.restored_from_version = self.version
-            self.last_checkpoint_version = self.version
-            log.info("shard %d: resumed from its checkpoint at version %d", self.shard_index, self.version)
-            self._cond.notify_all()
+        shard_state.resume(self, state)
 
     # ----------------------------------------------------------------- admin (shard_admin)
     def update_config(self, mode: str = "", learning_rate: float | None = None, **changes: Any) -> ModeSettings:

@@ -1,19 +1,81 @@
-"""A shard's state as plain data for checkpoints: what :meth:`Shard.export_state` writes and
-:meth:`Shard.restore` reads (``torch.load(weights_only=True)`` reads it: no pickled objects)."""
+"""A shard's state as plain data for checkpoints: what :meth:`Shard.export_state` writes
+(:func:`snapshot`) and :meth:`Shard.restore` reads (:func:`resume`); ``torch.load(weights_only=True)``
+reads it: no pickled objects."""
 
 from __future__ import annotations
 
 import copy
+import logging
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from ps_common.errors import CheckpointError
+from ps_common.errors import CheckpointError, NotInitializedError
 from ps_common.optimizer import OptimizerSpec
 from ps_common.plan import ParameterSpec, Plan, make_plan, plan_digest
+from ps_server import round_stream, shard_members
+from ps_server.policy.sync import SyncRounds
 from ps_server.store import ParameterStore
 
 if TYPE_CHECKING:
     from ps_server.membership import Membership
+    from ps_server.shard import Shard
+
+log = logging.getLogger("ps_server.shard")
+
+
+def snapshot(shard: Shard) -> dict[str, Any]:
+    """Everything a restarted ``shard`` needs, as plain data: plan, parameter tensors (copies),
+    optimizer spec and state, version, mode, members, membership epochs, tables. Taken under the
+    shard's lock; a streamed round's speculative partitions are put back first.
+
+    Raises:
+        NotInitializedError: nothing to save yet.
+    """
+    with shard._cond:
+        if shard.plan is None or shard.store is None:
+            raise NotInitializedError(f"Shard {shard.shard_index} has nothing to checkpoint before Init.")
+        rounds = shard.rounds
+        if rounds.pending:
+            log.info(
+                "shard %d: snapshot at version %d leaves out the open round's pushes from ranks %s",
+                shard.shard_index,
+                shard.version,
+                sorted(rounds.pending),
+            )
+        round_stream.end(shard, "a checkpoint needed the parameters mid-round")
+        # the open round's held pushes are not in the snapshot: neither are their traces in the
+        # members (a remembered answer would make the rank's push again a duplicate after a restart)
+        held = dict.fromkeys(rounds.pending, rounds.round)
+        state = export_state(shard.plan, shard.store, shard.version, shard.mode, shard.membership, held)
+        state["epochs"] = shard.epochs.export()
+        state["configured_num_workers"] = shard.configured_num_workers
+        if shard.tables.tables:
+            state["tables"] = shard.tables.export()
+        return state
+
+
+def resume(shard: Shard, state: dict[str, Any]) -> None:
+    """Resume ``shard`` from :func:`snapshot` output: parameters, optimizer state, version and
+    members (live ranks get a fresh lease to come back in).
+
+    Raises:
+        CheckpointError: the checkpoint belongs to another cluster shape or plan.
+    """
+    plan, store = load_state(state, shard.shard_index, shard.num_shards)
+    with shard._cond:
+        shard.plan, shard.store = plan, store
+        shard.stream = None
+        shard._store_epoch += 1
+        shard.version = int(state["version"])
+        shard.rounds = SyncRounds(round=shard.version)
+        shard.membership.restore(state["members"])
+        shard.epochs.restore(state.get("epochs"))
+        shard.tables.restore(state.get("tables"))
+        shard_members.restored(shard, state)
+        shard.restored_from_version = shard.version
+        shard.last_checkpoint_version = shard.version
+        log.info("shard %d: resumed from its checkpoint at version %d", shard.shard_index, shard.version)
+        shard._cond.notify_all()
 
 
 def export_state(
