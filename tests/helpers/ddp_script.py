@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
+import os
+import sys
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -113,11 +115,17 @@ def ddp_rank(rank: int, port: int, out: str, amp: bool) -> None:
         largest = train(rank, ddp, opt, scaler, ddp.no_sync)
         extra = {"scale": scaler.get_scale() if scaler else None, "largest_norm": largest}
         torch.save({"state": model.state_dict(), **extra}, out)
-        # both ranks done with gloo before either tears it down: a rank that destroys its group while
-        # the other's pair threads still run aborts ("terminate called without an active exception")
+        # both ranks done with gloo before either leaves; then leave without running gloo's C++
+        # destructors: tearing the group down (destroy_process_group, or the interpreter's exit) while
+        # a pair thread still runs aborts now and then ("terminate called without an active
+        # exception", exit -6), after the result above was written
         dist.barrier()
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
