@@ -5,8 +5,10 @@ One definition for ``ps-launch``, the benchmark and (checked by a test) the Dock
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import platform
+import signal
 import sys
 from collections.abc import Mapping, Sequence
 
@@ -83,3 +85,12 @@ def tune_malloc_at_start(environ: Mapping[str, str] | None = None, argv: Sequenc
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(sys.executable, command, {**env, "GLIBC_TUNABLES": GLIBC_TUNABLES})
+
+
+def dump_stacks_on_signal(signum: int = signal.SIGUSR1) -> None:
+    """Make ``kill -USR1 PID`` write every thread's Python stack to this process's stderr (its log
+    under ``ps-launch``, ``docker logs``, ``kubectl logs``); the process goes on running. For a
+    shard or worker that seems stuck: what each thread is waiting on, with no debugger attached
+    (:mod:`faulthandler`, which writes from the signal handler, so even a thread holding the GIL
+    in C code gets its stack shown)."""
+    faulthandler.register(signum, all_threads=True)

@@ -8,7 +8,7 @@ import sys
 import threading
 from collections.abc import Sequence
 
-from ps_common.process_env import tune_malloc_at_start
+from ps_common.process_env import dump_stacks_on_signal, tune_malloc_at_start
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -26,6 +26,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     if argv is None:
         tune_malloc_at_start()
+        dump_stacks_on_signal()
     # imported after the restart above: torch and grpcio take a second to load
     from ps_common.errors import CheckpointError
     from ps_server.config import config_from_args

@@ -96,9 +96,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not -1 <= args.metrics_port <= 65535:
         parser.error(f"--metrics-port must be in -1..65535 (-1: off), got {args.metrics_port}")
     if argv is None:  # the command line of this process: restart it with the malloc tuning if it lacks it
-        from ps_common.process_env import tune_malloc_at_start
+        from ps_common.process_env import dump_stacks_on_signal, tune_malloc_at_start
 
         tune_malloc_at_start()
+        dump_stacks_on_signal()
     _stop_on_signals()
     logging.basicConfig(level=args.log_level, format="ps-worker %(levelname)s %(name)s: %(message)s")
     try:

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import re
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -24,12 +29,30 @@ LAUNCH = [
 ]
 
 
-def launch(tmp_path, *args: str) -> dict:
-    out = subprocess.run(
-        [*LAUNCH, "--log-dir", str(tmp_path), *args, "digits"], capture_output=True, text=True, timeout=400
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+def launch(tmp_path, *args: str, timeout: float = 240) -> dict:
+    """Run ps-launch; a job still running after ``timeout`` s (under pytest's 300 s) fails with what
+    each process was doing: every child's thread stacks (``kill -USR1``, written to its log), then
+    the tail of the console and of every log."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    console = tmp_path / "console.txt"
+    with console.open("w") as err:
+        proc = subprocess.Popen(
+            [*LAUNCH, "--log-dir", str(tmp_path), *args, "digits"], stdout=subprocess.PIPE, stderr=err, text=True
+        )
+    try:
+        stdout, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        children = [int(pid) for pid in re.findall(r"started \S+ \(pid (\d+)\)", console.read_text())]
+        for pid in children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGUSR1)
+        time.sleep(2)  # the dumps are written from the signal handlers; no event to wait on
+        proc.terminate()
+        proc.communicate(timeout=60)
+        logs = "\n".join(f"--- {f.name}\n{f.read_text(errors='replace')[-6000:]}" for f in sorted(tmp_path.glob("*.*")))
+        pytest.fail(f"ps-launch still running after {timeout} s:\n{logs}")
+    assert proc.returncode == 0, console.read_text()[-3000:]
+    return json.loads(stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.slow
