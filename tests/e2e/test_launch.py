@@ -278,10 +278,12 @@ def test_every_mode_reaches_93_percent_on_digits(tmp_path, mode: str, flags: lis
     assert summary["mode"] == mode, summary
     if mode == "async":
         # A rank's model is the version of its last pull: in async the rank that finishes first keeps
-        # an older one while the other trains on (a starved rank on a loaded machine finishes last),
-        # so the job's model is the best rank's; no rank may have diverged.
+        # an older one while the other trains on, so the job's model is the best rank's. How old is
+        # a matter of timing: a rank that starts late on a loaded machine lets the other run most of
+        # its 300 steps alone, which then ends at version ~350 of 600 and 0.82-0.87 accuracy (seen);
+        # the bar for it only says that no rank diverged (a diverged model is near chance, 0.1).
         per_rank = summary["accuracy_per_rank"]
-        assert max(per_rank) >= 0.93 and min(per_rank) >= 0.85, summary
+        assert max(per_rank) >= 0.93 and min(per_rank) >= 0.7, summary
     else:
         assert summary["accuracy"] >= 0.93, summary
     if mode == "ssp":
