@@ -33,8 +33,9 @@ Wire format (little-endian, every integer fixed width):
   (:mod:`ps_server.round_stream`), :data:`SPECULATE`, then the slots' records as each slot is stepped
   (any order), then the end record once the round closed as streamed; or, instead of that end
   record, :data:`ABORT` with 1 (drop the speculative values: the round's values follow as a frame)
-  or with 0. A marker record's byte count is 0. Until the end record of a speculative answer and
-  the call's OK, the worker holds its values apart from the weights.
+  or with 0. A marker record's byte count is 0. The worker writes speculative values into its
+  weights as they come; they are the version once the end record and the call's OK came, and an
+  ``ABORT`` 1's frame (or, after an ``ABORT`` 0, the retried call's answer) overwrites them.
 """
 
 from __future__ import annotations

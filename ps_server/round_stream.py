@@ -10,7 +10,7 @@ Distributed DNN Training in Heterogeneous GPU/CPU Clusters", OSDI 2020, §4).
 
 The round's semantics do not change. Stepping a slot early is speculation: the store copies the
 slot first (:meth:`~ps_server.store.ParameterStore.step_slot`), and the values sent are marked
-speculative, which the worker holds apart until the call's answer. The round still closes the usual
+speculative: they are the version only once the call answers OK. The round still closes the usual
 way (:class:`~ps_server.policy.sync.SyncPolicy`: every push held whole, all or nothing, then
 closed), and at the close :func:`settle` checks that the stream stepped exactly that round: the same
 ranks, each through its streamed push, the same hyperparameters, no skip, every slot. Then the

@@ -57,7 +57,7 @@ class DataPath:
         self.codec: WireCodec | None = None
         self.params: dict[str, torch.Tensor] = {}
         """The model's tensors, for rank 0 to write again to a shard that lost them."""
-        self.last_push: list[list[frames.OutPartition]] | None = None
+        self.last_push: Sequence[list[frames.OutPartition]] | None = None
         """Per shard, the last push as it went on the wire (pushed again after a PushLost)."""
         session.repush = self._repush
 

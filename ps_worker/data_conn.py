@@ -55,13 +55,6 @@ GIVE_UP_POLL_MS = 50
 """While no answer record arrives, how often (ms) a receive asks whether its call ended."""
 
 
-def commit(staged: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Copy a streamed round's values (:meth:`DataConnection.receive`) into the weights: the call
-    answered OK, so they are the round's."""
-    for target, buf in staged:
-        target.copy_(buf)
-
-
 CODES = {c.value[0]: c for c in grpc.StatusCode}
 """A status code's value (as a call's answer carries it) -> the code."""
 
@@ -154,23 +147,24 @@ class DataConnection:
         targets: Sequence[tuple[torch.Tensor, torch.dtype]],
         timeout: float,
         gave_up: Callable[[], bool] = lambda: False,
-    ) -> tuple[int, list[tuple[torch.Tensor, torch.Tensor]] | None]:
+    ) -> int:
         """Receive the answer of PushPull ``sequence`` (:mod:`ps_common.dataconn`) into ``targets``:
         per partition in plan order, the 1-D CPU tensor slice of the weights it fills and the dtype
         it comes in (the parameter's, or the wire dtype: then through a buffer and a cast).
 
-        A frame's values go straight into the targets. A streamed round's speculative values
-        (:data:`~ps_common.dataconn.SPECULATE`, slots in any order) go into buffers of this
-        connection instead, returned as (target, buffer) pairs for :func:`commit` once the call
-        answered OK; an :data:`~ps_common.dataconn.ABORT` drops them.
+        A frame's partitions come in plan order. A streamed round's speculative values
+        (:data:`~ps_common.dataconn.SPECULATE`, then slots in any order) go into the targets too,
+        as they come: if the round then closes otherwise than it was streamed, the shard sends an
+        :data:`~ps_common.dataconn.ABORT` (code 1) and the round's own values as a frame, which
+        overwrite every slot; if the call fails (ABORT code 0), its retry's answer does. The
+        weights hold the version only once the call answered OK, as with a frame.
 
         Args:
             gave_up: polled while no record is arriving; True (the call ended with an error and
-                nothing more will come) ends the wait: returns no values.
+                nothing more will come) ends the wait: returns -1.
 
         Returns:
-            (bytes received, the speculative pairs; None when the values went into the targets,
-            or when no values came: then ``received`` is -1 and the call's status says why).
+            Bytes received; -1 when no whole answer came (the call's status says why).
 
         Raises:
             DataLinkError: the connection broke, timed out after ``timeout`` seconds, or sent
@@ -178,34 +172,32 @@ class DataConnection:
         """
         deadline = time.monotonic() + timeout
         received = 0
-        staged: dict[int, torch.Tensor] | None = None
+        speculative = False
         filled: set[int] = set()
         try:
             while True:
                 if not self._readable(deadline, gave_up):
-                    return -1, None
+                    return -1
                 seq, slot, code, nbytes = dataconn.recv_struct(self.sock, dataconn.RECORD, deadline)
                 if seq < sequence and slot == dataconn.ABORT and not nbytes:
                     continue  # an earlier call's end that came after its status: nothing to read
                 if seq != sequence:
                     raise dataconn.DataConnectionError(f"expected the answer of PushPull {sequence}, got frame {seq}")
-                if slot == dataconn.SPECULATE and staged is None and not filled:
-                    staged = {}
+                if slot == dataconn.SPECULATE and not speculative and not filled:
+                    speculative = True
                     continue
                 if slot == dataconn.ABORT and not nbytes and code in (0, 1):
                     if code == 0:
-                        return -1, None
-                    staged, filled = None, set()  # the round's values follow as a frame
+                        return -1
+                    speculative, filled = False, set()  # the round's values follow as a frame
                     continue
                 if slot == dataconn.END:
                     if nbytes != len(targets) or len(filled) != len(targets):
                         raise dataconn.DataConnectionError(
                             f"frame {sequence} ended after {len(filled)} of {len(targets)} partitions"
                         )
-                    if staged is None:
-                        return received, None
-                    return received, [(targets[i][0], staged[i]) for i in sorted(staged)]
-                if slot >= len(targets) or slot in filled or (staged is None and slot != len(filled)):
+                    return received
+                if slot >= len(targets) or slot in filled or (not speculative and slot != len(filled)):
                     raise dataconn.DataConnectionError(f"partition {slot} of frame {sequence} out of place")
                 target, wire = targets[slot]
                 want = target.numel() * wire.itemsize
@@ -214,11 +206,7 @@ class DataConnection:
                         f"expected partition {slot} of frame {sequence} as {want} bytes of {wire}, got {nbytes} "
                         f"bytes of dtype {code}"
                     )
-                if staged is not None:
-                    buf = self._buffer(slot, target.numel(), wire)
-                    dataconn.recv_exact(self.sock, dataconn.byte_view(buf), deadline)
-                    staged[slot] = buf
-                elif wire == target.dtype and target.is_contiguous():
+                if wire == target.dtype and target.is_contiguous():
                     dataconn.recv_exact(self.sock, dataconn.byte_view(target), deadline)
                 else:
                     buf = self._buffer(slot, target.numel(), wire)

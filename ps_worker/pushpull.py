@@ -12,8 +12,8 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, overload
 
 import grpc
 import torch
@@ -22,7 +22,7 @@ from ps_common import frames
 from ps_common.codec import torch_dtype
 from ps_proto.v1 import ps_pb2
 from ps_worker.calls import DataPath, is_stale
-from ps_worker.data_conn import DataConnection, DataLinkError, commit
+from ps_worker.data_conn import DataConnection, DataLinkError
 
 log = logging.getLogger(__name__)
 
@@ -100,9 +100,17 @@ class PendingPushPull:
 
     def _out(self, k: int, i: int) -> frames.OutPartition:
         """Shard ``k``'s partition ``i`` as it goes on the wire, made once (top-k updates its
-        error-feedback memory once per step, however often the message is sent)."""
+        error-feedback memory once per step, however often the message is sent). A plain cast is
+        made outside the lock, so that the sending threads of several shards cast at once."""
         with self._lock:
-            return self._out_locked(k, i)
+            made = self._outs[k].get(i)
+            if made is not None or self.codec.compressor is not None:
+                return self._out_locked(k, i)
+            part = self.codec.owned[k][i]
+            grad = self._grads[part.key]
+        made = self.codec.to_wire(part, grad, compress=False)
+        with self._lock:
+            return self._outs[k].setdefault(i, made)
 
     def _out_locked(self, k: int, i: int) -> frames.OutPartition:
         made = self._outs[k].get(i)
@@ -138,15 +146,16 @@ class PendingPushPull:
     # -------------------------------------------------------------- the caller's side
     def ready(self, key: str, grad: torch.Tensor) -> None:
         """The gradient of parameter ``key`` is final (any device; copied to host here if needed).
-        Its partitions are cast or top-k selected, and the messages they complete are built,
-        here in the caller's thread; gRPC's sending threads only hand the bytes over."""
+        For a call already started (during backward), its partitions are cast or top-k selected,
+        and the messages or records they complete are built and sent, here in the caller's thread.
+        Otherwise they are made as they are sent in ``finish()``: a frame on a data connection
+        casts each partition on its sending thread just before it goes out, so the cast of one
+        overlaps the sending of the others."""
         flat = grad.detach().reshape(-1)
         if flat.device.type != "cpu":
             flat = flat.to("cpu")
         with self._lock:
             self._grads[key] = flat
-            for k, i in self._by_key.get(key, ()):
-                self._out_locked(k, i)
             self._ready.add(key)
             self._build_ready(key)
             self._send_ready(key)
@@ -209,8 +218,9 @@ class PendingPushPull:
         """One PushPull with the partitions on shard ``k``'s data connection: the call with the
         header alone, then the frame (from the gradients' memory, on a thread of its own;
         ``sent_before`` >= 0: its partitions went out during backward and only its end is sent
-        here) while the answer's values come back on the connection (into the weights, or held
-        apart while a streamed round is open), then the call's answer (version, push's answer).
+        here) while the answer's values come back on the connection into the weights (a streamed
+        round's speculative values too: a round put back sends its own values after them, which
+        overwrite them), then the call's answer (version, push's answer).
 
         Raises:
             grpc.RpcError: the call failed; :class:`DataLinkError` (UNAVAILABLE) when the
@@ -231,8 +241,8 @@ class PendingPushPull:
             # the later ones are still on their way (both directions of the link busy at once)
             sending: _Sender | None = None
             try:
-                sending = _Sender(conn, sequence, [self._out(k, i).values for i in range(len(owned))], sent_before)
-                received, staged = conn.receive(
+                sending = _Sender(conn, sequence, len(owned), lambda i: self._out(k, i).values, sent_before)
+                received = conn.receive(
                     sequence,
                     targets,
                     t.timeout,
@@ -261,8 +271,6 @@ class PendingPushPull:
             for _ in replies:  # the stream ends with the status; nothing more comes
                 t.data_failed(k, "more than one answer message")
                 raise DataLinkError(f"Shard {t.servers[k]} sent more than one message for PushPull {sequence}.")
-            if staged is not None:
-                commit(staged)  # the round closed as streamed: its values are the version's
         if t.metrics is not None:
             t.metrics.sent_bytes.inc(sent)
         t.received(received)
@@ -283,7 +291,7 @@ class PendingPushPull:
         for spec in self.codec.plan.specs:
             if spec.key not in self._grads:
                 self.ready(spec.key, torch.zeros(math.prod(spec.shape), dtype=torch_dtype(spec.dtype)))
-        self.path.last_push = [[self._out(k, i) for i in range(len(self.codec.owned[k]))] for k in range(t.num_shards)]
+        self.path.last_push = _LastPush(self)  # made as the frames are sent; whole once they are
         for stream in self._streams.values():  # every frame is built: the streams may end
             stream.finish()
 
@@ -317,11 +325,35 @@ class PendingPushPull:
         finally:
             for stream in self._streams.values():
                 stream.finish()
+            # from here the gradients may change (zero_grad, the next step's staging): keep the
+            # push as it went on the wire, for a repush after a PushLost
+            self.path.last_push = [_LastPush(self)[k] for k in range(t.num_shards)]
         self.path.observe("push_pull_duration", start)
         s.pushed_bytes += sum(r[2] for r in results)
         s.pulled_bytes += sum(r[3] for r in results)
         s.account_push([r[0] for r in results])
         return self.path.finish_pull([r[1] for r in results], self.device_out, self.flats)
+
+
+class _LastPush(Sequence[list[frames.OutPartition]]):
+    """Per shard, a push's partitions as they go on the wire, each made on first use (the same
+    objects the push sends: :meth:`PendingPushPull._out`)."""
+
+    def __init__(self, pending: PendingPushPull) -> None:
+        self.pending = pending
+
+    def __len__(self) -> int:
+        return self.pending.transport.num_shards
+
+    @overload
+    def __getitem__(self, k: int) -> list[frames.OutPartition]: ...
+    @overload
+    def __getitem__(self, k: slice) -> Sequence[list[frames.OutPartition]]: ...
+    def __getitem__(self, k: int | slice) -> list[frames.OutPartition] | Sequence[list[frames.OutPartition]]:
+        if isinstance(k, slice):
+            return [self[j] for j in range(len(self))[k]]
+        owned = self.pending.codec.owned[k]
+        return [self.pending._out(k, i) for i in range(len(owned))]
 
 
 def _frames_of(
@@ -340,19 +372,33 @@ def _frames_of(
 
 class _Sender:
     """A push frame (or, when its partitions went out during backward, its end record) sent on a
-    thread of its own while the caller receives the answer on the same connection."""
+    thread of its own while the caller receives the answer on the same connection.
 
-    def __init__(self, conn: DataConnection, sequence: int, slots: list[torch.Tensor], sent_before: int) -> None:
+    Args:
+        count: the frame's partitions.
+        values: partition i -> its values as they go on the wire (1-D CPU tensor), called on the
+            sending thread just before partition i is sent (a cast is made there, overlapping the
+            sending of the partitions before it).
+        sent_before: >= 0: the partitions went out during backward (that many bytes); only the
+            end record is sent.
+    """
+
+    def __init__(
+        self, conn: DataConnection, sequence: int, count: int, values: Callable[[int], torch.Tensor], sent_before: int
+    ) -> None:
         self.sent = 0
         self.error: DataLinkError | None = None
         if sent_before >= 0:  # only the end record is left: no thread
-            self.sent = sent_before + conn.send_end(sequence, len(slots))
+            self.sent = sent_before + conn.send_end(sequence, count)
             self._thread: threading.Thread | None = None
             return
 
         def send() -> None:
             try:
-                self.sent = conn.send(sequence, slots)
+                sent = 0
+                for i in range(count):
+                    sent += conn.send_slot(sequence, i, values(i))
+                self.sent = sent + conn.send_end(sequence, count)
             except DataLinkError as exc:
                 self.error = exc
 

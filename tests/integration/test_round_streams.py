@@ -79,7 +79,7 @@ def test_a_bad_partition_mid_stream_puts_the_round_back_and_the_waiting_rank_get
     start_cluster, wait_until
 ) -> None:
     """Rank 0's push is in; rank 1's partitions step the round's slots one by one (rank 0 receives
-    them, held apart) until its last partition holds a NaN: rank 1 is refused INVALID_ARGUMENT, every
+    them) until its last partition holds a NaN: rank 1 is refused INVALID_ARGUMENT, every
     stepped slot is put back, rank 0 is told to drop what it received; rank 1 pushes again and both
     get the round's values, bitwise those of a shard that never streamed."""
 
