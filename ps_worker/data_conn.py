@@ -87,6 +87,9 @@ class DataConnection:
         self, host: str, port: int, rank: int, incarnation: int, token: str = "", timeout: float = 60.0
     ) -> None:
         self.address = f"{host}:{port}"
+        self.host = host
+        self.ordered = False
+        """Its send buffer is kept small for frames sent in order (:mod:`ps_worker.frame_sender`)."""
         self.timeout = timeout
         """Seconds a frame may take to send (the PushPull's deadline)."""
         self.rank = rank

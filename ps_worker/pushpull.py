@@ -23,6 +23,7 @@ from ps_common.codec import torch_dtype
 from ps_proto.v1 import ps_pb2
 from ps_worker.calls import DataPath, is_stale
 from ps_worker.data_conn import DataConnection, DataLinkError
+from ps_worker.frame_sender import FrameSender, SendOrder, is_loopback, keep_in_order
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +60,7 @@ class PendingPushPull:
         # shards whose partitions go on their data connection as they become ready: (connection,
         # frame number); a shard whose connection failed leaves this map
         self._frames: dict[int, tuple[DataConnection, int]] = {}
+        self._order: SendOrder | None = None  # finish(): the frames' order across shards
         if stream:
             for k in range(t.num_shards):
                 if self._once(k):
@@ -179,6 +181,8 @@ class PendingPushPull:
         conn = self._data_connection(k) if started is None else None
         if conn is not None and not self._once(k):
             return self._attempt_data(k, conn, t.next_sequence())
+        if self._order is not None:
+            self._order.give_up(k)  # this push goes on gRPC: no turns to take
         if started is not None:
             replies: Iterator[bytes | memoryview] = started
         elif self._once(k):
@@ -212,6 +216,25 @@ class PendingPushPull:
             t.data_failed(k, exc.details())
             raise
 
+    def _send_order(self) -> SendOrder | None:
+        """The order of this push's frames across shards (:mod:`ps_worker.frame_sender`), when two
+        or more shards on other hosts take one on their data connections (not sent during
+        backward); their connections then queue little, so that the order holds on the wire."""
+        counts: dict[int, int] = {}
+        conns = []
+        for k in range(self.transport.num_shards):
+            if k in self._frames or k in self.started or self._once(k):
+                continue
+            conn = self._data_connection(k)
+            if conn is not None and not is_loopback(conn.host):  # on one machine: nothing to gain
+                counts[k] = len(self.codec.owned[k])
+                conns.append(conn)
+        if len(counts) < 2:
+            return None
+        for conn in conns:
+            keep_in_order(conn)
+        return SendOrder(counts)
+
     def _attempt_data(
         self, k: int, conn: DataConnection, sequence: int, sent_before: int = -1
     ) -> tuple[ps_pb2.PushResponse, int, int, int]:
@@ -239,9 +262,11 @@ class PendingPushPull:
                 targets.append((flat, wire if wire is not None and flat.dtype != wire else flat.dtype))
             # the frame goes out beside the receive: a streamed round answers each partition while
             # the later ones are still on their way (both directions of the link busy at once)
-            sending: _Sender | None = None
+            sending: FrameSender | None = None
             try:
-                sending = _Sender(conn, sequence, len(owned), lambda i: self._out(k, i).values, sent_before)
+                sending = FrameSender(
+                    conn, sequence, len(owned), lambda i: self._out(k, i).values, sent_before, self._order, k
+                )
                 received = conn.receive(
                     sequence,
                     targets,
@@ -254,6 +279,8 @@ class PendingPushPull:
                 conn.close()
                 if sending is not None:
                     sending.join(quiet=True)
+                elif self._order is not None:
+                    self._order.give_up(k)
                 t.data_failed(k, exc.details())
                 raise
             try:
@@ -292,6 +319,7 @@ class PendingPushPull:
             if spec.key not in self._grads:
                 self.ready(spec.key, torch.zeros(math.prod(spec.shape), dtype=torch_dtype(spec.dtype)))
         self.path.last_push = _LastPush(self)  # made as the frames are sent; whole once they are
+        self._order = self._send_order()
         for stream in self._streams.values():  # every frame is built: the streams may end
             stream.finish()
 
@@ -368,54 +396,6 @@ def _frames_of(
         head = b""
         counts[k] += len(m)
         yield m
-
-
-class _Sender:
-    """A push frame (or, when its partitions went out during backward, its end record) sent on a
-    thread of its own while the caller receives the answer on the same connection.
-
-    Args:
-        count: the frame's partitions.
-        values: partition i -> its values as they go on the wire (1-D CPU tensor), called on the
-            sending thread just before partition i is sent (a cast is made there, overlapping the
-            sending of the partitions before it).
-        sent_before: >= 0: the partitions went out during backward (that many bytes); only the
-            end record is sent.
-    """
-
-    def __init__(
-        self, conn: DataConnection, sequence: int, count: int, values: Callable[[int], torch.Tensor], sent_before: int
-    ) -> None:
-        self.sent = 0
-        self.error: DataLinkError | None = None
-        if sent_before >= 0:  # only the end record is left: no thread
-            self.sent = sent_before + conn.send_end(sequence, count)
-            self._thread: threading.Thread | None = None
-            return
-
-        def send() -> None:
-            try:
-                sent = 0
-                for i in range(count):
-                    sent += conn.send_slot(sequence, i, values(i))
-                self.sent = sent + conn.send_end(sequence, count)
-            except DataLinkError as exc:
-                self.error = exc
-
-        self._thread = threading.Thread(target=send, name=f"push-frame-{sequence}", daemon=True)
-        self._thread.start()
-
-    def join(self, quiet: bool = False) -> int:
-        """Wait for the send (it is bounded by the connection's timeout); returns the bytes sent.
-
-        Raises:
-            DataLinkError: the send failed (unless ``quiet``).
-        """
-        if self._thread is not None:
-            self._thread.join()
-        if self.error is not None and not quiet:
-            raise self.error
-        return self.sent
 
 
 class _Stream:
