@@ -6,15 +6,14 @@ from __future__ import annotations
 
 import os
 import platform
-import selectors
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from ps_common.process_env import GLIBC_TUNABLES
+from tests.helpers.processes import wait_for_listening
 
 SERVER = Path(sys.executable).with_name("ps-server")
 
@@ -32,17 +31,7 @@ def test_plain_ps_server_runs_with_the_malloc_tuning_under_its_own_pid() -> None
         text=True,
     )
     try:
-        assert proc.stdout is not None
-        deadline = time.monotonic() + 60
-        line = ""
-        with selectors.DefaultSelector() as sel:
-            sel.register(proc.stdout, selectors.EVENT_READ)
-            while "listening on" not in line and proc.poll() is None:
-                left = deadline - time.monotonic()
-                if left <= 0 or not sel.select(timeout=left):
-                    break  # no output within the deadline
-                line = proc.stdout.readline()
-        assert "listening on" in line, f"ps-server did not report its address within 60 s (exit {proc.poll()})"
+        wait_for_listening(proc)
         environ = Path(f"/proc/{proc.pid}/environ").read_bytes()  # the PID Popen started: same process
         assert b"GLIBC_TUNABLES=" + GLIBC_TUNABLES.split(":")[0].encode() in environ
         assert Path(f"/proc/{proc.pid}/cmdline").read_bytes().split(b"\0")[1:3] == [

@@ -3,7 +3,6 @@ the shard goes on serving: how an operator sees what a stuck shard or worker wai
 
 from __future__ import annotations
 
-import selectors
 import signal
 import subprocess
 import sys
@@ -13,6 +12,8 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tests.helpers.processes import wait_for_listening
 
 SERVER = Path(sys.executable).with_name("ps-server")
 
@@ -36,18 +37,7 @@ def test_sigusr1_dumps_every_thread_and_the_shard_keeps_serving(tmp_path) -> Non
             text=True,
         )
     try:
-        assert proc.stdout is not None
-        deadline = time.monotonic() + 60
-        line = ""
-        with selectors.DefaultSelector() as sel:
-            sel.register(proc.stdout, selectors.EVENT_READ)
-            while "listening on" not in line and proc.poll() is None:
-                left = deadline - time.monotonic()
-                if left <= 0 or not sel.select(timeout=left):
-                    break
-                line = proc.stdout.readline()
-        assert "listening on" in line, f"ps-server did not start within 60 s (exit {proc.poll()})"
-        address = line.rsplit(" ", 1)[-1].strip()
+        address = wait_for_listening(proc)
         proc.send_signal(signal.SIGUSR1)
         _wait_for(lambda: "Thread 0x" in log.read_text(), 30, "a stack dump in the shard's stderr")
         dump = log.read_text()
