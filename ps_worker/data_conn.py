@@ -111,18 +111,10 @@ class DataConnection:
             self.close()
             raise DataLinkError(f"data connection to {self.address}: {exc}") from exc
 
-    def send(self, sequence: int, slots: Sequence[torch.Tensor]) -> int:
-        """Send push frame ``sequence``: ``slots`` are the shard's partitions in plan order (1-D
-        CPU tensors in their wire dtype), sent from their memory. Returns bytes sent.
-
-        Raises:
-            DataLinkError: the connection broke (it is closed).
-        """
-        return self._send(dataconn.frame(sequence, [t.contiguous() for t in slots]))
-
     def send_slot(self, sequence: int, slot: int, values: torch.Tensor) -> int:
-        """Send partition ``slot`` of frame ``sequence`` alone (during backward, as its gradient
-        is ready; any order). Returns bytes sent.
+        """Send partition ``slot`` of frame ``sequence`` alone (1-D CPU tensor in its wire dtype,
+        sent from its memory): during backward as its gradient is ready, in any order, or one by
+        one from :class:`~ps_worker.frame_sender.FrameSender`. Returns bytes sent.
 
         Raises:
             DataLinkError: the connection broke (it is closed).
