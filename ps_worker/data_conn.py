@@ -132,7 +132,7 @@ class DataConnection:
     def _send(self, buffers: list[bytes | memoryview]) -> int:
         try:
             return dataconn.send_all(self.sock, buffers, time.monotonic() + self.timeout)
-        except (OSError, dataconn.DataConnectionError) as exc:
+        except (OSError, ValueError, dataconn.DataConnectionError) as exc:  # ValueError: closed meanwhile
             self.close()
             raise DataLinkError(f"data connection to {self.address} broke while sending: {exc}") from exc
 
@@ -209,7 +209,7 @@ class DataConnection:
                     target.copy_(buf)
                 filled.add(slot)
                 received += nbytes
-        except (OSError, dataconn.DataConnectionError) as exc:
+        except (OSError, ValueError, dataconn.DataConnectionError) as exc:  # ValueError: closed meanwhile
             self.close()
             raise DataLinkError(f"data connection to {self.address} failed while receiving: {exc}") from exc
 
@@ -255,7 +255,7 @@ class DataConnection:
             dataconn.recv_exact(self.sock, memoryview(body), deadline)
             if code:
                 reason, details = dataconn.parse_refusal(bytes(body))
-        except (OSError, dataconn.DataConnectionError) as exc:
+        except (OSError, ValueError, dataconn.DataConnectionError) as exc:  # ValueError: closed meanwhile
             self.close()
             raise DataLinkError(f"data connection to {self.address} failed while calling: {exc}") from exc
         if code:

@@ -140,6 +140,9 @@ class FrameSender:
                 self.sent = sent + conn.send_end(sequence, count)
             except DataLinkError as exc:
                 self.error = exc
+            except Exception as exc:  # a cast that failed: the receive must not wait for the frame
+                conn.close()
+                self.error = DataLinkError(f"sending frame {sequence} failed: {exc!r}")
             finally:
                 if order is not None:
                     order.give_up(k)
