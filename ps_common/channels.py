@@ -5,6 +5,7 @@ Imports no torch, so ``ps-admin`` starts in a fraction of a second; ``PSClient``
 
 from __future__ import annotations
 
+import ipaddress
 from collections.abc import Sequence
 from typing import Any
 
@@ -13,6 +14,18 @@ import grpc
 from ps_common.flags import FlagParser
 
 ADDRESS_HINT = "write HOST:PORT, e.g. 127.0.0.1:50051 ([::1]:50051 for IPv6)"
+
+LOOPBACK_NAMES = {"localhost", "ip6-localhost"}
+
+
+def is_loopback(host: str) -> bool:
+    """True for 127.0.0.0/8, ::1 (bracketed too) and localhost: a host on this machine."""
+    if host in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def parse_address(address: str) -> tuple[str, int]:

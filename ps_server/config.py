@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import ipaddress
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from ps_common import modes
+from ps_common.channels import is_loopback
 from ps_common.errors import InvalidRequestError
 from ps_common.flags import FlagParser, join_timeout_flag, mode_flags, secret
 from ps_common.modes import MODES, ModeSettings
@@ -20,21 +20,10 @@ come from other hosts (on one machine a link is a memory copy, and the copy a st
 needs is not paid back; with one rank there is nothing to overlap but its own upload), ``on``
 every sync round whose pushes come on data connections, ``off`` none (:mod:`ps_server.round_stream`)."""
 
-LOOPBACK_NAMES = {"localhost", "ip6-localhost"}
 MAX_STREAMS = 1024
 """Upper bound of ``--max-watch-streams`` and ``--max-public-streams``."""
 STREAM_REFUSAL_THREADS = 4
 """Threads of the streams' pool beyond the admitted streams: they refuse extra streams at once."""
-
-
-def is_loopback(host: str) -> bool:
-    """True for 127.0.0.0/8, ::1 and localhost."""
-    if host in LOOPBACK_NAMES:
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,6 @@ gives up its turns.
 
 from __future__ import annotations
 
-import ipaddress
 import socket
 import threading
 import time
@@ -33,17 +32,6 @@ SEND_BUFFER_BYTES = 256 * 1024
 doubles it: 512 KiB, about one 1 MiB float32 partition in bfloat16, half of one in float32).
 Measured on emulated 1 Gbit/s links, 2 workers x 4 shards of 25 MB: 282 -> 235 ms a step
 (bench/EMULATED.md)."""
-
-
-def is_loopback(host: str) -> bool:
-    """True for ``localhost`` and loopback addresses: there the link is a memory copy and nothing
-    is gained by an order."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 class SendOrder:

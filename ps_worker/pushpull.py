@@ -19,11 +19,12 @@ import grpc
 import torch
 
 from ps_common import frames
+from ps_common.channels import is_loopback
 from ps_common.codec import torch_dtype
 from ps_proto.v1 import ps_pb2
 from ps_worker.calls import DataPath, is_stale
 from ps_worker.data_conn import DataConnection, DataLinkError
-from ps_worker.frame_sender import FrameSender, SendOrder, is_loopback, keep_in_order
+from ps_worker.frame_sender import FrameSender, SendOrder, keep_in_order
 
 log = logging.getLogger(__name__)
 

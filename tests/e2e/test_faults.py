@@ -42,11 +42,17 @@ def launch(tmp_path, *args: str, timeout: float = 240) -> dict:
     try:
         stdout, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        children = [int(pid) for pid in re.findall(r"started \S+ \(pid (\d+)\)", console.read_text())]
-        for pid in children:
+        children = re.findall(r"started (\S+) \(pid (\d+)\)", console.read_text())
+        asked = []
+        for name, pid in children:
             with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGUSR1)
-        time.sleep(2)  # the dumps are written from the signal handlers; no event to wait on
+                os.kill(int(pid), signal.SIGUSR1)
+                asked.append(tmp_path / f"{name}.log")
+        deadline = time.monotonic() + 10  # until each log shows its dump (a process may have gone)
+        while time.monotonic() < deadline and not all(
+            log.exists() and "most recent call first" in log.read_text(errors="replace") for log in asked
+        ):
+            time.sleep(0.1)  # polling files other processes write, with a deadline
         proc.terminate()
         proc.communicate(timeout=60)
         logs = "\n".join(f"--- {f.name}\n{f.read_text(errors='replace')[-6000:]}" for f in sorted(tmp_path.glob("*.*")))

@@ -6,23 +6,15 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tests.helpers.processes import wait_for_listening
+from tests.helpers.processes import wait_for, wait_for_listening
 
 SERVER = Path(sys.executable).with_name("ps-server")
-
-
-def _wait_for(predicate, seconds: float, what: str) -> None:
-    deadline = time.monotonic() + seconds
-    while not predicate():
-        assert time.monotonic() < deadline, f"{what} within {seconds} s"
-        time.sleep(0.05)  # polling a file another process writes, with a deadline
 
 
 @pytest.mark.timeout(120)
@@ -39,7 +31,7 @@ def test_sigusr1_dumps_every_thread_and_the_shard_keeps_serving(tmp_path) -> Non
     try:
         address = wait_for_listening(proc)
         proc.send_signal(signal.SIGUSR1)
-        _wait_for(lambda: "Thread 0x" in log.read_text(), 30, "a stack dump in the shard's stderr")
+        wait_for(lambda: "Thread 0x" in log.read_text(), 30, "a stack dump in the shard's stderr")
         dump = log.read_text()
         assert dump.count("Thread 0x") >= 2  # all threads: the main one and gRPC's/the shard's
         assert "ps_server" in dump  # Python frames of the shard itself

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import os
 import subprocess
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
 
@@ -42,12 +41,3 @@ def namespaces() -> Iterator[tuple[str, str, str]]:
 
 def in_ns(ns: str, *argv: str, **kwargs) -> subprocess.Popen:
     return subprocess.Popen(["ip", "netns", "exec", ns, *argv], text=True, **kwargs)
-
-
-def wait_for(check: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if check():
-            return
-        time.sleep(0.2)  # polling with a deadline
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")

@@ -6,6 +6,7 @@ import re
 import selectors
 import subprocess
 import time
+from collections.abc import Callable
 
 
 def wait_for_listening(proc: subprocess.Popen[str], seconds: float = 60.0) -> str:
@@ -27,3 +28,18 @@ def wait_for_listening(proc: subprocess.Popen[str], seconds: float = 60.0) -> st
             if found:
                 return found.group(1)
     raise AssertionError(f"ps-server did not report its address within {seconds:.0f} s (exit {proc.poll()})")
+
+
+def wait_for(check: Callable[[], bool], timeout: float, what: str) -> None:
+    """Poll ``check`` (something another process does: a file it writes, a state it reaches) until
+    it is True.
+
+    Raises:
+        AssertionError: ``timeout`` seconds passed first.
+    """
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return
+        time.sleep(0.2)  # polling with a deadline
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")

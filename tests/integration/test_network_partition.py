@@ -18,7 +18,8 @@ from collections.abc import Callable
 
 import pytest
 
-from tests.helpers.namespaces import in_ns, sh, wait_for
+from tests.helpers.namespaces import in_ns, sh
+from tests.helpers.processes import wait_for
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("ip") is None,

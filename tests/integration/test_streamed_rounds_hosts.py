@@ -22,7 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.namespaces import in_ns, wait_for
+from tests.helpers.namespaces import in_ns
+from tests.helpers.processes import wait_for
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("ip") is None,

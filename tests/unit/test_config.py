@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from ps_common.channels import is_loopback
 from ps_common.errors import InvalidRequestError
-from ps_server.config import ServerConfig, config_from_args, is_loopback
+from ps_server.config import ServerConfig, config_from_args
 
 BASE = ["--shard-index", "0", "--num-shards", "2", "--num-workers", "2"]
 
@@ -65,7 +66,18 @@ def test_stream_limits_have_flags_and_a_pool_of_their_own() -> None:
 
 @pytest.mark.parametrize(
     ("host", "loop"),
-    [("127.0.0.1", True), ("127.3.2.1", True), ("::1", True), ("localhost", True), ("0.0.0.0", False), ("ps-0", False)],
+    [
+        ("127.0.0.1", True),
+        ("127.3.2.1", True),
+        ("::1", True),
+        ("[::1]", True),
+        ("localhost", True),
+        ("0.0.0.0", False),
+        ("10.77.0.3", False),
+        ("fe80::1", False),
+        ("ps-0", False),
+        ("ps-0.ps.grpc-ps.svc", False),
+    ],
 )
 def test_is_loopback(host: str, loop: bool) -> None:
     assert is_loopback(host) is loop
