@@ -15,20 +15,12 @@ import grpc
 from ps_proto.v1 import ps_pb2, ps_pb2_grpc
 from ps_worker import DistributedOptimizer, PSClient
 from tests.conftest import RPC_TIMEOUT
+from tests.helpers.processes import wait_for
 
 
 def status(address: str) -> ps_pb2.ShardStatus:
     with grpc.insecure_channel(address) as ch:
         return ps_pb2_grpc.AdminStub(ch).GetStatus(ps_pb2.GetStatusRequest(), timeout=RPC_TIMEOUT).status
-
-
-def wait_until(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.05)  # polling with a deadline
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def test_kill9_worker_is_evicted_in_status_and_metrics(start_cluster) -> None:
@@ -87,7 +79,7 @@ def test_kill9_worker_is_evicted_in_status_and_metrics(start_cluster) -> None:
                 opt.step()
             worker.send_signal(signal.SIGKILL)
             worker.wait(timeout=30)
-            wait_until(
+            wait_for(
                 lambda: status(shard.address).workers[1].state == ps_pb2.WORKER_STATE_EVICTED, 20, "rank 1's eviction"
             )
             for _ in range(3):  # the rounds go on without rank 1
