@@ -286,6 +286,44 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+# ---------------------------------------------------------------------- memory
+PROCESS_BASE_BYTES = 400 << 20
+"""Memory of one measured process before any payload (torch and gRPC imported): 230–330 MB RSS
+measured here (session 11); rounded up."""
+
+HEADROOM_BYTES = 1 << 30
+"""Memory always left free, for the kernel's socket buffers, page cache and the orchestrator."""
+
+
+class HeadroomError(RuntimeError):
+    """The next system could exhaust the machine's memory (the kernel's OOM killer would then end
+    processes at random, this run's or others'); the run stops before it, with what to leave out."""
+
+
+def memory_available() -> int:
+    """Bytes the kernel can give new allocations without swapping (/proc/meminfo ``MemAvailable``)."""
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("/proc/meminfo has no MemAvailable line")
+
+
+def check_headroom(need: int, what: str) -> None:
+    """Raise :class:`HeadroomError` unless ``need`` bytes (plus :data:`HEADROOM_BYTES`) are available.
+
+    Args:
+        need: bytes ``what`` may allocate from now on (an estimate from the measured factors).
+        what: the step about to run, for the message (e.g. "set up grpc-ps 2w×2s at 100MB").
+    """
+    free = memory_available()
+    if free < need + HEADROOM_BYTES:
+        raise HeadroomError(
+            f"Not enough memory to {what}: {free >> 20} MiB available, it may need {need >> 20} MiB "
+            f"plus {HEADROOM_BYTES >> 20} MiB kept free. Every system of a size is alive at once (they "
+            "alternate round by round); measure fewer at a time: --sizes, --grid, --systems, --wire-dtypes."
+        )
+
+
 # ---------------------------------------------------------------------- statistics
 def describe(samples: Sequence[float]) -> dict[str, float]:
     """Median, min and max of positive samples (seconds)."""

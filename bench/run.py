@@ -22,7 +22,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from _common import GLIBC_TUNABLES, ChildError, child_env, stop_all
+from _common import GLIBC_TUNABLES, PROCESS_BASE_BYTES, ChildError, HeadroomError, check_headroom, child_env, stop_all
 from report import Series, ratios, table, to_json
 from systems import FAMILIES, STARTUP_TIMEOUT, WIRE_SUFFIX, Size, System, build, systems_for
 
@@ -56,8 +56,13 @@ def measure(args: argparse.Namespace, log_dir: Path) -> tuple[list[Series], dict
     try:
         for s in systems.values():
             s.start(env, log_dir)
-        for spec in plans[sizes[0].label]:  # the first size's shards start with everything else
-            systems[spec[0]].prepare(sizes[0])
+        first = [systems[spec[0]] for spec in plans[sizes[0].label]]
+        check_headroom(
+            PROCESS_BASE_BYTES * sum(s.processes_to_prepare() for s in first),
+            f"start the shards of {len(first)} systems at {sizes[0].label}",
+        )
+        for s in first:  # the first size's shards start with everything else
+            s.prepare(sizes[0])
         for s in systems.values():
             s.wait_ready(STARTUP_TIMEOUT)
         timings["start-up s"] = time.perf_counter() - started
@@ -66,12 +71,19 @@ def measure(args: argparse.Namespace, log_dir: Path) -> tuple[list[Series], dict
             t0 = time.perf_counter()
             active = [systems[spec[0]] for spec in plans[size.label]]
             if size != sizes[0]:
+                check_headroom(
+                    PROCESS_BASE_BYTES * sum(s.processes_to_prepare() for s in active),
+                    f"start the shards of {len(active)} systems at {size.label}",
+                )
                 for s in active:
                     s.prepare(size)
             for s in active:
+                check_headroom(s.memory_need(size), f"set up {s.key} at {size.label}")
                 s.setup(size)
             for rnd in range(args.rounds):
                 for s in active:  # A B C ... in every round
+                    if rnd == 0:  # a system's first steps allocate its buffers; after them it keeps its size
+                        check_headroom(s.memory_need(size), f"step {s.key} at {size.label}")
                     answers, cpu = s.run(size)
                     for rank, samples in enumerate(answers):
                         for name, values in samples.items():
@@ -102,7 +114,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="grpc-ps partition_bytes, comma-separated; more than one measures each (a sweep)",
     )
     p.add_argument("--systems", default=",".join(FAMILIES), help="comma-separated subset of " + ", ".join(FAMILIES))
-    p.add_argument("--grid", default="1x1,1x2,2x1,2x2", help="grpc-ps WORKERSxSHARDS configurations")
+    p.add_argument(
+        "--grid",
+        default="1x1,2x2",
+        help="grpc-ps WORKERSxSHARDS configurations (each size's systems are all alive at once: "
+        "1x2 and 2x1 too, at 100 MB, need more than 24 GiB of memory)",
+    )
     p.add_argument(
         "--wire-dtypes",
         default="float32,bfloat16",
@@ -137,7 +154,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"bench: GLIBC_TUNABLES={GLIBC_TUNABLES} OMP_NUM_THREADS={args.threads} for every measured process")
     try:
         results, timings = measure(args, log_dir)
-    except (ChildError, KeyboardInterrupt) as exc:
+    except (ChildError, HeadroomError, KeyboardInterrupt) as exc:
         print(f"bench: {exc}\nlogs in {log_dir}", file=sys.stderr)
         return 1
     found = ratios(results)

@@ -44,6 +44,11 @@ class System:
     """
 
     family = ""
+    memory_factor = 4
+    """Peak memory a process of this system adds per payload byte, beyond
+    :data:`~_common.PROCESS_BASE_BYTES` (its buffers, copies and the allocator's slack; the malloc
+    tunables keep freed memory in the process). Measured at 100 MB (session 11): grpc-ps shards
+    and workers 3.2–3.8, the rpc PS's processes 7–11; rounded up."""
 
     def __init__(self, key: str) -> None:
         self.key = key
@@ -86,6 +91,14 @@ class System:
 
     def finish(self, size: Size) -> None:
         """Release what ``setup`` built (between sizes)."""
+
+    def processes_to_prepare(self) -> int:
+        """How many processes :meth:`prepare` starts (shards started per size)."""
+        return 0
+
+    def memory_need(self, size: Size) -> int:
+        """Bytes this system's processes may add at ``size``, set up and stepped (an upper estimate)."""
+        return len(self.children) * self.memory_factor * size.nbytes
 
 
 class Memcpy(System):
@@ -164,6 +177,7 @@ class Gloo(System):
 
 class RpcPS(System):
     family = "rpc"
+    memory_factor = 12
 
     def __init__(self, key: str, workers: int) -> None:
         super().__init__(key)
@@ -251,6 +265,12 @@ class GrpcPS(System):
         ask_all(self.drivers, "close", SETUP_TIMEOUT)
         stop_all(self.shard_procs, grace=0.0)
         self.shard_procs = []
+
+    def processes_to_prepare(self) -> int:
+        return self.shards
+
+    def memory_need(self, size: Size) -> int:
+        return (self.workers + self.shards) * self.memory_factor * size.nbytes
 
 
 def kib(n: int) -> str:
