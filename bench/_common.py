@@ -286,6 +286,22 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def machine_ticks() -> tuple[int, int]:
+    """(busy, total) clock ticks of all CPUs since boot (/proc/stat's ``cpu`` line; busy is all
+    but idle and iowait: user, nice, system, irq, softirq and steal, so also the kernel's network
+    work that no process is charged for)."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+    total = sum(fields[:8])  # guest time is already counted in user
+    return total - idle, total
+
+
+def busy_fraction(before: tuple[int, int], after: tuple[int, int]) -> float:
+    """The fraction of the machine's CPU time that was busy between two :func:`machine_ticks`."""
+    total = after[1] - before[1]
+    return (after[0] - before[0]) / total if total > 0 else 0.0
+
+
 # ---------------------------------------------------------------------- memory
 PROCESS_BASE_BYTES = 400 << 20
 """Memory of one measured process before any payload (torch and gRPC imported): 230–330 MB RSS

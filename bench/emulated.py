@@ -31,13 +31,26 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from _common import BENCH, Child, ChildError, ask_all, child_env, cpu_seconds, shard_argv, stop_all
+from _common import (
+    BENCH,
+    Child,
+    ChildError,
+    ask_all,
+    busy_fraction,
+    child_env,
+    cpu_seconds,
+    machine_ticks,
+    shard_argv,
+    stop_all,
+)
 from netns import Netlab, cleanup, parse_rate, plan_network
 
 PY = sys.executable
 STARTUP_TIMEOUT = 300.0
 SETUP_TIMEOUT = 300.0
 STEP_TIMEOUT = 60.0
+CORES = os.cpu_count() or 1
+"""CPUs of the machine every emulated host shares: a step needs at least its CPU seconds over this."""
 GLOO_PORT, RPC_PORT = 29500, 29600
 """Ports in the hosts' own namespaces, all free there (nothing else runs in them)."""
 WIRE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -183,14 +196,17 @@ class Bench:
                 c.recv(max(0.01, deadline - time.monotonic()), "start-up")
             ask_all(s.children, "setup", SETUP_TIMEOUT, bytes=self.args.nbytes)
 
-    def run(self, s: System) -> tuple[list[list[float]], float]:
-        """One round of ``s``: each driver's step seconds, and CPU seconds of all its processes per step."""
+    def run(self, s: System) -> tuple[list[list[float]], float, float]:
+        """One round of ``s``: each driver's step seconds, CPU seconds of all its processes per
+        step, and the fraction of the whole machine's CPU time that was busy meanwhile."""
         a = self.args
         pids = [c.proc.pid for c in s.children]
         before = sum(cpu_seconds(p) for p in pids)
+        ticks = machine_ticks()
         answers = ask_all(s.drivers, "run", (a.warmup + a.iters) * STEP_TIMEOUT + 30, iters=a.iters, warmup=a.warmup)
+        busy = busy_fraction(ticks, machine_ticks())
         cpu = sum(cpu_seconds(p) for p in pids) - before
-        return [next(iter(r["samples"].values())) for r in answers], cpu / (a.warmup + a.iters)
+        return [next(iter(r["samples"].values())) for r in answers], cpu / (a.warmup + a.iters), busy
 
 
 def link_check(lab: Netlab, log_dir: Path, seconds: float = 1.0) -> dict[str, float]:
@@ -259,12 +275,13 @@ def measure(args: argparse.Namespace, log_dir: Path) -> dict[str, object]:
                 print(f"emulated: rate {rate_text}: link check w0->w1 {check['gbit_s']:.3f} Gbit/s", flush=True)
                 load0 = os.getloadavg()
                 series: dict[str, dict[str, object]] = {
-                    s.key: {"samples": [], "all_ranks": [], "cpu_per_step": []} for s in systems
+                    s.key: {"samples": [], "all_ranks": [], "cpu_per_step": [], "machine_busy": []} for s in systems
                 }
                 for rnd in range(args.rounds):
                     for s in systems:
-                        per_rank, cpu = bench.run(s)
+                        per_rank, cpu, busy = bench.run(s)
                         rec = series[s.key]
+                        rec["machine_busy"].append(busy)  # type: ignore[attr-defined]
                         rec["samples"] += per_rank[0]  # type: ignore[operator]
                         rec["all_ranks"].append(per_rank)  # type: ignore[attr-defined]
                         rec["cpu_per_step"].append(cpu)  # type: ignore[attr-defined]
@@ -307,12 +324,14 @@ def report(result: dict[str, object], args: argparse.Namespace) -> str:
             f"rate {rate_text} per link each way (link check: one TCP stream {r['link_check']['gbit_s']:.3f} Gbit/s); "
             f"load {fmt_load(r['load_start'])} -> {fmt_load(r['load_end'])}",
             "| system | busiest link, MB each way | wire time, ms | push-then-pull time, ms | median step, ms "
-            f"| min-max, ms | measured / wire | measured / push-then-pull | CPU s per step | {ref or 'gloo'} / this |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            f"| min-max, ms | measured / wire | measured / push-then-pull | CPU s per step | CPU floor, ms "
+            f"| machine busy | {ref or 'gloo'} / this |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         gloo = systems[ref]["median_s"] if ref else None
         for key, v in systems.items():
             med, samples = v["median_s"], v["samples"]
+            cpu = statistics.median(v["cpu_per_step"])
             formula, serial = v["formula_s"], v["serial_s"]
             wire = f"{formula * 1e3:.0f} | {serial * 1e3:.0f}" if formula else "- | -"
             ratio = f"{med / formula:.2f} | {med / serial:.2f}" if formula else "- | -"
@@ -320,7 +339,7 @@ def report(result: dict[str, object], args: argparse.Namespace) -> str:
             lines.append(
                 f"| {key} | {v['link_bytes'] / 1e6:.1f} | {wire} | {med * 1e3:.0f} | "
                 f"{min(samples) * 1e3:.0f}-{max(samples) * 1e3:.0f} | {ratio} | "
-                f"{statistics.median(v['cpu_per_step']):.2f} | {vs} |"
+                f"{cpu:.2f} | {cpu / CORES * 1e3:.0f} | {statistics.median(v['machine_busy']):.0%} | {vs} |"
             )
         if rate:
             lines.append(crossover(systems, ref))
@@ -329,6 +348,14 @@ def report(result: dict[str, object], args: argparse.Namespace) -> str:
                 "tbf drops (egress/ingress packets, all systems this rate): "
                 + ", ".join(f"{role} {e}/{i}" for role, (e, i) in drops.items())
             )
+    lines += [
+        "",
+        "CPU floor = CPU s per step / the machine's CPUs: the step time if every CPU worked on the step",
+        "all the time (all hosts share them). machine busy = the share of all CPUs' time that was busy",
+        "during the system's steps (/proc/stat: user, system, softirq; also kernel network work no process",
+        "is charged for). A row near its CPU floor, or with the machine near 100% busy, is bound by this",
+        "machine's CPUs, not by its links.",
+    ]
     return "\n".join(lines)
 
 

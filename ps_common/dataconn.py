@@ -205,16 +205,35 @@ def frame(sequence: int, slots: Sequence[torch.Tensor]) -> list[bytes | memoryvi
     return out
 
 
-def call(sequence: int, request: bytes, timeout: float | None) -> list[bytes | memoryview]:
+Body = bytes | memoryview | Sequence[bytes | memoryview]
+"""A call's request or answer body: one buffer, or the buffers of one message in order (sent
+without joining them: :func:`ps_common.frames.build_chunks`)."""
+
+
+def _chunks(body: Body) -> list[bytes | memoryview]:
+    return [body] if isinstance(body, bytes | bytearray | memoryview) else list(body)
+
+
+def call(sequence: int, request: Body, timeout: float | None) -> list[bytes | memoryview]:
     """Call ``sequence``: its record (``timeout`` seconds, None for none) and ``request``."""
     ms = 0 if timeout is None else min(MAX_CALL_MS, max(1, math.ceil(timeout * 1000)))
-    return [RECORD.pack(sequence, CALL, ms, len(request)), request]
+    chunks = _chunks(request)
+    return [RECORD.pack(sequence, CALL, ms, sum(memoryview(c).nbytes for c in chunks)), *chunks]
 
 
-def answer(sequence: int, code: int, body: bytes) -> list[bytes | memoryview]:
+def answer(sequence: int, code: int, body: Body) -> list[bytes | memoryview]:
     """The answer of call ``sequence``: status ``code`` (a ``grpc.StatusCode`` value; 0 for OK) and
     ``body`` (the response message, or :func:`refusal`)."""
-    return [RECORD.pack(sequence, CALL, code, len(body)), body]
+    chunks = _chunks(body)
+    return [RECORD.pack(sequence, CALL, code, sum(memoryview(c).nbytes for c in chunks)), *chunks]
+
+
+def buffer(nbytes: int) -> memoryview:
+    """A writable buffer of ``nbytes`` to receive into, not zeroed first (``bytearray(n)`` writes
+    every byte once before the receive does again)."""
+    import torch
+
+    return byte_view(torch.empty(nbytes, dtype=torch.uint8))
 
 
 def refusal(reason: str, details: str) -> bytes:

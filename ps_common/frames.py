@@ -138,16 +138,23 @@ def _partition_chunks(p: OutPartition, field: int) -> list[bytes | memoryview]:
     return [tag(field, LEN) + varint(size), *chunks]
 
 
+def build_chunks(parts: Iterable[OutPartition], prefix: bytes = b"", suffix: bytes = b"") -> list[bytes | memoryview]:
+    """The message :func:`build` makes, as the buffers it joins: the encoded fields, and the
+    bytes of each partition's tensors themselves (views, no copy), for a scatter-gather send
+    (:func:`ps_common.dataconn.send_all`). The tensors must not change until it is sent."""
+    chunks: list[bytes | memoryview] = [prefix]
+    for p in parts:
+        chunks += _partition_chunks(p, PARTITION_FIELD)
+    chunks.append(suffix)
+    return chunks
+
+
 def build(parts: Iterable[OutPartition], prefix: bytes = b"", suffix: bytes = b"") -> bytes:
     """One message: ``prefix`` (already encoded fields), the partitions in field 2, ``suffix``.
 
     The only copy of each payload is the final ``bytes.join``.
     """
-    chunks: list[bytes | memoryview] = [prefix]
-    for p in parts:
-        chunks += _partition_chunks(p, PARTITION_FIELD)
-    chunks.append(suffix)
-    return b"".join(chunks)
+    return b"".join(build_chunks(parts, prefix, suffix))
 
 
 def pack(sizes: Sequence[tuple[int, int]], budget: int) -> list[list[int]]:

@@ -70,13 +70,13 @@ class CallContext:
         return next((str(v) for k, v in self._metadata if k == REASON_KEY), "")
 
 
-CallHandler = Callable[[memoryview, CallContext], bytes]
+CallHandler = Callable[[memoryview, CallContext], dataconn.Body]
 """A unary method on a data connection: the request's bytes (a fresh buffer per call, which the
-handler may keep views of) and the context in, the response's bytes out (refusals through
-``context.abort``)."""
+handler may keep views of) and the context in, the response's bytes out (one buffer, or the
+buffers of the message in order, sent without joining them; refusals through ``context.abort``)."""
 
 
-def run_call(handler: CallHandler, request: memoryview, context: CallContext, what: str) -> tuple[int, bytes]:
+def run_call(handler: CallHandler, request: memoryview, context: CallContext, what: str) -> tuple[int, dataconn.Body]:
     """Run ``handler`` on ``request``: (status code value, body) of the answer: (0, the response),
     or the code, reason and details a refusal set (``context.abort``), or UNKNOWN for an
     unexpected exception (logged, as gRPC answers one). Never raises."""

@@ -272,15 +272,15 @@ class DataPlane:
             exhausted = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
             self._answer(conn, sequence, exhausted, dataconn.refusal("", details), 5.0)
             raise InvalidRequestError(f"call {sequence}: {details}")
-        request = bytearray(nbytes)
-        dataconn.recv_exact(conn.sock, memoryview(request))
+        request = dataconn.buffer(nbytes)
+        dataconn.recv_exact(conn.sock, request)
         context = CallContext(timeout_ms / 1000 if timeout_ms else None, lambda: not conn.error)
-        code, body = run_call(self._call, memoryview(request), context, f"call {sequence} of rank {conn.rank}")
+        code, body = run_call(self._call, request, context, f"call {sequence} of rank {conn.rank}")
         self._answer(conn, sequence, code, body, context.time_remaining())
         with self._cond:  # connection threads answer calls concurrently
             self.calls += 1
 
-    def _answer(self, conn: _Conn, sequence: int, code: int, body: bytes, timeout: float | None) -> None:
+    def _answer(self, conn: _Conn, sequence: int, code: int, body: dataconn.Body, timeout: float | None) -> None:
         with conn.send_lock:
             dataconn.send_all(
                 conn.sock,

@@ -275,7 +275,7 @@ def start_server(config: ServerConfig, shard: Shard | None = None) -> ShardServe
                 max_connections=config.threads,
                 threads=threads,
                 counted=lambda received, sent: counters.transferred(PUSH_PULL, received, sent),
-                call=recorder.unary(servicer.PushPullOnce, PUSH_PULL_ONCE),
+                call=recorder.unary(servicer.push_pull_once_chunks, PUSH_PULL_ONCE),
                 max_call_bytes=config.max_message_bytes,
                 landed=shard.wake,
             )

@@ -188,9 +188,12 @@ class ParameterServicer(TableRpcs, DataConnectionRpcs):
         )
         yield from out
 
-    def _push_pull(self, req: Request, context: grpc.ServicerContext, single: bool) -> list[bytes]:
+    def _push_pull(
+        self, req: Request, context: grpc.ServicerContext, single: bool, chunks: bool = False
+    ) -> list[bytes]:
         """PushPull and PushPullOnce: push, then the messages of the version it lands in; the
-        push's answer (field 3) leads the first message."""
+        push's answer (field 3) leads the first message (``chunks``, PushPullOnce only: the one
+        message as [the answer's field, the version's cached message], not joined)."""
         header, parts, first = req.header, req.parts, req.first
         if header.data_sequence:
             raise InvalidRequestError(
@@ -216,6 +219,9 @@ class ParameterServicer(TableRpcs, DataConnectionRpcs):
         # A response of one message stays one; otherwise a large first frame is not copied to
         # prepend the answer: the answer goes alone, with the version
         lead = frames.bytes_field(3, answer.SerializeToString())
+        if chunks:
+            (only,) = out  # check_single: one message
+            return [lead, only]
         if len(out) == 1 or len(out[0]) <= SMALL_FRAME_BYTES:
             out = [lead + out[0], *out[1:]]
         else:
@@ -235,6 +241,14 @@ class ParameterServicer(TableRpcs, DataConnectionRpcs):
         req = self._read(iter([request]), "PushPullOnce", ps_pb2.PushHeader, "gradient")
         (only,) = self._push_pull(req, context, single=True)
         return only
+
+    @maps_errors
+    def push_pull_once_chunks(self, request: bytes | memoryview, context: grpc.ServicerContext) -> list[bytes]:
+        """PushPullOnce as a call on a data connection (:mod:`ps_server.data_calls`): the same
+        response message, as its buffers, sent without joining them (a copy of the whole
+        payload per call saved)."""
+        req = self._read(iter([request]), "PushPullOnce", ps_pb2.PushHeader, "gradient")
+        return self._push_pull(req, context, single=True, chunks=True)
 
     @maps_stream_errors
     def Exchange(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:

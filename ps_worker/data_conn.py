@@ -231,10 +231,10 @@ class DataConnection:
             buf = self._buffers[slot] = torch.empty(numel, dtype=dtype)
         return buf
 
-    def call(self, sequence: int, request: bytes, timeout: float, max_answer_bytes: int) -> memoryview:
-        """Call ``sequence``: send ``request`` (a PushPullOnce request message) and return the
-        response message (a fresh buffer, read in place), within ``timeout`` seconds (the shard
-        gets the same deadline).
+    def call(self, sequence: int, request: dataconn.Body, timeout: float, max_answer_bytes: int) -> memoryview:
+        """Call ``sequence``: send ``request`` (a PushPullOnce request message: one buffer, or its
+        buffers in order, sent without joining them) and return the response message (a fresh
+        buffer, read in place), within ``timeout`` seconds (the shard gets the same deadline).
 
         Raises:
             DataCallError: the shard refused the call (its code, details and reason; the
@@ -251,8 +251,8 @@ class DataConnection:
                     f"expected the answer of call {sequence}, got slot {slot} of frame {seq} (code {code}, "
                     f"{nbytes} bytes)"
                 )
-            body = bytearray(nbytes)
-            dataconn.recv_exact(self.sock, memoryview(body), deadline)
+            body = dataconn.buffer(nbytes)
+            dataconn.recv_exact(self.sock, body, deadline)
             if code:
                 reason, details = dataconn.parse_refusal(bytes(body))
         except (OSError, ValueError, dataconn.DataConnectionError) as exc:  # ValueError: closed meanwhile
@@ -260,7 +260,7 @@ class DataConnection:
             raise DataLinkError(f"data connection to {self.address} failed while calling: {exc}") from exc
         if code:
             raise DataCallError(CODES[code], details, reason)
-        return memoryview(body)
+        return body
 
     def close(self) -> None:
         """Close the socket (idempotent)."""

@@ -18,7 +18,7 @@ from typing import Any, overload
 import grpc
 import torch
 
-from ps_common import frames
+from ps_common import dataconn, frames
 from ps_common.channels import is_loopback
 from ps_common.codec import torch_dtype
 from ps_proto.v1 import ps_pb2
@@ -187,10 +187,10 @@ class PendingPushPull:
         if started is not None:
             replies: Iterator[bytes | memoryview] = started
         elif self._once(k):
-            (only,) = self._messages(k)
-            if conn is not None:  # the whole call on the data connection
-                replies = iter([self._call(k, conn, only)])
+            if conn is not None:  # the whole call on the data connection, sent from the gradients' memory
+                replies = iter([self._call(k, conn, self._once_chunks(k))])
             else:
+                (only,) = self._messages(k)
                 replies = iter([t.push_pull_once[k](only, timeout=t.timeout, metadata=t.metadata)])
         else:
             replies = t.push_pull_calls[k](self._messages(k), timeout=t.timeout, metadata=t.metadata)
@@ -200,7 +200,18 @@ class PendingPushPull:
         self.session.learn(k, answer)
         return answer, version, self.sent[k], received
 
-    def _call(self, k: int, conn: DataConnection, request: bytes) -> memoryview:
+    def _once_chunks(self, k: int) -> list[bytes | memoryview]:
+        """Shard ``k``'s one request message as its buffers (:func:`frames.build_chunks`: the
+        partitions' own memory, not joined), counted as sent."""
+        (g,) = self.groups[k]
+        chunks = frames.build_chunks([self._out(k, i) for i in g], self._head(k))
+        n = sum(memoryview(c).nbytes for c in chunks)
+        self.sent[k] += n
+        if self.transport.metrics is not None:
+            self.transport.metrics.sent_bytes.inc(n)
+        return chunks
+
+    def _call(self, k: int, conn: DataConnection, request: dataconn.Body) -> memoryview:
         """PushPullOnce ``request`` as a call on shard ``k``'s data connection: the same request and
         response messages as the unary gRPC call, one round trip on the connection.
 

@@ -201,3 +201,13 @@ def test_refusal_bodies_are_checked() -> None:
     with pytest.raises(dataconn.DataConnectionError):
         dataconn.parse_refusal(dataconn.STATUS.pack(99) + b"short")
     assert DataCallError(grpc.StatusCode.ABORTED, "d", "STALE").trailing_metadata() == (("ps-reason", "STALE"),)
+
+
+def test_a_call_sent_as_buffers_announces_their_byte_count() -> None:
+    floats = memoryview(torch.arange(3, dtype=torch.float32).numpy())  # 3 items of 4 bytes
+    record, *chunks = dataconn.call(7, [b"ab", floats], 2.0)
+    assert dataconn.RECORD.unpack(record) == (7, dataconn.CALL, 2000, 14)
+    assert b"".join(bytes(c) for c in chunks) == b"ab" + bytes(floats)
+    record, *chunks = dataconn.answer(7, 0, [b"", b"xyz"])
+    assert dataconn.RECORD.unpack(record) == (7, dataconn.CALL, 0, 3)
+    assert len(dataconn.buffer(5)) == 5 and not dataconn.buffer(5).readonly

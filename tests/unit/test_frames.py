@@ -163,3 +163,16 @@ def test_a_message_of_many_tiny_unknown_fields_is_refused_early() -> None:
         frames.read(frames.bytes_field(2, part + frames.uint_field(9, 1) * 100))
     # a message with a few unknown fields of a later release still reads
     assert frames.read(frames.uint_field(9, 1) * frames.MAX_FIELDS + frames.bytes_field(2, part)).partitions
+
+
+@given(st.integers(0, 2**63), st.lists(partitions(), max_size=4))
+def test_build_chunks_are_the_built_message_unjoined(version: int, parts: list[frames.OutPartition]) -> None:
+    chunks = frames.build_chunks(parts, frames.uint_field(1, version))
+    assert b"".join(chunks) == frames.build(parts, frames.uint_field(1, version))
+
+
+def test_build_chunks_send_the_tensors_own_memory() -> None:
+    values = torch.tensor([1.0, 2.0, 3.0])
+    chunks = frames.build_chunks([frames.OutPartition("w", 0, 3, values)])
+    values[1] = 7.0  # the chunk is a view: what goes out is the tensor as it is when sent
+    assert frames.view(frames.read(b"".join(chunks)).partitions[0]).tolist() == [1.0, 7.0, 3.0]
