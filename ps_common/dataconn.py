@@ -228,9 +228,16 @@ def answer(sequence: int, code: int, body: Body) -> list[bytes | memoryview]:
     return [RECORD.pack(sequence, CALL, code, sum(memoryview(c).nbytes for c in chunks)), *chunks]
 
 
+UNZEROED_BYTES = 128 * 1024
+"""From this size :func:`buffer` skips zeroing; below it a ``bytearray`` costs less than an empty
+tensor's fixed overhead (about 3.5 µs here, what zeroing 128 KiB takes; 4 MB take 146 µs)."""
+
+
 def buffer(nbytes: int) -> memoryview:
-    """A writable buffer of ``nbytes`` to receive into, not zeroed first (``bytearray(n)`` writes
-    every byte once before the receive does again)."""
+    """A writable buffer of ``nbytes`` to receive into; from :data:`UNZEROED_BYTES` on, not zeroed
+    first (``bytearray(n)`` writes every byte once before the receive does again)."""
+    if nbytes < UNZEROED_BYTES:
+        return memoryview(bytearray(nbytes))
     import torch
 
     return byte_view(torch.empty(nbytes, dtype=torch.uint8))
