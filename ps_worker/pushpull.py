@@ -12,7 +12,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, overload
 
 import grpc
@@ -25,6 +25,7 @@ from ps_proto.v1 import ps_pb2
 from ps_worker.calls import DataPath, is_stale
 from ps_worker.data_conn import DataConnection, DataLinkError
 from ps_worker.frame_sender import FrameSender, SendOrder, keep_in_order
+from ps_worker.request_frames import StartedStream, frames_of
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +57,7 @@ class PendingPushPull:
         self.started: dict[int, Any] = {}
         self.sent = [0] * t.num_shards
         # started streams: the frames built as their gradients become ready, and the groups still to build
-        self._streams: dict[int, _Stream] = {}
+        self._streams: dict[int, StartedStream] = {}
         self._heads: dict[int, bytes] = {}
         # shards whose partitions go on their data connection as they become ready: (connection,
         # frame number); a shard whose connection failed leaves this map
@@ -70,7 +71,7 @@ class PendingPushPull:
                 if conn is not None:
                     self._frames[k] = (conn, t.next_sequence())
                 else:
-                    self._streams[k] = _Stream(self._cond, list(self.groups[k]), t.timeout)
+                    self._streams[k] = StartedStream(self._cond, list(self.groups[k]), t.timeout)
                     self._heads[k] = self._head(k)
                     self.started[k] = t.push_pull_calls[k](
                         self._streams[k].messages(), timeout=t.timeout, metadata=t.metadata
@@ -134,7 +135,7 @@ class PendingPushPull:
         """Shard ``k``'s request messages, once every gradient is ready (a call made in ``finish()``);
         built as gRPC sends them."""
         work = [[self._out(k, i) for i in g] for g in self.groups[k]]
-        return _frames_of(work, self._head(k), self.transport.sent, self.sent, k)
+        return frames_of(work, self._head(k), self.transport.sent, self.sent, k)
 
     def _build_ready(self, key: str) -> None:
         """Build the frames of started streams whose partitions are now all ready (caller holds
@@ -394,61 +395,3 @@ class _LastPush(Sequence[list[frames.OutPartition]]):
             return [self[j] for j in range(len(self))[k]]
         owned = self.pending.codec.owned[k]
         return [self.pending._out(k, i) for i in range(len(owned))]
-
-
-def _frames_of(
-    work: list[list[frames.OutPartition]], head: bytes, sent: Callable[[bytes], bytes], counts: list[int], k: int
-) -> Iterator[bytes]:
-    """Build and yield one message per group of ``work``, ``head`` leading the first. The
-    generator runs in gRPC's sending thread and lets go of each group once built, so that thread
-    never holds the last reference to a tensor: a thread that frees a tensor while it exits during
-    interpreter shutdown aborts the process (seen with a thread-local of the shard's interceptor)."""
-    while work:
-        m = sent(frames.build(work.pop(0), head))
-        head = b""
-        counts[k] += len(m)
-        yield m
-
-
-class _Stream:
-    """A started PushPull stream: the frames :meth:`PendingPushPull.ready` builds, handed to
-    gRPC's sending thread as they come. Holds bytes and indices only, never tensors (see
-    :func:`_frames_of`)."""
-
-    def __init__(self, cond: threading.Condition, groups: list[list[int]], timeout: float) -> None:
-        self.cond = cond
-        self.unbuilt = groups
-        self.built: list[bytes] = []
-        self.finished = False
-        self.aborted = False
-        self.timeout = timeout
-
-    def add(self, group: list[int], frame: bytes) -> None:
-        with self.cond:
-            self.unbuilt.remove(group)
-            self.built.append(frame)
-            self.cond.notify_all()
-
-    def finish(self) -> None:
-        with self.cond:
-            self.finished = True
-            self.cond.notify_all()
-
-    def abort(self) -> None:
-        """Fail the stream instead of ending it: the shard sees a cancelled call, never a push."""
-        with self.cond:
-            self.aborted = True
-            self.cond.notify_all()
-
-    def messages(self) -> Iterator[bytes]:
-        # The stream ends only at finish() (the step), even when every frame went out during
-        # backward: until then the push can still be abandoned (abort) and the shard applies nothing.
-        while True:
-            with self.cond:
-                self.cond.wait_for(lambda: self.built or self.finished or self.aborted, timeout=self.timeout)
-                if self.aborted:
-                    raise RuntimeError("push abandoned before step()")
-                if not self.built:
-                    return  # finished; or finish() never came in time: end the stream (the call fails)
-                m = self.built.pop(0)
-            yield m
