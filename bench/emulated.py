@@ -352,7 +352,7 @@ def report(result: dict[str, object], args: argparse.Namespace) -> str:
         "",
         "CPU floor = CPU s per step / the machine's CPUs: the step time if every CPU worked on the step",
         "all the time (all hosts share them). machine busy = the share of all CPUs' time that was busy",
-        "during the system's steps (/proc/stat: user, system, softirq; also kernel network work no process",
+        "during the system's steps (/proc/stat: all but idle and iowait; also kernel network work no process",
         "is charged for). A row near its CPU floor, or with the machine near 100% busy, is bound by this",
         "machine's CPUs, not by its links.",
     ]
