@@ -332,8 +332,8 @@ def test_compose_user_script_override_trains_and_the_model_is_exported(
     assert {s["accuracy"] for s in summaries} == {summaries[0]["accuracy"]}, summaries
     # from the host, through the ports compose publishes on 127.0.0.1, as docs/user-script-deploy.md says
     servers = f"127.0.0.1:{project.env['PS_0_PORT']},127.0.0.1:{project.env['PS_1_PORT']}"
-    token = project.env["PS_ADMIN_TOKEN"]
-    export = [sys.executable, "-m", "ps_admin.cli", "--servers", servers, "--admin-token", token]
+    token = project.env["PS_ADMIN_TOKEN"]  # token_urlsafe may begin with "-": --admin-token=TOKEN
+    export = [sys.executable, "-m", "ps_admin.cli", "--servers", servers, f"--admin-token={token}"]
     done = subprocess.run(
         [*export, "export", "--out", str(tmp_path / "model.pt")],
         capture_output=True, text=True, timeout=COMMAND_TIMEOUT, cwd=REPO, stdin=subprocess.DEVNULL,
