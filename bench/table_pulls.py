@@ -102,7 +102,8 @@ def main() -> None:
         puller(args)
         return
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    server = [str(Path(sys.executable).parent / "ps-server"), "--num-workers", "1", "--mode", "async"]
+    server = [str(Path(sys.executable).parent / "ps-server"), "--shard-index", "0", "--num-shards", "1"]
+    server += ["--num-workers", "1", "--mode", "async"]
     server += ["--port", "0", "--metrics-port", "-1"]
     shard = subprocess.Popen(server, stdout=subprocess.PIPE, text=True, env=env)
     children: list[subprocess.Popen] = []
