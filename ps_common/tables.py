@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from ps_common.errors import InvalidRequestError
+from ps_common.optimizer import check_hyperparameter_range
 
 MAX_ROWS = 2**63 - 1
 """Largest ``num_rows`` of a table (ids are int64)."""
@@ -114,6 +115,10 @@ def initial_rows(name: str, seed: int, init_std: float, ids: torch.Tensor, dim: 
 class RowOptimizerSpec:
     """A validated row-wise optimizer: ``name`` in :data:`ROW_OPTIMIZERS`, numeric ``kwargs``.
 
+    Every argument is checked as a dense optimizer's (``ps_common.optimizer.check_hyperparameter_range``
+    on float32 rows): finite, within its range above, at most float32's largest value (about 3.4e38),
+    and so is ``lr * weight_decay``.
+
     Raises:
         InvalidRequestError: unknown name or argument, a value out of range, no ``lr``.
     """
@@ -142,6 +147,7 @@ class RowOptimizerSpec:
                 )
         if "lr" not in self.kwargs:
             raise InvalidRequestError(f"Row optimizer {self.name!r} needs a learning rate 'lr'.")
+        check_hyperparameter_range(self.kwargs, [torch.float32])  # rows are float32: as a dense optimizer's
 
     def get(self, key: str, default: float) -> float:
         return float(self.kwargs.get(key, default))

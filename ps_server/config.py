@@ -12,7 +12,7 @@ from ps_common.errors import InvalidRequestError
 from ps_common.flags import FlagParser, join_timeout_flag, mode_flags, secret
 from ps_common.modes import MODES, ModeSettings
 from ps_server.core.limits import DEFAULT_MAX_PARAMETER_BYTES, Limits
-from ps_server.tables import DEFAULT_MAX_TABLE_ROWS
+from ps_server.tables import DEFAULT_MAX_TABLE_BYTES, DEFAULT_MAX_TABLE_ROWS
 
 STREAM_ROUNDS = ("auto", "on", "off")
 """``--stream-rounds``: ``auto`` streams sync rounds of two or more ranks whose data connections
@@ -62,6 +62,9 @@ class ServerConfig:
     checkpoint_keep: int = 3
     max_table_rows: int = DEFAULT_MAX_TABLE_ROWS
     """Most rows one shard holds per embedding table; a push needing more is refused (RESOURCE_EXHAUSTED)."""
+    max_table_bytes: int = DEFAULT_MAX_TABLE_BYTES
+    """Most bytes all embedding tables of one shard hold (rows, optimizer state, ids, index, capacity
+    included); a push or declaration needing more is refused (RESOURCE_EXHAUSTED) before allocating."""
     durable_acks: bool = False
     tls_cert: str = ""
     tls_key: str = ""
@@ -133,6 +136,8 @@ class ServerConfig:
                 raise InvalidRequestError(f"{flag} must be in 1..{MAX_STREAMS}, got {value}.")
         if self.max_table_rows < 0:
             raise InvalidRequestError(f"--max-table-rows must be >= 0, got {self.max_table_rows}.")
+        if self.max_table_bytes < 0:
+            raise InvalidRequestError(f"--max-table-bytes must be >= 0 (0: no tables), got {self.max_table_bytes}.")
         if self.checkpoint_every < 0 or self.checkpoint_keep < 1:
             raise InvalidRequestError(
                 f"--checkpoint-every must be >= 0 (0: only on SIGTERM and Admin/Checkpoint) and --checkpoint-keep "
@@ -243,6 +248,13 @@ def server_parser(environ: Mapping[str, str] | None = None) -> FlagParser:
         help="rows one shard holds per embedding table; a push that would add more is refused (RESOURCE_EXHAUSTED)",
     )
     p.flag(
+        "--max-table-bytes",
+        type=int,
+        default=DEFAULT_MAX_TABLE_BYTES,
+        help="bytes all embedding tables of one shard hold (rows and optimizer state, capacity included); a push "
+        "or InitTables needing more is refused before allocating (RESOURCE_EXHAUSTED)",
+    )
+    p.flag(
         "--durable-acks",
         switch=True,
         help="answer a push (PushPull, and async/ssp Push) only once the version it makes is in a checkpoint on "
@@ -309,6 +321,7 @@ def config_from_args(
             checkpoint_every=args.checkpoint_every,
             checkpoint_keep=args.checkpoint_keep,
             max_table_rows=args.max_table_rows,
+            max_table_bytes=args.max_table_bytes,
             durable_acks=args.durable_acks,
             tls_cert=args.tls_cert,
             tls_key=args.tls_key,

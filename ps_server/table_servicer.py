@@ -11,6 +11,7 @@ before anything is held or applied, so a refused request changes nothing.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -22,6 +23,7 @@ from ps_common.errors import InvalidRequestError, RequestTooLargeError
 from ps_common.wire import table_spec_from_proto, table_spec_to_proto
 from ps_proto.v1 import ps_pb2
 from ps_server.membership import Membership
+from ps_server.row_read import RowRead, RowRequest
 from ps_server.rpc import deadline, maps_errors
 from ps_server.table_store import TableStore
 from ps_server.tables import RowGrads
@@ -77,7 +79,9 @@ class TableRpcs:
         specs = [table_spec_from_proto(t) for t in request.tables]
         remaining = deadline(context)
         with shard._cond:
-            shard.membership.get(request.rank, request.incarnation)
+            member = shard.membership.get(request.rank, request.incarnation)
+            if request.rank == 0:  # only the joined, live rank 0 declares (NOT_JOINED otherwise)
+                Membership.check_live(member, request.incarnation)
             store: TableStore = shard.tables
             if request.rank != 0 and not store.tables:  # rank 0 declares, the others wait for it
                 until = None if remaining is None else shard.now() + remaining
@@ -99,7 +103,9 @@ class TableRpcs:
     @maps_errors
     def PullRows(self, request: ps_pb2.PullRowsRequest, context: grpc.ServicerContext) -> ps_pb2.PullRowsResponse:
         shard = self.shard
-        ids = [decode_ids(b.ids, b.table) for b in request.blocks]
+        requests = [
+            RowRequest.of(b.table, decode_ids(b.ids, b.table), shard.num_shards) for b in request.blocks
+        ]  # sorted and partitioned before the lock
         remaining = deadline(context)
         with shard._cond:
             store: TableStore = shard.tables
@@ -109,17 +115,31 @@ class TableRpcs:
                 store.table(b.table)
             if request.min_version > store.version:
                 self._wait_for(request.min_version, remaining)
-            rows = store.pull([(b.table, i) for b, i in zip(request.blocks, ids, strict=True)])
-            version = store.version
-            for b in request.blocks:
-                store.tables[b.table].bytes_sent += len(b.ids) // 8 * store.tables[b.table].spec.row_bytes
+            read = store.open_read(requests)
+        rows = self._read_rows(read)
         return ps_pb2.PullRowsResponse(
-            version=version,
+            version=read.version,
             blocks=[
                 ps_pb2.RowBlock(table=b.table, dtype=ps_pb2.DTYPE_FLOAT32, data=r.numpy().tobytes())
                 for b, r in zip(request.blocks, rows, strict=True)
             ],
         )
+
+    def _read_rows(self, read: RowRead) -> list[torch.Tensor]:
+        """Run an opened read in chunks, holding the shard's lock for one chunk at a time (pushes
+        apply between chunks; the answer stays the opening version's: ``ps_server.row_read``)."""
+        shard = self.shard
+        try:
+            more = True
+            while more:
+                with shard._cond:
+                    more = read.step()
+                if more:
+                    time.sleep(0)  # release the GIL: a call waiting for the lock takes it between chunks
+        finally:
+            with shard._cond:
+                read.close()
+        return read.result()
 
     def _wait_for(self, min_version: int, remaining: float | None) -> None:
         """Wait (lock held) until the table version reaches ``min_version``, closing a sync round

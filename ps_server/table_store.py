@@ -30,10 +30,12 @@ from ps_common.errors import (
     InvalidRequestError,
     PlanMismatchError,
     PreconditionError,
+    TableFullError,
     UpdateRefusedError,
 )
 from ps_common.tables import MAX_TABLES, TableSpec
-from ps_server.tables import RowGrads, Table, coalesce
+from ps_server.row_read import RowRead, RowRequest
+from ps_server.tables import DEFAULT_MAX_TABLE_BYTES, RowGrads, Table, coalesce, table_row_bytes
 
 log = logging.getLogger(__name__)
 
@@ -43,12 +45,18 @@ class TableStore:
 
     Args:
         max_rows: most rows one table holds on this shard (``--max-table-rows``).
+        max_bytes: most bytes all tables of this shard hold together, capacity and optimizer state
+            included (``--max-table-bytes``; ``tables.table_row_bytes`` per row); checked before
+            anything is allocated.
     """
 
-    def __init__(self, shard_index: int, num_shards: int, max_rows: int) -> None:
+    def __init__(
+        self, shard_index: int, num_shards: int, max_rows: int, max_bytes: int = DEFAULT_MAX_TABLE_BYTES
+    ) -> None:
         self.shard_index = shard_index
         self.num_shards = num_shards
         self.max_rows = max_rows
+        self.max_bytes = max_bytes
         self.tables: dict[str, Table] = {}
         self.version = 0
         self.held: dict[int, dict[str, RowGrads]] = {}  # sync: the open round's pushes by rank
@@ -68,6 +76,7 @@ class TableStore:
         Raises:
             InvalidRequestError: no tables, too many, a name twice.
             PlanMismatchError: tables exist and differ (another model, or a table's dim changed).
+            TableFullError: one row of every table exceeds ``max_bytes`` (no row could ever be written).
         """
         if not specs or len(specs) > MAX_TABLES:
             raise InvalidRequestError(f"InitTables declares 1 to {MAX_TABLES} tables, got {len(specs)}.")
@@ -84,6 +93,14 @@ class TableStore:
                     f"or dim: {diff[:4]}); every worker must build the same embedding tables."
                 )
             return False
+        smallest = sum(table_row_bytes(s) for s in specs)
+        if smallest > self.max_bytes:
+            raise TableFullError(
+                f"One row of each declared table takes {smallest} bytes (values and optimizer state) but shard "
+                f"{self.shard_index} holds at most {self.max_bytes} bytes of tables (--max-table-bytes); nothing was "
+                "declared. Raise --max-table-bytes, or declare narrower tables (a smaller dim, or an optimizer "
+                "with less state)."
+            )
         self.tables = {s.name: Table(s, self.shard_index, self.num_shards, self.max_rows) for s in specs}
         log.info("shard %d: tables %s declared", self.shard_index, ", ".join(names))
         return True
@@ -105,7 +122,8 @@ class TableStore:
 
     # ----------------------------------------------------------------- read
     def pull(self, blocks: Sequence[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
-        """Rows of each (table, ids int64 [n]) block, all checked before any is read.
+        """Rows of each (table, ids int64 [n]) block, all checked before any is read, in one hold
+        of the lock (the chunked form: :meth:`open_read`).
 
         Returns:
             float32 [n, dim] per block.
@@ -113,10 +131,26 @@ class TableStore:
         Raises:
             InvalidRequestError, PreconditionError: as :meth:`table`, :meth:`Table.check_ids`.
         """
-        tables = [self.table(name) for name, _ in blocks]
-        for t, (_, ids) in zip(tables, blocks, strict=True):
-            t.check_ids(ids)
-        return [t.read(ids) for t, (_, ids) in zip(tables, blocks, strict=True)]
+        read = self.open_read([RowRequest.of(name, ids, self.num_shards) for name, ids in blocks])
+        while read.step():
+            pass
+        read.close()
+        return read.result()
+
+    def open_read(self, requests: Sequence[RowRequest]) -> RowRead:
+        """Check a pull's blocks and open a chunked read of them as of the current version (lock
+        held); the caller calls :meth:`RowRead.step` (lock held) until it returns False, then
+        :meth:`RowRead.close` (lock held) and :meth:`RowRead.result` (no lock).
+
+        Raises:
+            InvalidRequestError, PreconditionError: as :meth:`table`, :meth:`Table.check_ids`.
+        """
+        tables = [self.table(r.table) for r in requests]
+        for t, r in zip(tables, requests, strict=True):
+            t.check_ids(r.sorted_ids, r.owners)
+        read = RowRead(list(zip(tables, requests, strict=True)))
+        read.open(self.version)
+        return read
 
     # ----------------------------------------------------------------- push
     def check_push(self, mode: str, blocks: Mapping[str, RowGrads]) -> None:
@@ -140,15 +174,32 @@ class TableStore:
                     f"The gradient of table {name!r} has NaN or infinite rows; nothing was applied. Clip or skip "
                     "the step (GradScaler) before pushing."
                 )
-            unique = torch.unique(rg.ids)
-            if self.held:
-                pending = [h[name].ids for h in self.held.values() if name in h]
-                if pending:
-                    pending_new = torch.unique(torch.cat(pending))
-                    unique = unique[~torch.isin(unique, pending_new)]
-                    t.check_room(t.new_rows(pending_new) + t.new_rows(unique))
-                    continue
-            t.check_room(t.new_rows(unique))
+        new: dict[str, int] = {}
+        for name, t in self.tables.items():  # the rows this push and the open round's pushes would create
+            ids = [h[name].ids for h in self.held.values() if name in h]
+            if name in blocks:
+                ids.append(blocks[name].ids)
+            if ids:
+                new[name] = t.new_rows(torch.unique(torch.cat(ids)))
+                t.check_room(new[name])
+        self.check_bytes(new)
+
+    @property
+    def num_bytes(self) -> int:
+        """Bytes all tables hold (capacity, optimizer state, ids and index)."""
+        return sum(t.num_bytes for t in self.tables.values())
+
+    def check_bytes(self, new: Mapping[str, int]) -> None:
+        """Raise TableFullError when holding ``new`` more rows (table name -> count) would take the
+        shard's tables beyond ``max_bytes`` (each table at least its current capacity)."""
+        needed = sum(t.bytes_with(new.get(name, 0)) for name, t in self.tables.items())
+        if needed > self.max_bytes:
+            added = sum(new.values())
+            raise TableFullError(
+                f"Shard {self.shard_index}'s tables hold {self.num_bytes} bytes and this update would add {added} "
+                f"rows, {needed} bytes in all (values and optimizer state), beyond --max-table-bytes="
+                f"{self.max_bytes}; nothing changed. Raise --max-table-bytes, add shards, or touch fewer rows."
+            )
 
     def push(
         self, mode: str, rank: int, incarnation: int, clock: int, blocks: Mapping[str, RowGrads]
@@ -216,8 +267,13 @@ class TableStore:
             summed[name] = (ids, grads)
         empty = torch.empty(0, dtype=torch.int64)
         prepared = [(t, t.prepare(*summed.get(name, (empty, None)))) for name, t in self.tables.items()]
-        for t, p in prepared:  # every table computed and checked: now write
-            t.commit(p)
+        # every table computed and checked: now write, each table growing within what the byte
+        # budget leaves once every other table has room for its own new rows
+        floors = {id(t): t.bytes_with(int((~p.held).sum()) if p.held is not None else 0) for t, p in prepared}
+        for t, p in prepared:
+            others = sum(floors.values()) - floors[id(t)]
+            t.commit(p, most=max(0, self.max_bytes - others) // t.bytes_per_row)
+            floors[id(t)] = t.num_bytes
         self.version += 1
 
     # ----------------------------------------------------------------- checkpoints and status

@@ -186,6 +186,7 @@ def test_bad_rows_are_refused_with_contract_codes_and_change_nothing(start_clust
             _refused(lambda: stub.PullRows(huge, timeout=RPC_TIMEOUT), grpc.StatusCode.RESOURCE_EXHAUSTED)
             other = ps_pb2.InitTablesRequest(
                 rank=0,
+                incarnation=c.session.incarnation,
                 tables=[
                     ps_pb2.TableSpec(
                         name="t", num_rows=100, dim=5, optimizer=ps_pb2.OptimizerSpec(name="sgd", kwargs={"lr": 1})
@@ -280,3 +281,106 @@ def test_pulls_split_over_messages_and_oversized_pushes_are_refused_before_sendi
         with pytest.raises(ValueError, match="nothing was pushed"):
             c.push_rows({"t": (ids, torch.ones(ids.numel(), 4))})
         assert c.tables.calls["PushRows"] == 0 and c.tables.clock == 0
+
+
+# ----------------------------------------------------------------- issue 30: bytes, declarers, lock time
+def _table_proto(dim: int = 4, optimizer: str = "sgd", lr: float = 1.0) -> ps_pb2.TableSpec:
+    return ps_pb2.TableSpec(
+        name="t", num_rows=100, dim=dim, optimizer=ps_pb2.OptimizerSpec(name=optimizer, kwargs={"lr": lr})
+    )
+
+
+def test_only_a_joined_live_rank_0_declares_tables(start_cluster) -> None:
+    (shard,) = start_cluster(num_shards=1, num_workers=1, mode="async")
+    with grpc.insecure_channel(shard.address) as ch:
+        stub = ps_pb2_grpc.ParameterServiceStub(ch)
+        forged = ps_pb2.InitTablesRequest(rank=0, incarnation=2**62, tables=[_table_proto()])
+        assert "not joined" in _refused(
+            lambda: stub.InitTables(forged, timeout=RPC_TIMEOUT), grpc.StatusCode.FAILED_PRECONDITION
+        )
+        assert not shard.shard.tables.tables
+        with PSClient([shard.address], rank=0, num_workers=1, timeout=RPC_TIMEOUT, retry_deadline=5) as c:
+            c.join()
+            later = ps_pb2.InitTablesRequest(rank=0, incarnation=c.session.incarnation + 1, tables=[_table_proto()])
+            _refused(lambda: stub.InitTables(later, timeout=RPC_TIMEOUT), grpc.StatusCode.FAILED_PRECONDITION)
+            assert not shard.shard.tables.tables
+            c.init_tables([TableSpec("t", 100, 4, RowOptimizerSpec("sgd", {"lr": 1.0}))])
+            assert list(shard.shard.tables.tables) == ["t"]
+
+
+def test_tables_are_bounded_in_bytes_and_lr_as_dense(start_cluster) -> None:
+    row = 4096 * 4 * 3 + 24  # one adam row of dim 4096
+    (shard,) = start_cluster(num_shards=1, num_workers=1, mode="async", max_table_bytes=4 * row)
+    with PSClient([shard.address], rank=0, num_workers=1, timeout=RPC_TIMEOUT, retry_deadline=5) as c:
+        c.join()
+        with grpc.insecure_channel(shard.address) as ch:
+            stub = ps_pb2_grpc.ParameterServiceStub(ch)
+            huge_lr = ps_pb2.InitTablesRequest(
+                rank=0, incarnation=c.session.incarnation, tables=[_table_proto(optimizer="adam", lr=1e308)]
+            )
+            assert "float32" in _refused(
+                lambda: stub.InitTables(huge_lr, timeout=RPC_TIMEOUT), grpc.StatusCode.INVALID_ARGUMENT
+            )
+            too_wide = ps_pb2.InitTablesRequest(
+                rank=0, incarnation=c.session.incarnation, tables=[_table_proto(dim=65536, optimizer="adam")]
+            )
+            assert "--max-table-bytes" in _refused(
+                lambda: stub.InitTables(too_wide, timeout=RPC_TIMEOUT), grpc.StatusCode.RESOURCE_EXHAUSTED
+            )
+        c.init_tables([TableSpec("t", 100, 4096, RowOptimizerSpec("adam", {"lr": 0.01}))])
+        c.push_rows({"t": (torch.tensor([1]), torch.ones(1, 4096))})
+        t = shard.shard.tables.tables["t"]
+        assert t.capacity == 1 and t.num_bytes == row  # one row asked, one row allocated
+        assert "max-table-bytes" in _refused(
+            lambda: c.push_rows({"t": (torch.arange(2, 7), torch.ones(5, 4096))}), grpc.StatusCode.RESOURCE_EXHAUSTED
+        )
+        assert t.rows == 1 and shard.shard.tables.version == 1  # nothing changed
+        c.push_rows({"t": (torch.arange(2, 5), torch.ones(3, 4096))})
+        assert t.rows == 4 and shard.shard.tables.num_bytes <= 4 * row
+
+
+def test_a_large_pull_answers_one_version_while_pushes_apply_between_its_chunks(start_cluster) -> None:
+    """Every row of the pull moves by +1 per push: a consistent answer has one offset for all rows,
+    the number of pushes before the version it names."""
+    (shard,) = start_cluster(num_shards=1, num_workers=1, mode="async")
+    n = 300_000  # several chunks of READ_CHUNK_IDS
+    ids = torch.arange(n)
+    with _joined([shard.address], num_rows=n, dim=1) as c:
+        c.push_rows({"t": (ids, -torch.ones(n, 1))})  # every row held, at version 1
+        initial = initial_rows("t", 7, 1.0, ids, 1)
+        stop = threading.Event()
+        errors: list[BaseException] = []
+
+        def pusher() -> None:
+            try:
+                for _ in range(200):
+                    if stop.is_set():
+                        return
+                    c.push_rows({"t": (ids, -torch.ones(n, 1))})
+            except BaseException as exc:  # surfaced below
+                errors.append(exc)
+
+        with grpc.insecure_channel(shard.address, options=[("grpc.max_receive_message_length", 64 << 20)]) as ch:
+            stub = ps_pb2_grpc.ParameterServiceStub(ch)
+            request = ps_pb2.PullRowsRequest(
+                rank=0,
+                incarnation=c.session.incarnation,
+                blocks=[ps_pb2.RowBlock(table="t", ids=ids.numpy().tobytes())],
+            )
+            thread = threading.Thread(target=pusher)
+            thread.start()
+            try:
+                versions = set()
+                for _ in range(6):
+                    reply = stub.PullRows(request, timeout=RPC_TIMEOUT)
+                    rows = torch.frombuffer(bytearray(reply.blocks[0].data), dtype=torch.float32).reshape(n, 1)
+                    offset = rows - initial
+                    assert torch.allclose(offset, torch.full_like(offset, float(reply.version)), atol=1e-3), (
+                        reply.version
+                    )
+                    versions.add(reply.version)
+            finally:
+                stop.set()
+                thread.join(timeout=60)
+        assert not errors, errors
+        assert not thread.is_alive()

@@ -168,3 +168,101 @@ def test_export_restore_round_trip() -> None:
     assert torch.equal(other.pull([("emb.weight", ids)])[0], store.pull([("emb.weight", ids)])[0])
     assert other.version == 1 and other.tables["emb.weight"].rows == 2
     assert other.push("async", 0, 1, 0, {}) == (1, True)  # the high-water mark survives
+
+
+# ----------------------------------------------------------------- bounded in bytes (issue 30)
+ADAM = RowOptimizerSpec("adam", {"lr": 0.01})
+
+
+def test_one_row_of_a_wide_adam_table_allocates_one_row_not_a_thousand() -> None:
+    t = Table(spec(dim=4096, optimizer=ADAM), 0, 1, max_rows=10**6)
+    t.apply(torch.tensor([5]), torch.ones(1, 4096))
+    assert t.capacity == 1 and t.num_bytes == t.bytes_per_row  # values and two moments of one row
+    assert t.bytes_per_row == 4096 * 4 * 3 + 24
+    for k in range(2, 6):  # then growth in proportion: at most double what is held
+        t.apply(torch.tensor([100 + k]), torch.ones(1, 4096))
+        assert t.rows == k and k <= t.capacity <= 2 * k
+
+
+def test_growth_is_capped_in_bytes_beyond_the_doubling() -> None:
+    t = Table(spec(dim=4), 0, 1, max_rows=10**9)
+    t.apply(torch.arange(100_000), torch.ones(100_000, 4))
+    assert t.capacity == 100_000  # exactly what was asked from empty
+    t.apply(torch.tensor([100_001]), torch.ones(1, 4))
+    assert t.capacity == 200_000  # doubling: 100_000 * 40 bytes is below the 64 MiB slack
+    assert t.grown_capacity(10**7, 10**9) < 2 * 10**7  # large: slack = half the capacity or 64 MiB
+
+
+def test_the_byte_budget_refuses_before_allocating_and_changes_nothing() -> None:
+    row = 4 * 4 * 3 + 24  # dim 4, adam
+    store = TableStore(0, 1, max_rows=10**6, max_bytes=10 * row)
+    store.declare([spec(optimizer=ADAM)])
+    store.push("async", 0, 1, 0, {"emb.weight": RowGrads(torch.arange(8), torch.ones(8, 4))})
+    saved = store.export()
+    with pytest.raises(TableFullError, match="--max-table-bytes"):
+        store.push("async", 0, 1, 1, {"emb.weight": RowGrads(torch.arange(8, 11), torch.ones(3, 4))})
+    after = store.export()
+    assert after["version"] == saved["version"] and torch.equal(after["tables"][0]["ids"], saved["tables"][0]["ids"])
+    assert store.tables["emb.weight"].capacity == 8
+    store.push("async", 0, 1, 2, {"emb.weight": RowGrads(torch.arange(8, 10), torch.ones(2, 4))})  # fits exactly
+    t = store.tables["emb.weight"]
+    assert t.rows == 10 and store.num_bytes <= store.max_bytes  # the doubling stopped at the budget
+
+
+def test_sync_rounds_count_the_open_rounds_rows_against_the_budget() -> None:
+    row = 4 * 4 + 24  # dim 4, sgd without momentum
+    store = TableStore(0, 1, max_rows=10**6, max_bytes=6 * row)
+    store.declare([spec()])
+    store.push("sync", 0, 1, 0, {"emb.weight": RowGrads(torch.arange(4), torch.ones(4, 4))})
+    with pytest.raises(TableFullError, match="--max-table-bytes"):  # 4 held in the round + 3 new
+        store.push("sync", 1, 1, 0, {"emb.weight": RowGrads(torch.arange(10, 13), torch.ones(3, 4))})
+    store.push("sync", 1, 1, 0, {"emb.weight": RowGrads(torch.arange(2, 6), torch.ones(4, 4))})  # 6 rows
+    assert store.close_round_if_complete([0, 1]) and store.tables["emb.weight"].rows == 6
+
+
+def test_a_table_whose_one_row_exceeds_the_budget_is_refused_at_declaration() -> None:
+    store = TableStore(0, 1, max_rows=10**6, max_bytes=65536 * 4 * 3)  # less than one adam row of dim 65536
+    with pytest.raises(TableFullError, match="--max-table-bytes"):
+        store.declare([spec(dim=65536, optimizer=ADAM)])
+    assert not store.tables
+    assert store.declare([spec(dim=65536)])  # sgd: one row fits
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"lr": 1e308},
+        {"lr": 1e39},
+        {"lr": 0.1, "eps": 1e300},
+        {"lr": 1e20, "weight_decay": 1e20},  # lr * weight_decay beyond float32
+    ],
+)
+def test_row_optimizer_arguments_are_checked_as_a_dense_optimizers(kwargs: dict) -> None:
+    name = "adam" if "eps" in kwargs else "sgd"
+    with pytest.raises(InvalidRequestError, match="float32"):
+        RowOptimizerSpec(name, kwargs)
+    RowOptimizerSpec("sgd", {"lr": 1e30})  # large but within float32 stays allowed
+
+
+def test_vectorized_rows_equal_the_per_id_reference() -> None:
+    """Pushes and pulls of random ids against a per-id reference (a dict of rows stepped one by
+    one with the same float ops): bitwise equal, initial rows included."""
+    g = torch.Generator().manual_seed(3)
+    t = Table(spec(num_rows=10**12), 0, 1, max_rows=10**6)
+    reference: dict[int, torch.Tensor] = {}
+    for _ in range(20):
+        ids = torch.unique(torch.randint(0, 10**12 if _ % 3 else 50, (64,), generator=g))
+        grads = torch.randn(ids.numel(), 4, generator=g)
+        t.apply(ids, grads)
+        for i, row in zip(ids.tolist(), grads, strict=True):
+            old = reference.get(i, initial_rows("emb.weight", 0, 1.0, torch.tensor([i]), 4)[0])
+            reference[i] = old.clone().add_(row, alpha=-0.5)
+    asked = torch.cat([torch.tensor(list(reference)), torch.randint(0, 10**12, (100,), generator=g)])
+    asked = asked[torch.randperm(asked.numel(), generator=g)]
+    expected = torch.stack(
+        [reference.get(i, initial_rows("emb.weight", 0, 1.0, torch.tensor([i]), 4)[0]) for i in asked.tolist()]
+    )
+    assert torch.equal(t.read(asked), expected)
+    store = TableStore(0, 1, max_rows=10**6)
+    store.tables = {"emb.weight": t}
+    assert torch.equal(store.pull([("emb.weight", asked)])[0], expected)
