@@ -47,8 +47,9 @@ class ShardServer:
 
     Use :func:`start_server` (which calls :meth:`start`); call :meth:`stop` to shut down. The
     threads it owns (``threads``: the lease reaper ``lease-reaper-{k}``, the server's pool
-    ``shard{k}_*``, the streams' pool ``shard{k}-streams_*``, the waiting calls' pool ``shard{k}-waits_*``) start in :meth:`start` or with the gRPC
-    server and are joined by :meth:`stop`; the checkpointer joins its own writer.
+    ``shard{k}_*``, the streams' pool ``shard{k}-streams_*``, the waiting calls' pool
+    ``shard{k}-waits_*``) start in :meth:`start` or with the gRPC server and are joined by
+    :meth:`stop`; the checkpointer joins its own writer.
     """
 
     def __init__(

@@ -171,7 +171,8 @@ def test_waiting_calls_leave_health_admin_join_their_threads(shard, kind: str, w
                 attack.init_tables()
             else:
                 ATTACKS[kind](attack, server)
-        wait_until(lambda: held_calls(server) > 0, 10, "the attack's calls to wait on the shard")
+        admitted = min(ATTACK, server.waiting.limit)  # the others are refused at once (TOO_MANY_WAITS)
+        wait_until(lambda: held_calls(server) == admitted, 10, "the attack's calls to wait on the shard")
         answers_at_once(server.address, incarnations)
     finally:
         attack.cancel()
@@ -200,3 +201,32 @@ def test_unreachable_min_version_is_refused_at_once(shard, what: str) -> None:
     assert info.value.code() == grpc.StatusCode.OUT_OF_RANGE, info.value.details()
     assert str(HUGE) in info.value.details()
     assert "version" in info.value.details()
+
+
+def test_a_data_connection_call_ends_its_wait_when_its_worker_goes_away(start_cluster, wait_until) -> None:
+    """A PushPullOnce on a data connection, with no deadline, waits for a sync round rank 1 never
+    pushes; the worker closes its connection: the call's wait ends (and its thread with it)."""
+    from ps_common import dataconn, frames
+    from ps_worker.encoding import Stamp, WireCodec
+    from tests.helpers.data_connections import raw_connection
+
+    (server,) = start_cluster(1, num_workers=2, mode="sync", data_port=0, lease_timeout=60)
+    model = small_model()
+    with PSClient([server.address], rank=0, num_workers=2, incarnation=1, timeout=10, data_path="grpc") as client:
+        client.init(model, {"name": "sgd", "lr": 0.1}, init_timeout=20)
+        plan = server.shard.plan
+        codec = WireCodec(plan)
+        flats = {k: p.detach().reshape(-1).clone().zero_() for k, p in model.named_parameters()}
+        request = frames.build(codec.out_partitions(0, flats, False), codec.push_pull_head(Stamp(0, 1, 0, 0)))
+        sock = raw_connection(server.data.port, rank=0, incarnation=1)
+        assert dataconn.recv_struct(sock, dataconn.REPLY, time.monotonic() + 10) == (dataconn.MAGIC, 0)
+        sock.sendall(b"".join(bytes(b) for b in dataconn.call(1, request, None)))  # no deadline
+        wait_until(lambda: 0 in server.shard.rounds.pending, 10, "the call's push to be held for its round")
+        sock.close()
+
+        def ended() -> float:
+            registry = server.metrics.registry
+            labels = {"method": "ps.v1.ParameterService/PushPullOnce", "code": "DEADLINE_EXCEEDED"}
+            return registry.get_sample_value("ps_rpc_duration_seconds_count", labels) or 0.0
+
+        wait_until(ended, RELEASE_SECONDS, "the call's wait to end with its connection")
