@@ -40,6 +40,8 @@ class Reason(enum.StrEnum):
     TOO_MANY_STREAMS = "TOO_MANY_STREAMS"
     TABLE_FULL = "TABLE_FULL"
     TOO_LARGE = "TOO_LARGE"
+    VERSION_AHEAD = "VERSION_AHEAD"
+    TOO_MANY_WAITS = "TOO_MANY_WAITS"
 
 
 class PSError(Exception):
@@ -168,6 +170,16 @@ class WaitTimeoutError(PSError):
 
     reason: Reason = Reason.WAIT_TIMEOUT
     code = "DEADLINE_EXCEEDED"
+
+
+class VersionAheadError(PSError):
+    """A read asks for a version no wait can reach now: beyond the version the shard's open round
+    makes (OUT_OF_RANGE: the shard's state, not the request's form, puts it out of range). Pull a
+    version the shard holds or makes next; a shard that restarted from an older checkpoint is behind
+    the worker, which then pulls what it holds."""
+
+    reason: Reason = Reason.VERSION_AHEAD
+    code = "OUT_OF_RANGE"
 
 
 class CheckpointError(PSError):

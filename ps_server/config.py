@@ -24,6 +24,10 @@ MAX_STREAMS = 1024
 """Upper bound of ``--max-watch-streams`` and ``--max-public-streams``."""
 STREAM_REFUSAL_THREADS = 4
 """Threads of the streams' pool beyond the admitted streams: they refuse extra streams at once."""
+MAX_WAITING_CALLS = 65536
+"""Upper bound of ``--max-waiting-calls``."""
+WAIT_REFUSAL_THREADS = 4
+"""Threads of the waiting calls' pool beyond the admitted calls: they refuse extra calls at once."""
 
 
 @dataclass(frozen=True)
@@ -85,6 +89,11 @@ class ServerConfig:
     max_public_streams: int = 64
     """Streams of the services that need no token (Health/Watch, reflection) open at once; one more
     is refused with RESOURCE_EXHAUSTED."""
+    max_waiting_calls: int = 0
+    """ParameterService calls that may wait (Push, Pull, PushPull, PushPullOnce, Exchange, Init,
+    InitTables, PullRows) running at once, in a pool of their own; one more is refused with
+    RESOURCE_EXHAUSTED (``TOO_MANY_WAITS``, retried by workers). 0: 2 per worker plus 8
+    (:attr:`waiting_calls`)."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -134,6 +143,11 @@ class ServerConfig:
         ):
             if not 1 <= value <= MAX_STREAMS:
                 raise InvalidRequestError(f"{flag} must be in 1..{MAX_STREAMS}, got {value}.")
+        if not 0 <= self.max_waiting_calls <= MAX_WAITING_CALLS:
+            raise InvalidRequestError(
+                f"--max-waiting-calls must be in 0..{MAX_WAITING_CALLS} (0: 2 per worker plus 8), "
+                f"got {self.max_waiting_calls}."
+            )
         if self.max_table_rows < 0:
             raise InvalidRequestError(f"--max-table-rows must be >= 0, got {self.max_table_rows}.")
         if self.max_table_bytes < 0:
@@ -182,10 +196,24 @@ class ServerConfig:
 
     @property
     def threads(self) -> int:
-        """The data plane's thread pool size: each worker holds at most two calls on a shard at once
+        """The server's thread pool size: each worker holds at most two calls on a shard at once
         (its push or pull, and its heartbeat), plus 8 for Join/Init/Leave and Admin's unary calls.
-        Long-lived streams never run in it (see :attr:`stream_threads`)."""
+        Long-lived streams and the calls that may wait never run in it (see :attr:`stream_threads`
+        and :attr:`wait_threads`), so Health, Admin and Join always find a thread here. The data
+        connections are capped at this many too."""
         return self.max_workers_threads or max(16, 2 * self.num_workers + 8)
+
+    @property
+    def waiting_calls(self) -> int:
+        """Waiting calls admitted at once (``--max-waiting-calls``, or 2 per worker plus 8): sync
+        training holds one per worker on every shard (its PushPull or Pull waiting for the round),
+        twice that leaves room for retries and tools (``ps-admin export``)."""
+        return self.max_waiting_calls or 2 * self.num_workers + 8
+
+    @property
+    def wait_threads(self) -> int:
+        """The waiting calls' pool size: one thread per admitted call, plus a few that answer refusals."""
+        return self.waiting_calls + WAIT_REFUSAL_THREADS
 
     @property
     def stream_threads(self) -> int:
@@ -277,6 +305,14 @@ def server_parser(environ: Mapping[str, str] | None = None) -> FlagParser:
         help="Health/Watch and reflection streams (no token needed) open at once; more are refused",
     )
     p.flag(
+        "--max-waiting-calls",
+        type=int,
+        default=0,
+        help="Push/Pull/PushPull/Exchange/Init/InitTables/PullRows calls that may wait, running at once in a "
+        "pool of their own (Health, Admin and Join keep theirs); more are refused with RESOURCE_EXHAUSTED and "
+        "retried by workers. 0: 2 per worker plus 8",
+    )
+    p.flag(
         "--max-parameter-bytes",
         type=int,
         default=DEFAULT_MAX_PARAMETER_BYTES,
@@ -331,6 +367,7 @@ def config_from_args(
             stream_rounds=args.stream_rounds,
             max_watch_streams=args.max_watch_streams,
             max_public_streams=args.max_public_streams,
+            max_waiting_calls=args.max_waiting_calls,
             **modes.settings_of(args),
         )
     except InvalidRequestError as exc:

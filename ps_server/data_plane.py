@@ -274,7 +274,9 @@ class DataPlane:
             raise InvalidRequestError(f"call {sequence}: {details}")
         request = dataconn.buffer(nbytes)
         dataconn.recv_exact(conn.sock, request)
-        context = CallContext(timeout_ms / 1000 if timeout_ms else None, lambda: not conn.error)
+        # the call is active while its connection is: a worker that went away ends the call's waits
+        active = lambda: not conn.error and _peer_open(conn.sock)  # noqa: E731
+        context = CallContext(timeout_ms / 1000 if timeout_ms else None, active)
         code, body = run_call(self._call, request, context, f"call {sequence} of rank {conn.rank}")
         self._answer(conn, sequence, code, body, context.time_remaining())
         with self._cond:  # connection threads answer calls concurrently
@@ -435,6 +437,17 @@ class DataPlane:
                 s.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
+
+
+def _peer_open(sock: socket.socket) -> bool:
+    """Whether the worker still holds its end of ``sock`` (no EOF or error waiting to be read); read
+    by the connection's own thread only, while it runs a call (the worker sends nothing meanwhile)."""
+    try:
+        return bool(sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT))
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
 
 
 def wire_slots(tensors: Sequence[torch.Tensor], wire: torch.dtype | None, copy: bool = True) -> list[torch.Tensor]:

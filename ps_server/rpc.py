@@ -18,6 +18,7 @@ from ps_common.text import shown
 from ps_common.wire import NAME_TO_MODE
 from ps_proto.v1 import ps_pb2
 from ps_server.membership import PushResult, WorkerState
+from ps_server.waits import serving
 
 log = logging.getLogger("ps_server.servicer")
 
@@ -48,12 +49,14 @@ def refuse(servicer: Any, name: str, exc: errors.PSError, context: grpc.Servicer
 
 
 def maps_errors(method: F) -> F:
-    """Unary or client-streaming method: a domain error becomes ``context.abort`` with its code."""
+    """Unary or client-streaming method: a domain error becomes ``context.abort`` with its code; its
+    waits end with the call (:func:`ps_server.waits.serving`)."""
 
     @functools.wraps(method)
     def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
         try:
-            return method(self, request, context)
+            with serving(context.is_active, context.time_remaining):
+                return method(self, request, context)
         except errors.PSError as exc:
             refuse(self, method.__name__, exc, context)
 
@@ -66,7 +69,8 @@ def maps_stream_errors(method: F) -> F:
     @functools.wraps(method)
     def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
         try:
-            yield from method(self, request, context)
+            with serving(context.is_active, context.time_remaining):
+                yield from method(self, request, context)
         except errors.PSError as exc:
             refuse(self, method.__name__, exc, context)
 

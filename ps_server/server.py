@@ -29,6 +29,7 @@ from ps_server.shard_views import StatusView
 from ps_server.streams import PUBLIC, WATCH, StreamLimit, StreamLimitInterceptor
 from ps_server.table_metrics import TableCollector
 from ps_server.threads import OwnedThreads
+from ps_server.waiting_calls import WaitingCalls
 
 log = logging.getLogger(__name__)
 
@@ -45,9 +46,10 @@ class ShardServer:
     """A running shard: gRPC server, state, and the lease reaper.
 
     Use :func:`start_server` (which calls :meth:`start`); call :meth:`stop` to shut down. The
-    threads it owns (``threads``: the lease reaper ``lease-reaper-{k}``, the data plane's pool
-    ``shard{k}_*``, the streams' pool ``shard{k}-streams_*``) start in :meth:`start` or with the gRPC
-    server and are joined by :meth:`stop`; the checkpointer joins its own writer.
+    threads it owns (``threads``: the lease reaper ``lease-reaper-{k}``, the server's pool
+    ``shard{k}_*``, the streams' pool ``shard{k}-streams_*``, the waiting calls' pool
+    ``shard{k}-waits_*``) start in :meth:`start` or with the gRPC server and are joined by
+    :meth:`stop`; the checkpointer joins its own writer.
     """
 
     def __init__(
@@ -66,8 +68,11 @@ class ShardServer:
         pool: futures.ThreadPoolExecutor | None = None,
         threads: OwnedThreads | None = None,
         data: DataPlane | None = None,
+        waiting: WaitingCalls | None = None,
     ) -> None:
         self.config = config
+        self.waiting = waiting
+        """The calls that may wait: their cap, pool, and how many are open (``.open``)."""
         self.data = data
         """The data connections (None: ``--data-port -1`` or TLS)."""
         self.server = server
@@ -132,6 +137,8 @@ class ShardServer:
             self._pool.shutdown(wait=False)
         if self.streams is not None:
             self.streams.pool.shutdown(wait=False)
+        if self.waiting is not None:
+            self.waiting.pool.shutdown(wait=False)
         if self.metrics_endpoint is not None:
             self.metrics_endpoint.close()
         self.threads.join(JOIN_TIMEOUT, f"shard {self.config.shard_index}")
@@ -225,6 +232,13 @@ def start_server(config: ServerConfig, shard: Shard | None = None) -> ShardServe
         },
         threads.pool(config.stream_threads, f"shard{config.shard_index}-streams"),
     )
+    # The calls that may wait (a round, a table version, a client stream) run in a pool of their own,
+    # capped (ps_server.waiting_calls): Health, Admin and Join keep the server's pool whatever they do.
+    waiting = WaitingCalls(
+        config.waiting_calls,
+        threads.pool(config.wait_threads, f"shard{config.shard_index}-waits"),
+        config.shard_index,
+    )
     pool = threads.pool(config.threads, f"shard{config.shard_index}")
     recorder = MetricsInterceptor(metrics)
     server = grpc.server(
@@ -233,10 +247,11 @@ def start_server(config: ServerConfig, shard: Shard | None = None) -> ShardServe
             recorder,
             TokenInterceptor(config.token, config.admin_token, on_refused=lambda code: counters.add(rejected=1)),
             streams,
+            waiting,
             DecodingInterceptor(on_refused=lambda: counters.add(rejected=1)),  # innermost: see its docstring
         ],
         options=options,
-        maximum_concurrent_rpcs=config.threads * 4 + config.stream_threads,
+        maximum_concurrent_rpcs=config.threads * 4 + config.stream_threads + config.wait_threads,
     )
     servicer = ParameterServicer(shard, counters)
     server.add_generic_rpc_handlers((parameter_service_handler(servicer),))
@@ -316,6 +331,7 @@ def start_server(config: ServerConfig, shard: Shard | None = None) -> ShardServe
         pool=pool,
         threads=threads,
         data=data,
+        waiting=waiting,
     )
     running.start()
     return running

@@ -16,7 +16,7 @@ So, on the same port (grpcurl and Kubernetes probes need it):
 Groups: ``watch``, the streaming methods of ``ps.v1.Admin`` (``--max-watch-streams``); ``public``,
 the streaming methods of services that need no token, Health and reflection
 (``--max-public-streams``). The streams of ``ps.v1.ParameterService`` are the data plane: never
-limited here (``maximum_concurrent_rpcs`` and the pool's size bound them).
+limited here (those that may wait run in a capped pool of their own: :mod:`ps_server.waiting_calls`).
 
 Why this design: a second server would need a second port (grpcurl and Kubernetes probes dial the
 shard's one port), and a ``grpc.aio`` server would mean rewriting the servicers and interceptors

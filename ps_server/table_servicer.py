@@ -19,7 +19,7 @@ import grpc
 import numpy as np
 import torch
 
-from ps_common.errors import InvalidRequestError, RequestTooLargeError
+from ps_common.errors import InvalidRequestError, RequestTooLargeError, VersionAheadError
 from ps_common.wire import table_spec_from_proto, table_spec_to_proto
 from ps_proto.v1 import ps_pb2
 from ps_server.membership import Membership
@@ -143,9 +143,20 @@ class TableRpcs:
 
     def _wait_for(self, min_version: int, remaining: float | None) -> None:
         """Wait (lock held) until the table version reaches ``min_version``, closing a sync round
-        whose ranks have all pushed (an eviction can complete it)."""
+        whose ranks have all pushed (an eviction can complete it).
+
+        Raises:
+            VersionAheadError: ``min_version`` beyond the next table version (no wait could end on it).
+            WaitTimeoutError, ShuttingDownError: as :meth:`~ps_server.waits.Waits.until`.
+        """
         shard = self.shard
         store: TableStore = shard.tables
+        if min_version > store.version + 1:  # a wait ends on the next table version at most
+            raise VersionAheadError(
+                f"A PullRows of table version {min_version} waits for nothing shard {shard.shard_index} can make: "
+                f"it holds version {store.version} and makes {store.version + 1} next. Pull at most version "
+                f"{store.version + 1} (sync: the round after this rank's last PushRows; other modes: 0)."
+            )
         until = None if remaining is None else shard.now() + remaining
 
         def ready() -> bool:

@@ -29,6 +29,8 @@ A class's ``status`` is the code the shard sends with its reason; ``reason`` the
     ├── ShuttingDown                UNAVAILABLE        SHUTTING_DOWN
     ├── CheckpointFailed            INTERNAL           CHECKPOINT
     ├── TooManyStreams              RESOURCE_EXHAUSTED TOO_MANY_STREAMS: wait for another stream to close
+    ├── TooManyWaits                RESOURCE_EXHAUSTED TOO_MANY_WAITS: the shard holds its most waiting calls (retried)
+    ├── VersionAhead                OUT_OF_RANGE       VERSION_AHEAD: a read of a version no wait can reach now
     ├── TableFull                   RESOURCE_EXHAUSTED TABLE_FULL: a table's per-shard row cap is reached
     └── RequestTooLarge             RESOURCE_EXHAUSTED TOO_LARGE: more rows than one message carries
 
@@ -68,6 +70,8 @@ __all__ = [
     "ShuttingDown",
     "CheckpointFailed",
     "TooManyStreams",
+    "TooManyWaits",
+    "VersionAhead",
     "RECOVERABLE",
     "error_from_rpc",
     "reason_of",
@@ -290,6 +294,21 @@ class TooManyStreams(ShardError):
 
 
 _BY_REASON[Reason.TOO_MANY_STREAMS] = TooManyStreams
+
+
+class TooManyWaits(ShardError):
+    """The shard holds ``--max-waiting-calls`` calls that wait (pushes, pulls, table reads) and
+    refused one more at once: transient, so the client retries it with backoff."""
+
+    reason = Reason.TOO_MANY_WAITS
+    status = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+_BY_REASON[Reason.TOO_MANY_WAITS] = TooManyWaits
+
+
+class VersionAhead(ShardError, mirrors=common.VersionAheadError):
+    """A read asked for a version beyond what the shard's open round makes; nothing waited."""
 
 
 class TableFull(ShardError, mirrors=common.TableFullError):

@@ -10,7 +10,7 @@ from typing import TypeVar
 
 import grpc
 
-from ps_common.errors import REASON_KEY  # noqa: F401 - re-exported
+from ps_common.errors import REASON_KEY, Reason  # noqa: F401 - REASON_KEY re-exported
 from ps_worker.errors import reason_of
 
 log = logging.getLogger(__name__)
@@ -44,12 +44,13 @@ def is_transient(exc: grpc.RpcError, codes: Collection[grpc.StatusCode] = RETRYA
     """True when ``exc`` is worth retrying: its code is in ``codes`` and, for ``RESOURCE_EXHAUSTED``,
     it is an overload (gRPC's "Concurrent RPC limit exceeded", no reason attached) rather than a limit
     on the request itself (a message over the size limit, or a shard's refusal with a ``ps-reason``,
-    e.g. ``TOO_MANY_STREAMS``), which would be refused again."""
+    e.g. ``TOO_MANY_STREAMS``), which would be refused again. A shard's ``TOO_MANY_WAITS`` is an
+    overload too: its waiting calls end with their rounds or deadlines."""
     code = exc.code() if hasattr(exc, "code") else None
     if code not in codes:
         return False
     if code is grpc.StatusCode.RESOURCE_EXHAUSTED:
-        return not reason_of(exc) and TOO_LARGE not in _details(exc)
+        return reason_of(exc) in ("", Reason.TOO_MANY_WAITS) and TOO_LARGE not in _details(exc)
     return True
 
 

@@ -147,7 +147,8 @@ class ConsistencyPolicy(ABC):
         """Why the read is blocked, for the timeout's message (what to check)."""
         waiting = shard.rounds.waiting_for(shard.membership.expected(shard.rounds.round))
         return (
-            f"Version {min_version} not reached in {timeout:.1f} s (shard {shard.shard_index} is at "
+            f"Version {min_version} not reached {'in time' if timeout is None else f'in {timeout:.1f} s'} "
+            f"(shard {shard.shard_index} is at "
             f"{shard.version}; round waits for ranks {waiting}); "
             "check those workers."
         )

@@ -20,6 +20,7 @@ from ps_common.errors import (
     PushLostError,
     StalePushError,
     UpdateRefusedError,
+    VersionAheadError,
 )
 from ps_common.modes import ModeSettings
 from ps_server import round_stream
@@ -277,10 +278,12 @@ class SyncPolicy(ConsistencyPolicy):
 
     def check_read(self, shard: ShardCore, member: Member, joined: bool, min_version: int) -> None:
         """Tell a rank whose round was refused at once; refuse a wait for a round that holds no push
-        of the rank and never will (the shard restarted from an older checkpoint).
+        of the rank and never will (the shard restarted from an older checkpoint), and a wait for a
+        version beyond the one the open round makes (no wait could end on it).
 
         Raises:
             UpdateRefusedError: the refusal of the round it waits for. PushLostError: as above.
+            VersionAheadError: ``min_version`` > the open round + 1.
         """
         rank = member.rank
         if joined and min_version > shard.version and rank in shard.refusals:
@@ -295,6 +298,13 @@ class SyncPolicy(ConsistencyPolicy):
                 f"Rank {rank} waits for version {min_version} of shard {shard.shard_index}, whose open round "
                 f"{round_} holds no push from it (the shard restarted from an older checkpoint since); "
                 f"push round {round_} again, then pull."
+            )
+        reachable = max(shard.version, round_) + 1  # what the open round makes
+        if min_version > reachable:
+            raise VersionAheadError(
+                f"A pull of version {min_version} waits for nothing shard {shard.shard_index} can make: it holds "
+                f"version {shard.version} and its open round {round_} makes {reachable}. Pull at most version "
+                f"{reachable} (the round after this rank's last push)."
             )
 
     def can_read(self, shard: ShardCore, member: Member, joined: bool, min_version: int) -> bool:

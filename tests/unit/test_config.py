@@ -40,6 +40,7 @@ def test_bad_twin_value_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> 
         ({"host": "0.0.0.0", "token": "same", "admin_token": "same"}, "with PS_TOKEN equal to PS_ADMIN_TOKEN"),
         ({"max_watch_streams": 0}, "--max-watch-streams must be in 1..1024, got 0."),
         ({"max_public_streams": 1025}, "--max-public-streams must be in 1..1024, got 1025."),
+        ({"max_waiting_calls": -1}, "--max-waiting-calls must be in 0..65536 (0: 2 per worker plus 8), got -1."),
     ],
 )
 def test_invalid_configs_are_refused_in_a_full_sentence(kwargs, message) -> None:
@@ -62,6 +63,16 @@ def test_stream_limits_have_flags_and_a_pool_of_their_own() -> None:
     default, _ = config_from_args(BASE, environ={})
     assert (default.max_watch_streams, default.max_public_streams) == (16, 64)
     assert default.threads == 16  # the data plane's pool: 2 per worker + 8, at least 16
+
+
+def test_waiting_calls_have_a_flag_and_a_pool_of_their_own() -> None:
+    default, _ = config_from_args(BASE, environ={})
+    assert default.max_waiting_calls == 0
+    assert default.waiting_calls == 2 * default.num_workers + 8  # sync needs one per worker
+    assert default.wait_threads == default.waiting_calls + 4  # and threads that refuse at once
+    flagged, _ = config_from_args([*BASE, "--max-waiting-calls", "5"], environ={"PS_MAX_WAITING_CALLS": "9"})
+    twin, _ = config_from_args(BASE, environ={"PS_MAX_WAITING_CALLS": "9"})
+    assert (flagged.waiting_calls, twin.waiting_calls) == (5, 9)
 
 
 @pytest.mark.parametrize(

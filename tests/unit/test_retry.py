@@ -102,3 +102,19 @@ def test_codes_narrow_what_is_retried() -> None:
     assert not is_transient(busy, codes={grpc.StatusCode.UNAVAILABLE})
     assert is_transient(Failure(grpc.StatusCode.UNAVAILABLE))
     assert not is_transient(Failure(grpc.StatusCode.FAILED_PRECONDITION))
+
+
+def test_a_shard_holding_its_most_waiting_calls_is_busy_not_refusing() -> None:
+    """``TOO_MANY_WAITS`` (``--max-waiting-calls``): the waiting calls end with their rounds or
+    deadlines, so the worker retries, as for gRPC's own concurrency limit."""
+    busy = Failure(grpc.StatusCode.RESOURCE_EXHAUSTED, "--max-waiting-calls 12 reached", reason="TOO_MANY_WAITS")
+    assert is_transient(busy)
+    failures = [busy] * 2
+    slept: list[float] = []
+
+    def fn() -> str:
+        if failures:
+            raise failures.pop(0)
+        return "ok"
+
+    assert retry_call(fn, 60.0, "test", sleep=slept.append) == "ok" and len(slept) == 2

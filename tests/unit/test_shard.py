@@ -148,6 +148,20 @@ def test_pull_for_a_round_without_its_push_is_push_lost(shard: Shard) -> None:
         shard.pull(0, 1, 3, PLAN.digest, timeout=1.0)  # beyond the open round: also unreachable
 
 
+def test_a_pull_beyond_the_open_round_waits_for_nothing(shard: Shard) -> None:
+    """A reader that is not a counted rank (never joined under that incarnation) asking for a version
+    beyond what the open round makes is refused at once (OUT_OF_RANGE), not left waiting forever."""
+    from ps_common.errors import VersionAheadError
+
+    for rank, incarnation in ((1, 2**63), (1, 7)):
+        with pytest.raises(VersionAheadError, match=rf"version {2**63} .* holds version 0 .* makes 1"):
+            shard.pull(rank, incarnation, 2**63, PLAN.digest, timeout=None)
+        with pytest.raises(VersionAheadError):
+            shard.pull(rank, incarnation, 2, PLAN.digest, timeout=None)
+    with pytest.raises(WaitTimeoutError):  # the next version is reachable: it waits
+        shard.pull(1, 2**63, 1, PLAN.digest, timeout=0.0)
+
+
 def test_pull_waits_for_the_round_and_times_out_naming_the_laggard(shard: Shard) -> None:
     shard.push(PushStamp(0, 1, 0), 0, PLAN.digest, wire(1.0))
     with pytest.raises(WaitTimeoutError, match=r"ranks \[1\]"):

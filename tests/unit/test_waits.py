@@ -9,7 +9,7 @@ import pytest
 
 from ps_common.errors import RanksMissingError, ShuttingDownError, WaitTimeoutError
 from ps_server.membership import Membership
-from ps_server.waits import Waits
+from ps_server.waits import WAKE_SECONDS, Waits, current_call, serving
 
 
 class Clock:
@@ -67,3 +67,49 @@ def test_ranks_that_never_joined_fail_the_wait_unless_a_quorum_can_close_rounds(
             waits.for_ranks(lambda: False, 60.0, lambda: "x", membership, lambda: [1, 2])
         with pytest.raises(WaitTimeoutError):  # K = 1 of 3: the joined rank can close rounds alone
             waits.for_ranks(lambda: False, 60.0, lambda: "x", membership, lambda: [1, 2], quorum=lambda: 1)
+
+
+def test_a_wait_ends_when_its_call_is_cancelled() -> None:
+    """A wait with no deadline of its own re-checks its call every WAKE_SECONDS and ends once the
+    call is no longer active (cancelled by the client, or its connection closed)."""
+    clock = Clock()
+    cond = StepCondition(clock)
+    waits = Waits(cond, clock, 3)
+    checks = iter([True, True, False])
+    with cond, serving(lambda: next(checks), lambda: None):
+        with pytest.raises(WaitTimeoutError, match="The call ended .* round 7 waits"):
+            waits.until(lambda: False, None, lambda: "round 7 waits for ranks [1]")
+    assert cond.waits == 2 and clock.t == 2 * WAKE_SECONDS  # never slept longer than WAKE_SECONDS
+
+
+def test_a_wait_ends_at_its_calls_deadline_even_when_the_shard_gave_none() -> None:
+    clock = Clock()
+    cond = StepCondition(clock)
+    waits = Waits(cond, clock, 3)
+    with cond, serving(lambda: True, lambda: 0.6):
+        with pytest.raises(WaitTimeoutError, match="not durable"):
+            waits.until(lambda: False, None, lambda: "not durable")
+        assert clock.t == pytest.approx(0.6)
+        with pytest.raises(WaitTimeoutError):  # an earlier deadline of the shard's still wins
+            waits.until(lambda: False, clock.t + 0.1, lambda: "earlier")
+        assert clock.t == pytest.approx(0.7)
+
+
+def test_serving_scopes_the_call_and_no_deadline_reads_as_none() -> None:
+    assert current_call() is None
+    with serving(lambda: True, lambda: 1e30) as outer:  # grpc's "no deadline"
+        assert current_call() is outer and outer.remaining() is None
+        with serving(lambda: False, lambda: -3.0) as inner:
+            assert current_call() is inner and inner.remaining() == 0.0 and not inner.active()
+        assert current_call() is outer
+    assert current_call() is None
+
+
+def test_a_wait_outside_any_call_sleeps_until_its_deadline() -> None:
+    """Without a call (a checkpoint's wait, a unit test) nothing changes: one sleep to the deadline."""
+    clock = Clock()
+    cond = StepCondition(clock)
+    waits = Waits(cond, clock, 3)
+    with cond, pytest.raises(WaitTimeoutError):
+        waits.until(lambda: False, 5.0, lambda: "late")
+    assert cond.waits == 1
