@@ -82,6 +82,12 @@ class ServerConfig:
     max_public_streams: int = 64
     """Streams of the services that need no token (Health/Watch, reflection) open at once; one more
     is refused with RESOURCE_EXHAUSTED."""
+    data_frame_timeout: float = 0.0
+    """Seconds a push frame parked on a data connection (complete and not taken, or partial) may
+    wait without progress before it is released; 0: three lease timeouts (:attr:`frame_timeout`)."""
+    max_parked_bytes: int = 0
+    """Most bytes of push frames parked over all data connections at once; 0: two frames of this
+    shard's partitions per rank of the cluster (a complete one and one being read)."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -107,6 +113,15 @@ class ServerConfig:
             raise InvalidRequestError(f"--metrics-port must be in -1..65535 (-1: off), got {self.metrics_port}.")
         if not self.lease_timeout > 0:
             raise InvalidRequestError(f"--lease-timeout must be > 0 seconds, got {self.lease_timeout}.")
+        if not 0 <= self.data_frame_timeout <= 86400:  # also refuses NaN
+            raise InvalidRequestError(
+                f"--data-frame-timeout must be in 0..86400 seconds (0: three lease timeouts), "
+                f"got {self.data_frame_timeout}."
+            )
+        if self.max_parked_bytes < 0:
+            raise InvalidRequestError(
+                f"--max-parked-bytes must be >= 0 (0: two frames per rank), got {self.max_parked_bytes}."
+            )
         if not 0 <= self.join_timeout <= 86400:  # also refuses NaN
             raise InvalidRequestError(
                 f"--join-timeout must be in 0..86400 seconds (0: wait forever), got {self.join_timeout}."
@@ -183,6 +198,11 @@ class ServerConfig:
         return self.max_workers_threads or max(16, 2 * self.num_workers + 8)
 
     @property
+    def frame_timeout(self) -> float:
+        """Seconds a parked push frame waits without progress before it is released."""
+        return self.data_frame_timeout or 3 * self.lease_timeout
+
+    @property
     def stream_threads(self) -> int:
         """The long-lived streams' pool size: every admitted stream has a thread (Health/Watch needs
         none, but counts in ``max_public_streams``), plus a few that answer refusals at once."""
@@ -222,6 +242,20 @@ def server_parser(environ: Mapping[str, str] | None = None) -> FlagParser:
         "hosts (not loopback); on: every round on data connections; off: answer once the round closed",
     )
     p.flag("--lease-timeout", type=float, default=10.0, help="seconds without a heartbeat before a rank is evicted")
+    p.flag(
+        "--data-frame-timeout",
+        type=float,
+        default=0.0,
+        help="seconds a push frame parked on a data connection (complete and not taken by its PushPull, or "
+        "partial) may wait without progress before it is released; 0: three lease timeouts",
+    )
+    p.flag(
+        "--max-parked-bytes",
+        type=int,
+        default=0,
+        help="most bytes of push frames parked over all data connections at once (a partition beyond closes "
+        "its connection); 0: two frames of this shard's partitions per rank of the cluster",
+    )
     join_timeout_flag(p)
     p.flag("--token", default="", help="bearer token workers must send to ParameterService")
     p.flag("--admin-token", default="", help="bearer token operators must send to Admin")
@@ -318,6 +352,8 @@ def config_from_args(
             stream_rounds=args.stream_rounds,
             max_watch_streams=args.max_watch_streams,
             max_public_streams=args.max_public_streams,
+            data_frame_timeout=args.data_frame_timeout,
+            max_parked_bytes=args.max_parked_bytes,
             **modes.settings_of(args),
         )
     except InvalidRequestError as exc:
