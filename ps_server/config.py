@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from ps_common import modes
 from ps_common.channels import is_loopback
 from ps_common.errors import InvalidRequestError
-from ps_common.flags import FlagParser, join_timeout_flag, mode_flags, secret
+from ps_common.flags import FlagParser, join_timeout_flag, mode_flags, secret, secret_help
 from ps_common.modes import MODES, ModeSettings
 from ps_server.core.limits import DEFAULT_MAX_PARAMETER_BYTES, Limits
 from ps_server.tables import DEFAULT_MAX_TABLE_ROWS
@@ -197,6 +197,17 @@ class ServerConfig:
         Long-lived streams never run in it (see :attr:`stream_threads`)."""
         return self.max_workers_threads or max(16, 2 * self.num_workers + 8)
 
+    def warnings(self) -> list[str]:
+        """What this configuration leaves open that an operator may not expect (logged at start)."""
+        out = []
+        if self.token and not self.admin_token:
+            out.append(
+                f"--token (PS_TOKEN) is set but --admin-token (PS_ADMIN_TOKEN) is not: Admin (status, config "
+                f"changes, resize, evict, checkpoint, export) takes calls without a token from anyone who can "
+                f"reach {self.host}:{self.port}; set PS_ADMIN_TOKEN or PS_ADMIN_TOKEN_FILE."
+            )
+        return out
+
     @property
     def frame_timeout(self) -> float:
         """Seconds a parked push frame waits without progress before it is released."""
@@ -257,8 +268,16 @@ def server_parser(environ: Mapping[str, str] | None = None) -> FlagParser:
         "its connection); 0: two frames of this shard's partitions per rank of the cluster",
     )
     join_timeout_flag(p)
-    p.flag("--token", default="", help="bearer token workers must send to ParameterService")
-    p.flag("--admin-token", default="", help="bearer token operators must send to Admin")
+    p.flag("--token", default="", help=secret_help("bearer token workers must send to ParameterService", "PS_TOKEN"))
+    p.flag(
+        "--admin-token",
+        default="",
+        help=secret_help(
+            "bearer token operators must send to Admin; with --token but without it, Admin takes calls without a "
+            "token (a WARNING says so; refused off loopback)",
+            "PS_ADMIN_TOKEN",
+        ),
+    )
     p.flag("--token-file", default="", help="file holding the worker token (e.g. a mounted Secret)")
     p.flag("--admin-token-file", default="", help="file holding the admin token")
     p.flag("--insecure", switch=True, help="allow a non-loopback bind without tokens")

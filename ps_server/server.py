@@ -296,6 +296,8 @@ def start_server(config: ServerConfig, shard: Shard | None = None) -> ShardServe
     server.start()
     for name in ("", *SERVICE_NAMES):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    for warning in config.warnings():
+        log.warning("shard %d: %s", config.shard_index, warning)
     log.info(
         "shard %d/%d serving %s on %s:%d for %d workers%s",
         config.shard_index,
