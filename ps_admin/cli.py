@@ -24,7 +24,7 @@ from ps_admin.export import add_export_parser, cmd_export
 from ps_admin.view import STATE_NAMES, render_status, render_top, settings_lines, status_json
 from ps_common import jsonout, modes
 from ps_common.channels import credentials, parse_servers, tls_flags
-from ps_common.flags import FlagParser
+from ps_common.flags import FlagParser, secret, secret_help
 from ps_common.modes import MODES, uint32
 from ps_proto.v1 import ps_pb2
 
@@ -195,7 +195,12 @@ def admin_parser(environ: Mapping[str, str] | None = None) -> FlagParser:
     """The ``ps-admin`` flags (DESIGN section 10)."""
     p = FlagParser(prog="ps-admin", description="Inspect and steer every shard of a grpc-ps cluster.", environ=environ)
     p.flag("--servers", required=True, help="HOST:PORT of every shard, comma-separated, in shard-index order")
-    p.flag("--admin-token", default="", help="bearer token of ps.v1.Admin (the shards' PS_ADMIN_TOKEN)")
+    p.flag(
+        "--admin-token",
+        default="",
+        help=secret_help("bearer token of ps.v1.Admin (the shards' PS_ADMIN_TOKEN)", "PS_ADMIN_TOKEN"),
+    )
+    p.flag("--admin-token-file", default="", help="file holding the admin token (e.g. a mounted Secret)")
     p.flag("--timeout", type=positive, default=5.0, help="deadline of each call, seconds")
     tls_flags(p)
     sub = p.add_subparsers(dest="command", required=True, metavar="{status,top,set,resize,checkpoint,evict,export}")
@@ -249,6 +254,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         args.servers = parse_servers(args.servers)
+        args.admin_token = secret(args.admin_token, args.admin_token_file, "--admin-token")
     except ValueError as exc:
         parser.error(str(exc))
     try:

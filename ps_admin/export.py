@@ -5,6 +5,13 @@ the workers may all have exited); the partitions are laid back into full tensors
 shapes and written with ``torch.save``, a plain ``{key: tensor}`` dict that
 ``model.load_state_dict(torch.load(path, weights_only=True))`` reads without grpc-ps installed.
 torch is imported inside the command only: ``ps-admin`` stays torch-free at import.
+
+One model, one version: each shard's answer is of one version, but while training runs the shards
+may answer from different ones. The shards behind the newest are asked again until every shard
+answered at the same version (:func:`fetch_consistent`; in sync mode a shard ahead cannot move on
+until every shard reached its version and the workers stepped, so the ones behind catch up within a
+round), for at most ``--consistency-deadline`` seconds; a model still mixed is not written (exit 1)
+unless ``--allow-mixed``.
 """
 
 from __future__ import annotations
@@ -84,6 +91,48 @@ def fetch_all(
     """Every shard's export, asked in parallel; one result per address, in order."""
     with futures.ThreadPoolExecutor(max_workers=max(1, min(16, len(addresses)))) as pool:
         return list(pool.map(lambda k: fetch_shard(k, addresses[k], token, deadline, creds), range(len(addresses))))
+
+
+def fetch_consistent(
+    addresses: Sequence[str],
+    token: str,
+    deadline: float,
+    creds: grpc.ChannelCredentials | None = None,
+    within: float = 30.0,
+    clock: Any = None,
+) -> tuple[list[ShardExport], int]:
+    """Every shard's export at one version if it can be had within ``within`` seconds: the shards
+    that answered from a version older than the newest answer again (in parallel) until all
+    versions are equal, a shard fails, or ``within`` passes.
+
+    Args:
+        deadline: seconds each shard's stream may take.
+        within: seconds the asking again may take in all (the first round of answers is always
+            asked for).
+        clock: ``time.monotonic`` (injectable for tests).
+
+    Returns:
+        (one result per address in order, the number of rounds of asking); the results' versions
+        may still differ when ``within`` passed (training moving each shard on its own: async,
+        ssp, easgd).
+    """
+    import time
+
+    now = clock or time.monotonic
+    end = now() + within
+    exports = fetch_all(addresses, token, deadline, creds)
+    rounds = 1
+    while all(e.ok for e in exports) and now() < end:
+        versions = [e.head.version for e in exports]  # type: ignore[union-attr]
+        newest = max(versions)
+        behind = [k for k, v in enumerate(versions) if v < newest]
+        if not behind:
+            break
+        again = fetch_all([addresses[k] for k in behind], token, deadline, creds)
+        for k, e in zip(behind, again, strict=True):
+            exports[k] = ShardExport(k, e.address, e.head, e.partitions, e.code, e.details)
+        rounds += 1
+    return exports, rounds
 
 
 class ExportError(ValueError):
@@ -184,14 +233,27 @@ def save(state: Mapping[str, Any], path: str) -> None:
 
 
 def cmd_export(args: Any, out: IO[str], err: IO[str]) -> int:
-    """``ps-admin export --out PATH``: exit 0 when the file is written, 1 when a shard failed or the
-    answers do not make one model."""
-    exports = fetch_all(args.servers, args.admin_token, args.deadline, args.creds)
+    """``ps-admin export --out PATH``: exit 0 when the file is written, 1 when a shard failed, the
+    answers do not make one model, or (without ``--allow-mixed``) the shards could not be read at
+    one version within ``--consistency-deadline`` seconds."""
+    within = args.consistency_deadline
+    exports, rounds = fetch_consistent(args.servers, args.admin_token, args.deadline, args.creds, within)
     failed = [e for e in exports if not e.ok]
     for e in failed:
         print(e.error_line(), file=err)
     if failed:
         print(f"ps-admin: export: {len(failed)} of {len(exports)} shards did not answer; nothing written.", file=err)
+        return 1
+    versions = [e.head.version for e in exports]  # type: ignore[union-attr]
+    mixed = len(set(versions)) > 1
+    if mixed and not args.allow_mixed:
+        print(
+            f"ps-admin: export: the shards were at different versions {versions} after {rounds} reads in "
+            f"{within:g} s (training moving each shard on its own: async, ssp or easgd?); nothing written. "
+            "Export once training ended (or in sync mode, where the shards move together), or pass "
+            "--allow-mixed to write each shard's part of its own version.",
+            file=err,
+        )
         return 1
     try:
         state, versions = assemble(exports)
@@ -199,9 +261,9 @@ def cmd_export(args: Any, out: IO[str], err: IO[str]) -> int:
     except (ExportError, OSError) as exc:
         print(f"ps-admin: export: {exc}", file=err)
         return 1
-    if len(set(versions)) > 1:
+    if mixed:
         print(
-            f"ps-admin: export: the shards were at different versions {versions} (training still running?); "
+            f"ps-admin: export: --allow-mixed: the shards were at different versions {versions}; "
             "each shard's part is of its own version.",
             file=err,
         )
@@ -216,6 +278,19 @@ def add_export_parser(sub: Any, environ: Mapping[str, str]) -> None:
     export.add_argument("--out", required=True, help="export: the file to write (.pt; .safetensors needs safetensors)")
     export.add_argument(
         "--deadline", type=seconds, default=300.0, help="export: seconds each shard's stream may take in all"
+    )
+    export.add_argument(
+        "--consistency-deadline",
+        type=seconds,
+        default=30.0,
+        help="export: seconds to spend asking the shards behind again until every shard answered at one "
+        "version (training running); after that the export fails unless --allow-mixed",
+    )
+    export.add_argument(
+        "--allow-mixed",
+        action="store_true",
+        help="export: write the model even when the shards answered from different versions (each shard's "
+        "part of its own version; a warning on stderr)",
     )
 
 

@@ -77,6 +77,15 @@ class FlagParser(argparse.ArgumentParser):
             self.add_argument(name, type=type, default=default, required=required, choices=choices, help=text)
 
 
+def secret_help(what: str, env: str) -> str:
+    """The help of a flag that takes a secret inline: ``what`` it is, and that a command line is
+    visible to every user of the machine, so ``env``_FILE or ``env`` (the environment) is better."""
+    return (
+        f"{what}. On the command line it is visible to every user of this machine (/proc/PID/cmdline, ps): "
+        f"prefer {env}_FILE (a file, e.g. a mounted Secret) or {env} in the environment"
+    )
+
+
 def secret(value: str, path: str, flag: str) -> str:
     """A token given inline (``value``) or as a file (``path``, e.g. a mounted Kubernetes Secret;
     surrounding whitespace is stripped).

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from ps_common import modes
 from ps_common.channels import is_loopback
 from ps_common.errors import InvalidRequestError
-from ps_common.flags import FlagParser, join_timeout_flag, mode_flags, secret
+from ps_common.flags import FlagParser, join_timeout_flag, mode_flags, secret, secret_help
 from ps_common.modes import MODES, ModeSettings
 from ps_server.core.limits import DEFAULT_MAX_PARAMETER_BYTES, Limits
 from ps_server.tables import DEFAULT_MAX_TABLE_BYTES, DEFAULT_MAX_TABLE_ROWS
@@ -94,6 +94,12 @@ class ServerConfig:
     InitTables, PullRows) running at once, in a pool of their own; one more is refused with
     RESOURCE_EXHAUSTED (``TOO_MANY_WAITS``, retried by workers). 0: 2 per worker plus 8
     (:attr:`waiting_calls`)."""
+    data_frame_timeout: float = 0.0
+    """Seconds a push frame parked on a data connection (complete and not taken, or partial) may
+    wait without progress before it is released; 0: three lease timeouts (:attr:`frame_timeout`)."""
+    max_parked_bytes: int = 0
+    """Most bytes of push frames parked over all data connections at once; 0: two frames of this
+    shard's partitions per rank of the cluster (a complete one and one being read)."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -119,6 +125,15 @@ class ServerConfig:
             raise InvalidRequestError(f"--metrics-port must be in -1..65535 (-1: off), got {self.metrics_port}.")
         if not self.lease_timeout > 0:
             raise InvalidRequestError(f"--lease-timeout must be > 0 seconds, got {self.lease_timeout}.")
+        if not 0 <= self.data_frame_timeout <= 86400:  # also refuses NaN
+            raise InvalidRequestError(
+                f"--data-frame-timeout must be in 0..86400 seconds (0: three lease timeouts), "
+                f"got {self.data_frame_timeout}."
+            )
+        if self.max_parked_bytes < 0:
+            raise InvalidRequestError(
+                f"--max-parked-bytes must be >= 0 (0: two frames per rank), got {self.max_parked_bytes}."
+            )
         if not 0 <= self.join_timeout <= 86400:  # also refuses NaN
             raise InvalidRequestError(
                 f"--join-timeout must be in 0..86400 seconds (0: wait forever), got {self.join_timeout}."
@@ -203,6 +218,22 @@ class ServerConfig:
         connections are capped at this many too."""
         return self.max_workers_threads or max(16, 2 * self.num_workers + 8)
 
+    def warnings(self) -> list[str]:
+        """What this configuration leaves open that an operator may not expect (logged at start)."""
+        out = []
+        if self.token and not self.admin_token:
+            out.append(
+                f"--token (PS_TOKEN) is set but --admin-token (PS_ADMIN_TOKEN) is not: Admin (status, config "
+                f"changes, resize, evict, checkpoint, export) takes calls without a token from anyone who can "
+                f"reach {self.host}:{self.port}; set PS_ADMIN_TOKEN or PS_ADMIN_TOKEN_FILE."
+            )
+        return out
+
+    @property
+    def frame_timeout(self) -> float:
+        """Seconds a parked push frame waits without progress before it is released."""
+        return self.data_frame_timeout or 3 * self.lease_timeout
+
     @property
     def waiting_calls(self) -> int:
         """Waiting calls admitted at once (``--max-waiting-calls``, or 2 per worker plus 8): sync
@@ -255,9 +286,31 @@ def server_parser(environ: Mapping[str, str] | None = None) -> FlagParser:
         "hosts (not loopback); on: every round on data connections; off: answer once the round closed",
     )
     p.flag("--lease-timeout", type=float, default=10.0, help="seconds without a heartbeat before a rank is evicted")
+    p.flag(
+        "--data-frame-timeout",
+        type=float,
+        default=0.0,
+        help="seconds a push frame parked on a data connection (complete and not taken by its PushPull, or "
+        "partial) may wait without progress before it is released; 0: three lease timeouts",
+    )
+    p.flag(
+        "--max-parked-bytes",
+        type=int,
+        default=0,
+        help="most bytes of push frames parked over all data connections at once (a partition beyond closes "
+        "its connection); 0: two frames of this shard's partitions per rank of the cluster",
+    )
     join_timeout_flag(p)
-    p.flag("--token", default="", help="bearer token workers must send to ParameterService")
-    p.flag("--admin-token", default="", help="bearer token operators must send to Admin")
+    p.flag("--token", default="", help=secret_help("bearer token workers must send to ParameterService", "PS_TOKEN"))
+    p.flag(
+        "--admin-token",
+        default="",
+        help=secret_help(
+            "bearer token operators must send to Admin; with --token but without it, Admin takes calls without a "
+            "token (a WARNING says so; refused off loopback)",
+            "PS_ADMIN_TOKEN",
+        ),
+    )
     p.flag("--token-file", default="", help="file holding the worker token (e.g. a mounted Secret)")
     p.flag("--admin-token-file", default="", help="file holding the admin token")
     p.flag("--insecure", switch=True, help="allow a non-loopback bind without tokens")
@@ -368,6 +421,8 @@ def config_from_args(
             max_watch_streams=args.max_watch_streams,
             max_public_streams=args.max_public_streams,
             max_waiting_calls=args.max_waiting_calls,
+            data_frame_timeout=args.data_frame_timeout,
+            max_parked_bytes=args.max_parked_bytes,
             **modes.settings_of(args),
         )
     except InvalidRequestError as exc:

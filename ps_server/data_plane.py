@@ -15,11 +15,18 @@ standing for gRPC's, and sends the answer or the refusal's status code, reason a
 one round trip, no gRPC call, no thread hand-off.
 
 Bounds: at most ``max_connections`` connections (one per rank: a new hello of a rank replaces its
-old connection); per connection one frame being read and one complete frame waiting, each at most
-the shard's partitions in their parameters' dtypes; a record whose slot, dtype or byte count is
-not the plan's closes the connection before any of its bytes are read; a call's request at most
-``max_call_bytes`` (the gRPC server's message limit: a longer one is refused with
-RESOURCE_EXHAUSTED and the connection closed before its bytes are read), one call at a time.
+old connection); a hello of a rank outside the cluster is refused (:data:`REFUSED`); a push frame
+is read only from a live member (the rank joined under the hello's incarnation and not evicted, or
+left), checked at the frame's first record: any other closes the connection before a byte is
+parked; per connection one frame being read and one complete frame waiting, each at most the
+shard's partitions in their parameters' dtypes, and at most ``max_parked_bytes`` parked over all
+connections; a parked frame expires ``frame_timeout`` seconds after its last partition landed (or
+a call last looked at it): a complete one is dropped, a partial one closes its connection; a
+record whose slot, dtype or byte count is not the plan's closes the connection before any of its
+bytes are read; a call's request at most ``max_call_bytes`` (the gRPC server's message limit: a
+longer one is refused with RESOURCE_EXHAUSTED and the connection closed before its bytes are read),
+one call at a time. Refused connections are counted (``refused``) and logged at WARNING at most
+once per :data:`WARN_SECONDS`, with the count of those not logged.
 """
 
 from __future__ import annotations
@@ -40,7 +47,7 @@ import torch
 
 from ps_common import dataconn
 from ps_common.codec import DTYPES, check_finite, decode, dtype_from_proto, wire_dtype_allowed
-from ps_common.errors import DataPathError, InvalidRequestError
+from ps_common.errors import DataPathError, InvalidRequestError, PSError
 from ps_common.partition import WirePartition
 from ps_common.plan import Plan
 from ps_server.data_calls import CallContext, CallHandler, run_call
@@ -57,6 +64,45 @@ SEND_SECONDS = 60.0
 POLL_SECONDS = 0.25
 """How often a waiting PushPull checks that its call is still active."""
 
+WARN_SECONDS = 10.0
+"""At most one WARNING line per this many seconds about refused connections (the rest are counted
+and their number said in the next line)."""
+
+REFUSED = grpc.StatusCode.INVALID_ARGUMENT.value[0]
+"""The hello reply's status when the rank is outside the cluster (0: accepted)."""
+
+
+class RateLimitedWarnings:
+    """WARNING lines at most once per ``seconds``; the lines held back are counted and their
+    number is appended to the next line logged.
+
+    Args:
+        logger: where the lines go.
+        seconds: the shortest interval between two lines.
+        now: monotonic clock in seconds.
+    """
+
+    def __init__(self, logger: logging.Logger, seconds: float, now: Callable[[], float] = time.monotonic) -> None:
+        self._log = logger
+        self._seconds = seconds
+        self._now = now
+        self._next = -math.inf
+        self._held = 0
+        self._lock = threading.Lock()
+
+    def warning(self, message: str, *args: object) -> bool:
+        """Log ``message % args`` unless a line went out less than ``seconds`` ago; returns
+        whether it was logged."""
+        with self._lock:
+            now = self._now()
+            if now < self._next:
+                self._held += 1
+                return False
+            held, self._held, self._next = self._held, 0, now + self._seconds
+        more = f" ({held} more refused in the last {self._seconds:g} s, not logged)" if held else ""
+        self._log.warning(message + "%s", *args, more)
+        return True
+
 
 @dataclass
 class _Conn:
@@ -66,8 +112,15 @@ class _Conn:
     send_lock: threading.Lock = field(default_factory=threading.Lock)
     ready: tuple[int, list[WirePartition]] | None = None
     """The last complete push frame not yet taken: (sequence, partitions in slot order)."""
+    ready_bytes: int = 0
+    ready_at: float = 0.0
+    """When ``ready`` completed or a call last looked at it (``time.monotonic()``)."""
     filling: tuple[int, dict[int, WirePartition]] | None = None
     """The push frame being read: (sequence, slot -> partition landed so far)."""
+    filling_bytes: int = 0
+    """Bytes allocated for the frame being read (landed, and the partition arriving)."""
+    filling_at: float = 0.0
+    """When a partition of the frame being read last began or landed, or a call last looked at it."""
     error: str = ""
     """Why the connection closed ("" while open)."""
     loopback: bool = False
@@ -91,6 +144,17 @@ class DataPlane:
         max_call_bytes: longest call request accepted (the gRPC server's message limit).
         landed: called (holding no lock of this plane's) each time a push partition lands, so a
             streamed round (:mod:`ps_server.round_stream`) can step it; :meth:`peek` reads them.
+        member: called (holding no lock of this plane's) with (rank, incarnation) at a hello and at
+            each push frame's first record; raises InvalidRequestError when the rank is outside
+            the cluster (the hello is refused), another PSError when it is not a live member under
+            that incarnation (the frame is refused, the connection closed). None: every rank.
+        frame_timeout: seconds a parked frame (complete, or being read) may wait without a
+            partition landing or a call looking at it; then it is released.
+        max_parked_bytes: called for the most bytes of push frames parked over all connections
+            at once (0: no bound); a partition beyond it closes its connection before its bytes
+            are read.
+        refused: called once per connection refused (wrong token, a rank outside the cluster or
+            not a live member, over a bound).
 
     Raises:
         RuntimeError: the port could not be bound.
@@ -111,8 +175,19 @@ class DataPlane:
         call: CallHandler | None = None,
         max_call_bytes: int = 64 << 20,
         landed: Callable[[], None] | None = None,
+        member: Callable[[int, int], None] | None = None,
+        frame_timeout: float = 30.0,
+        max_parked_bytes: Callable[[], int] = lambda: 0,
+        refused: Callable[[], None] | None = None,
     ) -> None:
         self.shard_index = shard_index
+        self._member = member or (lambda rank, incarnation: None)
+        self.frame_timeout = frame_timeout
+        self._max_parked_bytes = max_parked_bytes
+        self._refused = refused or (lambda: None)
+        self._warnings = RateLimitedWarnings(log, WARN_SECONDS)
+        self.expired = 0
+        """Parked frames released after :attr:`frame_timeout` (complete or partial)."""
         self._landed = landed or (lambda: None)
         self._call = call
         self.max_call_bytes = max_call_bytes
@@ -134,6 +209,7 @@ class DataPlane:
         self._open: set[socket.socket] = set()
         self._closed = False
         self._threads.start(self._accept, f"shard{shard_index}-data-listener")
+        self._threads.start(self._expire, f"shard{shard_index}-data-expiry")
 
     # ------------------------------------------------------------------ connections
     def _accept(self) -> None:
@@ -147,7 +223,7 @@ class DataPlane:
                     full = not self._closed
                     sock.close()
                     if full:
-                        log.warning("data connection refused: %d open (the most)", self.max_connections)
+                        self._refuse("data connection refused: %d open (the most)", self.max_connections)
                     continue
                 self._open.add(sock)
             self._threads.start(functools.partial(self._serve, sock), f"shard{self.shard_index}-data")
@@ -169,8 +245,9 @@ class DataPlane:
                 self._open.discard(sock)
                 if conn is not None and self._by_rank.get(conn.rank) is conn:
                     del self._by_rank[conn.rank]
-                if conn is not None and not conn.error:
-                    conn.error = "the worker closed its data connection"
+                if conn is not None:
+                    conn.error = conn.error or "the worker closed its data connection"
+                    conn.ready, conn.filling, conn.ready_bytes, conn.filling_bytes = None, None, 0, 0
                 self._cond.notify_all()
             sock.close()
 
@@ -178,13 +255,21 @@ class DataPlane:
         deadline = time.monotonic() + HELLO_SECONDS
         magic, protocol, rank, incarnation, token_len = dataconn.recv_struct(sock, dataconn.HELLO, deadline)
         if magic != dataconn.MAGIC or protocol != dataconn.PROTOCOL or token_len > dataconn.MAX_TOKEN_BYTES:
-            log.warning("data connection closed: not a grpc-ps data connection of protocol %d", dataconn.PROTOCOL)
+            self._refuse("data connection closed: not a grpc-ps data connection of protocol %d", dataconn.PROTOCOL)
             return None
         given = bytearray(token_len)
         dataconn.recv_exact(sock, memoryview(given), deadline)
         if self._tokens and not any(hmac.compare_digest(bytes(given), t) for t in self._tokens):
-            log.warning("data connection of rank %d closed: wrong token", rank)
+            self._refuse("data connection of rank %d closed: wrong token", rank)
             return None
+        try:
+            self._member(rank, incarnation)
+        except InvalidRequestError as exc:  # outside the cluster: no frame of it can ever be taken
+            self._refuse("data connection of rank %d refused: %s", rank, exc)
+            sock.sendall(dataconn.REPLY.pack(dataconn.MAGIC, REFUSED))
+            return None
+        except PSError:
+            pass  # not live now: each frame's first record is checked
         conn = _Conn(sock, rank, incarnation)
         try:
             conn.loopback = ipaddress.ip_address(sock.getpeername()[0]).is_loopback
@@ -215,13 +300,16 @@ class DataPlane:
                 continue
             if sequence is not None and seq != sequence:
                 raise InvalidRequestError(f"frame {seq} began before frame {sequence} ended")
+            if sequence is None:
+                self._check_member(conn, seq)
             sequence = seq
             if slot == dataconn.END:
                 if nbytes != len(parts):
                     raise InvalidRequestError(f"frame {seq} ended after {len(parts)} partitions, not {nbytes}")
                 with self._cond:
                     conn.ready = (seq, [parts[i] for i in sorted(parts)])
-                    conn.filling = None
+                    conn.ready_bytes, conn.ready_at = conn.filling_bytes, time.monotonic()
+                    conn.filling, conn.filling_bytes = None, 0
                     self._cond.notify_all()
                 self._landed()
                 self._counted(received, 0)
@@ -239,6 +327,7 @@ class DataPlane:
                 raise InvalidRequestError(f"frame {seq}: {name} for a {param} parameter")
             if nbytes != part.length * DTYPES[name].itemsize:
                 raise InvalidRequestError(f"frame {seq}: {nbytes} bytes for {part.length} {name} values")
+            self._park(conn, seq, nbytes)
             view = dataconn.byte_view(torch.empty(nbytes, dtype=torch.uint8))
             dataconn.recv_exact(sock, view)
             # checked here, while the frame's later partitions are still arriving; a partition that
@@ -251,8 +340,78 @@ class DataPlane:
             parts[slot] = WirePartition(part.key, part.offset, part.length, name, view, finite=finite, bound=bound)
             received += nbytes + dataconn.RECORD.size
             with self._cond:
-                conn.filling = (seq, dict(parts))
+                conn.filling, conn.filling_at = (seq, dict(parts)), time.monotonic()
             self._landed()
+
+    def _check_member(self, conn: _Conn, sequence: int) -> None:
+        """Refuse frame ``sequence`` unless the connection's rank is a live member under its
+        incarnation (before any of its bytes are read).
+
+        Raises:
+            InvalidRequestError: it is not (the connection closes).
+        """
+        try:
+            self._member(conn.rank, conn.incarnation)
+        except PSError as exc:
+            self._refuse("data connection of rank %d closed at frame %d: %s", conn.rank, sequence, exc)
+            raise InvalidRequestError(f"frame {sequence} of a rank that is not a live member: {exc}") from None
+
+    def _park(self, conn: _Conn, sequence: int, nbytes: int) -> None:
+        """Count ``nbytes`` more of the frame being read, within :attr:`max_parked_bytes`.
+
+        Raises:
+            InvalidRequestError: over the bound (the connection closes, the frame is dropped).
+        """
+        limit = self._max_parked_bytes()
+        with self._cond:
+            parked = sum(c.ready_bytes + c.filling_bytes for c in self._by_rank.values())
+            if limit and parked + nbytes > limit:
+                over = True
+            else:
+                over = False
+                conn.filling_bytes += nbytes
+                conn.filling_at = time.monotonic()
+        if over:
+            self._refuse(
+                "data connection of rank %d closed at frame %d: %d bytes more would park %d, over the bound of %d",
+                conn.rank,
+                sequence,
+                nbytes,
+                parked + nbytes,
+                limit,
+            )
+            raise InvalidRequestError(f"frame {sequence}: over the shard's bound of {limit} parked bytes")
+
+    @property
+    def parked_bytes(self) -> int:
+        """Bytes of push frames parked now (complete and being read) over all connections."""
+        with self._cond:
+            return sum(c.ready_bytes + c.filling_bytes for c in self._by_rank.values())
+
+    def _refuse(self, message: str, *args: object) -> None:
+        self._refused()
+        self._warnings.warning(message, *args)
+
+    def _expire(self) -> None:
+        """Release parked frames :attr:`frame_timeout` seconds old (the plane's expiry thread)."""
+        period = min(1.0, self.frame_timeout / 4)
+        while True:
+            stale: list[_Conn] = []
+            with self._cond:
+                if self._closed:
+                    return
+                now = time.monotonic()
+                for conn in self._by_rank.values():
+                    if conn.ready is not None and now - conn.ready_at > self.frame_timeout:
+                        log.info("data connection of rank %d: frame %d expired untaken", conn.rank, conn.ready[0])
+                        conn.ready, conn.ready_bytes = None, 0
+                        self.expired += 1
+                    if conn.filling_bytes and now - conn.filling_at > self.frame_timeout:
+                        stale.append(conn)
+                        self.expired += 1
+                self._cond.wait(period)
+            for conn in stale:
+                self._lost(conn, f"its frame was not complete within {self.frame_timeout:g} s")
 
     def _serve_call(self, conn: _Conn, sequence: int, timeout_ms: int, nbytes: int) -> None:
         """Read call ``sequence``'s request, run the handler here, send its answer.
@@ -333,7 +492,7 @@ class DataPlane:
                 conn = self._connection(rank, incarnation, sequence)
                 if conn.ready is not None and conn.ready[0] == sequence:
                     parts = conn.ready[1]
-                    conn.ready = None
+                    conn.ready, conn.ready_bytes = None, 0
                     return parts
                 left = POLL_SECONDS if deadline is None else min(POLL_SECONDS, deadline - time.monotonic())
                 if left <= 0 or not active():
@@ -355,8 +514,10 @@ class DataPlane:
         with self._cond:
             conn = self._connection(rank, incarnation, sequence)
             if conn.ready is not None and conn.ready[0] == sequence:
+                conn.ready_at = time.monotonic()  # a call is at it: not parked
                 return dict(enumerate(conn.ready[1])), True
             if conn.filling is not None and conn.filling[0] == sequence:
+                conn.filling_at = time.monotonic()
                 return conn.filling[1], False
             return {}, False
 

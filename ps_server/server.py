@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from concurrent import futures
 
 import grpc
@@ -11,6 +12,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
+from ps_common.codec import DTYPES
 from ps_common.metrics_endpoint import MetricsEndpoint, serve_metrics
 from ps_proto.v1 import ps_pb2, ps_pb2_grpc
 from ps_server.admin_servicer import AdminServicer
@@ -294,6 +296,10 @@ def start_server(config: ServerConfig, shard: Shard | None = None) -> ShardServe
                 call=recorder.unary(servicer.push_pull_once_chunks, PUSH_PULL_ONCE),
                 max_call_bytes=config.max_message_bytes,
                 landed=shard.wake,
+                member=shard.check_live,
+                frame_timeout=config.frame_timeout,
+                max_parked_bytes=parked_bound(shard, config.max_parked_bytes),
+                refused=lambda: counters.add(rejected=1),
             )
         except RuntimeError:
             server.stop(None)
@@ -306,6 +312,8 @@ def start_server(config: ServerConfig, shard: Shard | None = None) -> ShardServe
     server.start()
     for name in ("", *SERVICE_NAMES):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    for warning in config.warnings():
+        log.warning("shard %d: %s", config.shard_index, warning)
     log.info(
         "shard %d/%d serving %s on %s:%d for %d workers%s",
         config.shard_index,
@@ -335,6 +343,29 @@ def start_server(config: ServerConfig, shard: Shard | None = None) -> ShardServe
     )
     running.start()
     return running
+
+
+def parked_bound(shard: Shard, configured: int) -> Callable[[], int]:
+    """The data plane's bound on parked push-frame bytes: ``configured`` (--max-parked-bytes), or
+    two frames of the shard's partitions (in their parameters' dtypes, the widest a frame may
+    carry) per rank the shard lists (0 before Init: no frame is read then)."""
+    cache: dict[int, int] = {}
+
+    def bound() -> int:
+        if configured:
+            return configured
+        plan = shard.plan
+        if plan is None:
+            return 0
+        frame = cache.get(id(plan))
+        if frame is None:
+            owned = plan.owned_by(shard.shard_index)
+            frame = sum(p.length * DTYPES[plan.dtypes[p.key]].itemsize for p in owned)
+            cache.clear()
+            cache[id(plan)] = frame
+        return 2 * len(shard.members) * frame
+
+    return bound
 
 
 def _status(shard: Shard | None) -> StatusView:

@@ -155,6 +155,17 @@ class Shard(DataPath):
         """Raise InvalidRequestError when ``rank`` is out of range."""
         self.membership.get(rank)
 
+    def check_live(self, rank: int, incarnation: int) -> None:
+        """Raise unless ``rank`` is a live member of this shard under ``incarnation`` (a data
+        connection's frames come from members only).
+
+        Raises:
+            InvalidRequestError: rank out of range. SupersededError: an older incarnation.
+            NotJoinedError: not joined under ``incarnation``, evicted or left.
+        """
+        with self._cond:
+            self.membership.check_live(self.membership.get(rank, incarnation), incarnation)
+
     def check_plan(self, digest: str) -> Plan:
         """The plan, when the shard is initialized and ``digest`` is its digest.
 

@@ -52,14 +52,16 @@ def join(shard: Shard, rank: int, num_workers: int, incarnation: int) -> JoinInf
         PreconditionError: a lower incarnation than one already joined.
     """
     with shard._cond:
+        member = shard.membership.get(rank, incarnation)
+        # a rank a resize left out is told so first, whatever count it was started with (a rank
+        # started for a resize that a later one undid says the count it was started for)
+        shard.membership.check_in_cluster(rank)
         if num_workers not in (shard.num_workers, shard.configured_num_workers):
             raise InvalidRequestError(
                 f"This cluster has num_workers={shard.num_workers} but the worker says {num_workers}; "
                 "start every worker and shard with the same --num-workers (after `ps-admin resize N`, "
                 "workers may say N or the shards' --num-workers)."
             )
-        member = shard.membership.get(rank, incarnation)
-        shard.membership.check_in_cluster(rank)
         # a sync rank whose process restarted mid-run may have pushed its last round to some shards
         # and not others: like a rank counted again, it starts at shard 0's next round everywhere
         replaced = shard.mode == "sync" and member.incarnation not in (0, incarnation) and not member.restored

@@ -14,7 +14,7 @@ from typing import NoReturn
 
 from ps_common.channels import tls_flags
 from ps_common.dataconn import DATA_PATHS
-from ps_common.flags import FlagParser
+from ps_common.flags import FlagParser, secret_help
 
 WORKLOAD_NAMES = ("charlm", "ctr", "digits", "linreg")
 """The built-in workloads (the keys of ``ps_worker.workloads.WORKLOADS``, sorted; a test keeps them equal)."""
@@ -114,7 +114,7 @@ def worker_parser(environ: Mapping[str, str] | None = None) -> FlagParser:
         default=30.0,
         help="seconds to keep retrying an unreachable shard (backoff with jitter) before failing",
     )
-    p.flag("--token", default="", help="bearer token for ParameterService")
+    p.flag("--token", default="", help=secret_help("bearer token for ParameterService", "PS_TOKEN"))
     p.flag("--token-file", default="", help="file holding the bearer token (e.g. a mounted Secret)")
     p.flag(
         "--data-path",

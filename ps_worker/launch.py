@@ -75,7 +75,10 @@ def launch_parser(environ: Mapping[str, str] | None = None) -> FlagParser:
         epilog=(
             f"Every shard and worker starts with GLIBC_TUNABLES={GLIBC_TUNABLES} (malloc tuned for large "
             "messages) and OMP_NUM_THREADS=max(1, CPUs // (shards + workers)) unless you set them: a value in "
-            "ps-launch's environment wins (an empty GLIBC_TUNABLES turns the tuning off)."
+            "ps-launch's environment wins (an empty GLIBC_TUNABLES turns the tuning off). Tokens: set PS_TOKEN "
+            "and PS_ADMIN_TOKEN (or PS_TOKEN_FILE and PS_ADMIN_TOKEN_FILE) in ps-launch's environment; every "
+            "shard and worker gets them through its environment, never on its command line, where every user "
+            "of this machine could read them (/proc/PID/cmdline, ps)."
         ),
         environ=environ,
     )

@@ -3,8 +3,9 @@ workload, the user's script otherwise), show their progress, inject ``--fault``,
 
 Progress of a built-in workload comes from ``ps-worker --events`` lines; a user's script prints none,
 so its progress line follows the rank's clock as shard 0 reports it (``Admin/GetStatus``, twice a
-second). Either way: exit status 0 only when every worker exits 0, 1 when one fails (its log's tail
-is shown), 130 on Ctrl-C; no process is left behind.
+second). Either way: exit status 0 only when every worker exits 0 (or was not needed: a rank that a
+later ``--resize`` left out of the job before it trained), 1 when one fails (its log's tail is
+shown), 130 on Ctrl-C; no process is left behind.
 """
 
 from __future__ import annotations
@@ -142,6 +143,8 @@ def run(args: Any, target: Target | None = None) -> int:
         announce = bool(faults)  # membership changes go on the console when faults are injected
         watch = MembershipWatch(addresses[0]) if announce or script else None
         incarnations: dict[int, int] = {}  # a script's rank -> the incarnation its current run started with
+        size = [args.workers]  # the job's worker count after the resizes fired so far
+        unneeded: list[str] = []  # workers a later resize left out before they trained
 
         def inject(fault: Fault, step: int) -> None:
             tqdm.write(f"ps-launch: fault {fault} at step {step}", file=sys.stderr)
@@ -162,6 +165,7 @@ def run(args: Any, target: Target | None = None) -> int:
             ranks beyond the new count stop by themselves at the resize's round."""
             _, n = resizes.pop(0)
             answer = resize_job(addresses[0], n)
+            size[0] = n
             fired.append({"resize": n, "step": step, "at_version": answer.at_version})
             tqdm.write(
                 f"ps-launch: resized from {answer.previous_num_workers} to {n} workers at step {step} "
@@ -256,6 +260,15 @@ def run(args: Any, target: Target | None = None) -> int:
                 if script and code == 0:
                     done[name] = script_done(rank, addresses, runs[rank], said.get(rank, {}))
                     last_step = max(last_step, time.perf_counter())
+                if code != 0 and rank >= size[0] and not runs[rank]:
+                    # started for a resize that a later one undid before it trained: its work is not needed
+                    unneeded.append(name)
+                    tqdm.write(
+                        f"ps-launch: {name} not needed: the job was resized to {size[0]} workers before it "
+                        f"trained (exit {code}; log {workers[rank].log_path})",
+                        file=sys.stderr,
+                    )
+                    continue
                 if code != 0 or name not in done:
                     raise RuntimeError(f"{name} failed (exit {code}):\n{tail(workers[rank].log_path)}")
         wall = time.perf_counter() - started
@@ -286,6 +299,7 @@ def run(args: Any, target: Target | None = None) -> int:
         )
     summary["faults"] = fired
     summary["restarted"] = restarts
+    summary["not_needed"] = unneeded
     (print_script_summary if script else print_summary)(summary, sys.stdout)
     if args.json:
         print(jsonout.dumps(summary), flush=True)

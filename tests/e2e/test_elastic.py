@@ -48,3 +48,27 @@ def test_a_sync_job_grows_shrinks_and_resumes_onto_another_worker_count(tmp_path
     assert [row["first_step"] for row in summary["ranks"]] == [STEPS] * 3
     assert len(set(summary["params_sha256_per_rank"])) == 1  # sync: every rank ends with the same model
     assert min(summary["accuracy_per_rank"]) >= 0.85
+
+
+def test_a_rank_started_for_a_resize_that_a_later_one_undid_is_not_a_failure(tmp_path) -> None:
+    """async, 2 workers: resized to 3 then at once to 2. Rank 2, started for the first resize, joins
+    after the second: it is refused as outside the job (not for its --num-workers), and ps-launch
+    counts it not needed, not failed: the job trains to the end and exits 0."""
+    out = subprocess.run(
+        [
+            *(sys.executable, "-m", "ps_worker.launch", "--shards", "1", "--mode", "async", "--workers", "2"),
+            *("--steps", "200", "--batch-size", "16", "--no-progress", "--no-metrics", "--json"),
+            *("--log-dir", str(tmp_path), "--resize", "3@step=5;2@step=6", "digits"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert [f["resize"] for f in summary["faults"] if "resize" in f] == [3, 2]
+    assert summary["not_needed"] == ["worker-2"]
+    assert "worker-2 not needed" in out.stderr
+    worker2 = (tmp_path / "worker-2.log").read_text()
+    assert "resized to num_workers=2" in worker2 and "says 3" not in worker2
+    assert_all_gone(out.stderr, 4)  # 1 shard, 3 workers

@@ -9,8 +9,9 @@ from ps_common import dataconn
 from tests.conftest import RPC_TIMEOUT
 
 
-def raw_connection(port: int, rank: int = 7, incarnation: int = 1, token: str = "") -> socket.socket:
-    """A connection to ``127.0.0.1:port`` that has sent its hello (the reply is not read)."""
+def raw_connection(port: int, rank: int = 0, incarnation: int = 1, token: str = "") -> socket.socket:
+    """A connection to ``127.0.0.1:port`` that has sent its hello (the reply is not read); a hello
+    of a rank outside the cluster is refused (:data:`ps_server.data_plane.REFUSED`)."""
     sock = socket.create_connection(("127.0.0.1", port), timeout=RPC_TIMEOUT)
     sock.sendall(dataconn.hello(rank, incarnation, token))
     return sock

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -84,3 +86,10 @@ def test_client_with_token_trains(secured) -> None:
         model(__import__("torch").randn(2, 8)).sum().backward()
         client.push({k: p.grad for k, p in model.named_parameters()})
         assert client.pull({k: p.data for k, p in model.named_parameters()}) == 1
+
+
+def test_a_shard_with_a_worker_token_and_no_admin_token_warns_that_admin_is_open(start_cluster, caplog) -> None:
+    with caplog.at_level(logging.WARNING, logger="ps_server.server"):
+        start_cluster(1, num_workers=1, token="worker-only")
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("PS_ADMIN_TOKEN" in w and "without a token" in w for w in warnings), warnings

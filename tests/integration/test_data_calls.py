@@ -187,7 +187,7 @@ def test_a_call_over_the_message_limit_is_refused_before_its_bytes_are_read(star
 def test_a_call_inside_a_frame_closes_the_connection(start_cluster) -> None:
     cluster = start_cluster(num_shards=1, num_workers=1, data_port=0)
     train(cluster.addresses, 1, "grpc")  # initialized: a frame's record is checked against the plan
-    sock = connected(cluster[0].data.port, rank=5)
+    sock = connected(cluster[0].data.port)
     part = dataconn.RECORD.pack(3, 0, 1, 4 * 16 * 32)  # float32 partition 0 of frame 3 ...
     sock.sendall(part + bytes(4 * 16 * 32) + b"".join(dataconn.call(4, b"", 5.0)))  # ... then a call
     assert closed_by_peer(sock)

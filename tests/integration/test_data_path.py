@@ -147,8 +147,8 @@ def test_a_record_outside_the_plan_closes_the_connection_and_changes_nothing(ini
     cluster, client, m = initialized
     shard = cluster[0].shard
     before = (shard.version, params_sha256(m))
-    sock = raw_connection(cluster[0].data.port, token="tok")
-    dataconn.recv_struct(sock, dataconn.REPLY, time.monotonic() + RPC_TIMEOUT)
+    sock = raw_connection(cluster[0].data.port, rank=0, incarnation=1, token="tok")  # the joined rank's
+    assert dataconn.recv_struct(sock, dataconn.REPLY, time.monotonic() + RPC_TIMEOUT) == (dataconn.MAGIC, 0)
     sock.sendall(dataconn.RECORD.pack(*record))
     assert closed_by_peer(sock)
     # the shard keeps serving, over the data connection too, and applied nothing of the bad frame
@@ -175,16 +175,14 @@ def test_a_non_finite_gradient_on_the_data_path_is_refused_whole(initialized) ->
 
 
 def test_connections_are_bounded(start_cluster) -> None:
-    """No more than the data plane's thread bound (max(16, 2 x workers + 8)) connections at once:
-    one more is closed before its hello is read."""
+    """No more than the data plane's thread bound (max(16, 2 x workers + 8)) connections at once
+    (here waiting for their hellos): one more is closed before its hello is read."""
     cluster = start_cluster(num_shards=1, num_workers=1, data_port=0)
     plane = cluster[0].data
     socks: list[socket.socket] = []
     for _ in range(plane.max_connections):
-        s = raw_connection(plane.port, rank=len(socks))
-        dataconn.recv_struct(s, dataconn.REPLY, time.monotonic() + RPC_TIMEOUT)
-        socks.append(s)
-    extra = raw_connection(plane.port, rank=999)
+        socks.append(socket.create_connection(("127.0.0.1", plane.port), timeout=RPC_TIMEOUT))
+    extra = raw_connection(plane.port, rank=0)
     assert closed_by_peer(extra)
     for s in socks:
         s.close()
@@ -193,7 +191,7 @@ def test_connections_are_bounded(start_cluster) -> None:
 def test_sending_to_a_peer_that_stops_reading_is_bounded(start_cluster) -> None:
     """A worker that stops reading holds neither the shard's sender nor a worker's: each send
     gives up at its deadline, and the shard closes that connection."""
-    cluster = start_cluster(num_shards=1, num_workers=1, data_port=0)
+    cluster = start_cluster(num_shards=1, num_workers=4, data_port=0)
     plane = cluster[0].data
     sock = raw_connection(plane.port, rank=3)
     dataconn.recv_struct(sock, dataconn.REPLY, time.monotonic() + RPC_TIMEOUT)

@@ -199,3 +199,20 @@ def test_export_rpc_refuses_garbage_and_needs_the_admin_token(start_cluster) -> 
         with pytest.raises(grpc.RpcError) as refused:
             list(call(b"", timeout=RPC_TIMEOUT, metadata=worker_token))
         assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+
+
+def test_exports_during_sync_training_are_of_one_version(start_cluster, start_trainer, wait_until, tmp_path) -> None:
+    """2 shards x 2 sync ranks training flat out: every export is written from one version of all
+    shards (the shards behind are read again), never a mix with only a warning."""
+    shards = start_cluster(2, num_workers=2)
+    trainers = [start_trainer(shards.addresses, rank=r, num_workers=2) for r in range(2)]
+    wait_until(lambda: all(t.steps >= 5 for t in trainers), 60, "training under way")
+    for i in range(5):
+        model_file = tmp_path / f"model{i}.pt"
+        done = ps_admin("--servers", servers_of(shards), "export", "--out", str(model_file))
+        assert done.returncode == 0, done.stderr
+        assert "different versions" not in done.stderr, done.stderr
+        assert model_file.exists()
+    assert all(t.steps > 5 for t in trainers) and all(t.error is None for t in trainers)
+    for t in trainers:
+        t.stop()

@@ -6,7 +6,7 @@ import pytest
 
 from ps_common.channels import is_loopback
 from ps_common.errors import InvalidRequestError
-from ps_server.config import ServerConfig, config_from_args
+from ps_server.config import ServerConfig, config_from_args, server_parser
 
 BASE = ["--shard-index", "0", "--num-shards", "2", "--num-workers", "2"]
 
@@ -112,3 +112,39 @@ def test_bad_token_files_are_clear_errors(tmp_path, capsys, extra, message) -> N
     with pytest.raises(SystemExit):
         config_from_args([*BASE, *extra], environ={})
     assert message in capsys.readouterr().err
+
+
+def test_a_worker_token_without_an_admin_token_is_warned_about() -> None:
+    open_admin = ServerConfig(shard_index=0, num_shards=1, num_workers=1, token="w")
+    (warning,) = open_admin.warnings()
+    assert "--admin-token" in warning and "without a token" in warning and "PS_ADMIN_TOKEN_FILE" in warning
+    assert ServerConfig(shard_index=0, num_shards=1, num_workers=1, token="w", admin_token="a").warnings() == []
+    assert ServerConfig(shard_index=0, num_shards=1, num_workers=1).warnings() == []
+
+
+def test_every_token_flag_says_the_command_line_is_visible_and_what_to_use_instead() -> None:
+    from ps_admin.cli import admin_parser
+    from ps_worker.cli import worker_parser
+    from ps_worker.launch import launch_parser
+
+    for parser, flags in (
+        (server_parser({}), ("--token", "--admin-token")),
+        (worker_parser({}), ("--token",)),
+        (admin_parser({}), ("--admin-token",)),
+    ):
+        helps = {a.option_strings[0]: " ".join(a.help.split()) for a in parser._actions if a.option_strings}
+        for flag in flags:
+            assert "/proc/PID/cmdline" in helps[flag] and "_FILE" in helps[flag], (parser.prog, flag)
+    epilog = " ".join(launch_parser({}).epilog.split())
+    assert "never on its command line" in epilog and "PS_TOKEN_FILE" in epilog
+
+
+def test_ps_admin_reads_the_admin_token_from_a_file(tmp_path, monkeypatch) -> None:
+    from ps_admin import cli
+
+    path = tmp_path / "admin-token"
+    path.write_text("s3cret\n")
+    seen = {}
+    monkeypatch.setitem(cli.COMMANDS, "checkpoint", lambda args, out, err: seen.setdefault("token", args.admin_token))
+    cli.main(["--servers", "127.0.0.1:1", "--admin-token-file", str(path), "checkpoint"])
+    assert seen == {"token": "s3cret"}

@@ -3,12 +3,15 @@ assembly into full tensors (ps_admin.export), over a fake shard's checkpoint sna
 
 from __future__ import annotations
 
+import io
+from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 
-from ps_admin.export import ExportError, ShardExport, assemble
+from ps_admin.export import ExportError, ShardExport, assemble, cmd_export, fetch_consistent
 from ps_common import errors
 from ps_common.plan import ParameterSpec, make_plan
 from ps_server.export import export_messages
@@ -100,3 +103,60 @@ def test_shards_out_of_order_or_missing_partitions_are_refused() -> None:
     other.head.plan.digest = "0" * 64
     with pytest.raises(ExportError, match="another model"):
         assemble([shard_export(0), other])
+
+
+def at_version(export: ShardExport, version: int) -> ShardExport:
+    export.head.version = version  # type: ignore[union-attr]
+    return export
+
+
+class Shards:
+    """fetch_all over fake shards whose versions follow a script: each answer of shard k takes the
+    next version of ``script[k]`` (its last one once the script ran out)."""
+
+    def __init__(self, script: list[list[int]]) -> None:
+        self.script = script
+        self.asked: list[list[str]] = []
+
+    def __call__(self, addresses, token, deadline, creds=None) -> list[ShardExport]:
+        self.asked.append(list(addresses))
+        out = []
+        for address in addresses:
+            k = int(address.rsplit(":", 1)[1]) - 5000
+            versions = self.script[k]
+            out.append(at_version(shard_export(k), versions.pop(0) if len(versions) > 1 else versions[0]))
+        return out
+
+
+def test_the_shards_behind_are_asked_again_until_one_version(monkeypatch: pytest.MonkeyPatch) -> None:
+    shards = Shards([[8, 9], [7, 7, 9]])  # shard 1 catches up past shard 0, which then catches up
+    monkeypatch.setattr("ps_admin.export.fetch_all", shards)
+    addresses = ["127.0.0.1:5000", "127.0.0.1:5001"]
+    exports, rounds = fetch_consistent(addresses, "", 5.0, within=10.0)
+    assert [e.head.version for e in exports] == [9, 9]
+    assert rounds == 4 and shards.asked[1:] == [[addresses[1]], [addresses[1]], [addresses[0]]]
+
+
+def export_args(tmp_path: Path, allow_mixed: bool) -> SimpleNamespace:
+    return SimpleNamespace(
+        servers=["127.0.0.1:5000", "127.0.0.1:5001"],
+        admin_token="",
+        deadline=5.0,
+        creds=None,
+        consistency_deadline=0.2,
+        allow_mixed=allow_mixed,
+        out=str(tmp_path / "model.pt"),
+    )
+
+
+def test_a_model_mixed_from_two_versions_is_not_written_unless_allowed(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setattr("ps_admin.export.fetch_all", Shards([[5, 7, 9, 11], [4, 6, 8, 10]]))  # never equal
+    out, err = io.StringIO(), io.StringIO()
+    assert cmd_export(export_args(tmp_path, allow_mixed=False), out, err) == 1
+    assert "different versions" in err.getvalue() and "--allow-mixed" in err.getvalue()
+    assert not (tmp_path / "model.pt").exists()
+    monkeypatch.setattr("ps_admin.export.fetch_all", Shards([[5, 7, 9, 11], [4, 6, 8, 10]]))
+    assert cmd_export(export_args(tmp_path, allow_mixed=True), out, err) == 0
+    assert (tmp_path / "model.pt").exists() and "--allow-mixed" in err.getvalue()
