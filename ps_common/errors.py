@@ -40,6 +40,7 @@ class Reason(enum.StrEnum):
     TOO_MANY_STREAMS = "TOO_MANY_STREAMS"
     TABLE_FULL = "TABLE_FULL"
     TOO_LARGE = "TOO_LARGE"
+    WRONG_RANK = "WRONG_RANK"
 
 
 class PSError(Exception):
@@ -192,6 +193,15 @@ class RequestTooLargeError(PSError):
 
     reason: Reason = Reason.TOO_LARGE
     code = "RESOURCE_EXHAUSTED"
+
+
+class WrongRankError(PSError):
+    """A request stamped with another rank than the one its caller joined as: its session is another
+    rank's, or its data connection's hello named another rank (PERMISSION_DENIED). Nothing changed;
+    a worker pushes only as the rank it joined as."""
+
+    reason: Reason = Reason.WRONG_RANK
+    code = "PERMISSION_DENIED"
 
 
 class DataPathError(PSError):

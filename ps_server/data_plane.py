@@ -63,6 +63,8 @@ class _Conn:
     sock: socket.socket
     rank: int
     incarnation: int
+    session: int = 0
+    """The rank's session the hello carried (``JoinResponse.session``)."""
     send_lock: threading.Lock = field(default_factory=threading.Lock)
     ready: tuple[int, list[WirePartition]] | None = None
     """The last complete push frame not yet taken: (sequence, partitions in slot order)."""
@@ -91,6 +93,9 @@ class DataPlane:
         max_call_bytes: longest call request accepted (the gRPC server's message limit).
         landed: called (holding no lock of this plane's) each time a push partition lands, so a
             streamed round (:mod:`ps_server.round_stream`) can step it; :meth:`peek` reads them.
+        admit: whether (rank, incarnation, session) is the rank's current session on the shard
+            (holding no lock of this plane's): checked at each push frame's first record (not: the
+            connection closes) and before a hello replaces a rank's connection; None admits all.
 
     Raises:
         RuntimeError: the port could not be bound.
@@ -111,8 +116,10 @@ class DataPlane:
         call: CallHandler | None = None,
         max_call_bytes: int = 64 << 20,
         landed: Callable[[], None] | None = None,
+        admit: Callable[[int, int, int], bool] | None = None,
     ) -> None:
         self.shard_index = shard_index
+        self._admit = admit or (lambda rank, incarnation, session: True)
         self._landed = landed or (lambda: None)
         self._call = call
         self.max_call_bytes = max_call_bytes
@@ -176,7 +183,7 @@ class DataPlane:
 
     def _hello(self, sock: socket.socket) -> _Conn | None:
         deadline = time.monotonic() + HELLO_SECONDS
-        magic, protocol, rank, incarnation, token_len = dataconn.recv_struct(sock, dataconn.HELLO, deadline)
+        magic, protocol, rank, incarnation, session, token_len = dataconn.recv_struct(sock, dataconn.HELLO, deadline)
         if magic != dataconn.MAGIC or protocol != dataconn.PROTOCOL or token_len > dataconn.MAX_TOKEN_BYTES:
             log.warning("data connection closed: not a grpc-ps data connection of protocol %d", dataconn.PROTOCOL)
             return None
@@ -185,7 +192,12 @@ class DataPlane:
         if self._tokens and not any(hmac.compare_digest(bytes(given), t) for t in self._tokens):
             log.warning("data connection of rank %d closed: wrong token", rank)
             return None
-        conn = _Conn(sock, rank, incarnation)
+        conn = _Conn(sock, rank, incarnation, session)
+        with self._cond:
+            taken = rank in self._by_rank
+        if taken and not self._admit(rank, incarnation, session):  # only the rank's session replaces its connection
+            log.warning("data connection of rank %d closed: not the rank's current session", rank)
+            return None
         try:
             conn.loopback = ipaddress.ip_address(sock.getpeername()[0]).is_loopback
         except (OSError, ValueError):
@@ -215,6 +227,10 @@ class DataPlane:
                 continue
             if sequence is not None and seq != sequence:
                 raise InvalidRequestError(f"frame {seq} began before frame {sequence} ended")
+            if sequence is None and not self._admit(conn.rank, conn.incarnation, conn.session):
+                raise InvalidRequestError(
+                    f"frame {seq}: the hello's session is not rank {conn.rank}'s current one (join again)"
+                )
             sequence = seq
             if slot == dataconn.END:
                 if nbytes != len(parts):
@@ -274,7 +290,7 @@ class DataPlane:
             raise InvalidRequestError(f"call {sequence}: {details}")
         request = dataconn.buffer(nbytes)
         dataconn.recv_exact(conn.sock, request)
-        context = CallContext(timeout_ms / 1000 if timeout_ms else None, lambda: not conn.error)
+        context = CallContext(timeout_ms / 1000 if timeout_ms else None, lambda: not conn.error, conn.rank)
         code, body = run_call(self._call, request, context, f"call {sequence} of rank {conn.rank}")
         self._answer(conn, sequence, code, body, context.time_remaining())
         with self._cond:  # connection threads answer calls concurrently

@@ -278,6 +278,7 @@ def start_server(config: ServerConfig, shard: Shard | None = None) -> ShardServe
                 call=recorder.unary(servicer.push_pull_once_chunks, PUSH_PULL_ONCE),
                 max_call_bytes=config.max_message_bytes,
                 landed=shard.wake,
+                admit=shard.session_is,
             )
         except RuntimeError:
             server.stop(None)

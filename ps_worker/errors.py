@@ -30,7 +30,8 @@ A class's ``status`` is the code the shard sends with its reason; ``reason`` the
     ├── CheckpointFailed            INTERNAL           CHECKPOINT
     ├── TooManyStreams              RESOURCE_EXHAUSTED TOO_MANY_STREAMS: wait for another stream to close
     ├── TableFull                   RESOURCE_EXHAUSTED TABLE_FULL: a table's per-shard row cap is reached
-    └── RequestTooLarge             RESOURCE_EXHAUSTED TOO_LARGE: more rows than one message carries
+    ├── RequestTooLarge             RESOURCE_EXHAUSTED TOO_LARGE: more rows than one message carries
+    └── WrongRank                   PERMISSION_DENIED  WRONG_RANK: stamped with another rank than joined as
 
 The session's recoveries (:mod:`ps_worker.session`) branch on these classes: :data:`RECOVERABLE`.
 """
@@ -68,6 +69,7 @@ __all__ = [
     "ShuttingDown",
     "CheckpointFailed",
     "TooManyStreams",
+    "WrongRank",
     "RECOVERABLE",
     "error_from_rpc",
     "reason_of",
@@ -298,6 +300,11 @@ class TableFull(ShardError, mirrors=common.TableFullError):
 
 class RequestTooLarge(ShardError, mirrors=common.RequestTooLargeError):
     """A request asked for more rows than one message carries; nothing was done. Split it."""
+
+
+class WrongRank(ShardError, mirrors=common.WrongRankError):
+    """A push stamped with another rank than this process joined as (a session or data connection of
+    another rank); nothing changed. A bug or a misconfigured rank: not retried."""
 
 
 RECOVERABLE: tuple[type[ShardError], ...] = (NotJoined, NotInitialized, FutureRound, PushLost)
