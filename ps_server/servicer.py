@@ -138,10 +138,10 @@ class ParameterServicer(TableRpcs, DataConnectionRpcs):
         values: str,
         peer_rank: int | None = None,
     ) -> Request:
-        """Read a Push, PushPull, PushPullOnce or Exchange stream: the header's rank is checked
-        against its session (and ``peer_rank``, the hello's rank of the data connection a call came
-        on), and against the shard's plan (initialized, same digest), before any partition is read,
-        each partition as it arrives.
+        """Read a Push, PushPull, PushPullOnce or Exchange stream: the header's rank against
+        ``peer_rank`` (the hello's rank of the data connection a call came on) and the shard's plan
+        (initialized, same digest) before any partition is read, each partition as it arrives, and
+        the rank's session once the request is read (before it is applied or its record followed).
 
         Raises:
             WrongRankError: stamped with another rank than the data connection's or the session's.
@@ -154,10 +154,11 @@ class ParameterServicer(TableRpcs, DataConnectionRpcs):
                     f"{what} stamped rank {header.rank} came on the data connection of rank {peer_rank} (its hello); "
                     "a connection carries only its own rank's calls. Nothing was applied."
                 )
-            self.shard.check_session(header.rank, header.incarnation, header.session, what)
             return Intake(self.shard.check_plan(header.plan_digest), self.shard.shard_index, values)
 
-        return read_request(request_iterator, what, header_cls, open_, what.startswith("PushPull"), _ignore)
+        req = read_request(request_iterator, what, header_cls, open_, what.startswith("PushPull"), _ignore)
+        self.shard.check_session(req.header.rank, req.header.incarnation, req.header.session, what)
+        return req
 
     @maps_errors
     def Init(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> ps_pb2.InitResponse:

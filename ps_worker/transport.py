@@ -150,10 +150,15 @@ class Transport:
             if self._data_off[k] is not False or not port:
                 return None
             conn = self._data[k]
-            if conn is not None and not conn.closed and (conn.rank, conn.incarnation, conn.session) == (
-                rank,
-                incarnation,
-                session,
+            if (
+                conn is not None
+                and not conn.closed
+                and (conn.rank, conn.incarnation, conn.session)
+                == (
+                    rank,
+                    incarnation,
+                    session,
+                )
             ):
                 return conn
             self._drop_locked(k)

@@ -9,10 +9,11 @@ from ps_common import dataconn
 from tests.conftest import RPC_TIMEOUT
 
 
-def raw_connection(port: int, rank: int = 7, incarnation: int = 1, token: str = "") -> socket.socket:
-    """A connection to ``127.0.0.1:port`` that has sent its hello (the reply is not read)."""
+def raw_connection(port: int, rank: int = 7, incarnation: int = 1, token: str = "", session: int = 0) -> socket.socket:
+    """A connection to ``127.0.0.1:port`` that has sent its hello (the reply is not read);
+    ``session``: the rank's ``JoinResponse.session`` (0: none, refused at a frame's first record)."""
     sock = socket.create_connection(("127.0.0.1", port), timeout=RPC_TIMEOUT)
-    sock.sendall(dataconn.hello(rank, incarnation, token))
+    sock.sendall(dataconn.hello(rank, incarnation, token, session))
     return sock
 
 
