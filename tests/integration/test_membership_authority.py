@@ -213,9 +213,11 @@ def status_with(channel: grpc.Channel, metadata: tuple[tuple[str, str], ...]) ->
 WORKER, ADMIN = (("authorization", "Bearer w-token"),), (("authorization", "Bearer a-token"),)
 
 
-def decisions_of_a_stopped_job(start_cluster) -> list[ps_pb2.MembershipEpoch]:
-    """The signed records a job with the same tokens decided before it stopped: a resize to 1 worker,
-    then a learning rate of 5.0 (what a client with only the worker token could have kept)."""
+def decisions_of_another_job(start_cluster) -> list[ps_pb2.MembershipEpoch]:
+    """The signed records another job with the same tokens decided before it stopped: a resize to 1
+    worker, then a learning rate of 5.0 (what a client with only the worker token could have kept).
+    Started after the caller's cluster, its epochs are above that cluster's (an epoch's floor is its
+    shard 0's start second), so only the cluster id tells them apart."""
     from ps_worker import PSClient
     from tests.conftest import small_model
 
@@ -247,7 +249,6 @@ def test_a_record_of_an_earlier_job_with_the_same_admin_token_is_refused_by_a_ne
     from ps_worker import PSClient
     from tests.conftest import small_model
 
-    records = decisions_of_a_stopped_job(start_cluster)
     shards = start_cluster(2, num_workers=2, token="w-token", admin_token="a-token")
     clients = [
         PSClient(shards.addresses, rank=r, num_workers=2, incarnation=1, timeout=RPC_TIMEOUT, token="w-token")
@@ -257,6 +258,8 @@ def test_a_record_of_an_earlier_job_with_the_same_admin_token_is_refused_by_a_ne
         for c in clients:
             c.init(small_model(), {"name": "sgd", "lr": 0.1})
         before = [admin_status(s.address) for s in shards]
+        records = decisions_of_another_job(start_cluster)
+        assert min(r.epoch for r in records) > max(b.membership.epoch for b in before)
         for s in shards:
             with grpc.insecure_channel(s.address) as ch:
                 stub = ps_pb2_grpc.ParameterServiceStub(ch)
