@@ -12,8 +12,12 @@ call instead, where grpcio's per-call cost would be most of the step.
 Wire format (little-endian, every integer fixed width):
 
 - hello, worker → shard, once: :data:`HELLO` (magic ``GPSD``, protocol, rank, incarnation,
-  token length) then the token's bytes (the worker token the gRPC calls carry, or none);
-  the shard answers :data:`REPLY` (magic, status 0 = accepted), or closes the connection.
+  session, token length) then the token's bytes (the worker token the gRPC calls carry, or none);
+  the shard answers :data:`REPLY` (magic, status 0 = accepted), or closes the connection. The
+  session is the rank's ``JoinResponse.session`` on that shard: a push frame is taken only while it
+  is the rank's current session there (checked at each frame's first record), a hello naming a
+  rank that has a connection replaces it only with that session, and a call must be stamped with
+  the hello's rank.
 - a frame, either way: one :data:`RECORD` (sequence, slot, dtype, byte count) followed by that
   many bytes for each partition, then an end record (slot :data:`END`, byte count = the number
   of partition records). ``slot`` is the partition's position among the shard's partitions in
@@ -56,11 +60,12 @@ DATA_PATHS = ("tcp", "grpc")
 shard's data connection when it offers one, else gRPC; ``grpc``, always gRPC."""
 
 MAGIC = b"GPSD"
-PROTOCOL = 2
-"""2: answers may be streamed (:data:`SPECULATE`, :data:`ABORT`); 1 (session 7-8) had neither."""
+PROTOCOL = 3
+"""3: the hello carries the rank's session; 2: answers may be streamed (:data:`SPECULATE`,
+:data:`ABORT`); 1 (session 7-8) had neither."""
 
-HELLO = struct.Struct("<4sIIQI")
-"""magic, protocol, rank, incarnation, token length (then the token)."""
+HELLO = struct.Struct("<4sIIQQI")
+"""magic, protocol, rank, incarnation, session, token length (then the token)."""
 
 REPLY = struct.Struct("<4sI")
 """magic, status (0: accepted)."""
@@ -264,10 +269,10 @@ def parse_refusal(body: bytes) -> tuple[str, str]:
     return body[STATUS.size : end].decode(errors="replace"), body[end:].decode(errors="replace")
 
 
-def hello(rank: int, incarnation: int, token: str) -> bytes:
-    """The hello a worker sends first."""
+def hello(rank: int, incarnation: int, token: str, session: int = 0) -> bytes:
+    """The hello a worker sends first (``session``: the rank's ``JoinResponse.session`` on the shard)."""
     raw = token.encode()
-    return HELLO.pack(MAGIC, PROTOCOL, rank, incarnation, len(raw)) + raw
+    return HELLO.pack(MAGIC, PROTOCOL, rank, incarnation, session, len(raw)) + raw
 
 
 def tune(sock: socket.socket) -> None:

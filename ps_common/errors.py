@@ -42,6 +42,7 @@ class Reason(enum.StrEnum):
     TOO_LARGE = "TOO_LARGE"
     VERSION_AHEAD = "VERSION_AHEAD"
     TOO_MANY_WAITS = "TOO_MANY_WAITS"
+    WRONG_RANK = "WRONG_RANK"
 
 
 class PSError(Exception):
@@ -204,6 +205,15 @@ class RequestTooLargeError(PSError):
 
     reason: Reason = Reason.TOO_LARGE
     code = "RESOURCE_EXHAUSTED"
+
+
+class WrongRankError(PSError):
+    """A request stamped with another rank than the one its caller joined as: its session is another
+    rank's, or its data connection's hello named another rank (PERMISSION_DENIED). Nothing changed;
+    a worker pushes only as the rank it joined as."""
+
+    reason: Reason = Reason.WRONG_RANK
+    code = "PERMISSION_DENIED"
 
 
 class DataPathError(PSError):

@@ -33,9 +33,11 @@ class CallContext:
     Args:
         timeout: seconds the call may take (None: no deadline).
         active: whether the connection is still open.
+        peer_rank: the rank the connection's hello named: the call must be stamped with it.
     """
 
-    def __init__(self, timeout: float | None, active: Callable[[], bool]) -> None:
+    def __init__(self, timeout: float | None, active: Callable[[], bool], peer_rank: int | None = None) -> None:
+        self.peer_rank = peer_rank
         self._deadline = None if timeout is None else time.monotonic() + timeout
         self._active = active
         self._code: grpc.StatusCode | None = None

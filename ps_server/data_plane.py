@@ -109,6 +109,8 @@ class _Conn:
     sock: socket.socket
     rank: int
     incarnation: int
+    session: int = 0
+    """The rank's session the hello carried (``JoinResponse.session``)."""
     send_lock: threading.Lock = field(default_factory=threading.Lock)
     ready: tuple[int, list[WirePartition]] | None = None
     """The last complete push frame not yet taken: (sequence, partitions in slot order)."""
@@ -155,6 +157,9 @@ class DataPlane:
             are read.
         refused: called once per connection refused (wrong token, a rank outside the cluster or
             not a live member, over a bound).
+        admit: whether (rank, incarnation, session) is the rank's current session on the shard
+            (holding no lock of this plane's): checked at each push frame's first record (not: the
+            connection closes) and before a hello replaces a rank's connection; None admits all.
 
     Raises:
         RuntimeError: the port could not be bound.
@@ -179,9 +184,11 @@ class DataPlane:
         frame_timeout: float = 30.0,
         max_parked_bytes: Callable[[], int] = lambda: 0,
         refused: Callable[[], None] | None = None,
+        admit: Callable[[int, int, int], bool] | None = None,
     ) -> None:
         self.shard_index = shard_index
         self._member = member or (lambda rank, incarnation: None)
+        self._admit = admit or (lambda rank, incarnation, session: True)
         self.frame_timeout = frame_timeout
         self._max_parked_bytes = max_parked_bytes
         self._refused = refused or (lambda: None)
@@ -253,7 +260,7 @@ class DataPlane:
 
     def _hello(self, sock: socket.socket) -> _Conn | None:
         deadline = time.monotonic() + HELLO_SECONDS
-        magic, protocol, rank, incarnation, token_len = dataconn.recv_struct(sock, dataconn.HELLO, deadline)
+        magic, protocol, rank, incarnation, session, token_len = dataconn.recv_struct(sock, dataconn.HELLO, deadline)
         if magic != dataconn.MAGIC or protocol != dataconn.PROTOCOL or token_len > dataconn.MAX_TOKEN_BYTES:
             self._refuse("data connection closed: not a grpc-ps data connection of protocol %d", dataconn.PROTOCOL)
             return None
@@ -270,7 +277,12 @@ class DataPlane:
             return None
         except PSError:
             pass  # not live now: each frame's first record is checked
-        conn = _Conn(sock, rank, incarnation)
+        conn = _Conn(sock, rank, incarnation, session)
+        with self._cond:
+            taken = rank in self._by_rank
+        if taken and not self._admit(rank, incarnation, session):  # only the rank's session replaces its connection
+            self._refuse("data connection of rank %d closed: not the rank's current session", rank)
+            return None
         try:
             conn.loopback = ipaddress.ip_address(sock.getpeername()[0]).is_loopback
         except (OSError, ValueError):
@@ -302,6 +314,13 @@ class DataPlane:
                 raise InvalidRequestError(f"frame {seq} began before frame {sequence} ended")
             if sequence is None:
                 self._check_member(conn, seq)
+                if not self._admit(conn.rank, conn.incarnation, conn.session):
+                    self._refuse(
+                        "data connection of rank %d closed at frame %d: not its current session", conn.rank, seq
+                    )
+                    raise InvalidRequestError(
+                        f"frame {seq}: the hello's session is not rank {conn.rank}'s current one (join again)"
+                    )
             sequence = seq
             if slot == dataconn.END:
                 if nbytes != len(parts):
@@ -435,7 +454,7 @@ class DataPlane:
         dataconn.recv_exact(conn.sock, request)
         # the call is active while its connection is: a worker that went away ends the call's waits
         active = lambda: not conn.error and _peer_open(conn.sock)  # noqa: E731
-        context = CallContext(timeout_ms / 1000 if timeout_ms else None, active)
+        context = CallContext(timeout_ms / 1000 if timeout_ms else None, active, conn.rank)
         code, body = run_call(self._call, request, context, f"call {sequence} of rank {conn.rank}")
         self._answer(conn, sequence, code, body, context.time_remaining())
         with self._cond:  # connection threads answer calls concurrently

@@ -24,6 +24,14 @@ unavailable); it resumes from its checkpoint, and its first decision after a sta
 above any it could have made before (the start time in seconds, shifted by :data:`COUNTER_BITS`),
 while the records workers hand it bring it the decisions its checkpoint missed.
 
+Records are bound to their cluster: shard 0 picks a random **cluster id** at its first start (or
+takes ``--cluster-id``), keeps it in its checkpoints and puts it in every record, inside the
+signed bytes. Another shard pins the id of the first record it follows (or ``--cluster-id``), keeps
+it in its checkpoints too, and refuses any record of another cluster: a record of an earlier job
+whose shards had the same admin token is not followed. Shard 0 makes its first decision at its first
+Join ("cluster formed"), so that the cluster's own record reaches the other shards with the first
+worker's joins, before a record of another cluster could be relayed to them by anyone else.
+
 Pure bookkeeping over a :class:`~ps_server.membership.Membership`; the shard holds the lock.
 """
 
@@ -31,6 +39,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import secrets
 import time
 from collections.abc import Callable
 
@@ -73,20 +82,36 @@ class Epochs:
         authority: True on shard 0, which decides; other shards only adopt.
         num_workers: the worker count before any decision.
         wall: seconds since the Unix epoch (injected for tests): the floor of a new authority's epochs.
+        key: the key records are signed and checked with (the shards' admin token; "": none).
+        cluster_id: the cluster's id when the operator gives one (``--cluster-id``, the same on every
+            shard); "": shard 0 picks a random one, another shard pins the first record's.
 
     Attributes:
         record: the newest ``ps.v1.MembershipEpoch`` this shard knows (epoch 0: no decision yet).
         applied: configuration changes applied here, each with the version it was applied at.
         applied_epoch: the scheduling epoch of the newest change applied here.
+        cluster_id: the cluster this shard follows records of ("" on another shard before its first).
     """
 
-    def __init__(self, authority: bool, num_workers: int, wall: Callable[[], float] = time.time, key: str = "") -> None:
+    def __init__(
+        self,
+        authority: bool,
+        num_workers: int,
+        wall: Callable[[], float] = time.time,
+        key: str = "",
+        cluster_id: str = "",
+    ) -> None:
         self.authority = authority
         self.wall = wall
         self.key = key.encode()
         self.configured = num_workers  # the shards' --num-workers
+        self.given_cluster_id = cluster_id  # --cluster-id: never replaced by a checkpoint's or a record's
+        self.cluster_id = cluster_id or (secrets.token_hex(16) if authority else "")
         self.record = ps_pb2.MembershipEpoch(
-            num_workers=num_workers, previous_num_workers=num_workers, configured_num_workers=num_workers
+            num_workers=num_workers,
+            previous_num_workers=num_workers,
+            configured_num_workers=num_workers,
+            cluster_id=self.cluster_id,
         )
         self.applied: list[ps_pb2.ConfigChange] = []
         self.applied_epoch = 0
@@ -115,6 +140,7 @@ class Epochs:
             self._started = True
         record = ps_pb2.MembershipEpoch(
             epoch=epoch,
+            cluster_id=self.cluster_id,
             configured_num_workers=self.configured,
             decided_at_version=version,
             num_workers=membership.num_workers,
@@ -158,8 +184,10 @@ class Epochs:
 
         Raises:
             InvalidRequestError: the shards have a key (admin token) and the record's signature does
-                not match (a forged or altered record); or a record beyond the bounds (more than
-                :data:`MAX_WORKERS` workers or members, :data:`KEPT_CHANGES` changes, ranks out of order).
+                not match (a forged or altered record); the record belongs to another cluster than
+                the one this shard follows (an earlier job's, with the same admin token); or a record
+                beyond the bounds (more than :data:`MAX_WORKERS` workers or members,
+                :data:`KEPT_CHANGES` changes, ranks out of order).
         """
         if self.key and not hmac.compare_digest(record.signature, self._mac(record)):
             raise InvalidRequestError(
@@ -173,6 +201,14 @@ class Epochs:
             )
         if any(m.rank != r for r, m in enumerate(record.members)):
             raise InvalidRequestError("The membership record's members are not ranks 0, 1, 2, ... in order.")
+        if self.cluster_id and record.cluster_id != self.cluster_id:
+            raise InvalidRequestError(
+                f"The membership record belongs to cluster {record.cluster_id[:32]!r}, not to this shard's cluster "
+                f"{self.cluster_id!r} (a record of another job whose shards have the same admin token); it is "
+                "ignored. Give each job its own admin token, or its own --cluster-id."
+            )
+        if not record.cluster_id:
+            raise InvalidRequestError("The membership record names no cluster (cluster_id); it is ignored.")
 
     # ------------------------------------------------------------------ every shard
     def adopt(self, record: ps_pb2.MembershipEpoch, membership: Membership) -> bool:
@@ -185,6 +221,8 @@ class Epochs:
         """
         if record.epoch <= self.epoch:
             return False
+        if not self.cluster_id:  # the first record this shard follows: its cluster from now on
+            self.cluster_id = record.cluster_id
         if record.num_workers and record.num_workers != membership.num_workers:
             membership.resize(record.num_workers, record.resize_version)
         for entry in record.members:
@@ -231,6 +269,7 @@ class Epochs:
     # ------------------------------------------------------------------ checkpoints
     def export(self) -> dict[str, object]:
         return {
+            "cluster_id": self.cluster_id,
             "record": self.record.SerializeToString(),
             "applied_epoch": self.applied_epoch,
             "applied": [c.SerializeToString() for c in self.applied],
@@ -242,5 +281,12 @@ class Epochs:
             return
         record = ps_pb2.MembershipEpoch.FromString(bytes(saved["record"]))  # type: ignore[arg-type]
         self.record = record
+        # the checkpoint's cluster (records it followed are of it); --cluster-id, when given, wins
+        saved_id = str(saved.get("cluster_id", "") or record.cluster_id)
+        if not self.given_cluster_id and saved_id:
+            self.cluster_id = saved_id
+        if self.authority and not record.cluster_id:  # a checkpoint of a release before cluster ids
+            record.cluster_id = self.cluster_id
+            self.record = self.signed(record)
         self.applied_epoch = int(saved.get("applied_epoch", 0))  # type: ignore[call-overload]
         self.applied = [ps_pb2.ConfigChange.FromString(bytes(b)) for b in saved.get("applied", [])]  # type: ignore[attr-defined]

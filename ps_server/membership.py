@@ -77,6 +77,10 @@ class Member:
     since: int = 0
     # Restored from a checkpoint and not joined since: its first Join resumes the job, it is no restart.
     restored: bool = False
+    # The session of the rank's newest Join here (random 64-bit, nonzero; 0: not joined since this
+    # shard started): every push-type request stamped with this rank must carry it. Never checkpointed:
+    # a restarted shard refuses every session until the rank joins again.
+    session: int = 0
 
 
 @dataclass(frozen=True)
@@ -315,6 +319,7 @@ class Membership:
             m.high_water = int(s.get("high_water", -1))
             m.since = int(s.get("since", 0))
             m.restored = True
+            m.session = 0
             m.history.clear()
             for inc, clock, version, staleness, duplicate, dropped, mode in s.get("history", []):
                 m.history[(int(inc), int(clock))] = PushResult(

@@ -300,6 +300,7 @@ def start_server(config: ServerConfig, shard: Shard | None = None) -> ShardServe
                 frame_timeout=config.frame_timeout,
                 max_parked_bytes=parked_bound(shard, config.max_parked_bytes),
                 refused=lambda: counters.add(rejected=1),
+                admit=shard.session_is,
             )
         except RuntimeError:
             server.stop(None)

@@ -17,7 +17,7 @@ import grpc
 import torch
 
 from ps_common import frames
-from ps_common.errors import InvalidRequestError
+from ps_common.errors import InvalidRequestError, WrongRankError
 from ps_common.optimizer import OptimizerSpec
 from ps_common.plan import Plan
 from ps_common.wire import SpecList, hyperparameters_from_proto, optimizer_from_proto, optimizer_to_proto
@@ -110,6 +110,10 @@ class ParameterServicer(TableRpcs, DataConnectionRpcs):
 
     @maps_errors
     def Join(self, request: ps_pb2.JoinRequest, context: grpc.ServicerContext) -> ps_pb2.JoinResponse:
+        # the one request whose record is followed before its own checks: a rank counted again, or
+        # one a resize added, is known here only from shard 0's record, which its join carries. The
+        # record is checked first (signed by shard 0, of this shard's cluster), so only a genuine
+        # decision of this cluster, which every shard follows anyway, is ever adopted from it.
         self._adopt(request)
         info = self.shard.join(request.rank, request.num_workers, request.incarnation)
         return ps_pb2.JoinResponse(
@@ -123,18 +127,38 @@ class ParameterServicer(TableRpcs, DataConnectionRpcs):
             clock=info.clock,
             optimizer=optimizer_to_proto(info.optimizer) if info.optimizer else None,
             data_port=self.data.port if self.data is not None else 0,
+            session=info.session,
         )
 
     def _read(
-        self, request_iterator: Iterator[bytes | memoryview], what: str, header_cls: type[Any], values: str
+        self,
+        request_iterator: Iterator[bytes | memoryview],
+        what: str,
+        header_cls: type[Any],
+        values: str,
+        peer_rank: int | None = None,
     ) -> Request:
-        """Read a Push, PushPull or Exchange stream: the header is checked against the shard's plan
-        (initialized, same digest) before any partition is read, each partition as it arrives."""
+        """Read a Push, PushPull, PushPullOnce or Exchange stream: the header's rank against
+        ``peer_rank`` (the hello's rank of the data connection a call came on) and the shard's plan
+        (initialized, same digest) before any partition is read, each partition as it arrives, and
+        the rank's session once the request is read (before it is applied or its record followed).
+
+        Raises:
+            WrongRankError: stamped with another rank than the data connection's or the session's.
+            NotJoinedError: not the rank's current session here (join again).
+        """
 
         def open_(header: Any) -> Intake:
+            if peer_rank is not None and header.rank != peer_rank:
+                raise WrongRankError(
+                    f"{what} stamped rank {header.rank} came on the data connection of rank {peer_rank} (its hello); "
+                    "a connection carries only its own rank's calls. Nothing was applied."
+                )
             return Intake(self.shard.check_plan(header.plan_digest), self.shard.shard_index, values)
 
-        return read_request(request_iterator, what, header_cls, open_, what.startswith("PushPull"), _ignore)
+        req = read_request(request_iterator, what, header_cls, open_, what.startswith("PushPull"), _ignore)
+        self.shard.check_session(req.header.rank, req.header.incarnation, req.header.session, what)
+        return req
 
     @maps_errors
     def Init(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> ps_pb2.InitResponse:
@@ -247,7 +271,8 @@ class ParameterServicer(TableRpcs, DataConnectionRpcs):
         """PushPullOnce as a call on a data connection (:mod:`ps_server.data_calls`): the same
         response message, as its buffers, sent without joining them (a copy of the whole
         payload per call saved)."""
-        req = self._read(iter([request]), "PushPullOnce", ps_pb2.PushHeader, "gradient")
+        peer = getattr(context, "peer_rank", None)
+        req = self._read(iter([request]), "PushPullOnce", ps_pb2.PushHeader, "gradient", peer_rank=peer)
         return self._push_pull(req, context, single=True, chunks=True)
 
     @maps_stream_errors
@@ -265,6 +290,7 @@ class ParameterServicer(TableRpcs, DataConnectionRpcs):
 
     @maps_errors
     def Heartbeat(self, request: ps_pb2.HeartbeatRequest, context: grpc.ServicerContext) -> ps_pb2.HeartbeatResponse:
+        self.shard.check_member(request.rank, request.incarnation)  # a refused heartbeat adopts nothing
         self._adopt(request)
         version, state = self.shard.heartbeat(request.rank, request.incarnation)
         answer = ps_pb2.HeartbeatResponse(
@@ -274,12 +300,14 @@ class ParameterServicer(TableRpcs, DataConnectionRpcs):
 
     @maps_errors
     def Leave(self, request: ps_pb2.LeaveRequest, context: grpc.ServicerContext) -> ps_pb2.LeaveResponse:
+        self.shard.check_member(request.rank, request.incarnation)
         self._adopt(request)
         version = self.shard.leave(request.rank, request.incarnation)
         return self._told(ps_pb2.LeaveResponse(version=version), request.membership_epoch)
 
     def _adopt(self, message: Any) -> None:
-        """Follow the membership record a request relays, when it is newer than the shard's."""
+        """Follow the membership record a request relays, when it is newer than the shard's; called
+        once the request passed its own checks (Join: see there)."""
         if message.HasField("membership"):
             self.shard.adopt(message.membership)
 

@@ -74,6 +74,7 @@ class Shard(DataPath):
         counters: where refusals are counted (fresh ones by default); Admin and Prometheus read them.
         record_key: the key membership records are signed and checked with (the shards' admin token;
             "" signs nothing, as on a loopback cluster without tokens).
+        cluster_id: the cluster's id (``--cluster-id``; "": shard 0 picks one, others pin shard 0's).
     """
 
     def __init__(
@@ -89,6 +90,7 @@ class Shard(DataPath):
         on_snapshot: SnapshotHook | None = None,
         counters: ShardCounters | None = None,
         record_key: str = "",
+        cluster_id: str = "",
     ) -> None:
         self.shard_index = shard_index
         self.limits = limits or Limits()
@@ -114,7 +116,9 @@ class Shard(DataPath):
         self.skipped_rounds: dict[int, None] = {}  # the last sync rounds whose step was skipped (ordered)
         self.membership = Membership(settings.num_workers, lease_timeout, now, join_timeout)
         # shard 0 decides; records are signed with the shards' admin token (``record_key``)
-        self.epochs = Epochs(authority=shard_index == 0, num_workers=settings.num_workers, key=record_key)
+        self.epochs = Epochs(
+            authority=shard_index == 0, num_workers=settings.num_workers, key=record_key, cluster_id=cluster_id
+        )
         self.durable_acks = False  # answer pushes once their version is in a durable checkpoint
         self.stream_rounds = "auto"  # --stream-rounds (ps_server.round_stream)
         self.stream: RoundStream | None = None  # the sync round being streamed (round_stream)
@@ -206,6 +210,23 @@ class Shard(DataPath):
     def join(self, rank: int, num_workers: int, incarnation: int) -> JoinInfo:
         """Register ``rank`` (a higher incarnation replaces the old one); see :func:`shard_members.join`."""
         return shard_members.join(self, rank, num_workers, incarnation)
+
+    def check_session(self, rank: int, incarnation: int, session: int, what: str) -> None:
+        """Refuse a push-type request without ``rank``'s current session; see :func:`shard_members.check_session`."""
+        shard_members.check_session(self, rank, incarnation, session, what)
+
+    def session_is(self, rank: int, incarnation: int, session: int) -> bool:
+        """Whether ``session`` is ``rank``'s current session here under ``incarnation`` (a data
+        connection's hello; False for a rank out of range or no session)."""
+        with self._cond:
+            if not session or not 0 <= rank < len(self.members):
+                return False
+            member = self.members[rank]
+            return member.session == session and member.incarnation == incarnation
+
+    def check_member(self, rank: int, incarnation: int) -> None:
+        """A Heartbeat's or Leave's own checks; see :func:`shard_members.check_member`."""
+        shard_members.check_member(self, rank, incarnation)
 
     def heartbeat(self, rank: int, incarnation: int) -> tuple[int, WorkerState]:
         """Renew ``rank``'s lease; returns (version, state)."""

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import secrets
 from typing import TYPE_CHECKING, Any
 
-from ps_common.errors import InvalidRequestError, NotJoinedError, PreconditionError
+from ps_common.errors import InvalidRequestError, NotJoinedError, PreconditionError, WrongRankError
 from ps_proto.v1 import ps_pb2
 from ps_server import shard_admin
 from ps_server.epochs import MAX_WORKERS
@@ -41,9 +42,12 @@ def not_authority(shard: Shard, what: str) -> PreconditionError:
 def join(shard: Shard, rank: int, num_workers: int, incarnation: int) -> JoinInfo:
     """Register ``rank`` (a higher incarnation replaces the old one: its clocks start over where
     the policy says). On shard 0, a rank the cluster stopped counting (evicted, left) counts again:
-    a decision (:mod:`ps_server.epochs`). Another shard refuses such a rank until shard 0's record
-    counts it (workers join shard 0 first). The cluster's count (after resizes) is in the answer's
-    config; a worker started with the shards' ``--num-workers`` before a resize is welcome.
+    a decision (:mod:`ps_server.epochs`); so is the cluster's first Join ("cluster formed": the
+    record that brings the cluster's id to the other shards with the workers' joins). Another shard
+    refuses such a rank until shard 0's record counts it (workers join shard 0 first). The
+    cluster's count (after resizes) is in the answer's config; a worker started with the shards'
+    ``--num-workers`` before a resize is welcome. Every Join draws a new session for the rank
+    (:func:`check_session`); the previous one is refused from then on.
 
     Raises:
         InvalidRequestError: rank out of range, or ``num_workers`` is neither the cluster's count
@@ -76,7 +80,10 @@ def join(shard: Shard, rank: int, num_workers: int, incarnation: int) -> JoinInf
             member.counted, member.since = True, next_version(shard)
             decide(shard, f"rank {rank} {how} (incarnation {incarnation}) from version {member.since}")
             shard.advance()  # the open round may no longer wait for it
+        if shard.epochs.authority and shard.epochs.epoch == 0:
+            decide(shard, f"cluster {shard.epochs.cluster_id} formed")
         member.restored = False
+        member.session = secrets.randbits(64) or 1
         shard.membership.joins.start()
         restarted = incarnation != member.incarnation
         if restarted:  # a new process: its clocks start over
@@ -95,7 +102,48 @@ def join(shard: Shard, rank: int, num_workers: int, incarnation: int) -> JoinInf
             plan_digest=shard.plan.digest if shard.plan else "",
             clock=member.clock,
             optimizer=shard.store.optimizer_spec if shard.store else None,
+            session=member.session,
         )
+
+
+def check_session(shard: Shard, rank: int, incarnation: int, session: int, what: str) -> None:
+    """Refuse a push-type request (``what``: "Push", "PushRows", ...) stamped ``rank`` unless it carries
+    the rank's current session here (:attr:`~ps_server.membership.Member.session`, drawn at its
+    newest Join): a worker cannot push as a rank it did not join as, and a stale or confused process
+    of the rank cannot overwrite its newer self's rounds. Changes nothing.
+
+    Raises:
+        InvalidRequestError: rank out of range.
+        WrongRankError: ``session`` is another rank's current session here (PERMISSION_DENIED).
+        NotJoinedError: no session, or not the rank's current one (this shard restarted, or the rank
+            joined again since): join again (the worker's client does), then push.
+    """
+    with shard._cond:
+        member = shard.membership.get(rank)
+        if session and session == member.session:
+            return
+        owner = next((m.rank for m in shard.members if session and m.session == session), None)
+        if owner is not None:
+            raise WrongRankError(
+                f"{what} stamped rank {rank} carries the session of rank {owner} on shard {shard.shard_index}; a "
+                "worker pushes only as the rank it joined as. Nothing was applied."
+            )
+        why = "carries no session" if not session else "carries a session that is not its current one"
+        raise NotJoinedError(
+            f"{what} of rank {rank} incarnation {incarnation} {why} on shard {shard.shard_index} (the shard "
+            "restarted, or the rank joined again since); call Join again and send JoinResponse.session with "
+            "every push."
+        )
+
+
+def check_member(shard: Shard, rank: int, incarnation: int) -> None:
+    """The checks of a Heartbeat or Leave of its own (before a record it carries is followed).
+
+    Raises:
+        InvalidRequestError: rank out of range. SupersededError: an incarnation below the joined one.
+    """
+    with shard._cond:
+        shard.membership.get(rank, incarnation)
 
 
 def heartbeat(shard: Shard, rank: int, incarnation: int) -> tuple[int, WorkerState]:

@@ -18,13 +18,15 @@ from ps_server.membership import MemberView
 @dataclass(frozen=True)
 class JoinInfo:
     """A Join's answer: whether the shard is initialized, its version and plan digest, the clock
-    the rank resumes at, and the optimizer spec (None before Init)."""
+    the rank resumes at, the optimizer spec (None before Init) and the join's session (random,
+    nonzero, new at every Join: every push-type request of the rank carries it)."""
 
     initialized: bool
     version: int
     plan_digest: str
     clock: int
     optimizer: OptimizerSpec | None = None
+    session: int = 0
 
 
 @dataclass(frozen=True)

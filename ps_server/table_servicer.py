@@ -176,6 +176,7 @@ class TableRpcs:
     @maps_errors
     def PushRows(self, request: ps_pb2.PushRowsRequest, context: grpc.ServicerContext) -> ps_pb2.PushRowsResponse:
         shard = self.shard
+        shard.check_session(request.rank, request.incarnation, request.session, "PushRows")
         ids = [decode_ids(b.ids, b.table) for b in request.blocks]
         with shard._cond:
             store: TableStore = shard.tables

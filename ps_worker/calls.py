@@ -191,7 +191,7 @@ class DataPath:
         diffs: dict[str, torch.Tensor] = {spec.key: torch.zeros_like(flats[spec.key]) for spec in codec.plan.specs}
 
         def one(k: int) -> tuple[int, int, int]:
-            msgs = codec.exchange_messages(k, s.rank, s.incarnation, s.exchanges, flats, s.relayed(k)[0])
+            msgs = codec.exchange_messages(k, s.rank, s.incarnation, s.exchanges, flats, s.relayed(k)[0], s.sessions[k])
 
             def attempt() -> tuple[int, int, int]:
                 replies = t.exchange_calls[k](iter(msgs), timeout=t.timeout, metadata=t.metadata)

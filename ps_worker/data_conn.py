@@ -78,13 +78,21 @@ class DataConnection:
         rank, incarnation: this worker's (the hello binds the connection to them).
         token: the worker token the gRPC calls carry ("" for none).
         timeout: seconds a frame may take to send (the shard stops reading: DataLinkError).
+        session: the rank's ``JoinResponse.session`` on the shard (the hello carries it).
 
     Raises:
         DataLinkError: the connection or the hello failed within :data:`CONNECT_SECONDS`.
     """
 
     def __init__(
-        self, host: str, port: int, rank: int, incarnation: int, token: str = "", timeout: float = 60.0
+        self,
+        host: str,
+        port: int,
+        rank: int,
+        incarnation: int,
+        token: str = "",
+        timeout: float = 60.0,
+        session: int = 0,
     ) -> None:
         self.address = f"{host}:{port}"
         self.host = host
@@ -94,6 +102,7 @@ class DataConnection:
         """Seconds a frame may take to send (the PushPull's deadline)."""
         self.rank = rank
         self.incarnation = incarnation
+        self.session = session
         self.lock = threading.Lock()
         self.closed = False
         self._buffers: dict[int, torch.Tensor] = {}
@@ -103,7 +112,7 @@ class DataConnection:
             raise DataLinkError(f"data connection to {self.address} failed: {exc}") from exc
         try:
             dataconn.tune(self.sock)
-            self.sock.sendall(dataconn.hello(rank, incarnation, token))
+            self.sock.sendall(dataconn.hello(rank, incarnation, token, session))
             magic, status = dataconn.recv_struct(self.sock, dataconn.REPLY, time.monotonic() + CONNECT_SECONDS)
             if magic != dataconn.MAGIC or status != 0:
                 raise dataconn.DataConnectionError(f"refused the hello (status {status})")

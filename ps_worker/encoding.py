@@ -47,6 +47,8 @@ class Stamp:
     """The membership epoch the worker knows."""
     membership: ps_pb2.MembershipEpoch | None = None
     """The record itself, for a shard that reported an older epoch (relayed)."""
+    session: int = 0
+    """The rank's session on the shard pushed to (``JoinResponse.session``)."""
 
 
 class WireCodec:
@@ -125,6 +127,7 @@ class WireCodec:
             membership_epoch=stamp.membership_epoch,
             membership=stamp.membership,
             data_sequence=data_sequence,
+            session=stamp.session,
         ).SerializeToString(deterministic=True)
 
     def push_head(self, stamp: Stamp) -> bytes:
@@ -162,15 +165,17 @@ class WireCodec:
         clock: int,
         flats: Mapping[str, torch.Tensor],
         membership_epoch: int = 0,
+        session: int = 0,
     ) -> list[bytes]:
         """An Exchange stream to shard ``k``: the header, then one partition of ``flats`` per message
-        (the parameters x, exact or in ``wire_dtype``; never top-k)."""
+        (the parameters x, exact or in ``wire_dtype``; never top-k). ``session``: the rank's on shard ``k``."""
         header = ps_pb2.ExchangeHeader(
             rank=rank,
             incarnation=incarnation,
             clock=clock,
             plan_digest=self.plan.digest,
             membership_epoch=membership_epoch,
+            session=session,
         )
         head = _message_field(1, header.SerializeToString(deterministic=True))
         return [head, *(frames.build([o]) for o in self.out_partitions(k, flats, compress=False))]

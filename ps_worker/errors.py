@@ -32,7 +32,8 @@ A class's ``status`` is the code the shard sends with its reason; ``reason`` the
     ├── TooManyWaits                RESOURCE_EXHAUSTED TOO_MANY_WAITS: the shard holds its most waiting calls (retried)
     ├── VersionAhead                OUT_OF_RANGE       VERSION_AHEAD: a read of a version no wait can reach now
     ├── TableFull                   RESOURCE_EXHAUSTED TABLE_FULL: a table's per-shard row cap is reached
-    └── RequestTooLarge             RESOURCE_EXHAUSTED TOO_LARGE: more rows than one message carries
+    ├── RequestTooLarge             RESOURCE_EXHAUSTED TOO_LARGE: more rows than one message carries
+    └── WrongRank                   PERMISSION_DENIED  WRONG_RANK: stamped with another rank than joined as
 
 The session's recoveries (:mod:`ps_worker.session`) branch on these classes: :data:`RECOVERABLE`.
 """
@@ -72,6 +73,7 @@ __all__ = [
     "TooManyStreams",
     "TooManyWaits",
     "VersionAhead",
+    "WrongRank",
     "RECOVERABLE",
     "error_from_rpc",
     "reason_of",
@@ -317,6 +319,11 @@ class TableFull(ShardError, mirrors=common.TableFullError):
 
 class RequestTooLarge(ShardError, mirrors=common.RequestTooLargeError):
     """A request asked for more rows than one message carries; nothing was done. Split it."""
+
+
+class WrongRank(ShardError, mirrors=common.WrongRankError):
+    """A push stamped with another rank than this process joined as (a session or data connection of
+    another rank); nothing changed. A bug or a misconfigured rank: not retried."""
 
 
 RECOVERABLE: tuple[type[ShardError], ...] = (NotJoined, NotInitialized, FutureRound, PushLost)

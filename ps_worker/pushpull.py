@@ -86,7 +86,8 @@ class PendingPushPull:
         whole PushPullOnce call goes on it, top-k too), or a dense one of several (its partitions)."""
         if not self._once(k) and self.codec.compressor is not None:
             return None
-        return self.transport.data_connection(k, self.session.rank, self.session.incarnation)
+        s = self.session
+        return self.transport.data_connection(k, s.rank, s.incarnation, s.sessions[k])
 
     def _send_ready(self, key: str) -> None:
         """Send the partitions of ``key`` to the shards whose frames go on their data connection

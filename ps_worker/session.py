@@ -80,6 +80,7 @@ class Session(EpochRelay):
         self.version = 0
         self.versions = [0] * n
         self.pushed = [False] * n
+        self.sessions = [0] * n  # per shard: this rank's session there (JoinResponse.session)
         self.pushed_bytes = 0
         self.pulled_bytes = 0
         self.refused_pushes = 0
@@ -140,6 +141,7 @@ class Session(EpochRelay):
             attempt = max(0.1, min(t.timeout, stop - time.monotonic(), JOIN_ATTEMPT_SECONDS))
             try:
                 reply = t.stubs[k].Join(req, timeout=attempt, metadata=t.metadata)
+                self.sessions[k] = reply.session
                 self.learn(k, reply)
                 t.offer_data_port(k, reply.data_port)
                 return reply
@@ -227,6 +229,7 @@ class Session(EpochRelay):
     def _join_once(self, k: int) -> ps_pb2.JoinResponse:
         t = self.transport
         reply = t.stubs[k].Join(self.join_request(k), timeout=t.timeout, metadata=t.metadata)
+        self.sessions[k] = reply.session
         self.learn(k, reply)
         t.offer_data_port(k, reply.data_port)
         return reply
@@ -352,6 +355,7 @@ class Session(EpochRelay):
             self.step_skip,
             epoch,
             record,
+            self.sessions[k],
         )
 
     def pull_floor(self, k: int, min_version: int | None) -> int:

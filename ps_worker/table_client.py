@@ -275,7 +275,11 @@ class TableClient:
             if not per_shard[k] and not sync:
                 return None
             request = ps_pb2.PushRowsRequest(
-                rank=self.session.rank, incarnation=self.session.incarnation, clock=clock, blocks=per_shard[k]
+                rank=self.session.rank,
+                incarnation=self.session.incarnation,
+                clock=clock,
+                blocks=per_shard[k],
+                session=self.session.sessions[k],
             )
             return self._call(k, "PushRows", request)
 

@@ -138,8 +138,9 @@ class Transport:
             if (changed or joined) and self._data_off[k] is None:
                 self._data_off[k] = False
 
-    def data_connection(self, k: int, rank: int, incarnation: int) -> DataConnection | None:
-        """The open data connection to shard ``k`` for this rank and incarnation, connecting on
+    def data_connection(self, k: int, rank: int, incarnation: int, session: int = 0) -> DataConnection | None:
+        """The open data connection to shard ``k`` for this rank and incarnation (a new one says
+        ``session``, the rank's ``JoinResponse.session`` there, in its hello), connecting on
         first use; None when the shard offers none, ``data_path="grpc"``, TLS, or connecting failed
         (then gRPC carries the partitions until the shard offers another port)."""
         with self._data_lock:
@@ -149,7 +150,16 @@ class Transport:
             if self._data_off[k] is not False or not port:
                 return None
             conn = self._data[k]
-            if conn is not None and not conn.closed and (conn.rank, conn.incarnation) == (rank, incarnation):
+            if (
+                conn is not None
+                and not conn.closed
+                and (conn.rank, conn.incarnation, conn.session)
+                == (
+                    rank,
+                    incarnation,
+                    session,
+                )
+            ):
                 return conn
             self._drop_locked(k)
             host = host_of(self.servers[k])
@@ -157,7 +167,7 @@ class Transport:
                 self._data_off[k] = True
                 return None
         try:  # outside the lock: a heartbeat must not wait for a connect
-            conn = DataConnection(host, port, rank, incarnation, self._token, self.timeout)
+            conn = DataConnection(host, port, rank, incarnation, self._token, self.timeout, session)
         except DataLinkError as exc:
             log.warning("%s; PushPull to shard %s goes on gRPC alone", exc.details(), self.servers[k])
             self.data_failed(k, "")

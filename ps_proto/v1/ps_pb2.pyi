@@ -160,7 +160,7 @@ class ClusterConfig(_message.Message):
     def __init__(self, mode: _Optional[_Union[Mode, str]] = ..., num_workers: _Optional[int] = ..., lease_timeout_seconds: _Optional[float] = ..., learning_rate: _Optional[float] = ..., sync_quorum: _Optional[int] = ..., round_timeout_seconds: _Optional[float] = ..., max_staleness: _Optional[int] = ..., staleness_lr: _Optional[str] = ..., staleness: _Optional[int] = ..., moving_rate: _Optional[float] = ..., communication_period: _Optional[int] = ..., easgd_sync: _Optional[bool] = ...) -> None: ...
 
 class MembershipEpoch(_message.Message):
-    __slots__ = ("epoch", "decided_at_version", "num_workers", "members", "config_changes", "reason", "resize_version", "previous_num_workers", "configured_num_workers", "signature")
+    __slots__ = ("epoch", "decided_at_version", "num_workers", "members", "config_changes", "reason", "resize_version", "previous_num_workers", "configured_num_workers", "signature", "cluster_id")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     DECIDED_AT_VERSION_FIELD_NUMBER: _ClassVar[int]
     NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
@@ -171,6 +171,7 @@ class MembershipEpoch(_message.Message):
     PREVIOUS_NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
     CONFIGURED_NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    CLUSTER_ID_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     decided_at_version: int
     num_workers: int
@@ -181,7 +182,8 @@ class MembershipEpoch(_message.Message):
     previous_num_workers: int
     configured_num_workers: int
     signature: bytes
-    def __init__(self, epoch: _Optional[int] = ..., decided_at_version: _Optional[int] = ..., num_workers: _Optional[int] = ..., members: _Optional[_Iterable[_Union[EpochMember, _Mapping]]] = ..., config_changes: _Optional[_Iterable[_Union[ConfigChange, _Mapping]]] = ..., reason: _Optional[str] = ..., resize_version: _Optional[int] = ..., previous_num_workers: _Optional[int] = ..., configured_num_workers: _Optional[int] = ..., signature: _Optional[bytes] = ...) -> None: ...
+    cluster_id: str
+    def __init__(self, epoch: _Optional[int] = ..., decided_at_version: _Optional[int] = ..., num_workers: _Optional[int] = ..., members: _Optional[_Iterable[_Union[EpochMember, _Mapping]]] = ..., config_changes: _Optional[_Iterable[_Union[ConfigChange, _Mapping]]] = ..., reason: _Optional[str] = ..., resize_version: _Optional[int] = ..., previous_num_workers: _Optional[int] = ..., configured_num_workers: _Optional[int] = ..., signature: _Optional[bytes] = ..., cluster_id: _Optional[str] = ...) -> None: ...
 
 class EpochMember(_message.Message):
     __slots__ = ("rank", "state", "incarnation", "since_version")
@@ -220,7 +222,7 @@ class JoinRequest(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., num_workers: _Optional[int] = ..., incarnation: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., membership: _Optional[_Union[MembershipEpoch, _Mapping]] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
-    __slots__ = ("shard_index", "num_shards", "config", "initialized", "version", "plan_digest", "clock", "optimizer", "membership", "data_port")
+    __slots__ = ("shard_index", "num_shards", "config", "initialized", "version", "plan_digest", "clock", "optimizer", "membership", "data_port", "session")
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FIELD_NUMBER: _ClassVar[int]
@@ -231,6 +233,7 @@ class JoinResponse(_message.Message):
     OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
     MEMBERSHIP_FIELD_NUMBER: _ClassVar[int]
     DATA_PORT_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
     shard_index: int
     num_shards: int
     config: ClusterConfig
@@ -241,7 +244,8 @@ class JoinResponse(_message.Message):
     optimizer: OptimizerSpec
     membership: MembershipEpoch
     data_port: int
-    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., config: _Optional[_Union[ClusterConfig, _Mapping]] = ..., initialized: _Optional[bool] = ..., version: _Optional[int] = ..., plan_digest: _Optional[str] = ..., clock: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., membership: _Optional[_Union[MembershipEpoch, _Mapping]] = ..., data_port: _Optional[int] = ...) -> None: ...
+    session: int
+    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., config: _Optional[_Union[ClusterConfig, _Mapping]] = ..., initialized: _Optional[bool] = ..., version: _Optional[int] = ..., plan_digest: _Optional[str] = ..., clock: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., membership: _Optional[_Union[MembershipEpoch, _Mapping]] = ..., data_port: _Optional[int] = ..., session: _Optional[int] = ...) -> None: ...
 
 class InitHeader(_message.Message):
     __slots__ = ("rank", "incarnation", "plan", "optimizer", "membership_epoch")
@@ -276,7 +280,7 @@ class InitResponse(_message.Message):
     def __init__(self, applied: _Optional[bool] = ..., version: _Optional[int] = ..., plan_digest: _Optional[str] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("rank", "incarnation", "clock", "version", "plan_digest", "groups", "skip", "membership_epoch", "membership", "data_sequence")
+    __slots__ = ("rank", "incarnation", "clock", "version", "plan_digest", "groups", "skip", "membership_epoch", "membership", "data_sequence", "session")
     RANK_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     CLOCK_FIELD_NUMBER: _ClassVar[int]
@@ -287,6 +291,7 @@ class PushHeader(_message.Message):
     MEMBERSHIP_EPOCH_FIELD_NUMBER: _ClassVar[int]
     MEMBERSHIP_FIELD_NUMBER: _ClassVar[int]
     DATA_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
     rank: int
     incarnation: int
     clock: int
@@ -297,7 +302,8 @@ class PushHeader(_message.Message):
     membership_epoch: int
     membership: MembershipEpoch
     data_sequence: int
-    def __init__(self, rank: _Optional[int] = ..., incarnation: _Optional[int] = ..., clock: _Optional[int] = ..., version: _Optional[int] = ..., plan_digest: _Optional[str] = ..., groups: _Optional[_Iterable[_Union[GroupHyperparameters, _Mapping]]] = ..., skip: _Optional[bool] = ..., membership_epoch: _Optional[int] = ..., membership: _Optional[_Union[MembershipEpoch, _Mapping]] = ..., data_sequence: _Optional[int] = ...) -> None: ...
+    session: int
+    def __init__(self, rank: _Optional[int] = ..., incarnation: _Optional[int] = ..., clock: _Optional[int] = ..., version: _Optional[int] = ..., plan_digest: _Optional[str] = ..., groups: _Optional[_Iterable[_Union[GroupHyperparameters, _Mapping]]] = ..., skip: _Optional[bool] = ..., membership_epoch: _Optional[int] = ..., membership: _Optional[_Union[MembershipEpoch, _Mapping]] = ..., data_sequence: _Optional[int] = ..., session: _Optional[int] = ...) -> None: ...
 
 class PushRequest(_message.Message):
     __slots__ = ("header", "partition")
@@ -352,18 +358,20 @@ class PullResponse(_message.Message):
     def __init__(self, version: _Optional[int] = ..., partition: _Optional[_Union[Partition, _Mapping]] = ...) -> None: ...
 
 class ExchangeHeader(_message.Message):
-    __slots__ = ("rank", "incarnation", "clock", "plan_digest", "membership_epoch")
+    __slots__ = ("rank", "incarnation", "clock", "plan_digest", "membership_epoch", "session")
     RANK_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     CLOCK_FIELD_NUMBER: _ClassVar[int]
     PLAN_DIGEST_FIELD_NUMBER: _ClassVar[int]
     MEMBERSHIP_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
     rank: int
     incarnation: int
     clock: int
     plan_digest: str
     membership_epoch: int
-    def __init__(self, rank: _Optional[int] = ..., incarnation: _Optional[int] = ..., clock: _Optional[int] = ..., plan_digest: _Optional[str] = ..., membership_epoch: _Optional[int] = ...) -> None: ...
+    session: int
+    def __init__(self, rank: _Optional[int] = ..., incarnation: _Optional[int] = ..., clock: _Optional[int] = ..., plan_digest: _Optional[str] = ..., membership_epoch: _Optional[int] = ..., session: _Optional[int] = ...) -> None: ...
 
 class ExchangeRequest(_message.Message):
     __slots__ = ("header", "partition")
@@ -544,16 +552,18 @@ class PullRowsResponse(_message.Message):
     def __init__(self, version: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[RowBlock, _Mapping]]] = ...) -> None: ...
 
 class PushRowsRequest(_message.Message):
-    __slots__ = ("rank", "incarnation", "clock", "blocks")
+    __slots__ = ("rank", "incarnation", "clock", "blocks", "session")
     RANK_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     CLOCK_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
     rank: int
     incarnation: int
     clock: int
     blocks: _containers.RepeatedCompositeFieldContainer[RowBlock]
-    def __init__(self, rank: _Optional[int] = ..., incarnation: _Optional[int] = ..., clock: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[RowBlock, _Mapping]]] = ...) -> None: ...
+    session: int
+    def __init__(self, rank: _Optional[int] = ..., incarnation: _Optional[int] = ..., clock: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[RowBlock, _Mapping]]] = ..., session: _Optional[int] = ...) -> None: ...
 
 class PushRowsResponse(_message.Message):
     __slots__ = ("version", "duplicate")

@@ -37,7 +37,15 @@ def good_partitions(client: PSClient) -> list[ps_pb2.Partition]:
 
 
 def push_stream(client: PSClient, parts: list[ps_pb2.Partition], **header: object) -> Iterator[ps_pb2.PushRequest]:
-    fields = {"rank": 0, "incarnation": 1, "clock": 0, "version": 0, "plan_digest": client.plan.digest, **header}
+    fields = {
+        "rank": 0,
+        "incarnation": 1,
+        "clock": 0,
+        "version": 0,
+        "plan_digest": client.plan.digest,
+        "session": client.session.sessions[0],  # the joined client's: the push is refused for its content
+        **header,
+    }
     yield ps_pb2.PushRequest(header=ps_pb2.PushHeader(**fields))
     for p in parts:
         yield ps_pb2.PushRequest(partition=p)

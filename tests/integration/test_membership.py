@@ -107,7 +107,14 @@ def test_duplicate_push_is_applied_once_over_grpc(start_cluster) -> None:
     ):
         client.init(model, {"name": "sgd", "lr": 1.0})
         stub = ps_pb2_grpc.ParameterServiceStub(ch)
-        header = ps_pb2.PushHeader(rank=0, incarnation=7, clock=0, version=0, plan_digest=client.plan.digest)
+        header = ps_pb2.PushHeader(
+            rank=0,
+            incarnation=7,
+            clock=0,
+            version=0,
+            plan_digest=client.plan.digest,
+            session=client.session.sessions[0],
+        )
         part = ps_pb2.Partition(
             key="weight", offset=0, length=2, dtype=ps_pb2.DTYPE_FLOAT32, data=encode(torch.ones(2))
         )

@@ -208,3 +208,97 @@ def status_with(channel: grpc.Channel, metadata: tuple[tuple[str, str], ...]) ->
         .GetStatus(ps_pb2.GetStatusRequest(), timeout=RPC_TIMEOUT, metadata=metadata)
         .status
     )
+
+
+WORKER, ADMIN = (("authorization", "Bearer w-token"),), (("authorization", "Bearer a-token"),)
+
+
+def decisions_of_another_job(start_cluster) -> list[ps_pb2.MembershipEpoch]:
+    """The signed records another job with the same tokens decided before it stopped: a resize to 1
+    worker, then a learning rate of 5.0 (what a client with only the worker token could have kept).
+    Started after the caller's cluster, its epochs are above that cluster's (an epoch's floor is its
+    shard 0's start second), so only the cluster id tells them apart."""
+    from ps_worker import PSClient
+    from tests.conftest import small_model
+
+    old = start_cluster(2, num_workers=2, token="w-token", admin_token="a-token")
+    with PSClient(old.addresses, rank=0, num_workers=2, incarnation=1, timeout=RPC_TIMEOUT, token="w-token") as c:
+        c.init(small_model(), {"name": "sgd", "lr": 0.1})
+    records = []
+    with grpc.insecure_channel(old[0].address) as ch:
+        admin, worker = ps_pb2_grpc.AdminStub(ch), ps_pb2_grpc.ParameterServiceStub(ch)
+        beat = ps_pb2.HeartbeatRequest(rank=0, incarnation=1)
+        admin.Resize(ps_pb2.ResizeRequest(num_workers=1), timeout=RPC_TIMEOUT, metadata=ADMIN)
+        records.append(worker.Heartbeat(beat, timeout=RPC_TIMEOUT, metadata=WORKER).membership)
+        admin.UpdateConfig(ps_pb2.UpdateConfigRequest(learning_rate=5.0), timeout=RPC_TIMEOUT, metadata=ADMIN)
+        records.append(worker.Heartbeat(beat, timeout=RPC_TIMEOUT, metadata=WORKER).membership)
+    for s in old:
+        s.stop()
+    assert [len(r.signature) for r in records] == [32, 32] and records[0].num_workers == 1
+    return records
+
+
+def admin_status(address: str) -> ps_pb2.ShardStatus:
+    with grpc.insecure_channel(address) as ch:
+        return status_with(ch, ADMIN)
+
+
+def test_a_record_of_an_earlier_job_with_the_same_admin_token_is_refused_by_a_new_cluster(start_cluster) -> None:
+    """Issue 30 item 4: records of a stopped job, relayed by a client holding only the new job's
+    worker token, neither resize the new job nor set its learning rate, on any shard."""
+    from ps_worker import PSClient
+    from tests.conftest import small_model
+
+    shards = start_cluster(2, num_workers=2, token="w-token", admin_token="a-token")
+    clients = [
+        PSClient(shards.addresses, rank=r, num_workers=2, incarnation=1, timeout=RPC_TIMEOUT, token="w-token")
+        for r in (0, 1)
+    ]
+    try:
+        for c in clients:
+            c.init(small_model(), {"name": "sgd", "lr": 0.1})
+        before = [admin_status(s.address) for s in shards]
+        records = decisions_of_another_job(start_cluster)
+        assert min(r.epoch for r in records) > max(b.membership.epoch for b in before)
+        for s in shards:
+            with grpc.insecure_channel(s.address) as ch:
+                stub = ps_pb2_grpc.ParameterServiceStub(ch)
+                for record in records:
+                    replay = ps_pb2.HeartbeatRequest(rank=1, incarnation=1, membership=record)
+                    with pytest.raises(grpc.RpcError) as err:
+                        stub.Heartbeat(replay, timeout=RPC_TIMEOUT, metadata=WORKER)
+                    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                    assert "another job" in err.value.details()
+        for s, b in zip(shards, before, strict=True):
+            after = admin_status(s.address)
+            assert after.config.num_workers == 2 and after.config.learning_rate == pytest.approx(0.1)
+            assert after.membership.epoch == b.membership.epoch and s.shard.members[1].counted
+        assert len({b.membership.cluster_id for b in before}) == 1 and before[0].membership.cluster_id
+    finally:
+        for c in clients:
+            c.close()
+
+
+def test_a_record_in_a_refused_heartbeat_is_not_followed(start_cluster) -> None:
+    """A record is followed only from a request that passed its own checks: a Heartbeat of a rank out
+    of range carrying shard 0's genuine record is refused and the record is not adopted."""
+    shards = start_cluster(2, num_workers=2, token="w-token", admin_token="a-token")
+    with grpc.insecure_channel(shards[0].address) as ch0, grpc.insecure_channel(shards[1].address) as ch1:
+        ps_pb2_grpc.AdminStub(ch0).EvictWorker(ps_pb2.EvictWorkerRequest(rank=1), timeout=RPC_TIMEOUT, metadata=ADMIN)
+        beat = ps_pb2.HeartbeatRequest(rank=0, incarnation=0)
+        record = ps_pb2_grpc.ParameterServiceStub(ch0).Heartbeat(beat, timeout=RPC_TIMEOUT, metadata=WORKER).membership
+        assert record.epoch > 0
+        follower = ps_pb2_grpc.ParameterServiceStub(ch1)
+        for refused in (
+            ps_pb2.HeartbeatRequest(rank=99, membership=record),  # no such rank
+            ps_pb2.HeartbeatRequest(rank=0, incarnation=0, membership=record),
+        ):
+            if refused.rank == 0:  # a superseded incarnation: rank 0 joined with 5 first
+                shards[1].shard.join(0, 2, 5)
+            with pytest.raises(grpc.RpcError) as err:
+                follower.Heartbeat(refused, timeout=RPC_TIMEOUT, metadata=WORKER)
+            assert err.value.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION)
+            assert status_with(ch1, ADMIN).membership.epoch == 0 and shards[1].shard.members[1].counted
+        accepted = ps_pb2.HeartbeatRequest(rank=0, incarnation=5, membership=record)
+        follower.Heartbeat(accepted, timeout=RPC_TIMEOUT, metadata=WORKER)
+        assert status_with(ch1, ADMIN).membership.epoch == record.epoch and not shards[1].shard.members[1].counted

@@ -85,7 +85,7 @@ class FakeTransport:
     def received(self, nbytes: int) -> None:
         pass
 
-    def data_connection(self, k: int, rank: int, incarnation: int) -> None:
+    def data_connection(self, k: int, rank: int, incarnation: int, session: int = 0) -> None:
         return None  # the shard offers no data connection: PushPullOnce on gRPC
 
 
