@@ -21,6 +21,8 @@ from tests.conftest import RPC_TIMEOUT
 from tests.helpers.data_connections import closed_by_peer, raw_connection
 
 INCARNATION = 1
+SESSIONS: dict[int, int] = {}
+"""The session of each rank the fixture joined (``JoinResponse.session``)."""
 
 
 def model() -> torch.nn.Module:
@@ -36,8 +38,10 @@ def member(start_cluster):
     cluster = start_cluster(num_shards=1, num_workers=2, mode="async", data_port=0, data_frame_timeout=0.5)
     client = PSClient(cluster.addresses, 0, 2, incarnation=INCARNATION, timeout=RPC_TIMEOUT)
     client.init(model(), {"name": "sgd", "lr": 0.1})
+    SESSIONS[0] = client.session.sessions[0]  # rank 0's session: its hellos carry it
     yield cluster[0]
     client.close()
+    SESSIONS.clear()
 
 
 def frame_slots(shard) -> list[torch.Tensor]:
@@ -47,7 +51,8 @@ def frame_slots(shard) -> list[torch.Tensor]:
 
 
 def hello(port: int, rank: int, incarnation: int = INCARNATION) -> tuple[socket.socket, tuple[int, ...]]:
-    sock = raw_connection(port, rank=rank, incarnation=incarnation)
+    """A hello of ``rank`` (with its session when the fixture joined it) and the shard's reply."""
+    sock = raw_connection(port, rank=rank, incarnation=incarnation, session=SESSIONS.get(rank, 0))
     return sock, dataconn.recv_struct(sock, dataconn.REPLY, time.monotonic() + RPC_TIMEOUT)
 
 
