@@ -173,18 +173,32 @@ class Membership:
                 f"resized to num_workers={n} (ranks 0..{n - 1}); this rank's work is done, it should exit."
             )
 
+    def pending_resize(self) -> bool:
+        """A resize is decided and not yet in force (:meth:`settle` has not reached its version)."""
+        return self.previous_num_workers != self.num_workers
+
     def resize(self, num_workers: int, at_version: int) -> None:
         """Make ranks ``0..num_workers-1`` the cluster from version (sync: round) ``at_version``
-        on; new ranks are PENDING and counted, ranks beyond stay for the rounds before it."""
-        if num_workers == self.num_workers:
+        on; new ranks are PENDING and counted, ranks beyond stay for the rounds before it.
+
+        A resize supersedes one still pending (decided, its version not reached): the rounds before
+        ``at_version`` keep the count in force before the pending one (``previous_num_workers``
+        stays), so no round waits for a rank that only the superseded resize added. Ranks the
+        pending resize added and this one keeps are kept as they are (they may have joined)."""
+        if num_workers == self.num_workers and at_version == self.resize_version:
             return
-        self.previous_num_workers, self.num_workers = self.num_workers, num_workers
+        in_force = self.previous_num_workers  # the count of the rounds before any pending resize
+        fresh_from = max(self.num_workers, in_force)  # ranks below are members already
+        self.num_workers, self.previous_num_workers = num_workers, in_force
         self.resize_version = at_version
-        for r in range(self.previous_num_workers, num_workers):  # new ranks (again): a fresh start
+        for r in range(fresh_from, num_workers):  # new ranks (again): a fresh start
             if r < len(self.members):
                 self.members[r] = Member(rank=r)
             else:
                 self.members.append(Member(rank=r))
+        if not self.pending_resize():  # back to the count in force: ranks a pending resize added go
+            for m in self.members[num_workers:]:
+                m.counted = False
 
     def settle(self, version: int) -> None:
         """Stop counting the ranks a resize removed once ``version`` reached its ``resize_version``

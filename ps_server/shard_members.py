@@ -248,6 +248,11 @@ def resize(shard: Shard, num_workers: int, at_version: int | None = None) -> tup
         previous = shard.membership.num_workers
         if num_workers != previous:
             shard.membership.resize(num_workers, at)
+            # a rank beyond the new count that never joined is not running: no round waits for it,
+            # whatever count an earlier resize put in force (it joins again after a grow, counted anew)
+            for m in shard.members[num_workers:]:
+                if m.state is WorkerState.PENDING and m.counted:
+                    m.state, m.counted = WorkerState.EVICTED, False
             _sync_count(shard)
             decide(shard, f"resized from {previous} to {num_workers} workers at version {at}")
             if at <= shard.version:  # nobody is training: it holds now

@@ -59,6 +59,8 @@ class DataPath:
         """The model's tensors, for rank 0 to write again to a shard that lost them."""
         self.last_push: Sequence[list[frames.OutPartition]] | None = None
         """Per shard, the last push as it went on the wire (pushed again after a PushLost)."""
+        self.last_round: int | None = None
+        """sync: the round :attr:`last_push` was stamped for."""
         session.repush = self._repush
 
     def require_codec(self) -> WireCodec:
@@ -104,11 +106,12 @@ class DataPath:
         codec = self.require_codec()
         flats = self.staging.stage(codec.plan, grads)
         outs = [codec.out_partitions(k, flats, compress=True) for k in range(self.transport.num_shards)]
-        self.last_push = outs
+        round_ = self.session.push_round()  # sync: one round for every shard and retry
+        self.last_push, self.last_round = outs, round_
         sent = [0] * self.transport.num_shards
 
         def one(k: int) -> ps_pb2.PushResponse:
-            reply, sent[k] = self.push_shard(k, outs[k])
+            reply, sent[k] = self.push_shard(k, outs[k], round_)
             return reply
 
         start = time.perf_counter()
@@ -124,16 +127,19 @@ class DataPath:
         self.session.account_push(replies)
         return replies
 
-    def push_shard(self, k: int, outs: Sequence[frames.OutPartition]) -> tuple[ps_pb2.PushResponse, int]:
+    def push_shard(
+        self, k: int, outs: Sequence[frames.OutPartition], round: int | None = None
+    ) -> tuple[ps_pb2.PushResponse, int]:
         """Push ``outs`` to shard ``k`` (a header message, then one frame per partition); returns its
-        answer and the bytes sent."""
+        answer and the bytes sent. ``round``: sync, the round the gradient is for (every attempt is
+        stamped with it; None: the session's clock)."""
         t, s, codec = self.transport, self.session, self.require_codec()
 
         def attempt() -> tuple[ps_pb2.PushResponse, int]:
             sent = [0]
 
             def messages():  # built as gRPC sends them (overlapping the shard's reading)
-                for m in codec.push_messages(codec.push_head(s.stamp(k)), outs):
+                for m in codec.push_messages(codec.push_head(s.stamp(k, round)), outs):
                     sent[0] += len(m)
                     yield t.sent(m)
 
@@ -141,14 +147,27 @@ class DataPath:
             s.learn(k, reply)
             return reply, sent[0]
 
-        result = s.with_recovery(k, attempt, f"Push {t.servers[k]}")
+        result = s.with_recovery(k, attempt, f"Push {t.servers[k]}", round=round)
         s.pushed[k] = True
         return result
 
     def _repush(self, k: int) -> None:
-        """After a PushLost: push the last gradient to shard ``k`` again."""
-        if self.last_push is not None:
-            self.push_shard(k, self.last_push[k])
+        """After a PushLost: push the last gradient to shard ``k`` again, for the round it was
+        computed for (sync: only when shard ``k`` takes this rank's push in that round now; else
+        the gradient is dropped there, and the next step pushes the shard's round)."""
+        if self.last_push is None:
+            return
+        round_ = self.last_round
+        if round_ is not None and self.session.versions[k] != round_:
+            log.info(
+                "rank %d: shard %s is at round %d now; the gradient of round %d is not pushed again",
+                self.session.rank,
+                self.transport.servers[k],
+                self.session.versions[k],
+                round_,
+            )
+            return
+        self.push_shard(k, self.last_push[k], round_)
 
     # ------------------------------------------------------------------ pull
     def pull(self, out: Mapping[str, torch.Tensor], min_version: int | None = None) -> int:

@@ -54,6 +54,9 @@ class PendingPushPull:
             for i, part in enumerate(owned):
                 self._by_key.setdefault(part.key, []).append((k, i))
         self.groups = codec.request_groups  # fixed by the plan, wire dtype and top-k ratio
+        # sync: the round this step's gradient is for, fixed now: every shard and every retry gets
+        # the same stamp (a recovery that moves a shard's round drops the push there instead)
+        self.round = self.session.push_round()
         self.started: dict[int, Any] = {}
         self.sent = [0] * t.num_shards
         # started streams: the frames built as their gradients become ready, and the groups still to build
@@ -130,7 +133,7 @@ class PendingPushPull:
 
     def _head(self, k: int) -> bytes:
         """The header fields of shard ``k``'s first request message."""
-        return self.codec.push_pull_head(self.session.stamp(k))
+        return self.codec.push_pull_head(self.session.stamp(k, self.round))
 
     def _messages(self, k: int) -> Iterator[bytes]:
         """Shard ``k``'s request messages, once every gradient is ready (a call made in ``finish()``);
@@ -267,7 +270,7 @@ class PendingPushPull:
         owned = codec.owned[k]
         with conn.lock:
             # the call first: its header reaches the shard while the frame is still being sent
-            head = codec.push_pull_head(self.session.stamp(k), sequence)
+            head = codec.push_pull_head(self.session.stamp(k, self.round), sequence)
             replies = t.push_pull_calls[k](iter([head]), timeout=t.timeout, metadata=t.metadata)
             wire = codec.wire
             targets = []
@@ -333,6 +336,7 @@ class PendingPushPull:
             if spec.key not in self._grads:
                 self.ready(spec.key, torch.zeros(math.prod(spec.shape), dtype=torch_dtype(spec.dtype)))
         self.path.last_push = _LastPush(self)  # made as the frames are sent; whole once they are
+        self.path.last_round = self.round
         self._order = self._send_order()
         for stream in self._streams.values():  # every frame is built: the streams may end
             stream.finish()
@@ -353,7 +357,9 @@ class PendingPushPull:
                     # a stream started during backward failed: the whole push again, with the
                     # same stamp (a shard that accepted it answers as for a duplicate), recovering
                     pass
-            return s.with_recovery(k, lambda: self._attempt(k, None), f"PushPull {t.servers[k]}", repush=False)
+            return s.with_recovery(
+                k, lambda: self._attempt(k, None), f"PushPull {t.servers[k]}", repush=False, round=self.round
+            )
 
         start = time.perf_counter()
         try:

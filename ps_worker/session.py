@@ -277,10 +277,10 @@ class Session(EpochRelay):
                     log.debug("heartbeat to %s failed: %s", t.servers[k], exc.code())
 
     # ------------------------------------------------------------------ recovery
-    def with_recovery(self, k: int, fn: Callable[[], T], what: str, repush: bool = True) -> T:
+    def with_recovery(self, k: int, fn: Callable[[], T], what: str, repush: bool = True, round: int | None = None) -> T:
         """``fn`` with retries of transient errors, and at most :data:`MAX_RECOVERIES` recoveries
         from refusals that name a fixable cause (see :meth:`recover`; ``repush=False`` when ``fn``
-        pushes again itself, as PushPull does).
+        pushes again itself, as PushPull does; ``round``: sync, the round ``fn`` pushes).
 
         Raises:
             ShardError: the typed error of the last failure (:func:`~ps_worker.errors.error_from_rpc`).
@@ -291,11 +291,11 @@ class Session(EpochRelay):
                 return self.transport.call(fn, what)
             except grpc.RpcError as exc:
                 err = error_from_rpc(address, exc, waits=not what.startswith("Push "))
-                if attempt == MAX_RECOVERIES or not self.recover(k, err, repush):
+                if attempt == MAX_RECOVERIES or not self.recover(k, err, repush, round):
                     raise err from exc
         raise AssertionError("unreachable")  # pragma: no cover
 
-    def recover(self, k: int, err: errors.ShardError, repush: bool = True) -> bool:
+    def recover(self, k: int, err: errors.ShardError, repush: bool = True, round: int | None = None) -> bool:
         """Bring shard ``k`` and this session back in step after a refusal; True when the call
         should be made again.
 
@@ -306,9 +306,16 @@ class Session(EpochRelay):
         - :class:`~ps_worker.errors.PushLost` (the shard restarted and lost an acknowledged push of an
           open round): adopt its round and push the last gradient again.
 
+        Args:
+            round: sync, the round the call being recovered pushes (its gradient was computed for
+                it); None for a call that pushes nothing.
+
         Raises:
             StalePush: sync, the rank was counted again from a later round than the shard's (a rejoin
-                after an eviction): the step's gradient is dropped and the pull waits for that round.
+                after an eviction), or the shard now takes this rank's push in another round than
+                ``round`` (it restarted from an older checkpoint, or counts the rank again from a
+                later round): the step's gradient is dropped (a push stamped for one round is never
+                sent again for another) and the pull waits for the shard's round.
         """
         if not isinstance(err, errors.RECOVERABLE):
             return False
@@ -338,18 +345,28 @@ class Session(EpochRelay):
                 grpc.StatusCode.ABORTED,
                 f"rank {self.rank} rejoined and counts from round {reply.clock}: this step's gradient is dropped",
             )
+        if self.mode == "sync" and round is not None and int(reply.clock) != round:
+            # the gradient was computed for ``round``; pushed again, it would be stamped for another
+            # round on this shard than on the others (the shards would close rounds differently)
+            raise errors.StalePush(
+                address,
+                grpc.StatusCode.ABORTED,
+                f"rank {self.rank}'s push for round {round} cannot be taken by shard {address} any more: "
+                f"it takes this rank's push in round {reply.clock} now; this step's gradient is dropped",
+            )
         if isinstance(err, errors.PushLost) and repush and self.repush is not None:
             self.repush(k)
         return True
 
     # ------------------------------------------------------------------ stamps and answers
-    def stamp(self, k: int) -> Stamp:
-        """What a push to shard ``k`` carries now (see :meth:`WorkerMode.push_clock`)."""
+    def stamp(self, k: int, clock: int | None = None) -> Stamp:
+        """What a push to shard ``k`` carries now: ``clock``, or the mode's
+        (:meth:`WorkerMode.push_clock`)."""
         epoch, record = self.relayed(k)
         return Stamp(
             self.rank,
             self.incarnation,
-            self.worker.push_clock(self, k),
+            self.worker.push_clock(self, k) if clock is None else clock,
             self.versions[k],
             self.step_hyperparameters,
             self.step_skip,
@@ -357,6 +374,11 @@ class Session(EpochRelay):
             record,
             self.sessions[k],
         )
+
+    def push_round(self) -> int | None:
+        """sync: the round a push made now is for, the same on every shard (fixed for the push,
+        retries included: see :meth:`recover`); other modes: None (the clock is the step count)."""
+        return self.worker.push_clock(self, 0) if self.mode == "sync" else None
 
     def pull_floor(self, k: int, min_version: int | None) -> int:
         """The version a pull from shard ``k`` waits for: ``min_version``, or the mode's."""

@@ -474,6 +474,9 @@ class ClusterSpec:
     durable_acks: bool = False
     worker_timeout: float = 30.0
     retry_deadline: float = 90.0
+    checkpoint_every: int = 1
+    slow_ms: float = 0.0
+    """Milliseconds every worker sleeps before each push (0: :data:`SLOW_MS`)."""
 
 
 class Cluster:
@@ -539,7 +542,8 @@ class Cluster:
         argv = [PY, "-m", "ps_server.cli", "--mode", "sync", "--num-workers", str(self.spec.num_workers)]
         argv += ["--num-shards", str(self.spec.num_shards), "--shard-index", str(k), "--host", self.net.host]
         argv += ["--port", str(self.ports[k]), "--metrics-port", "-1", "--lease-timeout", str(self.spec.lease)]
-        argv += ["--checkpoint-dir", str(self.logs / f"ckpt-{k}"), "--checkpoint-every", "1"]
+        argv += ["--checkpoint-dir", str(self.logs / f"ckpt-{k}")]
+        argv += ["--checkpoint-every", str(self.spec.checkpoint_every)]
         if self.spec.durable_acks:
             argv.append("--durable-acks")
         if self.net.enabled:
@@ -578,7 +582,7 @@ class Cluster:
         argv += ["--num-workers", str(self.spec.num_workers), "--steps", str(self.spec.steps)]
         argv += ["--incarnation", str(inc), "--events", "--json", "--no-progress", "--metrics-port", "-1"]
         argv += ["--retry-deadline", str(self.spec.retry_deadline), "--timeout", str(self.spec.worker_timeout)]
-        argv += ["--slow-rank", str(r), "--slow-ms", str(SLOW_MS), "--log-level", "INFO", "digits"]
+        argv += ["--slow-rank", str(r), "--slow-ms", str(self.spec.slow_ms or SLOW_MS), "--log-level", "INFO", "digits"]
         ns = self.net.worker_ns[r] if self.net.enabled else None
         p = self._spawn(f"worker-{r}", ns, argv, on_line)
         p.incarnation = record

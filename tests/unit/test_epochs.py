@@ -279,3 +279,46 @@ def test_scheduled_changes_are_bounded_and_a_default_one_comes_after_those_sched
     other.update_config(sync_quorum=1, at_version=9)
     other.update_config(learning_rate=0.02)  # by default after the change scheduled at 9, not before
     assert [c.version for c in other.epochs.pending()] == [9, 9]
+
+
+@pytest.mark.parametrize("relay_between", [True, False])
+def test_a_resize_supersedes_a_pending_one_and_no_round_waits_for_a_rank_it_added(relay_between: bool) -> None:
+    # before: Resize(3) then Resize(2) before the next round made round 1 wait for rank 2 forever
+    shards = cluster(num_workers=2)
+    push_round(shards, [0, 1], 0)
+    assert shards[0].resize(3) == (2, 2)
+    if relay_between:
+        relay(shards)
+    assert shards[0].resize(2) == (3, 2)
+    relay(shards)
+    push_round(shards, [0, 1], 1)
+    push_round(shards, [0, 1], 2)
+    assert [s.version for s in shards] == [3, 3] and [s.num_workers for s in shards] == [2, 2]
+    assert [s.status().round_waiting_for for s in shards] == [(), ()]
+    for s in shards:
+        with pytest.raises((NotJoinedError, InvalidRequestError), match="num_workers=2"):
+            s.join(2, 2, 1)  # out of the cluster: resized away, or never added (shard 1 saw one record)
+
+
+def test_rapid_resizes_end_on_the_last_count() -> None:
+    shards = cluster(num_workers=2)
+    push_round(shards, [0, 1], 0)
+    for n in [3, 5, 1, 4, 2, 6, 3] * 7 + [2]:  # 50 resizes before the next round
+        shards[0].resize(n)
+        relay(shards)
+    for clock in (1, 2, 3):
+        push_round(shards, [0, 1], clock)
+    assert [s.version for s in shards] == [4, 4]
+    assert [len([m for m in s.members if m.counted]) for s in shards] == [2, 2]
+
+
+def test_a_shrink_superseded_by_a_grow_keeps_the_rank_it_had() -> None:
+    shards = cluster(num_workers=3)
+    push_round(shards, [0, 1, 2], 0)
+    shards[0].resize(2)
+    shards[0].resize(3)  # back before it held: rank 2 (live) is kept as it is
+    relay(shards)
+    push_round(shards, [0, 1, 2], 1)
+    push_round(shards, [0, 1, 2], 2)
+    assert [s.version for s in shards] == [3, 3]
+    assert [s.members[2].state for s in shards] == [WorkerState.LIVE] * 2
