@@ -105,7 +105,9 @@ def test_status_table_over_two_shards(cluster) -> None:
     assert lines[0].startswith("grpc-ps: 2/2 shards, mode sync, version ")
     assert "workers 1/1 live" in lines[0]
     assert lines[1] == "settings: lr 0.01, sync quorum all, round timeout off"
-    header = lines[3].split()
+    assert lines[2].startswith("membership: epoch ") and "(cluster " in lines[2]  # formed at the first Join
+    top = lines.index("") + 1
+    header = lines[top].split()
     assert header == [
         "SHARD",
         "ADDRESS",
@@ -124,7 +126,7 @@ def test_status_table_over_two_shards(cluster) -> None:
     ]
     digest = cluster[0].shard.plan.digest[:8]
     for k, s in enumerate(cluster):
-        row = lines[4 + k].split()
+        row = lines[top + 1 + k].split()
         assert row[:3] == [f"{k}/2", s.address, "sync"]
         assert int(row[3]) >= 3 and row[4] == "1/1" and row[6] == "0" and row[7:9] == ["0", "0"]
         assert row[-2:] == ["yes", digest]
