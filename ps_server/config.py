@@ -74,6 +74,10 @@ class ServerConfig:
     tls_key: str = ""
     tls_client_ca: str = ""
     join_timeout: float = 300.0
+    cluster_id: str = ""
+    """The job's id, the same on every shard (``--cluster-id``): membership records carry it, signed,
+    and a shard follows only records of its own cluster. "": shard 0 draws one at its first start
+    (kept in checkpoints) and the other shards pin the id of the first record they follow."""
     """Seconds after the first Join that ranks which never joined are waited for (0: forever)."""
     metrics_port: int = -1
     """HTTP port of ``/metrics`` on ``host``; 0 picks a free port, -1 (the library default) serves none.
@@ -133,6 +137,11 @@ class ServerConfig:
         if self.max_parked_bytes < 0:
             raise InvalidRequestError(
                 f"--max-parked-bytes must be >= 0 (0: two frames per rank), got {self.max_parked_bytes}."
+            )
+        if len(self.cluster_id) > 64 or not all(c.isascii() and (c.isalnum() or c in "-_.:") for c in self.cluster_id):
+            raise InvalidRequestError(
+                f"--cluster-id must be at most 64 letters, digits, '-', '_', '.' or ':' "
+                f"(e.g. the job's name and start time), got {self.cluster_id[:80]!r}."
             )
         if not 0 <= self.join_timeout <= 86400:  # also refuses NaN
             raise InvalidRequestError(
@@ -301,6 +310,14 @@ def server_parser(environ: Mapping[str, str] | None = None) -> FlagParser:
         "its connection); 0: two frames of this shard's partitions per rank of the cluster",
     )
     join_timeout_flag(p)
+    p.flag(
+        "--cluster-id",
+        default="",
+        help="this job's id, the same on every shard (e.g. the job's name and start time): membership records "
+        "carry it and a shard follows only its own cluster's, whatever admin token other jobs share; "
+        "default: shard 0 draws one at its first start (kept in checkpoints) and the others follow the first "
+        "record they see",
+    )
     p.flag("--token", default="", help=secret_help("bearer token workers must send to ParameterService", "PS_TOKEN"))
     p.flag(
         "--admin-token",
@@ -401,6 +418,7 @@ def config_from_args(
             port=args.port,
             lease_timeout=args.lease_timeout,
             join_timeout=args.join_timeout,
+            cluster_id=args.cluster_id,
             token=token,
             admin_token=admin_token,
             insecure=args.insecure,

@@ -205,6 +205,7 @@ def start_server(config: ServerConfig, shard: Shard | None = None) -> ShardServe
             on_snapshot=checkpointer.offer if checkpointer is not None else None,
             counters=counters,
             record_key=config.admin_token,
+            cluster_id=config.cluster_id,
         )
     served = shard
     shard.tables.max_rows = config.max_table_rows

@@ -12,6 +12,7 @@ import json
 import os
 import queue
 import re
+import secrets
 import signal
 import subprocess
 import sys
@@ -226,9 +227,27 @@ class Cluster:
             c.log_file.close()
 
 
+def cluster_id(log_dir: Path) -> str:
+    """The job's ``--cluster-id``: drawn once per log directory and kept in ``LOG_DIR/cluster-id``, so
+    that a job resumed on its ``--log-dir`` keeps its id and no other job's membership record is
+    followed by its shards."""
+    path = log_dir / "cluster-id"
+    try:
+        saved = path.read_text().strip()
+    except FileNotFoundError:
+        saved = ""
+    if saved:
+        return saved
+    made = f"launch-{secrets.token_hex(12)}"
+    path.write_text(made + "\n")
+    return made
+
+
 def server_flags(args: Any, log_dir: Path) -> list[str]:
-    """The mode and checkpoint parameters ps-launch forwards to every ps-server."""
+    """The mode, checkpoint and cluster parameters ps-launch forwards to every ps-server."""
     flags = [
+        "--cluster-id",
+        cluster_id(log_dir),
         "--checkpoint-dir",
         str(log_dir / "checkpoints"),
         "--checkpoint-every",

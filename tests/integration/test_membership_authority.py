@@ -302,3 +302,36 @@ def test_a_record_in_a_refused_heartbeat_is_not_followed(start_cluster) -> None:
         accepted = ps_pb2.HeartbeatRequest(rank=0, incarnation=5, membership=record)
         follower.Heartbeat(accepted, timeout=RPC_TIMEOUT, metadata=WORKER)
         assert status_with(ch1, ADMIN).membership.epoch == record.epoch and not shards[1].shard.members[1].counted
+
+
+def test_with_a_cluster_id_a_fresh_follower_refuses_another_jobs_record_before_its_first(start_cluster) -> None:
+    """Without ``--cluster-id`` a shard that has followed no record yet pins the cluster of the first
+    one it follows; with it, a record of an earlier job (same admin token) relayed in a Join before any
+    worker joined is refused, and the job's own records are followed afterwards."""
+    from ps_worker import PSClient
+    from tests.conftest import small_model
+
+    records = decisions_of_another_job(start_cluster)
+    shards = start_cluster(2, num_workers=2, token="w-token", admin_token="a-token", cluster_id="job-b")
+    with grpc.insecure_channel(shards[1].address) as ch:
+        stub = ps_pb2_grpc.ParameterServiceStub(ch)
+        for record in records:
+            join = ps_pb2.JoinRequest(rank=1, num_workers=2, incarnation=1, membership=record)
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Join(join, timeout=RPC_TIMEOUT, metadata=WORKER)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "another job" in err.value.details()
+    assert shards[1].shard.epochs.cluster_id == "job-b" and shards[1].shard.num_workers == 2
+    clients = [
+        PSClient(shards.addresses, rank=r, num_workers=2, incarnation=2, timeout=RPC_TIMEOUT, token="w-token")
+        for r in (0, 1)
+    ]
+    try:
+        for c in clients:
+            c.init(small_model(), {"name": "sgd", "lr": 0.1})
+        after = [admin_status(s.address) for s in shards]
+        assert [a.membership.cluster_id for a in after] == ["job-b", "job-b"]
+        assert [a.config.num_workers for a in after] == [2, 2]
+    finally:
+        for c in clients:
+            c.close()

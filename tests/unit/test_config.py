@@ -148,3 +148,10 @@ def test_ps_admin_reads_the_admin_token_from_a_file(tmp_path, monkeypatch) -> No
     monkeypatch.setitem(cli.COMMANDS, "checkpoint", lambda args, out, err: seen.setdefault("token", args.admin_token))
     cli.main(["--servers", "127.0.0.1:1", "--admin-token-file", str(path), "checkpoint"])
     assert seen == {"token": "s3cret"}
+
+
+@pytest.mark.parametrize("bad", ["a b", "x" * 65, "job/1", "jöb"])
+def test_a_cluster_id_is_short_and_plain(bad: str) -> None:
+    with pytest.raises(InvalidRequestError, match="--cluster-id"):
+        ServerConfig(shard_index=0, num_shards=1, num_workers=1, cluster_id=bad)
+    assert ServerConfig(shard_index=0, num_shards=1, num_workers=1, cluster_id="job-7_2026.11:25").cluster_id

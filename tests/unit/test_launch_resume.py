@@ -64,3 +64,15 @@ def test_mean_of_ranks_that_trained_and_nothing_to_do_output() -> None:
         "version": 10,
         "steps": 10,
     }
+
+
+def test_a_job_keeps_its_cluster_id_across_runs_on_one_log_dir(tmp_path) -> None:
+    """ps-launch gives its shards one --cluster-id per log directory: a resumed job keeps it, another
+    job's differs (their membership records are not followed by each other's shards)."""
+    from ps_worker.launch_cluster import cluster_id
+
+    first = cluster_id(tmp_path / "")
+    assert first.startswith("launch-") and cluster_id(tmp_path) == first
+    other = tmp_path / "other"
+    other.mkdir()
+    assert cluster_id(other) != first
