@@ -115,7 +115,7 @@ class ParameterServicer(TableRpcs, DataConnectionRpcs):
         # record is checked first (signed by shard 0, of this shard's cluster), so only a genuine
         # decision of this cluster, which every shard follows anyway, is ever adopted from it.
         self._adopt(request)
-        info = self.shard.join(request.rank, request.num_workers, request.incarnation)
+        info = self.shard.join(request.rank, request.num_workers, request.incarnation, request.membership_epoch)
         return ps_pb2.JoinResponse(
             membership=self.shard.epochs.record,
             shard_index=self.shard.shard_index,

@@ -207,9 +207,9 @@ class Shard(DataPath):
             )
 
     # ----------------------------------------------------------------- membership (shard_members)
-    def join(self, rank: int, num_workers: int, incarnation: int) -> JoinInfo:
+    def join(self, rank: int, num_workers: int, incarnation: int, epoch: int = 0) -> JoinInfo:
         """Register ``rank`` (a higher incarnation replaces the old one); see :func:`shard_members.join`."""
-        return shard_members.join(self, rank, num_workers, incarnation)
+        return shard_members.join(self, rank, num_workers, incarnation, epoch)
 
     def check_session(self, rank: int, incarnation: int, session: int, what: str) -> None:
         """Refuse a push-type request without ``rank``'s current session; see :func:`shard_members.check_session`."""

@@ -39,7 +39,7 @@ def not_authority(shard: Shard, what: str) -> PreconditionError:
     return PreconditionError(NOT_AUTHORITY.format(k=shard.shard_index, what=what))
 
 
-def join(shard: Shard, rank: int, num_workers: int, incarnation: int) -> JoinInfo:
+def join(shard: Shard, rank: int, num_workers: int, incarnation: int, epoch: int = 0) -> JoinInfo:
     """Register ``rank`` (a higher incarnation replaces the old one: its clocks start over where
     the policy says). On shard 0, a rank the cluster stopped counting (evicted, left) counts again:
     a decision (:mod:`ps_server.epochs`); so is the cluster's first Join ("cluster formed": the
@@ -49,9 +49,14 @@ def join(shard: Shard, rank: int, num_workers: int, incarnation: int) -> JoinInf
     ``--num-workers`` before a resize is welcome. Every Join draws a new session for the rank
     (:func:`check_session`); the previous one is refused from then on.
 
+    Args:
+        epoch: the membership epoch the worker knows (0: a process that never joined this cluster).
+            A worker that knows one was in the cluster already: its ``num_workers`` may lag behind
+            resizes it has not heard of yet, so only a fresh process's count is checked.
+
     Raises:
-        InvalidRequestError: rank out of range, or ``num_workers`` is neither the cluster's count
-            nor the shards' ``--num-workers``.
+        InvalidRequestError: rank out of range, or (a fresh process) ``num_workers`` is neither the
+            cluster's count nor the shards' ``--num-workers``.
         NotJoinedError: a resize left the rank out, or (not shard 0) shard 0 does not count it.
         PreconditionError: a lower incarnation than one already joined.
     """
@@ -60,7 +65,7 @@ def join(shard: Shard, rank: int, num_workers: int, incarnation: int) -> JoinInf
         # a rank a resize left out is told so first, whatever count it was started with (a rank
         # started for a resize that a later one undid says the count it was started for)
         shard.membership.check_in_cluster(rank)
-        if num_workers not in (shard.num_workers, shard.configured_num_workers):
+        if not epoch and num_workers not in (shard.num_workers, shard.configured_num_workers):
             raise InvalidRequestError(
                 f"This cluster has num_workers={shard.num_workers} but the worker says {num_workers}; "
                 "start every worker and shard with the same --num-workers (after `ps-admin resize N`, "

@@ -217,8 +217,11 @@ def test_a_data_connection_call_ends_its_wait_when_its_worker_goes_away(start_cl
         plan = server.shard.plan
         codec = WireCodec(plan)
         flats = {k: p.detach().reshape(-1).clone().zero_() for k, p in model.named_parameters()}
-        request = frames.build(codec.out_partitions(0, flats, False), codec.push_pull_head(Stamp(0, 1, 0, 0)))
-        sock = raw_connection(server.data.port, rank=0, incarnation=1)
+        session = client.session.sessions[0]
+        request = frames.build(
+            codec.out_partitions(0, flats, False), codec.push_pull_head(Stamp(0, 1, 0, 0, session=session))
+        )
+        sock = raw_connection(server.data.port, rank=0, incarnation=1, session=session)
         assert dataconn.recv_struct(sock, dataconn.REPLY, time.monotonic() + 10) == (dataconn.MAGIC, 0)
         sock.sendall(b"".join(bytes(b) for b in dataconn.call(1, request, None)))  # no deadline
         wait_until(lambda: 0 in server.shard.rounds.pending, 10, "the call's push to be held for its round")

@@ -170,6 +170,7 @@ def test_bad_rows_are_refused_with_contract_codes_and_change_nothing(start_clust
             wrong_dim = ps_pb2.PushRowsRequest(
                 rank=0,
                 incarnation=c.session.incarnation,
+                session=c.session.sessions[0],
                 clock=99,
                 blocks=[ps_pb2.RowBlock(table="t", ids=ids.numpy().tobytes(), dtype=1, data=bytes(2 * 5 * 4))],
             )
