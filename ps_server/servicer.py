@@ -113,9 +113,15 @@ class ParameterServicer(TableRpcs, DataConnectionRpcs):
         # the one request whose record is followed before its own checks: a rank counted again, or
         # one a resize added, is known here only from shard 0's record, which its join carries. The
         # record is checked first (signed by shard 0, of this shard's cluster), so only a genuine
-        # decision of this cluster, which every shard follows anyway, is ever adopted from it.
-        self._adopt(request)
+        # decision of this cluster, which every shard follows anyway, is ever adopted from it. A
+        # shard that knows no cluster yet (no --cluster-id, no record followed) follows the record
+        # only once the Join itself was accepted: it pins that record's cluster.
+        pinned = bool(self.shard.epochs.cluster_id)
+        if pinned:
+            self._adopt(request)
         info = self.shard.join(request.rank, request.num_workers, request.incarnation, request.membership_epoch)
+        if not pinned:
+            self._adopt(request)
         return ps_pb2.JoinResponse(
             membership=self.shard.epochs.record,
             shard_index=self.shard.shard_index,
@@ -291,7 +297,8 @@ class ParameterServicer(TableRpcs, DataConnectionRpcs):
     @maps_errors
     def Heartbeat(self, request: ps_pb2.HeartbeatRequest, context: grpc.ServicerContext) -> ps_pb2.HeartbeatResponse:
         self.shard.check_member(request.rank, request.incarnation)  # a refused heartbeat adopts nothing
-        self._adopt(request)
+        if self.shard.is_live(request.rank, request.incarnation):  # nor one of a rank not joined as this
+            self._adopt(request)
         version, state = self.shard.heartbeat(request.rank, request.incarnation)
         answer = ps_pb2.HeartbeatResponse(
             version=version, state=WORKER_STATES[state], data_port=self.data.port if self.data is not None else 0
@@ -301,7 +308,8 @@ class ParameterServicer(TableRpcs, DataConnectionRpcs):
     @maps_errors
     def Leave(self, request: ps_pb2.LeaveRequest, context: grpc.ServicerContext) -> ps_pb2.LeaveResponse:
         self.shard.check_member(request.rank, request.incarnation)
-        self._adopt(request)
+        if self.shard.is_live(request.rank, request.incarnation):
+            self._adopt(request)
         version = self.shard.leave(request.rank, request.incarnation)
         return self._told(ps_pb2.LeaveResponse(version=version), request.membership_epoch)
 

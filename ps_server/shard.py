@@ -224,6 +224,15 @@ class Shard(DataPath):
             member = self.members[rank]
             return member.session == session and member.incarnation == incarnation
 
+    def is_live(self, rank: int, incarnation: int) -> bool:
+        """Whether ``rank`` is joined and live here under ``incarnation`` (False for a rank out of
+        range): only such a rank's Heartbeat or Leave relays a membership record."""
+        with self._cond:
+            if not 0 <= rank < len(self.members):
+                return False
+            member = self.members[rank]
+            return member.state is WorkerState.LIVE and member.incarnation == incarnation
+
     def check_member(self, rank: int, incarnation: int) -> None:
         """A Heartbeat's or Leave's own checks; see :func:`shard_members.check_member`."""
         shard_members.check_member(self, rank, incarnation)

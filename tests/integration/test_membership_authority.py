@@ -185,8 +185,11 @@ def test_records_are_signed_with_the_admin_token_and_a_forged_one_is_refused(sta
     worker, admin = (("authorization", "Bearer w-token"),), (("authorization", "Bearer a-token"),)
     shards = start_cluster(2, num_workers=2, token="w-token", admin_token="a-token")
     with grpc.insecure_channel(shards[0].address) as ch0, grpc.insecure_channel(shards[1].address) as ch1:
+        join = ps_pb2.JoinRequest(rank=0, num_workers=2, incarnation=1)
+        for ch in (ch0, ch1):  # rank 0 live on both: only a live rank's heartbeat relays records
+            ps_pb2_grpc.ParameterServiceStub(ch).Join(join, timeout=RPC_TIMEOUT, metadata=worker)
         ps_pb2_grpc.AdminStub(ch0).EvictWorker(ps_pb2.EvictWorkerRequest(rank=1), timeout=RPC_TIMEOUT, metadata=admin)
-        beat = ps_pb2.HeartbeatRequest(rank=0, incarnation=0)
+        beat = ps_pb2.HeartbeatRequest(rank=0, incarnation=1)
         record = ps_pb2_grpc.ParameterServiceStub(ch0).Heartbeat(beat, timeout=RPC_TIMEOUT, metadata=worker).membership
         assert record.epoch > 0 and len(record.signature) == 32  # shard 0's answer to an older epoch
         forged = ps_pb2.MembershipEpoch()
@@ -194,10 +197,14 @@ def test_records_are_signed_with_the_admin_token_and_a_forged_one_is_refused(sta
         forged.members[1].state = ps_pb2.WORKER_STATE_LIVE  # a worker un-evicts itself
         follower = ps_pb2_grpc.ParameterServiceStub(ch1)
         with pytest.raises(grpc.RpcError) as err:
-            follower.Heartbeat(ps_pb2.HeartbeatRequest(rank=0, membership=forged), timeout=RPC_TIMEOUT, metadata=worker)
+            follower.Heartbeat(
+                ps_pb2.HeartbeatRequest(rank=0, incarnation=1, membership=forged), timeout=RPC_TIMEOUT, metadata=worker
+            )
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "not signed by shard 0" in err.value.details()
         assert status_with(ch1, admin).membership.epoch == 0  # nothing changed
-        follower.Heartbeat(ps_pb2.HeartbeatRequest(rank=0, membership=record), timeout=RPC_TIMEOUT, metadata=worker)
+        follower.Heartbeat(
+            ps_pb2.HeartbeatRequest(rank=0, incarnation=1, membership=record), timeout=RPC_TIMEOUT, metadata=worker
+        )
         assert status_with(ch1, admin).membership.epoch == record.epoch  # the real one is followed
         assert shards[1].shard.members[1].counted is False
 
