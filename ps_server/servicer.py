@@ -152,8 +152,8 @@ class ParameterServicer(TableRpcs, DataConnectionRpcs):
     ) -> Request:
         """Read a Push, PushPull, PushPullOnce or Exchange stream. At its header, before any
         partition is read: the header's rank against the caller's token (``--rank-tokens``) and
-        ``peer_rank`` (the hello's rank of the data connection a call came on), the rank's session,
-        and the shard's plan (initialized, same digest); then each partition as it arrives.
+        ``peer_rank`` (the hello's rank of the data connection a call came on), the shard's plan
+        (initialized, same digest) and the rank's session; then each partition as it arrives.
 
         Raises:
             WrongRankError: stamped with another rank than the caller's token, the data
@@ -168,8 +168,9 @@ class ParameterServicer(TableRpcs, DataConnectionRpcs):
                     f"{what} stamped rank {header.rank} came on the data connection of rank {peer_rank} (its hello); "
                     "a connection carries only its own rank's calls. Nothing was applied."
                 )
+            plan = self.shard.check_plan(header.plan_digest)
             self.shard.check_session(header.rank, header.incarnation, header.session, what)
-            return Intake(self.shard.check_plan(header.plan_digest), self.shard.shard_index, values)
+            return Intake(plan, self.shard.shard_index, values)
 
         return read_request(request_iterator, what, header_cls, open_, what.startswith("PushPull"), _ignore)
 
