@@ -245,9 +245,9 @@ class ServerConfig:
                 )
         if (self.token or self.rank_tokens is not None) and not self.admin_token:
             out.append(
-                f"--token (PS_TOKEN) is set but --admin-token (PS_ADMIN_TOKEN) is not: Admin (status, config "
-                f"changes, resize, evict, checkpoint, export) takes calls without a token from anyone who can "
-                f"reach {self.host}:{self.port}; set PS_ADMIN_TOKEN or PS_ADMIN_TOKEN_FILE."
+                "Worker tokens (--token or --rank-tokens) are set but --admin-token (PS_ADMIN_TOKEN) is not: Admin "
+                "(status, config changes, resize, evict, checkpoint, export) takes calls without a token from anyone "
+                f"who can reach {self.host}:{self.port}; set PS_ADMIN_TOKEN or PS_ADMIN_TOKEN_FILE."
             )
         return out
 
