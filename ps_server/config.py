@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ps_common import modes
 from ps_common.channels import is_loopback
@@ -12,7 +12,9 @@ from ps_common.errors import InvalidRequestError
 from ps_common.flags import FlagParser, join_timeout_flag, mode_flags, secret, secret_help
 from ps_common.modes import MODES, ModeSettings
 from ps_server.core.limits import DEFAULT_MAX_PARAMETER_BYTES, Limits
+from ps_server.rank_tokens import RankTokens, load_rank_tokens
 from ps_server.tables import DEFAULT_MAX_TABLE_BYTES, DEFAULT_MAX_TABLE_ROWS
+from ps_server.waiting_calls import FIRST_MESSAGE_SECONDS, rank_share
 
 STREAM_ROUNDS = ("auto", "on", "off")
 """``--stream-rounds``: ``auto`` streams sync rounds of two or more ranks whose data connections
@@ -104,6 +106,9 @@ class ServerConfig:
     max_parked_bytes: int = 0
     """Most bytes of push frames parked over all data connections at once; 0: two frames of this
     shard's partitions per rank of the cluster (a complete one and one being read)."""
+    rank_tokens: RankTokens | None = field(default=None, repr=False)
+    """Per-rank credentials (``--rank-tokens FILE``, :mod:`ps_server.rank_tokens`): a rank's token
+    acts only as that rank; each rank gets its own share of waiting calls."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -148,11 +153,21 @@ class ServerConfig:
                 f"--join-timeout must be in 0..86400 seconds (0: wait forever), got {self.join_timeout}."
             )
         Limits(self.max_message_bytes, self.max_parameter_bytes)  # validates both bounds
-        if not is_loopback(self.host) and not (self.token and self.admin_token) and not self.insecure:
+        worker_credential = self.token or self.rank_tokens is not None
+        if not is_loopback(self.host) and not (worker_credential and self.admin_token) and not self.insecure:
             raise InvalidRequestError(
                 f"Refusing to serve on non-loopback address {self.host!r} without both PS_TOKEN and "
-                "PS_ADMIN_TOKEN: set them (or --token/--admin-token), or pass --insecure on a trusted network."
+                "PS_ADMIN_TOKEN: set them (or --token/--rank-tokens and --admin-token), or pass --insecure on a "
+                "trusted network."
             )
+        named = (("--token (PS_TOKEN)", self.token), ("--admin-token (PS_ADMIN_TOKEN)", self.admin_token))
+        if self.rank_tokens is not None:
+            for flag, token in named:
+                if token and self.rank_tokens.rank_of(token) is not None:
+                    raise InvalidRequestError(
+                        f"--rank-tokens gives rank {self.rank_tokens.rank_of(token)} the same token as {flag}; a "
+                        "rank's token must be its own."
+                    )
         for flag, token in (("--token (PS_TOKEN)", self.token), ("--admin-token (PS_ADMIN_TOKEN)", self.admin_token)):
             if token and not token.strip():
                 raise InvalidRequestError(f"{flag} is only whitespace; give a real secret, or leave it empty.")
@@ -230,11 +245,18 @@ class ServerConfig:
     def warnings(self) -> list[str]:
         """What this configuration leaves open that an operator may not expect (logged at start)."""
         out = []
-        if self.token and not self.admin_token:
+        if self.rank_tokens is not None:
+            missing = [r for r in range(self.num_workers) if not self.rank_tokens.has(r)]
+            if missing and not self.token:
+                out.append(
+                    f"--rank-tokens gives no token to rank(s) {missing[:8]}{' ...' if len(missing) > 8 else ''} "
+                    "and --token is not set: those ranks cannot call this shard."
+                )
+        if (self.token or self.rank_tokens is not None) and not self.admin_token:
             out.append(
-                f"--token (PS_TOKEN) is set but --admin-token (PS_ADMIN_TOKEN) is not: Admin (status, config "
-                f"changes, resize, evict, checkpoint, export) takes calls without a token from anyone who can "
-                f"reach {self.host}:{self.port}; set PS_ADMIN_TOKEN or PS_ADMIN_TOKEN_FILE."
+                "Worker tokens (--token or --rank-tokens) are set but --admin-token (PS_ADMIN_TOKEN) is not: Admin "
+                "(status, config changes, resize, evict, checkpoint, export) takes calls without a token from anyone "
+                f"who can reach {self.host}:{self.port}; set PS_ADMIN_TOKEN or PS_ADMIN_TOKEN_FILE."
             )
         return out
 
@@ -251,9 +273,23 @@ class ServerConfig:
         return self.max_waiting_calls or 2 * self.num_workers + 8
 
     @property
+    def rank_share(self) -> int:
+        """Waiting calls each rank with its own token (``--rank-tokens``) may hold at once, beside
+        :attr:`waiting_calls` (0 without rank tokens)."""
+        return rank_share(self.waiting_calls, self.num_workers) if self.rank_tokens is not None else 0
+
+    @property
+    def first_message_seconds(self) -> float:
+        """Most seconds a request stream (Init, Push, PushPull, Exchange) may take to send its first
+        message before it is cancelled: min(10 s, the lease timeout)."""
+        return min(FIRST_MESSAGE_SECONDS, self.lease_timeout)
+
+    @property
     def wait_threads(self) -> int:
-        """The waiting calls' pool size: one thread per admitted call, plus a few that answer refusals."""
-        return self.waiting_calls + WAIT_REFUSAL_THREADS
+        """The waiting calls' pool size: one thread per admitted call (the shared cap, and each
+        rank's share with ``--rank-tokens``), plus a few that answer refusals."""
+        ranks = len(self.rank_tokens) if self.rank_tokens is not None else 0
+        return self.waiting_calls + ranks * self.rank_share + WAIT_REFUSAL_THREADS
 
     @property
     def stream_threads(self) -> int:
@@ -329,6 +365,15 @@ def server_parser(environ: Mapping[str, str] | None = None) -> FlagParser:
         ),
     )
     p.flag("--token-file", default="", help="file holding the worker token (e.g. a mounted Secret)")
+    p.flag(
+        "--rank-tokens",
+        default="",
+        env="PS_RANK_TOKENS_FILE",
+        help="file of per-rank tokens, one 'RANK TOKEN' line per rank (# comments): a ParameterService call or "
+        "data connection with a rank's token acts only as that rank (others: PERMISSION_DENIED WRONG_RANK), "
+        "--token then acts only as ranks without a token of their own, and each rank gets its own share of "
+        "waiting calls. Workers send their rank's token as PS_TOKEN/PS_TOKEN_FILE",
+    )
     p.flag("--admin-token-file", default="", help="file holding the admin token")
     p.flag("--insecure", switch=True, help="allow a non-loopback bind without tokens")
     p.flag("--checkpoint-dir", default="", help="directory of this shard's checkpoints; resume from the newest")
@@ -406,6 +451,7 @@ def config_from_args(
     try:
         token = secret(args.token, args.token_file, "--token")
         admin_token = secret(args.admin_token, args.admin_token_file, "--admin-token")
+        rank_tokens = load_rank_tokens(args.rank_tokens) if args.rank_tokens else None
     except ValueError as exc:
         parser.error(str(exc))
     try:
@@ -441,6 +487,7 @@ def config_from_args(
             max_waiting_calls=args.max_waiting_calls,
             data_frame_timeout=args.data_frame_timeout,
             max_parked_bytes=args.max_parked_bytes,
+            rank_tokens=rank_tokens,
             **modes.settings_of(args),
         )
     except InvalidRequestError as exc:

@@ -51,6 +51,7 @@ from ps_common.errors import DataPathError, InvalidRequestError, PSError
 from ps_common.partition import WirePartition
 from ps_common.plan import Plan
 from ps_server.data_calls import CallContext, CallHandler, run_call
+from ps_server.rank_tokens import RankTokens
 from ps_server.threads import OwnedThreads
 
 log = logging.getLogger(__name__)
@@ -138,6 +139,8 @@ class DataPlane:
         shard_index: this shard.
         plan_of: the shard's plan now (None before Init).
         token, admin_token: a hello must carry one of them when ``token`` is set.
+        rank_tokens: per-rank tokens (``--rank-tokens``): a hello of a rank that has one must carry
+            it (or the admin token); ``token`` is then accepted only for ranks without one.
         max_connections: connections open at once; one more is closed after its hello is refused.
         threads: where the listener and the connections' threads are started (joined at stop).
         counted: called with (bytes received, bytes sent) as frames move (metrics).
@@ -174,6 +177,7 @@ class DataPlane:
         *,
         token: str = "",
         admin_token: str = "",
+        rank_tokens: RankTokens | None = None,
         max_connections: int = 64,
         threads: OwnedThreads | None = None,
         counted: Callable[[int, int], None] | None = None,
@@ -202,6 +206,9 @@ class DataPlane:
         """Calls answered on the connections (refusals included)."""
         self._plan_of = plan_of
         self._tokens = [t.encode() for t in (token, admin_token) if t] if token else []
+        self._shared = token.encode()
+        self._admin = admin_token.encode()
+        self._rank_tokens = rank_tokens
         self.max_connections = max_connections
         self._threads = threads or OwnedThreads()
         self._counted = counted or (lambda received, sent: None)
@@ -266,7 +273,7 @@ class DataPlane:
             return None
         given = bytearray(token_len)
         dataconn.recv_exact(sock, memoryview(given), deadline)
-        if self._tokens and not any(hmac.compare_digest(bytes(given), t) for t in self._tokens):
+        if not self._token_admits(rank, bytes(given)):
             self._refuse("data connection of rank %d closed: wrong token", rank)
             return None
         try:
@@ -295,6 +302,18 @@ class DataPlane:
             self._lost(old, "a newer data connection of the same rank replaced it")
         sock.sendall(dataconn.REPLY.pack(dataconn.MAGIC, 0))
         return conn
+
+    def _token_admits(self, rank: int, given: bytes) -> bool:
+        """Whether a hello of ``rank`` with the token ``given`` may open a connection: with rank
+        tokens, the rank's own token (or the admin token; the shared token only for a rank without
+        one of its own); otherwise one of the tokens, when there are any. Compared in constant time."""
+        if self._rank_tokens is None:
+            return not self._tokens or any(hmac.compare_digest(given, t) for t in self._tokens)
+        own = self._rank_tokens.token_of(rank)
+        admin = bool(self._admin) and hmac.compare_digest(given, self._admin)
+        if own is not None:
+            return hmac.compare_digest(given, own.encode()) or admin
+        return admin or (bool(self._shared) and hmac.compare_digest(given, self._shared))
 
     def _read_frames(self, conn: _Conn) -> None:
         """Read push frames until the connection closes; each record is checked against the plan

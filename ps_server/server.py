@@ -31,7 +31,7 @@ from ps_server.shard_views import StatusView
 from ps_server.streams import PUBLIC, WATCH, StreamLimit, StreamLimitInterceptor
 from ps_server.table_metrics import TableCollector
 from ps_server.threads import OwnedThreads
-from ps_server.waiting_calls import WaitingCalls
+from ps_server.waiting_calls import Alarms, WaitingCalls
 
 log = logging.getLogger(__name__)
 
@@ -141,6 +141,8 @@ class ShardServer:
             self.streams.pool.shutdown(wait=False)
         if self.waiting is not None:
             self.waiting.pool.shutdown(wait=False)
+            if self.waiting.alarms is not None:
+                self.waiting.alarms.close()
         if self.metrics_endpoint is not None:
             self.metrics_endpoint.close()
         self.threads.join(JOIN_TIMEOUT, f"shard {self.config.shard_index}")
@@ -241,6 +243,9 @@ def start_server(config: ServerConfig, shard: Shard | None = None) -> ShardServe
         config.waiting_calls,
         threads.pool(config.wait_threads, f"shard{config.shard_index}-waits"),
         config.shard_index,
+        rank_share=config.rank_share,
+        first_message_seconds=config.first_message_seconds,
+        alarms=Alarms(lambda run: threads.start(run, f"shard{config.shard_index}-first-messages")),
     )
     pool = threads.pool(config.threads, f"shard{config.shard_index}")
     recorder = MetricsInterceptor(metrics)
@@ -248,7 +253,12 @@ def start_server(config: ServerConfig, shard: Shard | None = None) -> ShardServe
         pool,
         interceptors=[
             recorder,
-            TokenInterceptor(config.token, config.admin_token, on_refused=lambda code: counters.add(rejected=1)),
+            TokenInterceptor(
+                config.token,
+                config.admin_token,
+                on_refused=lambda code: counters.add(rejected=1),
+                rank_tokens=config.rank_tokens,
+            ),
             streams,
             waiting,
             DecodingInterceptor(on_refused=lambda: counters.add(rejected=1)),  # innermost: see its docstring
@@ -256,7 +266,7 @@ def start_server(config: ServerConfig, shard: Shard | None = None) -> ShardServe
         options=options,
         maximum_concurrent_rpcs=config.threads * 4 + config.stream_threads + config.wait_threads,
     )
-    servicer = ParameterServicer(shard, counters)
+    servicer = ParameterServicer(shard, counters, rank_tokens=config.rank_tokens)
     server.add_generic_rpc_handlers((parameter_service_handler(servicer),))
     stopping = threading.Event()
     ps_pb2_grpc.add_AdminServicer_to_server(AdminServicer(shard, counters, stopping, checkpointer), server)
@@ -291,6 +301,7 @@ def start_server(config: ServerConfig, shard: Shard | None = None) -> ShardServe
                 lambda: served.plan if served is not None else None,
                 token=config.token,
                 admin_token=config.admin_token,
+                rank_tokens=config.rank_tokens,
                 max_connections=config.threads,
                 threads=threads,
                 counted=lambda received, sent: counters.transferred(PUSH_PULL, received, sent),

@@ -28,6 +28,7 @@ from ps_server.data_plane import DataPlane
 from ps_server.data_servicer import DataConnectionRpcs
 from ps_server.frame_cache import FrameCache, encode_exchange
 from ps_server.membership import PushStamp
+from ps_server.rank_tokens import RankTokens, check_caller
 from ps_server.request_streams import Request, read_request
 from ps_server.rpc import (
     WORKER_STATES,
@@ -91,6 +92,9 @@ class ParameterServicer(TableRpcs, DataConnectionRpcs):
         shard: the shard served.
         counters: where refused requests are counted (``rejected_requests``).
         observer: told every accepted push (Push, PushPull); ``counters`` by default.
+        rank_tokens: per-rank credentials (``--rank-tokens``): every request stamped with a rank
+            its caller may not act as is refused (WRONG_RANK) before anything changes
+            (:func:`ps_server.rank_tokens.check_caller`).
     """
 
     def __init__(
@@ -99,14 +103,20 @@ class ParameterServicer(TableRpcs, DataConnectionRpcs):
         counters: ShardCounters,
         observer: PushObserver | None = None,
         data: DataPlane | None = None,
+        rank_tokens: RankTokens | None = None,
     ) -> None:
         self.shard = shard
+        self.rank_tokens = rank_tokens
         self.counters = counters
         self.observer: PushObserver = observer or counters
         self.frames = FrameCache()
         self.data = data
         """The shard's data connections (None: PushPull's partitions travel on gRPC only)."""
         self._slots: dict[tuple[int, int, str], list[torch.Tensor]] = {}
+
+    def _caller_is(self, context: Any, rank: int, what: str) -> None:
+        """Refuse a request stamped with ``rank`` its caller's token may not act as (WrongRankError)."""
+        check_caller(context, rank, what, self.rank_tokens)
 
     @maps_errors
     def Join(self, request: ps_pb2.JoinRequest, context: grpc.ServicerContext) -> ps_pb2.JoinResponse:
@@ -116,6 +126,7 @@ class ParameterServicer(TableRpcs, DataConnectionRpcs):
         # decision of this cluster, which every shard follows anyway, is ever adopted from it. A
         # shard that knows no cluster yet (no --cluster-id, no record followed) follows the record
         # only once the Join itself was accepted: it pins that record's cluster.
+        self._caller_is(context, request.rank, "Join")
         pinned = bool(self.shard.epochs.cluster_id)
         if pinned:
             self._adopt(request)
@@ -142,29 +153,32 @@ class ParameterServicer(TableRpcs, DataConnectionRpcs):
         what: str,
         header_cls: type[Any],
         values: str,
+        context: Any,
         peer_rank: int | None = None,
     ) -> Request:
-        """Read a Push, PushPull, PushPullOnce or Exchange stream: the header's rank against
-        ``peer_rank`` (the hello's rank of the data connection a call came on) and the shard's plan
-        (initialized, same digest) before any partition is read, each partition as it arrives, and
-        the rank's session once the request is read (before it is applied or its record followed).
+        """Read a Push, PushPull, PushPullOnce or Exchange stream. At its header, before any
+        partition is read: the header's rank against the caller's token (``--rank-tokens``) and
+        ``peer_rank`` (the hello's rank of the data connection a call came on), the shard's plan
+        (initialized, same digest) and the rank's session; then each partition as it arrives.
 
         Raises:
-            WrongRankError: stamped with another rank than the data connection's or the session's.
+            WrongRankError: stamped with another rank than the caller's token, the data
+                connection's or the session's.
             NotJoinedError: not the rank's current session here (join again).
         """
 
         def open_(header: Any) -> Intake:
+            self._caller_is(context, header.rank, what)
             if peer_rank is not None and header.rank != peer_rank:
                 raise WrongRankError(
                     f"{what} stamped rank {header.rank} came on the data connection of rank {peer_rank} (its hello); "
                     "a connection carries only its own rank's calls. Nothing was applied."
                 )
-            return Intake(self.shard.check_plan(header.plan_digest), self.shard.shard_index, values)
+            plan = self.shard.check_plan(header.plan_digest)
+            self.shard.check_session(header.rank, header.incarnation, header.session, what)
+            return Intake(plan, self.shard.shard_index, values)
 
-        req = read_request(request_iterator, what, header_cls, open_, what.startswith("PushPull"), _ignore)
-        self.shard.check_session(req.header.rank, req.header.incarnation, req.header.session, what)
-        return req
+        return read_request(request_iterator, what, header_cls, open_, what.startswith("PushPull"), _ignore)
 
     @maps_errors
     def Init(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> ps_pb2.InitResponse:
@@ -173,6 +187,7 @@ class ParameterServicer(TableRpcs, DataConnectionRpcs):
         def open_(header: ps_pb2.InitHeader) -> Intake:
             # rank, optimizer, then the plan: already initialized and the digest first, then its
             # bounds, all before it is built (Shard.init_plan)
+            self._caller_is(context, header.rank, "Init")
             self.shard.check_rank(header.rank)
             optimizer = optimizer_from_proto(header.optimizer)
             specs = SpecList(header.plan.specs)
@@ -189,7 +204,7 @@ class ParameterServicer(TableRpcs, DataConnectionRpcs):
 
     @maps_errors
     def Push(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> ps_pb2.PushResponse:
-        req = self._read(request_iterator, "Push", ps_pb2.PushHeader, "gradient")
+        req = self._read(request_iterator, "Push", ps_pb2.PushHeader, "gradient", context)
         h = req.header
         self._adopt(h)
         r = self.shard.push(
@@ -206,6 +221,7 @@ class ParameterServicer(TableRpcs, DataConnectionRpcs):
     @maps_stream_errors
     def Pull(self, request: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
         req = parse(ps_pb2.PullRequest, request)
+        self._caller_is(context, req.rank, "Pull")
         dtype = wire_dtype(req.wire_dtype)
         version, out = self.shard.pull(
             req.rank,
@@ -260,7 +276,7 @@ class ParameterServicer(TableRpcs, DataConnectionRpcs):
 
     @maps_stream_errors
     def PushPull(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
-        req = self._read(request_iterator, "PushPull", ps_pb2.PushHeader, "gradient")
+        req = self._read(request_iterator, "PushPull", ps_pb2.PushHeader, "gradient", context)
         if req.header.data_sequence:
             yield from self._push_pull_data(req, context)
         else:
@@ -268,7 +284,7 @@ class ParameterServicer(TableRpcs, DataConnectionRpcs):
 
     @maps_errors
     def PushPullOnce(self, request: bytes | memoryview, context: grpc.ServicerContext) -> bytes:
-        req = self._read(iter([request]), "PushPullOnce", ps_pb2.PushHeader, "gradient")
+        req = self._read(iter([request]), "PushPullOnce", ps_pb2.PushHeader, "gradient", context)
         (only,) = self._push_pull(req, context, single=True)
         return only
 
@@ -278,12 +294,12 @@ class ParameterServicer(TableRpcs, DataConnectionRpcs):
         response message, as its buffers, sent without joining them (a copy of the whole
         payload per call saved)."""
         peer = getattr(context, "peer_rank", None)
-        req = self._read(iter([request]), "PushPullOnce", ps_pb2.PushHeader, "gradient", peer_rank=peer)
+        req = self._read(iter([request]), "PushPullOnce", ps_pb2.PushHeader, "gradient", context, peer_rank=peer)
         return self._push_pull(req, context, single=True, chunks=True)
 
     @maps_stream_errors
     def Exchange(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
-        req = self._read(request_iterator, "Exchange", ps_pb2.ExchangeHeader, "parameter")
+        req = self._read(request_iterator, "Exchange", ps_pb2.ExchangeHeader, "parameter", context)
         header, parts = req.header, req.parts
         version, out = self.shard.exchange(
             PushStamp(header.rank, header.incarnation, header.clock),
@@ -296,6 +312,7 @@ class ParameterServicer(TableRpcs, DataConnectionRpcs):
 
     @maps_errors
     def Heartbeat(self, request: ps_pb2.HeartbeatRequest, context: grpc.ServicerContext) -> ps_pb2.HeartbeatResponse:
+        self._caller_is(context, request.rank, "Heartbeat")
         self.shard.check_member(request.rank, request.incarnation)  # a refused heartbeat adopts nothing
         if self.shard.is_live(request.rank, request.incarnation):  # nor one of a rank not joined as this
             self._adopt(request)
@@ -307,6 +324,7 @@ class ParameterServicer(TableRpcs, DataConnectionRpcs):
 
     @maps_errors
     def Leave(self, request: ps_pb2.LeaveRequest, context: grpc.ServicerContext) -> ps_pb2.LeaveResponse:
+        self._caller_is(context, request.rank, "Leave")
         self.shard.check_member(request.rank, request.incarnation)
         if self.shard.is_live(request.rank, request.incarnation):
             self._adopt(request)

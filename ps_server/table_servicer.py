@@ -1,11 +1,13 @@
 """The embedding-table RPCs of ``ps.v1.ParameterService`` (InitTables, PullRows, PushRows): decode,
 call the shard's :class:`~ps_server.table_store.TableStore` under the shard's condition, encode.
 
-A mixin of :class:`~ps_server.servicer.ParameterServicer` (which supplies ``shard`` and
-``counters``). Every request is bounded before any work: its ids (8 bytes each) and, for a pull,
-the rows it asks for must fit in one message of ``--max-message-bytes`` (RESOURCE_EXHAUSTED
-otherwise); every block is checked (table, ids in range and owned here, dim, dtype, finite values)
-before anything is held or applied, so a refused request changes nothing.
+A mixin of :class:`~ps_server.servicer.ParameterServicer` (which supplies ``shard``,
+``counters`` and ``rank_tokens``). Every request stamped with a rank its caller's token may not act
+as (``--rank-tokens``) is refused first (WRONG_RANK). Every request is bounded before any work:
+its ids (8 bytes each) and, for a pull, the rows it asks for must fit in one message of
+``--max-message-bytes`` (RESOURCE_EXHAUSTED otherwise); every block is checked (table, ids in
+range and owned here, dim, dtype, finite values) before anything is held or applied,
+so a refused request changes nothing.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from ps_common.errors import InvalidRequestError, RequestTooLargeError, VersionA
 from ps_common.wire import table_spec_from_proto, table_spec_to_proto
 from ps_proto.v1 import ps_pb2
 from ps_server.membership import Membership
+from ps_server.rank_tokens import RankTokens, check_caller
 from ps_server.row_read import RowRead, RowRequest
 from ps_server.rpc import deadline, maps_errors
 from ps_server.table_store import TableStore
@@ -72,10 +75,12 @@ class TableRpcs:
 
     shard: Shard  # supplied by ParameterServicer
     counters: ShardCounters
+    rank_tokens: RankTokens | None
 
     @maps_errors
     def InitTables(self, request: ps_pb2.InitTablesRequest, context: grpc.ServicerContext) -> ps_pb2.InitTablesResponse:
         shard = self.shard
+        check_caller(context, request.rank, "InitTables", self.rank_tokens)
         specs = [table_spec_from_proto(t) for t in request.tables]
         remaining = deadline(context)
         with shard._cond:
@@ -103,6 +108,7 @@ class TableRpcs:
     @maps_errors
     def PullRows(self, request: ps_pb2.PullRowsRequest, context: grpc.ServicerContext) -> ps_pb2.PullRowsResponse:
         shard = self.shard
+        check_caller(context, request.rank, "PullRows", self.rank_tokens)
         requests = [
             RowRequest.of(b.table, decode_ids(b.ids, b.table), shard.num_shards) for b in request.blocks
         ]  # sorted and partitioned before the lock
@@ -176,6 +182,7 @@ class TableRpcs:
     @maps_errors
     def PushRows(self, request: ps_pb2.PushRowsRequest, context: grpc.ServicerContext) -> ps_pb2.PushRowsResponse:
         shard = self.shard
+        check_caller(context, request.rank, "PushRows", self.rank_tokens)
         shard.check_session(request.rank, request.incarnation, request.session, "PushRows")
         ids = [decode_ids(b.ids, b.table) for b in request.blocks]
         with shard._cond:

@@ -148,6 +148,8 @@ class Endless:
 
 def push_header(client: PSClient | None, **fields: object) -> bytes:
     digest = client.plan.digest if client is not None else "0" * 64
+    if client is not None:  # the joined rank's session: a push header without it is refused before its partitions
+        fields.setdefault("session", client.session.sessions[0])
     h = ps_pb2.PushHeader(rank=0, incarnation=1, clock=0, version=0, plan_digest=digest, **fields)
     return ps_pb2.PushRequest(header=h).SerializeToString()
 
@@ -227,7 +229,9 @@ def test_item2_push_pull_once_packed_with_tiny_partitions_is_refused_cheaply(liv
     before = fingerprint(shard)
     p = client.plan.owned_by(0)[0]
     tiny = frames.bytes_field(2, ps_pb2.Partition(key=p.key, length=p.length, dtype=1).SerializeToString())
-    header = ps_pb2.PushHeader(rank=0, incarnation=1, plan_digest=client.plan.digest).SerializeToString()
+    header = ps_pb2.PushHeader(
+        rank=0, incarnation=1, plan_digest=client.plan.digest, session=client.session.sessions[0]
+    ).SerializeToString()
     message = frames.bytes_field(1, header) + tiny * ((15 << 20) // len(tiny))
     start = time.monotonic()
     err = refused(channel.unary_unary(SERVICE + "PushPullOnce"), message)

@@ -50,6 +50,7 @@ class Attack:
         ]
         self.calls: list[Any] = []
         self._hold = threading.Event()  # PushPull's request stream stays open until set
+        self.session: int | None = None
 
     def stub(self) -> ps_pb2_grpc.ParameterServiceStub:
         return ps_pb2_grpc.ParameterServiceStub(self.channels[len(self.calls) % len(self.channels)])
@@ -68,7 +69,12 @@ class Attack:
         self.calls.append(self.stub().InitTables.future(request, timeout=CALL_TIMEOUT, metadata=WORKER))
 
     def push_pull_header(self, digest: str) -> None:
-        header = ps_pb2.PushHeader(rank=1, incarnation=HUGE, clock=0, plan_digest=digest)
+        """A PushPull of rank 1 that sends its header (with the session of a Join the attacker made:
+        a header without one is refused at once) and then nothing more."""
+        if self.session is None:
+            join = ps_pb2.JoinRequest(rank=1, num_workers=2, incarnation=1)  # the checks' Joins take 2, 3, ...
+            self.session = self.stub().Join(join, timeout=CALL_TIMEOUT, metadata=WORKER).session
+        header = ps_pb2.PushHeader(rank=1, incarnation=1, clock=0, plan_digest=digest, session=self.session)
 
         def requests() -> Iterator[ps_pb2.PushPullRequest]:
             yield ps_pb2.PushPullRequest(header=header)
@@ -163,7 +169,7 @@ def test_waiting_calls_leave_health_admin_join_their_threads(shard, kind: str, w
     tables = kind != "init-tables"
     if tables:
         client.init_tables([TableSpec("emb", 1000, 4, RowOptimizerSpec("sgd", {"lr": 0.1}))])
-    incarnations = itertools.count(1)
+    incarnations = itertools.count(2)
     attack = Attack(server.address)
     try:
         for _ in range(ATTACK):
