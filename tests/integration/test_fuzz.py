@@ -22,6 +22,7 @@ from ps_common.wire import plan_to_proto
 from ps_proto.v1 import ps_pb2, ps_pb2_grpc
 from ps_worker import PSClient
 from tests.conftest import RPC_TIMEOUT, small_model
+from tests.helpers.mutations import mutated
 
 REFUSALS = {
     grpc.StatusCode.INVALID_ARGUMENT,
@@ -311,29 +312,6 @@ def target(start_module_cluster):
     yield shard, channel, seeds
     channel.close()
     client.close()
-
-
-@st.composite
-def mutated(draw: st.DrawFn, seed: bytes) -> bytes:
-    """``seed`` with a few random edits (byte flips, a cut, an insertion, a repeated slice), or random bytes."""
-    how = draw(st.sampled_from(["random", "flip", "cut", "insert", "repeat", "seed"]))
-    if how == "random" or not seed:
-        return draw(st.binary(max_size=200))
-    data = bytearray(seed)
-    if how == "flip":
-        for _ in range(draw(st.integers(1, 4))):
-            i = draw(st.integers(0, len(data) - 1))
-            data[i] = draw(st.integers(0, 255))
-    elif how == "cut":
-        i, j = sorted(draw(st.lists(st.integers(0, len(data)), min_size=2, max_size=2)))
-        del data[i:j]
-    elif how == "insert":
-        i = draw(st.integers(0, len(data)))
-        data[i:i] = draw(st.binary(min_size=1, max_size=12))
-    elif how == "repeat":
-        i, j = sorted(draw(st.lists(st.integers(0, len(data)), min_size=2, max_size=2)))
-        data[j:j] = data[i:j]
-    return bytes(data)
 
 
 def call_raw(channel: grpc.Channel, method: str, kind: str, messages: list[bytes]) -> grpc.StatusCode:
