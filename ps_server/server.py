@@ -30,6 +30,7 @@ from ps_server.shard import Shard
 from ps_server.shard_views import StatusView
 from ps_server.streams import PUBLIC, WATCH, StreamLimit, StreamLimitInterceptor
 from ps_server.table_metrics import TableCollector
+from ps_server.table_reads import READ_THREADS, TableReads, lower_priority
 from ps_server.threads import OwnedThreads
 from ps_server.waiting_calls import Alarms, WaitingCalls
 
@@ -71,8 +72,11 @@ class ShardServer:
         threads: OwnedThreads | None = None,
         data: DataPlane | None = None,
         waiting: WaitingCalls | None = None,
+        reads: futures.ThreadPoolExecutor | None = None,
     ) -> None:
         self.config = config
+        self._reads = reads
+        """PullRows' read thread(s) (``ps_server.table_reads``)."""
         self.waiting = waiting
         """The calls that may wait: their cap, pool, and how many are open (``.open``)."""
         self.data = data
@@ -139,6 +143,8 @@ class ShardServer:
             self._pool.shutdown(wait=False)
         if self.streams is not None:
             self.streams.pool.shutdown(wait=False)
+        if self._reads is not None:
+            self._reads.shutdown(wait=False, cancel_futures=True)
         if self.waiting is not None:
             self.waiting.pool.shutdown(wait=False)
             if self.waiting.alarms is not None:
@@ -266,7 +272,11 @@ def start_server(config: ServerConfig, shard: Shard | None = None) -> ShardServe
         options=options,
         maximum_concurrent_rpcs=config.threads * 4 + config.stream_threads + config.wait_threads,
     )
-    servicer = ParameterServicer(shard, counters, rank_tokens=config.rank_tokens)
+    # PullRows' reads on a thread of the lowest CPU priority: they take what the dense path leaves
+    reads = threads.pool(READ_THREADS, f"shard{config.shard_index}-table-reads", initializer=lower_priority)
+    servicer = ParameterServicer(
+        shard, counters, rank_tokens=config.rank_tokens, table_reads=TableReads(reads, config.shard_index)
+    )
     server.add_generic_rpc_handlers((parameter_service_handler(servicer),))
     stopping = threading.Event()
     ps_pb2_grpc.add_AdminServicer_to_server(AdminServicer(shard, counters, stopping, checkpointer), server)
@@ -353,6 +363,7 @@ def start_server(config: ServerConfig, shard: Shard | None = None) -> ShardServe
         threads=threads,
         data=data,
         waiting=waiting,
+        reads=reads,
     )
     running.start()
     return running

@@ -41,6 +41,7 @@ from ps_server.rpc import (
     wire_dtype,
 )
 from ps_server.shard import Shard
+from ps_server.table_reads import TableReads
 from ps_server.table_servicer import TableRpcs
 
 T = TypeVar("T")
@@ -95,6 +96,8 @@ class ParameterServicer(TableRpcs, DataConnectionRpcs):
         rank_tokens: per-rank credentials (``--rank-tokens``): every request stamped with a rank
             its caller may not act as is refused (WRONG_RANK) before anything changes
             (:func:`ps_server.rank_tokens.check_caller`).
+        table_reads: where PullRows' reads run, at the lowest CPU priority (``ps_server.table_reads``);
+            None: on the calling thread.
     """
 
     def __init__(
@@ -104,9 +107,11 @@ class ParameterServicer(TableRpcs, DataConnectionRpcs):
         observer: PushObserver | None = None,
         data: DataPlane | None = None,
         rank_tokens: RankTokens | None = None,
+        table_reads: TableReads | None = None,
     ) -> None:
         self.shard = shard
         self.rank_tokens = rank_tokens
+        self.table_reads = table_reads
         self.counters = counters
         self.observer: PushObserver = observer or counters
         self.frames = FrameCache()

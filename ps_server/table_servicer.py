@@ -28,6 +28,7 @@ from ps_server.membership import Membership
 from ps_server.rank_tokens import RankTokens, check_caller
 from ps_server.row_read import RowRead, RowRequest
 from ps_server.rpc import deadline, maps_errors
+from ps_server.table_reads import TableReads
 from ps_server.table_store import TableStore
 from ps_server.tables import RowGrads
 
@@ -76,6 +77,8 @@ class TableRpcs:
     shard: Shard  # supplied by ParameterServicer
     counters: ShardCounters
     rank_tokens: RankTokens | None
+    table_reads: TableReads | None
+    """Where PullRows' reads run (``ps_server.table_reads``); None: on the calling thread."""
 
     @maps_errors
     def InitTables(self, request: ps_pb2.InitTablesRequest, context: grpc.ServicerContext) -> ps_pb2.InitTablesResponse:
@@ -109,9 +112,6 @@ class TableRpcs:
     def PullRows(self, request: ps_pb2.PullRowsRequest, context: grpc.ServicerContext) -> ps_pb2.PullRowsResponse:
         shard = self.shard
         check_caller(context, request.rank, "PullRows", self.rank_tokens)
-        requests = [
-            RowRequest.of(b.table, decode_ids(b.ids, b.table), shard.num_shards) for b in request.blocks
-        ]  # sorted and partitioned before the lock
         remaining = deadline(context)
         with shard._cond:
             store: TableStore = shard.tables
@@ -121,7 +121,17 @@ class TableRpcs:
                 store.table(b.table)
             if request.min_version > store.version:
                 self._wait_for(request.min_version, remaining)
-            read = store.open_read(requests)
+        if self.table_reads is None:
+            return self._read_blocks(request)
+        return self.table_reads.run(lambda: self._read_blocks(request))  # at the lowest CPU priority
+
+    def _read_blocks(self, request: ps_pb2.PullRowsRequest) -> ps_pb2.PullRowsResponse:
+        """The read of a checked PullRows, at the table version now (at least its ``min_version``):
+        ids decoded and sorted before the lock, then read a chunk per lock hold."""
+        shard = self.shard
+        requests = [RowRequest.of(b.table, decode_ids(b.ids, b.table), shard.num_shards) for b in request.blocks]
+        with shard._cond:
+            read = shard.tables.open_read(requests)
         rows = self._read_rows(read)
         return ps_pb2.PullRowsResponse(
             version=read.version,

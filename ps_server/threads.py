@@ -32,12 +32,18 @@ class OwnedThreads:
         with self._lock:
             self._threads.append(threading.current_thread())
 
-    def pool(self, max_workers: int, name_prefix: str) -> futures.ThreadPoolExecutor:
+    def pool(
+        self, max_workers: int, name_prefix: str, initializer: Callable[[], None] | None = None
+    ) -> futures.ThreadPoolExecutor:
         """A thread pool whose workers are named ``{name_prefix}_{n}`` and joined by :meth:`join`
-        (shut the pool down first: :meth:`join` does not)."""
-        return futures.ThreadPoolExecutor(
-            max_workers=max_workers, thread_name_prefix=name_prefix, initializer=self._record
-        )
+        (shut the pool down first: :meth:`join` does not); each worker runs ``initializer`` first."""
+
+        def start() -> None:
+            self._record()
+            if initializer is not None:
+                initializer()
+
+        return futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=name_prefix, initializer=start)
 
     def start(self, target: Callable[[], None], name: str) -> threading.Thread:
         """Start ``target`` in a daemon thread called ``name`` and record it."""
