@@ -15,6 +15,7 @@ from typing import Any
 
 import grpc
 
+from ps_server.handlers import behavior_of, rebuilt
 from ps_server.rank_tokens import ADMIN, RANK, SHARED, Caller, RankTokens
 
 PARAMETER_PREFIX = "/ps.v1.ParameterService/"
@@ -42,13 +43,7 @@ def _refusal(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str
     def abort(request: Any, context: grpc.ServicerContext) -> Any:
         context.abort(code, message)
 
-    if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(abort)
-    if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(abort)
-    if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(abort)
-    return grpc.unary_unary_rpc_method_handler(abort)
+    return rebuilt(handler, abort, serializers=False)
 
 
 class CallerContext:
@@ -65,18 +60,7 @@ class CallerContext:
 def _identified(handler: grpc.RpcMethodHandler, caller: Caller) -> grpc.RpcMethodHandler:
     """``handler`` whose behavior gets a :class:`CallerContext` of ``caller``; the thread pool grpc
     picks for it (``experimental_thread_pool``) is kept."""
-    kwargs = {
-        "request_deserializer": handler.request_deserializer,
-        "response_serializer": handler.response_serializer,
-    }
-    if handler.request_streaming and handler.response_streaming:
-        behavior, make = handler.stream_stream, grpc.stream_stream_rpc_method_handler
-    elif handler.request_streaming:
-        behavior, make = handler.stream_unary, grpc.stream_unary_rpc_method_handler
-    elif handler.response_streaming:
-        behavior, make = handler.unary_stream, grpc.unary_stream_rpc_method_handler
-    else:
-        behavior, make = handler.unary_unary, grpc.unary_unary_rpc_method_handler
+    behavior = behavior_of(handler)
 
     def handle(request: Any, context: grpc.ServicerContext) -> Any:
         return behavior(request, CallerContext(context, caller))
@@ -84,7 +68,7 @@ def _identified(handler: grpc.RpcMethodHandler, caller: Caller) -> grpc.RpcMetho
     pool = getattr(behavior, "experimental_thread_pool", None)
     if pool is not None:
         handle.experimental_thread_pool = pool  # type: ignore[attr-defined]
-    return make(handle, **kwargs)
+    return rebuilt(handler, handle)
 
 
 class TokenInterceptor(grpc.ServerInterceptor):

@@ -16,6 +16,7 @@ from typing import Any
 import grpc
 
 from ps_common.errors import REASON_KEY, InvalidRequestError
+from ps_server.handlers import behavior_of, rebuilt
 
 log = logging.getLogger(__name__)
 
@@ -79,30 +80,18 @@ class DecodingInterceptor(grpc.ServerInterceptor):
         if handler is None or handler.request_deserializer is None:
             return handler
         method = details.method.lstrip("/")
-        kwargs = {
-            "request_deserializer": lenient(handler.request_deserializer),
-            "response_serializer": handler.response_serializer,
-        }
+        inner = behavior_of(handler)
+        deserializer = lenient(handler.request_deserializer)
         if handler.request_streaming:
-            inner = handler.stream_stream if handler.response_streaming else handler.stream_unary
 
             def streaming(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
                 return inner(self._checked(method, requests, context), context)
 
-            make = (
-                grpc.stream_stream_rpc_method_handler
-                if handler.response_streaming
-                else grpc.stream_unary_rpc_method_handler
-            )
-            return make(streaming, **kwargs)
-        inner = handler.unary_stream if handler.response_streaming else handler.unary_unary
+            return rebuilt(handler, streaming, request_deserializer=deserializer)
 
         def unary(request: Any, context: grpc.ServicerContext) -> Any:
             if isinstance(request, Undecodable):
                 self._refuse(method, request, context)
             return inner(request, context)
 
-        make = (
-            grpc.unary_stream_rpc_method_handler if handler.response_streaming else grpc.unary_unary_rpc_method_handler
-        )
-        return make(unary, **kwargs)
+        return rebuilt(handler, unary, request_deserializer=deserializer)

@@ -29,6 +29,7 @@ import grpc
 from ps_common.errors import REASON_KEY
 from ps_common.wire import message_size
 from ps_server.counters import SHARD_REASONS
+from ps_server.handlers import behavior_of, rebuilt
 from ps_server.metrics import ServerMetrics
 
 PUSH_METHOD = "ps.v1.ParameterService/Push"
@@ -217,28 +218,15 @@ class MetricsInterceptor(grpc.ServerInterceptor):
         if handler is None:  # unknown method: gRPC answers UNIMPLEMENTED; no label for arbitrary names
             return None
         method = details.method.lstrip("/")
-        kwargs = {
-            "request_deserializer": handler.request_deserializer,
-            "response_serializer": handler.response_serializer,
-        }
-        if handler.request_streaming and handler.response_streaming:
-            return grpc.stream_stream_rpc_method_handler(
-                _carry(handler.stream_stream, self._stream_response(handler.stream_stream, method, True)), **kwargs
-            )
-        if handler.request_streaming:
-            return grpc.stream_unary_rpc_method_handler(
-                _carry(handler.stream_unary, self._unary_response(handler.stream_unary, method, True)), **kwargs
-            )
-        if handler.response_streaming:
-            behavior = handler.unary_stream
-            if getattr(behavior, "experimental_non_blocking", False):
-                wrapped = self._non_blocking(behavior, method)
-            else:
-                wrapped = self._stream_response(behavior, method, False)
-            return grpc.unary_stream_rpc_method_handler(_carry(behavior, wrapped), **kwargs)
-        return grpc.unary_unary_rpc_method_handler(
-            _carry(handler.unary_unary, self._unary_response(handler.unary_unary, method, False)), **kwargs
-        )
+        behavior = behavior_of(handler)
+        streaming = bool(handler.request_streaming)
+        if not handler.response_streaming:
+            wrapped = self._unary_response(behavior, method, streaming)
+        elif not streaming and getattr(behavior, "experimental_non_blocking", False):
+            wrapped = self._non_blocking(behavior, method)
+        else:
+            wrapped = self._stream_response(behavior, method, streaming)
+        return rebuilt(handler, _carry(behavior, wrapped))
 
 
 def _carry(behavior: Callable[..., Any], wrapper: Callable[..., Any]) -> Callable[..., Any]:

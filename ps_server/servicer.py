@@ -27,6 +27,7 @@ from ps_server.counters import PushObserver, ShardCounters
 from ps_server.data_plane import DataPlane
 from ps_server.data_servicer import DataConnectionRpcs
 from ps_server.frame_cache import FrameCache, encode_exchange
+from ps_server.handlers import HANDLER_MAKERS
 from ps_server.membership import PushStamp
 from ps_server.rank_tokens import RankTokens, check_caller
 from ps_server.request_streams import Request, read_request
@@ -73,12 +74,7 @@ def parameter_service_handler(servicer: ParameterServicer) -> grpc.GenericRpcHan
         # others' undecodable bytes are refused by ps_server.decoding.DecodingInterceptor)
         deserializer = None if method.name in RAW_METHODS else request_cls.FromString
         serializer = None if method.name in RAW_RESPONSES else response_cls.SerializeToString
-        make = {
-            (False, False): grpc.unary_unary_rpc_method_handler,
-            (True, False): grpc.stream_unary_rpc_method_handler,
-            (False, True): grpc.unary_stream_rpc_method_handler,
-            (True, True): grpc.stream_stream_rpc_method_handler,
-        }[(method.client_streaming, method.server_streaming)]
+        make = HANDLER_MAKERS[(method.client_streaming, method.server_streaming)]
         handlers[method.name] = make(
             getattr(servicer, method.name), request_deserializer=deserializer, response_serializer=serializer
         )

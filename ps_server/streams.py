@@ -36,6 +36,7 @@ from typing import Any
 import grpc
 
 from ps_common.errors import REASON_KEY, Reason
+from ps_server.handlers import behavior_of, rebuilt
 
 DATA_SERVICE = "/ps.v1.ParameterService/"
 WATCH_SERVICE = "/ps.v1.Admin/"
@@ -158,15 +159,9 @@ class StreamLimitInterceptor(grpc.ServerInterceptor):
         limit = self.limits.get(group) if group else None
         if limit is None:
             return handler
-        kwargs = {
-            "request_deserializer": handler.request_deserializer,
-            "response_serializer": handler.response_serializer,
-        }
-        if handler.request_streaming and handler.response_streaming:
-            return grpc.stream_stream_rpc_method_handler(self._blocking(handler.stream_stream, limit), **kwargs)
-        if handler.response_streaming:
-            behavior = handler.unary_stream
-            if getattr(behavior, "experimental_non_blocking", False):
-                return grpc.unary_stream_rpc_method_handler(self._non_blocking(behavior, limit), **kwargs)
-            return grpc.unary_stream_rpc_method_handler(self._blocking(behavior, limit), **kwargs)
-        return handler  # a client stream outside the data plane: none exists; it ends with its requests
+        if not handler.response_streaming:
+            return handler  # a client stream outside the data plane: none exists; it ends with its requests
+        behavior = behavior_of(handler)
+        if getattr(behavior, "experimental_non_blocking", False):
+            return rebuilt(handler, self._non_blocking(behavior, limit))
+        return rebuilt(handler, self._blocking(behavior, limit))

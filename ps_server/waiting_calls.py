@@ -39,6 +39,7 @@ from typing import Any
 import grpc
 
 from ps_common.errors import REASON_KEY, Reason
+from ps_server.handlers import behavior_of, rebuilt
 from ps_server.rank_tokens import RANK, caller_of
 
 SERVICE = "/ps.v1.ParameterService/"
@@ -279,14 +280,5 @@ class WaitingCalls(grpc.ServerInterceptor):
         method = details.method
         if handler is None or not method.startswith(SERVICE) or method[len(SERVICE) :] not in WAITING_METHODS:
             return handler
-        kwargs = {
-            "request_deserializer": handler.request_deserializer,
-            "response_serializer": handler.response_serializer,
-        }
-        if handler.request_streaming and handler.response_streaming:
-            return grpc.stream_stream_rpc_method_handler(self._stream_response(handler.stream_stream, True), **kwargs)
-        if handler.request_streaming:
-            return grpc.stream_unary_rpc_method_handler(self._unary_response(handler.stream_unary, True), **kwargs)
-        if handler.response_streaming:
-            return grpc.unary_stream_rpc_method_handler(self._stream_response(handler.unary_stream), **kwargs)
-        return grpc.unary_unary_rpc_method_handler(self._unary_response(handler.unary_unary), **kwargs)
+        wrap = self._stream_response if handler.response_streaming else self._unary_response
+        return rebuilt(handler, wrap(behavior_of(handler), bool(handler.request_streaming)))
