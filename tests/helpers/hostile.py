@@ -63,13 +63,9 @@ def _held(call: grpc.Future, hold: float, stop: threading.Event) -> str:
         return "held"
 
 
-def waiting_pull(channel: grpc.Channel, t: Target, rng: random.Random, hold: float, stop: threading.Event) -> str:
-    """A Pull of an unreachable version (no real incarnation), held open then cancelled."""
-    stub = ps_pb2_grpc.ParameterServiceStub(channel)
-    request = ps_pb2.PullRequest(
-        rank=rng.randrange(2), incarnation=HUGE, min_version=rng.choice([HUGE, 10**6]), plan_digest="0" * 64
-    )
-    call = stub.Pull(request, timeout=HOUR, metadata=t.metadata)
+def _read_held(call: grpc.Call, hold: float) -> str:
+    """Read the response stream ``call`` for up to ``hold`` s; cancel it if it is still open. Returns
+    its code's name ("held" when it was still open)."""
     result: list[str] = []
 
     def read() -> None:
@@ -87,6 +83,15 @@ def waiting_pull(channel: grpc.Channel, t: Target, rng: random.Random, hold: flo
         call.cancel()
         reader.join(CALL_TIMEOUT)
     return result[0] if result else "held"
+
+
+def waiting_pull(channel: grpc.Channel, t: Target, rng: random.Random, hold: float, stop: threading.Event) -> str:
+    """A Pull of an unreachable version (no real incarnation), held open then cancelled."""
+    stub = ps_pb2_grpc.ParameterServiceStub(channel)
+    request = ps_pb2.PullRequest(
+        rank=rng.randrange(2), incarnation=HUGE, min_version=rng.choice([HUGE, 10**6]), plan_digest="0" * 64
+    )
+    return _read_held(stub.Pull(request, timeout=HOUR, metadata=t.metadata), hold)
 
 
 def waiting_pull_rows(channel: grpc.Channel, t: Target, rng: random.Random, hold: float, stop: threading.Event) -> str:
@@ -123,25 +128,10 @@ def header_only_push_pull(
         yield ps_pb2.PushPullRequest(header=header)
         release.wait(hold)  # bounded: the stream's requests end after ``hold`` s
 
-    call = stub.PushPull(requests(), timeout=HOUR, metadata=t.metadata)
-    result: list[str] = []
-
-    def read() -> None:
-        try:
-            for _ in call:
-                pass
-            result.append("OK")
-        except grpc.RpcError as exc:
-            result.append("held" if exc.code() == grpc.StatusCode.CANCELLED else exc.code().name)
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    reader.join(hold)
-    release.set()
-    if reader.is_alive():
-        call.cancel()
-        reader.join(CALL_TIMEOUT)
-    return result[0] if result else "held"
+    try:
+        return _read_held(stub.PushPull(requests(), timeout=HOUR, metadata=t.metadata), hold)
+    finally:
+        release.set()
 
 
 def table_bomb(channel: grpc.Channel, t: Target, rng: random.Random, hold: float, stop: threading.Event) -> str:

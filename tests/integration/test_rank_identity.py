@@ -22,6 +22,7 @@ from ps_worker.data_conn import CODES
 from ps_worker.errors import reason_of
 from tests.conftest import RPC_TIMEOUT, small_model
 from tests.helpers.data_connections import closed_by_peer, raw_connection
+from tests.helpers.requests import once_request
 
 
 @pytest.fixture
@@ -38,25 +39,6 @@ def two_ranks(start_cluster) -> Iterator[tuple]:
     yield cluster, clients, models
     for c in clients:
         c.close()
-
-
-def once_request(shard, rank: int, session: int, clock: int = 0) -> ps_pb2.PushPullOnceRequest:
-    """A PushPullOnce stamped (rank, incarnation 1, clock) with ``session``: ones for every partition."""
-    plan = shard.plan
-    parts = [
-        ps_pb2.Partition(
-            key=p.key,
-            offset=p.offset,
-            length=p.length,
-            dtype=ps_pb2.DTYPE_FLOAT32,
-            data=bytes(torch.ones(p.length).numpy()),
-        )
-        for p in plan.owned_by(0)
-    ]
-    header = ps_pb2.PushHeader(
-        rank=rank, incarnation=1, clock=clock, version=shard.version, plan_digest=plan.digest, session=session
-    )
-    return ps_pb2.PushPullOnceRequest(header=header, partitions=parts)
 
 
 def step(client: PSClient, model: torch.nn.Module) -> None:

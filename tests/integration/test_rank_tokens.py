@@ -19,6 +19,7 @@ from ps_worker import PSClient
 from ps_worker.errors import reason_of
 from tests.conftest import RPC_TIMEOUT, small_model
 from tests.helpers.data_connections import closed_by_peer, raw_connection
+from tests.helpers.requests import once_request
 
 TOKENS = {0: "rank-zero-token-0123456789", 1: "rank-one-token-0123456789"}
 SHARED = "shared-worker-token"
@@ -54,25 +55,6 @@ def two_ranks(start_cluster) -> Iterator[tuple]:
         c.close()
 
 
-def push_request(shard, rank: int, session: int) -> ps_pb2.PushPullOnceRequest:
-    """A PushPullOnce stamped (rank, incarnation 1, clock 0) with ``session``: ones everywhere."""
-    plan = shard.plan
-    parts = [
-        ps_pb2.Partition(
-            key=p.key,
-            offset=p.offset,
-            length=p.length,
-            dtype=ps_pb2.DTYPE_FLOAT32,
-            data=bytes(torch.ones(p.length).numpy()),
-        )
-        for p in plan.owned_by(0)
-    ]
-    header = ps_pb2.PushHeader(
-        rank=rank, incarnation=1, clock=0, version=shard.version, plan_digest=plan.digest, session=session
-    )
-    return ps_pb2.PushPullOnceRequest(header=header, partitions=parts)
-
-
 def refused_wrong_rank(call) -> str:
     """Run ``call``; it must fail PERMISSION_DENIED with reason WRONG_RANK. Returns the details."""
     with pytest.raises(grpc.RpcError) as err:
@@ -106,9 +88,9 @@ def test_rank_1s_token_cannot_act_as_rank_0_on_grpc(two_ranks) -> None:
                     ps_pb2.PullRequest(rank=0, incarnation=1, plan_digest=digest), timeout=RPC_TIMEOUT, metadata=as_one
                 )
             ),
-            "PushPullOnce": lambda: stub.PushPullOnce(push_request(shard, 0, s0), timeout=RPC_TIMEOUT, metadata=as_one),
+            "PushPullOnce": lambda: stub.PushPullOnce(once_request(shard, 0, s0), timeout=RPC_TIMEOUT, metadata=as_one),
             "Push": lambda: stub.Push(
-                iter([ps_pb2.PushRequest(header=push_request(shard, 0, s0).header)]),
+                iter([ps_pb2.PushRequest(header=once_request(shard, 0, s0).header)]),
                 timeout=RPC_TIMEOUT,
                 metadata=as_one,
             ),
