@@ -327,7 +327,8 @@ class ParameterServicer(TableRpcs, DataConnectionRpcs):
     def Leave(self, request: ps_pb2.LeaveRequest, context: grpc.ServicerContext) -> ps_pb2.LeaveResponse:
         self._caller_is(context, request.rank, "Leave")
         self.shard.check_member(request.rank, request.incarnation)
-        if self.shard.is_live(request.rank, request.incarnation):
+        if self.shard.is_live(request.rank, request.incarnation):  # only its own session ends a live rank
+            self.shard.check_session(request.rank, request.incarnation, request.session, "Leave")
             self._adopt(request)
         version = self.shard.leave(request.rank, request.incarnation)
         return self._told(ps_pb2.LeaveResponse(version=version), request.membership_epoch)

@@ -421,7 +421,11 @@ class Session(EpochRelay):
         def leave(k: int) -> ps_pb2.LeaveRequest:  # shard 0 first: the others get its record
             epoch, record = self.relayed(k)
             return ps_pb2.LeaveRequest(
-                rank=self.rank, incarnation=self.incarnation, membership_epoch=epoch, membership=record
+                rank=self.rank,
+                incarnation=self.incarnation,
+                membership_epoch=epoch,
+                membership=record,
+                session=self.sessions[k],
             )
 
         self.transport.close(leave, self.learn)

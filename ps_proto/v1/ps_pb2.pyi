@@ -458,16 +458,18 @@ class HeartbeatResponse(_message.Message):
     def __init__(self, version: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., membership_epoch: _Optional[int] = ..., membership: _Optional[_Union[MembershipEpoch, _Mapping]] = ..., data_port: _Optional[int] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
-    __slots__ = ("rank", "incarnation", "membership_epoch", "membership")
+    __slots__ = ("rank", "incarnation", "membership_epoch", "membership", "session")
     RANK_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     MEMBERSHIP_EPOCH_FIELD_NUMBER: _ClassVar[int]
     MEMBERSHIP_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
     rank: int
     incarnation: int
     membership_epoch: int
     membership: MembershipEpoch
-    def __init__(self, rank: _Optional[int] = ..., incarnation: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., membership: _Optional[_Union[MembershipEpoch, _Mapping]] = ...) -> None: ...
+    session: int
+    def __init__(self, rank: _Optional[int] = ..., incarnation: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., membership: _Optional[_Union[MembershipEpoch, _Mapping]] = ..., session: _Optional[int] = ...) -> None: ...
 
 class LeaveResponse(_message.Message):
     __slots__ = ("version", "membership_epoch", "membership")

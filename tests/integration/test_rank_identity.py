@@ -17,6 +17,7 @@ import torch
 
 from ps_common import dataconn
 from ps_proto.v1 import ps_pb2, ps_pb2_grpc
+from ps_server.membership import WorkerState
 from ps_worker import PSClient
 from ps_worker.data_conn import CODES
 from ps_worker.errors import reason_of
@@ -106,3 +107,25 @@ def test_a_data_connection_carries_only_its_hellos_rank(two_ranks) -> None:
     assert closed_by_peer(other)
     step(c0, m0)
     assert c0.transport.data_connected == [True] and shard.version == before + 2
+
+
+def test_a_live_rank_leaves_only_with_its_own_session(two_ranks) -> None:
+    """A Leave of live rank 1 without its session, or with rank 0's, is refused and rank 1 stays
+    counted; the rank's own close (which carries its session) leaves."""
+    cluster, (c0, c1), _ = two_ranks
+    shard = cluster[0].shard
+    with grpc.insecure_channel(cluster[0].address) as ch:
+        stub = ps_pb2_grpc.ParameterServiceStub(ch)
+        metadata = (("authorization", "Bearer tok"),)
+        incarnation = c1.session.incarnation
+        for session, code in ((0, "FAILED_PRECONDITION"), (c0.session.sessions[0], "PERMISSION_DENIED")):
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Leave(
+                    ps_pb2.LeaveRequest(rank=1, incarnation=incarnation, session=session),
+                    timeout=RPC_TIMEOUT,
+                    metadata=metadata,
+                )
+            assert err.value.code().name == code, err.value.details()
+    assert shard.members[1].state is WorkerState.LIVE and shard.members[1].counted
+    c1.close()
+    assert shard.members[1].state is WorkerState.LEFT
