@@ -1,4 +1,4 @@
-"""The docs' recipes, run: every command in a fenced shell block of README.md and docs/operations.md.
+"""The docs' recipes, run: every command in a fenced shell block of README.md, docs/operations.md and docs/faults.md.
 
 Commands come from ``bash``/``sh`` blocks (one per line, ``\\`` continuations joined, ``#`` comments
 dropped) and from ``$ ``-prompted lines of transcript blocks. Each is run, in document order, against
@@ -29,7 +29,7 @@ from ps_worker import PSClient
 from tests.conftest import small_model
 
 ROOT = Path(__file__).resolve().parents[2]
-DOCS = ("README.md", "docs/operations.md")
+DOCS = ("README.md", "docs/operations.md", "docs/faults.md")
 BIN = Path(sys.executable).parent
 
 SKIPPED: dict[str, str] = {
