@@ -27,7 +27,7 @@ from typing import TypeVar
 
 import torch
 
-from ps_server.checkpoint import CheckpointStore, digest
+from ps_server.checkpoint.files import CheckpointStore, digest
 
 PARTITION_BYTES = 4 * 2**20
 T = TypeVar("T")

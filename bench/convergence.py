@@ -35,7 +35,7 @@ def launch(
     cmd = [
         sys.executable,
         "-m",
-        "ps_worker.launch",
+        "ps_launch.cli",
         "--shards",
         "2",
         "--workers",

@@ -34,7 +34,7 @@ Wire format (little-endian, every integer fixed width):
 - the answer of a PushPull whose push came as a frame, shard → worker, before the call's answer on
   gRPC: the values frame of the version the push landed in; or :data:`ABORT` with 0 in the dtype
   field (no values: the call's status says why); or, for a streamed sync round
-  (:mod:`ps_server.round_stream`), :data:`SPECULATE`, then the slots' records as each slot is stepped
+  (:mod:`ps_server.shard.round_stream`), :data:`SPECULATE`, then the slots' records as each slot is stepped
   (any order), then the end record once the round closed as streamed; or, instead of that end
   record, :data:`ABORT` with 1 (drop the speculative values: the round's values follow as a frame)
   or with 0. A marker record's byte count is 0. The worker writes speculative values into its

@@ -126,7 +126,7 @@ def plan_digest(
     and of the version of the packing rule (``frames.PACKING_VERSION``) that client and shard must
     share: peers that would cut or pack partitions differently get different digests.
     ``packing=0`` gives the digest of releases before the packing version joined it (their rule is
-    version 1's); checkpoints they wrote still restore (:func:`ps_server.shard_state.load_state`)."""
+    version 1's); checkpoints they wrote still restore (:func:`ps_server.shard.state.load_state`)."""
     inputs: dict[str, object] = {"v": 1, "packing": packing}
     if not packing:
         del inputs["packing"]

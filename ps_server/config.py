@@ -12,15 +12,15 @@ from ps_common.errors import InvalidRequestError
 from ps_common.flags import FlagParser, join_timeout_flag, mode_flags, secret, secret_help
 from ps_common.modes import MODES, ModeSettings
 from ps_server.core.limits import DEFAULT_MAX_PARAMETER_BYTES, Limits
-from ps_server.rank_tokens import RankTokens, load_rank_tokens
-from ps_server.tables import DEFAULT_MAX_TABLE_BYTES, DEFAULT_MAX_TABLE_ROWS
-from ps_server.waiting_calls import FIRST_MESSAGE_SECONDS, rank_share
+from ps_server.service.rank_tokens import RankTokens, load_rank_tokens
+from ps_server.service.waiting_calls import FIRST_MESSAGE_SECONDS, rank_share
+from ps_server.tables.table import DEFAULT_MAX_TABLE_BYTES, DEFAULT_MAX_TABLE_ROWS
 
 STREAM_ROUNDS = ("auto", "on", "off")
 """``--stream-rounds``: ``auto`` streams sync rounds of two or more ranks whose data connections
 come from other hosts (on one machine a link is a memory copy, and the copy a streamed partition
 needs is not paid back; with one rank there is nothing to overlap but its own upload), ``on``
-every sync round whose pushes come on data connections, ``off`` none (:mod:`ps_server.round_stream`)."""
+every sync round whose pushes come on data connections, ``off`` none (:mod:`ps_server.shard.round_stream`)."""
 
 MAX_STREAMS = 1024
 """Upper bound of ``--max-watch-streams`` and ``--max-public-streams``."""
@@ -88,7 +88,7 @@ class ServerConfig:
     """TCP port of the data connections (PushPull's partitions beside gRPC) on ``host``; 0 picks a
     free port, -1 (the library default) serves none. ``ps-server`` defaults to 0. Never with TLS."""
     stream_rounds: str = "auto"
-    """``--stream-rounds``: which sync rounds are streamed (:mod:`ps_server.round_stream`)."""
+    """``--stream-rounds``: which sync rounds are streamed (:mod:`ps_server.shard.round_stream`)."""
     max_watch_streams: int = 16
     """Admin/WatchStatus streams (``ps-admin top``) open at once; one more is refused with
     RESOURCE_EXHAUSTED. Each holds a thread of the streams' pool, never one of the data plane's."""
@@ -107,7 +107,7 @@ class ServerConfig:
     """Most bytes of push frames parked over all data connections at once; 0: two frames of this
     shard's partitions per rank of the cluster (a complete one and one being read)."""
     rank_tokens: RankTokens | None = field(default=None, repr=False)
-    """Per-rank credentials (``--rank-tokens FILE``, :mod:`ps_server.rank_tokens`): a rank's token
+    """Per-rank credentials (``--rank-tokens FILE``, :mod:`ps_server.service.rank_tokens`): a rank's token
     acts only as that rank; each rank gets its own share of waiting calls."""
 
     def __post_init__(self) -> None:

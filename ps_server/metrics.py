@@ -1,8 +1,8 @@
 """Prometheus metrics of a shard (DESIGN section 10), built against an injected registry.
 
 Every name here is contract. RPC durations and barrier waits are recorded by
-:class:`ps_server.interceptors.MetricsInterceptor`; pushes, refused pushes, push staleness and bytes
-are read at scrape time from the shard's :class:`~ps_server.counters.ShardCounters` (the numbers
+:class:`ps_server.service.interceptors.MetricsInterceptor`; pushes, refused pushes, push staleness and bytes
+are read at scrape time from the shard's :class:`~ps_server.shard.counters.ShardCounters` (the numbers
 Admin/GetStatus reports) by :class:`CountersCollector`; the gauges that mirror shard state
 (``ps_model_version``, ``ps_workers``) are read from ``Shard.status()`` at scrape time by
 :class:`ShardCollector`, so there is no second copy of any of it to drift.
@@ -18,10 +18,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
-from ps_server.counters import CountersView, ShardCounters
+from ps_server.shard.counters import CountersView, ShardCounters
 
 if TYPE_CHECKING:
-    from ps_server.shard import StatusView
+    from ps_server.shard.shard import StatusView
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ class ShardCollector(Collector):
     """``ps_model_version`` and ``ps_workers{state}``, read from one status snapshot per scrape.
 
     Args:
-        status: returns the shard's current :class:`~ps_server.shard.StatusView` (``Shard.status``).
+        status: returns the shard's current :class:`~ps_server.shard.shard.StatusView` (``Shard.status``).
     """
 
     def __init__(self, status: Callable[[], StatusView]) -> None:

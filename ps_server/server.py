@@ -15,24 +15,24 @@ from prometheus_client import CollectorRegistry
 from ps_common.codec import DTYPES
 from ps_common.metrics_endpoint import MetricsEndpoint, serve_metrics
 from ps_proto.v1 import ps_pb2, ps_pb2_grpc
-from ps_server.admin_servicer import AdminServicer
-from ps_server.auth import TokenInterceptor
-from ps_server.checkpoint import CheckpointStore
-from ps_server.checkpointer import Checkpointer
+from ps_server.checkpoint.checkpointer import Checkpointer
+from ps_server.checkpoint.files import CheckpointStore
 from ps_server.config import ServerConfig
-from ps_server.counters import ShardCounters
-from ps_server.data_plane import DataPlane
-from ps_server.decoding import DecodingInterceptor
-from ps_server.interceptors import PUSH_PULL, PUSH_PULL_ONCE, MetricsInterceptor
+from ps_server.dataplane.connections import DataPlane
 from ps_server.metrics import ServerMetrics
-from ps_server.servicer import ParameterServicer, parameter_service_handler
-from ps_server.shard import Shard
-from ps_server.shard_views import StatusView
-from ps_server.streams import PUBLIC, WATCH, StreamLimit, StreamLimitInterceptor
-from ps_server.table_metrics import TableCollector
-from ps_server.table_reads import READ_THREADS, TableReads, lower_priority
+from ps_server.service.admin import AdminServicer
+from ps_server.service.auth import TokenInterceptor
+from ps_server.service.decoding import DecodingInterceptor
+from ps_server.service.interceptors import PUSH_PULL, PUSH_PULL_ONCE, MetricsInterceptor
+from ps_server.service.parameters import ParameterServicer, parameter_service_handler
+from ps_server.service.streams import PUBLIC, WATCH, StreamLimit, StreamLimitInterceptor
+from ps_server.service.waiting_calls import Alarms, WaitingCalls
+from ps_server.shard.counters import ShardCounters
+from ps_server.shard.shard import Shard
+from ps_server.shard.views import StatusView
+from ps_server.tables.metrics import TableCollector
+from ps_server.tables.reads import READ_THREADS, TableReads, lower_priority
 from ps_server.threads import OwnedThreads
-from ps_server.waiting_calls import Alarms, WaitingCalls
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ class ShardServer:
     ) -> None:
         self.config = config
         self._reads = reads
-        """PullRows' read thread(s) (``ps_server.table_reads``)."""
+        """PullRows' read thread(s) (``ps_server.tables.reads``)."""
         self.waiting = waiting
         """The calls that may wait: their cap, pool, and how many are open (``.open``)."""
         self.data = data
@@ -230,7 +230,7 @@ def start_server(config: ServerConfig, shard: Shard | None = None) -> ShardServe
         ("grpc.max_send_message_length", config.max_message_bytes),
         ("grpc.so_reuseport", 0),
     ]
-    # Long-lived streams run in a pool of their own, capped per group (ps_server.streams): however
+    # Long-lived streams run in a pool of their own, capped per group (ps_server.service.streams): however
     # many a client opens, the data plane keeps all of its threads and its share of concurrent RPCs.
     streams = StreamLimitInterceptor(
         {
@@ -244,7 +244,7 @@ def start_server(config: ServerConfig, shard: Shard | None = None) -> ShardServe
         threads.pool(config.stream_threads, f"shard{config.shard_index}-streams"),
     )
     # The calls that may wait (a round, a table version, a client stream) run in a pool of their own,
-    # capped (ps_server.waiting_calls): Health, Admin and Join keep the server's pool whatever they do.
+    # capped (ps_server.service.waiting_calls): Health, Admin and Join keep the server's pool whatever they do.
     waiting = WaitingCalls(
         config.waiting_calls,
         threads.pool(config.wait_threads, f"shard{config.shard_index}-waits"),

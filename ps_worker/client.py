@@ -21,19 +21,19 @@ from ps_common.plan import DEFAULT_PARTITION_BYTES, Plan
 from ps_common.tables import TableSpec
 from ps_common.wire import optimizer_from_proto
 from ps_proto.v1 import ps_pb2
-from ps_worker.calls import DataPath
 from ps_worker.compression import TopK
-from ps_worker.encoding import WIRE_DTYPES, WireCodec
 from ps_worker.errors import reason_of
 from ps_worker.model_io import ModelIO
 from ps_worker.planning import model_plan, model_specs
-from ps_worker.pushpull import PendingPushPull
 from ps_worker.session import Session
 from ps_worker.session_view import SessionView
 from ps_worker.staging import HostStaging
-from ps_worker.table_client import TableClient
-from ps_worker.tables import attach_tables
-from ps_worker.transport import Transport
+from ps_worker.tables.client import TableClient
+from ps_worker.tables.modules import attach_tables
+from ps_worker.transport.calls import DataPath
+from ps_worker.transport.encoding import WIRE_DTYPES, WireCodec
+from ps_worker.transport.grpc_link import Transport
+from ps_worker.transport.pushpull import PendingPushPull
 
 if TYPE_CHECKING:
     from ps_worker.metrics import WorkerMetrics
@@ -78,7 +78,7 @@ class PSClient(SessionView, ModelIO):
     """
 
     tables: TableClient | None = None
-    """The model's embedding tables (``ps_worker.tables``), set by :meth:`init` or :meth:`init_tables`."""
+    """The model's embedding tables (``ps_worker.tables.modules``), set by :meth:`init` or :meth:`init_tables`."""
 
     def __init__(
         self,
@@ -203,7 +203,7 @@ class PSClient(SessionView, ModelIO):
                 p.copy_(params[k])
         self.session.worker.after_init(self.session)
 
-    # ------------------------------------------------------------------ embedding tables (ps_worker.tables)
+    # ------------------------------------------------------------------ embedding tables (ps_worker.tables.modules)
     def init_tables(self, specs: Sequence[TableSpec]) -> TableClient:
         """Declare embedding tables without modules (rank 0 declares, the others wait for it);
         :meth:`init` does this for a model's sparse embeddings. Returns :attr:`tables`."""

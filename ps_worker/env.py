@@ -131,7 +131,7 @@ class Settings:
     def optimizer_spec(self) -> dict[str, float | str]:
         """The server-side optimizer spec of ``PS_OPTIMIZER``, ``PS_LR``, ``PS_MOMENTUM`` (what rank 0
         sends at Init; the same as ``ps-worker``'s)."""
-        from ps_worker.flags import optimizer_spec
+        from ps_worker.workloads.flags import optimizer_spec
 
         return optimizer_spec(self.optimizer, self.lr, self.momentum)
 

@@ -1,7 +1,7 @@
 """Prometheus metrics of a worker (DESIGN section 10), built against an injected registry.
 
 :class:`~ps_worker.client.PSClient` records push, pull and push-pull (step) times and bytes when given a
-:class:`WorkerMetrics`; :func:`~ps_worker.train.train` records step times and the loss. Without
+:class:`WorkerMetrics`; :func:`~ps_worker.workloads.train.train` records step times and the loss. Without
 one (the default) nothing is recorded and no global state is touched.
 """
 

@@ -11,8 +11,8 @@ import torch
 
 from ps_common.codec import torch_dtype
 from ps_worker.client import PSClient
-from ps_worker.pushpull import PendingPushPull
-from ps_worker.tables import push_step
+from ps_worker.tables.modules import push_step
+from ps_worker.transport.pushpull import PendingPushPull
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             ignored otherwise.
         overlap: push each parameter's gradient while backward still runs (sync, async, ssp):
             autograd hooks (``register_post_accumulate_grad_hook``) hand every finished gradient to
-            a :class:`~ps_worker.pushpull.PendingPushPull`, whose streams send each message as soon
+            a :class:`~ps_worker.transport.pushpull.PendingPushPull`, whose streams send each message as soon
             as its partitions are ready; ``step()`` then only finishes the call. With
             ``backward_passes_per_step=k`` a gradient is handed over after its k-th backward pass.
             Not with AMP (the gradients would leave scaled): refused at ``step()``.
@@ -262,7 +262,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             for p in self.params.values():
                 if p.grad is not None:
                     p.grad.mul_(inv.to(p.grad.device))
-        if self.client.tables is not None:  # embedding tables: row gradients first (ps_worker.tables)
+        if self.client.tables is not None:  # embedding tables: row gradients first (ps_worker.tables.modules)
             push_step(self.client.tables, inv if grad_scale is not None and not skip else None, skip)
         return self.client.worker_mode.step(self, skip)
 

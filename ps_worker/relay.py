@@ -1,4 +1,4 @@
-"""The worker's side of the membership epochs (``ps_server.epochs``): shard 0 decides, workers relay.
+"""The worker's side of the membership epochs (``ps_server.membership.epochs``): shard 0 decides, workers relay.
 
 :class:`EpochRelay` keeps the newest ``ps.v1.MembershipEpoch`` record a worker has seen and the epoch
 each shard last reported, says what a request to a shard carries (the record only for a shard that

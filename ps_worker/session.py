@@ -2,8 +2,8 @@
 
 :class:`Session` holds the rank, incarnation, clock and the shards' versions, joins the shards,
 keeps the lease alive with a heartbeat thread, and recovers from the refusals that name a fixable
-cause (:data:`ps_worker.errors.RECOVERABLE`). The data calls (:mod:`ps_worker.calls`,
-:mod:`ps_worker.pushpull`) stamp their requests and account their answers through it.
+cause (:data:`ps_worker.errors.RECOVERABLE`). The data calls (:mod:`ps_worker.transport.calls`,
+:mod:`ps_worker.transport.pushpull`) stamp their requests and account their answers through it.
 """
 
 from __future__ import annotations
@@ -25,11 +25,11 @@ from ps_common.wire import MODE_TO_NAME, optimizer_from_proto
 from ps_proto.v1 import ps_pb2
 from ps_worker import errors
 from ps_worker.consistency import WorkerMode, settings_from_config, worker_mode
-from ps_worker.encoding import Stamp
 from ps_worker.errors import HINT_UNREACHABLE, ShardUnreachableError, error_from_rpc
 from ps_worker.relay import EpochRelay
-from ps_worker.retry import RETRYABLE, backoff_delays
-from ps_worker.transport import LEAVE_SECONDS, Transport
+from ps_worker.transport.encoding import Stamp
+from ps_worker.transport.grpc_link import LEAVE_SECONDS, Transport
+from ps_worker.transport.retry import RETRYABLE, backoff_delays
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -9,9 +9,9 @@ from pathlib import Path
 
 from ps_admin.cli import admin_parser
 from ps_common.flags import FlagParser
+from ps_launch.cli import launch_parser
 from ps_server.config import server_parser
-from ps_worker.cli import worker_parser
-from ps_worker.launch import launch_parser
+from ps_worker.workloads.cli import worker_parser
 
 
 def parsers() -> dict[str, FlagParser]:

@@ -18,7 +18,7 @@ WORKDIR /src
 COPY . .
 # The base image's torch satisfies grpc-ps's torch requirement, so pip keeps it (no CPU wheel).
 RUN pip install --no-cache-dir . \
- && python -c "import torch, ps_worker.cli, ps_worker.entrypoint; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
+ && python -c "import torch, ps_worker.workloads.cli, ps_worker.entrypoint; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
 # glibc malloc tuned for large gRPC messages (measured 1.4x-6x faster push/pull of multi-MiB
 # partitions): huge pages, no mmap per large buffer, no trimming, one arena. The price is RSS:
 # memory freed by the process is kept for reuse instead of returned to the system. (CUDA's own

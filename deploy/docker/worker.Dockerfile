@@ -32,7 +32,7 @@ RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml
  && pip install --no-cache-dir -r /tmp/requirements.txt
 COPY . .
 RUN pip install --no-cache-dir . \
- && python -c "import ps_server.server, ps_server.healthcheck, ps_admin.cli, ps_worker.cli, ps_worker.workloads.digits"
+ && python -c "import ps_server.server, ps_server.healthcheck, ps_admin.cli, ps_worker.workloads.cli, ps_worker.workloads.digits"
 
 FROM ${BASE_IMAGE}
 LABEL org.opencontainers.image.title="grpc-ps-worker" \

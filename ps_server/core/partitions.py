@@ -165,7 +165,7 @@ class Intake:
 class Bounded(list[torch.Tensor]):
     """Tensors with ``max_abs``, an upper bound of every absolute value in them that the checks
     found on the way (``inf``: unknown), so an optimizer step need not read them again to prove
-    itself finite (:meth:`~ps_server.store.ParameterStore.apply`)."""
+    itself finite (:meth:`~ps_server.shard.store.ParameterStore.apply`)."""
 
     def __init__(self, tensors: Iterable[torch.Tensor], max_abs: float) -> None:
         super().__init__(tensors)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ps_common.errors import StalePushError, UpdateRefusedError
-from ps_server.membership import Member, PushResult, PushStamp
+from ps_server.membership.ranks import Member, PushResult, PushStamp
 from ps_server.policy.base import ConsistencyPolicy, ShardCore
 
 if TYPE_CHECKING:

@@ -1,6 +1,6 @@
 """The one interface of the consistency models (DESIGN section 5): what a shard asks its mode.
 
-A :class:`ConsistencyPolicy` decides, for the :class:`~ps_server.shard.Shard` that holds the lock,
+A :class:`ConsistencyPolicy` decides, for the :class:`~ps_server.shard.shard.Shard` that holds the lock,
 what happens to a push (applied now, held for its round, or refused as stale, and with which
 learning-rate scale), when a round or an EASGD period closes, whether a read can be served, where a
 rejoining rank resumes, why a read is blocked, and what staleness means in the mode. The shard keeps
@@ -19,12 +19,12 @@ import torch
 
 from ps_common.errors import PreconditionError, UpdateRefusedError
 from ps_common.modes import ModeSettings
-from ps_server.membership import Member, Membership, PushResult, PushStamp
+from ps_server.membership.ranks import Member, Membership, PushResult, PushStamp
 
 if TYPE_CHECKING:
-    from ps_server.counters import ShardCounters
     from ps_server.policy.sync import Hyperparameters, SyncRounds
-    from ps_server.store import ParameterStore
+    from ps_server.shard.counters import ShardCounters
+    from ps_server.shard.store import ParameterStore
 
 
 class ShardCore(Protocol):

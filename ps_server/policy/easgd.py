@@ -20,7 +20,7 @@ import torch
 
 from ps_common.errors import NonFiniteUpdateError, PreconditionError, UpdateRefusedError
 from ps_server.core.finite import all_finite
-from ps_server.membership import Member, PushResult, PushStamp
+from ps_server.membership.ranks import Member, PushResult, PushStamp
 from ps_server.policy.base import ConsistencyPolicy, ShardCore
 
 if TYPE_CHECKING:

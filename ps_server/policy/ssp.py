@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from ps_server.membership import Member, WorkerState
+from ps_server.membership.ranks import Member, WorkerState
 from ps_server.policy.asynchronous import ImmediatePolicy
 from ps_server.policy.base import ShardCore
 

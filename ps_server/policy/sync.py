@@ -23,10 +23,10 @@ from ps_common.errors import (
     VersionAheadError,
 )
 from ps_common.modes import ModeSettings
-from ps_server import round_stream
 from ps_server.core.partitions import Bounded, max_abs_of
-from ps_server.membership import Member, PushResult, PushStamp
+from ps_server.membership.ranks import Member, PushResult, PushStamp
 from ps_server.policy.base import ConsistencyPolicy, ShardCore
+from ps_server.shard import round_stream
 
 log = logging.getLogger(__name__)
 

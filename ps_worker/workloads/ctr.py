@@ -12,7 +12,7 @@ dot product of every pair of the ``F + 1`` vectors (bottom output and one embedd
 into one logit. Loss: binary cross-entropy on the logit (``BCEWithLogits``).
 
 The tables are ``sparse=True``: their gradients touch only the rows of the batch, and grpc-ps serves such
-tables row by row from the shards (``ps_worker.tables``; README "Sparse embedding tables"), so a step
+tables row by row from the shards (``ps_worker.tables.modules``; README "Sparse embedding tables"), so a step
 moves the batch's rows, not the tables. Their initial rows are N(0, 0.1^2), locally and on the shards
 (``ps_init_std``). Default sizes: 125,756 rows of 16 float32 (7.7 MiB) over 6 tables, 5,233 dense
 parameters; larger tables: raise ``ClickLogConfig.cardinalities`` (``docs/ctr.md``).
@@ -102,7 +102,7 @@ class DLRM(nn.Module):
         tables = [nn.EmbeddingBag(rows, cfg.dim, mode="sum", sparse=True) for rows in cfg.table_rows]
         # DLRM's reference code draws a table from U(-sqrt(1/rows), sqrt(1/rows)), which shrinks with the table;
         # a fixed N(0, init_std^2) is used instead, and told to the shards (ps_init_std: a shard-served table
-        # draws its own rows from that law, ps_worker.tables), so in-process and sharded runs start alike
+        # draws its own rows from that law, ps_worker.tables.modules), so in-process and sharded runs start alike
         for table in tables:
             nn.init.normal_(table.weight, 0.0, cfg.init_std)
             setattr(table, "ps_init_std", cfg.init_std)  # noqa: B010 - an attribute nn.EmbeddingBag lacks

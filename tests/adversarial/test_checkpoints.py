@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from ps_admin.client import ShardResult
 from ps_admin.view import render_status
 from ps_proto.v1 import ps_pb2, ps_pb2_grpc
-from ps_server.checkpoint import CheckpointStore
+from ps_server.checkpoint.files import CheckpointStore
 from ps_server.metrics import CHECKPOINT_FAILURE_REASONS
 from ps_worker import DistributedOptimizer, PSClient
 from tests.unit.test_checkpoint import fill_disk

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from ps_common import dataconn
-from ps_server.data_plane import REFUSED
+from ps_server.dataplane.connections import REFUSED
 from ps_worker import PSClient
 from tests.conftest import RPC_TIMEOUT
 from tests.helpers.data_connections import closed_by_peer, raw_connection
@@ -153,11 +153,11 @@ def test_refused_connections_are_logged_at_a_bounded_rate(start_cluster, caplog)
     """64 connections with a wrong token: every one refused and counted, a WARNING line or two."""
     cluster = start_cluster(num_shards=1, num_workers=1, data_port=0, token="tok", admin_token="adm")
     before = cluster[0].counters.rejected
-    with caplog.at_level(logging.WARNING, logger="ps_server.data_plane"):
+    with caplog.at_level(logging.WARNING, logger="ps_server.dataplane.connections"):
         for _ in range(64):
             sock = raw_connection(cluster[0].data.port, rank=0, token="wrong")
             assert closed_by_peer(sock)
             sock.close()
-    lines = [r for r in caplog.records if r.name == "ps_server.data_plane" and r.levelno == logging.WARNING]
+    lines = [r for r in caplog.records if r.name == "ps_server.dataplane.connections" and r.levelno == logging.WARNING]
     assert 1 <= len(lines) <= 2, [r.getMessage() for r in lines]
     assert cluster[0].counters.rejected - before == 64

@@ -9,7 +9,7 @@ mutated call is refused (never INTERNAL or UNKNOWN), a huge byte count closes th
 once without allocating, parked bytes return to 0 once the connection closes, no connection thread
 dies of an exception, and the shard keeps serving a real worker on its data connection.
 
-Membership records (``ps_server.epochs``): shard 0's genuine signed records, with every field
+Membership records (``ps_server.membership.epochs``): shard 0's genuine signed records, with every field
 mutated and kept, re-signed with another key, re-signed with the right key for another cluster, or
 unsigned, relayed to shard 1 in a Heartbeat by the joined rank and by ranks that are not members.
 Shard 1 follows a record only when it is byte-identical to a genuine newer one and the Heartbeat
@@ -33,8 +33,8 @@ from hypothesis import strategies as st
 
 from ps_common import dataconn
 from ps_proto.v1 import ps_pb2, ps_pb2_grpc
-from ps_server.data_plane import REFUSED
-from ps_server.epochs import Epochs
+from ps_server.dataplane.connections import REFUSED
+from ps_server.membership.epochs import Epochs
 from ps_worker import PSClient
 from tests.conftest import RPC_TIMEOUT, small_model
 from tests.helpers.data_connections import closed_by_peer

@@ -213,7 +213,7 @@ def test_a_data_connection_call_ends_its_wait_when_its_worker_goes_away(start_cl
     """A PushPullOnce on a data connection, with no deadline, waits for a sync round rank 1 never
     pushes; the worker closes its connection: the call's wait ends (and its thread with it)."""
     from ps_common import dataconn, frames
-    from ps_worker.encoding import Stamp, WireCodec
+    from ps_worker.transport.encoding import Stamp, WireCodec
     from tests.helpers.data_connections import raw_connection
 
     (server,) = start_cluster(1, num_workers=2, mode="sync", data_port=0, lease_timeout=60)

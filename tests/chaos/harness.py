@@ -578,7 +578,7 @@ class Cluster:
             elif kind == "done":
                 record.done = e
 
-        argv = [PY, "-m", "ps_worker.cli", "--servers", ",".join(self.addresses), "--rank", str(r)]
+        argv = [PY, "-m", "ps_worker.workloads.cli", "--servers", ",".join(self.addresses), "--rank", str(r)]
         argv += ["--num-workers", str(self.spec.num_workers), "--steps", str(self.spec.steps)]
         argv += ["--incarnation", str(inc), "--events", "--json", "--no-progress", "--metrics-port", "-1"]
         argv += ["--retry-deadline", str(self.spec.retry_deadline), "--timeout", str(self.spec.worker_timeout)]

@@ -114,7 +114,7 @@ def start_job(tmp: Path, slow_ms: float) -> Job:
         for r in range(2):
             out = open(tmp / f"worker-{r}.out", "w")  # noqa: SIM115
             err = open(tmp / f"worker-{r}.err", "w")  # noqa: SIM115
-            argv = [sys.executable, "-m", "ps_worker.cli", "digits", "--servers", ",".join(job.addresses)]
+            argv = [sys.executable, "-m", "ps_worker.workloads.cli", "digits", "--servers", ",".join(job.addresses)]
             argv += ["--rank", str(r), "--num-workers", "2", "--steps", str(STEPS), "--seed", "0", "--json"]
             argv += ["--no-progress", "--timeout", "30", "--slow-rank", "0", "--slow-ms", str(slow_ms)]
             job.workers.append(subprocess.Popen(argv, stdout=out, stderr=err, text=True, env=env))

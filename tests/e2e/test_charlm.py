@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from ps_worker.launch import launch_parser
+from ps_launch.cli import launch_parser
 from tests.e2e.test_launch import LAUNCH, assert_all_gone
 
 
@@ -58,7 +58,17 @@ def test_corpus_is_a_flag_with_a_twin_and_refused_for_digits(tmp_path) -> None:
     corpus = tmp_path / "c.txt"
     corpus.write_text("x")
     out = subprocess.run(
-        [sys.executable, "-m", "ps_worker.cli", "--servers", "127.0.0.1:1", "--rank", "0", "--num-workers", "1"]
+        [
+            sys.executable,
+            "-m",
+            "ps_worker.workloads.cli",
+            "--servers",
+            "127.0.0.1:1",
+            "--rank",
+            "0",
+            "--num-workers",
+            "1",
+        ]
         + ["--corpus", str(corpus), "digits"],
         capture_output=True,
         text=True,

@@ -12,7 +12,7 @@ from tests.e2e.test_launch import assert_all_gone
 
 STEPS = 60
 JOB = [
-    *(sys.executable, "-m", "ps_worker.launch", "--shards", "2", "--mode", "sync"),
+    *(sys.executable, "-m", "ps_launch.cli", "--shards", "2", "--mode", "sync"),
     *("--checkpoint-every", "5", "--lease-timeout", "3", "--batch-size", "16"),
     *("--no-progress", "--no-metrics", "--json"),
 ]
@@ -56,7 +56,7 @@ def test_a_rank_started_for_a_resize_that_a_later_one_undid_is_not_a_failure(tmp
     counts it not needed, not failed: the job trains to the end and exits 0."""
     out = subprocess.run(
         [
-            *(sys.executable, "-m", "ps_worker.launch", "--shards", "1", "--mode", "async", "--workers", "2"),
+            *(sys.executable, "-m", "ps_launch.cli", "--shards", "1", "--mode", "async", "--workers", "2"),
             *("--steps", "200", "--batch-size", "16", "--no-progress", "--no-metrics", "--json"),
             *("--log-dir", str(tmp_path), "--resize", "3@step=5;2@step=6", "digits"),
         ],

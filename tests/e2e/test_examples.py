@@ -12,7 +12,7 @@ import pytest
 from tests.e2e.test_launch import assert_all_gone
 
 ROOT = Path(__file__).resolve().parents[2]
-LAUNCH = [sys.executable, "-m", "ps_worker.launch", "--shards", "2", "--workers", "2", "--no-progress", "--no-metrics"]
+LAUNCH = [sys.executable, "-m", "ps_launch.cli", "--shards", "2", "--workers", "2", "--no-progress", "--no-metrics"]
 
 
 def launch(tmp_path: Path, *argv: str, timeout: float = 420) -> dict:

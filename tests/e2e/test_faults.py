@@ -16,7 +16,7 @@ import pytest
 LAUNCH = [
     sys.executable,
     "-m",
-    "ps_worker.launch",
+    "ps_launch.cli",
     "--shards",
     "2",
     "--workers",

@@ -67,7 +67,7 @@ def test_item1_unreachable_shard_is_named_within_seconds(shards) -> None:
 def test_item1_ps_worker_names_the_unreachable_address(shards, which) -> None:
     dead = dead_address()
     servers = dead if which == "nothing listening" else f"127.0.0.1:{shards(2, 1)[0].port},{dead}"
-    argv = [sys.executable, "-m", "ps_worker.cli", "--servers", servers, "--rank", "0", "--num-workers", "1"]
+    argv = [sys.executable, "-m", "ps_worker.workloads.cli", "--servers", servers, "--rank", "0", "--num-workers", "1"]
     argv += ["--retry-deadline", "3", "--metrics-port", "-1", "digits"]
     start = time.monotonic()
     out = subprocess.run(argv, capture_output=True, text=True, timeout=120)
@@ -89,7 +89,7 @@ def test_item1_with_default_flags_the_address_is_named_within_seconds(shards) ->
 
     dead = dead_address()
     servers = f"127.0.0.1:{shards(2, 1)[0].port},{dead}"
-    argv = [sys.executable, "-m", "ps_worker.cli", "--servers", servers, "--rank", "0", "--num-workers", "1"]
+    argv = [sys.executable, "-m", "ps_worker.workloads.cli", "--servers", servers, "--rank", "0", "--num-workers", "1"]
     proc = subprocess.Popen([*argv, "digits"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     seen: list[tuple[float, str]] = []
     reader = threading.Thread(target=lambda: [seen.append((time.monotonic(), line)) for line in proc.stderr])
@@ -160,7 +160,7 @@ def test_item4_ps_worker_stops_cleanly_on_a_signal(shards, signame, code) -> Non
 
     (shard,) = shards(1, 2)
     address = f"127.0.0.1:{shard.port}"
-    argv = [sys.executable, "-m", "ps_worker.cli", "--servers", address, "--rank", "0", "--num-workers", "2"]
+    argv = [sys.executable, "-m", "ps_worker.workloads.cli", "--servers", address, "--rank", "0", "--num-workers", "2"]
     proc = subprocess.Popen(
         [*argv, "--steps", "50", "digits"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
@@ -188,7 +188,7 @@ def test_item4_ps_worker_prints_a_human_summary_or_json(shards) -> None:
     import json
 
     (shard,) = shards(1, 1)
-    argv = [sys.executable, "-m", "ps_worker.cli", "--servers", f"127.0.0.1:{shard.port}", "--rank", "0"]
+    argv = [sys.executable, "-m", "ps_worker.workloads.cli", "--servers", f"127.0.0.1:{shard.port}", "--rank", "0"]
     argv += ["--num-workers", "1", "--steps", "20", "--metrics-port", "-1"]
     out = subprocess.run([*argv, "digits"], capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -204,7 +204,7 @@ def test_item4_ps_worker_prints_a_human_summary_or_json(shards) -> None:
 
 
 # ---------------------------------------------------------------------- item 8: fast CLI
-@pytest.mark.parametrize("command", ["ps_worker.launch", "ps_worker.cli"])
+@pytest.mark.parametrize("command", ["ps_launch.cli", "ps_worker.workloads.cli"])
 @pytest.mark.parametrize("args", [["--help"], ["--bogus"]])
 def test_item8_help_and_a_mistyped_flag_import_no_torch(command, args) -> None:
     start = time.monotonic()
@@ -219,16 +219,17 @@ def test_item8_help_and_a_mistyped_flag_import_no_torch(command, args) -> None:
         assert out.returncode == 0 and "usage:" in out.stdout
     else:
         errors = [line for line in out.stderr.splitlines() if not line.startswith("import time:")]
-        prog = "ps-launch" if command == "ps_worker.launch" else "ps-worker"
+        prog = "ps-launch" if command == "ps_launch.cli" else "ps-worker"
         assert out.returncode == 2
         assert errors == [f"{prog}: unrecognized arguments: --bogus (see {prog} --help)"] or (
-            command == "ps_worker.cli" and errors[0].startswith("ps-worker: the following arguments are required")
+            command == "ps_worker.workloads.cli"
+            and errors[0].startswith("ps-worker: the following arguments are required")
         ), errors
 
 
 def test_item8_config_errors_are_one_line_with_a_hint() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "ps_worker.launch", "--shards", "2", "--step", "5", "--mode", "syn", "digits"],
+        [sys.executable, "-m", "ps_launch.cli", "--shards", "2", "--step", "5", "--mode", "syn", "digits"],
         capture_output=True,
         text=True,
         timeout=60,
@@ -237,7 +238,17 @@ def test_item8_config_errors_are_one_line_with_a_hint() -> None:
     assert out.stderr.count("\n") == 1 and "usage:" not in out.stderr, out.stderr
     assert "ps-launch: argument --mode: invalid choice: 'syn'" in out.stderr and "ps-launch --help" in out.stderr
     out = subprocess.run(
-        [sys.executable, "-m", "ps_worker.cli", "--servers", "127.0.0.1:1", "--rank", "2", "--num-workers", "2"],
+        [
+            sys.executable,
+            "-m",
+            "ps_worker.workloads.cli",
+            "--servers",
+            "127.0.0.1:1",
+            "--rank",
+            "2",
+            "--num-workers",
+            "2",
+        ],
         capture_output=True,
         text=True,
         timeout=60,
@@ -275,7 +286,7 @@ def test_item9_ps_launch_removes_its_temporary_directory(tmp_path) -> None:
     import os
 
     env = {**os.environ, "TMPDIR": str(tmp_path)}
-    argv = [sys.executable, "-m", "ps_worker.launch", "--shards", "1", "--workers", "1", "--steps", "5"]
+    argv = [sys.executable, "-m", "ps_launch.cli", "--shards", "1", "--workers", "1", "--steps", "5"]
     out = subprocess.run([*argv, "--no-metrics", "--no-progress", "digits"], capture_output=True, text=True, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "removed at the end" in out.stderr

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 PY = sys.executable
-LAUNCH = [PY, "-m", "ps_worker.launch", "--shards", "1", "--workers", "2", "--no-progress", "--no-metrics"]
+LAUNCH = [PY, "-m", "ps_launch.cli", "--shards", "1", "--workers", "2", "--no-progress", "--no-metrics"]
 
 
 def strict_json(line: str) -> dict:
@@ -52,7 +52,17 @@ def run(argv: list[str], timeout: float, **kwargs) -> tuple[subprocess.Completed
 )
 def test_malformed_address_fails_at_once_naming_it(address: str, complaint: str) -> None:
     # before: ps-worker dialled "127.0.0.1:" and waited --timeout (60 s), then DEADLINE_EXCEEDED
-    worker = [PY, "-m", "ps_worker.cli", "--servers", f"127.0.0.1:1,{address}", "--rank", "0", "--num-workers", "1"]
+    worker = [
+        PY,
+        "-m",
+        "ps_worker.workloads.cli",
+        "--servers",
+        f"127.0.0.1:1,{address}",
+        "--rank",
+        "0",
+        "--num-workers",
+        "1",
+    ]
     out, seconds = run([*worker, "--metrics-port", "-1", "--retry-deadline", "60", "digits"], timeout=50)
     assert out.returncode == 2, out.stderr[-2000:]
     assert f"--servers: Shard address {address!r}" in out.stderr and complaint in out.stderr, out.stderr
@@ -114,7 +124,7 @@ def worker_on_checkpoints(checkpoints: Path, steps: int) -> dict:
                 pytest.fail("ps-server did not print its address within 60 s")
             if "listening on" in line:
                 address = line.split("listening on ", 1)[1].strip()
-        worker = [PY, "-m", "ps_worker.cli", "--servers", address, "--rank", "0", "--num-workers", "2"]
+        worker = [PY, "-m", "ps_worker.workloads.cli", "--servers", address, "--rank", "0", "--num-workers", "2"]
         out, _ = run([*worker, "--steps", str(steps), "--metrics-port", "-1", "--json", "digits"], timeout=120)
     finally:
         server.terminate()
@@ -131,7 +141,7 @@ def worker_on_checkpoints(checkpoints: Path, steps: int) -> dict:
 SLEEPY_RANK = """
 import sys, time
 argv = getattr(sys, "orig_argv", sys.argv)
-if "ps_worker.cli" in argv and argv[argv.index("--rank") + 1] == "1":
+if "ps_worker.workloads.cli" in argv and argv[argv.index("--rank") + 1] == "1":
     time.sleep(120)  # this rank never joins (a hung start-up)
 """
 

@@ -14,7 +14,7 @@ import pytest
 
 from ps_common.process_env import GLIBC_TUNABLES
 
-LAUNCH = [sys.executable, "-m", "ps_worker.launch"]
+LAUNCH = [sys.executable, "-m", "ps_launch.cli"]
 
 
 def pids(stderr: str) -> list[int]:

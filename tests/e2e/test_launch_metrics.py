@@ -12,7 +12,7 @@ import pytest
 
 @pytest.mark.slow
 def test_launch_reports_every_metrics_url(tmp_path) -> None:
-    argv = [sys.executable, "-m", "ps_worker.launch", "--shards", "2", "--workers", "1", "--steps", "3"]
+    argv = [sys.executable, "-m", "ps_launch.cli", "--shards", "2", "--workers", "1", "--steps", "3"]
     result = subprocess.run(
         [*argv, "--no-progress", "--json", "--log-dir", str(tmp_path), "digits"],
         capture_output=True,

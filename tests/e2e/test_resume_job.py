@@ -22,7 +22,7 @@ from tests.e2e.test_launch import alive, assert_all_gone, pids
 STEPS = 200
 EVERY = 20
 JOB = [
-    *(sys.executable, "-m", "ps_worker.launch", "--shards", "2", "--workers", "2", "--mode", "sync"),
+    *(sys.executable, "-m", "ps_launch.cli", "--shards", "2", "--workers", "2", "--mode", "sync"),
     *("--steps", str(STEPS), "--checkpoint-every", str(EVERY), "--lease-timeout", "3"),
     *("--no-progress", "--no-metrics", "--json"),
 ]

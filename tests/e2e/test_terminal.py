@@ -72,7 +72,7 @@ def summary_block(screen: str, header: str) -> list[str]:
 
 @pytest.mark.slow
 def test_ps_launch_in_a_terminal_shows_progress_then_an_intact_summary(terminal) -> None:
-    argv = [sys.executable, "-m", "ps_worker.launch", "--shards", "1", "--workers", "2", "--steps", "300"]
+    argv = [sys.executable, "-m", "ps_launch.cli", "--shards", "1", "--workers", "2", "--steps", "300"]
     terminal.run([*argv, "--slow-rank", "0", "--slow-ms", "15", "--no-metrics", "digits"])
     terminal.wait(r"^ps-launch: started worker-1", 240, interval=0.05)
     spawned = time.monotonic()
@@ -96,7 +96,7 @@ def test_ps_launch_in_a_terminal_shows_progress_then_an_intact_summary(terminal)
 def test_ps_worker_in_a_terminal_shows_progress_then_its_summary(terminal) -> None:
     shard = start_server(ServerConfig(shard_index=0, num_shards=1, num_workers=1, port=0))
     try:
-        argv = [sys.executable, "-m", "ps_worker.cli", "--servers", f"127.0.0.1:{shard.port}", "--rank", "0"]
+        argv = [sys.executable, "-m", "ps_worker.workloads.cli", "--servers", f"127.0.0.1:{shard.port}", "--rank", "0"]
         terminal.run([*argv, "--num-workers", "1", "--steps", "300", "--slow-rank", "0", "--slow-ms", "15", "digits"])
         terminal.wait(r"^rank 0:\s+\d+%.*\d+/300 .*step/s.*loss=\d\.\d{4}", 240)
         final = terminal.wait(r"^__exit=\d+", 240)

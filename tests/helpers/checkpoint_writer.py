@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from ps_server.checkpoint import CheckpointStore
+from ps_server.checkpoint.files import CheckpointStore
 
 PARTITIONS = 4
 """The state's 1-D float32 tensors; together ``mib`` MiB."""

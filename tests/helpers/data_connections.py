@@ -11,7 +11,7 @@ from tests.conftest import RPC_TIMEOUT
 
 def raw_connection(port: int, rank: int = 0, incarnation: int = 1, token: str = "", session: int = 0) -> socket.socket:
     """A connection to ``127.0.0.1:port`` that has sent its hello (the reply is not read); a hello
-    of a rank outside the cluster is refused (:data:`ps_server.data_plane.REFUSED`). ``session``:
+    of a rank outside the cluster is refused (:data:`ps_server.dataplane.connections.REFUSED`). ``session``:
     the rank's ``JoinResponse.session`` (0: none, refused at a frame's first record)."""
     sock = socket.create_connection(("127.0.0.1", port), timeout=RPC_TIMEOUT)
     sock.sendall(dataconn.hello(rank, incarnation, token, session))

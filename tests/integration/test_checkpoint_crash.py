@@ -24,7 +24,7 @@ from types import TracebackType
 import pytest
 
 from ps_common.errors import CheckpointError
-from ps_server.checkpoint import CheckpointStore
+from ps_server.checkpoint.files import CheckpointStore
 from tests.helpers.checkpoint_writer import expected_state
 from tests.helpers.compare import assert_identical
 

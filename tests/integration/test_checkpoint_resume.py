@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from ps_proto.v1 import ps_pb2, ps_pb2_grpc
-from ps_server.checkpoint import CheckpointStore
+from ps_server.checkpoint.files import CheckpointStore
 from ps_server.config import ServerConfig
-from ps_server.membership import WorkerState
+from ps_server.membership.ranks import WorkerState
 from ps_worker import DistributedOptimizer, PSClient
 from tests.conftest import RPC_TIMEOUT, small_model
 

@@ -13,9 +13,9 @@ import torch
 
 from ps_common import dataconn
 from ps_worker import PSClient
-from ps_worker.data_conn import CODES, DataCallError
 from ps_worker.errors import reason_of
-from ps_worker.train import params_sha256
+from ps_worker.transport.data_link import CODES, DataCallError
+from ps_worker.workloads.train import params_sha256
 from tests.conftest import RPC_TIMEOUT
 from tests.helpers.data_connections import closed_by_peer, raw_connection
 from tests.helpers.ranks import train_ranks

@@ -16,7 +16,7 @@ from ps_common import dataconn
 from ps_common.errors import DataPathError
 from ps_proto.v1 import ps_pb2
 from ps_worker import PSClient
-from ps_worker.train import params_sha256
+from ps_worker.workloads.train import params_sha256
 from tests.conftest import RPC_TIMEOUT
 from tests.helpers.data_connections import closed_by_peer, raw_connection
 from tests.helpers.ranks import train_ranks

@@ -58,7 +58,7 @@ FRESH = textwrap.dedent(
     with torch.no_grad():
         accuracy = float((model(x).argmax(1) == y).float().mean())
     h = hashlib.sha256()
-    for key, p in model.named_parameters():  # as ps_worker.train.params_sha256
+    for key, p in model.named_parameters():  # as ps_worker.workloads.train.params_sha256
         h.update(key.encode())
         h.update(p.detach().contiguous().view(torch.uint8).numpy().tobytes())
     loaded = sorted(m for m in sys.modules if m.split(".")[0].startswith("ps_"))
@@ -75,7 +75,7 @@ def test_export_after_every_worker_exited_loads_without_grpc_ps(start_cluster, t
             [
                 sys.executable,
                 "-m",
-                "ps_worker.cli",
+                "ps_worker.workloads.cli",
                 *("--servers", servers_of(shards), "--rank", str(rank), "--num-workers", "2"),
                 *("--steps", "40", "--batch-size", "32", "--metrics-port", "-1", "--device", "cpu", "--json"),
                 "digits",

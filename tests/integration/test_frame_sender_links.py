@@ -1,4 +1,4 @@
-"""A push frame's sending thread (ps_worker/frame_sender.py) on a real data connection that
+"""A push frame's sending thread (ps_worker/transport/frame_sender.py) on a real data connection that
 breaks: the sender fails with a link error, never with an exception of its thread, and a partition
 that cannot be made closes the connection so that the call's receive does not wait for it."""
 
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from ps_common import dataconn
-from ps_worker.data_conn import DataConnection, DataLinkError
-from ps_worker.frame_sender import FrameSender
+from ps_worker.transport.data_link import DataConnection, DataLinkError
+from ps_worker.transport.frame_sender import FrameSender
 
 TIMEOUT = 30.0
 

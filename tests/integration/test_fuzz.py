@@ -3,7 +3,7 @@ and mutated bytes on all 22 methods a shard serves.
 
 Every refusal carries one of the contract's status codes, the shard's state is unchanged by a
 refused call, and the shard keeps serving. Undecodable bytes get INVALID_ARGUMENT on every method
-(the data RPCs read by ps_common.frames, the others through ps_server.decoding); no call ever
+(the data RPCs read by ps_common.frames, the others through ps_server.service.decoding); no call ever
 ends INTERNAL or UNKNOWN.
 """
 

@@ -29,7 +29,7 @@ def test_kill9_worker_is_evicted_in_status_and_metrics(start_cluster) -> None:
         [
             sys.executable,
             "-m",
-            "ps_worker.cli",
+            "ps_worker.workloads.cli",
             "--servers",
             shard.address,
             "--rank",

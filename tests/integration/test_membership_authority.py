@@ -1,4 +1,4 @@
-"""Shard 0 decides membership and configuration for every shard (ps_server.epochs), over real gRPC.
+"""Shard 0 decides membership and configuration for every shard (ps_server.membership.epochs), over real gRPC.
 
 The first test reproduces the failure the README used to document as a known limitation: a shard
 restarts while one rank's connection to it is cut for longer than the lease. Each shard used to evict
@@ -19,7 +19,7 @@ import grpc
 import pytest
 
 from ps_proto.v1 import ps_pb2, ps_pb2_grpc
-from ps_server.membership import WorkerState
+from ps_server.membership.ranks import WorkerState
 from tests.conftest import RPC_TIMEOUT
 
 LEASE = 1.5

@@ -87,7 +87,7 @@ def test_partitioned_worker_is_evicted_and_rejoins(namespaces, tmp_path) -> None
                 ns,
                 py,
                 "-m",
-                "ps_worker.cli",
+                "ps_worker.workloads.cli",
                 "--servers",
                 address,
                 "--rank",

@@ -14,7 +14,7 @@ import torch
 
 from ps_common import dataconn
 from ps_proto.v1 import ps_pb2, ps_pb2_grpc
-from ps_server.rank_tokens import RankTokens
+from ps_server.service.rank_tokens import RankTokens
 from ps_worker import PSClient
 from ps_worker.errors import reason_of
 from tests.conftest import RPC_TIMEOUT, small_model

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ps_worker import PSClient
-from ps_worker.train import params_sha256
+from ps_worker.workloads.train import params_sha256
 from tests.conftest import RPC_TIMEOUT
 from tests.helpers.ranks import train_ranks
 from tests.integration.test_metrics import samples, scrape, value
@@ -156,7 +156,7 @@ def _offered_all(shard, rank: int) -> bool:
 def test_frames_sent_in_order_across_shards_give_the_same_rounds(start_cluster, monkeypatch) -> None:
     """Shards on other hosts (here: loopback taken for another host): a push's frames go out slot by
     slot over the shards, on connections that queue little; the rounds are bitwise the same."""
-    from ps_worker import frame_sender, pushpull
+    from ps_worker.transport import frame_sender, pushpull
 
     orders: list[dict[int, int]] = []
     buffers: list[int] = []

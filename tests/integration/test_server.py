@@ -11,7 +11,7 @@ import torch
 from ps_proto.v1 import ps_pb2, ps_pb2_grpc
 from ps_server.config import ServerConfig
 from ps_server.server import start_server
-from ps_server.shard import Shard
+from ps_server.shard.shard import Shard
 from ps_worker import PSClient
 from tests.conftest import RPC_TIMEOUT, small_model
 

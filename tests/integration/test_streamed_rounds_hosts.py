@@ -37,7 +37,7 @@ WORKER = """
 import json, sys, torch
 import torch.nn.functional as F
 from ps_worker import DistributedOptimizer, PSClient
-from ps_worker.train import params_sha256
+from ps_worker.workloads.train import params_sha256
 address, rank, steps, token = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 torch.manual_seed(0)
 m = torch.nn.Sequential(torch.nn.Linear(16, 128), torch.nn.Tanh(), torch.nn.Linear(128, 64), torch.nn.Tanh(),

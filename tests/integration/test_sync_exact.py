@@ -8,7 +8,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from ps_worker.train import params_sha256
+from ps_worker.workloads.train import params_sha256
 from tests.conftest import small_model
 from tests.helpers.ranks import problem, train_ranks
 

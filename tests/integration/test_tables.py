@@ -18,7 +18,7 @@ from torch import nn
 from ps_common.tables import RowOptimizerSpec, TableSpec, initial_rows, shard_of
 from ps_proto.v1 import ps_pb2, ps_pb2_grpc
 from ps_worker import DistributedOptimizer, PSClient
-from ps_worker.tables import prefetch
+from ps_worker.tables.modules import prefetch
 
 RPC_TIMEOUT = 20.0
 B = 8

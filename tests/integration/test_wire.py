@@ -12,8 +12,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ps_common import frames
 from ps_worker.client import PSClient
-from ps_worker.train import train
 from ps_worker.workloads import get_workload
+from ps_worker.workloads.train import train
 
 RPC_TIMEOUT = 20.0
 PUSH_PULL = "ps.v1.ParameterService/PushPullOnce"  # the digits model fits in one message

@@ -7,7 +7,7 @@ import errno
 import pytest
 
 from ps_common.errors import CheckpointError
-from ps_server.checkpoint_failures import failure_reason
+from ps_server.checkpoint.failures import failure_reason
 from ps_server.metrics import CHECKPOINT_FAILURE_REASONS
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ps_server.checkpoint_format import digest
+from ps_server.checkpoint.format import digest
 
 
 def test_digest_covers_values_types_and_order() -> None:

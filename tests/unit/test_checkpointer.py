@@ -14,8 +14,8 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from ps_common.errors import CheckpointError
-from ps_server.checkpoint import CheckpointStore
-from ps_server.checkpointer import Checkpointer, CheckpointFailures
+from ps_server.checkpoint.checkpointer import Checkpointer, CheckpointFailures
+from ps_server.checkpoint.files import CheckpointStore
 from ps_server.metrics import CHECKPOINT_FAILURE_REASONS, ServerMetrics
 
 

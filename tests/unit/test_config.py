@@ -124,8 +124,8 @@ def test_a_worker_token_without_an_admin_token_is_warned_about() -> None:
 
 def test_every_token_flag_says_the_command_line_is_visible_and_what_to_use_instead() -> None:
     from ps_admin.cli import admin_parser
-    from ps_worker.cli import worker_parser
-    from ps_worker.launch import launch_parser
+    from ps_launch.cli import launch_parser
+    from ps_worker.workloads.cli import worker_parser
 
     for parser, flags in (
         (server_parser({}), ("--token", "--admin-token")),

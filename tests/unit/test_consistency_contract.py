@@ -13,7 +13,7 @@ from ps_common.optimizer import OptimizerSpec
 from ps_common.partition import WirePartition
 from ps_common.plan import ParameterSpec, make_plan
 from ps_server.policy import POLICIES, ConsistencyPolicy
-from ps_server.shard import PushStamp, Shard
+from ps_server.shard.shard import PushStamp, Shard
 from tests.helpers.tensors import encode
 
 PLAN = make_plan([ParameterSpec("w", (3,), "float32")], 1)

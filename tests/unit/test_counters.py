@@ -13,12 +13,12 @@ from ps_common.modes import ModeSettings
 from ps_common.optimizer import OptimizerSpec
 from ps_common.partition import WirePartition
 from ps_common.plan import ParameterSpec, make_plan
-from ps_server.admin_servicer import status_to_proto
-from ps_server.counters import RECEIVED_METHODS, SENT_METHODS, ShardCounters
-from ps_server.interceptors import MetricsInterceptor
-from ps_server.membership import PushResult
+from ps_server.membership.ranks import PushResult
 from ps_server.metrics import STALENESS_BUCKETS, ServerMetrics
-from ps_server.shard import PushStamp, Shard
+from ps_server.service.admin import status_to_proto
+from ps_server.service.interceptors import MetricsInterceptor
+from ps_server.shard.counters import RECEIVED_METHODS, SENT_METHODS, ShardCounters
+from ps_server.shard.shard import PushStamp, Shard
 from tests.helpers.tensors import encode
 
 PLAN = make_plan([ParameterSpec("w", (3,), "float32")], 1)

@@ -8,7 +8,7 @@ import pytest
 
 from ps_common.errors import InvalidRequestError
 from ps_server.config import ServerConfig, config_from_args
-from ps_server.data_plane import RateLimitedWarnings
+from ps_server.dataplane.connections import RateLimitedWarnings
 
 BASE = ["--shard-index", "0", "--num-shards", "1", "--num-workers", "1"]
 

@@ -1,4 +1,4 @@
-"""ps_worker.encoding: the worker's requests are the bytes protobuf would write, and responses decode
+"""ps_worker.transport.encoding: the worker's requests are the bytes protobuf would write, and responses decode
 into the plan's tensors (no sockets)."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from ps_common.plan import make_plan
 from ps_common.wire import optimizer_to_proto, plan_to_proto, with_partition
 from ps_proto.v1 import ps_pb2
 from ps_worker.compression import TopK
-from ps_worker.encoding import Stamp, WireCodec
 from ps_worker.planning import model_plan, model_specs
+from ps_worker.transport.encoding import Stamp, WireCodec
 from ps_worker.workloads.digits import DigitsWorkload
 
 

@@ -6,7 +6,7 @@ import pytest
 
 from ps_common.flags import env_name
 from ps_worker.env import CONTRACT, EnvError, init_from_env, read_env
-from ps_worker.flags import worker_parser
+from ps_worker.workloads.flags import worker_parser
 
 GOOD = {"PS_SERVERS": "127.0.0.1:50051,127.0.0.1:50052", "PS_RANK": "1", "PS_NUM_WORKERS": "2"}
 
@@ -136,7 +136,7 @@ def test_the_contract_s_choices_are_the_allowlists_the_client_and_shards_use() -
     """PS_OPTIMIZER and PS_WIRE_DTYPE accept exactly what ps_common's allowlist and the client take."""
     from ps_common.optimizer import OPTIMIZERS as SERVER_OPTIMIZERS
     from ps_worker import env
-    from ps_worker.encoding import WIRE_DTYPES as CLIENT_WIRE_DTYPES
+    from ps_worker.transport.encoding import WIRE_DTYPES as CLIENT_WIRE_DTYPES
 
     assert set(env.OPTIMIZERS) == set(SERVER_OPTIMIZERS)
     assert set(env.WIRE_DTYPES) - {"native"} == set(CLIENT_WIRE_DTYPES) - {"float32"}

@@ -1,4 +1,4 @@
-"""Membership epochs (ps_server.epochs) on two in-process shards: shard 0 decides, shard 1 follows
+"""Membership epochs (ps_server.membership.epochs) on two in-process shards: shard 0 decides, shard 1 follows
 the records a worker would relay; rounds, configuration changes and resizes land at the same
 version on both."""
 
@@ -13,9 +13,9 @@ from ps_common.optimizer import OptimizerSpec
 from ps_common.partition import WirePartition
 from ps_common.plan import ParameterSpec, make_plan
 from ps_proto.v1 import ps_pb2
-from ps_server.epochs import COUNTER_BITS, Epochs
-from ps_server.membership import Membership
-from ps_server.shard import PushStamp, Shard, WorkerState
+from ps_server.membership.epochs import COUNTER_BITS, Epochs
+from ps_server.membership.ranks import Membership
+from ps_server.shard.shard import PushStamp, Shard, WorkerState
 from tests.helpers.tensors import encode
 from tests.unit.test_shard import FakeClock
 

@@ -1,4 +1,4 @@
-"""Export without sockets: a shard's ExportParameters messages (ps_server.export) and their
+"""Export without sockets: a shard's ExportParameters messages (ps_server.checkpoint.export) and their
 assembly into full tensors (ps_admin.export), over a fake shard's checkpoint snapshot."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 from ps_admin.export import ExportError, ShardExport, assemble, cmd_export, fetch_consistent
 from ps_common import errors
 from ps_common.plan import ParameterSpec, make_plan
-from ps_server.export import export_messages
+from ps_server.checkpoint.export import export_messages
 
 SPECS = [
     ParameterSpec("fc.weight", (6, 8), "float32"),

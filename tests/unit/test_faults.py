@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ps_worker.faults import Fault, parse_faults
+from ps_launch.faults import Fault, parse_faults
 
 
 def test_parse_and_trigger() -> None:

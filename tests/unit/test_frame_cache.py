@@ -11,8 +11,8 @@ from ps_common.modes import ModeSettings
 from ps_common.optimizer import OptimizerSpec
 from ps_common.partition import WirePartition
 from ps_common.plan import ParameterSpec, make_plan
-from ps_server.frame_cache import FrameCache, encode_exchange
-from ps_server.shard import PushStamp, Shard
+from ps_server.service.frame_cache import FrameCache, encode_exchange
+from ps_server.shard.shard import PushStamp, Shard
 from tests.helpers.tensors import encode
 
 PLAN = make_plan([ParameterSpec("a", (300,), "float32"), ParameterSpec("b", (5,), "float32")], 1, 1024)

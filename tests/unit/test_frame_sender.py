@@ -1,4 +1,4 @@
-"""The order of a PushPull's frames across shards (ps_worker/frame_sender.py): slot by slot over the
+"""The order of a PushPull's frames across shards (ps_worker/transport/frame_sender.py): slot by slot over the
 shards, a sender that ends gives up its turns, and the order is a schedule only (a turn that never
 comes is waited for a bounded time)."""
 
@@ -9,8 +9,8 @@ import time
 
 import torch
 
-from ps_worker.data_conn import DataLinkError
-from ps_worker.frame_sender import FrameSender, SendOrder
+from ps_worker.transport.data_link import DataLinkError
+from ps_worker.transport.frame_sender import FrameSender, SendOrder
 
 TIMEOUT = 30.0
 

@@ -10,10 +10,10 @@ from grpc_health.v1 import health_pb2
 from prometheus_client import CollectorRegistry
 
 from ps_proto.v1 import ps_pb2
-from ps_server.interceptors import MetricsInterceptor
-from ps_server.membership import PushResult
+from ps_server.membership.ranks import PushResult
 from ps_server.metrics import ServerMetrics
-from ps_server.rpc import push_response
+from ps_server.service.interceptors import MetricsInterceptor
+from ps_server.service.rpc import push_response
 
 
 class FakeContext:

@@ -8,8 +8,8 @@ import json
 import math
 from pathlib import Path
 
+from ps_launch.cli import finished_version, mean, nothing_to_do
 from ps_proto.v1 import ps_pb2
-from ps_worker.launch import finished_version, mean, nothing_to_do
 
 
 def shard(version: int, clocks: list[int], mode: int = ps_pb2.MODE_SYNC, restored: bool = True, period: int = 10):
@@ -69,7 +69,7 @@ def test_mean_of_ranks_that_trained_and_nothing_to_do_output() -> None:
 def test_a_job_keeps_its_cluster_id_across_runs_on_one_log_dir(tmp_path) -> None:
     """ps-launch gives its shards one --cluster-id per log directory: a resumed job keeps it, another
     job's differs (their membership records are not followed by each other's shards)."""
-    from ps_worker.launch_cluster import cluster_id
+    from ps_launch.cluster import cluster_id
 
     first = cluster_id(tmp_path / "")
     assert first.startswith("launch-") and cluster_id(tmp_path) == first

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from ps_worker.launch import RankRun, print_summary, summarize
+from ps_launch.cli import RankRun, print_summary, summarize
 
 ARGS = SimpleNamespace(workload="charlm", mode="sync", shards=2, workers=2, steps=300, batch_size=32)
 
@@ -75,8 +75,8 @@ def test_staleness_unit_is_named_per_mode() -> None:
 
 
 def test_a_user_script_s_summary_counts_clocks_and_shows_what_each_rank_said() -> None:
+    from ps_launch.summary import print_script_summary, summarize_script
     from ps_proto.v1 import ps_pb2
-    from ps_worker.launch_summary import print_script_summary, summarize_script
 
     args = SimpleNamespace(workload="train.py", mode="sync", shards=1, workers=2, steps=50, batch_size=32)
     status = ps_pb2.ShardStatus(version=50, received_bytes=2 * 1024 * 1024, sent_bytes=1024 * 1024)

@@ -1,4 +1,4 @@
-"""What ps-launch runs as each worker (ps_worker.launch_target): a workload, a script, a module."""
+"""What ps-launch runs as each worker (ps_launch.target): a workload, a script, a module."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import argparse
 
 import pytest
 
+from ps_launch.cli import launch_parser
+from ps_launch.target import Target, TargetError, script_environment, split_argv
 from ps_worker.env import read_env
-from ps_worker.launch import launch_parser
-from ps_worker.launch_target import Target, TargetError, script_environment, split_argv
 
 
 @pytest.fixture

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ps_server.config import config_from_args
-from ps_server.membership import JoinDeadline, Membership, WorkerState
+from ps_server.membership.ranks import JoinDeadline, Membership, WorkerState
 
 
 class Clock:

@@ -12,9 +12,9 @@ from ps_admin.view import settings_text, status_json
 from ps_common import modes
 from ps_common.errors import InvalidRequestError
 from ps_common.modes import PARAMETERS, UPDATABLE, ModeSettings
+from ps_launch.cli import launch_parser
 from ps_proto.v1 import ps_pb2
 from ps_server.config import ServerConfig, config_from_args, server_parser
-from ps_worker.launch import launch_parser
 
 BASE = ["--shard-index", "0", "--num-shards", "1", "--num-workers", "4"]
 

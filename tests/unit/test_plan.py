@@ -20,7 +20,7 @@ from ps_common.plan import ParameterSpec, make_plan, plan_digest
 from ps_common.text import quote, shown
 from ps_server.core.limits import Limits
 from ps_server.core.partitions import Intake, match_partitions
-from ps_server.shard import Shard
+from ps_server.shard.shard import Shard
 
 SPECS = (
     ParameterSpec("fc1.weight", (128, 64), "float32"),

@@ -9,10 +9,10 @@ from hypothesis import strategies as st
 
 from ps_common.errors import InvalidRequestError, NonFiniteUpdateError, StalePushError, WaitTimeoutError
 from ps_common.modes import ModeSettings
-from ps_server.frame_cache import encode_exchange
 from ps_server.policy import asynchronous, easgd, ssp
 from ps_server.policy.sync import SyncRounds
-from ps_server.shard import PushStamp
+from ps_server.service.frame_cache import encode_exchange
+from ps_server.shard.shard import PushStamp
 
 # ---------------------------------------------------------------- async (Zhang et al. 2016)
 
@@ -40,7 +40,7 @@ def test_inverse_staleness_learning_rate(tau: int, scale: float) -> None:
 def test_scaled_step_equals_plain_sgd_with_the_scaled_rate() -> None:
     from ps_common.optimizer import OptimizerSpec
     from ps_common.plan import ParameterSpec, make_plan
-    from ps_server.store import ParameterStore
+    from ps_server.shard.store import ParameterStore
 
     plan = make_plan([ParameterSpec("w", (4,), "float32")], 1)
     store = ParameterStore(plan, 0, [torch.ones(4)], OptimizerSpec("sgd", {"lr": 0.4}))
@@ -65,7 +65,7 @@ def shard_for(mode: str, n: int, **kw: object):
     from ps_common.optimizer import OptimizerSpec
     from ps_common.partition import WirePartition
     from ps_common.plan import ParameterSpec, make_plan
-    from ps_server.shard import Shard
+    from ps_server.shard.shard import Shard
     from tests.helpers.tensors import encode
 
     plan = make_plan([ParameterSpec("w", (3,), "float32")], 1)

@@ -1,4 +1,4 @@
-"""ps_worker.pushpull and ps_worker.calls against a fake transport: a step's PushPull stamps, accounts and
+"""ps_worker.transport.pushpull and .calls against a fake transport: a step's PushPull stamps, accounts and
 times through the session, and a push refused as too stale is followed by a pull (no sockets)."""
 
 from __future__ import annotations
@@ -14,13 +14,13 @@ from prometheus_client import CollectorRegistry
 from ps_common import frames
 from ps_common.plan import make_plan
 from ps_proto.v1 import ps_pb2
-from ps_worker.calls import DataPath
-from ps_worker.encoding import WireCodec
 from ps_worker.metrics import WorkerMetrics
 from ps_worker.planning import model_specs
-from ps_worker.pushpull import PendingPushPull
 from ps_worker.session import Session
 from ps_worker.staging import HostStaging
+from ps_worker.transport.calls import DataPath
+from ps_worker.transport.encoding import WireCodec
+from ps_worker.transport.pushpull import PendingPushPull
 
 PARAMS = {"w": torch.zeros(4), "b": torch.zeros(2)}
 PLAN = make_plan(model_specs(list(PARAMS.items())), 1)

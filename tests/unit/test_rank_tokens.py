@@ -1,4 +1,4 @@
-"""Per-rank tokens (ps_server.rank_tokens): the file's format, malformed files refused at start,
+"""Per-rank tokens (ps_server.service.rank_tokens): the file's format, malformed files refused at start,
 the lookup, who may act as which rank, and the waiting calls' per-rank shares."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pytest
 
 from ps_common.errors import WrongRankError
 from ps_server.config import config_from_args
-from ps_server.rank_tokens import ADMIN, RANK, SHARED, Caller, RankTokens, check_caller, parse_rank_tokens
-from ps_server.waiting_calls import Alarms, WaitingCalls, rank_share
+from ps_server.service.rank_tokens import ADMIN, RANK, SHARED, Caller, RankTokens, check_caller, parse_rank_tokens
+from ps_server.service.waiting_calls import Alarms, WaitingCalls, rank_share
 from tests.unit.test_waiting_calls import Aborted, FakeContext
 
 T0, T1 = "a" * 16 + "-rank0", "b" * 16 + "-rank1"

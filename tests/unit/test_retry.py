@@ -7,7 +7,7 @@ import grpc
 import pytest
 
 from ps_worker.errors import StatusError
-from ps_worker.retry import backoff_delays, is_transient, retry_call
+from ps_worker.transport.retry import backoff_delays, is_transient, retry_call
 
 
 class Failure(StatusError):

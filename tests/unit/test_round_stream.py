@@ -1,4 +1,4 @@
-"""Streamed sync rounds (ps_server.round_stream) on the shard state machine, without gRPC: each slot
+"""Streamed sync rounds (ps_server.shard.round_stream) on the shard state machine, without gRPC: each slot
 stepped once every rank's partition is in, bitwise the round applied at once; a stream that cannot
 stand for its round puts every stepped slot back, and the round is applied (or refused) as usual."""
 
@@ -12,9 +12,9 @@ from ps_common.modes import ModeSettings
 from ps_common.optimizer import OptimizerSpec
 from ps_common.partition import WirePartition
 from ps_common.plan import ParameterSpec, make_plan
-from ps_server import round_stream
 from ps_server.config import ServerConfig
-from ps_server.shard import PushStamp, Shard
+from ps_server.shard import round_stream
+from ps_server.shard.shard import PushStamp, Shard
 from tests.helpers.tensors import encode
 
 SPECS = [ParameterSpec("w", (6,), "float32"), ParameterSpec("b", (2,), "float32")]

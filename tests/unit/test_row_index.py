@@ -1,12 +1,12 @@
-"""RowIndex (ps_server.row_index): the vectorized id -> slot map equals a dict, across merges."""
+"""RowIndex (ps_server.tables.row_index): the vectorized id -> slot map equals a dict, across merges."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from ps_server import row_index
-from ps_server.row_index import RowIndex
+from ps_server.tables import row_index
+from ps_server.tables.row_index import RowIndex
 
 
 @pytest.mark.parametrize("min_delta", [1, 4, 65536])

@@ -1,4 +1,4 @@
-"""RowRead (ps_server.row_read): a chunked pull holds the lock one bounded chunk at a time and
+"""RowRead (ps_server.tables.row_read): a chunked pull holds the lock one bounded chunk at a time and
 still answers one version exactly, whatever pushes apply between its chunks."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from ps_common.tables import RowOptimizerSpec, TableSpec, initial_rows
-from ps_server import row_read
-from ps_server.row_read import RowRequest
-from ps_server.table_store import TableStore
-from ps_server.tables import READ_CHUNK_BYTES, READ_CHUNK_IDS, RowGrads
+from ps_server.tables import row_read
+from ps_server.tables.row_read import RowRequest
+from ps_server.tables.store import TableStore
+from ps_server.tables.table import READ_CHUNK_BYTES, READ_CHUNK_IDS, RowGrads
 
 
 def _store(dim: int = 4) -> TableStore:

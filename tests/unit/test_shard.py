@@ -23,8 +23,8 @@ from ps_common.modes import ModeSettings
 from ps_common.optimizer import OptimizerSpec
 from ps_common.partition import WirePartition
 from ps_common.plan import ParameterSpec, make_plan, plan_digest
-from ps_server.frame_cache import FrameCache
-from ps_server.shard import PushStamp, Shard, WorkerState
+from ps_server.service.frame_cache import FrameCache
+from ps_server.shard.shard import PushStamp, Shard, WorkerState
 from tests.helpers.tensors import encode
 
 SPECS = [ParameterSpec("w", (6,), "float32"), ParameterSpec("b", (2,), "float32")]

@@ -14,10 +14,10 @@ from ps_common.modes import ModeSettings
 from ps_common.optimizer import OptimizerSpec
 from ps_common.partition import WirePartition
 from ps_common.plan import ParameterSpec, make_plan
-from ps_server.frame_cache import FrameCache
 from ps_server.policy.sync import agreed_hyperparameters
-from ps_server.shard import PushStamp, Shard
-from ps_server.store import ParameterStore
+from ps_server.service.frame_cache import FrameCache
+from ps_server.shard.shard import PushStamp, Shard
+from ps_server.shard.store import ParameterStore
 from tests.helpers.tensors import encode
 
 SPECS = [ParameterSpec("w", (4,), "float32"), ParameterSpec("b", (2,), "float32"), ParameterSpec("m", (2,), "float32")]

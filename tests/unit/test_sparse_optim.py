@@ -1,4 +1,4 @@
-"""Row-wise optimizers (ps_server.sparse_optim) against torch's own sparse-gradient optimizers."""
+"""Row-wise optimizers (ps_server.tables.sparse_optim) against torch's own sparse-gradient optimizers."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 
 from ps_common.errors import InvalidRequestError
 from ps_common.tables import RowOptimizerSpec, TableSpec
-from ps_server.tables import Table
+from ps_server.tables.table import Table
 
 ROWS, DIM = 50, 3
 

@@ -14,7 +14,7 @@ from ps_common.partition import WirePartition
 from ps_common.plan import ParameterSpec, make_plan
 from ps_server.core.finite import all_finite
 from ps_server.core.partitions import Bounded, match_partitions
-from ps_server.store import ParameterStore
+from ps_server.shard.store import ParameterStore
 
 PLAN = make_plan([ParameterSpec("w", (40,), "float32"), ParameterSpec("b", (8,), "float32")], 1, 64)
 

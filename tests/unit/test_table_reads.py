@@ -1,4 +1,4 @@
-"""ps_server.table_reads: PullRows' reads on a thread of the lowest CPU priority, given up with their call."""
+"""ps_server.tables.reads: PullRows' reads on a thread of the lowest CPU priority, given up with their call."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from concurrent import futures
 import pytest
 
 from ps_common.errors import ShuttingDownError, WaitTimeoutError
-from ps_server.table_reads import NICE, TableReads, lower_priority
-from ps_server.waits import serving
+from ps_server.shard.waits import serving
+from ps_server.tables.reads import NICE, TableReads, lower_priority
 
 
 @pytest.fixture

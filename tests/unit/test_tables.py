@@ -1,6 +1,6 @@
 """Embedding tables' pure core: partitioning, lazy deterministic rows, the cap, coalescing, the
-table store's sync rounds and async pushes, checkpoints (ps_common.tables, ps_server.tables,
-ps_server.table_store)."""
+table store's sync rounds and async pushes, checkpoints (ps_common.tables, ps_server.tables.table,
+ps_server.tables.store)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from ps_common.errors import (
     TableFullError,
 )
 from ps_common.tables import MAX_ROWS, RowOptimizerSpec, TableSpec, initial_rows, shard_of
-from ps_server.table_store import TableStore
-from ps_server.tables import RowGrads, Table, coalesce
+from ps_server.tables.store import TableStore
+from ps_server.tables.table import RowGrads, Table, coalesce
 
 SGD = RowOptimizerSpec("sgd", {"lr": 0.5})
 

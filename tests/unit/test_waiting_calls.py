@@ -1,4 +1,4 @@
-"""The waiting calls' admission (ps_server.waiting_calls) with fake calls: which methods it takes,
+"""The waiting calls' admission (ps_server.service.waiting_calls) with fake calls: which methods it takes,
 its cap, its refusal, and the slot freed when the handler or the call ends. No sockets."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from ps_common.errors import REASON_KEY
-from ps_server.waiting_calls import WAITING_METHODS, WaitingCalls
+from ps_server.service.waiting_calls import WAITING_METHODS, WaitingCalls
 
 
 class Aborted(Exception):

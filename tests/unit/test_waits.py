@@ -8,8 +8,8 @@ import threading
 import pytest
 
 from ps_common.errors import RanksMissingError, ShuttingDownError, WaitTimeoutError
-from ps_server.membership import Membership
-from ps_server.waits import WAKE_SECONDS, Waits, current_call, serving
+from ps_server.membership.ranks import Membership
+from ps_server.shard.waits import WAKE_SECONDS, Waits, current_call, serving
 
 
 class Clock:

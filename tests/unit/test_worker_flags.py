@@ -1,9 +1,9 @@
-"""ps_worker.flags: the light flag module agrees with the workloads it names (no sockets)."""
+"""ps_worker.workloads.flags: the light flag module agrees with the workloads it names (no sockets)."""
 
 from __future__ import annotations
 
-from ps_worker.flags import WORKLOAD_NAMES, worker_parser
 from ps_worker.workloads import WORKLOADS
+from ps_worker.workloads.flags import WORKLOAD_NAMES, worker_parser
 
 
 def test_workload_names_are_the_workloads() -> None:

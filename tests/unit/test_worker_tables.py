@@ -1,6 +1,6 @@
 """The worker side of embedding tables without a network: which modules become tables, what the
-model keeps, the row optimizer a spec gives, and the fixed-order coalescing (ps_worker.tables,
-ps_worker.table_client)."""
+model keeps, the row optimizer a spec gives, and the fixed-order coalescing (ps_worker.tables.modules,
+ps_worker.tables.client)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from ps_common.errors import InvalidRequestError
-from ps_worker.table_client import coalesce_rows
-from ps_worker.tables import ShardedEmbedding, attach_tables, row_optimizer
+from ps_worker.tables.client import coalesce_rows
+from ps_worker.tables.modules import ShardedEmbedding, attach_tables, row_optimizer
 
 
 def _client() -> SimpleNamespace:

@@ -1,0 +1,1 @@
+"""``ps-launch``: shards and workers as local processes on one machine, watched and summarized."""

@@ -1,0 +1,72 @@
+"""``Admin/ExportParameters``: one shard's plan and parameters at one version, for a model file.
+
+A finished job's model must be recoverable after every worker has exited: ``Pull`` belongs to
+joined ranks and carries no shapes, so ``ps-admin export`` asks each shard here instead, with the
+admin token. The values come from :meth:`~ps_server.shard.shard.Shard.export_state`, the consistent
+snapshot a checkpoint takes (under the shard's lock, so every partition is of the same version).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from ps_common import errors
+from ps_common.codec import dtype_to_proto
+from ps_common.plan import ParameterSpec, make_plan
+from ps_common.wire import plan_to_proto
+from ps_proto.v1 import ps_pb2
+
+log = logging.getLogger(__name__)
+
+
+def export_messages(shard: Any) -> Iterator[ps_pb2.ExportParametersResponse]:
+    """The ExportParameters stream of ``shard``: a first message with the plan, the buffer keys
+    and the shard index, then one message per owned partition in plan order, all of one version.
+
+    Every message stays within the shard's ``--max-message-bytes``: a partition is at most the
+    plan's ``partition_bytes`` (its Init partitions, as large, were accepted under the same limit)
+    and the plan message is no larger than the Init header that brought it.
+
+    Args:
+        shard: a :class:`~ps_server.shard.shard.Shard` (``shard_index`` and ``export_state()`` are used).
+
+    Yields:
+        ``ExportParametersResponse`` messages; partitions carry each parameter's own dtype
+        (float32, float16, bfloat16 or float64; integer buffers were sent as float64 at Init).
+
+    Raises:
+        NotInitializedError: no rank 0 has initialized the shard yet.
+    """
+    try:
+        state = shard.export_state()
+    except errors.NotInitializedError:
+        raise errors.NotInitializedError(
+            f"Shard {shard.shard_index} holds no parameters yet (rank 0 has not initialized it); "
+            "export once training has started."
+        ) from None
+    info = state["plan"]
+    specs = [ParameterSpec(key, tuple(shape), dtype) for key, shape, dtype in info["specs"]]
+    plan = make_plan(specs, info["num_shards"], info["partition_bytes"])
+    version = int(state["version"])
+    log.info("shard %d: exporting %d partitions at version %d", shard.shard_index, len(state["tensors"]), version)
+    yield ps_pb2.ExportParametersResponse(
+        version=version,
+        plan=plan_to_proto(plan),
+        buffers=list(state["optimizer"].get("buffers", [])),
+        shard_index=shard.shard_index,
+    )
+    for part, tensor in zip(plan.owned_by(shard.shard_index), state["tensors"], strict=True):
+        yield ps_pb2.ExportParametersResponse(
+            version=version,
+            partition=ps_pb2.Partition(
+                key=part.key,
+                offset=part.offset,
+                length=part.length,
+                dtype=dtype_to_proto(plan.dtypes[part.key]),
+                data=tensor.reshape(-1).contiguous().view(torch.uint8).numpy().tobytes(),  # raw little-endian
+            ),
+        )

@@ -1,0 +1,159 @@
+"""Waiting on a shard's condition with a deadline: for a version, a round, an SSP read bound or an
+EASGD period, ending in a timeout, a closing shard, ranks that never joined, or the end of the call
+the wait serves.
+
+The call: the service layer runs each request inside :func:`serving` with two callables of its call
+(grpc's ``context.is_active`` and ``context.time_remaining``, or a data connection's), and every
+wait below re-checks them at least every :data:`WAKE_SECONDS`: a cancelled call, or one whose
+deadline passed, ends its wait there and gives its thread back, whatever deadline the shard was
+given. The callables are plain functions, so this module knows nothing of gRPC.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import math
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from ps_common.errors import RanksMissingError, ShuttingDownError, WaitTimeoutError
+from ps_server.membership.ranks import Membership
+
+WAKE_SECONDS = 0.25
+"""Longest a wait sleeps between checks that its call is still active (so a cancelled call's
+thread is back within about this long)."""
+
+
+@dataclass(frozen=True)
+class Call:
+    """The call a wait serves.
+
+    Attributes:
+        active: False once the call was cancelled, its deadline passed, or its connection closed.
+        remaining: seconds left before the call's deadline (None: no deadline).
+    """
+
+    active: Callable[[], bool]
+    remaining: Callable[[], float | None]
+
+
+_CALL: contextvars.ContextVar[Call | None] = contextvars.ContextVar("ps_server_call", default=None)
+
+
+@contextlib.contextmanager
+def serving(active: Callable[[], bool], remaining: Callable[[], float | None]) -> Iterator[Call]:
+    """Run the body as the call ``(active, remaining)``: the waits in it end with the call.
+
+    Args:
+        active: whether the call is still wanted (grpc's ``context.is_active``).
+        remaining: seconds left before its deadline, None without one; values above 1e9 (grpc's
+            answer for no deadline) count as None.
+    """
+
+    def left() -> float | None:
+        value = remaining()
+        return None if value is None or not math.isfinite(value) or value > 1e9 else max(0.0, value)
+
+    call = Call(active, left)
+    previous = _CALL.set(call)
+    try:
+        yield call
+    finally:
+        try:
+            _CALL.reset(previous)
+        except ValueError:  # a generator closed from another context: that context ends with it
+            pass
+
+
+def current_call() -> Call | None:
+    """The call the running code serves (None outside :func:`serving`: waits end only on their
+    deadline or the shard's close)."""
+    return _CALL.get()
+
+
+class Waits:
+    """The waits of one shard on its condition ``cond`` (the caller holds it).
+
+    Args:
+        cond: the shard's condition; every change of state notifies it.
+        now: the shard's monotonic clock, in seconds.
+        shard_index: for messages.
+    """
+
+    def __init__(self, cond: threading.Condition, now: Callable[[], float], shard_index: int) -> None:
+        self._cond = cond
+        self._now = now
+        self.shard_index = shard_index
+        self.closed = False
+
+    def close(self) -> None:
+        """Wake every waiter with ShuttingDownError (caller holds the condition)."""
+        self.closed = True
+        self._cond.notify_all()
+
+    def until(self, ready: Callable[[], bool], deadline: float | None, describe: Callable[[], str]) -> None:
+        """Wait until ``ready()``, at most until ``deadline`` and while the call served (see
+        :func:`serving`) is active and within its own deadline.
+
+        Args:
+            deadline: on the shard's clock (seconds); None waits until the shard closes or the call ends.
+            describe: the timeout's message (why it is blocked, what to check).
+
+        Raises:
+            ShuttingDownError: the shard is closing. WaitTimeoutError: ``deadline`` or the call's
+                deadline passed, or the call was cancelled (its answer then reaches no one).
+        """
+        call = current_call()
+        if call is not None:
+            left = call.remaining()
+            if left is not None:
+                end = self._now() + left
+                deadline = end if deadline is None else min(deadline, end)
+        while not ready():
+            if self.closed:
+                raise ShuttingDownError(f"Shard {self.shard_index} is shutting down; retry against its restart.")
+            remaining = None if deadline is None else deadline - self._now()
+            if remaining is not None and remaining <= 0:
+                raise WaitTimeoutError(describe())
+            if call is not None:
+                if not call.active():
+                    raise WaitTimeoutError(
+                        f"The call ended (cancelled, or past its deadline) while waiting: {describe()}"
+                    )
+                remaining = WAKE_SECONDS if remaining is None else min(remaining, WAKE_SECONDS)
+            self._cond.wait(remaining)
+
+    def for_ranks(
+        self,
+        ready: Callable[[], bool],
+        deadline: float | None,
+        describe: Callable[[], str],
+        membership: Membership,
+        report_missing: Callable[[], list[int]],
+        quorum: Callable[[], int] = lambda: 0,
+    ) -> None:
+        """:meth:`until` for a round or read that needs every expected rank: once the join
+        deadline passes with ranks that never joined (and the others cannot close rounds on a
+        quorum of their own), it fails instead of waiting on.
+
+        Args:
+            membership: the shard's ranks and their join deadline.
+            report_missing: reports and returns the ranks that never joined.
+            quorum: pushes that close a round whoever sent them now (0: every expected rank).
+
+        Raises:
+            RanksMissingError: ranks never joined within the join timeout, and it is still not
+                ready then. ShuttingDownError, WaitTimeoutError: as :meth:`until`.
+        """
+        due = membership.joins.due()
+        if due is not None and (deadline is None or due < deadline):
+            try:
+                return self.until(ready, due, describe)
+            except WaitTimeoutError:
+                missing = report_missing()
+                k = quorum()  # K of N: the others can close rounds
+                if missing and not (k and len(membership.expected()) - len(missing) >= k):
+                    raise RanksMissingError(membership.joins.describe(missing, self.shard_index)) from None
+        self.until(ready, deadline, describe)

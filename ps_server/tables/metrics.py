@@ -1,0 +1,85 @@
+"""Embedding tables in GetStatus and Prometheus: rows held, memory, rows and bytes moved per table.
+
+Read at status and scrape time from the shard's :class:`~ps_server.tables.store.TableStore` under
+the shard's lock (no second copy of any number). Prometheus names (label ``table``: a model has a
+few tables): ``ps_table_rows`` and ``ps_table_memory_bytes`` gauges, ``ps_table_rows_pulled_total``,
+``ps_table_rows_pushed_total``, ``ps_table_sent_bytes_total`` (row values answered to pulls) and
+``ps_table_received_bytes_total`` (ids and gradients of accepted pushes) counters, and
+``ps_table_version`` (row updates applied; sync: table rounds closed).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from ps_proto.v1 import ps_pb2
+from ps_server.tables.store import TableStore
+
+if TYPE_CHECKING:
+    from ps_server.shard.shard import Shard
+
+
+def table_status(store: TableStore) -> tuple[ps_pb2.TableStatus, ...]:
+    """One TableStatus per table (caller holds the shard's lock)."""
+    return tuple(
+        ps_pb2.TableStatus(
+            name=t.spec.name,
+            num_rows=t.spec.num_rows,
+            dim=t.spec.dim,
+            rows=t.rows,
+            bytes=t.num_bytes,
+            rows_pulled=t.rows_pulled,
+            rows_pushed=t.rows_pushed,
+            max_rows=t.max_rows,
+            optimizer=t.spec.optimizer.name,
+        )
+        for t in store.tables.values()
+    )
+
+
+class TableCollector(Collector):
+    """The ``ps_table_*`` metrics of one shard, read at scrape time.
+
+    Args:
+        shard: the shard (its ``tables`` and lock).
+    """
+
+    def __init__(self, shard: Shard) -> None:
+        self._shard = shard
+
+    def describe(self) -> list[GaugeMetricFamily]:
+        return []  # read at scrape time only (tables appear after InitTables)
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        with self._shard._cond:
+            store = self._shard.tables
+            rows = [
+                (t.spec.name, t.rows, t.num_bytes, t.rows_pulled, t.rows_pushed, t.bytes_sent, t.bytes_received)
+                for t in store.tables.values()
+            ]
+            version = store.version
+        families: list[GaugeMetricFamily | CounterMetricFamily] = [
+            GaugeMetricFamily("ps_table_rows", "Rows of each embedding table this shard holds.", labels=["table"]),
+            GaugeMetricFamily(
+                "ps_table_memory_bytes",
+                "Bytes of each table's rows and optimizer state on this shard.",
+                labels=["table"],
+            ),
+            CounterMetricFamily("ps_table_rows_pulled", "Row ids read by PullRows.", labels=["table"]),
+            CounterMetricFamily("ps_table_rows_pushed", "Rows updated by the row optimizer.", labels=["table"]),
+            CounterMetricFamily("ps_table_sent_bytes", "Bytes of row values answered to PullRows.", labels=["table"]),
+            CounterMetricFamily(
+                "ps_table_received_bytes", "Bytes of ids and row gradients of accepted PushRows.", labels=["table"]
+            ),
+        ]
+        for name, *values in rows:
+            for family, value in zip(families, values, strict=True):
+                family.add_metric([name], value)
+        yield from families
+        yield GaugeMetricFamily(
+            "ps_table_version", "Row updates applied to the tables (sync: table rounds closed).", value=version
+        )

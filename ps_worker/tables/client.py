@@ -1,0 +1,288 @@
+"""The worker side of embedding tables' wire: InitTables, PullRows and PushRows to every shard.
+
+Rows are partitioned with ``ps_common.tables.shard_of`` (a fixed 64-bit mix of the id), so the
+worker sends each id to the one shard that owns it. A pull asks for the distinct ids of a batch
+only, one PullRows per shard that owns any of them (all tables of the request in it); a push
+coalesces each table's row gradients (duplicate ids summed in a fixed order: stable sort by id,
+then in order) and sends one PushRows per shard, to every shard in sync mode (an empty push still
+counts the rank in the table round). Bytes on the wire: 8 bytes per distinct id each way plus
+``dim * 4`` bytes per row each way, plus framing.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import grpc
+import numpy as np
+import torch
+
+from ps_common.frames import MESSAGE_OVERHEAD_BYTES
+from ps_common.plan import DEFAULT_PARTITION_BYTES
+from ps_common.tables import TableSpec, shard_of
+from ps_common.wire import table_spec_from_proto, table_spec_to_proto
+from ps_proto.v1 import ps_pb2
+from ps_worker.errors import error_from_rpc
+from ps_worker.transport.retry import retry_call
+
+if TYPE_CHECKING:
+    from ps_worker.session import Session
+    from ps_worker.transport.grpc_link import Transport
+
+log = logging.getLogger(__name__)
+
+RETRY = frozenset({grpc.StatusCode.UNAVAILABLE})
+
+FRAMING_BYTES = 64 * 1024
+"""Bytes of a message kept for everything but ids and rows (as the shard's ``table_servicer``)."""
+
+
+def coalesce_rows(ids: torch.Tensor, grads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum the rows of equal ids in a fixed order (stable sort by id, then ``index_add_`` in order).
+
+    Args:
+        ids: int64 [n]. grads: float32 [n, dim].
+
+    Returns:
+        (distinct ids int64 [u] ascending, summed grads float32 [u, dim]).
+    """
+    order = torch.sort(ids, stable=True).indices
+    ids, grads = ids[order], grads[order]
+    unique, inverse = torch.unique_consecutive(ids, return_inverse=True)
+    if unique.numel() == ids.numel():
+        return unique, grads
+    out = torch.zeros(unique.numel(), grads.shape[1], dtype=grads.dtype)
+    out.index_add_(0, inverse, grads)
+    return unique, out
+
+
+def _ids_bytes(ids: torch.Tensor) -> bytes:
+    return ids.numpy().astype("<i8", copy=False).tobytes()
+
+
+class TableClient:
+    """Embedding tables of one worker, over the client's transport and session.
+
+    Args:
+        transport: the client's channels (one per shard) and retries.
+        session: the client's rank, incarnation and mode.
+        specs: the model's tables (rank 0's are declared; the shards' answer is the truth).
+        metrics: ``ps_worker_sent_bytes_total``/``received`` counters, or None.
+        max_message_bytes: the largest message the client's channels carry (``partition_bytes`` plus
+            framing): a pull whose rows exceed it is split over several calls; a push is refused.
+
+    Attributes:
+        clock: the clock of this rank's next PushRows (sync: the table round); None before
+            :meth:`declare`.
+        sent_bytes, received_bytes: payload bytes of ids and rows this worker sent and received.
+    """
+
+    def __init__(
+        self,
+        transport: Transport,
+        session: Session,
+        specs: Sequence[TableSpec],
+        metrics: Any = None,
+        max_message_bytes: int = DEFAULT_PARTITION_BYTES + MESSAGE_OVERHEAD_BYTES,
+    ) -> None:
+        self.transport = transport
+        self.max_message_bytes = max_message_bytes
+        self.session = session
+        self.specs: dict[str, TableSpec] = {s.name: s for s in specs}
+        self.metrics = metrics
+        self.clock: int | None = None
+        self.sent_bytes = 0
+        self.received_bytes = 0
+        self.lookups: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+        """(table, distinct ids, rows leaf) of each forward since the last push (``ps_worker.tables.modules``)."""
+        self.prefetched: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        """table -> (distinct ids, rows) pulled ahead by ``ps_worker.tables.modules.prefetch`` for the next forward."""
+        self.calls: Counter[str] = Counter()
+        """Calls made, by method (InitTables, PullRows, PushRows)."""
+
+    def _call(self, k: int, method: str, request: Any) -> Any:
+        stub = self.transport.stubs[k]
+
+        def once() -> Any:
+            try:
+                return getattr(stub, method)(request, timeout=self.transport.timeout, metadata=self.transport.metadata)
+            except grpc.RpcError as exc:
+                raise error_from_rpc(self.transport.servers[k], exc, waits=method == "PullRows") from None
+
+        self.calls[method] += 1
+        sent = request.ByteSize()
+        self.sent_bytes += sent
+        if self.metrics is not None:
+            self.metrics.sent_bytes.inc(sent)
+        reply = retry_call(once, self.transport.retry_deadline, f"{method} to shard {k}", codes=RETRY)
+        got = reply.ByteSize()
+        self.received_bytes += got
+        if self.metrics is not None:
+            self.metrics.received_bytes.inc(got)
+        return reply
+
+    # ------------------------------------------------------------------ declare
+    def declare(self) -> None:
+        """InitTables on every shard: rank 0 declares, the others wait for it; adopt the tables in
+        force and the clock of this rank's next push (the largest any shard gives).
+
+        Raises:
+            ShardError: a refusal (PlanMismatch: the shards hold other tables).
+        """
+        request = ps_pb2.InitTablesRequest(
+            rank=self.session.rank,
+            incarnation=self.session.incarnation,
+            tables=[table_spec_to_proto(s) for s in self.specs.values()],
+        )
+        replies = self.transport.each_shard(lambda k: self._call(k, "InitTables", request))
+        self.specs = {t.name: table_spec_from_proto(t) for t in replies[0].tables}
+        self.clock = max(r.clock for r in replies)
+
+    def _ensure(self) -> int:
+        if self.clock is None:
+            self.declare()
+        assert self.clock is not None
+        return self.clock
+
+    # ------------------------------------------------------------------ pull
+    def pull(self, requests: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Rows of each table's ``ids``: one PullRows per shard that owns any of them (several when
+        its rows exceed one message: reads may be split, pushes may not).
+
+        Args:
+            requests: table name -> int64 ids [n] (any order; duplicates read once).
+
+        Returns:
+            table name -> float32 rows [n, dim], in ``ids``' order (CPU).
+
+        Raises:
+            KeyError: an unknown table. ShardError: a refusal (ids out of range: INVALID_ARGUMENT).
+        """
+        clock = self._ensure()
+        min_version = clock if self.session.mode == "sync" else 0
+        n = self.transport.num_shards
+        plan: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        per_shard: list[list[tuple[str, torch.Tensor]]] = [[] for _ in range(n)]
+        for name, ids in requests.items():
+            self.specs[name]  # noqa: B018  (KeyError for an unknown table, before any call)
+            unique, inverse = torch.unique(ids.detach().cpu().reshape(-1).to(torch.int64), return_inverse=True)
+            owner = shard_of(unique, n)
+            plan[name] = (unique, inverse, owner)
+            for k in range(n):
+                mine = unique[owner == k]
+                if mine.numel():
+                    per_shard[k].append((name, mine))
+
+        def pull_shard(k: int) -> dict[str, torch.Tensor]:
+            got: dict[str, list[torch.Tensor]] = {}
+            for chunk in self._chunks(per_shard[k]):  # one request, unless the rows exceed one message
+                request = ps_pb2.PullRowsRequest(
+                    rank=self.session.rank,
+                    incarnation=self.session.incarnation,
+                    min_version=min_version,
+                    blocks=[ps_pb2.RowBlock(table=name, ids=_ids_bytes(ids)) for name, ids in chunk],
+                )
+                reply = self._call(k, "PullRows", request)
+                if len(reply.blocks) != len(chunk):
+                    raise RuntimeError(f"Shard {k} answered {len(reply.blocks)} row blocks for {len(chunk)} asked.")
+                for (name, ids), block in zip(chunk, reply.blocks, strict=True):  # answered in the order asked
+                    values = np.frombuffer(block.data, dtype="<f4").reshape(ids.numel(), self.specs[name].dim)
+                    got.setdefault(name, []).append(torch.from_numpy(values.copy()))
+            return {name: torch.cat(parts) for name, parts in got.items()}
+
+        replies = self.transport.each_shard(pull_shard)
+        out: dict[str, torch.Tensor] = {}
+        for name, (unique, inverse, owner) in plan.items():
+            rows = torch.empty(unique.numel(), self.specs[name].dim, dtype=torch.float32)
+            for k, reply in enumerate(replies):
+                if name in reply:
+                    rows[owner == k] = reply[name]
+            out[name] = rows[inverse]
+        return out
+
+    def _chunks(self, items: Sequence[tuple[str, torch.Tensor]]) -> list[list[tuple[str, torch.Tensor]]]:
+        """Split (table, ids) blocks into requests whose ids and answered rows fit in one message."""
+        budget = self.max_message_bytes - FRAMING_BYTES
+        chunks: list[list[tuple[str, torch.Tensor]]] = []
+        current: list[tuple[str, torch.Tensor]] = []
+        used = 0
+        for name, ids in items:
+            per_row = self.specs[name].row_bytes + 8
+            while ids.numel():
+                room = (budget - used) // per_row
+                if room <= 0:
+                    chunks.append(current)
+                    current, used = [], 0
+                    continue
+                take, ids = ids[:room], ids[room:]
+                current.append((name, take))
+                used += take.numel() * per_row
+        if current:
+            chunks.append(current)
+        return chunks
+
+    # ------------------------------------------------------------------ push
+    def push(self, grads: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> int:
+        """One step's row gradients: coalesced per table, one PushRows per shard (every shard in sync
+        mode, empty where no row of it was touched), stamped (rank, incarnation, clock); the clock
+        then advances. Retries resend the same stamp, so nothing applies twice.
+
+        Args:
+            grads: table name -> (int64 ids [n], float32 grads [n, dim]); duplicates allowed.
+
+        Returns:
+            The largest table version a shard answered (sync: the round joined).
+
+        Raises:
+            KeyError: an unknown table. ShardError: a refusal (INVALID_ARGUMENT: non-finite rows,
+                ids out of range; RESOURCE_EXHAUSTED: a table's cap); the clock does not advance.
+        """
+        clock = self._ensure()
+        n = self.transport.num_shards
+        per_shard: list[list[ps_pb2.RowBlock]] = [[] for _ in range(n)]
+        for name, (ids, g) in grads.items():
+            spec = self.specs[name]
+            ids = ids.detach().cpu().reshape(-1).to(torch.int64)
+            g = g.detach().cpu().reshape(ids.numel(), spec.dim).to(torch.float32)
+            unique, summed = coalesce_rows(ids, g)
+            owner = shard_of(unique, n)
+            for k in range(n):
+                mask = owner == k
+                if bool(mask.any()):
+                    per_shard[k].append(
+                        ps_pb2.RowBlock(
+                            table=name,
+                            ids=_ids_bytes(unique[mask]),
+                            dtype=ps_pb2.DTYPE_FLOAT32,
+                            data=summed[mask].contiguous().numpy().tobytes(),
+                        )
+                    )
+        budget = self.max_message_bytes - FRAMING_BYTES
+        for k, blocks in enumerate(per_shard):
+            size = sum(len(b.ids) + len(b.data) for b in blocks)
+            if size > budget:
+                raise ValueError(
+                    f"This step's row gradients for shard {k} are {size} bytes, more than one message carries "
+                    f"({budget}); nothing was pushed. Touch fewer rows per step (a smaller batch), or raise the "
+                    "client's partition_bytes (and the shards' --max-message-bytes)."
+                )
+        sync = self.session.mode == "sync"
+
+        def push_shard(k: int) -> ps_pb2.PushRowsResponse | None:
+            if not per_shard[k] and not sync:
+                return None
+            request = ps_pb2.PushRowsRequest(
+                rank=self.session.rank,
+                incarnation=self.session.incarnation,
+                clock=clock,
+                blocks=per_shard[k],
+                session=self.session.sessions[k],
+            )
+            return self._call(k, "PushRows", request)
+
+        replies = self.transport.each_shard(push_shard)
+        self.clock = clock + 1
+        return max((r.version for r in replies if r is not None), default=0)

@@ -1,0 +1,201 @@
+"""Embedding tables in a user's model: sparse ``nn.Embedding``/``nn.EmbeddingBag`` modules (and
+:class:`ShardedEmbedding`) served row by row by the shards (issue 19; README "Sparse embedding tables").
+
+:func:`attach_tables` (called by ``PSClient.init`` before the plan is built) finds every
+``nn.Embedding(..., sparse=True)``, ``nn.EmbeddingBag(..., sparse=True)`` and
+:class:`ShardedEmbedding` of the model, removes its ``weight`` parameter (so the dense plan, Init and
+PushPull never see the table and no worker keeps a copy of it) and replaces its ``forward``: each
+forward pulls the distinct ids of its input from the shards (one PullRows per shard owning any),
+runs ``F.embedding``/``F.embedding_bag`` on those rows (a leaf tensor [distinct ids, dim]) and
+remembers them; ``DistributedOptimizer.step()`` pushes their gradients (:func:`push_step`) before
+the dense step. Build a large table on the meta device (``nn.Embedding(10**7, 64, sparse=True,
+device="meta")``) or as ``ShardedEmbedding(10**7, 64)`` so it is never allocated at all.
+
+The table's name is the module's parameter name (``"emb.weight"``); its rows start as
+N(0, init_std**2) (``init_std`` 1.0: nn.Embedding's own initialization) from (name, seed, id),
+never from the module's weight; a module may set ``ps_seed``/``ps_init_std`` attributes. The row
+optimizer is ``optimizer["sparse"]`` (``{"name": "adagrad", "lr": 0.05}``) or, without it, the dense
+optimizer's name and the arguments a row optimizer takes (sgd, adagrad, adam/adamw -> lazy adam).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import defaultdict
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ps_common.frames import MESSAGE_OVERHEAD_BYTES
+from ps_common.tables import DENSE_TO_ROW, ROW_OPTIMIZERS, RowOptimizerSpec, TableSpec
+from ps_worker.tables.client import TableClient
+
+if TYPE_CHECKING:
+    from ps_worker.client import PSClient
+
+
+class ShardedEmbedding(nn.Module):
+    """An embedding table that lives on the shards only: ``nn.Embedding`` (``mode=None``) or
+    ``nn.EmbeddingBag`` (``mode`` "sum", "mean" or "max") without any local weight.
+
+    Args:
+        num_rows: ids are int64 in ``[0, num_rows)``, up to ``2**63 - 1``.
+        dim: elements per row.
+        mode: None (one row per id, output ``[*input.shape, dim]``) or a bag reduction.
+        seed, init_std: initial rows N(0, init_std**2), a function of (name, seed, id).
+
+    Forward (after ``client.init``): ``input`` int64 ids; bags take ``offsets`` and
+    ``per_sample_weights`` as ``nn.EmbeddingBag``. Output float32.
+    """
+
+    def __init__(self, num_rows: int, dim: int, mode: str | None = None, *, seed: int = 0, init_std: float = 1.0):
+        super().__init__()
+        if mode not in (None, "sum", "mean", "max"):
+            raise ValueError(f"mode must be None, 'sum', 'mean' or 'max', got {mode!r}.")
+        self.num_embeddings, self.embedding_dim, self.mode = num_rows, dim, mode
+        self.include_last_offset = False
+        self.ps_seed, self.ps_init_std = seed, init_std
+
+    def forward(self, input: torch.Tensor, offsets: torch.Tensor | None = None, per_sample_weights: Any = None):
+        raise RuntimeError("ShardedEmbedding serves rows from the shards: call client.init(model, ...) first.")
+
+
+def _is_table(module: nn.Module) -> bool:
+    if isinstance(module, ShardedEmbedding):
+        return True
+    return isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and bool(module.sparse)
+
+
+def row_optimizer(optimizer: Mapping[str, Any] | None) -> tuple[dict[str, Any], RowOptimizerSpec]:
+    """Split a client.init optimizer spec into the dense one and the tables' row optimizer.
+
+    Raises:
+        ValueError: the dense optimizer has no row-wise form and no ``"sparse"`` entry names one.
+    """
+    dense = dict(optimizer or {"name": "sgd", "lr": 0.1})
+    sparse = dense.pop("sparse", None)
+    if sparse is not None:
+        spec = dict(sparse)
+        name = DENSE_TO_ROW.get(str(spec.pop("name")), "")
+        return dense, RowOptimizerSpec(name or str(sparse["name"]), {k: float(v) for k, v in spec.items()})
+    row_name = DENSE_TO_ROW.get(str(dense.get("name")))
+    if row_name is None:
+        raise ValueError(
+            f"The dense optimizer {dense.get('name')!r} has no row-wise form for embedding tables; add "
+            f"optimizer['sparse'] = {{'name': one of {sorted(ROW_OPTIMIZERS)}, 'lr': ...}}."
+        )
+    allowed = ROW_OPTIMIZERS[row_name]
+    return dense, RowOptimizerSpec(row_name, {k: float(v) for k, v in dense.items() if k in allowed})
+
+
+def attach_tables(client: PSClient, model: nn.Module, optimizer: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
+    """Make the model's sparse embeddings shard-served tables (see the module docstring).
+
+    Returns:
+        The dense optimizer spec (``optimizer`` without ``"sparse"``).
+
+    Raises:
+        ValueError: an embedding option tables do not support (max_norm, padding_idx,
+            scale_grad_by_freq), or no row optimizer (see :func:`row_optimizer`).
+    """
+    found = [(name, m) for name, m in model.named_modules() if _is_table(m)]
+    if not found:
+        if optimizer is not None and "sparse" in optimizer:
+            return {k: v for k, v in optimizer.items() if k != "sparse"}
+        return optimizer
+    dense, row_opt = row_optimizer(optimizer)
+    specs = []
+    for name, m in found:
+        for option, off in (("max_norm", None), ("padding_idx", None), ("scale_grad_by_freq", False)):
+            if getattr(m, option, off) != off:
+                raise ValueError(
+                    f"{name}: {option}={getattr(m, option)!r} is not supported for a sharded table; leave it at {off}."
+                )
+        table = f"{name}.weight" if name else "weight"
+        seed = int(getattr(m, "ps_seed", 0))
+        init_std = float(getattr(m, "ps_init_std", 1.0))
+        specs.append(TableSpec(table, int(m.num_embeddings), int(m.embedding_dim), row_opt, seed, init_std))
+    limit = client.partition_bytes + MESSAGE_OVERHEAD_BYTES  # what the client's channels carry
+    tables = TableClient(client.transport, client.session, specs, client.metrics, limit)
+    for (_, m), spec in zip(found, specs, strict=True):
+        if "weight" in m._parameters:
+            del m._parameters["weight"]  # the table is the shards'; nothing of it stays here
+            object.__setattr__(m, "weight", None)
+        m.forward = functools.partial(_forward, m, tables, spec.name)  # type: ignore[method-assign]
+    client.tables = tables
+    return dense
+
+
+def _forward(
+    module: nn.Module,
+    tables: TableClient,
+    table: str,
+    input: torch.Tensor,
+    offsets: torch.Tensor | None = None,
+    per_sample_weights: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """A table module's forward: pull the input's distinct rows, look up in them."""
+    unique, inverse = torch.unique(input.detach().reshape(-1).cpu().to(torch.int64), return_inverse=True)
+    ahead = tables.prefetched.pop(table, None)
+    if ahead is not None and torch.equal(ahead[0], unique):
+        rows = ahead[1].to(input.device)  # pulled by prefetch() together with the other tables
+    else:
+        rows = tables.pull({table: unique})[table].to(input.device)
+    if torch.is_grad_enabled():
+        rows.requires_grad_(True)
+        tables.lookups.append((table, unique, rows))
+    local = inverse.reshape(input.shape).to(input.device)
+    mode = getattr(module, "mode", None)
+    if isinstance(module, nn.EmbeddingBag) or mode is not None:
+        return F.embedding_bag(
+            local,
+            rows,
+            offsets,
+            mode=str(mode or "mean"),
+            per_sample_weights=per_sample_weights,
+            include_last_offset=bool(getattr(module, "include_last_offset", False)),
+        )
+    return F.embedding(local, rows)
+
+
+def prefetch(client: PSClient, ids: Mapping[str, torch.Tensor]) -> None:
+    """Pull the rows the next forward of several table modules needs in one PullRows per shard
+    (instead of one per module and shard): each module's next forward whose input has exactly
+    these distinct ids uses them without a call of its own (any other input pulls as usual).
+
+    Args:
+        ids: table name (the module's parameter name, ``"emb.weight"``) -> the int64 ids its next
+            forward looks up (any shape, duplicates allowed).
+
+    Raises:
+        RuntimeError: the client has no tables. ShardError: as :meth:`TableClient.pull`.
+    """
+    tables = client.tables
+    if tables is None:
+        raise RuntimeError("No embedding tables: call client.init(model, ...) with a model that has some first.")
+    unique = {t: torch.unique(i.detach().reshape(-1).cpu().to(torch.int64)) for t, i in ids.items()}
+    rows = tables.pull(unique)
+    tables.prefetched = {t: (unique[t], rows[t]) for t in unique}
+
+
+def push_step(tables: TableClient, scale: torch.Tensor | float | None = None, skip: bool = False) -> int:
+    """Push the row gradients of the lookups since the last step (one PushRows per shard), then
+    forget them. ``scale`` multiplies them (a GradScaler's 1/scale); ``skip`` pushes none (the
+    sync round still counts this rank).
+
+    Returns:
+        The table version the shards answered (sync: the round joined).
+    """
+    parts: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = defaultdict(list)
+    lookups = tables.lookups
+    for table, unique, rows in lookups:
+        if rows.grad is not None and not skip:
+            g = rows.grad.detach().to("cpu", torch.float32)
+            parts[table].append((unique, g * scale.cpu() if isinstance(scale, torch.Tensor) else g * (scale or 1.0)))
+    lookups.clear()
+    tables.prefetched = {}
+    grads = {t: (torch.cat([i for i, _ in ps]), torch.cat([g for _, g in ps])) for t, ps in parts.items()}
+    return tables.push(grads)

@@ -1,0 +1,233 @@
+"""The worker's data calls to every shard: Init, Push, Pull and Exchange (PushPull: :mod:`.pushpull`).
+
+:class:`DataPath` joins the parts of a client: it stages tensors (:mod:`ps_worker.staging`),
+encodes them (:mod:`ps_worker.transport.encoding`), sends them to every shard in parallel with retries
+(:mod:`ps_worker.transport.grpc_link`), recovers and accounts through the session (:mod:`ps_worker.session`),
+and records times and bytes (:mod:`ps_worker.metrics`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
+
+import grpc
+import torch
+
+from ps_common import frames
+from ps_common.optimizer import OptimizerSpec
+from ps_common.plan import Plan
+from ps_proto.v1 import ps_pb2
+from ps_worker.errors import error_from_rpc
+from ps_worker.session import Session
+from ps_worker.staging import HostStaging
+from ps_worker.transport.encoding import WireCodec
+from ps_worker.transport.grpc_link import Transport
+
+if TYPE_CHECKING:
+    from ps_worker.metrics import WorkerMetrics
+
+log = logging.getLogger(__name__)
+
+
+def is_stale(exc: BaseException) -> bool:
+    """A push refused with ABORTED (DESIGN section 4: pull and push the next clock):
+    :class:`~ps_worker.errors.StalePush`, :class:`~ps_worker.errors.Replayed`,
+    :class:`~ps_worker.errors.UpdateRefused` or :class:`~ps_worker.errors.NonFiniteUpdate`."""
+    return isinstance(exc, grpc.RpcError) and exc.code() == grpc.StatusCode.ABORTED
+
+
+class DataPath:
+    """Init, push, pull and exchange for one client.
+
+    Args:
+        transport: channels to the shards. session: rank, clock, versions, recoveries.
+        staging: host buffers. metrics: where times are recorded, or None.
+    """
+
+    def __init__(
+        self, transport: Transport, session: Session, staging: HostStaging, metrics: WorkerMetrics | None
+    ) -> None:
+        self.transport = transport
+        self.session = session
+        self.staging = staging
+        self.metrics = metrics
+        self.codec: WireCodec | None = None
+        self.params: dict[str, torch.Tensor] = {}
+        """The model's tensors, for rank 0 to write again to a shard that lost them."""
+        self.last_push: Sequence[list[frames.OutPartition]] | None = None
+        """Per shard, the last push as it went on the wire (pushed again after a PushLost)."""
+        self.last_round: int | None = None
+        """sync: the round :attr:`last_push` was stamped for."""
+        session.repush = self._repush
+
+    def require_codec(self) -> WireCodec:
+        """The codec of the plan.
+
+        Raises:
+            RuntimeError: ``init`` was not called yet.
+        """
+        if self.codec is None:
+            raise RuntimeError("Call client.init(model, optimizer=...) before push or pull.")
+        return self.codec
+
+    @property
+    def plan(self) -> Plan:
+        return self.require_codec().plan
+
+    def observe(self, histogram: str, start: float) -> None:
+        """Record the seconds since ``start`` (``time.perf_counter()``) in ``metrics.<histogram>``."""
+        if self.metrics is not None:
+            getattr(self.metrics, histogram).observe(time.perf_counter() - start)
+
+    # ------------------------------------------------------------------ init
+    def init_shard(self, k: int, values: Mapping[str, torch.Tensor], opt: OptimizerSpec) -> None:
+        """Init shard ``k`` with ``values`` (any device) and the optimizer spec ``opt``.
+
+        Raises:
+            ShardError: a refusal (PlanMismatch: the shard holds another plan).
+        """
+        t, s = self.transport, self.session
+        msgs = self.require_codec().init_messages(k, s.rank, s.incarnation, opt, values, s.relayed(k)[0])
+        try:
+            reply = t.call(
+                lambda: t.init_calls[k]((t.sent(m) for m in msgs), timeout=t.timeout, metadata=t.metadata),
+                f"Init {t.servers[k]}",
+            )
+        except grpc.RpcError as exc:
+            raise error_from_rpc(t.servers[k], exc) from exc
+        log.info("rank %d: shard %d init %s", s.rank, k, "applied" if reply.applied else "already done")
+
+    # ------------------------------------------------------------------ push
+    def push(self, grads: Mapping[str, torch.Tensor]) -> list[ps_pb2.PushResponse]:
+        """See :meth:`ps_worker.client.PSClient.push`."""
+        codec = self.require_codec()
+        flats = self.staging.stage(codec.plan, grads)
+        outs = [codec.out_partitions(k, flats, compress=True) for k in range(self.transport.num_shards)]
+        round_ = self.session.push_round()  # sync: one round for every shard and retry
+        self.last_push, self.last_round = outs, round_
+        sent = [0] * self.transport.num_shards
+
+        def one(k: int) -> ps_pb2.PushResponse:
+            reply, sent[k] = self.push_shard(k, outs[k], round_)
+            return reply
+
+        start = time.perf_counter()
+        try:
+            replies = self.transport.each_shard(one)
+        except grpc.RpcError as exc:
+            if is_stale(exc):  # too stale: the step is done, its gradient refused
+                self.session.push_refused()
+            raise
+        finally:
+            self.session.pushed_bytes += sum(sent)
+        self.observe("push_duration", start)
+        self.session.account_push(replies)
+        return replies
+
+    def push_shard(
+        self, k: int, outs: Sequence[frames.OutPartition], round: int | None = None
+    ) -> tuple[ps_pb2.PushResponse, int]:
+        """Push ``outs`` to shard ``k`` (a header message, then one frame per partition); returns its
+        answer and the bytes sent. ``round``: sync, the round the gradient is for (every attempt is
+        stamped with it; None: the session's clock)."""
+        t, s, codec = self.transport, self.session, self.require_codec()
+
+        def attempt() -> tuple[ps_pb2.PushResponse, int]:
+            sent = [0]
+
+            def messages():  # built as gRPC sends them (overlapping the shard's reading)
+                for m in codec.push_messages(codec.push_head(s.stamp(k, round)), outs):
+                    sent[0] += len(m)
+                    yield t.sent(m)
+
+            reply = t.push_calls[k](messages(), timeout=t.timeout, metadata=t.metadata)
+            s.learn(k, reply)
+            return reply, sent[0]
+
+        result = s.with_recovery(k, attempt, f"Push {t.servers[k]}", round=round)
+        s.pushed[k] = True
+        return result
+
+    def _repush(self, k: int) -> None:
+        """After a PushLost: push the last gradient to shard ``k`` again, for the round it was
+        computed for (sync: only when shard ``k`` takes this rank's push in that round now; else
+        the gradient is dropped there, and the next step pushes the shard's round)."""
+        if self.last_push is None:
+            return
+        round_ = self.last_round
+        if round_ is not None and self.session.versions[k] != round_:
+            log.info(
+                "rank %d: shard %s is at round %d now; the gradient of round %d is not pushed again",
+                self.session.rank,
+                self.transport.servers[k],
+                self.session.versions[k],
+                round_,
+            )
+            return
+        self.push_shard(k, self.last_push[k], round_)
+
+    # ------------------------------------------------------------------ pull
+    def pull(self, out: Mapping[str, torch.Tensor], min_version: int | None = None) -> int:
+        """See :meth:`ps_worker.client.PSClient.pull`."""
+        t, s, codec = self.transport, self.session, self.require_codec()
+        flats, device_out = self.staging.pull_targets(codec.plan, out)
+
+        def one(k: int) -> tuple[int, int]:
+            def attempt() -> tuple[int, int]:  # the floor per attempt: a recovery may move this shard's round
+                req = codec.pull_request(s.rank, s.incarnation, s.pull_floor(k, min_version), s.relayed(k)[0])
+                replies = t.pull_calls[k](req, timeout=t.timeout, metadata=t.metadata)
+                version, received, _ = codec.decode(k, replies, flats, t.servers[k], t.received)
+                return version, received
+
+            try:
+                return s.with_recovery(k, attempt, f"Pull {t.servers[k]}")
+            except grpc.RpcError as exc:
+                if is_stale(exc):  # the round awaited was refused: no push of ours is held
+                    s.pushed[k] = False
+                raise
+
+        start = time.perf_counter()
+        results = t.each_shard(one)
+        self.observe("pull_duration", start)
+        s.pulled_bytes += sum(r[1] for r in results)
+        return self.finish_pull([r[0] for r in results], device_out, flats)
+
+    def finish_pull(
+        self, versions: list[int], device_out: Mapping[str, torch.Tensor], flats: Mapping[str, torch.Tensor]
+    ) -> int:
+        """Copy staged values to the device and adopt the shards' ``versions``; returns the lowest."""
+        self.staging.unstage(device_out, flats)
+        return self.session.adopt_versions(versions)
+
+    # ------------------------------------------------------------------ exchange
+    def exchange(self, params: Mapping[str, torch.Tensor]) -> int:
+        """See :meth:`ps_worker.client.PSClient.exchange`."""
+        t, s, codec = self.transport, self.session, self.require_codec()
+        flats = self.staging.stage(codec.plan, params)
+        diffs: dict[str, torch.Tensor] = {spec.key: torch.zeros_like(flats[spec.key]) for spec in codec.plan.specs}
+
+        def one(k: int) -> tuple[int, int, int]:
+            msgs = codec.exchange_messages(k, s.rank, s.incarnation, s.exchanges, flats, s.relayed(k)[0], s.sessions[k])
+
+            def attempt() -> tuple[int, int, int]:
+                replies = t.exchange_calls[k](iter(msgs), timeout=t.timeout, metadata=t.metadata)
+                version, received, _ = codec.decode(k, replies, diffs, t.servers[k], t.received)
+                return version, sum(len(m) for m in msgs), received
+
+            return s.with_recovery(k, attempt, f"Exchange {t.servers[k]}")
+
+        start = time.perf_counter()
+        results = t.each_shard(one)
+        self.observe("push_pull_duration", start)
+        s.exchanges += 1
+        s.pushed_bytes += sum(r[1] for r in results)
+        s.pulled_bytes += sum(r[2] for r in results)
+        with torch.no_grad():
+            for key, p in params.items():
+                p.sub_(diffs[key].view(p.shape).to(p.device, non_blocking=True))
+        s.versions = [r[0] for r in results]
+        s.version = min(s.versions)
+        return s.version
