@@ -1,4 +1,4 @@
-"""Row-sparse embedding tables on the wire: bytes per step against ids x dim x itemsize x 2 (issue 19).
+"""Row-sparse embedding tables on the wire: bytes per step against ids x dim x itemsize x 2.
 
 Starts ``--shards`` ps-server processes and ``--workers`` worker processes on this machine; each
 worker trains a model of one ``nn.EmbeddingBag(rows, dim, mode="sum", sparse=True)`` built on the

@@ -1,4 +1,4 @@
-"""Dense training's step rate while clients loop large PullRows on the same shard (issue 30, item 5).
+"""Dense training's step rate while clients loop large PullRows on the same shard.
 
 Starts one ``ps-server`` (async, one worker) and a trainer process that declares a table of
 ``2**40`` rows of ``--dim`` float32 elements and trains a dense MLP through ``DistributedOptimizer``

@@ -1,5 +1,5 @@
 """Checkpoints under hostile load and unlucky disks: acknowledged checkpoints are never lost to a race,
-and a failed write is counted, named and never silent (issue 11, items 6 and 11)."""
+and a failed write is counted, named and never silent."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 cluster, frames of ranks that are not live members, frames parked and never taken or never
 completed, and a flood of refused connections. Nothing is parked for a non-member, a parked frame
 is released after ``--data-frame-timeout``, parked bytes stay within ``--max-parked-bytes``, and
-the refusals are counted and logged at a bounded rate (issue 30, items 6 and 10).
+the refusals are counted and logged at a bounded rate.
 """
 
 from __future__ import annotations

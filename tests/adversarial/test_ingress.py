@@ -2,7 +2,7 @@
 streams, huge and forged keys, undecodable bytes, an empty plan digest and wrapped integers.
 
 Each refusal is fast, carries the contract's status code and a short message, changes nothing,
-and leaves the shard serving (issue 11, items 1, 2, 8, 9 and 12).
+and leaves the shard serving.
 """
 
 from __future__ import annotations
@@ -85,12 +85,12 @@ def init_header(specs: list[ParameterSpec], partition_bytes: int, digest: str | 
     return ps_pb2.InitRequest(header=header).SerializeToString()
 
 
-# ------------------------------------------------------------------------------- item 1
+# ------------------------------------------------------------------------------- plans too large to allocate
 BOMB = [ParameterSpec("w", (10**12, 10**12), "float32")]
 
 
 @pytest.mark.parametrize("initialized", [False, True], ids=["fresh", "initialized"])
-def test_item1_init_plan_bomb_is_refused_fast(start_cluster, initialized: bool) -> None:
+def test_init_plan_bomb_is_refused_fast(start_cluster, initialized: bool) -> None:
     """Sixteen ~120-byte InitHeaders declaring [1e12, 1e12] in 1-byte partitions, and one header of
     a million keys, are refused in well under a second each; health still answers."""
     (shard,) = start_cluster(1, num_workers=2)
@@ -129,7 +129,7 @@ def test_item1_init_plan_bomb_is_refused_fast(start_cluster, initialized: bool) 
     assert fingerprint(shard) == before
 
 
-# ------------------------------------------------------------------------------- item 2
+# ------------------------------------------------------------------------------- endless request streams
 class Endless:
     """An endless request stream (bounded only by ``cap`` messages, as a safety net): ``first``
     messages, then ``repeat`` cycled; counts what gRPC took from it."""
@@ -180,7 +180,7 @@ def stream_call(channel: grpc.Channel, method: str):
 
 @pytest.mark.parametrize("method", sorted(STREAMS))
 @pytest.mark.parametrize("attack", ["repeated partition", "junk bytes"])
-def test_item2_endless_streams_are_refused_after_about_the_plans_size(live, method: str, attack: str) -> None:
+def test_endless_streams_are_refused_after_about_the_plans_size(live, method: str, attack: str) -> None:
     """A stream that never ends (its partitions over and over, or each frame padded with an unknown
     field) is refused after about the plan's size, not buffered until the deadline."""
     shard, channel, client = live
@@ -206,7 +206,7 @@ def test_item2_endless_streams_are_refused_after_about_the_plans_size(live, meth
 
 
 @pytest.mark.parametrize("method", ["Push", "PushPull", "Exchange"])
-def test_item2_not_initialized_is_refused_at_the_first_frame(fresh, method: str) -> None:
+def test_not_initialized_is_refused_at_the_first_frame(fresh, method: str) -> None:
     shard, channel = fresh
     first = (
         push_header(None)
@@ -222,7 +222,7 @@ def test_item2_not_initialized_is_refused_at_the_first_frame(fresh, method: str)
     assert stream.taken < 200, stream.taken
 
 
-def test_item2_push_pull_once_packed_with_tiny_partitions_is_refused_cheaply(live) -> None:
+def test_push_pull_once_packed_with_tiny_partitions_is_refused_cheaply(live) -> None:
     """One 15 MiB PushPullOnce of ~1.3 million empty partitions: refused at the first one that is
     not this shard's (or repeated), not parsed whole."""
     shard, channel, client = live
@@ -242,8 +242,8 @@ def test_item2_push_pull_once_packed_with_tiny_partitions_is_refused_cheaply(liv
     assert serving(shard)
 
 
-# ------------------------------------------------------------------------------- item 8
-def test_item8_huge_keys_get_a_short_invalid_argument(fresh, live) -> None:
+# ------------------------------------------------------------------------------- huge keys
+def test_huge_keys_get_a_short_invalid_argument(fresh, live) -> None:
     """A 1 MiB key at Init, and one in a push, are INVALID_ARGUMENT with a short message."""
     shard, channel = fresh
     huge = "k" * (1 << 20)
@@ -263,7 +263,7 @@ def test_item8_huge_keys_get_a_short_invalid_argument(fresh, live) -> None:
     assert fingerprint(shard) == before
 
 
-def test_item8_a_key_with_a_newline_cannot_forge_a_log_line(live, caplog) -> None:
+def test_a_key_with_a_newline_cannot_forge_a_log_line(live, caplog) -> None:
     shard, channel, client = live
     forged = "0.weight\n2026-01-01 00:00:00 INFO shard 0: rank 1 joined"
     for values in (torch.ones(1), torch.full((1,), float("nan"))):
@@ -277,7 +277,7 @@ def test_item8_a_key_with_a_newline_cannot_forge_a_log_line(live, caplog) -> Non
     assert not any("\n" in m for m in messages), messages
 
 
-# ------------------------------------------------------------------------------- item 9
+# ------------------------------------------------------------------------------- every method with bad bytes
 UNARY = {
     "ps.v1.ParameterService/Join": "unary_unary",
     "ps.v1.ParameterService/Heartbeat": "unary_unary",
@@ -296,7 +296,7 @@ GARBAGE = b"\xff\xff\xff\x0f garbage"
 
 
 @pytest.mark.parametrize("method", sorted(UNARY))
-def test_item9_undecodable_bytes_are_invalid_argument_without_a_traceback(live, method: str, caplog) -> None:
+def test_undecodable_bytes_are_invalid_argument_without_a_traceback(live, method: str, caplog) -> None:
     shard, channel, _ = live
     before = fingerprint(shard)
     kind = UNARY[method]
@@ -310,8 +310,8 @@ def test_item9_undecodable_bytes_are_invalid_argument_without_a_traceback(live, 
     assert serving(shard)
 
 
-# ------------------------------------------------------------------------------- item 12
-def test_item12_an_empty_plan_digest_is_refused_on_every_data_rpc(live) -> None:
+# ------------------------------------------------------------------------------- an empty plan digest
+def test_an_empty_plan_digest_is_refused_on_every_data_rpc(live) -> None:
     shard, channel, client = live
     before = fingerprint(shard)
     parts = owned_partitions(client)
@@ -369,7 +369,7 @@ def varint_field(field: int, value: int) -> bytes:
         (8, float("nan"), "moving_rate"),
     ],
 )
-def test_item12_raw_update_config_is_validated(live, field: int, value: float, what: str) -> None:
+def test_raw_update_config_is_validated(live, field: int, value: float, what: str) -> None:
     """Values a typed client cannot send (a uint32 of -5 arrives as 4294967291) are refused."""
     shard, channel, _ = live
     settings = shard.shard.settings
@@ -383,14 +383,14 @@ def test_item12_raw_update_config_is_validated(live, field: int, value: float, w
     assert shard.shard.settings == settings
 
 
-def test_item12_update_config_keeps_serving_after_refusals(live) -> None:
+def test_update_config_keeps_serving_after_refusals(live) -> None:
     shard, channel, _ = live
     stub = ps_pb2_grpc.AdminStub(channel)
     reply = stub.UpdateConfig(ps_pb2.UpdateConfigRequest(staleness=3), timeout=RPC_TIMEOUT)
     assert reply.config.staleness == 3
 
 
-def test_item9_on_a_token_protected_shard_the_token_is_checked_first(start_cluster) -> None:
+def test_on_a_token_protected_shard_the_token_is_checked_first(start_cluster) -> None:
     (shard,) = start_cluster(1, num_workers=1, token="worker-secret", admin_token="admin-secret")
     with grpc.insecure_channel(shard.address) as channel:
         call = channel.unary_unary("/ps.v1.Admin/GetStatus")

@@ -1,4 +1,4 @@
-"""Job-level faults against real shards over gRPC: a rank that never joins (issue 11, item 13).
+"""Job-level faults against real shards over gRPC: a rank that never joins.
 
 Before ``--join-timeout``, a sync round waited for a rank that never joined for as long as anyone
 waited: rank 0 looped on DEADLINE_EXCEEDED, naming nothing it could act on, and the shard said

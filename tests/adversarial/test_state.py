@@ -1,4 +1,4 @@
-"""How a shard's state changes under hostile or unlucky requests (issue 11, items 4, 5, 7 and 10).
+"""How a shard's state changes under hostile or unlucky requests.
 
 An update is all or nothing: a learning rate out of the parameters' range is refused, a failing
 optimizer step or an update that would make parameters non-finite is refused as a whole (ABORTED,
@@ -99,8 +99,8 @@ def metric(url: str, name: str, labels: str) -> float:
     return float(found.group(1)) if found else 0.0
 
 
-# ----------------------------------------------------------------------------- item 4
-def test_item4_learning_rate_out_of_range_is_refused_and_a_failing_step_wedges_nothing(start_cluster) -> None:
+# ----------------------------------------------------------------------------- learning rates out of range
+def test_learning_rate_out_of_range_is_refused_and_a_failing_step_wedges_nothing(start_cluster) -> None:
     (shard,) = start_cluster(num_shards=1, num_workers=2, mode="sync")
     m = model()
     cs = clients(shard.address, 2, {"name": "sgd", "lr": 0.1, "momentum": 0.9}, m)
@@ -134,9 +134,9 @@ def test_item4_learning_rate_out_of_range_is_refused_and_a_failing_step_wedges_n
     channel.close()
 
 
-# ----------------------------------------------------------------------------- item 5
+# ----------------------------------------------------------------------------- non-finite updates
 @pytest.mark.parametrize("mode", ["sync", "async", "ssp", "easgd"])
-def test_item5_an_update_that_would_make_parameters_non_finite_is_refused_as_a_whole(start_cluster, mode) -> None:
+def test_an_update_that_would_make_parameters_non_finite_is_refused_as_a_whole(start_cluster, mode) -> None:
     workers = 2 if mode == "sync" else 1
     (shard,) = start_cluster(num_shards=1, num_workers=workers, mode=mode, metrics_port=0)
     m = model(-3e38 if mode == "easgd" else None)
@@ -186,14 +186,14 @@ def test_item5_an_update_that_would_make_parameters_non_finite_is_refused_as_a_w
         c.close()
 
 
-# ----------------------------------------------------------------------------- item 7
+# ----------------------------------------------------------------------------- replays beyond the window
 def push_at(c: PSClient, m: torch.nn.Module, clock: int) -> Any:
     c.clock = clock
     return outcome(lambda: c.push(grads(m, 0.001)))
 
 
 @pytest.mark.parametrize("mode", ["async", "ssp"])
-def test_item7_a_push_replayed_beyond_the_window_is_refused_also_after_a_restart(start_cluster, tmp_path, mode) -> None:
+def test_a_push_replayed_beyond_the_window_is_refused_also_after_a_restart(start_cluster, tmp_path, mode) -> None:
     config = {"mode": mode, "checkpoint_dir": str(tmp_path), "checkpoint_every": 1}
     (shard,) = start_cluster(num_shards=1, num_workers=1, **config)
     m = model()
@@ -221,7 +221,7 @@ def test_item7_a_push_replayed_beyond_the_window_is_refused_also_after_a_restart
     c.close()
 
 
-def test_item7_a_replayed_exchange_does_not_move_the_center(start_cluster) -> None:
+def test_a_replayed_exchange_does_not_move_the_center(start_cluster) -> None:
     (shard,) = start_cluster(num_shards=1, num_workers=1, mode="easgd")
     m = model()
     (c,) = clients(shard.address, 1, {"name": "sgd", "lr": 0.1}, m)
@@ -237,8 +237,8 @@ def test_item7_a_replayed_exchange_does_not_move_the_center(start_cluster) -> No
     c.close()
 
 
-# ----------------------------------------------------------------------------- item 10
-def test_item10_a_paused_shard_evicts_nobody_when_it_resumes(tmp_path) -> None:
+# ----------------------------------------------------------------------------- a paused shard
+def test_a_paused_shard_evicts_nobody_when_it_resumes(tmp_path) -> None:
     lease = 2.0
     log = (tmp_path / "shard.log").open("w")
     proc = subprocess.Popen(

@@ -1,4 +1,4 @@
-"""Issue 11 item 3: long-lived streams (Health/Watch, reflection, Admin/WatchStatus) must not take the
+"""Long-lived streams (Health/Watch, reflection, Admin/WatchStatus) must not take the
 threads that training needs, whoever opens them and however many.
 """
 
@@ -146,7 +146,7 @@ def streams_closed(shard: Any) -> bool:
     return all(limit.open == 0 for limit in limits.values())
 
 
-def test_item3_open_watch_streams_leave_training_its_threads(start_cluster, wait_until) -> None:
+def test_open_watch_streams_leave_training_its_threads(start_cluster, wait_until) -> None:
     """64 open streams (48 unauthenticated Health/Watch, 16 Admin/WatchStatus) on a token-protected
     shard: training keeps >= 90 % of its unloaded step rate.
 
@@ -212,7 +212,7 @@ def secured_shard(start_cluster):
     return shard
 
 
-def test_item3_stream_limits_refuse_extras_at_once_and_keep_the_data_plane(secured_shard, wait_until) -> None:
+def test_stream_limits_refuse_extras_at_once_and_keep_the_data_plane(secured_shard, wait_until) -> None:
     """At their limits (16 WatchStatus, 64 public) one more stream of either group is refused at once
     with RESOURCE_EXHAUSTED naming its flag; a closed stream frees its slot; meanwhile Join, GetStatus
     and Health/Check are answered, and a refused token never takes a slot."""
@@ -297,7 +297,7 @@ def _watch_handlers() -> int:
     return count
 
 
-def test_item3_a_closed_watch_ends_its_handler_at_once_whatever_its_interval(secured_shard, wait_until) -> None:
+def test_a_closed_watch_ends_its_handler_at_once_whatever_its_interval(secured_shard, wait_until) -> None:
     """A WatchStatus stream asking for one status an hour (`ps-admin top --interval 3600`) and then
     closed ends its handler, and so gives back its thread and its --max-watch-streams slot, within
     seconds, not after its interval."""

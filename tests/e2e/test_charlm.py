@@ -48,7 +48,7 @@ def test_charlm_sixty_adamw_steps_beat_an_untrained_model(tmp_path) -> None:
     assert summary["eval_loss"] < math.log(256) - 1.0, summary  # untrained: log(256) = 5.55 nats/char
     assert summary["accuracy"] > 1 / 256
     assert "held-out loss" in out.stdout
-    # the bits per char the README promises (issue 12 item 6): loss in nats / ln 2
+    # the bits per char the README promises: loss in nats / ln 2
     assert summary["bits_per_char"] == pytest.approx(summary["eval_loss"] / math.log(2))
     assert f"bits per char       {summary['bits_per_char']:.3f} (held out)" in out.stdout
     assert_all_gone(out.stderr, expected=4)

@@ -86,7 +86,7 @@ def test_restarted_worker_rejoins_and_is_counted(tmp_path) -> None:
 
 @pytest.mark.slow
 def test_watch_recovery_demo_shows_the_restarted_rank_training(tmp_path) -> None:
-    """README's "Watch recovery happen" (issue 12 item 3): the console shows the kill, the eviction
+    """README's "Watch recovery happen": the console shows the kill, the eviction
     and the rejoin, the restarted rank trains to the end, and the summary counts what each rank did.
     Rank 0 is slowed (50 ms a step) so that it is still training when the new process of rank 1, which
     imports torch on a loaded machine, rejoins."""

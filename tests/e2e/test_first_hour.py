@@ -1,4 +1,4 @@
-"""A user's first hour (issue 12): every mistake answered at once and by name, every summary true.
+"""A user's first hour: every mistake answered at once and by name, every summary true.
 
 Real shards over real gRPC on 127.0.0.1:0; the CLI as a user runs it (subprocess), with bounded waits.
 """
@@ -43,8 +43,8 @@ def shards():
         s.stop(grace=0.5)
 
 
-# ---------------------------------------------------------------------- item 1: unreachable shards
-def test_item1_unreachable_shard_is_named_within_seconds(shards) -> None:
+# ---------------------------------------------------------------------- unreachable shards
+def test_unreachable_shard_is_named_within_seconds(shards) -> None:
     """One shard of two not started: the client names that address within --retry-deadline, not the
     60 s --timeout."""
     (good,) = shards(2, 1)[:1]
@@ -64,7 +64,7 @@ def test_item1_unreachable_shard_is_named_within_seconds(shards) -> None:
 
 
 @pytest.mark.parametrize("which", ["nothing listening", "one shard of two"])
-def test_item1_ps_worker_names_the_unreachable_address(shards, which) -> None:
+def test_ps_worker_names_the_unreachable_address(shards, which) -> None:
     dead = dead_address()
     servers = dead if which == "nothing listening" else f"127.0.0.1:{shards(2, 1)[0].port},{dead}"
     argv = [sys.executable, "-m", "ps_worker.workloads.cli", "--servers", servers, "--rank", "0", "--num-workers", "1"]
@@ -81,7 +81,7 @@ def test_item1_ps_worker_names_the_unreachable_address(shards, which) -> None:
     assert took < 50, f"took {took:.0f} s"
 
 
-def test_item1_with_default_flags_the_address_is_named_within_seconds(shards) -> None:
+def test_with_default_flags_the_address_is_named_within_seconds(shards) -> None:
     """Default --retry-deadline (30 s): the worker keeps trying (a shard may still be starting), but
     within a few seconds of its first attempt a warning names the unreachable address, with the hint."""
     import signal
@@ -109,8 +109,8 @@ def test_item1_with_default_flags_the_address_is_named_within_seconds(shards) ->
     assert proc.returncode == 143
 
 
-# ---------------------------------------------------------------------- item 2: round timeout names ranks
-def test_item2_round_timeout_names_the_missing_rank(shards) -> None:
+# ---------------------------------------------------------------------- round timeout names ranks
+def test_round_timeout_names_the_missing_rank(shards) -> None:
     """A sync round waiting for an absent rank 1: the Python API raises RoundTimeoutError with
     .ranks == [1] and the shard's own words, not a raw _InactiveRpcError."""
     (shard,) = shards(1, 2)
@@ -130,7 +130,7 @@ def test_item2_round_timeout_names_the_missing_rank(shards) -> None:
     assert err.value.address == f"127.0.0.1:{shard.port}"
 
 
-# ---------------------------------------------------------------------- items 4 and 5: ps-worker by hand
+# ---------------------------------------------------------------------- ps-worker by hand
 def _status(address: str):
     import grpc
 
@@ -151,7 +151,7 @@ def _wait_for(predicate, timeout: float, what: str):
 
 
 @pytest.mark.parametrize(("signame", "code"), [("SIGINT", 130), ("SIGTERM", 143)])
-def test_item4_ps_worker_stops_cleanly_on_a_signal(shards, signame, code) -> None:
+def test_ps_worker_stops_cleanly_on_a_signal(shards, signame, code) -> None:
     """Interrupted mid-run (its sync round waits for rank 1): it leaves the shards, says so in one
     line and exits 128 + signal, no traceback. Item 5: its /metrics took a free port, announced."""
     import signal
@@ -184,7 +184,7 @@ def test_item4_ps_worker_stops_cleanly_on_a_signal(shards, signame, code) -> Non
     assert url and not url[0].rstrip().endswith(":8000/metrics"), err[-2000:]
 
 
-def test_item4_ps_worker_prints_a_human_summary_or_json(shards) -> None:
+def test_ps_worker_prints_a_human_summary_or_json(shards) -> None:
     import json
 
     (shard,) = shards(1, 1)
@@ -203,10 +203,10 @@ def test_item4_ps_worker_prints_a_human_summary_or_json(shards) -> None:
     assert report["rank"] == 0 and report["steps"] == 20 and report["workload"] == "digits"
 
 
-# ---------------------------------------------------------------------- item 8: fast CLI
+# ---------------------------------------------------------------------- fast CLI
 @pytest.mark.parametrize("command", ["ps_launch.cli", "ps_worker.workloads.cli"])
 @pytest.mark.parametrize("args", [["--help"], ["--bogus"]])
-def test_item8_help_and_a_mistyped_flag_import_no_torch(command, args) -> None:
+def test_help_and_a_mistyped_flag_import_no_torch(command, args) -> None:
     start = time.monotonic()
     out = subprocess.run(
         [sys.executable, "-X", "importtime", "-m", command, *args], capture_output=True, text=True, timeout=60
@@ -227,7 +227,7 @@ def test_item8_help_and_a_mistyped_flag_import_no_torch(command, args) -> None:
         ), errors
 
 
-def test_item8_config_errors_are_one_line_with_a_hint() -> None:
+def test_config_errors_are_one_line_with_a_hint() -> None:
     out = subprocess.run(
         [sys.executable, "-m", "ps_launch.cli", "--shards", "2", "--step", "5", "--mode", "syn", "digits"],
         capture_output=True,
@@ -257,8 +257,8 @@ def test_item8_config_errors_are_one_line_with_a_hint() -> None:
     assert out.stderr.startswith("ps-worker: --rank must be in 0..1, got 2")
 
 
-# ---------------------------------------------------------------------- item 6: one truth in GetStatus
-def test_item6_status_reports_the_learning_rate_in_force(shards) -> None:
+# ---------------------------------------------------------------------- one truth in GetStatus
+def test_status_reports_the_learning_rate_in_force(shards) -> None:
     import grpc
 
     from ps_proto.v1 import ps_pb2, ps_pb2_grpc
@@ -281,8 +281,8 @@ def test_item6_status_reports_the_learning_rate_in_force(shards) -> None:
     assert status.optimizer.kwargs["momentum"] == pytest.approx(0.9)
 
 
-# ---------------------------------------------------------------------- item 9: smaller things
-def test_item9_ps_launch_removes_its_temporary_directory(tmp_path) -> None:
+# ---------------------------------------------------------------------- smaller things
+def test_ps_launch_removes_its_temporary_directory(tmp_path) -> None:
     import os
 
     env = {**os.environ, "TMPDIR": str(tmp_path)}
@@ -298,7 +298,7 @@ def test_item9_ps_launch_removes_its_temporary_directory(tmp_path) -> None:
     assert out.returncode == 0 and (kept / "worker-0.log").exists() and (kept / "checkpoints").is_dir()
 
 
-def test_item9_ps_admin_checkpoint_prints_an_absolute_path(tmp_path) -> None:
+def test_ps_admin_checkpoint_prints_an_absolute_path(tmp_path) -> None:
     """A shard started with a relative --checkpoint-dir; ps-admin runs elsewhere."""
     import re
 

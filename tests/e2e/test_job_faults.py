@@ -1,5 +1,5 @@
 """Job-level faults through the real commands: a finished job run again, a rank that never joins, a
-malformed shard address, and JSON that any parser reads (issue 11, item 13).
+malformed shard address, and JSON that any parser reads.
 
 Every process runs under a timeout; a test that outlives it fails and kills only the process it
 started. Runs are small (one shard, digits, --steps 10..20) for CI's two cores.

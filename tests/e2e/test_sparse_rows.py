@@ -1,4 +1,4 @@
-"""``bench/sparse_rows.py`` on a small table (issue 19's acceptance, shrunk): real ps-server and
+"""``bench/sparse_rows.py`` on a small table: real ps-server and
 worker processes, 2 workers x 2 shards in sync mode; the bytes on the shards' counters per step are
 within 10 % of distinct ids x dim x 4 x 2, and no process comes near holding the table."""
 

@@ -1,5 +1,5 @@
 """ps-launch and ps-worker in a real terminal (tmux, 100x40): the progress lines show while training
-runs, and the summary comes out intact after the bars close (issue 12, items 4 and 6)."""
+runs, and the summary comes out intact after the bars close."""
 
 from __future__ import annotations
 

@@ -251,7 +251,7 @@ def admin_status(address: str) -> ps_pb2.ShardStatus:
 
 
 def test_a_record_of_an_earlier_job_with_the_same_admin_token_is_refused_by_a_new_cluster(start_cluster) -> None:
-    """Issue 30 item 4: records of a stopped job, relayed by a client holding only the new job's
+    """Records of a stopped job, relayed by a client holding only the new job's
     worker token, neither resize the new job nor set its learning rate, on any shard."""
     from ps_worker import PSClient
     from tests.conftest import small_model

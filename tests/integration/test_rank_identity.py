@@ -1,4 +1,4 @@
-"""A worker pushes only as the rank it joined as (issue 30 item 7), on gRPC and on data connections.
+"""A worker pushes only as the rank it joined as, on gRPC and on data connections.
 
 Every Join draws a session (``JoinResponse.session``) that each push-type request of the rank must
 carry, and a data connection carries only its hello's rank: a push stamped with another rank is

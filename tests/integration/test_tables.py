@@ -1,4 +1,4 @@
-"""Embedding tables over real gRPC (issue 19): a model's sparse embeddings trained through
+"""Embedding tables over real gRPC: a model's sparse embeddings trained through
 DistributedOptimizer (sync: bitwise reproducible, equal to one process on the summed batch),
 pull_rows/push_rows, refusals that change nothing, checkpoints, GetStatus and Prometheus."""
 
@@ -284,7 +284,7 @@ def test_pulls_split_over_messages_and_oversized_pushes_are_refused_before_sendi
         assert c.tables.calls["PushRows"] == 0 and c.tables.clock == 0
 
 
-# ----------------------------------------------------------------- issue 30: bytes, declarers, lock time
+# ----------------------------------------------------------------- bytes, declarers, lock time
 def _table_proto(dim: int = 4, optimizer: str = "sgd", lr: float = 1.0) -> ps_pb2.TableSpec:
     return ps_pb2.TableSpec(
         name="t", num_rows=100, dim=dim, optimizer=ps_pb2.OptimizerSpec(name=optimizer, kwargs={"lr": lr})

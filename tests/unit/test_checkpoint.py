@@ -23,8 +23,8 @@ import torch
 
 from ps_common.errors import CheckpointError
 from ps_common.optimizer import OPTIMIZERS, OptimizerSpec
-from ps_server.checkpoint.files import FORMAT, FORMAT_VERSION, CheckpointStore, digest, failure_reason
 from ps_server.checkpoint import files as checkpoint_module
+from ps_server.checkpoint.files import FORMAT, FORMAT_VERSION, CheckpointStore, digest, failure_reason
 from tests.helpers.compare import assert_identical, bits
 
 LOGGER = "ps_server.checkpoint.files"

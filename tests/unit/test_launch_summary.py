@@ -1,4 +1,4 @@
-"""ps-launch's summary from what each rank did (issue 12, items 3 and 6); no processes."""
+"""ps-launch's summary from what each rank did; no processes."""
 
 from __future__ import annotations
 

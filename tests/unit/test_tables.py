@@ -170,7 +170,7 @@ def test_export_restore_round_trip() -> None:
     assert other.push("async", 0, 1, 0, {}) == (1, True)  # the high-water mark survives
 
 
-# ----------------------------------------------------------------- bounded in bytes (issue 30)
+# ----------------------------------------------------------------- bounded in bytes
 ADAM = RowOptimizerSpec("adam", {"lr": 0.01})
 
 

@@ -167,7 +167,7 @@ def test_watchdog_cancels_a_silent_stream_and_on_stop() -> None:
 
 
 def test_lr_before_init_is_a_dash_and_sync_staleness_is_zero() -> None:
-    """Issue 12 item 9: ``settings: lr 0`` before Init read as a learning rate of zero; sync mode,
+    """``settings: lr 0`` before Init read as a learning rate of zero; sync mode,
     where no gradient is ever stale, showed ``-``."""
     assert settings_text(ps_pb2.ClusterConfig(mode=ps_pb2.MODE_SYNC)).startswith("lr -, sync")
     assert staleness_cell(ps_pb2.StalenessSummary(), "sync") == "0"
