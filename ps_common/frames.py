@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from ps_common import fields
 from ps_common.codec import DTYPES, decode, dtype_from_proto
 from ps_common.errors import InvalidRequestError
 from ps_common.partition import WirePartition
@@ -31,7 +32,7 @@ from ps_common.partition import WirePartition
 VARINT, I64, LEN, I32 = 0, 1, 2, 5
 """Protobuf wire types."""
 
-PARTITION_FIELD = 2
+PARTITION_FIELD = fields.PARTITIONS
 """Field number of the partition(s) in every message that carries them."""
 
 PARTITION_OVERHEAD_BYTES = 64
@@ -102,12 +103,12 @@ class OutPartition:
 
 
 _TAG_KEY, _TAG_OFFSET, _TAG_LENGTH, _TAG_DTYPE, _TAG_DATA, _TAG_INDICES = (
-    bytes([1 << 3 | LEN]),
-    bytes([2 << 3 | VARINT]),
-    bytes([3 << 3 | VARINT]),
-    bytes([4 << 3 | VARINT]),
-    bytes([5 << 3 | LEN]),
-    bytes([6 << 3 | LEN]),
+    bytes([fields.PARTITION_KEY << 3 | LEN]),
+    bytes([fields.PARTITION_OFFSET << 3 | VARINT]),
+    bytes([fields.PARTITION_LENGTH << 3 | VARINT]),
+    bytes([fields.PARTITION_DTYPE << 3 | VARINT]),
+    bytes([fields.PARTITION_DATA << 3 | LEN]),
+    bytes([fields.PARTITION_INDICES << 3 | LEN]),
 )
 _DTYPE_FIELD = {d.torch: _TAG_DTYPE + varint(d.proto) for d in DTYPES.values()}
 """The dtype field of each wire dtype, encoded."""
@@ -266,21 +267,21 @@ def read_partition(buf: memoryview) -> WirePartition:
         if n == MAX_FIELDS:
             _too_many("a partition with")
         if isinstance(value, memoryview):
-            if field == 1:
+            if field == fields.PARTITION_KEY:
                 try:
                     key = str(value, "utf-8")
                 except UnicodeDecodeError:
                     raise InvalidRequestError("Partition key is not UTF-8.") from None
-            elif field == 5:
+            elif field == fields.PARTITION_DATA:
                 data = value
-            elif field == 6:
+            elif field == fields.PARTITION_INDICES:
                 indices = value
         elif wire_type == VARINT:
-            if field == 2:
+            if field == fields.PARTITION_OFFSET:
                 offset = value
-            elif field == 3:
+            elif field == fields.PARTITION_LENGTH:
                 length = value
-            elif field == 4:
+            elif field == fields.PARTITION_DTYPE:
                 dtype = value
     return WirePartition(key, offset, length, dtype_from_proto(dtype), data, indices)  # type: ignore[arg-type]
 
@@ -393,7 +394,7 @@ def response_frames(
     Returns:
         The encoded messages; a shard that owns nothing still sends one, with its version.
     """
-    prefix = uint_field(1, version)
+    prefix = uint_field(fields.VERSION, version)
     if not tensors:
         return [prefix]
     outs = [

@@ -227,12 +227,20 @@ class PSClient(SessionView, ModelIO):
         return self.tables.push(grads)
 
     # ------------------------------------------------------------------ data path
-    def push(self, grads: Mapping[str, torch.Tensor]) -> list[ps_pb2.PushResponse]:
+    def push(
+        self,
+        grads: Mapping[str, torch.Tensor],
+        hyperparameters: Sequence[Mapping[str, float]] | None = None,
+        skip: bool = False,
+    ) -> list[ps_pb2.PushResponse]:
         """Send one gradient per parameter to every shard, stamped (rank, incarnation, clock);
         the clock then advances by one. Retries resend the same stamp, so nothing applies twice.
 
         Args:
             grads: key -> gradient with the parameter's shape and dtype (any device).
+            hyperparameters: per parameter group of the optimizer spec, the step's numeric
+                values (an lr scheduler's ``lr``); None: the last push's (none before the first).
+            skip: AMP found inf: the shards skip the step (sync: the whole round).
 
         Returns:
             Each shard's answer, in shard order.
@@ -242,7 +250,7 @@ class PSClient(SessionView, ModelIO):
                 the next clock) and others after retries.
             KeyError: a parameter of the plan is missing from ``grads``.
         """
-        return self.path.push(grads)
+        return self.path.push(grads, hyperparameters, skip)
 
     def pull(self, out: Mapping[str, torch.Tensor], min_version: int | None = None) -> int:
         """Copy the current parameters into ``out`` (in place, any device).
@@ -262,7 +270,13 @@ class PSClient(SessionView, ModelIO):
         """
         return self.path.pull(out, min_version)
 
-    def push_pull(self, grads: Mapping[str, torch.Tensor], out: Mapping[str, torch.Tensor]) -> int:
+    def push_pull(
+        self,
+        grads: Mapping[str, torch.Tensor],
+        out: Mapping[str, torch.Tensor],
+        hyperparameters: Sequence[Mapping[str, float]] | None = None,
+        skip: bool = False,
+    ) -> int:
         """One training step's communication in one call per shard (PushPull): push ``grads`` as
         :meth:`push` does, then copy the parameters of the version the push lands in into ``out``
         (sync: the round's result; async, ssp: as :meth:`pull`). Small partitions travel packed, up
@@ -273,6 +287,7 @@ class PSClient(SessionView, ModelIO):
             grads: key -> gradient (any device).
             out: key -> parameter tensor written in place (any device); may be the parameters
                 the gradients belong to.
+            hyperparameters, skip: as in :meth:`push`.
 
         Returns:
             The lowest version among the shards.
@@ -281,12 +296,18 @@ class PSClient(SessionView, ModelIO):
             ShardError: as :meth:`push` and :meth:`pull`. A push refused as too stale
                 (ABORTED) is counted in ``refused_pushes`` and followed by a plain :meth:`pull`.
         """
-        step = self.begin_push_pull(out, stream=False)
+        step = self.begin_push_pull(out, stream=False, hyperparameters=hyperparameters, skip=skip)
         for key, t in self.staging.stage(self.path.plan, grads).items():
             step.ready(key, t)
         return step.finish()
 
-    def begin_push_pull(self, out: Mapping[str, torch.Tensor], stream: bool = True) -> PendingPushPull:
+    def begin_push_pull(
+        self,
+        out: Mapping[str, torch.Tensor],
+        stream: bool = True,
+        hyperparameters: Sequence[Mapping[str, float]] | None = None,
+        skip: bool = False,
+    ) -> PendingPushPull:
         """Start a :meth:`push_pull` whose gradients arrive one parameter at a time, so pushes
         overlap the rest of the backward pass: every shard that takes more than one message gets its
         PushPull stream now, and each message goes out as soon as the gradients of its partitions
@@ -297,11 +318,12 @@ class PSClient(SessionView, ModelIO):
         Args:
             out: as in :meth:`push_pull`; written only in ``finish()``, after backward.
             stream: start the streams now (False: everything waits for ``finish()``).
+            hyperparameters, skip: as in :meth:`push`.
 
         Raises:
             ValueError: ``out`` is not contiguous CPU tensors or device tensors.
         """
-        return PendingPushPull(self.path, out, stream)
+        return PendingPushPull(self.path, out, stream, hyperparameters, skip)
 
     def exchange(self, params: Mapping[str, torch.Tensor]) -> int:
         """EASGD exchange: send the parameters x, receive d = alpha (x - center), set x -= d in place.

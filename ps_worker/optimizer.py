@@ -194,9 +194,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if passes != self.backward_passes_per_step:
             return
         if self._pending is None:
-            self.client.step_hyperparameters = self.hyperparameters()
-            self.client.step_skip = False
-            self._pending = self.client.begin_push_pull(self._out())
+            self._pending = self.client.begin_push_pull(self._out(), hyperparameters=self.hyperparameters())
         self._pending.ready(key, param.grad)
 
     def _check_passes(self) -> None:
@@ -306,16 +304,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
             version = pending.finish()
             self._buffers_due = True
             return version
-        self.client.step_hyperparameters = self.hyperparameters()
-        self.client.step_skip = skip
         grads = {
             k: (p.grad if p.grad is not None and not skip else torch.zeros_like(p)) for k, p in self.params.items()
         }
         grads.update(self._buffer_values())
-        try:
-            version = self.client.push_pull(grads, self._out())
-        finally:
-            self.client.step_skip = False
+        version = self.client.push_pull(grads, self._out(), self.hyperparameters(), skip)
         self._buffers_due = True
         if self.client.last_step_skipped and not skip:
             self._overflow_elsewhere()

@@ -88,10 +88,6 @@ class Session(EpochRelay):
         self.staleness: Counter[int] = Counter()
         self.recoveries: Counter[str] = Counter()
         self.last_step_skipped = False
-        # sent with every push (DistributedOptimizer sets them): per parameter group, the
-        # hyperparameters of the step (an lr scheduler's values); skip: AMP found inf, skip the step
-        self.step_hyperparameters: list[dict[str, float]] = []
-        self.step_skip = False
         self.optimizer: OptimizerSpec | None = None
         self.plan_digest = ""
         self.reinit: Callable[[int], None] | None = None
@@ -359,17 +355,24 @@ class Session(EpochRelay):
         return True
 
     # ------------------------------------------------------------------ stamps and answers
-    def stamp(self, k: int, clock: int | None = None) -> Stamp:
+    def stamp(
+        self,
+        k: int,
+        clock: int | None = None,
+        hyperparameters: Sequence[Mapping[str, float]] = (),
+        skip: bool = False,
+    ) -> Stamp:
         """What a push to shard ``k`` carries now: ``clock``, or the mode's
-        (:meth:`WorkerMode.push_clock`)."""
+        (:meth:`WorkerMode.push_clock`); the step's ``hyperparameters`` (per parameter group) and
+        ``skip`` (AMP found inf)."""
         epoch, record = self.relayed(k)
         return Stamp(
             self.rank,
             self.incarnation,
             self.worker.push_clock(self, k) if clock is None else clock,
             self.versions[k],
-            self.step_hyperparameters,
-            self.step_skip,
+            hyperparameters,
+            skip,
             epoch,
             record,
             self.sessions[k],

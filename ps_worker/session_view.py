@@ -53,8 +53,6 @@ class SessionView:
     recoveries: _SessionField[Counter[str]] = _SessionField()
     refused_pushes: _SessionField[int] = _SessionField()
     dropped_pushes: _SessionField[int] = _SessionField()
-    step_hyperparameters: _SessionField[list[dict[str, float]]] = _SessionField()
-    step_skip: _SessionField[bool] = _SessionField()
     last_step_skipped: _SessionField[bool] = _SessionField()
 
     @property

@@ -61,6 +61,10 @@ class DataPath:
         """Per shard, the last push as it went on the wire (pushed again after a PushLost)."""
         self.last_round: int | None = None
         """sync: the round :attr:`last_push` was stamped for."""
+        self.last_hyperparameters: list[dict[str, float]] = []
+        """The hyperparameters of the last push (a repush carries them)."""
+        self.skipping = False
+        """A push with skip is being answered (a repush meanwhile carries the skip)."""
         session.repush = self._repush
 
     def require_codec(self) -> WireCodec:
@@ -101,9 +105,17 @@ class DataPath:
         log.info("rank %d: shard %d init %s", s.rank, k, "applied" if reply.applied else "already done")
 
     # ------------------------------------------------------------------ push
-    def push(self, grads: Mapping[str, torch.Tensor]) -> list[ps_pb2.PushResponse]:
+    def push(
+        self,
+        grads: Mapping[str, torch.Tensor],
+        hyperparameters: Sequence[Mapping[str, float]] | None = None,
+        skip: bool = False,
+    ) -> list[ps_pb2.PushResponse]:
         """See :meth:`ps_worker.client.PSClient.push`."""
         codec = self.require_codec()
+        if hyperparameters is not None:
+            self.last_hyperparameters = [dict(h) for h in hyperparameters]
+        hyper = self.last_hyperparameters
         flats = self.staging.stage(codec.plan, grads)
         outs = [codec.out_partitions(k, flats, compress=True) for k in range(self.transport.num_shards)]
         round_ = self.session.push_round()  # sync: one round for every shard and retry
@@ -111,7 +123,7 @@ class DataPath:
         sent = [0] * self.transport.num_shards
 
         def one(k: int) -> ps_pb2.PushResponse:
-            reply, sent[k] = self.push_shard(k, outs[k], round_)
+            reply, sent[k] = self.push_shard(k, outs[k], round_, hyper, skip)
             return reply
 
         start = time.perf_counter()
@@ -128,18 +140,24 @@ class DataPath:
         return replies
 
     def push_shard(
-        self, k: int, outs: Sequence[frames.OutPartition], round: int | None = None
+        self,
+        k: int,
+        outs: Sequence[frames.OutPartition],
+        round: int | None = None,
+        hyperparameters: Sequence[Mapping[str, float]] = (),
+        skip: bool = False,
     ) -> tuple[ps_pb2.PushResponse, int]:
         """Push ``outs`` to shard ``k`` (a header message, then one frame per partition); returns its
         answer and the bytes sent. ``round``: sync, the round the gradient is for (every attempt is
-        stamped with it; None: the session's clock)."""
+        stamped with it; None: the session's clock). ``hyperparameters``, ``skip``: as
+        :meth:`ps_worker.client.PSClient.push`."""
         t, s, codec = self.transport, self.session, self.require_codec()
 
         def attempt() -> tuple[ps_pb2.PushResponse, int]:
             sent = [0]
 
             def messages():  # built as gRPC sends them (overlapping the shard's reading)
-                for m in codec.push_messages(codec.push_head(s.stamp(k, round)), outs):
+                for m in codec.push_messages(codec.push_head(s.stamp(k, round, hyperparameters, skip)), outs):
                     sent[0] += len(m)
                     yield t.sent(m)
 
@@ -167,7 +185,7 @@ class DataPath:
                 round_,
             )
             return
-        self.push_shard(k, self.last_push[k], round_)
+        self.push_shard(k, self.last_push[k], round_, self.last_hyperparameters, self.skipping)
 
     # ------------------------------------------------------------------ pull
     def pull(self, out: Mapping[str, torch.Tensor], min_version: int | None = None) -> int:

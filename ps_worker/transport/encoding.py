@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ps_common import frames
+from ps_common import fields, frames
 from ps_common.codec import dtype_to_proto, torch_dtype, wire_dtype_allowed
 from ps_common.optimizer import OptimizerSpec
 from ps_common.plan import PartitionSlice, Plan
@@ -132,11 +132,13 @@ class WireCodec:
 
     def push_head(self, stamp: Stamp) -> bytes:
         """The first message of a Push stream: ``PushRequest(header=...)``."""
-        return _message_field(1, self.push_header(stamp))
+        return _message_field(fields.HEADER, self.push_header(stamp))
 
     def push_pull_head(self, stamp: Stamp, data_sequence: int = 0) -> bytes:
         """The header fields of a PushPull request's first message (header, wire dtype)."""
-        return frames.bytes_field(1, self.push_header(stamp, data_sequence)) + frames.uint_field(3, self.wire_enum)
+        return frames.bytes_field(fields.HEADER, self.push_header(stamp, data_sequence)) + frames.uint_field(
+            fields.WIRE_DTYPE, self.wire_enum
+        )
 
     def push_messages(self, head: bytes, outs: Iterable[frames.OutPartition]) -> Iterable[bytes]:
         """A Push stream: ``head``, then one ``PushRequest(partition=...)`` per partition, built lazily."""
@@ -177,7 +179,7 @@ class WireCodec:
             membership_epoch=membership_epoch,
             session=session,
         )
-        head = _message_field(1, header.SerializeToString(deterministic=True))
+        head = _message_field(fields.HEADER, header.SerializeToString(deterministic=True))
         return [head, *(frames.build([o]) for o in self.out_partitions(k, flats, compress=False))]
 
     def init_messages(
@@ -200,7 +202,7 @@ class WireCodec:
             optimizer=optimizer_to_proto(optimizer),
             membership_epoch=membership_epoch,
         )
-        msgs = [_message_field(1, header.SerializeToString(deterministic=True))]
+        msgs = [_message_field(fields.HEADER, header.SerializeToString(deterministic=True))]
         dtypes = self.plan.dtypes
         flats = {key: values[key].detach().to("cpu", torch_dtype(dtypes[key])).reshape(-1) for key in dtypes}
         for part in self.owned[k]:
@@ -237,9 +239,9 @@ class WireCodec:
         version, received, seen, answer = 0, 0, 0, None
         for raw in replies:
             msg = frames.read(raw)
-            version = msg.ints.get(1, 0)
-            if 3 in msg.blobs:
-                answer = ps_pb2.PushResponse.FromString(msg.blobs[3])
+            version = msg.ints.get(fields.VERSION, 0)
+            if fields.PUSH_ANSWER in msg.blobs:
+                answer = ps_pb2.PushResponse.FromString(msg.blobs[fields.PUSH_ANSWER])
             for p in msg.partitions:
                 if (
                     owned.get((p.key, p.offset)) != p.length

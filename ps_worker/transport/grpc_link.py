@@ -79,9 +79,11 @@ class Transport:
         self.data_ports = [0] * len(self.servers)
         """JoinResponse.data_port of each shard (0: none offered)."""
         self._data: list[DataConnection | None] = [None] * len(self.servers)
-        self._data_off: list[bool | None] = [data_path == "grpc" or bool(tls_ca or tls_cert)] * len(self.servers)
-        """Per shard: True, never (``grpc``, TLS, a target with no host); None, connecting failed (tried
-        again after the next Join); False, used when offered."""
+        self._never = [data_path == "grpc" or bool(tls_ca or tls_cert)] * len(self.servers)
+        """Per shard: no data connection ever (``grpc``, TLS, a target with no host)."""
+        self._down = [False] * len(self.servers)
+        """Per shard: connecting or the connection failed; tried again at ``_retry_at`` or after the
+        next Join, whichever comes first."""
         self._retry_at = [0.0] * len(self.servers)
         self._data_lock = threading.Lock()  # the heartbeat thread offers ports while steps use them
         self._sequence = itertools.count(1)
@@ -135,8 +137,8 @@ class Transport:
             if changed:
                 self.data_ports[k] = port
                 self._drop_locked(k)
-            if (changed or joined) and self._data_off[k] is None:
-                self._data_off[k] = False
+            if changed or joined:
+                self._down[k] = False
 
     def data_connection(self, k: int, rank: int, incarnation: int, session: int = 0) -> DataConnection | None:
         """The open data connection to shard ``k`` for this rank and incarnation (a new one says
@@ -144,10 +146,10 @@ class Transport:
         first use; None when the shard offers none, ``data_path="grpc"``, TLS, or connecting failed
         (then gRPC carries the partitions until the shard offers another port)."""
         with self._data_lock:
-            if self._data_off[k] is None and time.monotonic() >= self._retry_at[k]:
-                self._data_off[k] = False
+            if self._down[k] and time.monotonic() >= self._retry_at[k]:
+                self._down[k] = False
             port = self.data_ports[k]
-            if self._data_off[k] is not False or not port:
+            if self._never[k] or self._down[k] or not port:
                 return None
             conn = self._data[k]
             if (
@@ -164,7 +166,7 @@ class Transport:
             self._drop_locked(k)
             host = host_of(self.servers[k])
             if host is None:
-                self._data_off[k] = True
+                self._never[k] = True
                 return None
         try:  # outside the lock: a heartbeat must not wait for a connect
             conn = DataConnection(host, port, rank, incarnation, self._token, self.timeout, session)
@@ -189,8 +191,8 @@ class Transport:
             )
         with self._data_lock:
             self._drop_locked(k)
-            if self._data_off[k] is False:
-                self._data_off[k] = None
+            if not self._never[k] and not self._down[k]:
+                self._down[k] = True
                 self._retry_at[k] = time.monotonic() + DATA_RETRY_SECONDS
 
     @property

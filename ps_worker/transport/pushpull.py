@@ -13,148 +13,137 @@ import math
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, overload
+from typing import overload
 
 import grpc
 import torch
 
-from ps_common import dataconn, frames
+from ps_common import frames
 from ps_common.channels import is_loopback
 from ps_common.codec import torch_dtype
-from ps_proto.v1 import ps_pb2
 from ps_worker.transport.calls import DataPath, is_stale
-from ps_worker.transport.data_link import DataConnection, DataLinkError
-from ps_worker.transport.frame_sender import FrameSender, SendOrder, keep_in_order
-from ps_worker.transport.request_frames import StartedStream, frames_of
+from ps_worker.transport.encoding import Stamp
+from ps_worker.transport.frame_sender import SendOrder, keep_in_order
+from ps_worker.transport.link import Answer, Link, choose_link
+from ps_worker.transport.request_frames import frames_of
 
 log = logging.getLogger(__name__)
 
 
 class PendingPushPull:
     """A :meth:`~ps_worker.client.PSClient.push_pull` in progress; made by
-    :meth:`~ps_worker.client.PSClient.begin_push_pull`.
+    :meth:`~ps_worker.client.PSClient.begin_push_pull`. Each shard's call goes on the link
+    :func:`~ps_worker.transport.link.choose_link` picks (:mod:`ps_worker.transport.link`).
 
     Thread-safe: :meth:`ready` may be called from autograd hooks while gRPC threads send.
+
+    Args:
+        path: the client's data calls. out: where the weights land (see ``push_pull``).
+        stream: begin each shard's call now, during backward (False: all in :meth:`finish`).
+        hyperparameters: per parameter group, the step's values (an lr scheduler's), sent in
+            every attempt's header; None: the last push's (none before the first).
+        skip: AMP found inf: the shard skips the step.
     """
 
-    def __init__(self, path: DataPath, out: Mapping[str, torch.Tensor], stream: bool) -> None:
+    def __init__(
+        self,
+        path: DataPath,
+        out: Mapping[str, torch.Tensor],
+        stream: bool,
+        hyperparameters: Sequence[Mapping[str, float]] | None = None,
+        skip: bool = False,
+    ) -> None:
         self.codec = codec = path.require_codec()
         self.path = path
         self.session = path.session
         self.transport = t = path.transport
-        self.out = out
+        self.out_tensors = out
+        if hyperparameters is not None:
+            path.last_hyperparameters = [dict(h) for h in hyperparameters]
+        self.hyperparameters = path.last_hyperparameters
+        self.skip = skip
         self.flats, self.device_out = path.staging.pull_targets(codec.plan, out)
         self._lock = threading.Lock()
-        self._cond = threading.Condition()
+        self.cond = threading.Condition()
         self._grads: dict[str, torch.Tensor] = {}
         self._ready: set[str] = set()
         self._outs: list[dict[int, frames.OutPartition]] = [{} for _ in range(t.num_shards)]
-        self._by_key: dict[str, list[tuple[int, int]]] = {}
-        for k, owned in enumerate(codec.owned):
-            for i, part in enumerate(owned):
-                self._by_key.setdefault(part.key, []).append((k, i))
         self.groups = codec.request_groups  # fixed by the plan, wire dtype and top-k ratio
         # sync: the round this step's gradient is for, fixed now: every shard and every retry gets
         # the same stamp (a recovery that moves a shard's round drops the push there instead)
         self.round = self.session.push_round()
-        self.started: dict[int, Any] = {}
         self.sent = [0] * t.num_shards
-        # started streams: the frames built as their gradients become ready, and the groups still to build
-        self._streams: dict[int, StartedStream] = {}
-        self._heads: dict[int, bytes] = {}
-        # shards whose partitions go on their data connection as they become ready: (connection,
-        # frame number); a shard whose connection failed leaves this map
-        self._frames: dict[int, tuple[DataConnection, int]] = {}
-        self._order: SendOrder | None = None  # finish(): the frames' order across shards
+        self._begun: dict[int, Link] = {}
+        """Shards whose call began during backward (a push of one message waits for finish())."""
+        self.order: SendOrder | None = None  # finish(): the frames' order across shards
         if stream:
             for k in range(t.num_shards):
-                if self._once(k):
-                    continue  # one message: built and sent at finish()
-                conn = self._data_connection(k)
-                if conn is not None:
-                    self._frames[k] = (conn, t.next_sequence())
-                else:
-                    self._streams[k] = StartedStream(self._cond, list(self.groups[k]), t.timeout)
-                    self._heads[k] = self._head(k)
-                    self.started[k] = t.push_pull_calls[k](
-                        self._streams[k].messages(), timeout=t.timeout, metadata=t.metadata
-                    )
+                if not self.once(k):
+                    self._begun[k] = link = choose_link(self, k)
+                    link.begin()
 
     # -------------------------------------------------------------- what goes on the wire
-    def _once(self, k: int) -> bool:
+    def once(self, k: int) -> bool:
+        """Shard ``k`` takes this push in one message (PushPullOnce)."""
         return len(self.groups[k]) == 1 and self.codec.single_response[k]
 
-    def _data_connection(self, k: int) -> DataConnection | None:
-        """Shard ``k``'s data connection when this push may use it: a push of one message (the
-        whole PushPullOnce call goes on it, top-k too), or a dense one of several (its partitions)."""
-        if not self._once(k) and self.codec.compressor is not None:
-            return None
-        s = self.session
-        return self.transport.data_connection(k, s.rank, s.incarnation, s.sessions[k])
+    def stamp(self, k: int) -> Stamp:
+        """What every attempt to shard ``k`` carries besides the gradients."""
+        return self.session.stamp(k, self.round, self.hyperparameters, self.skip)
 
-    def _send_ready(self, key: str) -> None:
-        """Send the partitions of ``key`` to the shards whose frames go on their data connection
-        (caller holds ``_lock``); a connection that fails drops out (the push then goes on gRPC)."""
-        for k, i in self._by_key.get(key, ()):
-            frame = self._frames.get(k)
-            if frame is None:
-                continue
-            conn, sequence = frame
-            try:
-                self.sent[k] += conn.send_slot(sequence, i, self._out_locked(k, i).values)
-            except DataLinkError as exc:
-                self.transport.data_failed(k, exc.details())
-                del self._frames[k]
-
-    def _out(self, k: int, i: int) -> frames.OutPartition:
+    def out(self, k: int, i: int) -> frames.OutPartition:
         """Shard ``k``'s partition ``i`` as it goes on the wire, made once (top-k updates its
         error-feedback memory once per step, however often the message is sent). A plain cast is
         made outside the lock, so that the sending threads of several shards cast at once."""
         with self._lock:
             made = self._outs[k].get(i)
             if made is not None or self.codec.compressor is not None:
-                return self._out_locked(k, i)
+                return self.out_locked(k, i)
             part = self.codec.owned[k][i]
             grad = self._grads[part.key]
         made = self.codec.to_wire(part, grad, compress=False)
         with self._lock:
             return self._outs[k].setdefault(i, made)
 
-    def _out_locked(self, k: int, i: int) -> frames.OutPartition:
+    def out_locked(self, k: int, i: int) -> frames.OutPartition:
+        """:meth:`out`, the caller holding the lock."""
         made = self._outs[k].get(i)
         if made is None:
             part = self.codec.owned[k][i]
             made = self._outs[k][i] = self.codec.to_wire(part, self._grads[part.key], compress=True)
         return made
 
-    def _group_ready(self, k: int, g: list[int]) -> bool:
+    def group_ready(self, k: int, g: list[int]) -> bool:
+        """Every partition of shard ``k``'s message ``g`` has its gradient."""
         owned = self.codec.owned[k]
         return all(owned[i].key in self._ready for i in g)
 
-    def _head(self, k: int) -> bytes:
-        """The header fields of shard ``k``'s first request message."""
-        return self.codec.push_pull_head(self.session.stamp(k, self.round))
+    def head(self, k: int, data_sequence: int = 0) -> bytes:
+        """The header fields of shard ``k``'s first request message (``data_sequence``: the
+        partitions go as that frame on the data connection)."""
+        return self.codec.push_pull_head(self.stamp(k), data_sequence)
 
-    def _messages(self, k: int) -> Iterator[bytes]:
+    def messages(self, k: int) -> Iterator[bytes]:
         """Shard ``k``'s request messages, once every gradient is ready (a call made in ``finish()``);
         built as gRPC sends them."""
-        work = [[self._out(k, i) for i in g] for g in self.groups[k]]
-        return frames_of(work, self._head(k), self.transport.sent, self.sent, k)
+        work = [[self.out(k, i) for i in g] for g in self.groups[k]]
+        return frames_of(work, self.head(k), self.transport.sent, self.sent, k)
 
-    def _build_ready(self, key: str) -> None:
-        """Build the frames of started streams whose partitions are now all ready (caller holds
-        ``_lock``)."""
-        for k, stream in self._streams.items():
-            for g in [g for g in stream.unbuilt if self._group_ready(k, g)]:
-                m = self.transport.sent(frames.build((self._out_locked(k, i) for i in g), self._heads[k]))
-                self._heads[k] = b""
-                self.sent[k] += len(m)
-                stream.add(g, m)
+    def once_chunks(self, k: int) -> list[bytes | memoryview]:
+        """Shard ``k``'s one request message as its buffers (:func:`frames.build_chunks`: the
+        partitions' own memory, not joined), counted as sent."""
+        (g,) = self.groups[k]
+        chunks = frames.build_chunks([self.out(k, i) for i in g], self.head(k))
+        n = sum(memoryview(c).nbytes for c in chunks)
+        self.sent[k] += n
+        if self.transport.metrics is not None:
+            self.transport.metrics.sent_bytes.inc(n)
+        return chunks
 
     # -------------------------------------------------------------- the caller's side
     def ready(self, key: str, grad: torch.Tensor) -> None:
         """The gradient of parameter ``key`` is final (any device; copied to host here if needed).
-        For a call already started (during backward), its partitions are cast or top-k selected,
+        For a call already begun (during backward), its partitions are cast or top-k selected,
         and the messages or records they complete are built and sent, here in the caller's thread.
         Otherwise they are made as they are sent in ``finish()``: a frame on a data connection
         casts each partition on its sending thread just before it goes out, so the cast of one
@@ -165,73 +154,17 @@ class PendingPushPull:
         with self._lock:
             self._grads[key] = flat
             self._ready.add(key)
-            self._build_ready(key)
-            self._send_ready(key)
+            for k, link in list(self._begun.items()):
+                if not link.ready(key):
+                    del self._begun[k]  # a broken data connection: the push goes on gRPC in finish()
 
     def cancel(self) -> None:
-        """Abandon this push: cancel the calls started during backward (a shard applies nothing of
+        """Abandon this push: cancel the calls begun during backward (a shard applies nothing of
         a cancelled call; a frame begun on a data connection is dropped with the connection, which
         the next push opens again); nothing was accounted and the clock stays."""
-        for k in list(self._frames):
-            self.transport.drop_data(k)
-        self._frames.clear()
-        for stream in self._streams.values():
-            stream.abort()
-        for call in self.started.values():
-            call.cancel()
-        self.started.clear()
-
-    def _attempt(self, k: int, started: Any | None) -> tuple[ps_pb2.PushResponse, int, int, int]:
-        t = self.transport
-        self.sent[k] = 0 if started is None else self.sent[k]
-        conn = self._data_connection(k) if started is None else None
-        if conn is not None and not self._once(k):
-            return self._attempt_data(k, conn, t.next_sequence())
-        if self._order is not None:
-            self._order.give_up(k)  # this push goes on gRPC: no turns to take
-        if started is not None:
-            replies: Iterator[bytes | memoryview] = started
-        elif self._once(k):
-            if conn is not None:  # the whole call on the data connection, sent from the gradients' memory
-                replies = iter([self._call(k, conn, self._once_chunks(k))])
-            else:
-                (only,) = self._messages(k)
-                replies = iter([t.push_pull_once[k](only, timeout=t.timeout, metadata=t.metadata)])
-        else:
-            replies = t.push_pull_calls[k](self._messages(k), timeout=t.timeout, metadata=t.metadata)
-        version, received, answer = self.codec.decode(k, replies, self.flats, t.servers[k], t.received)
-        if answer is None:
-            raise RuntimeError(f"Shard {t.servers[k]} answered PushPull without the push's answer.")
-        self.session.learn(k, answer)
-        return answer, version, self.sent[k], received
-
-    def _once_chunks(self, k: int) -> list[bytes | memoryview]:
-        """Shard ``k``'s one request message as its buffers (:func:`frames.build_chunks`: the
-        partitions' own memory, not joined), counted as sent."""
-        (g,) = self.groups[k]
-        chunks = frames.build_chunks([self._out(k, i) for i in g], self._head(k))
-        n = sum(memoryview(c).nbytes for c in chunks)
-        self.sent[k] += n
-        if self.transport.metrics is not None:
-            self.transport.metrics.sent_bytes.inc(n)
-        return chunks
-
-    def _call(self, k: int, conn: DataConnection, request: dataconn.Body) -> memoryview:
-        """PushPullOnce ``request`` as a call on shard ``k``'s data connection: the same request and
-        response messages as the unary gRPC call, one round trip on the connection.
-
-        Raises:
-            grpc.RpcError: the shard refused the call (:class:`~ps_worker.transport.data_link.DataCallError`,
-            its code and reason); :class:`DataLinkError` (UNAVAILABLE) when the connection failed:
-            the retry goes on gRPC.
-        """
-        t = self.transport
-        try:
-            with conn.lock:
-                return conn.call(t.next_sequence(), request, t.timeout, t.max_message_bytes)
-        except DataLinkError as exc:
-            t.data_failed(k, exc.details())
-            raise
+        for link in self._begun.values():
+            link.cancel()
+        self._begun.clear()
 
     def _send_order(self) -> SendOrder | None:
         """The order of this push's frames across shards (:mod:`ps_worker.transport.frame_sender`), when two
@@ -240,9 +173,9 @@ class PendingPushPull:
         counts: dict[int, int] = {}
         conns = []
         for k in range(self.transport.num_shards):
-            if k in self._frames or k in self.started or self._once(k):
+            if k in self._begun or self.once(k):
                 continue
-            conn = self._data_connection(k)
+            conn = choose_link(self, k).frame_connection()
             if conn is not None and not is_loopback(conn.host):  # on one machine: nothing to gain
                 counts[k] = len(self.codec.owned[k])
                 conns.append(conn)
@@ -251,75 +184,6 @@ class PendingPushPull:
         for conn in conns:
             keep_in_order(conn)
         return SendOrder(counts)
-
-    def _attempt_data(
-        self, k: int, conn: DataConnection, sequence: int, sent_before: int = -1
-    ) -> tuple[ps_pb2.PushResponse, int, int, int]:
-        """One PushPull with the partitions on shard ``k``'s data connection: the call with the
-        header alone, then the frame (from the gradients' memory, on a thread of its own;
-        ``sent_before`` >= 0: its partitions went out during backward and only its end is sent
-        here) while the answer's values come back on the connection into the weights (a streamed
-        round's speculative values too: a round put back sends its own values after them, which
-        overwrite them), then the call's answer (version, push's answer).
-
-        Raises:
-            grpc.RpcError: the call failed; :class:`DataLinkError` (UNAVAILABLE) when the
-            connection did: the retry goes on the gRPC stream.
-        """
-        t, codec = self.transport, self.codec
-        owned = codec.owned[k]
-        with conn.lock:
-            # the call first: its header reaches the shard while the frame is still being sent
-            head = codec.push_pull_head(self.session.stamp(k, self.round), sequence)
-            replies = t.push_pull_calls[k](iter([head]), timeout=t.timeout, metadata=t.metadata)
-            wire = codec.wire
-            targets = []
-            for part in owned:
-                flat = self.flats[part.key][part.offset : part.offset + part.length]
-                targets.append((flat, wire if wire is not None and flat.dtype != wire else flat.dtype))
-            # the frame goes out beside the receive: a streamed round answers each partition while
-            # the later ones are still on their way (both directions of the link busy at once)
-            sending: FrameSender | None = None
-            try:
-                sending = FrameSender(
-                    conn, sequence, len(owned), lambda i: self._out(k, i).values, sent_before, self._order, k
-                )
-                received = conn.receive(
-                    sequence,
-                    targets,
-                    t.timeout,
-                    lambda: replies.done() and replies.code() is not grpc.StatusCode.OK,
-                )
-                sent = sending.join()
-            except DataLinkError as exc:
-                replies.cancel()  # the shard applies nothing of a cancelled call
-                conn.close()
-                if sending is not None:
-                    sending.join(quiet=True)
-                elif self._order is not None:
-                    self._order.give_up(k)
-                t.data_failed(k, exc.details())
-                raise
-            try:
-                msg = frames.read(next(replies))
-            except grpc.RpcError as exc:
-                if exc.code() is grpc.StatusCode.UNAVAILABLE:  # the shard lost the frame, or is stopping
-                    t.data_failed(k, exc.details() or "")
-                raise
-            self.sent[k] = sent
-            if msg.ints.get(4, 0) != sequence or 3 not in msg.blobs or received < 0:
-                t.data_failed(k, "an answer without its data frame")
-                raise DataLinkError(f"Shard {t.servers[k]} answered PushPull {sequence} without its data frame.")
-            version = msg.ints.get(1, 0)
-            answer = ps_pb2.PushResponse.FromString(msg.blobs[3])
-            for _ in replies:  # the stream ends with the status; nothing more comes
-                t.data_failed(k, "more than one answer message")
-                raise DataLinkError(f"Shard {t.servers[k]} sent more than one message for PushPull {sequence}.")
-        if t.metrics is not None:
-            t.metrics.sent_bytes.inc(sent)
-        t.received(received)
-        self.session.learn(k, answer)
-        return answer, version, sent, received
 
     def finish(self) -> int:
         """Send what is left (zeros for parameters without a gradient), wait for every shard,
@@ -337,28 +201,23 @@ class PendingPushPull:
                 self.ready(spec.key, torch.zeros(math.prod(spec.shape), dtype=torch_dtype(spec.dtype)))
         self.path.last_push = _LastPush(self)  # made as the frames are sent; whole once they are
         self.path.last_round = self.round
-        self._order = self._send_order()
-        for stream in self._streams.values():  # every frame is built: the streams may end
-            stream.finish()
+        self.path.skipping = self.skip  # a repush while this push is answered carries its skip
+        self.order = self._send_order()
+        begun = list(self._begun.values())
+        for link in begun:  # every frame is built: the streams may end
+            link.end()
 
-        def one(k: int) -> tuple[ps_pb2.PushResponse, int, int, int]:
-            frame = self._frames.pop(k, None)
-            if frame is not None:
-                conn, sequence = frame
+        def one(k: int) -> Answer:
+            link = self._begun.pop(k, None)
+            if link is not None:
                 try:
-                    return self._attempt_data(k, conn, sequence, self.sent[k])
+                    return link.attempt()
                 except grpc.RpcError:
-                    pass  # as a failed stream: the whole push again, with the same stamp
-            started = self.started.pop(k, None)
-            if started is not None:
-                try:
-                    return self._attempt(k, started)
-                except grpc.RpcError:
-                    # a stream started during backward failed: the whole push again, with the
-                    # same stamp (a shard that accepted it answers as for a duplicate), recovering
+                    # a call begun during backward failed: the whole push again, with the same
+                    # stamp (a shard that accepted it answers as for a duplicate), recovering
                     pass
             return s.with_recovery(
-                k, lambda: self._attempt(k, None), f"PushPull {t.servers[k]}", repush=False, round=self.round
+                k, lambda: choose_link(self, k).attempt(), f"PushPull {t.servers[k]}", repush=False, round=self.round
             )
 
         start = time.perf_counter()
@@ -369,10 +228,11 @@ class PendingPushPull:
                 raise
             s.push_refused()  # too stale: the step is done, its gradient refused
             log.info("rank %d: push refused as too stale (%s); pulling", s.rank, exc.details())
-            return self.path.pull(self.out)
+            return self.path.pull(self.out_tensors)
         finally:
-            for stream in self._streams.values():
-                stream.finish()
+            self.path.skipping = False
+            for link in begun:
+                link.end()
             # from here the gradients may change (zero_grad, the next step's staging): keep the
             # push as it went on the wire, for a repush after a PushLost
             self.path.last_push = [_LastPush(self)[k] for k in range(t.num_shards)]
@@ -401,4 +261,4 @@ class _LastPush(Sequence[list[frames.OutPartition]]):
         if isinstance(k, slice):
             return [self[j] for j in range(len(self))[k]]
         owned = self.pending.codec.owned[k]
-        return [self.pending._out(k, i) for i in range(len(owned))]
+        return [self.pending.out(k, i) for i in range(len(owned))]

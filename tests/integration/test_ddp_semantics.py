@@ -440,16 +440,14 @@ def test_bad_hyperparameters_are_refused_and_change_nothing(start_cluster, hyper
     model = small_model()
     with PSClient([shard.address], rank=0, num_workers=1, timeout=RPC_TIMEOUT) as client:
         client.init(model, {"name": "sgd", "lr": 0.1})
-        client.step_hyperparameters = hyper
         grads = {k: torch.ones_like(p) for k, p in model.named_parameters()}
         with pytest.raises(grpc.RpcError) as info:
-            client.push_pull(grads, {k: p.data for k, p in model.named_parameters()})
+            client.push_pull(grads, {k: p.data for k, p in model.named_parameters()}, hyper)
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert match in info.value.details() and len(info.value.details()) < 1000
         status = shard.shard.status()
         assert status.version == 0 and status.learning_rate == 0.1
-        client.step_hyperparameters = []
-        assert client.push_pull(grads, {k: p.data for k, p in model.named_parameters()}) == 1
+        assert client.push_pull(grads, {k: p.data for k, p in model.named_parameters()}, []) == 1
 
 
 def test_overlap_with_amp_is_refused(start_cluster) -> None:

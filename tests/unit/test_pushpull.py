@@ -101,9 +101,10 @@ def client_parts(shard: FakeShard) -> tuple[DataPath, Session, CollectorRegistry
 def test_a_step_is_stamped_accounted_and_timed_through_the_session() -> None:
     shard = FakeShard()
     path, session, registry = client_parts(shard)
-    session.clock, session.step_hyperparameters = 7, [{"lr": 0.5}]
+    session.clock = 7
     out = {k: torch.zeros_like(v) for k, v in PARAMS.items()}
-    step = PendingPushPull(path, out, stream=True)  # one message: PushPullOnce in finish(), no stream
+    # one message: PushPullOnce in finish(), no stream
+    step = PendingPushPull(path, out, stream=True, hyperparameters=[{"lr": 0.5}])
     step.ready("w", torch.ones(4))
     assert step.finish() == 4  # "b" had no gradient: zeros went
     (header,) = shard.headers
