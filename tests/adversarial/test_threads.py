@@ -290,7 +290,7 @@ def _watch_handlers() -> int:
     count = 0
     for frame in sys._current_frames().values():
         while frame is not None:
-            if frame.f_code.co_name == "WatchStatus" and frame.f_code.co_filename.endswith("servicer.py"):
+            if frame.f_code.co_name == "WatchStatus" and frame.f_globals.get("__name__") == "ps_server.service.admin":
                 count += 1
                 break
             frame = frame.f_back
