@@ -13,13 +13,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from ps_common import frames
+from ps_common import fields, frames
 from ps_common.errors import InvalidRequestError
 from ps_common.partition import WirePartition
 from ps_server.core.partitions import Intake
-
-HEADER_FIELD = 1
-"""Field number of the header in InitRequest, PushRequest, ExchangeRequest and PushPullRequest."""
 
 
 @dataclass
@@ -86,22 +83,22 @@ class _Reader:
 
     def _open(self, msg: frames.Message) -> Intake:
         """Parse the header of the first message and open the intake; count the whole message."""
-        raw = msg.blobs.get(HEADER_FIELD)
+        raw = msg.blobs.get(fields.HEADER)
         if raw is None:
             raise InvalidRequestError(f"A {self.what} stream must start with a header message.")
-        self.header, self.header_bytes = msg.sub(HEADER_FIELD, self.header_cls), len(raw)
+        self.header, self.header_bytes = msg.sub(fields.HEADER, self.header_cls), len(raw)
         intake = self.intake = self.open_(self.header)
         intake.charge(self._raw_size)
         return intake
 
     def _check(self, msg: frames.Message, part: WirePartition) -> WirePartition:
         """Called by :func:`frames.read` on each partition as it is read."""
-        if not self.packed and (msg.partitions or HEADER_FIELD in msg.blobs):
+        if not self.packed and (msg.partitions or fields.HEADER in msg.blobs):
             raise InvalidRequestError(f"A {self.what} message carries a header or one partition, not both.")
         intake = self.intake
         if intake is None:
             intake = self._open(msg)
-        elif not msg.partitions and not self._is_first and HEADER_FIELD in msg.blobs:
+        elif not msg.partitions and not self._is_first and fields.HEADER in msg.blobs:
             raise InvalidRequestError(f"A {self.what} stream carries one header, then only partitions.")
         return intake.add(part)
 
@@ -119,9 +116,9 @@ class _Reader:
         if self._is_first:
             if self.intake is None:  # a header alone
                 self._open(msg)
-            elif len(msg.blobs.get(HEADER_FIELD, b"")) != self.header_bytes:  # more header after partitions
+            elif len(msg.blobs.get(fields.HEADER, b"")) != self.header_bytes:  # more header after partitions
                 raise InvalidRequestError(f"A {self.what} stream carries one header, then only partitions.")
             self.first = msg
-        elif HEADER_FIELD in msg.blobs or not msg.partitions:
+        elif fields.HEADER in msg.blobs or not msg.partitions:
             raise InvalidRequestError(f"A {self.what} stream carries one header, then only partitions.")
         self.parts += msg.partitions
