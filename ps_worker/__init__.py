@@ -8,8 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ps_worker.client import PSClient
-    from ps_worker.env import init_from_env
+    from ps_worker.client import PSClient, init_from_env
     from ps_worker.errors import RoundTimeoutError, ShardError, ShardUnreachableError
     from ps_worker.optimizer import DistributedOptimizer
 
@@ -35,7 +34,7 @@ def __getattr__(name: str) -> Any:
 
         return DistributedOptimizer
     if name == "init_from_env":
-        from ps_worker.env import init_from_env
+        from ps_worker.client import init_from_env
 
         return init_from_env
     if name in _ERRORS or name[:1].isupper():  # the error classes of ps_worker.errors

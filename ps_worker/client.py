@@ -1,15 +1,18 @@
-"""``PSClient``: a worker's connection to every shard of a grpc-ps cluster (DESIGN section 9).
+"""``PSClient``: a worker's connection to every shard of a grpc-ps cluster (``docs/architecture.md``).
 
 One channel per shard; pushes and pulls go to all shards in parallel, each as a stream of
 partitions. Tensors may live on any device: device tensors are staged through pinned host memory
 with ``non_blocking=True`` copies. A facade over ``transport`` (channels, fan-out, retries),
 ``session`` (rank, clock, versions; join, heartbeats, recovery), ``staging`` (pinned buffers),
-``encoding`` (frames, pure given the plan), ``calls`` and ``pushpull`` (the data calls).
+``encoding`` (frames, pure given the plan), ``calls`` and ``pushpull`` (the data calls);
+construction from the environment contract (:mod:`ps_worker.env`) and the full model out of every
+shard (:mod:`ps_worker.export`).
 """
 
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -17,16 +20,19 @@ import torch
 
 from ps_common.channels import parse_servers
 from ps_common.frames import MESSAGE_OVERHEAD_BYTES
+from ps_common.modes import ModeSettings
+from ps_common.optimizer import OptimizerSpec
 from ps_common.plan import DEFAULT_PARTITION_BYTES, Plan
 from ps_common.tables import TableSpec
 from ps_common.wire import optimizer_from_proto
 from ps_proto.v1 import ps_pb2
+from ps_worker import env, export
 from ps_worker.compression import TopK
+from ps_worker.consistency import WorkerMode
 from ps_worker.errors import reason_of
-from ps_worker.model_io import ModelIO
 from ps_worker.planning import model_plan, model_specs
 from ps_worker.session import Session
-from ps_worker.session_view import SessionView
+from ps_worker.session_view import SessionField
 from ps_worker.staging import HostStaging
 from ps_worker.tables.client import TableClient
 from ps_worker.tables.modules import attach_tables
@@ -38,10 +44,10 @@ from ps_worker.transport.pushpull import PendingPushPull
 if TYPE_CHECKING:
     from ps_worker.metrics import WorkerMetrics
 
-__all__ = ["PSClient", "PendingPushPull", "model_specs", "reason_of", "WIRE_DTYPES"]
+__all__ = ["PSClient", "PendingPushPull", "init_from_env", "model_specs", "reason_of", "WIRE_DTYPES"]
 
 
-class PSClient(SessionView, ModelIO):
+class PSClient:
     """A worker's handle on all shards.
 
     Args:
@@ -54,7 +60,7 @@ class PSClient(SessionView, ModelIO):
         timeout: per-RPC deadline in seconds; a sync pull waits at most this long for its round.
         retry_deadline: seconds to keep retrying UNAVAILABLE (backoff with jitter).
         partition_bytes: largest partition payload in bytes (all workers must agree).
-        tls_ca: PEM file of the CA of the shards' certificates: use TLS (DESIGN section 8).
+        tls_ca: PEM file of the CA of the shards' certificates: use TLS (``docs/architecture.md``).
         tls_cert: PEM client certificate for mutual TLS (with ``tls_key``).
         tls_key: PEM private key of ``tls_cert``.
         metrics: where to record push/pull seconds and bytes; None records nothing.
@@ -70,8 +76,7 @@ class PSClient(SessionView, ModelIO):
             (:data:`~ps_common.dataconn.DATA_PATHS`).
 
     The session's state (``mode``, ``clock``, ``version``, ``versions``, counters...) reads through
-    the client (:class:`~ps_worker.session_view.SessionView`); ``PSClient.from_env``, ``state_dict`` and
-    ``pull_into`` come from :class:`~ps_worker.model_io.ModelIO`.
+    the client: each is a :class:`~ps_worker.session_view.SessionField` of ``client.session``.
 
     Raises:
         ValueError: bad arguments.
@@ -79,6 +84,26 @@ class PSClient(SessionView, ModelIO):
 
     tables: TableClient | None = None
     """The model's embedding tables (``ps_worker.tables.modules``), set by :meth:`init` or :meth:`init_tables`."""
+
+    # the session's state, read (and, by tests and tools, written) through the client
+    mode: SessionField[str] = SessionField()
+    num_workers: SessionField[int] = SessionField()
+    """The cluster's worker count: the one given, until shard 0 resizes the job."""
+    config: SessionField[ps_pb2.ClusterConfig] = SessionField()
+    settings: SessionField[ModeSettings | None] = SessionField()
+    lease_timeout: SessionField[float] = SessionField()
+    incarnation: SessionField[int] = SessionField()
+    clock: SessionField[int] = SessionField()
+    exchanges: SessionField[int] = SessionField()
+    version: SessionField[int] = SessionField()
+    versions: SessionField[list[int]] = SessionField()
+    pushed_bytes: SessionField[int] = SessionField()
+    pulled_bytes: SessionField[int] = SessionField()
+    staleness: SessionField[Counter[int]] = SessionField()
+    recoveries: SessionField[Counter[str]] = SessionField()
+    refused_pushes: SessionField[int] = SessionField()
+    dropped_pushes: SessionField[int] = SessionField()
+    last_step_skipped: SessionField[bool] = SessionField()
 
     def __init__(
         self,
@@ -131,9 +156,32 @@ class PSClient(SessionView, ModelIO):
         self.path = DataPath(self.transport, self.session, self.staging, metrics)
         self._closed = False
 
+    @classmethod
+    def from_env(
+        cls, model: torch.nn.Module | None = None, optimizer: Mapping[str, Any] | None = None, **overrides: Any
+    ) -> PSClient:
+        """A client configured by the environment contract (:data:`ps_worker.env.CONTRACT`), joined
+        and initialized with ``model`` when given (``optimizer``: default from ``PS_OPTIMIZER``,
+        ``PS_LR``, ``PS_MOMENTUM``); ``overrides`` are constructor arguments that win.
+
+        Raises:
+            ps_worker.env.EnvError: a variable is missing or invalid (the message names it).
+        """
+        return env.init_from_env(model, optimizer, client_class=cls, **overrides)
+
     @property
     def num_shards(self) -> int:
         return len(self.servers)
+
+    @property
+    def worker_mode(self) -> WorkerMode:
+        """What a step does in the cluster's mode (:mod:`ps_worker.consistency`)."""
+        return self.session.worker
+
+    @property
+    def optimizer_spec(self) -> OptimizerSpec | None:
+        """The server optimizer's spec in force (rank 0's, as the shards hold it), once initialized."""
+        return self.session.optimizer
 
     @property
     def plan(self) -> Plan | None:
@@ -342,6 +390,28 @@ class PSClient(SessionView, ModelIO):
         """
         return self.path.exchange(params)
 
+    # ------------------------------------------------------------------ the whole model
+    def state_dict(
+        self, like: Mapping[str, torch.Tensor] | None = None, min_version: int | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Every parameter and buffer of the job as full CPU tensors, for ``torch.save`` and
+        ``model.load_state_dict`` (see :func:`ps_worker.export.state_dict`).
+
+        Raises:
+            RuntimeError: not initialized yet. grpc.RpcError: a shard refused the pull.
+        """
+        return export.state_dict(self, like, min_version)
+
+    def pull_into(self, model: torch.nn.Module, min_version: int | None = None) -> int:
+        """Copy the shards' parameters and buffers into ``model`` in place; returns the version read
+        (see :func:`ps_worker.export.pull_into`).
+
+        Raises:
+            KeyError, ValueError: ``model`` is another architecture. RuntimeError, grpc.RpcError: as
+            :meth:`state_dict`.
+        """
+        return export.pull_into(self, model, min_version)
+
     # ------------------------------------------------------------------ shutdown
     def close(self) -> None:
         """Leave every shard (best effort), stop heartbeats, close the channels and join the
@@ -356,3 +426,11 @@ class PSClient(SessionView, ModelIO):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def init_from_env(
+    model: torch.nn.Module | None = None, optimizer: Mapping[str, Any] | None = None, **overrides: Any
+) -> PSClient:
+    """:meth:`PSClient.from_env`, exported as ``ps_worker.init_from_env``; ``overrides`` may also name
+    ``environ`` and ``client_class`` (see :func:`ps_worker.env.init_from_env`)."""
+    return env.init_from_env(model, optimizer, **{"client_class": PSClient, **overrides})

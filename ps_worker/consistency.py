@@ -1,4 +1,4 @@
-"""The worker side of the consistency models (DESIGN section 5): one object per mode.
+"""The worker side of the consistency models (``docs/architecture.md``): one object per mode.
 
 The shard decides when an update applies; the worker decides what a step sends and what it waits
 for. Each :class:`WorkerMode` says that for one mode, and is looked up by name in
@@ -13,26 +13,57 @@ for. Each :class:`WorkerMode` says that for one mode, and is looked up by name i
   exchanges its parameters with the center (async EASGD, Zhang, Choromanska, LeCun 2015,
   Algorithm 1); at the end the center is the model.
 
+Every question the worker asks of its mode goes to its :class:`WorkerMode` (which step counter a
+training loop follows, the floor of a table pull, whether a rejoin keeps the step's gradient, whether
+a resize waits for a round); no other worker module compares mode names.
+
 The mode's parameters come from one place: :func:`settings_from_config` reads the
 :class:`~ps_common.modes.ModeSettings` of a Join response's ``ClusterConfig``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Mapping, Sequence
+from typing import Protocol
 
+import grpc
 import torch
 
 from ps_common import modes
 from ps_common.modes import ModeSettings
 from ps_common.wire import MODE_TO_NAME
 from ps_proto.v1 import ps_pb2
+from ps_worker.errors import StalePush
 
-if TYPE_CHECKING:
-    from ps_worker.client import PSClient
-    from ps_worker.optimizer import DistributedOptimizer
-    from ps_worker.session import Session
+
+class Progress(Protocol):
+    """What a mode reads and sets of a worker's session (:class:`~ps_worker.session.Session`)."""
+
+    rank: int
+    clock: int
+    """Completed steps (pushes) of this rank."""
+    exchanges: int
+    """Completed EASGD exchanges."""
+    version: int
+    """The lowest of :attr:`versions`."""
+    versions: list[int]
+    """Per shard, the version this rank last pulled (sync: the round it pushes next)."""
+    pushed: list[bool]
+    """Per shard, a push of this rank waits in the shard's open round."""
+
+
+class Stepper(Protocol):
+    """The two kinds of step of a :class:`~ps_worker.optimizer.DistributedOptimizer`."""
+
+    def push_pull_step(self, skip: bool) -> int: ...
+
+    def local_step(self, skip: bool) -> int: ...
+
+
+class Puller(Protocol):
+    """What reads the shards' parameters (:meth:`~ps_worker.client.PSClient.pull`)."""
+
+    def pull(self, out: Mapping[str, torch.Tensor], min_version: int | None = None) -> int: ...
 
 
 def settings_from_config(config: ps_pb2.ClusterConfig) -> ModeSettings:
@@ -52,31 +83,58 @@ class WorkerMode:
     """The step runs a local optimizer (the shards keep a center, not the model)."""
     counts_staleness = True
     """The push's staleness is recorded in ``client.staleness`` (sync pushes are never stale)."""
+    pushes_in_rounds = False
+    """A push belongs to one round, the same on every shard (sync): every shard counts the rank in
+    each round (a table push goes to every shard, empty or not), and a resize waits for its round."""
 
-    def adopt_join(self, session: Session, replies: Sequence[ps_pb2.JoinResponse]) -> None:
+    def adopt_join(self, session: Progress, replies: Sequence[ps_pb2.JoinResponse]) -> None:
         """Take the progress the shards remember for this rank (a restarted rank resumes there)."""
         session.clock = max(r.clock for r in replies)
 
-    def after_init(self, session: Session) -> None:
+    def after_init(self, session: Progress) -> None:
         """Once the initial weights are pulled (``session.version`` is the shards' lowest version)."""
 
-    def push_clock(self, session: Session, k: int) -> int:
+    def push_clock(self, session: Progress, k: int) -> int:
         """The ``clock`` a push to shard ``k`` is stamped with: the step count."""
         return session.clock
 
-    def pull_floor(self, session: Session, k: int) -> int:
+    def pull_floor(self, session: Progress, k: int) -> int:
         """The version a pull from shard ``k`` waits for (async, ssp: none; ssp's wait is the shard's)."""
         return 0
 
-    def shard_clock(self, session: Session) -> int:
+    def push_round(self, session: Progress) -> int | None:
+        """The round a push made now is for, the same on every shard and fixed for the push, retries
+        included (sync); None: the push is stamped with the step count."""
+        return None
+
+    def table_pull_floor(self, table_clock: int) -> int:
+        """The table version a PullRows waits for, given this rank's next PushRows clock."""
+        return 0
+
+    def next_step(self, step: int, version: int) -> int:
+        """The training step after ``step``, once the model holds ``version``: the next one."""
+        return step + 1
+
+    def resize_pending(self, step: int, resize_version: int) -> bool:
+        """Whether the worker count before a resize of version ``resize_version`` still holds at
+        ``step`` (the resize applies at once: never)."""
+        return False
+
+    def after_rejoin(
+        self, session: Progress, k: int, reply: ps_pb2.JoinResponse, round: int | None, address: str
+    ) -> None:
+        """Check a rejoin of shard ``k`` during a recovery (``reply``: its Join answer; ``round``:
+        the round the recovered call pushes, or None). Nothing to check but in sync."""
+
+    def shard_clock(self, session: Progress) -> int:
         """The count the shards keep for this rank (Join's ``clock``): its pushes."""
         return session.clock
 
-    def progress(self, session: Session, settings: ModeSettings) -> int:
+    def progress(self, session: Progress, settings: ModeSettings) -> int:
         """The training step this rank is at (where a restarted rank resumes)."""
         return session.clock
 
-    def step(self, opt: DistributedOptimizer, skip: bool) -> int:
+    def step(self, opt: Stepper, skip: bool) -> int:
         """One ``DistributedOptimizer.step()``'s communication; returns the version the model holds.
 
         Args:
@@ -85,7 +143,7 @@ class WorkerMode:
         """
         return opt.push_pull_step(skip)
 
-    def finish(self, client: PSClient, model: torch.nn.Module) -> None:
+    def finish(self, client: Puller, model: torch.nn.Module) -> None:
         """After the last step: make ``model`` the model the job trained (nothing to do but in easgd)."""
 
 
@@ -111,21 +169,68 @@ class Synchronous(WorkerMode):
 
     name = "sync"
     counts_staleness = False
+    pushes_in_rounds = True
 
-    def adopt_join(self, session: Session, replies: Sequence[ps_pb2.JoinResponse]) -> None:
+    def adopt_join(self, session: Progress, replies: Sequence[ps_pb2.JoinResponse]) -> None:
         """The round each shard takes this rank's push in next (a rank counted again after an
         eviction: shard 0's next round, on every shard): the first pull waits for it."""
         super().adopt_join(session, replies)
         session.versions = [int(r.clock) for r in replies]
 
-    def after_init(self, session: Session) -> None:
+    def after_init(self, session: Progress) -> None:
         session.clock = max(session.clock, session.version)
 
-    def push_clock(self, session: Session, k: int) -> int:
+    def push_clock(self, session: Progress, k: int) -> int:
         return min(session.versions)
 
-    def pull_floor(self, session: Session, k: int) -> int:
+    def pull_floor(self, session: Progress, k: int) -> int:
         return session.versions[k] + 1 if session.pushed[k] else session.versions[k]
+
+    def push_round(self, session: Progress) -> int | None:
+        return self.push_clock(session, 0)
+
+    def table_pull_floor(self, table_clock: int) -> int:
+        """The table round this rank pushes next: its result."""
+        return table_clock
+
+    def next_step(self, step: int, version: int) -> int:
+        """The round the rank holds next, the same on every rank (a refused push does not move it;
+        a rank counted again from a later round skips to it)."""
+        return version
+
+    def resize_pending(self, step: int, resize_version: int) -> bool:
+        """The resize holds from its round on."""
+        return step < resize_version
+
+    def after_rejoin(
+        self, session: Progress, k: int, reply: ps_pb2.JoinResponse, round: int | None, address: str
+    ) -> None:
+        """A push stamped for one round is never sent again for another.
+
+        Raises:
+            StalePush: the rank was counted again from a later round than the shard's (a rejoin
+                after an eviction: ``versions[k]`` becomes that round, the pull waits for it), or
+                the shard takes this rank's push in another round than ``round`` now (it restarted
+                from an older checkpoint): the step's gradient is dropped.
+        """
+        if reply.clock > reply.version:
+            # counted again from a later round, on every shard (shard 0 decided): this step's
+            # gradient is for a round that goes on without this rank; wait for that round's result
+            session.versions[k] = int(reply.clock)
+            raise StalePush(
+                address,
+                grpc.StatusCode.ABORTED,
+                f"rank {session.rank} rejoined and counts from round {reply.clock}: this step's gradient is dropped",
+            )
+        if round is not None and int(reply.clock) != round:
+            # the gradient was computed for ``round``; pushed again, it would be stamped for another
+            # round on this shard than on the others (the shards would close rounds differently)
+            raise StalePush(
+                address,
+                grpc.StatusCode.ABORTED,
+                f"rank {session.rank}'s push for round {round} cannot be taken by shard {address} any more: "
+                f"it takes this rank's push in round {reply.clock} now; this step's gradient is dropped",
+            )
 
 
 class ElasticAveraging(WorkerMode):
@@ -135,20 +240,20 @@ class ElasticAveraging(WorkerMode):
     name = "easgd"
     local_optimizer = True
 
-    def adopt_join(self, session: Session, replies: Sequence[ps_pb2.JoinResponse]) -> None:
+    def adopt_join(self, session: Progress, replies: Sequence[ps_pb2.JoinResponse]) -> None:
         session.exchanges = max(r.clock for r in replies)
 
-    def shard_clock(self, session: Session) -> int:
+    def shard_clock(self, session: Progress) -> int:
         """Its exchanges."""
         return session.exchanges
 
-    def progress(self, session: Session, settings: ModeSettings) -> int:
+    def progress(self, session: Progress, settings: ModeSettings) -> int:
         return session.exchanges * settings.communication_period
 
-    def step(self, opt: DistributedOptimizer, skip: bool) -> int:
+    def step(self, opt: Stepper, skip: bool) -> int:
         return opt.local_step(skip)
 
-    def finish(self, client: PSClient, model: torch.nn.Module) -> None:
+    def finish(self, client: Puller, model: torch.nn.Module) -> None:
         """The center is EASGD's model; local x only explores around it: pull it into ``model``."""
         client.pull({k: p.data for k, p in model.named_parameters()})
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from ps_common.channels import parse_servers
 from ps_common.dataconn import DATA_PATHS
@@ -23,7 +23,16 @@ from ps_common.flags import secret
 if TYPE_CHECKING:
     import torch
 
-    from ps_worker.client import PSClient
+
+class Client(Protocol):
+    """What this module needs of a client class's instances (:class:`~ps_worker.client.PSClient`)."""
+
+    def init(self, model: torch.nn.Module, optimizer: Mapping[str, Any] | None = None) -> None: ...
+
+    def close(self) -> None: ...
+
+
+C = TypeVar("C", bound=Client)
 
 WIRE_DTYPES = ("native", "bfloat16", "float16")
 OPTIMIZERS = ("sgd", "adam", "adamw", "adagrad", "rmsprop")
@@ -135,11 +144,9 @@ class Settings:
 
         return optimizer_spec(self.optimizer, self.lr, self.momentum)
 
-    def client(self, client_class: type[PSClient] | None = None, **overrides: Any) -> PSClient:
-        """A :class:`PSClient` with these settings (``overrides``: its keyword arguments, which win),
-        not yet joined: call ``init(model, ...)`` next."""
-        if client_class is None:
-            from ps_worker.client import PSClient as client_class
+    def client(self, client_class: type[C], **overrides: Any) -> C:
+        """A ``client_class`` (:class:`~ps_worker.client.PSClient` or a subclass) with these settings
+        (``overrides``: its keyword arguments, which win), not yet joined: call ``init(model, ...)`` next."""
         kwargs: dict[str, Any] = {
             "incarnation": self.incarnation,
             "token": self.token or None,
@@ -225,9 +232,9 @@ def init_from_env(
     optimizer: Mapping[str, Any] | None = None,
     *,
     environ: Mapping[str, str] | None = None,
-    client_class: type[PSClient] | None = None,
+    client_class: type[C],
     **overrides: Any,
-) -> PSClient:
+) -> C:
     """A client of the cluster the environment names, joined with ``model`` when one is given.
 
     Args:
@@ -235,7 +242,8 @@ def init_from_env(
             None: the client is returned not yet joined.
         optimizer: the server-side optimizer spec; default: ``PS_OPTIMIZER``/``PS_LR``/``PS_MOMENTUM``.
         environ: where the contract is read (``os.environ`` by default).
-        client_class: ``PSClient`` or a subclass.
+        client_class: ``PSClient`` or a subclass (``PSClient.from_env`` and ``ps_worker.init_from_env``
+            pass ``PSClient``).
         overrides: ``PSClient`` keyword arguments that win over the environment.
 
     Raises:

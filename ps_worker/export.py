@@ -8,18 +8,28 @@ After the workers are gone, ``ps-admin export --out model.pt`` gives the same fi
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from ps_common.codec import torch_dtype
+from ps_common.plan import Plan
 
-if TYPE_CHECKING:
-    from ps_worker.client import PSClient
+
+class Source(Protocol):
+    """What the export reads through (:class:`~ps_worker.client.PSClient`)."""
+
+    @property
+    def plan(self) -> Plan | None: ...
+
+    @property
+    def version(self) -> int: ...
+
+    def pull(self, out: Mapping[str, torch.Tensor], min_version: int | None = None) -> int: ...
 
 
 def state_dict(
-    client: PSClient, like: Mapping[str, torch.Tensor] | None = None, min_version: int | None = None
+    client: Source, like: Mapping[str, torch.Tensor] | None = None, min_version: int | None = None
 ) -> dict[str, torch.Tensor]:
     """Every parameter (and buffer) of the plan as full CPU tensors: what ``torch.save`` writes and
     ``model.load_state_dict`` accepts.
@@ -50,7 +60,7 @@ def state_dict(
     return out
 
 
-def pull_into(client: PSClient, model: torch.nn.Module, min_version: int | None = None) -> int:
+def pull_into(client: Source, model: torch.nn.Module, min_version: int | None = None) -> int:
     """Copy the shards' parameters and buffers into ``model`` (any device), in place.
 
     Args:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
@@ -26,9 +25,10 @@ from ps_proto.v1 import ps_pb2
 from ps_worker import errors
 from ps_worker.consistency import WorkerMode, settings_from_config, worker_mode
 from ps_worker.errors import HINT_UNREACHABLE, ShardUnreachableError, error_from_rpc
+from ps_worker.heartbeat import Heartbeat
 from ps_worker.relay import EpochRelay
 from ps_worker.transport.encoding import Stamp
-from ps_worker.transport.grpc_link import LEAVE_SECONDS, Transport
+from ps_worker.transport.grpc_link import Transport
 from ps_worker.transport.retry import RETRYABLE, backoff_delays
 
 log = logging.getLogger(__name__)
@@ -44,7 +44,7 @@ JOIN_ATTEMPT_SECONDS = 5.0
 """Longest single Join attempt, seconds (Join answers in milliseconds; the rest is connecting)."""
 
 
-class Session(EpochRelay):
+class Session:
     """Membership and progress of one worker process at every shard.
 
     Args:
@@ -62,6 +62,8 @@ class Session(EpochRelay):
         staleness: histogram of the staleness of this rank's applied pushes (async, ssp).
         reinit: rank 0's way to write shard ``k``'s values again (set by the client).
         repush: pushes the last gradient to shard ``k`` again (set by the client).
+        epochs: the membership records as this worker knows them (:class:`~ps_worker.relay.EpochRelay`).
+        on_resize: called with a membership record that changes the worker count.
     """
 
     def __init__(self, transport: Transport, rank: int, num_workers: int, incarnation: int) -> None:
@@ -92,9 +94,9 @@ class Session(EpochRelay):
         self.plan_digest = ""
         self.reinit: Callable[[int], None] | None = None
         self.repush: Callable[[int], None] | None = None
-        self._heartbeat_stop = threading.Event()
-        self._heartbeat: threading.Thread | None = None
-        EpochRelay.__init__(self, n)
+        self.epochs = EpochRelay(n, self._resized)
+        self.on_resize: Callable[[ps_pb2.MembershipEpoch], None] | None = None
+        self.heartbeat = Heartbeat(self)
 
     @property
     def mode(self) -> str:
@@ -105,6 +107,38 @@ class Session(EpochRelay):
     def mode(self, name: str) -> None:
         self.worker = worker_mode(name)
         self._mode = name
+
+    # ------------------------------------------------------------------ membership records
+    @property
+    def membership(self) -> ps_pb2.MembershipEpoch:
+        """The newest membership record this worker has seen (epoch 0: none yet)."""
+        return self.epochs.membership
+
+    def relayed(self, k: int) -> tuple[int, ps_pb2.MembershipEpoch | None]:
+        """What a request to shard ``k`` carries (:meth:`EpochRelay.relayed`)."""
+        return self.epochs.relayed(k)
+
+    def learn(self, k: int, answer: object) -> None:
+        """Adopt the membership record of shard ``k``'s answer (:meth:`EpochRelay.learn`)."""
+        self.epochs.learn(k, answer)
+
+    def in_cluster(self, clock: int) -> bool:
+        """Whether this rank pushes step ``clock`` (:meth:`EpochRelay.in_cluster`)."""
+        return self.epochs.in_cluster(self.rank, clock, self.worker)
+
+    def _resized(self, record: ps_pb2.MembershipEpoch) -> None:
+        previous, self.num_workers = self.num_workers, int(record.num_workers)
+        if previous != self.num_workers:
+            log.info(
+                "rank %d: the cluster has %d workers from version %d on (was %d; membership epoch %d)",
+                self.rank,
+                self.num_workers,
+                record.resize_version,
+                previous,
+                record.epoch,
+            )
+        if self.on_resize is not None:
+            self.on_resize(record)
 
     # ------------------------------------------------------------------ joining
     def join_request(self, k: int = 0) -> ps_pb2.JoinRequest:
@@ -136,11 +170,7 @@ class Session(EpochRelay):
             # each attempt is short: a connection that hangs (a dropped SYN) must not use the whole budget
             attempt = max(0.1, min(t.timeout, stop - time.monotonic(), JOIN_ATTEMPT_SECONDS))
             try:
-                reply = t.stubs[k].Join(req, timeout=attempt, metadata=t.metadata)
-                self.sessions[k] = reply.session
-                self.learn(k, reply)
-                t.offer_data_port(k, reply.data_port)
-                return reply
+                return self._join_once(k, req, attempt)
             except grpc.RpcError as exc:
                 code = exc.code()
                 if code not in RETRYABLE:
@@ -222,9 +252,12 @@ class Session(EpochRelay):
                     f"{self.plan_digest[:12]}; every worker must build the same model."
                 )
 
-    def _join_once(self, k: int) -> ps_pb2.JoinResponse:
+    def _join_once(
+        self, k: int, req: ps_pb2.JoinRequest | None = None, timeout: float | None = None
+    ) -> ps_pb2.JoinResponse:
         t = self.transport
-        reply = t.stubs[k].Join(self.join_request(k), timeout=t.timeout, metadata=t.metadata)
+        req = self.join_request(k) if req is None else req
+        reply = t.stubs[k].Join(req, timeout=t.timeout if timeout is None else timeout, metadata=t.metadata)
         self.sessions[k] = reply.session
         self.learn(k, reply)
         t.offer_data_port(k, reply.data_port)
@@ -232,45 +265,12 @@ class Session(EpochRelay):
 
     # ------------------------------------------------------------------ heartbeats
     def start_heartbeat(self) -> None:
-        """Start the heartbeat thread (once): a Heartbeat to every shard each third of the lease
-        (shard 0 renews the lease; every shard gets the membership record it lacks), and at once
-        when a shard is behind this worker's membership epoch."""
-        if self._heartbeat is None:
-            self._heartbeat = threading.Thread(target=self._beat, name=f"ps-heartbeat-{self.rank}", daemon=True)
-            self._heartbeat.start()
+        """Start the heartbeat thread (once; :class:`~ps_worker.heartbeat.Heartbeat`)."""
+        self.heartbeat.start()
 
     def stop_heartbeat(self, wait: bool = True) -> None:
-        """Stop the heartbeat thread; ``wait``: join it (at most :data:`LEAVE_SECONDS`)."""
-        self._heartbeat_stop.set()
-        self._relay.set()
-        if wait and self._heartbeat is not None:
-            self._heartbeat.join(timeout=LEAVE_SECONDS)
-
-    def _beat(self) -> None:
-        t = self.transport
-        period = self.lease_timeout / 3
-        due = time.monotonic() + period
-        while not self._heartbeat_stop.is_set():
-            relay = self._relay.wait(max(0.0, due - time.monotonic()))
-            self._relay.clear()
-            if self._heartbeat_stop.is_set():
-                return
-            full = not relay or time.monotonic() >= due
-            if full:
-                due = time.monotonic() + period
-            for k, stub in enumerate(t.stubs):
-                epoch, record = self.relayed(k)
-                if not full and record is None:
-                    continue  # a relay round: only the shards behind
-                req = ps_pb2.HeartbeatRequest(
-                    rank=self.rank, incarnation=self.incarnation, membership_epoch=epoch, membership=record
-                )
-                try:
-                    answer = stub.Heartbeat(req, timeout=max(1.0, period), metadata=t.metadata)
-                    self.learn(k, answer)
-                    t.offer_data_port(k, answer.data_port, joined=False)
-                except grpc.RpcError as exc:
-                    log.debug("heartbeat to %s failed: %s", t.servers[k], exc.code())
+        """Stop the heartbeat thread; ``wait``: join it (at most ``LEAVE_SECONDS``)."""
+        self.heartbeat.stop(wait)
 
     # ------------------------------------------------------------------ recovery
     def with_recovery(self, k: int, fn: Callable[[], T], what: str, repush: bool = True, round: int | None = None) -> T:
@@ -307,11 +307,8 @@ class Session(EpochRelay):
                 it); None for a call that pushes nothing.
 
         Raises:
-            StalePush: sync, the rank was counted again from a later round than the shard's (a rejoin
-                after an eviction), or the shard now takes this rank's push in another round than
-                ``round`` (it restarted from an older checkpoint, or counts the rank again from a
-                later round): the step's gradient is dropped (a push stamped for one round is never
-                sent again for another) and the pull waits for the shard's round.
+            StalePush: the mode refuses the rejoin's round (sync: the step's gradient is dropped; see
+                :meth:`WorkerMode.after_rejoin <ps_worker.consistency.WorkerMode.after_rejoin>`).
         """
         if not isinstance(err, errors.RECOVERABLE):
             return False
@@ -332,24 +329,7 @@ class Session(EpochRelay):
             reply = self.join_shard(k)
         self.versions[k] = reply.version
         self.pushed[k] = False
-        if self.mode == "sync" and reply.clock > reply.version:
-            # counted again from a later round, on every shard (shard 0 decided): this step's
-            # gradient is for a round that goes on without this rank; wait for that round's result
-            self.versions[k] = int(reply.clock)
-            raise errors.StalePush(
-                address,
-                grpc.StatusCode.ABORTED,
-                f"rank {self.rank} rejoined and counts from round {reply.clock}: this step's gradient is dropped",
-            )
-        if self.mode == "sync" and round is not None and int(reply.clock) != round:
-            # the gradient was computed for ``round``; pushed again, it would be stamped for another
-            # round on this shard than on the others (the shards would close rounds differently)
-            raise errors.StalePush(
-                address,
-                grpc.StatusCode.ABORTED,
-                f"rank {self.rank}'s push for round {round} cannot be taken by shard {address} any more: "
-                f"it takes this rank's push in round {reply.clock} now; this step's gradient is dropped",
-            )
+        self.worker.after_rejoin(self, k, reply, round, address)
         if isinstance(err, errors.PushLost) and repush and self.repush is not None:
             self.repush(k)
         return True
@@ -381,7 +361,7 @@ class Session(EpochRelay):
     def push_round(self) -> int | None:
         """sync: the round a push made now is for, the same on every shard (fixed for the push,
         retries included: see :meth:`recover`); other modes: None (the clock is the step count)."""
-        return self.worker.push_clock(self, 0) if self.mode == "sync" else None
+        return self.worker.push_round(self)
 
     def pull_floor(self, k: int, min_version: int | None) -> int:
         """The version a pull from shard ``k`` waits for: ``min_version``, or the mode's."""
@@ -401,8 +381,8 @@ class Session(EpochRelay):
             self.dropped_pushes += 1
         elif not first.duplicate and self.worker.counts_staleness:
             self.staleness[int(first.staleness)] += 1
-        if first.mode and MODE_TO_NAME.get(first.mode, self.mode) != self.mode:
-            new = MODE_TO_NAME[first.mode]
+        new = MODE_TO_NAME.get(first.mode, self.mode) if first.mode else self.mode
+        if new != self.mode:
             log.info("rank %d: the cluster switched from %s to %s", self.rank, self.mode, new)
             self.mode = new
             if self.settings is not None:

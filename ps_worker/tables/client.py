@@ -162,7 +162,7 @@ class TableClient:
             KeyError: an unknown table. ShardError: a refusal (ids out of range: INVALID_ARGUMENT).
         """
         clock = self._ensure()
-        min_version = clock if self.session.mode == "sync" else 0
+        min_version = self.session.worker.table_pull_floor(clock)
         n = self.transport.num_shards
         plan: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         per_shard: list[list[tuple[str, torch.Tensor]]] = [[] for _ in range(n)]
@@ -269,10 +269,10 @@ class TableClient:
                     f"({budget}); nothing was pushed. Touch fewer rows per step (a smaller batch), or raise the "
                     "client's partition_bytes (and the shards' --max-message-bytes)."
                 )
-        sync = self.session.mode == "sync"
+        every_shard = self.session.worker.pushes_in_rounds  # each shard counts the rank in its table round
 
         def push_shard(k: int) -> ps_pb2.PushRowsResponse | None:
-            if not per_shard[k] and not sync:
+            if not per_shard[k] and not every_shard:
                 return None
             request = ps_pb2.PushRowsRequest(
                 rank=self.session.rank,

@@ -23,7 +23,7 @@ from __future__ import annotations
 import functools
 from collections import defaultdict
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -34,7 +34,20 @@ from ps_common.tables import DENSE_TO_ROW, ROW_OPTIMIZERS, RowOptimizerSpec, Tab
 from ps_worker.tables.client import TableClient
 
 if TYPE_CHECKING:
-    from ps_worker.client import PSClient
+    from ps_worker.metrics import WorkerMetrics
+    from ps_worker.session import Session
+    from ps_worker.transport.grpc_link import Transport
+
+
+class TableHost(Protocol):
+    """What the tables are attached to and served through (:class:`~ps_worker.client.PSClient`)."""
+
+    partition_bytes: int
+    """The largest partition payload of the client's messages, bytes."""
+    transport: Transport
+    session: Session
+    metrics: WorkerMetrics | None
+    tables: TableClient | None
 
 
 class ShardedEmbedding(nn.Module):
@@ -91,7 +104,7 @@ def row_optimizer(optimizer: Mapping[str, Any] | None) -> tuple[dict[str, Any], 
     return dense, RowOptimizerSpec(row_name, {k: float(v) for k, v in dense.items() if k in allowed})
 
 
-def attach_tables(client: PSClient, model: nn.Module, optimizer: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
+def attach_tables(client: TableHost, model: nn.Module, optimizer: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
     """Make the model's sparse embeddings shard-served tables (see the module docstring).
 
     Returns:
@@ -161,7 +174,7 @@ def _forward(
     return F.embedding(local, rows)
 
 
-def prefetch(client: PSClient, ids: Mapping[str, torch.Tensor]) -> None:
+def prefetch(client: TableHost, ids: Mapping[str, torch.Tensor]) -> None:
     """Pull the rows the next forward of several table modules needs in one PullRows per shard
     (instead of one per module and shard): each module's next forward whose input has exactly
     these distinct ids uses them without a call of its own (any other input pulls as usual).

@@ -171,9 +171,8 @@ def train(
         if metrics is not None:
             metrics.step_duration.observe(time.perf_counter() - step_start)
             metrics.loss.set(losses[-1])
-        # sync: the step is the round the rank holds next, the same on every rank (a refused push
-        # does not move it; a rank counted again from a later round skips to it)
-        step = client.version if client.mode == "sync" else step + 1
+        # sync: the round the rank holds next, the same on every rank (WorkerMode.next_step)
+        step = client.worker_mode.next_step(step, client.version)
         iterations += 1
         if iterations > limit:
             raise RuntimeError(
@@ -233,7 +232,7 @@ def shard_data(train_set: Any, batch_size: int, seed: int, client: PSClient, ste
 
 def resize_due(client: PSClient, step: int) -> bool:
     """Whether a new worker count holds at ``step``: from its round in sync, at once otherwise."""
-    return client.mode != "sync" or step >= client.session.membership.resize_version
+    return not client.worker_mode.resize_pending(step, client.session.membership.resize_version)
 
 
 def elastic_factor(client: PSClient, elastic_lr: str) -> float:

@@ -9,6 +9,7 @@ import pytest
 from ps_common.modes import MODES, ModeSettings
 from ps_proto.v1 import ps_pb2
 from ps_worker.consistency import WORKER_MODES, settings_from_config, worker_mode
+from ps_worker.errors import StalePush
 
 
 def session(**kw):
@@ -64,3 +65,26 @@ def test_settings_come_from_the_join_response() -> None:
     )
     ssp = settings_from_config(ps_pb2.ClusterConfig(mode=ps_pb2.MODE_SSP, num_workers=2, staleness=3))
     assert ssp.staleness == 3 and ssp.communication_period == 1
+
+
+def test_sync_steps_and_table_pulls_follow_the_round_other_modes_the_count() -> None:
+    sync = worker_mode("sync")
+    assert sync.pushes_in_rounds and sync.push_round(session()) == 9
+    assert sync.next_step(4, 9) == 9 and sync.table_pull_floor(5) == 5
+    assert sync.resize_pending(9, 10) and not sync.resize_pending(10, 10)
+    for name in ("async", "ssp", "easgd"):
+        mode = worker_mode(name)
+        assert not mode.pushes_in_rounds and mode.push_round(session()) is None
+        assert mode.next_step(4, 9) == 5 and mode.table_pull_floor(5) == 0
+        assert not mode.resize_pending(9, 10)
+
+
+def test_sync_rejoin_drops_a_gradient_stamped_for_another_round() -> None:
+    sync, s = worker_mode("sync"), session(rank=1)
+    sync.after_rejoin(s, 0, ps_pb2.JoinResponse(clock=9, version=9), 9, "a:1")  # the same round: repush
+    with pytest.raises(StalePush, match="round 9 cannot be taken"):
+        sync.after_rejoin(s, 0, ps_pb2.JoinResponse(clock=8, version=8), 9, "a:1")
+    with pytest.raises(StalePush, match="rejoined and counts from round 12"):
+        sync.after_rejoin(s, 1, ps_pb2.JoinResponse(clock=12, version=10), None, "a:2")
+    assert s.versions[1] == 12  # the pull waits for the round the rank counts from
+    worker_mode("async").after_rejoin(s, 0, ps_pb2.JoinResponse(clock=12, version=10), 3, "a:1")  # no rounds

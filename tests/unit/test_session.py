@@ -168,7 +168,7 @@ def test_close_leaves_and_joins_the_heartbeat() -> None:
     s.lease_timeout = 1e-3
     s.start_heartbeat()
     s.close()
-    assert t.closed and s._heartbeat is not None and not s._heartbeat.is_alive()
+    assert t.closed and s.heartbeat.thread is not None and not s.heartbeat.thread.is_alive()
 
 
 def test_a_newer_membership_record_is_adopted_and_relayed_only_to_the_shards_behind() -> None:
@@ -182,7 +182,7 @@ def test_a_newer_membership_record_is_adopted_and_relayed_only_to_the_shards_beh
     assert s.relayed(0) == (5, None)  # shard 0 knows it
     epoch, relayed = s.relayed(1)  # shard 1 reported no epoch yet: it gets the record
     assert epoch == 5 and relayed is not None and relayed.num_workers == 3
-    assert s._relay.is_set()  # the heartbeat thread relays it at once
+    assert s.epochs.wake.is_set()  # the heartbeat thread relays it at once
     s.learn(1, ps_pb2.HeartbeatResponse(membership_epoch=5))
     assert s.relayed(1) == (5, None)
     s.learn(1, ps_pb2.PushResponse(membership_epoch=4, membership=ps_pb2.MembershipEpoch(epoch=4)))

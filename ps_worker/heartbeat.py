@@ -1,0 +1,88 @@
+"""A worker's heartbeat thread: keeps its lease at shard 0 and relays membership records to every shard.
+
+A Heartbeat goes to every shard each third of the lease (shard 0 renews the lease; every shard gets
+the membership record it lacks, :class:`~ps_worker.relay.EpochRelay`), and at once to the shards
+behind when the relay wakes the thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Protocol
+
+import grpc
+
+from ps_proto.v1 import ps_pb2
+from ps_worker.relay import EpochRelay
+from ps_worker.transport.grpc_link import LEAVE_SECONDS, Transport
+
+log = logging.getLogger("ps_worker.session")
+
+
+class Member(Protocol):
+    """What a heartbeat reads of the worker's session (:class:`~ps_worker.session.Session`)."""
+
+    rank: int
+    incarnation: int
+    lease_timeout: float
+    """Seconds; read when the thread starts."""
+    transport: Transport
+    epochs: EpochRelay
+
+
+class Heartbeat:
+    """The heartbeat thread of one worker session (started once, stopped once).
+
+    Args:
+        member: the session whose rank, incarnation and membership records each Heartbeat carries.
+
+    Attributes:
+        thread: the thread, once started (None before).
+    """
+
+    def __init__(self, member: Member) -> None:
+        self.member = member
+        self._stop = threading.Event()
+        self.thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Start the thread, unless it already runs."""
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._beat, name=f"ps-heartbeat-{self.member.rank}", daemon=True)
+            self.thread.start()
+
+    def stop(self, wait: bool = True) -> None:
+        """Stop the thread; ``wait``: join it (at most :data:`LEAVE_SECONDS`)."""
+        self._stop.set()
+        self.member.epochs.wake.set()
+        if wait and self.thread is not None:
+            self.thread.join(timeout=LEAVE_SECONDS)
+
+    def _beat(self) -> None:
+        m = self.member
+        t, epochs = m.transport, m.epochs
+        period = m.lease_timeout / 3
+        due = time.monotonic() + period
+        while not self._stop.is_set():
+            relay = epochs.wake.wait(max(0.0, due - time.monotonic()))
+            epochs.wake.clear()
+            if self._stop.is_set():
+                return
+            full = not relay or time.monotonic() >= due
+            if full:
+                due = time.monotonic() + period
+            for k, stub in enumerate(t.stubs):
+                epoch, record = epochs.relayed(k)
+                if not full and record is None:
+                    continue  # a relay round: only the shards behind
+                req = ps_pb2.HeartbeatRequest(
+                    rank=m.rank, incarnation=m.incarnation, membership_epoch=epoch, membership=record
+                )
+                try:
+                    answer = stub.Heartbeat(req, timeout=max(1.0, period), metadata=t.metadata)
+                    epochs.learn(k, answer)
+                    t.offer_data_port(k, answer.data_port, joined=False)
+                except grpc.RpcError as exc:
+                    log.debug("heartbeat to %s failed: %s", t.servers[k], exc.code())
