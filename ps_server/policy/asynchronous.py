@@ -19,7 +19,7 @@ from ps_server.membership.ranks import Member, PushResult, PushStamp
 from ps_server.policy.base import ConsistencyPolicy, ShardCore
 
 if TYPE_CHECKING:
-    from ps_server.policy.sync import Hyperparameters
+    from ps_server.policy.types import Hyperparameters
 
 
 def staleness(version_now: int, grad_version: int) -> int:
