@@ -30,6 +30,17 @@ if TYPE_CHECKING:
     from ps_server.shard.shard import Shard
 
 
+def rows_answer(request: ps_pb2.PullRowsRequest, version: int, rows: list[torch.Tensor]) -> ps_pb2.PullRowsResponse:
+    """The PullRows answer: float32 [n, dim] rows per block of ``request``, at table version ``version``."""
+    return ps_pb2.PullRowsResponse(
+        version=version,
+        blocks=[
+            ps_pb2.RowBlock(table=b.table, dtype=ps_pb2.DTYPE_FLOAT32, data=r.numpy().tobytes())
+            for b, r in zip(request.blocks, rows, strict=True)
+        ],
+    )
+
+
 class TableRpcs:
     """InitTables, PullRows and PushRows of ParameterService (see the module docstring)."""
 
@@ -55,22 +66,11 @@ class TableRpcs:
         check_caller(context, request.rank, "PullRows", self.rank_tokens)
 
         def reader(read: ReadRows) -> ps_pb2.PullRowsResponse:
-            answer = lambda: self._answer(request, *read())  # noqa: E731
+            answer = lambda: rows_answer(request, *read())  # noqa: E731
             return answer() if self.table_reads is None else self.table_reads.run(answer)  # at the lowest CPU priority
 
         return self.shard.pull_rows(
             request.rank, request.incarnation, request.blocks, request.min_version, deadline(context), reader
-        )
-
-    @staticmethod
-    def _answer(request: ps_pb2.PullRowsRequest, version: int, rows: list[torch.Tensor]) -> ps_pb2.PullRowsResponse:
-        """The PullRows answer: float32 [n, dim] rows per block, at table version ``version``."""
-        return ps_pb2.PullRowsResponse(
-            version=version,
-            blocks=[
-                ps_pb2.RowBlock(table=b.table, dtype=ps_pb2.DTYPE_FLOAT32, data=r.numpy().tobytes())
-                for b, r in zip(request.blocks, rows, strict=True)
-            ],
         )
 
     @maps_errors

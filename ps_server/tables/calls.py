@@ -65,10 +65,14 @@ class Block(Protocol):
     """A row block of a request (``ps.v1.RowBlock``): little-endian int64 ids and, in a push,
     ``len(ids)`` float32 rows of the table's dim."""
 
-    table: str
-    ids: bytes
-    dtype: int
-    data: bytes
+    @property
+    def table(self) -> str: ...
+    @property
+    def ids(self) -> bytes: ...
+    @property
+    def dtype(self) -> int: ...
+    @property
+    def data(self) -> bytes: ...
 
 
 def decode_ids(raw: bytes, table: str) -> torch.Tensor:
