@@ -19,7 +19,7 @@ from ps_server.membership.ranks import Member, PushResult, PushStamp
 from ps_server.policy.base import ConsistencyPolicy, ShardCore
 
 if TYPE_CHECKING:
-    from ps_server.policy.sync import Hyperparameters
+    from ps_server.policy.types import Hyperparameters
 
 
 def staleness(version_now: int, grad_version: int) -> int:
@@ -129,5 +129,5 @@ class AsyncPolicy(ImmediatePolicy):
         return lr_scale(tau, shard.settings.staleness_lr)
 
     def staleness(self, shard: ShardCore, member: Member, grad_version: int) -> int:
-        """Versions applied since ``grad_version`` (DESIGN section 3)."""
+        """Versions applied since ``grad_version`` (docs/architecture.md)."""
         return staleness(shard.version, grad_version)

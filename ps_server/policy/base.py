@@ -1,4 +1,4 @@
-"""The one interface of the consistency models (DESIGN section 5): what a shard asks its mode.
+"""The one interface of the consistency models (docs/architecture.md): what a shard asks its mode.
 
 A :class:`ConsistencyPolicy` decides, for the :class:`~ps_server.shard.shard.Shard` that holds the lock,
 what happens to a push (applied now, held for its round, or refused as stale, and with which
@@ -20,9 +20,10 @@ import torch
 from ps_common.errors import PreconditionError, UpdateRefusedError
 from ps_common.modes import ModeSettings
 from ps_server.membership.ranks import Member, Membership, PushResult, PushStamp
+from ps_server.policy.types import Hyperparameters, StreamHook
 
 if TYPE_CHECKING:
-    from ps_server.policy.sync import Hyperparameters, SyncRounds
+    from ps_server.policy.rounds import SyncRounds
     from ps_server.shard.counters import ShardCounters
     from ps_server.shard.store import ParameterStore
 
@@ -46,6 +47,10 @@ class ShardCore(Protocol):
 
     @property
     def members(self) -> list[Member]: ...
+
+    @property
+    def stream(self) -> StreamHook | None:
+        """The sync round being streamed slot by slot, if any (``ps_server.shard.round_stream``)."""
 
     def now(self) -> float:
         """Monotonic seconds."""
@@ -74,17 +79,26 @@ class ConsistencyPolicy(ABC):
 
     Class attributes:
         mode: the ``--mode`` name.
-        staleness_unit: what :meth:`staleness` counts in this mode (DESIGN section 3): ``"versions"``
+        staleness_unit: what :meth:`staleness` counts in this mode (docs/architecture.md): ``"versions"``
             (async), ``"clocks"`` (ssp: the clock gap), ``""`` where nothing is stale (sync, easgd).
         holds_pushes: pushes wait for their round (sync): a closed round refuses its clocks itself
             (no high-water mark), and a refused round is told to the pushes that completed it.
         exchanges: workers call Exchange, not Push (easgd).
+        resizable: the cluster may be resized while it trains (``ps-admin resize``); False where a
+            round needs a fixed set of ranks (easgd's periods).
+        row_rounds: embedding-table row pushes join table rounds (sync): a PushRows of clock ``t``
+            is held for table round ``t`` (= the table version) until every expected rank pushed
+            it, then the round is one row step. Otherwise each PushRows is one row step at once,
+            applied at most once per (rank, incarnation, clock) by a per-rank high-water mark
+            (``ps_server.tables.store``).
     """
 
     mode: ClassVar[str]
     staleness_unit: ClassVar[str] = ""
     holds_pushes: ClassVar[bool] = False
     exchanges: ClassVar[bool] = False
+    resizable: ClassVar[bool] = True
+    row_rounds: ClassVar[bool] = False
 
     # ----------------------------------------------------------------- pushes
     @abstractmethod
@@ -128,6 +142,11 @@ class ConsistencyPolicy(ABC):
     def on_switch(self, shard: ShardCore) -> None:
         """The shard just switched into this mode at a round boundary (the rounds restart at its version)."""
         return None
+
+    def may_stream(self, settings: ModeSettings) -> bool:
+        """Whether a round may be stepped slot by slot while its pushes arrive
+        (``ps_server.shard.round_stream``): only a round that closes whole, with every expected rank."""
+        return False
 
     # ----------------------------------------------------------------- membership
     def join_clock(self, shard: ShardCore, member: Member, restarted: bool) -> int:
@@ -177,3 +196,18 @@ class ConsistencyPolicy(ABC):
             PreconditionError: the mode has no exchanges.
         """
         raise PreconditionError(f"Exchange is for easgd; this cluster runs {self.mode}: push and pull.")
+
+    # ----------------------------------------------------------------- embedding tables
+    def check_rows(self) -> None:
+        """Raises PreconditionError where the mode serves no embedding tables (checked before a
+        PushRows is held or applied)."""
+        return None
+
+    def row_clock(self, table_version: int, last_clock: int | None) -> int:
+        """The clock a rank's next PushRows carries (InitTables answers it).
+
+        Args:
+            table_version: the tables' version (with :attr:`row_rounds`: the open table round).
+            last_clock: the rank's high-water mark under its incarnation (None: no row push yet).
+        """
+        return 0 if last_clock is None else last_clock + 1

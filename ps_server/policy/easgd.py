@@ -24,7 +24,7 @@ from ps_server.membership.ranks import Member, PushResult, PushStamp
 from ps_server.policy.base import ConsistencyPolicy, ShardCore
 
 if TYPE_CHECKING:
-    from ps_server.policy.sync import Hyperparameters
+    from ps_server.policy.types import Hyperparameters
 
 
 def elastic_difference(center: Sequence[torch.Tensor], x: Sequence[torch.Tensor], alpha: float) -> list[torch.Tensor]:
@@ -89,6 +89,7 @@ class EasgdPolicy(ConsistencyPolicy):
 
     mode = "easgd"
     exchanges = True
+    resizable = False
 
     def accept(
         self,
@@ -144,6 +145,13 @@ class EasgdPolicy(ConsistencyPolicy):
         _exchanged(shard, member, stamp, version, d)
         shard.set_version(version)
         return version, d
+
+    def check_rows(self) -> None:
+        """Raises PreconditionError: elastic averaging of a table would move every row."""
+        raise PreconditionError(
+            "Embedding tables are not served in easgd mode (elastic averaging would move every row); run "
+            "sync, async or ssp, or keep the embedding dense (sparse=False)."
+        )
 
     def advance(self, shard: ShardCore) -> None:
         """``--easgd-sync``: apply the period once every expected rank exchanged (version = period + 1)."""

@@ -1,159 +1,46 @@
 """Synchronous (BSP) rounds: one gradient per live rank per round, summed in rank order.
 
-Round ``t`` collects the pushes with clock ``t``. When every expected rank has pushed, the
-gradients are summed **in rank order** (never arrival order), divided by their count, and handed
-back for one optimizer step; the version becomes ``t + 1``. Because the order of floating-point
-additions is fixed, the result is bitwise identical whatever the arrival timing.
+Round ``t`` collects the pushes with clock ``t`` (:class:`~ps_server.policy.rounds.SyncRounds`).
+When every expected rank has pushed, the gradients are summed **in rank order** (never arrival
+order), divided by their count, and handed back for one optimizer step; the version becomes
+``t + 1``. Because the order of floating-point additions is fixed, the result is bitwise identical
+whatever the arrival timing.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Sequence
 
 import torch
 
 from ps_common.errors import (
-    FutureRoundError,
     HyperparametersDisagreeError,
-    PreconditionError,
     PushLostError,
     StalePushError,
     UpdateRefusedError,
     VersionAheadError,
 )
 from ps_common.modes import ModeSettings
-from ps_server.core.partitions import Bounded, max_abs_of
 from ps_server.membership.ranks import Member, PushResult, PushStamp
 from ps_server.policy.base import ConsistencyPolicy, ShardCore
-from ps_server.shard import round_stream
+from ps_server.policy.rounds import SyncRounds, aggregate, agreed_hyperparameters
+from ps_server.policy.types import Gradients, Hyperparameters
+
+__all__ = [
+    "SKIPPED_ROUNDS",
+    "Gradients",
+    "Hyperparameters",
+    "SyncPolicy",
+    "SyncRounds",
+    "aggregate",
+    "agreed_hyperparameters",
+]
 
 log = logging.getLogger(__name__)
 
 SKIPPED_ROUNDS = 64
 """Skipped rounds a shard remembers, so a PushPull answers whether its round was skipped."""
-
-Gradients = Sequence[torch.Tensor]
-"""One 1-D tensor per partition owned by the shard, in plan order."""
-
-Hyperparameters = Sequence[Mapping[str, float]]
-"""Per parameter group, the hyperparameters a push sets for its step (empty: none)."""
-
-
-def agreed_hyperparameters(by_rank: Mapping[int, Hyperparameters]) -> Hyperparameters | None:
-    """The one set of hyperparameters every rank sent, or None when they differ."""
-    distinct = {tuple(tuple(sorted(g.items())) for g in h) for h in by_rank.values()}
-    if len(distinct) > 1:
-        return None
-    return next(iter(by_rank.values()), ())
-
-
-def aggregate(grads_by_rank: Mapping[int, Gradients]) -> list[torch.Tensor]:
-    """Mean of the ranks' gradients, summed in ascending rank order.
-
-    Args:
-        grads_by_rank: rank -> gradients; every rank's list has the same shapes and dtypes.
-
-    Returns:
-        One tensor per partition: ``(g[r0] + g[r1] + ...) / len(grads_by_rank)``; with one rank,
-        that rank's tensors themselves (read them, do not write them); otherwise new tensors.
-        The first sum is one pass (``torch.add``) rather than a copy and an add; the result is
-        bitwise the same. It carries the largest of the ranks' bounds (a mean's magnitude is at
-        most the largest of its terms'; :class:`~ps_server.core.partitions.Bounded`).
-
-    Raises:
-        ValueError: no ranks.
-    """
-    if not grads_by_rank:
-        raise ValueError("aggregate() needs at least one rank's gradients.")
-    ranks = sorted(grads_by_rank)
-    bound = max(max_abs_of(grads_by_rank[r]) for r in ranks)
-    if len(ranks) == 1:
-        return Bounded(grads_by_rank[ranks[0]], bound)
-    out = [torch.add(a, b) for a, b in zip(grads_by_rank[ranks[0]], grads_by_rank[ranks[1]], strict=True)]
-    for r in ranks[2:]:
-        for acc, g in zip(out, grads_by_rank[r], strict=True):
-            acc.add_(g)
-    for acc in out:
-        acc.div_(len(ranks))
-    return Bounded(out, bound)
-
-
-class SyncRounds:
-    """The open round of a shard in sync mode.
-
-    Args:
-        round: the round (= version) to start at.
-    """
-
-    def __init__(self, round: int = 0) -> None:
-        self.round = round
-        self.pending: dict[int, Gradients] = {}
-        self.hyper: dict[int, Hyperparameters] = {}
-        self.skips: set[int] = set()
-        self.taken_hyper: dict[int, Hyperparameters] = {}
-        """The hyperparameters of the round :meth:`take_if_complete` last closed, by rank."""
-        self.taken_skips: set[int] = set()
-        """The ranks of that round that asked to skip its step (AMP overflow)."""
-
-    def add(self, rank: int, clock: int, grads: Gradients, hyper: Hyperparameters = (), skip: bool = False) -> None:
-        """Hold ``rank``'s gradients, hyperparameters and skip request for the round ``clock``.
-
-        Raises:
-            StalePushError: ``clock`` is an already closed round.
-            FutureRoundError: ``clock`` is a future round.
-            PreconditionError: ``rank`` already pushed this round.
-        """
-        if clock < self.round:
-            raise StalePushError(
-                f"Round {clock} is closed (the shard is at round {self.round}); pull version "
-                f"{self.round} and push clock {self.round}."
-            )
-        if clock > self.round:
-            raise FutureRoundError(
-                f"Push for round {clock} but the shard is at round {self.round}; pull version {clock} first."
-            )
-        if rank in self.pending:
-            raise PreconditionError(
-                f"Rank {rank} already pushed round {clock} under another incarnation; wait for the next round."
-            )
-        self.pending[rank] = grads
-        self.hyper[rank] = hyper
-        if skip:
-            self.skips.add(rank)
-
-    def close_if_complete(self, expected: Iterable[int], quorum: int = 0) -> list[torch.Tensor] | None:
-        """Close the round when every expected rank has pushed, or ``quorum`` pushes arrived.
-
-        Args:
-            expected: ranks the round waits for (live, or not yet joined). Pushes already held from
-                ranks no longer expected still count.
-            quorum: close after the first K pushes whoever sent them (backup workers: Chen, Pan,
-                Monga, Bengio, Jozefowicz, "Revisiting Distributed Synchronous SGD", 2016);
-                0 waits for every expected rank.
-
-        Returns:
-            The rank-ordered mean of the held gradients, and the round advances; or None while
-            waiting. A round with no pushes never closes.
-        """
-        held = self.take_if_complete(expected, quorum)
-        return None if held is None else aggregate(held)
-
-    def take_if_complete(self, expected: Iterable[int], quorum: int = 0) -> dict[int, Gradients] | None:
-        """Like :meth:`close_if_complete` but returns the held rank -> tensors unreduced (EASGD rounds)."""
-        if not self.pending:
-            return None
-        if not (0 < quorum <= len(self.pending)) and not set(expected) <= self.pending.keys():
-            return None
-        held, self.pending = self.pending, {}
-        self.taken_hyper, self.hyper = self.hyper, {}
-        self.taken_skips, self.skips = self.skips, set()
-        self.round += 1
-        return held
-
-    def waiting_for(self, expected: Iterable[int]) -> list[int]:
-        """Expected ranks that have not pushed the open round, ascending."""
-        return sorted(set(expected) - self.pending.keys())
 
 
 class SyncPolicy(ConsistencyPolicy):
@@ -163,6 +50,7 @@ class SyncPolicy(ConsistencyPolicy):
 
     mode = "sync"
     holds_pushes = True
+    row_rounds = True
 
     def accept(
         self,
@@ -225,8 +113,8 @@ class SyncPolicy(ConsistencyPolicy):
         store, rounds = shard.store, shard.rounds
         assert store is not None
         hyper = agreed_hyperparameters(rounds.taken_hyper)
-        if hyper is None or rounds.taken_skips:
-            round_stream.end(shard, "its ranks disagree, or one asked to skip")  # type: ignore[arg-type]
+        if (hyper is None or rounds.taken_skips) and shard.stream is not None:
+            shard.stream.stop(shard, "its ranks disagree, or one asked to skip")
         if hyper is None:
             sent = "; ".join(f"rank {r}: {list(h) or 'none'}" for r, h in sorted(rounds.taken_hyper.items()))
             shard.refuse_round(
@@ -252,7 +140,7 @@ class SyncPolicy(ConsistencyPolicy):
                 del shard.skipped_rounds[next(iter(shard.skipped_rounds))]
             shard.set_version(rounds.round)
             return
-        if round_stream.settle(shard, rounds.round - 1, list(held), hyper, False):  # type: ignore[arg-type]
+        if shard.stream is not None and shard.stream.settle(shard, rounds.round - 1, list(held), hyper):
             shard.set_version(rounds.round)  # stepped slot by slot as its pushes arrived
             log.debug("shard %d: round %d applied (streamed)", shard.shard_index, shard.version - 1)
             return
@@ -316,3 +204,12 @@ class SyncPolicy(ConsistencyPolicy):
         if shard.version < min_version and member.rank in shard.refusals:
             refusal = shard.refusals.pop(member.rank)
             raise type(refusal)(str(refusal))
+
+    def may_stream(self, settings: ModeSettings) -> bool:
+        """A round streams unless it closes on a quorum (``--sync-quorum``: which pushes count is
+        known only at the close)."""
+        return not settings.sync_quorum
+
+    def row_clock(self, table_version: int, last_clock: int | None) -> int:
+        """The open table round (= the table version)."""
+        return table_version

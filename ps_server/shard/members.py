@@ -73,7 +73,7 @@ def join(shard: Shard, rank: int, num_workers: int, incarnation: int, epoch: int
             )
         # a sync rank whose process restarted mid-run may have pushed its last round to some shards
         # and not others: like a rank counted again, it starts at shard 0's next round everywhere
-        replaced = shard.mode == "sync" and member.incarnation not in (0, incarnation) and not member.restored
+        replaced = shard.policy.holds_pushes and member.incarnation not in (0, incarnation) and not member.restored
         if not member.counted or (replaced and shard.epochs.authority):
             if not shard.epochs.authority:
                 raise NotJoinedError(
@@ -245,7 +245,7 @@ def resize(shard: Shard, num_workers: int, at_version: int | None = None) -> tup
             raise not_authority(shard, "Resize")
         if not 1 <= num_workers <= MAX_WORKERS:
             raise InvalidRequestError(f"num_workers must be from 1 to {MAX_WORKERS}, got {num_workers}.")
-        if shard.mode == "easgd":
+        if not shard.policy.resizable:
             raise PreconditionError("Resize works in sync, async and ssp; an easgd job keeps its workers.")
         at = next_version(shard) if at_version is None else at_version
         if at < shard.version:

@@ -36,10 +36,11 @@ import torch
 from ps_common.codec import decode, torch_dtype
 from ps_common.errors import UpdateRefusedError
 from ps_common.partition import WirePartition
+from ps_server.policy.rounds import aggregate
+from ps_server.policy.types import Hyperparameters, hyper_key
 
 if TYPE_CHECKING:
     from ps_server.membership.ranks import PushStamp
-    from ps_server.policy.sync import Hyperparameters
     from ps_server.shard.shard import Shard
 
 log = logging.getLogger(__name__)
@@ -72,6 +73,16 @@ class RoundStream:
     def live(self) -> bool:
         return not self.ended and not self.committed
 
+    def stop(self, shard: Shard, why: str) -> None:
+        """:func:`end`, when this is the shard's stream (the policy's
+        :class:`~ps_server.policy.types.StreamHook`)."""
+        if shard.stream is self:
+            end(shard, why)
+
+    def settle(self, shard: Shard, round_: int, ranks: Sequence[int], hyper: Hyperparameters) -> bool:
+        """:func:`settle` of an unskipped round, when this is the shard's stream (else False)."""
+        return shard.stream is self and settle(shard, round_, ranks, hyper, False)
+
 
 def gradient_of(part: WirePartition, param_dtype: str) -> torch.Tensor:
     """A checked dense partition as the round holds it: its values in the parameter's dtype
@@ -86,7 +97,7 @@ def join(shard: Shard, stamp: PushStamp, hyper: Hyperparameters, skip: bool, set
     push goes the usual way (not sync, a quorum, a skip, a duplicate or a push for another round,
     a stream of this round that already ended, ``setting`` off). Holds the shard's lock."""
     store, rounds = shard.store, shard.rounds
-    if setting == "off" or store is None or shard.mode != "sync" or shard.settings.sync_quorum or shard.pending_mode:
+    if setting == "off" or store is None or not shard.policy.may_stream(shard.settings) or shard.pending_mode:
         return None
     if stamp.clock != rounds.round or stamp.rank in rounds.pending:
         return None
@@ -115,7 +126,7 @@ def join(shard: Shard, stamp: PushStamp, hyper: Hyperparameters, skip: bool, set
         end(shard, f"rank {stamp.rank} asked to skip the round's step")
         return None
     stream.hyper[stamp.rank] = hyper
-    if len({_key(h) for h in stream.hyper.values()}) > 1:
+    if len({hyper_key(h) for h in stream.hyper.values()}) > 1:
         end(shard, "its ranks sent different hyperparameters")
         return None
     return stream
@@ -145,8 +156,6 @@ def step_ready(shard: Shard, stream: RoundStream) -> None:
     for slot, by_rank in sorted(stream.grads.items()):
         if slot in stream.stepped or by_rank.keys() != stream.ranks:
             continue
-        from ps_server.policy.sync import aggregate  # the round's own mean, summed in rank order
-
         (mean,) = aggregate({r: [g] for r, g in by_rank.items()})
         buffer = by_rank[min(by_rank)] if slot in store.buffer_index else None
         try:
@@ -199,7 +208,7 @@ def settle(shard: Shard, round_: int, ranks: Sequence[int], hyper: Hyperparamete
         not skipped
         and frozenset(ranks) == stream.ranks == stream.pushed
         and len(stream.stepped) == stream.num_slots
-        and all(_key(h) == _key(hyper) for h in stream.hyper.values())
+        and all(hyper_key(h) == hyper_key(hyper) for h in stream.hyper.values())
     )
     if not exact:
         end(shard, "the round closed otherwise than it was streamed")
@@ -213,10 +222,6 @@ def settle(shard: Shard, round_: int, ranks: Sequence[int], hyper: Hyperparamete
     stream.casts.clear()
     shard.notify()
     return True
-
-
-def _key(hyper: Hyperparameters) -> tuple:
-    return tuple(tuple(sorted(g.items())) for g in hyper)
 
 
 def wire_values(shard: Shard, stream: RoundStream, slot: int, wire: str) -> torch.Tensor:

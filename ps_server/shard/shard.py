@@ -31,6 +31,7 @@ from ps_common.modes import MODES, ModeSettings
 from ps_common.optimizer import OptimizerSpec
 from ps_common.partition import WirePartition
 from ps_common.plan import ParameterSpec, Plan, make_plan, plan_digest
+from ps_common.tables import TableSpec
 from ps_common.text import quote
 from ps_proto.v1 import ps_pb2
 from ps_server.core.limits import Limits
@@ -48,6 +49,7 @@ from ps_server.shard.round_stream import RoundStream
 from ps_server.shard.store import ParameterStore
 from ps_server.shard.views import JoinInfo, Snapshot, StatusView
 from ps_server.shard.waits import Waits
+from ps_server.tables import calls as table_calls
 from ps_server.tables.store import TableStore
 from ps_server.tables.table import DEFAULT_MAX_TABLE_ROWS
 
@@ -471,3 +473,35 @@ class Shard(DataPath):
         """Wake every waiter with ShuttingDownError."""
         with self._cond:
             self.waits.close()
+
+    # ----------------------------------------------------------------- embedding tables (ps_server.tables.calls)
+    def init_tables(
+        self, rank: int, incarnation: int, specs: Sequence[TableSpec], remaining: float | None
+    ) -> tuple[bool, int, int, list[TableSpec]]:
+        """InitTables; see :func:`table_calls.init_tables`."""
+        with self._cond:
+            return table_calls.init_tables(self, rank, incarnation, specs, remaining)
+
+    def pull_rows(
+        self,
+        rank: int,
+        incarnation: int,
+        blocks: Sequence[table_calls.Block],
+        min_version: int,
+        remaining: float | None,
+        reader: Callable[[table_calls.ReadRows], Any],
+    ) -> Any:
+        """PullRows: check and wait (:func:`table_calls.check_pull`), then hand the read
+        (:func:`table_calls.read_rows`, a chunk per hold of the lock) to ``reader``; returns its result."""
+        with self._cond:
+            table_calls.check_pull(self, rank, incarnation, blocks, min_version, remaining)
+        return reader(lambda: table_calls.read_rows(self._cond, self.tables, blocks, self.num_shards))
+
+    def push_rows(
+        self, rank: int, incarnation: int, session: int, clock: int, blocks: Sequence[table_calls.Block]
+    ) -> tuple[int, bool]:
+        """PushRows; see :func:`table_calls.push_rows`. Returns (version, duplicate)."""
+        self.check_session(rank, incarnation, session, "PushRows")
+        ids = table_calls.decode_push(blocks)
+        with self._cond:
+            return table_calls.push_rows(self, rank, incarnation, clock, blocks, ids)

@@ -1,27 +1,32 @@
-"""All embedding tables of one shard, their version, and how a row push is applied in each mode.
+"""All embedding tables of one shard, their version, and how a row push is applied.
 
-Pure state, guarded by the shard's condition (the caller holds it). Modes (DESIGN section 5, for
-rows):
+Pure state, guarded by the shard's condition (the caller holds it). The shard's consistency policy
+(:class:`~ps_server.policy.base.ConsistencyPolicy`, passed per call as the dense pushes ask it)
+decides what a row push does (docs/architecture.md, consistency models):
 
-- **sync**: a push with clock ``t`` joins table round ``t`` (= :attr:`TableStore.version`). When every
-  expected rank (the shard's membership, as the dense round) has pushed, the round's row gradients
-  are concatenated **in rank order**, coalesced in a fixed order (``tables.coalesce``), divided by the
-  number of pushes, and each table takes one row-optimizer step; the version becomes ``t + 1``. A
-  pull with ``min_version = t + 1`` waits for it. Bitwise reproducible; equal (up to float rounding)
-  to one process stepping torch's sparse optimizer on the whole batch.
-- **async**, **ssp**: each push is one step at once (its rows summed in the fixed order); version + 1.
-  An ssp read does not wait for table clocks (the dense PushPull of the same step bounds the gap).
-- **easgd**: refused (FAILED_PRECONDITION): elastic averaging of a table would move every row.
+- **row rounds** (``policy.row_rounds``: sync): a push with clock ``t`` joins table round ``t``
+  (= :attr:`TableStore.version`). When every expected rank (the shard's membership, as the dense
+  round) has pushed, the round's row gradients are concatenated **in rank order**, coalesced in a
+  fixed order (``tables.coalesce``), divided by the number of pushes, and each table takes one
+  row-optimizer step; the version becomes ``t + 1``. A pull with ``min_version = t + 1`` waits for
+  it. Bitwise reproducible; equal (up to float rounding) to one process stepping torch's sparse
+  optimizer on the whole batch.
+- **otherwise** (async, ssp): each push is one step at once (its rows summed in the fixed order);
+  version + 1. An ssp read does not wait for table clocks (the dense PushPull of the same step
+  bounds the gap).
+- ``policy.check_rows()`` refuses tables where the mode serves none (easgd: FAILED_PRECONDITION,
+  elastic averaging of a table would move every row).
 
-Every push carries (rank, incarnation, clock) and applies at most once: sync by round, async by a
-per-rank high-water mark; a repeat is answered ``duplicate`` and changes nothing.
+Every push carries (rank, incarnation, clock) and applies at most once: in a row round by the
+round, otherwise by a per-rank high-water mark; a repeat is answered ``duplicate`` and changes
+nothing. ``policy.row_clock`` says which clock a rank's next push carries.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, TypeAlias
 
 import torch
 
@@ -34,10 +39,23 @@ from ps_common.errors import (
     UpdateRefusedError,
 )
 from ps_common.tables import MAX_TABLES, TableSpec
+from ps_server.policy import POLICIES, ConsistencyPolicy
 from ps_server.tables.row_read import RowRead, RowRequest
 from ps_server.tables.table import DEFAULT_MAX_TABLE_BYTES, RowGrads, Table, coalesce, table_row_bytes
 
 log = logging.getLogger(__name__)
+
+PolicyOrMode: TypeAlias = ConsistencyPolicy | str
+"""The consistency policy a call follows, or its ``--mode`` name (looked up in ``POLICIES``)."""
+
+
+def policy_of(policy: PolicyOrMode) -> ConsistencyPolicy:
+    """The :class:`ConsistencyPolicy` ``policy`` names (itself when it is one).
+
+    Raises:
+        KeyError: an unknown mode name.
+    """
+    return POLICIES[policy] if isinstance(policy, str) else policy
 
 
 class TableStore:
@@ -59,9 +77,9 @@ class TableStore:
         self.max_bytes = max_bytes
         self.tables: dict[str, Table] = {}
         self.version = 0
-        self.held: dict[int, dict[str, RowGrads]] = {}  # sync: the open round's pushes by rank
+        self.held: dict[int, dict[str, RowGrads]] = {}  # row rounds: the open round's pushes by rank
         self.held_keys: dict[int, int] = {}  # rank -> incarnation of its held push
-        self.high_water: dict[int, tuple[int, int]] = {}  # async/ssp: rank -> (incarnation, last clock)
+        self.high_water: dict[int, tuple[int, int]] = {}  # immediate rows: rank -> (incarnation, last clock)
         self.refused = 0
 
     # ----------------------------------------------------------------- declare
@@ -153,19 +171,16 @@ class TableStore:
         return read
 
     # ----------------------------------------------------------------- push
-    def check_push(self, mode: str, blocks: Mapping[str, RowGrads]) -> None:
-        """Check a push's blocks before anything is held or applied: known tables, ids in range and
-        owned here, finite gradients, room for the new rows (counting the open round's).
+    def check_push(self, policy: PolicyOrMode, blocks: Mapping[str, RowGrads]) -> None:
+        """Check a push's blocks before anything is held or applied: tables served in ``policy``'s
+        mode, known tables, ids in range and owned here, finite gradients, room for the new rows
+        (counting the open round's).
 
         Raises:
-            PreconditionError: easgd, or no tables. InvalidRequestError: bad ids or values.
-            TableFullError: the new rows exceed a table's cap.
+            PreconditionError: the mode serves no tables (``policy.check_rows``), or no tables.
+            InvalidRequestError: bad ids or values. TableFullError: the new rows exceed a table's cap.
         """
-        if mode == "easgd":
-            raise PreconditionError(
-                "Embedding tables are not served in easgd mode (elastic averaging would move every row); run "
-                "sync, async or ssp, or keep the embedding dense (sparse=False)."
-            )
+        policy_of(policy).check_rows()
         for name, rg in blocks.items():
             t = self.table(name)
             t.check_ids(rg.ids)
@@ -202,39 +217,64 @@ class TableStore:
             )
 
     def push(
-        self, mode: str, rank: int, incarnation: int, clock: int, blocks: Mapping[str, RowGrads]
+        self, policy: PolicyOrMode, rank: int, incarnation: int, clock: int, blocks: Mapping[str, RowGrads]
     ) -> tuple[int, bool]:
-        """Hold (sync) or apply (async, ssp) one rank's row gradients of one step.
+        """Hold (``policy.row_rounds``) or apply one rank's row gradients of one step.
 
         Returns:
-            (version: the round joined (sync) or the version after the step, duplicate).
+            (version: the round joined (row rounds) or the version after the step, duplicate).
 
         Raises:
-            FutureRoundError: sync, a clock beyond the open round.
-            as :meth:`check_push`; UpdateRefusedError (async): the step failed, nothing changed.
+            FutureRoundError: row rounds, a clock beyond the open round.
+            as :meth:`check_push`; UpdateRefusedError (applied at once): the step failed, nothing changed.
         """
-        if mode == "sync":
-            if clock < self.version or (clock == self.version and rank in self.held):
-                return clock, True
-            if clock > self.version:
-                raise FutureRoundError(
-                    f"PushRows for table round {clock}, but shard {self.shard_index} is at round {self.version}; "
-                    "pull rows and push the round it holds."
-                )
-            self.check_push(mode, blocks)
-            self.held[rank] = dict(blocks)
-            self.held_keys[rank] = incarnation
-            return clock, False
+        policy = policy_of(policy)
+        if policy.row_rounds:
+            return self._hold(policy, rank, incarnation, clock, blocks)
         seen = self.high_water.get(rank)
         if seen is not None and seen[0] == incarnation and clock <= seen[1]:
             return self.version, True
-        self.check_push(mode, blocks)
+        self.check_push(policy, blocks)
         self._apply(blocks.items(), count=1)
         self.high_water[rank] = (incarnation, clock)
         return self.version, False
 
+    def _hold(
+        self, policy: ConsistencyPolicy, rank: int, incarnation: int, clock: int, blocks: Mapping[str, RowGrads]
+    ) -> tuple[int, bool]:
+        """Hold ``rank``'s push for the open table round ``clock`` (a closed round's, or a second
+        push of the open round, is a duplicate). Returns (clock, duplicate).
+
+        Raises:
+            FutureRoundError: ``clock`` beyond the open round. As :meth:`check_push`.
+        """
+        if clock < self.version or (clock == self.version and rank in self.held):
+            return clock, True
+        if clock > self.version:
+            raise FutureRoundError(
+                f"PushRows for table round {clock}, but shard {self.shard_index} is at round {self.version}; "
+                "pull rows and push the round it holds."
+            )
+        self.check_push(policy, blocks)
+        self.held[rank] = dict(blocks)
+        self.held_keys[rank] = incarnation
+        return clock, False
+
+    def advance(self, policy: PolicyOrMode, expected: Callable[[int], Iterable[int]]) -> bool:
+        """Close the open table round when ``policy`` holds rows in rounds and every rank
+        ``expected(round)`` names has pushed it (:meth:`close_round_if_complete`).
+
+        Returns:
+            True when a round closed (the version moved).
+        """
+        return policy_of(policy).row_rounds and self.close_round_if_complete(expected(self.version))
+
+    def waiting_for(self, expected: Iterable[int]) -> list[int]:
+        """Ranks of ``expected`` that have not pushed the open table round, in ``expected``'s order."""
+        return [r for r in expected if r not in self.held]
+
     def close_round_if_complete(self, expected: Iterable[int]) -> bool:
-        """sync: apply the open round once every expected rank pushed (and at least one did).
+        """Row rounds: apply the open round once every expected rank pushed (and at least one did).
 
         Returns:
             True when a round closed.
@@ -278,7 +318,7 @@ class TableStore:
 
     # ----------------------------------------------------------------- checkpoints and status
     def export(self) -> dict[str, Any]:
-        """Plain data for ``torch.load(weights_only=True)`` (the open sync round is left out)."""
+        """Plain data for ``torch.load(weights_only=True)`` (the open table round is left out)."""
         return {
             "version": self.version,
             "tables": [t.export() for t in self.tables.values()],
@@ -299,9 +339,8 @@ class TableStore:
         self.high_water = {int(r): (int(inc), int(clock)) for r, inc, clock in saved.get("high_water", [])}
         self.held, self.held_keys = {}, {}
 
-    def clock_of(self, mode: str, rank: int, incarnation: int) -> int:
-        """The clock ``rank``'s next push carries: sync the open round; async its high-water + 1."""
-        if mode == "sync":
-            return self.version
+    def clock_of(self, policy: PolicyOrMode, rank: int, incarnation: int) -> int:
+        """The clock ``rank``'s next push carries (``policy.row_clock``: the open round in row
+        rounds, else one past its high-water mark)."""
         seen = self.high_water.get(rank)
-        return seen[1] + 1 if seen is not None else 0
+        return policy_of(policy).row_clock(self.version, seen[1] if seen is not None else None)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
@@ -29,10 +29,16 @@ from ps_common.tables import RowOptimizerSpec, TableSpec, initial_rows, shard_of
 from ps_server.tables.row_index import INDEX_BYTES_PER_ROW, RowIndex
 from ps_server.tables.sparse_optim import initial_state, state_names, update_rows
 
-if TYPE_CHECKING:
-    from ps_server.tables.row_read import RowRead
-
 log = logging.getLogger(__name__)
+
+
+class Reader(Protocol):
+    """A pull reading a table in chunks (``ps_server.tables.row_read.RowRead``), as the table sees it."""
+
+    def preserve(self, table: Table, slots: torch.Tensor, values: torch.Tensor) -> None:
+        """``table`` is about to overwrite rows at ``slots`` (int64 [m]) whose values are ``values``
+        (float32 [m, dim], a copy): keep those the read must still answer (lock held)."""
+
 
 DEFAULT_MAX_TABLE_ROWS = 50_000_000
 """Default ``--max-table-rows``: rows one shard holds per table (12.8 GB of 64-dim rows plus state)."""
@@ -48,7 +54,7 @@ GROWTH_SLACK_BYTES = 64 * 1024**2
 this many bytes of rows, or half the capacity once that is larger)."""
 
 READ_CHUNK_IDS = 65536
-"""Most ids one step of a chunked pull looks up while holding the shard's lock (:class:`RowRead`):
+"""Most ids one step of a chunked pull looks up while holding the shard's lock (``row_read.RowRead``):
 about 3 ms against 10M held rows on one core."""
 
 READ_CHUNK_BYTES = 4 * 1024**2
@@ -129,7 +135,7 @@ class Table:
         self.values = torch.empty(0, spec.dim, dtype=torch.float32)
         self.state: dict[str, torch.Tensor] = initial_state(spec.optimizer, 0, spec.dim)
         self.step = 0
-        self.readers: list[RowRead] = []  # pulls reading in chunks (:class:`RowRead`)
+        self.readers: list[Reader] = []  # pulls reading in chunks (``row_read.RowRead``)
         self.rows_pulled = 0
         self.rows_pushed = 0
         self.bytes_sent = 0  # row values answered to pulls

@@ -7,11 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ps_common.errors import PreconditionError, StalePushError, WaitTimeoutError
+from ps_common.errors import FutureRoundError, PreconditionError, StalePushError, WaitTimeoutError
 from ps_common.modes import MODES, ModeSettings
 from ps_common.optimizer import OptimizerSpec
 from ps_common.partition import WirePartition
 from ps_common.plan import ParameterSpec, make_plan
+from ps_common.tables import RowOptimizerSpec, TableSpec
+from ps_proto.v1 import ps_pb2
 from ps_server.policy import POLICIES, ConsistencyPolicy
 from ps_server.shard.shard import PushStamp, Shard
 from tests.helpers.tensors import encode
@@ -25,6 +27,15 @@ EXPECTED = {
     "async": ("versions", True, False, lambda c: 0),
     "ssp": ("clocks", True, False, lambda c: 0),
     "easgd": ("", False, False, lambda c: 0),
+}
+
+# What each mode does with embedding-table rows and its ranks: serves tables, row pushes join table
+# rounds, the cluster may be resized, a round may stream (without a quorum).
+TABLES = {
+    "sync": (True, True, True, True),
+    "async": (True, False, True, False),
+    "ssp": (True, False, True, False),
+    "easgd": (False, False, False, False),
 }
 
 
@@ -228,3 +239,105 @@ def test_a_mode_switch_swaps_the_policy_at_the_round_boundary() -> None:
     shard.push(PushStamp(1, 1, 0), 0, PLAN.digest, wire(1.0))  # closes round 0: the switch happens
     assert shard.policy is POLICIES["async"] and shard.status().pending_mode == ""
     assert shard.push(PushStamp(0, 1, 1), 1, PLAN.digest, wire(1.0)).version == 2  # applied at once
+
+
+# ---------------------------------------------------------------- every policy: embedding tables and ranks
+
+TABLE = TableSpec("emb.weight", 100, 2, RowOptimizerSpec("sgd", {"lr": 1.0}))
+
+
+def table_shard(mode: str, n: int = 2) -> tuple[Shard, list[int]]:
+    """A shard of ``n`` joined ranks with TABLE declared by rank 0; returns it and each rank's session."""
+    shard = Shard(0, 1, ModeSettings(mode, num_workers=n))
+    sessions = [shard.join(r, n, 1).session for r in range(n)]
+    applied, version, clock, specs = shard.init_tables(0, 1, [TABLE], 1.0)
+    assert applied and version == 0 and clock == 0 and specs == [TABLE]
+    return shard, sessions
+
+
+def rows(ids: list[int], value: float) -> list[ps_pb2.RowBlock]:
+    """One PushRows block of TABLE: ``value`` in every element of each row of ``ids``."""
+    grads = torch.full((len(ids), TABLE.dim), value, dtype=torch.float32)
+    raw_ids = torch.tensor(ids, dtype=torch.int64).numpy().tobytes()
+    return [ps_pb2.RowBlock(table=TABLE.name, ids=raw_ids, dtype=ps_pb2.DTYPE_FLOAT32, data=grads.numpy().tobytes())]
+
+
+def read(shard: Shard, ids: list[int], min_version: int = 0, timeout: float = 0.0) -> tuple[int, torch.Tensor]:
+    """PullRows of TABLE's ``ids`` by rank 0, on the calling thread."""
+    blocks = [ps_pb2.RowBlock(table=TABLE.name, ids=torch.tensor(ids, dtype=torch.int64).numpy().tobytes())]
+    version, tensors = shard.pull_rows(0, 1, blocks, min_version, timeout, lambda run: run())
+    return version, tensors[0]
+
+
+def test_the_policy_says_what_a_mode_does_with_rows_and_ranks(mode: str) -> None:
+    policy = POLICIES[mode]
+    serves, row_rounds, resizable, streams = TABLES[mode]
+    assert policy.row_rounds is row_rounds and policy.resizable is resizable
+    assert policy.may_stream(ModeSettings(mode, num_workers=2)) is streams
+    assert not policy.may_stream(ModeSettings(mode, num_workers=2, sync_quorum=1))  # a quorum round never streams
+    if serves:
+        policy.check_rows()
+    else:
+        with pytest.raises(PreconditionError, match="not served in easgd"):
+            policy.check_rows()
+
+
+def test_the_row_clock_is_the_open_table_round_or_one_past_the_high_water_mark(mode: str) -> None:
+    policy = POLICIES[mode]
+    if policy.row_rounds:
+        assert [policy.row_clock(5, last) for last in (None, 2, 9)] == [5, 5, 5]
+    else:
+        assert [policy.row_clock(5, last) for last in (None, 2, 9)] == [0, 3, 10]
+
+
+def test_a_row_push_is_held_for_its_round_applied_at_once_or_refused(mode: str) -> None:
+    shard, sessions = table_shard(mode)
+    before = read(shard, [3])[1]
+    if not TABLES[mode][0]:
+        with pytest.raises(PreconditionError, match="not served in easgd"):
+            shard.push_rows(0, 1, sessions[0], 0, rows([3], 1.0))
+        assert shard.tables.version == 0 and torch.equal(read(shard, [3])[1], before)
+        return
+    assert shard.push_rows(0, 1, sessions[0], 0, rows([3], 1.0)) == (0 if TABLES[mode][1] else 1, False)
+    if TABLES[mode][1]:  # held: the table round closes once rank 1 pushed it too
+        assert shard.tables.version == 0 and list(shard.tables.held) == [0]
+        with pytest.raises(WaitTimeoutError, match="ranks \\[1\\] have not pushed rows"):
+            read(shard, [3], min_version=1)
+        assert shard.push_rows(1, 1, sessions[1], 0, rows([3], 3.0)) == (0, False)
+        assert torch.equal(read(shard, [3], min_version=1)[1], before - 2.0)  # mean of 1 and 3, lr 1
+    else:
+        assert torch.equal(read(shard, [3])[1], before - 1.0)
+    assert shard.tables.version == 1
+    assert shard.push_rows(0, 1, sessions[0], 0, rows([3], 1.0))[1]  # a repeat changes nothing
+    assert shard.tables.version == 1
+    assert shard.init_tables(0, 1, [TABLE], 1.0)[2] == 1  # rank 0's next clock, every mode
+
+
+def test_only_row_rounds_refuse_a_row_push_for_a_future_round(mode: str) -> None:
+    if not TABLES[mode][0]:
+        return
+    shard, sessions = table_shard(mode)
+    if POLICIES[mode].row_rounds:
+        with pytest.raises(FutureRoundError, match="table round 4"):
+            shard.push_rows(0, 1, sessions[0], 4, rows([1], 1.0))
+        assert shard.tables.version == 0
+    else:
+        assert shard.push_rows(0, 1, sessions[0], 4, rows([1], 1.0)) == (1, False)
+        assert shard.tables.clock_of(shard.policy, 0, 1) == 5
+
+
+def test_a_table_round_closes_when_an_eviction_completes_it_and_a_waiting_read_sees_it() -> None:
+    shard, sessions = table_shard("sync")
+    shard.push_rows(0, 1, sessions[0], 0, rows([7], 2.0))
+    shard.evict(1)
+    version, values = read(shard, [7], min_version=1)  # the wait closes the round of rank 0 alone
+    assert version == 1 and shard.tables.version == 1
+
+
+def test_only_a_resizable_mode_resizes(mode: str) -> None:
+    shard = make_shard(mode)
+    if POLICIES[mode].resizable:
+        assert shard.resize(3)[0] == 2
+    else:
+        with pytest.raises(PreconditionError, match="an easgd job keeps its workers"):
+            shard.resize(3)

@@ -1,0 +1,134 @@
+"""Sync rounds as data: the open round's held pushes, and their rank-ordered mean.
+
+Round ``t`` collects the pushes with clock ``t``. When every expected rank has pushed (or a quorum
+did), :class:`SyncRounds` hands the held gradients back and the round advances; :func:`aggregate`
+sums them **in rank order** (never arrival order) and divides by their count, so the result is
+bitwise identical whatever the arrival timing. Used by the sync and easgd policies and by the
+streamed rounds of the data plane.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import torch
+
+from ps_common.errors import FutureRoundError, PreconditionError, StalePushError
+from ps_server.core.partitions import Bounded, max_abs_of
+from ps_server.policy.types import Gradients, Hyperparameters, hyper_key
+
+
+def agreed_hyperparameters(by_rank: Mapping[int, Hyperparameters]) -> Hyperparameters | None:
+    """The one set of hyperparameters every rank sent, or None when they differ."""
+    distinct = {hyper_key(h) for h in by_rank.values()}
+    if len(distinct) > 1:
+        return None
+    return next(iter(by_rank.values()), ())
+
+
+def aggregate(grads_by_rank: Mapping[int, Gradients]) -> list[torch.Tensor]:
+    """Mean of the ranks' gradients, summed in ascending rank order.
+
+    Args:
+        grads_by_rank: rank -> gradients; every rank's list has the same shapes and dtypes.
+
+    Returns:
+        One tensor per partition: ``(g[r0] + g[r1] + ...) / len(grads_by_rank)``; with one rank,
+        that rank's tensors themselves (read them, do not write them); otherwise new tensors.
+        The first sum is one pass (``torch.add``) rather than a copy and an add; the result is
+        bitwise the same. It carries the largest of the ranks' bounds (a mean's magnitude is at
+        most the largest of its terms'; :class:`~ps_server.core.partitions.Bounded`).
+
+    Raises:
+        ValueError: no ranks.
+    """
+    if not grads_by_rank:
+        raise ValueError("aggregate() needs at least one rank's gradients.")
+    ranks = sorted(grads_by_rank)
+    bound = max(max_abs_of(grads_by_rank[r]) for r in ranks)
+    if len(ranks) == 1:
+        return Bounded(grads_by_rank[ranks[0]], bound)
+    out = [torch.add(a, b) for a, b in zip(grads_by_rank[ranks[0]], grads_by_rank[ranks[1]], strict=True)]
+    for r in ranks[2:]:
+        for acc, g in zip(out, grads_by_rank[r], strict=True):
+            acc.add_(g)
+    for acc in out:
+        acc.div_(len(ranks))
+    return Bounded(out, bound)
+
+
+class SyncRounds:
+    """The open round of a shard in sync mode.
+
+    Args:
+        round: the round (= version) to start at.
+    """
+
+    def __init__(self, round: int = 0) -> None:
+        self.round = round
+        self.pending: dict[int, Gradients] = {}
+        self.hyper: dict[int, Hyperparameters] = {}
+        self.skips: set[int] = set()
+        self.taken_hyper: dict[int, Hyperparameters] = {}
+        """The hyperparameters of the round :meth:`take_if_complete` last closed, by rank."""
+        self.taken_skips: set[int] = set()
+        """The ranks of that round that asked to skip its step (AMP overflow)."""
+
+    def add(self, rank: int, clock: int, grads: Gradients, hyper: Hyperparameters = (), skip: bool = False) -> None:
+        """Hold ``rank``'s gradients, hyperparameters and skip request for the round ``clock``.
+
+        Raises:
+            StalePushError: ``clock`` is an already closed round.
+            FutureRoundError: ``clock`` is a future round.
+            PreconditionError: ``rank`` already pushed this round.
+        """
+        if clock < self.round:
+            raise StalePushError(
+                f"Round {clock} is closed (the shard is at round {self.round}); pull version "
+                f"{self.round} and push clock {self.round}."
+            )
+        if clock > self.round:
+            raise FutureRoundError(
+                f"Push for round {clock} but the shard is at round {self.round}; pull version {clock} first."
+            )
+        if rank in self.pending:
+            raise PreconditionError(
+                f"Rank {rank} already pushed round {clock} under another incarnation; wait for the next round."
+            )
+        self.pending[rank] = grads
+        self.hyper[rank] = hyper
+        if skip:
+            self.skips.add(rank)
+
+    def close_if_complete(self, expected: Iterable[int], quorum: int = 0) -> list[torch.Tensor] | None:
+        """Close the round when every expected rank has pushed, or ``quorum`` pushes arrived.
+
+        Args:
+            expected: ranks the round waits for (live, or not yet joined). Pushes already held from
+                ranks no longer expected still count.
+            quorum: close after the first K pushes whoever sent them (backup workers: Chen, Pan,
+                Monga, Bengio, Jozefowicz, "Revisiting Distributed Synchronous SGD", 2016);
+                0 waits for every expected rank.
+
+        Returns:
+            The rank-ordered mean of the held gradients, and the round advances; or None while
+            waiting. A round with no pushes never closes.
+        """
+        held = self.take_if_complete(expected, quorum)
+        return None if held is None else aggregate(held)
+
+    def take_if_complete(self, expected: Iterable[int], quorum: int = 0) -> dict[int, Gradients] | None:
+        """Like :meth:`close_if_complete` but returns the held rank -> tensors unreduced (EASGD rounds)."""
+        if not self.pending:
+            return None
+        if not (0 < quorum <= len(self.pending)) and not set(expected) <= self.pending.keys():
+            return None
+        held, self.pending = self.pending, {}
+        self.taken_hyper, self.hyper = self.hyper, {}
+        self.taken_skips, self.skips = self.skips, set()
+        self.round += 1
+        return held
+
+    def waiting_for(self, expected: Iterable[int]) -> list[int]:
+        """Expected ranks that have not pushed the open round, ascending."""
+        return sorted(set(expected) - self.pending.keys())
