@@ -20,17 +20,15 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from ps_common.errors import InvalidRequestError, NonFiniteUpdateError, TableFullError
 from ps_common.tables import RowOptimizerSpec, TableSpec, initial_rows, shard_of
+from ps_server.tables.chunked import ChunkedRead
 from ps_server.tables.row_index import INDEX_BYTES_PER_ROW, RowIndex
 from ps_server.tables.sparse_optim import initial_state, state_names, update_rows
-
-if TYPE_CHECKING:
-    from ps_server.tables.row_read import RowRead
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +127,7 @@ class Table:
         self.values = torch.empty(0, spec.dim, dtype=torch.float32)
         self.state: dict[str, torch.Tensor] = initial_state(spec.optimizer, 0, spec.dim)
         self.step = 0
-        self.readers: list[RowRead] = []  # pulls reading in chunks (:class:`RowRead`)
+        self.readers: list[ChunkedRead] = []  # pulls reading in chunks (:class:`RowRead`)
         self.rows_pulled = 0
         self.rows_pushed = 0
         self.bytes_sent = 0  # row values answered to pulls
