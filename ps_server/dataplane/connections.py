@@ -28,11 +28,8 @@ longer one is refused with RESOURCE_EXHAUSTED and the connection closed before i
 one call at a time. Refused connections are counted (``refused``) and logged at WARNING at most
 once per :data:`WARN_SECONDS`, with the count of those not logged.
 
-The plane's parts, each the owner of its state: :class:`~ps_server.dataplane.connection.Connection`
-(one worker's connection), :class:`~ps_server.dataplane.records.FrameReader` (a connection's
-records), :class:`~ps_server.dataplane.parked.Parking` (parked frames, their bound and expiry),
-:class:`~ps_server.dataplane.calls.CallServer` (calls) and
-:class:`~ps_server.dataplane.refusals.Refusals` (refused connections, counted and logged).
+Its parts own their state: ``connection`` (one worker's connection), ``hello``, ``records`` (a
+connection's records), ``parked`` (parked frames), ``calls`` and ``refusals`` (modules of this package).
 """
 
 from __future__ import annotations
@@ -59,16 +56,8 @@ from ps_server.dataplane.refusals import RateLimitedWarnings, Refusals
 from ps_server.service.rank_tokens import RankTokens
 from ps_server.threads import OwnedThreads
 
-__all__ = [
-    "HELLO_SECONDS",
-    "POLL_SECONDS",
-    "REFUSED",
-    "SEND_SECONDS",
-    "WARN_SECONDS",
-    "DataPlane",
-    "RateLimitedWarnings",
-    "wire_slots",
-]
+__all__ = ["HELLO_SECONDS", "POLL_SECONDS", "REFUSED", "SEND_SECONDS", "WARN_SECONDS", "DataPlane"]
+__all__ += ["RateLimitedWarnings", "wire_slots"]
 
 log = logging.getLogger(__name__)
 
