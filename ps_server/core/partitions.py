@@ -41,6 +41,37 @@ def densify(part: WirePartition, dtype: torch.dtype, what: str) -> torch.Tensor:
     return dense
 
 
+def check_dtype(key: str, offset: int, dtype: str, param_dtype: str) -> int:
+    """The partition rule's dtype half: a partition of parameter ``key`` (starting at element
+    ``offset``) is sent in the parameter's dtype ``param_dtype`` or a narrower float the wire allows
+    (:func:`ps_common.codec.wire_dtype_allowed`). Returns the bytes per element of ``dtype``.
+
+    Raises:
+        InvalidRequestError: any other dtype.
+    """
+    if dtype != param_dtype and not wire_dtype_allowed(dtype, param_dtype):
+        raise InvalidRequestError(
+            f"Partition {key}[{offset}:] has dtype {dtype} but the parameter is "
+            f"{param_dtype}; send {param_dtype} (or a narrower float: float16/bfloat16 for float32)."
+        )
+    return ITEMSIZES[dtype]  # known: the parameter's dtype, or one wire_dtype_allowed knows
+
+
+def check_dense_bytes(key: str, offset: int, length: int, dtype: str, nbytes: int) -> None:
+    """The partition rule's byte-count half: a dense partition of ``length`` elements of ``dtype``
+    (one :func:`check_dtype` admitted) carries exactly ``length * itemsize`` bytes.
+
+    Raises:
+        InvalidRequestError: ``nbytes`` is any other count.
+    """
+    need = length * ITEMSIZES[dtype]
+    if nbytes != need:
+        raise InvalidRequestError(
+            f"Partition {key}[{offset}:{offset + length}] carries {nbytes} bytes but {length} elements of {dtype} "
+            f"need {need}; send exactly the slice the plan names."
+        )
+
+
 class Intake:
     """Checks the partitions of one request as they arrive, against the plan: a stream is refused
     at its first bad frame, and never holds more than about the plan's share of this shard.
@@ -103,15 +134,9 @@ class Intake:
                 f"Partition {where} is not one this shard ({self.shard_index}) owns; compute the plan with "
                 "the same num_shards and partition_bytes."
             )
-        param_dtype = dtypes[part.key]
-        if part.dtype != param_dtype and not wire_dtype_allowed(part.dtype, param_dtype):
-            raise InvalidRequestError(
-                f"Partition {part.key}[{part.offset}:] has dtype {part.dtype} but the parameter is "
-                f"{param_dtype}; send {param_dtype} (or a narrower float: float16/bfloat16 for float32)."
-            )
+        itemsize = check_dtype(part.key, part.offset, part.dtype, dtypes[part.key])
         if self.seen[i]:
             raise InvalidRequestError(f"Partition {part.key}[{part.offset}:] was sent twice in one request.")
-        itemsize = ITEMSIZES[part.dtype]  # known: the parameter's dtype, or one wire_dtype_allowed knows
         if len(part.indices):
             if not self.sparse_ok:
                 raise InvalidRequestError(f"Only gradients may be sent top-k sparse; send {self.what}s dense.")
@@ -122,11 +147,8 @@ class Intake:
                     f"{len(part.data)} bytes of {part.dtype} values: send one value per index, at most "
                     f"{part.length} of them."
                 )
-        elif len(part.data) != part.length * itemsize:
-            raise InvalidRequestError(
-                f"Partition {where} carries {len(part.data)} bytes but {part.length} elements of {part.dtype} "
-                f"need {part.length * itemsize}; send exactly the slice the plan names."
-            )
+        else:
+            check_dense_bytes(part.key, part.offset, part.length, part.dtype, len(part.data))
         self.seen[i] = 1
         return i
 

@@ -5,18 +5,21 @@ without gRPC, by the connection's thread.
 interceptor read it (the deadline, whether the worker is still there, the status a refusal sets),
 and :func:`run_call` runs one call to the status code and body the connection answers with: the
 response (OK), or the refusal's code, ``ps-reason`` and details, as the gRPC call would end.
+:class:`CallServer` reads a call's request from its connection, runs it and sends the answer.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 
 import grpc
 
 from ps_common import dataconn
-from ps_common.errors import REASON_KEY
+from ps_common.errors import REASON_KEY, InvalidRequestError
+from ps_server.dataplane.connection import SEND_SECONDS, Connection
 
 log = logging.getLogger(__name__)
 
@@ -90,3 +93,55 @@ def run_call(handler: CallHandler, request: memoryview, context: CallContext, wh
     except Exception as exc:  # a defect
         log.exception("%s on its data connection failed", what)
         return grpc.StatusCode.UNKNOWN.value[0], dataconn.refusal("", f"Exception calling application: {exc}")
+
+
+class CallServer:
+    """Runs the calls that come on a shard's data connections, one at a time per connection, on
+    the connection's thread, and counts them.
+
+    Args:
+        handler: the servicer's PushPullOnce, wrapped by the metrics interceptor (which counts its
+            bytes); None: a call closes its connection.
+        max_call_bytes: longest request accepted (the gRPC server's message limit).
+    """
+
+    def __init__(self, handler: CallHandler | None, max_call_bytes: int) -> None:
+        self._handler = handler
+        self.max_call_bytes = max_call_bytes
+        self._lock = threading.Lock()  # connection threads answer calls concurrently
+        self.calls = 0
+        """Calls answered (refusals included)."""
+
+    def serve(self, conn: Connection, sequence: int, timeout_ms: int, nbytes: int) -> None:
+        """Read call ``sequence``'s request (``nbytes``) from ``conn``, run the handler here with a
+        deadline of ``timeout_ms`` milliseconds (0: none), send its answer.
+
+        Raises:
+            InvalidRequestError: no calls are served here, or the request is over the limit (its
+                refusal is sent first); the connection closes.
+            OSError, DataConnectionError: the connection broke.
+        """
+        if self._handler is None:
+            raise InvalidRequestError(f"call {sequence}: this shard takes no calls on its data connections")
+        if nbytes > self.max_call_bytes:
+            details = (
+                f"A call of {nbytes} bytes is over this shard's limit of {self.max_call_bytes} bytes "
+                "(--max-message-bytes)."
+            )
+            exhausted = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+            self._answer(conn, sequence, exhausted, dataconn.refusal("", details), 5.0)
+            raise InvalidRequestError(f"call {sequence}: {details}")
+        request = dataconn.buffer(nbytes)
+        dataconn.recv_exact(conn.sock, request)
+        # the call is active while its connection is: a worker that went away ends the call's waits
+        active = lambda: not conn.error and conn.peer_open()  # noqa: E731
+        context = CallContext(timeout_ms / 1000 if timeout_ms else None, active, conn.rank)
+        code, body = run_call(self._handler, request, context, f"call {sequence} of rank {conn.rank}")
+        self._answer(conn, sequence, code, body, context.time_remaining())
+        with self._lock:
+            self.calls += 1
+
+    @staticmethod
+    def _answer(conn: Connection, sequence: int, code: int, body: dataconn.Body, timeout: float | None) -> None:
+        timeout = max(1.0, SEND_SECONDS if timeout is None else timeout)
+        conn.send(dataconn.answer(sequence, code, body), time.monotonic() + timeout)

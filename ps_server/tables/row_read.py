@@ -74,7 +74,9 @@ class _Part:
 
 
 class RowRead:
-    """A consistent read of several blocks (see the module docstring).
+    """A consistent read of several blocks (see the module docstring); each table it reads holds it
+    among its :attr:`~ps_server.tables.table.Table.readers` (a
+    :class:`~ps_server.tables.table.Reader`) until :meth:`close`.
 
     Args:
         blocks: (table, prepared request) per block; ids checked by the caller.
