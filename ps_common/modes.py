@@ -25,6 +25,11 @@ from ps_common.errors import InvalidRequestError
 from ps_common.text import quote
 
 MODES = ("async", "easgd", "ssp", "sync")
+
+LOCAL_OPTIMIZER_MODES = frozenset({"easgd"})
+"""Modes whose workers step a local optimizer and exchange with a center (their own training loop):
+a cluster cannot switch into or out of them live."""
+
 STALENESS_LR_RULES = ("", "inverse")
 
 MAX_COUNT = 2**31 - 1
@@ -260,7 +265,7 @@ class ModeSettings:
                 different loop there; restart the cluster instead).
         """
         new = dataclasses.replace(self, **changes)
-        if (new.mode == "easgd") != (self.mode == "easgd"):
+        if (new.mode in LOCAL_OPTIMIZER_MODES) != (self.mode in LOCAL_OPTIMIZER_MODES):
             raise InvalidRequestError(
                 f"Cannot switch from {self.mode} to {new.mode} live: EASGD workers run local optimizers; "
                 "restart the cluster with the new --mode."
