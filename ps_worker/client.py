@@ -24,7 +24,6 @@ from ps_common.modes import ModeSettings
 from ps_common.optimizer import OptimizerSpec
 from ps_common.plan import DEFAULT_PARTITION_BYTES, Plan
 from ps_common.tables import TableSpec
-from ps_common.wire import optimizer_from_proto
 from ps_proto.v1 import ps_pb2
 from ps_worker import env, export
 from ps_worker.compression import TopK
@@ -224,31 +223,9 @@ class PSClient:
             ShardError: a refusal (PlanMismatch: the shards hold another model's plan).
             TimeoutError: rank 0 did not initialize the shards in time.
         """
-        optimizer = attach_tables(self, model, optimizer)  # sparse embeddings become shard tables (issue 19)
+        optimizer = attach_tables(self, model, optimizer)  # sparse embeddings become shard tables
         named, opt, plan = model_plan(model, optimizer, buffers, self.num_shards, self.partition_bytes)
-        self.path.codec = WireCodec(plan, self.wire_dtype, self.compressor)
-        self.session.plan_digest = plan.digest
-        self.staging.reset()
-        replies = self.join()
-        if replies[0].HasField("optimizer"):  # already initialized (e.g. restored): its spec is the truth
-            opt = optimizer_from_proto(replies[0].optimizer)
-        self.path.params = {k: p for k, p in named}
-        self.session.optimizer = opt
-
-        def write(k: int) -> None:  # rank 0: (again) the model's current values, with the spec in force
-            assert self.session.optimizer is not None
-            self.path.init_shard(k, self.path.params, self.session.optimizer)
-
-        if self.rank == 0:
-            self.session.reinit = write
-            self.transport.each_shard(write)
-        else:
-            self.session.wait_initialized(dict(enumerate(replies)), init_timeout)
-        params = {k: p.data if p.is_floating_point() else torch.empty(p.shape, dtype=torch.float64) for k, p in named}
-        self.pull(params, min_version=0)
-        for k, p in named:
-            if not p.is_floating_point():  # an integer buffer, pulled as float64
-                p.copy_(params[k])
+        self.path.initialize(named, WireCodec(plan, self.wire_dtype, self.compressor), opt, self.join, init_timeout)
         self.session.worker.after_init(self.session)
 
     # ------------------------------------------------------------------ embedding tables (ps_worker.tables.modules)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import grpc
@@ -19,6 +19,7 @@ import torch
 from ps_common import frames
 from ps_common.optimizer import OptimizerSpec
 from ps_common.plan import Plan
+from ps_common.wire import optimizer_from_proto
 from ps_proto.v1 import ps_pb2
 from ps_worker.errors import error_from_rpc
 from ps_worker.session import Session
@@ -66,6 +67,47 @@ class DataPath:
         self.skipping = False
         """A push with skip is being answered (a repush meanwhile carries the skip)."""
         session.repush = self._repush
+
+    def initialize(
+        self,
+        named: Sequence[tuple[str, torch.Tensor]],
+        codec: WireCodec,
+        optimizer: OptimizerSpec,
+        join: Callable[[], list[ps_pb2.JoinResponse]],
+        init_timeout: float,
+    ) -> None:
+        """Join with ``codec``'s plan; rank 0 writes ``named``'s values and ``optimizer`` to every shard
+        (and again to a shard that lost them), the other ranks wait up to ``init_timeout`` seconds for
+        rank 0's Init; every rank then pulls the values into ``named`` in place (integer buffers
+        travel as float64). A shard already initialized (e.g. restored) keeps its optimizer spec.
+
+        Raises:
+            ShardError: a refusal (PlanMismatch: the shards hold another model's plan).
+            TimeoutError: rank 0 did not initialize the shards in time.
+        """
+        self.codec = codec
+        self.session.plan_digest = codec.plan.digest
+        self.staging.reset()
+        replies = join()
+        if replies[0].HasField("optimizer"):  # already initialized: its spec is the truth
+            optimizer = optimizer_from_proto(replies[0].optimizer)
+        self.params = dict(named)
+        self.session.optimizer = optimizer
+
+        def write(k: int) -> None:  # rank 0: (again) the model's current values, with the spec in force
+            assert self.session.optimizer is not None
+            self.init_shard(k, self.params, self.session.optimizer)
+
+        if self.session.rank == 0:
+            self.session.reinit = write
+            self.transport.each_shard(write)
+        else:
+            self.session.wait_initialized(dict(enumerate(replies)), init_timeout)
+        values = {k: p.data if p.is_floating_point() else torch.empty(p.shape, dtype=torch.float64) for k, p in named}
+        self.pull(values, min_version=0)
+        for k, p in named:
+            if not p.is_floating_point():  # an integer buffer, pulled as float64
+                p.copy_(values[k])
 
     def require_codec(self) -> WireCodec:
         """The codec of the plan.
