@@ -42,8 +42,8 @@ SKIPPED: dict[str, str] = {
     r"^pytest tests/": "test files that CI runs on their own",
     r"^python scripts/gen_proto\.py$": "rewrites ps_proto/ in the checkout; tests/test_proto.py regenerates it into "
     "a temporary directory and compares",
-    r"^python scripts/flags_table\.py --write$": "rewrites docs/flags.md in the checkout; tests/test_readme.py checks it "
-    "is current",
+    r"^python scripts/flags_table\.py --write$": "rewrites docs/flags.md in the checkout; tests/test_readme.py "
+    "checks it is current",
     r"^docker\b|\bdocker compose\b": "needs a Docker daemon; tests/deploy checks the compose file and runs its "
     "commands as local processes",
     r"^kubectl\b": "needs a Kubernetes cluster; tests/deploy validates the manifests",
