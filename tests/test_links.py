@@ -138,3 +138,18 @@ def test_every_link_and_anchor_resolves(page: str) -> None:
 def test_every_markdown_page_of_docs_is_checked() -> None:
     pages = {str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md")}
     assert pages <= set(PAGES)
+
+
+def test_the_code_cites_anchors_the_docs_have() -> None:
+    """Every ``docs/<page>.md#<anchor>`` a docstring or comment cites is a heading of that page."""
+    cited = re.compile(r"\b(docs/[\w-]+\.md)#([\w-]+)")
+    problems = []
+    for source in sorted(ROOT.glob("*/**/*.py")):
+        if any(part.startswith(".") or part in ("ps_proto", "node_modules") for part in source.parts):
+            continue
+        for number, line in enumerate(source.read_text(errors="replace").splitlines(), 1):
+            for page, anchor in cited.findall(line):
+                target = ROOT / page
+                if not target.exists() or anchor not in anchors(target):
+                    problems.append(f"{source.relative_to(ROOT)}:{number}: {page}#{anchor}")
+    assert not problems, "no such page or heading:\n" + "\n".join(problems)
