@@ -1,6 +1,6 @@
 """Prototype of a native data path: the sync push+pull step of one worker and one shard over a raw
-TCP socket, with no copy in user space. Numbers for the design in bench/README.md ("A native data
-path"); not part of grpc-ps.
+TCP socket, with no copy in user space. Measured as the ``native`` system of bench/run.py (bench/README.md);
+not part of grpc-ps.
 
 Roles (started by ``run.py``, system ``native``):
 - ``shard``: accepts one connection. The parameters are ``partition_bytes`` partitions of a flat

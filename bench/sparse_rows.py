@@ -15,7 +15,7 @@ ratio, and every process's peak resident memory against the table's size::
     python bench/sparse_rows.py                      # 10M x 64 (2.56 GB), 2 workers x 2 shards, sync
     python bench/sparse_rows.py --rows 100000 --steps 20   # a quick look
 
-Benchmarks are not tests (DESIGN section 11): this reports numbers, it asserts nothing.
+Benchmarks are not tests (docs/architecture.md#11-benchmarks): this reports numbers, it asserts nothing.
 """
 
 from __future__ import annotations

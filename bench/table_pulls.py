@@ -12,7 +12,7 @@ chunk of ``READ_CHUNK_IDS`` ids at a time, not for the whole pull)::
     python bench/table_pulls.py                     # 3 pullers x 1.99M ids, 10 s per window
     python bench/table_pulls.py --pullers 0         # the step rate alone, twice
 
-Benchmarks are not tests (DESIGN section 11): this reports numbers, it asserts nothing.
+Benchmarks are not tests (docs/architecture.md#11-benchmarks): this reports numbers, it asserts nothing.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""``ps-admin``: inspect and steer every shard of a grpc-ps cluster over ``ps.v1.Admin`` (DESIGN section 10).
+"""``ps-admin``: inspect and steer every shard of a grpc-ps cluster over ``ps.v1.Admin``
+(docs/architecture.md#10-commands-and-metrics).
 
 ``status`` prints one table (``--json`` for scripts); ``top`` redraws it in 80x24 from one
 ``WatchStatus`` stream per shard until Ctrl-C or ``--iterations``; ``set`` changes the learning rate
@@ -192,7 +193,7 @@ def add_set_flags(p: FlagParser) -> None:
 
 
 def admin_parser(environ: Mapping[str, str] | None = None) -> FlagParser:
-    """The ``ps-admin`` flags (DESIGN section 10)."""
+    """The ``ps-admin`` flags (docs/architecture.md#10-commands-and-metrics)."""
     p = FlagParser(prog="ps-admin", description="Inspect and steer every shard of a grpc-ps cluster.", environ=environ)
     p.flag("--servers", required=True, help="HOST:PORT of every shard, comma-separated, in shard-index order")
     p.flag(

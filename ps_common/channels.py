@@ -1,4 +1,4 @@
-"""Client channels to shards, plaintext or TLS (DESIGN section 8), and the flags that choose them.
+"""Client channels to shards, plaintext or TLS (docs/architecture.md#8-security), and the flags that choose them.
 
 Imports no torch, so ``ps-admin`` starts in a fraction of a second; ``PSClient`` uses it too.
 """

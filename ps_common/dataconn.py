@@ -6,7 +6,7 @@ connection the worker sends a gradient straight from the tensor's memory (``sock
 memoryviews) and receives new values straight into the weights (``socket.recv_into``); the shard
 receives each partition into a tensor of its own. The PushPull call itself (header, push's
 answer, errors, deadlines, authorization) stays on gRPC; only the partitions move here
-(bench/README.md "A native data path"). A push of one message (a small model) goes here as a whole
+(docs/architecture.md#7-gradient-path). A push of one message (a small model) goes here as a whole
 call instead, where grpcio's per-call cost would be most of the step.
 
 Wire format (little-endian, every integer fixed width):
@@ -30,7 +30,7 @@ Wire format (little-endian, every integer fixed width):
   count of what follows: the PushPullOnce response message (code 0, OK), or :data:`STATUS` and the
   refusal's ``ps-reason`` and details (UTF-8). A small model's step takes one round trip on the
   connection and no gRPC call at all; the checks, semantics, errors and metrics are the RPC's
-  (the shard runs the same servicer method; bench/README.md "Session 8").
+  (the shard runs the same servicer method; docs/architecture.md#7-gradient-path).
 - the answer of a PushPull whose push came as a frame, shard → worker, before the call's answer on
   gRPC: the values frame of the version the push landed in; or :data:`ABORT` with 0 in the dtype
   field (no values: the call's status says why); or, for a streamed sync round

@@ -1,4 +1,4 @@
-"""The consistency model in force and its parameters (DESIGN section 5): one table, every place.
+"""The consistency model in force and its parameters (docs/architecture.md#5-consistency): one table, every place.
 
 :data:`PARAMETERS` has one row per mode parameter with every name it goes by (its attribute, its
 flag, its ``ps.v1`` field) and its unit, modes, help text, parse and validate rules, and whether

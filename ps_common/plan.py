@@ -1,4 +1,4 @@
-"""The partition plan: a deterministic map partition -> shard (DESIGN section 6).
+"""The partition plan: a deterministic map partition -> shard (docs/architecture.md#6-partition-plan).
 
 Every parameter is flattened and cut into partitions of at most ``partition_bytes``; walking
 parameters in declaration order, each partition goes to the shard holding the fewest bytes so far

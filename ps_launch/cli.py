@@ -65,7 +65,7 @@ USAGE = (
 
 
 def launch_parser(environ: Mapping[str, str] | None = None) -> FlagParser:
-    """The ``ps-launch`` flags (DESIGN section 10)."""
+    """The ``ps-launch`` flags (docs/architecture.md#10-commands-and-metrics)."""
     p = CommandParser(
         prog="ps-launch",
         usage=USAGE,

@@ -2,7 +2,7 @@
 
 Run as ``python -m ps_server.healthcheck [HOST:PORT]`` from a Docker ``HEALTHCHECK`` or a
 compose ``healthcheck``. The address defaults to ``127.0.0.1:$PS_PORT`` (50051 when unset), the
-shard's own port seen from inside its container. Health stays open without tokens (DESIGN §8),
+shard's own port seen from inside its container. Health stays open without tokens (docs/architecture.md#8-security),
 so the check needs none. It imports only the standard library and grpcio (never torch), so it
 starts in a fraction of a second.
 

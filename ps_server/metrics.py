@@ -1,4 +1,4 @@
-"""Prometheus metrics of a shard (DESIGN section 10), built against an injected registry.
+"""Prometheus metrics of a shard (docs/architecture.md#10-commands-and-metrics), built against an injected registry.
 
 Every name here is contract. RPC durations and barrier waits are recorded by
 :class:`ps_server.service.interceptors.MetricsInterceptor`; pushes, refused pushes, push staleness and bytes

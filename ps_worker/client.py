@@ -1,4 +1,4 @@
-"""``PSClient``: a worker's connection to every shard of a grpc-ps cluster (``docs/architecture.md``).
+"""``PSClient``: a worker's connection to every shard of a grpc-ps cluster (``docs/architecture.md#9-worker-library``).
 
 One channel per shard; pushes and pulls go to all shards in parallel, each as a stream of
 partitions. Tensors may live on any device: device tensors are staged through pinned host memory
@@ -59,7 +59,7 @@ class PSClient:
         timeout: per-RPC deadline in seconds; a sync pull waits at most this long for its round.
         retry_deadline: seconds to keep retrying UNAVAILABLE (backoff with jitter).
         partition_bytes: largest partition payload in bytes (all workers must agree).
-        tls_ca: PEM file of the CA of the shards' certificates: use TLS (``docs/architecture.md``).
+        tls_ca: PEM file of the CA of the shards' certificates: use TLS (``docs/architecture.md#8-security``).
         tls_cert: PEM client certificate for mutual TLS (with ``tls_key``).
         tls_key: PEM private key of ``tls_cert``.
         metrics: where to record push/pull seconds and bytes; None records nothing.

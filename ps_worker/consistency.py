@@ -1,4 +1,4 @@
-"""The worker side of the consistency models (``docs/architecture.md``): one object per mode.
+"""The worker side of the consistency models (``docs/architecture.md#5-consistency``): one object per mode.
 
 The shard decides when an update applies; the worker decides what a step sends and what it waits
 for. Each :class:`WorkerMode` says that for one mode, and is looked up by name in

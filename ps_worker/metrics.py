@@ -1,4 +1,4 @@
-"""Prometheus metrics of a worker (DESIGN section 10), built against an injected registry.
+"""Prometheus metrics of a worker (docs/architecture.md#10-commands-and-metrics), built against an injected registry.
 
 :class:`~ps_worker.client.PSClient` records push, pull and push-pull (step) times and bytes when given a
 :class:`WorkerMetrics`; :func:`~ps_worker.workloads.train.train` records step times and the loss. Without

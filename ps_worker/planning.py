@@ -1,4 +1,5 @@
-"""What of a model a plan carries, and the optimizer spec rank 0 sends at Init (DESIGN sections 6, 9)."""
+"""What of a model a plan carries, and the optimizer spec rank 0 sends at Init
+(docs/architecture.md#6-partition-plan, docs/architecture.md#9-worker-library)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Print the README's table of every command's flags and PS_* twins (from the parsers themselves);
-``--write`` puts it in README.md."""
+"""Print the table of every command's flags and PS_* twins (from the parsers themselves);
+``--write`` puts it in docs/flags.md."""
 
 from __future__ import annotations
 
@@ -47,18 +47,20 @@ def table() -> str:
     return "\n".join(rows)
 
 
-def write(readme: Path) -> None:
-    """Replace the table between README's ``<!-- flags:begin -->`` and ``<!-- flags:end -->``."""
-    text = readme.read_text()
+def write(page: Path) -> None:
+    """Replace the table between the page's ``<!-- flags:begin -->`` and ``<!-- flags:end -->``."""
+    text = page.read_text()
     head, rest = text.split(BEGIN, 1)
     _, tail = rest.split(END, 1)
-    readme.write_text(f"{head}{BEGIN}\n{table()}\n{END}{tail}")
+    page.write_text(f"{head}{BEGIN}\n{table()}\n{END}{tail}")
 
 
 BEGIN, END = "<!-- flags:begin -->", "<!-- flags:end -->"
+PAGE = Path(__file__).resolve().parent.parent / "docs" / "flags.md"
+"""The page that holds the table."""
 
 if __name__ == "__main__":
     if sys.argv[1:] == ["--write"]:
-        write(Path(__file__).resolve().parent.parent / "README.md")
+        write(PAGE)
     else:
         print(table())

@@ -33,7 +33,7 @@ def test_importing_leaves_torch_unloaded(module: str) -> None:
 
 PACKAGES = ("ps_common", "ps_server", "ps_worker", "ps_launch", "ps_admin")
 MAX_MODULE_LINES = 420
-"""A module a newcomer reads in one sitting (docs/architecture.md#packages): about 400 lines."""
+"""A module a newcomer reads in one sitting (docs/architecture.md#1-packages): about 400 lines."""
 DISPLAY_MODULES = frozenset({"ps_launch/summary.py", "ps_admin/view.py", "ps_admin/cli.py"})
 """Modules that print a mode for people; the only places a mode may be compared by name."""
 
@@ -74,7 +74,7 @@ def _is_mode(node: ast.expr) -> bool:
 
 def test_modes_are_asked_of_their_policy_not_compared_by_name() -> None:
     """No ``mode == "sync"``-style test outside display code: what a mode does is a question to its
-    consistency policy (server) or worker mode (docs/architecture.md#the-consistency-engine). Comparing
+    consistency policy (server) or worker mode (docs/architecture.md#5-consistency). Comparing
     two modes (did it change?) and checking that a request named one are not dispatch and pass."""
     found = []
     for path in _sources():

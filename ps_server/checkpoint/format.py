@@ -12,7 +12,7 @@ their raw bytes in row-major order. A reader recomputes it from what ``torch.loa
 file whose bytes were torn, truncated, zeroed or flipped either fails to load or fails the digest;
 only a file whose loaded content equals what was saved is valid. The state may hold only what
 ``torch.load(weights_only=True)`` accepts: tensors, dicts, lists, tuples, str, bytes, int, float,
-bool, None, ``torch.Size`` and ``torch.dtype`` (no pickled classes; DESIGN §8).
+bool, None, ``torch.Size`` and ``torch.dtype`` (no pickled classes; docs/architecture.md#8-security).
 
 Where the files live, how they are written atomically and pruned: :mod:`ps_server.checkpoint.files`.
 """

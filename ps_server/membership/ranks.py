@@ -31,8 +31,8 @@ class WorkerState(enum.Enum):
 
 @dataclass(frozen=True)
 class PushStamp:
-    """What makes a push (or an exchange) unique (DESIGN section 4): the rank, the incarnation of
-    its process, and its clock (the step it completes). A shard applies each stamp at most once."""
+    """What makes a push (or an exchange) unique (docs/architecture.md#4-idempotence-and-errors): the rank, the
+    incarnation of its process, and its clock (the step it completes). A shard applies each stamp at most once."""
 
     rank: int
     incarnation: int

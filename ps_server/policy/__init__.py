@@ -1,4 +1,4 @@
-"""Consistency policies (docs/architecture.md): pure code, no grpc, no sockets, no sleeping.
+"""Consistency policies (docs/architecture.md#5-consistency): pure code, no grpc, no sockets, no sleeping.
 
 :data:`POLICIES` maps each ``--mode`` to its :class:`~ps_server.policy.base.ConsistencyPolicy`.
 """

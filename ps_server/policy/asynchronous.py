@@ -129,5 +129,5 @@ class AsyncPolicy(ImmediatePolicy):
         return lr_scale(tau, shard.settings.staleness_lr)
 
     def staleness(self, shard: ShardCore, member: Member, grad_version: int) -> int:
-        """Versions applied since ``grad_version`` (docs/architecture.md)."""
+        """Versions applied since ``grad_version`` (docs/architecture.md#3-staleness)."""
         return staleness(shard.version, grad_version)

@@ -1,4 +1,4 @@
-"""The one interface of the consistency models (docs/architecture.md): what a shard asks its mode.
+"""The one interface of the consistency models (docs/architecture.md#5-consistency): what a shard asks its mode.
 
 A :class:`ConsistencyPolicy` decides, for the :class:`~ps_server.shard.shard.Shard` that holds the lock,
 what happens to a push (applied now, held for its round, or refused as stale, and with which
@@ -79,7 +79,7 @@ class ConsistencyPolicy(ABC):
 
     Class attributes:
         mode: the ``--mode`` name.
-        staleness_unit: what :meth:`staleness` counts in this mode (docs/architecture.md): ``"versions"``
+        staleness_unit: what :meth:`staleness` counts in this mode (docs/architecture.md#3-staleness): ``"versions"``
             (async), ``"clocks"`` (ssp: the clock gap), ``""`` where nothing is stale (sync, easgd).
         holds_pushes: pushes wait for their round (sync): a closed round refuses its clocks itself
             (no high-water mark), and a refused round is told to the pushes that completed it.

@@ -67,5 +67,5 @@ class SspPolicy(ImmediatePolicy):
             shard.max_clock_gap = max(shard.max_clock_gap, read_gap(member.clock, shard.membership.clocks()))
 
     def staleness(self, shard: ShardCore, member: Member, grad_version: int) -> int:
-        """The clock gap: ``member``'s lead over the slowest live rank, in clocks (docs/architecture.md)."""
+        """The clock gap: ``member``'s lead over the slowest live rank, in clocks (docs/architecture.md#3-staleness)."""
         return read_gap(member.clock, shard.membership.clocks())

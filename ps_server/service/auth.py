@@ -1,4 +1,4 @@
-"""Bearer-token authorization of a shard's services (DESIGN section 8).
+"""Bearer-token authorization of a shard's services (docs/architecture.md#8-security).
 
 ``ps.v1.ParameterService`` takes the worker token (or the admin token), and with per-rank
 credentials (:mod:`ps_server.service.rank_tokens`) a rank's own token, which makes the call that rank's:

@@ -1,5 +1,5 @@
 """A pull of table rows as of one version, read in bounded chunks so the shard's lock is never held
-for a whole large pull (README "Sparse embedding tables").
+for a whole large pull (docs/tables.md).
 
 A :class:`RowRequest` is prepared without the lock (ids sorted, owning shards computed: the costly
 O(n log n) part). Under the lock, :meth:`RowRead.open` fixes the version and, per table, the rows

@@ -2,7 +2,7 @@
 
 Pure state, guarded by the shard's condition (the caller holds it). The shard's consistency policy
 (:class:`~ps_server.policy.base.ConsistencyPolicy`, passed per call as the dense pushes ask it)
-decides what a row push does (docs/architecture.md, consistency models):
+decides what a row push does (docs/architecture.md#5-consistency):
 
 - **row rounds** (``policy.row_rounds``: sync): a push with clock ``t`` joins table round ``t``
   (= :attr:`TableStore.version`). When every expected rank (the shard's membership, as the dense

@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 
 
 def is_stale(exc: BaseException) -> bool:
-    """A push refused with ABORTED (DESIGN section 4: pull and push the next clock):
+    """A push refused with ABORTED (docs/architecture.md#4-idempotence-and-errors: pull and push the next clock):
     :class:`~ps_worker.errors.StalePush`, :class:`~ps_worker.errors.Replayed`,
     :class:`~ps_worker.errors.UpdateRefused` or :class:`~ps_worker.errors.NonFiniteUpdate`."""
     return isinstance(exc, grpc.RpcError) and exc.code() == grpc.StatusCode.ABORTED

@@ -27,7 +27,7 @@ WIRE_DTYPES = ("float32", "float16", "bfloat16")
 
 @dataclass(frozen=True)
 class Stamp:
-    """What every push carries besides its gradients (DESIGN section 4).
+    """What every push carries besides its gradients (docs/architecture.md#4-idempotence-and-errors).
 
     Attributes:
         rank, incarnation: the pushing worker.

@@ -1,6 +1,6 @@
 """How one shard's PushPull travels: a :class:`Link`, chosen per attempt by :func:`choose_link`.
 
-Two links carry the same request and response messages (``docs/architecture.md``, the data path):
+Two links carry the same request and response messages (``docs/architecture.md#7-gradient-path``):
 
 - :class:`GrpcLink`: the PushPull stream (or the unary PushPullOnce for a push of one message).
 - :class:`DataLink`: the shard's raw-TCP data connection (:mod:`ps_common.dataconn`): a push of one

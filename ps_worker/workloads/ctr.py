@@ -12,7 +12,7 @@ dot product of every pair of the ``F + 1`` vectors (bottom output and one embedd
 into one logit. Loss: binary cross-entropy on the logit (``BCEWithLogits``).
 
 The tables are ``sparse=True``: their gradients touch only the rows of the batch, and grpc-ps serves such
-tables row by row from the shards (``ps_worker.tables.modules``; README "Sparse embedding tables"), so a step
+tables row by row from the shards (``ps_worker.tables.modules``; docs/tables.md), so a step
 moves the batch's rows, not the tables. Their initial rows are N(0, 0.1^2), locally and on the shards
 (``ps_init_std``). Default sizes: 125,756 rows of 16 float32 (7.7 MiB) over 6 tables, 5,233 dense
 parameters; larger tables: raise ``ClickLogConfig.cardinalities`` (``docs/ctr.md``).

@@ -97,7 +97,7 @@ def training_flags(p: FlagParser) -> None:
 
 
 def worker_parser(environ: Mapping[str, str] | None = None) -> FlagParser:
-    """The ``ps-worker`` flags (DESIGN section 10)."""
+    """The ``ps-worker`` flags (docs/architecture.md#10-commands-and-metrics)."""
     p = CommandParser(
         prog="ps-worker", description="Train a built-in workload as one rank of a grpc-ps cluster.", environ=environ
     )

@@ -38,10 +38,12 @@ SKIPPED: dict[str, str] = {
     r"^pip install\b": "installs packages (network): the environment under test is installed already",
     r"^bash \.ci/run$": "CI itself: installs from scratch and runs the whole suite, this file included",
     r"^bash \.ci/install-ops-tools\.sh\b": "installs Debian packages as root (network)",
-    r"^python -m pytest$": "the whole suite, this file included: CI runs it",
+    r"^python -m pytest( --ignore=tests/deploy)?$": "the whole suite, this file included: CI runs it",
     r"^pytest tests/": "test files that CI runs on their own",
     r"^python scripts/gen_proto\.py$": "rewrites ps_proto/ in the checkout; tests/test_proto.py regenerates it into "
     "a temporary directory and compares",
+    r"^python scripts/flags_table\.py --write$": "rewrites docs/flags.md in the checkout; tests/test_readme.py "
+    "checks it is current",
     r"^docker\b|\bdocker compose\b": "needs a Docker daemon; tests/deploy checks the compose file and runs its "
     "commands as local processes",
     r"^kubectl\b": "needs a Kubernetes cluster; tests/deploy validates the manifests",

@@ -20,7 +20,7 @@ from tests.helpers.tensors import encode
 
 PLAN = make_plan([ParameterSpec("w", (3,), "float32")], 1)
 
-# What each mode answers to the shared cases (DESIGN sections 3 and 5).
+# What each mode answers to the shared cases (docs/architecture.md#3-staleness and docs/architecture.md#5-consistency).
 EXPECTED = {
     #        staleness unit, push applied at once, push held for its round, read after push of clock c
     "sync": ("", False, True, lambda c: c + 1),

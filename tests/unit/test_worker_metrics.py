@@ -1,4 +1,5 @@
-"""ps_worker.metrics: a worker's metric names (DESIGN section 10), in an injected registry."""
+"""ps_worker.metrics: a worker's metric names (docs/architecture.md#10-commands-and-metrics), in an injected
+registry."""
 
 from __future__ import annotations
 
