@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, TypeAlias
+from typing import Any
 
 import torch
 
@@ -39,23 +39,11 @@ from ps_common.errors import (
     UpdateRefusedError,
 )
 from ps_common.tables import MAX_TABLES, TableSpec
-from ps_server.policy import POLICIES, ConsistencyPolicy
+from ps_server.policy import ConsistencyPolicy
 from ps_server.tables.row_read import RowRead, RowRequest
 from ps_server.tables.table import DEFAULT_MAX_TABLE_BYTES, RowGrads, Table, coalesce, table_row_bytes
 
 log = logging.getLogger(__name__)
-
-PolicyOrMode: TypeAlias = ConsistencyPolicy | str
-"""The consistency policy a call follows, or its ``--mode`` name (looked up in ``POLICIES``)."""
-
-
-def policy_of(policy: PolicyOrMode) -> ConsistencyPolicy:
-    """The :class:`ConsistencyPolicy` ``policy`` names (itself when it is one).
-
-    Raises:
-        KeyError: an unknown mode name.
-    """
-    return POLICIES[policy] if isinstance(policy, str) else policy
 
 
 class TableStore:
@@ -171,7 +159,7 @@ class TableStore:
         return read
 
     # ----------------------------------------------------------------- push
-    def check_push(self, policy: PolicyOrMode, blocks: Mapping[str, RowGrads]) -> None:
+    def check_push(self, policy: ConsistencyPolicy, blocks: Mapping[str, RowGrads]) -> None:
         """Check a push's blocks before anything is held or applied: tables served in ``policy``'s
         mode, known tables, ids in range and owned here, finite gradients, room for the new rows
         (counting the open round's).
@@ -180,7 +168,7 @@ class TableStore:
             PreconditionError: the mode serves no tables (``policy.check_rows``), or no tables.
             InvalidRequestError: bad ids or values. TableFullError: the new rows exceed a table's cap.
         """
-        policy_of(policy).check_rows()
+        policy.check_rows()
         for name, rg in blocks.items():
             t = self.table(name)
             t.check_ids(rg.ids)
@@ -217,7 +205,7 @@ class TableStore:
             )
 
     def push(
-        self, policy: PolicyOrMode, rank: int, incarnation: int, clock: int, blocks: Mapping[str, RowGrads]
+        self, policy: ConsistencyPolicy, rank: int, incarnation: int, clock: int, blocks: Mapping[str, RowGrads]
     ) -> tuple[int, bool]:
         """Hold (``policy.row_rounds``) or apply one rank's row gradients of one step.
 
@@ -228,7 +216,7 @@ class TableStore:
             FutureRoundError: row rounds, a clock beyond the open round.
             as :meth:`check_push`; UpdateRefusedError (applied at once): the step failed, nothing changed.
         """
-        policy = policy_of(policy)
+        policy = policy
         if policy.row_rounds:
             return self._hold(policy, rank, incarnation, clock, blocks)
         seen = self.high_water.get(rank)
@@ -260,14 +248,14 @@ class TableStore:
         self.held_keys[rank] = incarnation
         return clock, False
 
-    def advance(self, policy: PolicyOrMode, expected: Callable[[int], Iterable[int]]) -> bool:
+    def advance(self, policy: ConsistencyPolicy, expected: Callable[[int], Iterable[int]]) -> bool:
         """Close the open table round when ``policy`` holds rows in rounds and every rank
         ``expected(round)`` names has pushed it (:meth:`close_round_if_complete`).
 
         Returns:
             True when a round closed (the version moved).
         """
-        return policy_of(policy).row_rounds and self.close_round_if_complete(expected(self.version))
+        return policy.row_rounds and self.close_round_if_complete(expected(self.version))
 
     def waiting_for(self, expected: Iterable[int]) -> list[int]:
         """Ranks of ``expected`` that have not pushed the open table round, in ``expected``'s order."""
@@ -339,8 +327,8 @@ class TableStore:
         self.high_water = {int(r): (int(inc), int(clock)) for r, inc, clock in saved.get("high_water", [])}
         self.held, self.held_keys = {}, {}
 
-    def clock_of(self, policy: PolicyOrMode, rank: int, incarnation: int) -> int:
+    def clock_of(self, policy: ConsistencyPolicy, rank: int, incarnation: int) -> int:
         """The clock ``rank``'s next push carries (``policy.row_clock``: the open round in row
         rounds, else one past its high-water mark)."""
         seen = self.high_water.get(rank)
-        return policy_of(policy).row_clock(self.version, seen[1] if seen is not None else None)
+        return policy.row_clock(self.version, seen[1] if seen is not None else None)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from ps_common.tables import RowOptimizerSpec, TableSpec, initial_rows
+from ps_server.policy import POLICIES
 from ps_server.tables import row_read
 from ps_server.tables.row_read import RowRequest
 from ps_server.tables.store import TableStore
@@ -20,7 +21,7 @@ def _store(dim: int = 4) -> TableStore:
 
 
 def _push(store: TableStore, clock: int, ids: torch.Tensor, value: float = -1.0) -> None:
-    store.push("async", 0, 1, clock, {"t": RowGrads(ids, torch.full((ids.numel(), 4), value))})
+    store.push(POLICIES["async"], 0, 1, clock, {"t": RowGrads(ids, torch.full((ids.numel(), 4), value))})
 
 
 def test_each_step_looks_up_at_most_one_chunk(monkeypatch) -> None:

@@ -15,6 +15,7 @@ from ps_common.errors import (
     TableFullError,
 )
 from ps_common.tables import MAX_ROWS, RowOptimizerSpec, TableSpec, initial_rows, shard_of
+from ps_server.policy import POLICIES
 from ps_server.tables.store import TableStore
 from ps_server.tables.table import RowGrads, Table, coalesce
 
@@ -122,7 +123,7 @@ def test_sync_round_applies_in_rank_order_whatever_the_arrival_order() -> None:
         store = _store()
         before = store.pull([("emb.weight", torch.arange(5))])[0]
         for rank in order:
-            assert store.push("sync", rank, 1, 0, grads[rank]) == (0, False)
+            assert store.push(POLICIES["sync"], rank, 1, 0, grads[rank]) == (0, False)
             closed = store.close_round_if_complete([0, 1])
         assert closed and store.version == 1
         after = store.pull([("emb.weight", torch.arange(5))])[0]
@@ -135,15 +136,15 @@ def test_sync_round_applies_in_rank_order_whatever_the_arrival_order() -> None:
 def test_sync_duplicates_future_rounds_and_bad_pushes_change_nothing() -> None:
     store = _store()
     g = {"emb.weight": RowGrads(torch.tensor([1]), torch.ones(1, 4))}
-    store.push("sync", 0, 1, 0, g)
-    assert store.push("sync", 0, 1, 0, g) == (0, True)
+    store.push(POLICIES["sync"], 0, 1, 0, g)
+    assert store.push(POLICIES["sync"], 0, 1, 0, g) == (0, True)
     with pytest.raises(FutureRoundError):
-        store.push("sync", 1, 1, 1, g)
+        store.push(POLICIES["sync"], 1, 1, 1, g)
     nan = {"emb.weight": RowGrads(torch.tensor([1]), torch.full((1, 4), float("nan")))}
     with pytest.raises(InvalidRequestError, match="NaN"):
-        store.push("sync", 1, 1, 0, nan)
+        store.push(POLICIES["sync"], 1, 1, 0, nan)
     with pytest.raises(PreconditionError, match="easgd"):
-        store.push("easgd", 1, 1, 0, g)
+        store.push(POLICIES["easgd"], 1, 1, 0, g)
     assert list(store.held) == [0] and store.version == 0
 
 
@@ -151,8 +152,8 @@ def test_async_applies_at_once_and_once() -> None:
     store = _store()
     g = {"bag.weight": RowGrads(torch.tensor([7, 7]), torch.ones(2, 2))}
     before = store.pull([("bag.weight", torch.tensor([7]))])[0]
-    assert store.push("async", 0, 1, 0, g) == (1, False)
-    assert store.push("async", 0, 1, 0, g) == (1, True)
+    assert store.push(POLICIES["async"], 0, 1, 0, g) == (1, False)
+    assert store.push(POLICIES["async"], 0, 1, 0, g) == (1, True)
     after = store.pull([("bag.weight", torch.tensor([7]))])[0]
     assert torch.allclose(after, before - 0.5 * 2)  # duplicates summed
     assert store.tables["emb.weight"].step == 1  # every table counts the step
@@ -160,14 +161,14 @@ def test_async_applies_at_once_and_once() -> None:
 
 def test_export_restore_round_trip() -> None:
     store = _store()
-    store.push("async", 0, 1, 0, {"emb.weight": RowGrads(torch.tensor([3, 9]), torch.ones(2, 4))})
+    store.push(POLICIES["async"], 0, 1, 0, {"emb.weight": RowGrads(torch.tensor([3, 9]), torch.ones(2, 4))})
     saved = store.export()
     other = TableStore(0, 1, max_rows=100)
     other.restore(saved)
     ids = torch.arange(20)
     assert torch.equal(other.pull([("emb.weight", ids)])[0], store.pull([("emb.weight", ids)])[0])
     assert other.version == 1 and other.tables["emb.weight"].rows == 2
-    assert other.push("async", 0, 1, 0, {}) == (1, True)  # the high-water mark survives
+    assert other.push(POLICIES["async"], 0, 1, 0, {}) == (1, True)  # the high-water mark survives
 
 
 # ----------------------------------------------------------------- bounded in bytes
@@ -197,14 +198,16 @@ def test_the_byte_budget_refuses_before_allocating_and_changes_nothing() -> None
     row = 4 * 4 * 3 + 24  # dim 4, adam
     store = TableStore(0, 1, max_rows=10**6, max_bytes=10 * row)
     store.declare([spec(optimizer=ADAM)])
-    store.push("async", 0, 1, 0, {"emb.weight": RowGrads(torch.arange(8), torch.ones(8, 4))})
+    store.push(POLICIES["async"], 0, 1, 0, {"emb.weight": RowGrads(torch.arange(8), torch.ones(8, 4))})
     saved = store.export()
     with pytest.raises(TableFullError, match="--max-table-bytes"):
-        store.push("async", 0, 1, 1, {"emb.weight": RowGrads(torch.arange(8, 11), torch.ones(3, 4))})
+        store.push(POLICIES["async"], 0, 1, 1, {"emb.weight": RowGrads(torch.arange(8, 11), torch.ones(3, 4))})
     after = store.export()
     assert after["version"] == saved["version"] and torch.equal(after["tables"][0]["ids"], saved["tables"][0]["ids"])
     assert store.tables["emb.weight"].capacity == 8
-    store.push("async", 0, 1, 2, {"emb.weight": RowGrads(torch.arange(8, 10), torch.ones(2, 4))})  # fits exactly
+    store.push(
+        POLICIES["async"], 0, 1, 2, {"emb.weight": RowGrads(torch.arange(8, 10), torch.ones(2, 4))}
+    )  # fits exactly
     t = store.tables["emb.weight"]
     assert t.rows == 10 and store.num_bytes <= store.max_bytes  # the doubling stopped at the budget
 
@@ -213,10 +216,10 @@ def test_sync_rounds_count_the_open_rounds_rows_against_the_budget() -> None:
     row = 4 * 4 + 24  # dim 4, sgd without momentum
     store = TableStore(0, 1, max_rows=10**6, max_bytes=6 * row)
     store.declare([spec()])
-    store.push("sync", 0, 1, 0, {"emb.weight": RowGrads(torch.arange(4), torch.ones(4, 4))})
+    store.push(POLICIES["sync"], 0, 1, 0, {"emb.weight": RowGrads(torch.arange(4), torch.ones(4, 4))})
     with pytest.raises(TableFullError, match="--max-table-bytes"):  # 4 held in the round + 3 new
-        store.push("sync", 1, 1, 0, {"emb.weight": RowGrads(torch.arange(10, 13), torch.ones(3, 4))})
-    store.push("sync", 1, 1, 0, {"emb.weight": RowGrads(torch.arange(2, 6), torch.ones(4, 4))})  # 6 rows
+        store.push(POLICIES["sync"], 1, 1, 0, {"emb.weight": RowGrads(torch.arange(10, 13), torch.ones(3, 4))})
+    store.push(POLICIES["sync"], 1, 1, 0, {"emb.weight": RowGrads(torch.arange(2, 6), torch.ones(4, 4))})  # 6 rows
     assert store.close_round_if_complete([0, 1]) and store.tables["emb.weight"].rows == 6
 
 
