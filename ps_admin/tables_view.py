@@ -1,4 +1,4 @@
-"""``ps-admin status``/``top`` lines for embedding tables (issue 19): one per table, summed over shards."""
+"""``ps-admin status``/``top`` lines for embedding tables: one per table, summed over shards."""
 
 from __future__ import annotations
 

@@ -62,7 +62,7 @@ shard's data connection when it offers one, else gRPC; ``grpc``, always gRPC."""
 MAGIC = b"GPSD"
 PROTOCOL = 3
 """3: the hello carries the rank's session; 2: answers may be streamed (:data:`SPECULATE`,
-:data:`ABORT`); 1 (session 7-8) had neither."""
+:data:`ABORT`); 1 had neither."""
 
 HELLO = struct.Struct("<4sIIQQI")
 """magic, protocol, rank, incarnation, session, token length (then the token)."""

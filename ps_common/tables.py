@@ -1,5 +1,5 @@
 """Embedding tables both sides agree on: the spec, the row -> shard map, the row initializer and
-the row-optimizer allowlist (issue 19; docs/tables.md).
+the row-optimizer allowlist (docs/tables.md).
 
 A table is ``num_rows`` rows of ``dim`` float32 elements; row ids are int64 in ``[0, num_rows)``
 (``num_rows`` up to ``2**63 - 1``; ids need not be dense). Row ``r`` lives on shard

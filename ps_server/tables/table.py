@@ -1,5 +1,5 @@
 """The embedding tables one shard holds: rows created on their first update, read lazily, updated
-row-wise (issue 19; docs/tables.md).
+row-wise (docs/tables.md).
 
 Pure state (torch, no grpc, no lock: the shard's condition guards it). A :class:`Table` keeps only
 the rows of its table this shard owns (``ps_common.tables.shard_of``) that were updated at least

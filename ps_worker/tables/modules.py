@@ -1,5 +1,5 @@
 """Embedding tables in a user's model: sparse ``nn.Embedding``/``nn.EmbeddingBag`` modules (and
-:class:`ShardedEmbedding`) served row by row by the shards (issue 19; docs/tables.md).
+:class:`ShardedEmbedding`) served row by row by the shards (docs/tables.md).
 
 :func:`attach_tables` (called by ``PSClient.init`` before the plan is built) finds every
 ``nn.Embedding(..., sparse=True)``, ``nn.EmbeddingBag(..., sparse=True)`` and
