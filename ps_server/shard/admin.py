@@ -142,6 +142,13 @@ class ConfigChanges:
         shard.advance()
         return settings
 
+    def change_config(
+        self, mode: str = "", learning_rate: float | None = None, at_version: int | None = None, **changes: Any
+    ) -> tuple[ModeSettings, StatusView]:
+        """An UpdateConfig request: :meth:`update_config`, and the :meth:`status` after it."""
+        settings = self.update_config(mode, learning_rate, at_version, **changes)
+        return settings, self.status()
+
     def apply_due(self) -> None:
         """Apply the scheduled changes the shard's version has reached, in order. A change shard 0
         validated cannot fail here but for a learning rate before this shard's Init (skipped, logged).

@@ -47,6 +47,7 @@ from ps_server.shard.state import StateCodec
 from ps_server.shard.store import ParameterStore
 from ps_server.shard.views import Snapshot, StatusView, clone_tensors
 from ps_server.shard.waits import Waits
+from ps_server.tables.metrics import TableRow, table_rows
 from ps_server.tables.store import TableStore
 from ps_server.tables.table import DEFAULT_MAX_TABLE_ROWS
 
@@ -218,23 +219,13 @@ class Shard:
     expire_leases = _locked("cluster", ShardMembers.expire_leases)
     report_missing = _locked("cluster", ShardMembers.report_missing)
 
-    def session_is(self, rank: int, incarnation: int, session: int) -> bool:
-        """Whether ``session`` is ``rank``'s current session here under ``incarnation`` (a data
-        connection's hello; False for a rank out of range or no session)."""
-        with self._cond:
-            if not session or not 0 <= rank < len(self.members):
-                return False
-            member = self.members[rank]
-            return member.session == session and member.incarnation == incarnation
-
-    def is_live(self, rank: int, incarnation: int) -> bool:
-        """Whether ``rank`` is joined and live here under ``incarnation`` (False for a rank out of
-        range): only such a rank's Heartbeat or Leave relays a membership record."""
-        with self._cond:
-            if not 0 <= rank < len(self.members):
-                return False
-            member = self.members[rank]
-            return member.state is WorkerState.LIVE and member.incarnation == incarnation
+    session_is = _locked("cluster", ShardMembers.session_is)
+    is_live = _locked("cluster", ShardMembers.is_live)
+    join_relaying = _locked("cluster", ShardMembers.join_relaying)
+    heartbeat_relaying = _locked("cluster", ShardMembers.heartbeat_relaying)
+    leave_relaying = _locked("cluster", ShardMembers.leave_relaying)
+    resize_request = _locked("cluster", ShardMembers.resize_request)
+    told = _locked("cluster", ShardMembers.told)
 
     # ----------------------------------------------------------------- init
     def init_plan(self, specs: Sequence[ParameterSpec], num_shards: int, partition_bytes: int, digest: str) -> Plan:
@@ -440,7 +431,7 @@ class Shard:
         active: Callable[[], bool],
         poll: float,
     ) -> tuple[list[int], list[torch.Tensor]]:
-        """Offer ``rank``'s gradients that ``landed()`` gives (slot, checked gradient), step what is
+        """Offer ``rank``'s gradients that ``landed()`` yields (slot, checked gradient), step what is
         complete, and wait until a slot not in ``sent`` is stepped or the stream ends; returns the
         slots ready and their values on the wire (``wire`` dtype). Ends the stream when ``until``
         (time.monotonic seconds) passes or ``active()`` is False; re-checks every ``poll`` seconds."""
@@ -566,20 +557,16 @@ class Shard:
     # ----------------------------------------------------------------- admin (ConfigChanges)
     update_config = _locked("config", ConfigChanges.update_config)
     status = _locked("config", ConfigChanges.status)
+    change_config = _locked("config", ConfigChanges.change_config)
 
     def learning_rate(self) -> float:
         """The optimizer's learning rate in force (0 before Init)."""
         return float(self.store.optimizer.param_groups[0]["lr"]) if self.store else 0.0
 
-    def table_metrics(self) -> tuple[list[tuple[str, int, int, int, int, int, int]], int]:
-        """Per table (name, rows, bytes, rows pulled, rows pushed, bytes sent, bytes received) and
-        the tables' version, read under the lock (``ps_server.tables.metrics.TableCollector``)."""
+    def table_metrics(self) -> tuple[list[TableRow], int]:
+        """:func:`~ps_server.tables.metrics.table_rows` under the lock (``TableCollector`` reads it)."""
         with self._cond:
-            rows = [
-                (t.spec.name, t.rows, t.num_bytes, t.rows_pulled, t.rows_pushed, t.bytes_sent, t.bytes_received)
-                for t in self.tables.tables.values()
-            ]
-            return rows, self.tables.version
+            return table_rows(self.tables)
 
     def close(self) -> None:
         """Wake every waiter with ShuttingDownError."""
