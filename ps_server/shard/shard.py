@@ -76,6 +76,17 @@ def _locked(part: str, method: Callable[Concatenate[C, P], R]) -> Callable[Conca
     return call
 
 
+def _delegated(part: str, method: Callable[Concatenate[C, P], R]) -> Callable[Concatenate[Shard, P], R]:
+    """``method`` of the shard's collaborator ``part``, called as it is: the caller holds the
+    shard's lock (a policy's hook), or the method needs none (its docstring is the call's)."""
+
+    @functools.wraps(method)
+    def call(self: Shard, /, *args: P.args, **kwargs: P.kwargs) -> R:
+        return method(getattr(self, part), *args, **kwargs)
+
+    return call
+
+
 def _part(part: str, name: str, doc: str, settable: bool = False) -> Any:
     """A property of the shard that is attribute ``name`` of its collaborator ``part``."""
 
@@ -201,11 +212,7 @@ class Shard:
         with self._cond:
             self.membership.check_live(self.membership.get(rank, incarnation), incarnation)
 
-    def check_plan(self, digest: str) -> Plan:
-        """The plan when initialized with ``digest``; see :meth:`DataPath.check_plan`."""
-        return self.data.check_plan(digest)
-
-    check_wire_dtype = staticmethod(DataPath.check_wire_dtype)
+    check_plan = _delegated("data", DataPath.check_plan)
 
     # ----------------------------------------------------------------- membership (ShardMembers)
     join = _locked("cluster", ShardMembers.join)
@@ -228,9 +235,7 @@ class Shard:
     told = _locked("cluster", ShardMembers.told)
 
     # ----------------------------------------------------------------- init
-    def init_plan(self, specs: Sequence[ParameterSpec], num_shards: int, partition_bytes: int, digest: str) -> Plan:
-        """The plan an Init declares, built only within :attr:`limits`; see :meth:`DataPath.init_plan`."""
-        return self.data.init_plan(specs, num_shards, partition_bytes, digest)
+    init_plan = _delegated("data", DataPath.init_plan)
 
     def init(
         self,
@@ -458,17 +463,9 @@ class Shard:
         round_stream.end(self, why)
 
     # ----------------------------------------------------------------- the policy's shard (ShardCore)
-    def record(self, member: Member, stamp: PushStamp, result: PushResult) -> None:
-        """Account an accepted push (caller holds the lock); see :meth:`DataPath.record`."""
-        self.data.record(member, stamp, result)
-
-    def refusal(self, exc: UpdateRefusedError, what: str, count: int) -> UpdateRefusedError:
-        """Count ``count`` refused pushes and word the refusal of ``what`` for the ranks told."""
-        return self.data.refusal(exc, what, count)
-
-    def refuse_round(self, held: dict[int, Any], exc: UpdateRefusedError) -> None:
-        """Reopen the refused round ``held`` (caller holds the lock); see :meth:`DataPath.refuse_round`."""
-        self.data.refuse_round(held, exc)
+    record = _delegated("data", DataPath.record)
+    refusal = _delegated("data", DataPath.refusal)
+    refuse_round = _delegated("data", DataPath.refuse_round)
 
     def set_version(self, version: int) -> None:
         """Advance the version; at every ``checkpoint_every``-th version hand a snapshot to
@@ -479,9 +476,7 @@ class Shard:
         if self.checkpoint_every and self.on_snapshot and version % self.checkpoint_every == 0:
             self.on_snapshot(version, self.export_state())
 
-    def apply_due(self) -> None:
-        """Apply the configuration changes due at this version (caller holds the lock)."""
-        self.config.apply_due()
+    apply_due = _delegated("config", ConfigChanges.apply_due)
 
     def notify(self) -> None:
         """Wake every wait on the shard's lock (caller holds it)."""
