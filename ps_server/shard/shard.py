@@ -247,18 +247,12 @@ class Shard:
         partitions: Sequence[WirePartition],
         plan: Plan | None = None,
     ) -> tuple[bool, int, str]:
-        """First writer wins: set the plan, initial values and optimizer.
-
-        Args:
-            plan: :meth:`init_plan` of the other arguments, when the caller has it already.
-
-        Returns:
-            (applied, version, plan digest); ``applied`` is False when already initialized with
-            the same plan (a no-op).
+        """First writer wins: set the plan, initial values and optimizer (``plan``: :meth:`init_plan`
+        of the other arguments, when the caller has it). Returns (applied, version, plan digest):
+        not applied when already initialized with the same plan.
 
         Raises:
-            InvalidRequestError: num_shards differs, digest does not match the specs, a bound of
-                :attr:`limits` exceeded, a bad partition or optimizer spec.
+            InvalidRequestError: as :meth:`DataPath.init_plan`, a bad partition or optimizer spec.
             PlanMismatchError: already initialized with another plan.
         """
         plan = plan or self.init_plan(specs, num_shards, partition_bytes, digest)
@@ -271,9 +265,9 @@ class Shard:
             if self.plan is not None:  # lost a race with another Init
                 return self.data.initialized(digest)
             self._install(plan, store)
+            what = (len(store.partitions), store.num_bytes, plan.digest[:12], optimizer.name)
             log.info(
-                "shard %d: initialized with %d partitions (%d bytes), plan %s, optimizer %s",
-                *(self.shard_index, len(store.partitions), store.num_bytes, plan.digest[:12], optimizer.name),
+                "shard %d: initialized with %d partitions (%d bytes), plan %s, optimizer %s", self.shard_index, *what
             )
             self._cond.notify_all()
             return True, self.version, plan.digest
