@@ -213,6 +213,7 @@ class Shard:
             self.membership.check_live(self.membership.get(rank, incarnation), incarnation)
 
     check_plan = _delegated("data", DataPath.check_plan)
+    check_wire_dtype = staticmethod(DataPath.check_wire_dtype)
 
     # ----------------------------------------------------------------- membership (ShardMembers)
     join = _locked("cluster", ShardMembers.join)
