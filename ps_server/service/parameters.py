@@ -167,8 +167,7 @@ class ParameterServicer(TableRpcs, DataConnectionRpcs):
                     f"{what} stamped rank {header.rank} came on the data connection of rank {peer_rank} (its hello); "
                     "a connection carries only its own rank's calls. Nothing was applied."
                 )
-            plan = self.shard.check_plan(header.plan_digest)
-            self.shard.check_session(header.rank, header.incarnation, header.session, what)
+            plan = self.shard.check_request(header.plan_digest, header.rank, header.incarnation, header.session, what)
             return Intake(plan, self.shard.shard_index, values)
 
         return read_request(request_iterator, what, header_cls, open_, what.startswith("PushPull"), _ignore)

@@ -215,6 +215,14 @@ class Shard:
     check_plan = _delegated("data", DataPath.check_plan)
     check_wire_dtype = staticmethod(DataPath.check_wire_dtype)
 
+    def check_request(self, digest: str, rank: int, incarnation: int, session: int, what: str) -> Plan:
+        """A push-type request's header (``what``): :meth:`DataPath.check_plan` of ``digest``, then
+        ``rank``'s session (:meth:`ShardMembers.check_session`). Returns the plan."""
+        with self._cond:
+            plan = self.data.check_plan(digest)
+            self.cluster.check_session(rank, incarnation, session, what)
+            return plan
+
     # ----------------------------------------------------------------- membership (ShardMembers)
     join = _locked("cluster", ShardMembers.join)
     check_session = _locked("cluster", ShardMembers.check_session)
