@@ -5,66 +5,21 @@ snapshot for GetStatus."""
 from __future__ import annotations
 
 import logging
-from typing import Any, Protocol
+from typing import Any
 
 from ps_common.codec import torch_dtype
 from ps_common.errors import InvalidRequestError, NotInitializedError, PreconditionError
 from ps_common.modes import ModeSettings, changes_from_request, request_fields
 from ps_common.optimizer import check_in_range
-from ps_common.plan import Plan
 from ps_common.wire import MODE_TO_NAME, NAME_TO_MODE
 from ps_proto.v1 import ps_pb2
 from ps_server.membership.epochs import KEPT_CHANGES
-from ps_server.shard.counters import ShardCounters
+from ps_server.shard.hosts import AdminHost
 from ps_server.shard.members import ShardMembers, not_authority
-from ps_server.shard.store import ParameterStore
 from ps_server.shard.views import StatusView
 from ps_server.tables.metrics import table_status
-from ps_server.tables.store import TableStore
 
 log = logging.getLogger("ps_server.shard.shard")
-
-
-class RoundView(Protocol):
-    """The open round, as a status shows it."""
-
-    round: int
-    pending: dict
-
-    def waiting_for(self, expected: Any) -> list[int]: ...
-
-
-class AdminHost(Protocol):
-    """What :class:`ConfigChanges` reads and changes of the shard it serves (the facade, under its lock)."""
-
-    shard_index: int
-    num_shards: int
-    settings: ModeSettings
-    lease_timeout: float
-    version: int
-    plan: Plan | None
-    store: ParameterStore | None
-    rounds: RoundView
-    round_opened: float | None
-    max_clock_gap: int
-    counters: ShardCounters
-    restored_from_version: int | None
-    tables: TableStore
-
-    @property
-    def mode(self) -> str: ...
-
-    @property
-    def durable_acks(self) -> bool: ...
-
-    @property
-    def last_checkpoint_version(self) -> int | None: ...
-
-    def now(self) -> float: ...
-
-    def learning_rate(self) -> float: ...
-
-    def advance(self) -> None: ...
 
 
 class ConfigChanges:

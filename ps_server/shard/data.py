@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import torch
 
@@ -31,73 +31,13 @@ from ps_common.errors import (
 )
 from ps_common.plan import ParameterSpec, Plan, make_plan, plan_digest
 from ps_common.text import quote
-from ps_server.core.limits import Limits
-from ps_server.membership.ranks import Member, Membership, PushResult, PushStamp, WorkerState
-from ps_server.shard.counters import ShardCounters
-from ps_server.shard.store import ParameterStore
+from ps_server.membership.ranks import Member, PushResult, PushStamp, WorkerState
+from ps_server.shard.hosts import DataHost
 from ps_server.shard.views import Snapshot
-from ps_server.shard.waits import Waits
 
 T = TypeVar("T")
 
 log = logging.getLogger("ps_server.shard.shard")
-
-
-class DataPolicy(Protocol):
-    """The part of a consistency policy (:class:`~ps_server.policy.base.ConsistencyPolicy`) the data path asks."""
-
-    holds_pushes: bool
-
-    def accept(self, shard: Any, member: Member, stamp: PushStamp, *args: Any) -> PushResult: ...
-    def check_read(self, shard: Any, member: Member, joined: bool, min_version: int) -> None: ...
-    def can_read(self, shard: Any, member: Member, joined: bool, min_version: int) -> bool: ...
-    def blocked(self, shard: Any, member: Member, min_version: int, timeout: float | None) -> str: ...
-    def after_read(self, shard: Any, member: Member, joined: bool, min_version: int) -> None: ...
-    def check_exchange(self) -> None: ...
-    def exchange(self, shard: Any, member: Member, stamp: PushStamp, x: Any, deadline: float | None) -> Any: ...
-
-
-class RoundRef(Protocol):
-    """The open round, as a refusal reopens it."""
-
-    round: int
-
-
-class DataHost(Protocol):
-    """What :class:`DataPath` reads and changes of the shard it serves (the facade, under its lock)."""
-
-    shard_index: int
-    num_shards: int
-    limits: Limits
-    plan: Plan | None
-    store: ParameterStore | None
-    version: int
-    rounds: RoundRef
-    refused_at: int | None
-    refusals: dict[int, UpdateRefusedError]
-    counters: ShardCounters
-    waits: Waits
-
-    @property
-    def membership(self) -> Membership: ...
-
-    @property
-    def mode(self) -> str: ...
-
-    @property
-    def policy(self) -> DataPolicy: ...
-
-    def advance(self) -> None: ...
-
-    def notify(self) -> None: ...
-
-    def wait_for_ranks(
-        self, ready: Callable[[], bool], deadline: float | None, describe: Callable[[], str]
-    ) -> None: ...
-
-    def stream_held(self, rank: int, stream: Any) -> None: ...
-
-    def end_stream(self, why: str) -> None: ...
 
 
 class DataPath:
@@ -200,7 +140,8 @@ class DataPath:
     # ----------------------------------------------------------------- pushes
     def admit_push(self, stamp: PushStamp, digest: str, hyper: Any) -> tuple[Plan, Member, PushResult | None]:
         """A push's checks before its gradients are decoded: (plan, member, the original answer
-        when ``stamp`` was pushed already, else None).
+        when ``stamp`` was pushed already, else None). A push the policy applies at once (async,
+        ssp), holds for round ``stamp.clock`` (sync) or refuses (easgd: workers call Exchange).
 
         Raises:
             InvalidRequestError, NotInitializedError, PlanMismatchError, PreconditionError,
@@ -230,14 +171,27 @@ class DataPath:
         stream: Any,
     ) -> tuple[PushResult, bool]:
         """Check the push again (the lock was released while it was decoded) and hand it to the
-        policy. Arguments as ``Shard.push``; ``grads``: one 1-D tensor per partition, in plan order.
+        policy.
+
+        Args:
+            grad_version: the version the gradients were computed on (async staleness).
+            grads: one 1-D tensor per partition of the shard, in plan order (the store's dtypes).
+            hyper: per parameter group, the hyperparameters (lr...) of the step this push joins;
+                they stay in force after it. sync: the round's ranks must agree, or the round is
+                refused (HyperparametersDisagreeError). () keeps the shard's own.
+            skip: skip the step (AMP overflow); the gradients are ignored. sync: the round closes
+                as usual but applies nothing; async, ssp: the push counts, the version stays.
+            stream: sync, the streamed round this push's partitions were stepped in
+                (:mod:`ps_server.shard.round_stream`); None: any stream of the round cannot stand for it.
 
         Returns:
             (result, whether its answer waits until its version is durable: a push applied now,
             not a held one nor a repeat).
 
         Raises:
-            As ``Shard.push``; a push that completed a round refused as a whole raises its refusal.
+            NotJoinedError, PreconditionError: not joined, counted out, easgd mode.
+            StalePushError: sync round closed (no quorum), async staleness above the bound, or a
+            replayed clock. UpdateRefusedError: the update (or the round it completed) was refused.
         """
         host = self._host
         host.membership.check_live(member, stamp.incarnation)
@@ -352,9 +306,23 @@ class DataPath:
         wire_dtype: str,
         encode: Callable[[Snapshot], T],
     ) -> tuple[int, T]:
-        """A Pull: wait until this rank may read (the policy decides; ``deadline`` in the shard's
-        clock, ``timeout`` for the message), then ``encode`` the parameters. Arguments and errors
-        as ``Shard.pull``."""
+        """A Pull: wait until this rank may read (the policy decides), then ``encode`` the parameters.
+
+        sync: waits for version >= ``min_version``. ssp: waits until the slowest live rank's clock
+        is >= this rank's clock - s (the clock is the shard's own count of the rank's pushes).
+        async and easgd: no wait.
+
+        Args:
+            deadline: the shard's clock (seconds) to wait until; ``timeout``, for the message.
+            wire_dtype: checked here (a float narrower than every parameter, or ""); the encoder
+                converts.
+            encode: called with the :class:`Snapshot` of the version read; its result is returned.
+
+        Raises:
+            WaitTimeoutError: not readable in time. ShuttingDownError: closing.
+            UpdateRefusedError: sync, the round waited for was refused. PushLostError.
+            NotInitializedError, PlanMismatchError, InvalidRequestError, PreconditionError.
+        """
         host = self._host
         self.check_wire_dtype(self.check_plan(digest), wire_dtype)
         member = host.membership.get(rank, incarnation)
@@ -385,7 +353,12 @@ class DataPath:
         self, stamp: PushStamp, digest: str, encode: Callable[[Snapshot], T]
     ) -> tuple[Plan, Member, tuple[int, T] | None]:
         """An Exchange's checks before its parameters are decoded: (plan, member, the original
-        answer when ``stamp`` was exchanged already, else None). Errors as ``Shard.exchange``."""
+        answer when ``stamp`` was exchanged already, else None).
+
+        Raises:
+            PreconditionError: not in easgd mode, not joined. InvalidRequestError,
+            NotInitializedError, PlanMismatchError.
+        """
         host = self._host
         plan = self.check_plan(digest)
         host.policy.check_exchange()
@@ -404,7 +377,14 @@ class DataPath:
         deadline: float | None,
         encode: Callable[[Snapshot], T],
     ) -> tuple[int, T]:
-        """Check the exchange again and let the policy apply it; returns (version, ``encode`` of d)."""
+        """Check the exchange again and let the policy apply it: take the worker's x, return
+        d = alpha (x - center); center += d. Async (Zhang et al. 2015, Algorithm 1): applied at once.
+        Sync (``easgd_sync``): waits until every live rank sent its x for period ``stamp.clock``,
+        then applies them together in rank order. Returns (version, ``encode`` of d).
+
+        Raises:
+            WaitTimeoutError: sync period not complete by ``deadline``. UpdateRefusedError.
+        """
         host = self._host
         host.membership.check_live(member, stamp.incarnation)
         answer = self._repeated_exchange(member, stamp, encode)

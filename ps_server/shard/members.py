@@ -13,16 +13,14 @@ import dataclasses
 import logging
 import secrets
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 from ps_common.errors import InvalidRequestError, NotJoinedError, PreconditionError, WrongRankError
 from ps_common.modes import ModeSettings
-from ps_common.plan import Plan
 from ps_proto.v1 import ps_pb2
 from ps_server.membership.epochs import MAX_WORKERS, Epochs
-from ps_server.membership.ranks import Member, Membership, WorkerState
-from ps_server.shard.counters import ShardCounters
-from ps_server.shard.store import ParameterStore
+from ps_server.membership.ranks import Membership, WorkerState
+from ps_server.shard.hosts import MembersHost
 from ps_server.shard.views import JoinInfo
 
 log = logging.getLogger("ps_server.shard.shard")
@@ -37,52 +35,6 @@ NOT_AUTHORITY = (
 def not_authority(shard_index: int, what: str) -> PreconditionError:
     """The refusal of a membership or configuration call made to a shard other than shard 0."""
     return PreconditionError(NOT_AUTHORITY.format(k=shard_index, what=what))
-
-
-class JoinClock(Protocol):
-    """The part of a consistency policy a Join asks: where a (re)joining rank resumes."""
-
-    def join_clock(self, shard: Any, member: Member, restarted: bool) -> int: ...
-
-
-class RoundsView(Protocol):
-    """The open round, as lease expiry reports it."""
-
-    round: int
-
-    def waiting_for(self, expected: Any) -> list[int]: ...
-
-
-class MembersHost(Protocol):
-    """What :class:`ShardMembers` reads and changes of the shard it serves (the facade, under its lock)."""
-
-    shard_index: int
-    settings: ModeSettings
-    version: int
-    plan: Plan | None
-    store: ParameterStore | None
-    refusals: dict
-    refused_at: int | None
-    round_opened: float | None
-    round_reported: bool
-    rounds: RoundsView
-    counters: ShardCounters
-
-    @property
-    def mode(self) -> str: ...
-
-    @property
-    def policy(self) -> JoinClock: ...
-
-    def now(self) -> float: ...
-
-    def learning_rate(self) -> float: ...
-
-    def advance(self) -> None: ...
-
-    def apply_due(self) -> None: ...
-
-    def notify(self) -> None: ...
 
 
 class ShardMembers:

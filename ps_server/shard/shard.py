@@ -17,12 +17,11 @@ caches the response messages: ``ps_server.service.frame_cache``).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Concatenate, ParamSpec, TypeVar
+from typing import Any, Concatenate
 
 import torch
 
@@ -41,6 +40,7 @@ from ps_server.shard import round_stream
 from ps_server.shard.admin import ConfigChanges
 from ps_server.shard.counters import ShardCounters
 from ps_server.shard.data import DataPath
+from ps_server.shard.delegation import C, P, R, delegated, locked, part_property
 from ps_server.shard.members import ShardMembers
 from ps_server.shard.round_stream import RoundStream
 from ps_server.shard.state import StateCodec
@@ -59,44 +59,13 @@ SnapshotHook = Callable[[int, dict[str, Any]], None]
 """Called with (version, :meth:`Shard.export_state` output) under the shard's lock."""
 
 
-P = ParamSpec("P")
-R = TypeVar("R")
-C = TypeVar("C")
+def _lock(self: Shard) -> threading.Condition:
+    return self._cond
 
 
 def _locked(part: str, method: Callable[Concatenate[C, P], R]) -> Callable[Concatenate[Shard, P], R]:
-    """``method`` of the shard's collaborator ``part``, called under the shard's lock (the
-    collaborator's methods assume it is held; its docstring is the call's)."""
-
-    @functools.wraps(method)
-    def call(self: Shard, /, *args: P.args, **kwargs: P.kwargs) -> R:
-        with self._cond:
-            return method(getattr(self, part), *args, **kwargs)
-
-    return call
-
-
-def _delegated(part: str, method: Callable[Concatenate[C, P], R]) -> Callable[Concatenate[Shard, P], R]:
-    """``method`` of the shard's collaborator ``part``, called as it is: the caller holds the
-    shard's lock (a policy's hook), or the method needs none (its docstring is the call's)."""
-
-    @functools.wraps(method)
-    def call(self: Shard, /, *args: P.args, **kwargs: P.kwargs) -> R:
-        return method(getattr(self, part), *args, **kwargs)
-
-    return call
-
-
-def _part(part: str, name: str, doc: str, settable: bool = False) -> Any:
-    """A property of the shard that is attribute ``name`` of its collaborator ``part``."""
-
-    def get(self: Shard) -> Any:
-        return getattr(getattr(self, part), name)
-
-    def put(self: Shard, value: Any) -> None:
-        setattr(getattr(self, part), name, value)
-
-    return property(get, put if settable else None, doc=doc)
+    """``method`` of the shard's collaborator ``part``, called under the shard's lock."""
+    return locked(_lock, part, method)
 
 
 class Shard:
@@ -181,12 +150,12 @@ class Shard:
         """The consistency model in force (a mode switch swaps it at a round boundary)."""
         return POLICIES[self.settings.mode]
 
-    membership: Membership = _part("cluster", "membership", "The shard's ranks (:class:`ShardMembers`).")
-    epochs: Epochs = _part("cluster", "epochs", "Shard 0's membership records (:class:`ShardMembers`).")
-    configured_num_workers: int = _part("cluster", "configured_num_workers", "``--num-workers``.")
-    pending_mode: str = _part("config", "pending_mode", "The mode switched to at the next round boundary.")
-    durable_acks: bool = _part("data", "durable_acks", "Answer pushes once their version is durable.", True)
-    last_checkpoint_version: int | None = _part("data", "last_checkpoint_version", "The newest on disk.")
+    membership: Membership = part_property("cluster", "membership", "The shard's ranks (:class:`ShardMembers`).")
+    epochs: Epochs = part_property("cluster", "epochs", "Shard 0's membership records (:class:`ShardMembers`).")
+    configured_num_workers: int = part_property("cluster", "configured_num_workers", "``--num-workers``.")
+    pending_mode: str = part_property("config", "pending_mode", "The mode switched to at the next round boundary.")
+    durable_acks: bool = part_property("data", "durable_acks", "Answer pushes once their version is durable.", True)
+    last_checkpoint_version: int | None = part_property("data", "last_checkpoint_version", "The newest on disk.")
 
     @property
     def num_workers(self) -> int:
@@ -212,7 +181,7 @@ class Shard:
         with self._cond:
             self.membership.check_live(self.membership.get(rank, incarnation), incarnation)
 
-    check_plan = _delegated("data", DataPath.check_plan)
+    check_plan = delegated("data", DataPath.check_plan)
     check_wire_dtype = staticmethod(DataPath.check_wire_dtype)
 
     def check_request(self, digest: str, rank: int, incarnation: int, session: int, what: str) -> Plan:
@@ -244,7 +213,7 @@ class Shard:
     told = _locked("cluster", ShardMembers.told)
 
     # ----------------------------------------------------------------- init
-    init_plan = _delegated("data", DataPath.init_plan)
+    init_plan = delegated("data", DataPath.init_plan)
 
     def init(
         self,
@@ -297,16 +266,9 @@ class Shard:
         skip: bool = False,
         stream: RoundStream | None = None,
     ) -> PushResult:
-        """Accept the gradients of ``stamp`` (a repeat is answered as the first time, applied once):
-        the policy applies the push now (async, ssp), holds it for round ``stamp.clock`` (sync) or
-        refuses it (easgd). ``partitions``: one gradient per partition of this shard; ``hyper``:
-        per parameter group, the step's hyperparameters (() keeps the shard's); ``skip``: skip the
-        step (AMP overflow); ``stream``: the streamed round it was stepped in.
-
-        Raises:
-            InvalidRequestError, NotInitializedError, PlanMismatchError, PreconditionError,
-            StalePushError, UpdateRefusedError (the update or its round was refused).
-        """
+        """Accept the gradients of ``stamp`` (a repeat is answered as the first time); the policy
+        applies, holds or refuses it. Arguments and errors: :meth:`DataPath.admit_push`,
+        :meth:`DataPath.apply_push`; answered once durable with ``durable_acks``."""
         with self._cond:
             plan, member, seen = self.data.admit_push(stamp, digest, hyper)
             if seen is not None:
@@ -335,14 +297,9 @@ class Shard:
         wire_dtype: str = "",
         encode: Callable[[Snapshot], Any] = clone_tensors,
     ) -> tuple[int, Any]:
-        """Wait until this rank may read (sync: version >= ``min_version``; ssp: the slowest live
-        rank within s clocks; async, easgd: no wait), then return (version, ``encode(snapshot)``),
-        ``encode`` called under the lock. ``timeout``: seconds (None: until the shard closes).
-
-        Raises:
-            WaitTimeoutError, ShuttingDownError, UpdateRefusedError, PushLostError,
-            NotInitializedError, PlanMismatchError, InvalidRequestError, PreconditionError.
-        """
+        """Wait until this rank may read, then return (version, ``encode(snapshot)``), ``encode``
+        called under the lock; ``timeout`` in seconds (None: until the shard closes). Arguments and
+        errors: :meth:`DataPath.read`."""
         deadline = None if timeout is None else self._now() + timeout
         with self._cond:
             return self.data.read(rank, incarnation, min_version, digest, deadline, timeout, wire_dtype, encode)
@@ -394,14 +351,8 @@ class Shard:
         timeout: float | None,
         encode: Callable[[Snapshot], Any] = clone_tensors,
     ) -> tuple[int, Any]:
-        """EASGD exchange (Zhang et al. 2015, Algorithm 1): take the worker's x, return
-        d = alpha (x - center); center += d. ``easgd_sync`` waits for every live rank's x of period
-        ``stamp.clock``. A repeat gets the original d. Returns (version, ``encode`` of d).
-
-        Raises:
-            PreconditionError, WaitTimeoutError, UpdateRefusedError, InvalidRequestError,
-            NotInitializedError, PlanMismatchError.
-        """
+        """EASGD exchange: return (version, ``encode`` of d = alpha (x - center)); a repeat gets the
+        original d. Arguments and errors: :meth:`DataPath.admit_exchange`, :meth:`DataPath.apply_exchange`."""
         deadline = None if timeout is None else self._now() + timeout
         with self._cond:
             plan, member, answer = self.data.admit_exchange(stamp, digest, encode)
@@ -466,9 +417,9 @@ class Shard:
         round_stream.end(self, why)
 
     # ----------------------------------------------------------------- the policy's shard (ShardCore)
-    record = _delegated("data", DataPath.record)
-    refusal = _delegated("data", DataPath.refusal)
-    refuse_round = _delegated("data", DataPath.refuse_round)
+    record = delegated("data", DataPath.record)
+    refusal = delegated("data", DataPath.refusal)
+    refuse_round = delegated("data", DataPath.refuse_round)
 
     def set_version(self, version: int) -> None:
         """Advance the version; at every ``checkpoint_every``-th version hand a snapshot to
@@ -479,7 +430,7 @@ class Shard:
         if self.checkpoint_every and self.on_snapshot and version % self.checkpoint_every == 0:
             self.on_snapshot(version, self.export_state())
 
-    apply_due = _delegated("config", ConfigChanges.apply_due)
+    apply_due = delegated("config", ConfigChanges.apply_due)
 
     def notify(self) -> None:
         """Wake every wait on the shard's lock (caller holds it)."""

@@ -6,46 +6,18 @@ from __future__ import annotations
 import copy
 import logging
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import Any
 
 from ps_common.errors import CheckpointError, NotInitializedError
 from ps_common.optimizer import OptimizerSpec
 from ps_common.plan import ParameterSpec, Plan, make_plan, plan_digest
 from ps_server.membership.epochs import Epochs
 from ps_server.membership.ranks import Membership
+from ps_server.shard.hosts import StateHost
 from ps_server.shard.store import ParameterStore
 from ps_server.tables.store import TableStore
 
 log = logging.getLogger("ps_server.shard.shard")
-
-
-class HeldRound(Protocol):
-    """The open round: its number and the ranks whose pushes it holds."""
-
-    round: int
-    pending: Mapping[int, Any]
-
-
-class StateHost(Protocol):
-    """What :meth:`StateCodec.export` reads of a shard (the facade, under its lock)."""
-
-    plan: Plan | None
-    store: ParameterStore | None
-    version: int
-    rounds: HeldRound
-    tables: TableStore
-
-    @property
-    def mode(self) -> str: ...
-
-    @property
-    def membership(self) -> Membership: ...
-
-    @property
-    def epochs(self) -> Epochs: ...
-
-    @property
-    def configured_num_workers(self) -> int: ...
 
 
 class StateCodec:
