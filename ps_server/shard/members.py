@@ -142,69 +142,6 @@ class ShardMembers:
             session=member.session,
         )
 
-    def join_relaying(
-        self, rank: int, num_workers: int, incarnation: int, epoch: int, record: ps_pb2.MembershipEpoch | None
-    ) -> JoinInfo:
-        """A Join request: :meth:`join`, and the membership record it relays (``record``, None if
-        none) followed. The one request whose record is followed before its own checks: a rank
-        counted again, or one a resize added, is known here only from shard 0's record, which its
-        join carries. The record is checked first (signed by shard 0, of this shard's cluster), so
-        only a genuine decision of this cluster, which every shard follows anyway, is ever adopted
-        from it. A shard that knows no cluster yet (no ``--cluster-id``, no record followed)
-        follows the record only once the Join itself was accepted: it pins that record's cluster.
-
-        Returns:
-            :meth:`join`'s answer with the record the shard follows, its settings and learning rate.
-
-        Raises:
-            As :meth:`join` and :meth:`adopt`.
-        """
-        shard = self._host
-        pinned = bool(self.epochs.cluster_id)
-        if pinned and record is not None:
-            self.adopt(record)
-        info = self.join(rank, num_workers, incarnation, epoch)
-        if not pinned and record is not None:
-            self.adopt(record)
-        return dataclasses.replace(
-            info, membership=self.epochs.record, settings=shard.settings, learning_rate=shard.learning_rate()
-        )
-
-    def heartbeat_relaying(
-        self, rank: int, incarnation: int, record: ps_pb2.MembershipEpoch | None, request_epoch: int
-    ) -> tuple[int, WorkerState, int, ps_pb2.MembershipEpoch | None]:
-        """A Heartbeat request: its checks, the record it relays followed (only from a rank live here
-        under ``incarnation``), :meth:`heartbeat`. Returns (version, state, :meth:`told`)."""
-        self.check_member(rank, incarnation)  # a refused heartbeat adopts nothing
-        if record is not None and self.is_live(rank, incarnation):  # nor one of a rank not joined as this
-            self.adopt(record)
-        version, state = self.heartbeat(rank, incarnation)
-        return (version, state, *self.told(request_epoch))
-
-    def leave_relaying(
-        self, rank: int, incarnation: int, session: int, record: ps_pb2.MembershipEpoch | None, request_epoch: int
-    ) -> tuple[int, int, ps_pb2.MembershipEpoch | None]:
-        """A Leave request: its checks (a live rank leaves only with its own session), the record it
-        relays followed, :meth:`leave`. Returns (version, :meth:`told`)."""
-        self.check_member(rank, incarnation)
-        if self.is_live(rank, incarnation):  # only its own session ends a live rank
-            self.check_session(rank, incarnation, session, "Leave")
-            if record is not None:
-                self.adopt(record)
-        version = self.leave(rank, incarnation)
-        return (version, *self.told(request_epoch))
-
-    def resize_request(self, num_workers: int, at_version: int | None) -> tuple[int, int, int, int]:
-        """A Resize request: :meth:`resize`; returns (previous count, the version it holds from,
-        the count in force, the membership epoch)."""
-        previous, at = self.resize(num_workers, at_version)
-        return previous, at, self.membership.num_workers, self.epochs.epoch
-
-    def told(self, request_epoch: int) -> tuple[int, ps_pb2.MembershipEpoch | None]:
-        """What an answer tells: the shard's membership epoch, and its record when the requester
-        knows an older one (``request_epoch``; the worker relays it to the shards behind)."""
-        return self.epochs.epoch, self.epochs.for_request(request_epoch)
-
     def session_is(self, rank: int, incarnation: int, session: int) -> bool:
         """Whether ``session`` is ``rank``'s current session here under ``incarnation`` (a data
         connection's hello; False for a rank out of range or no session)."""

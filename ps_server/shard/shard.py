@@ -42,6 +42,7 @@ from ps_server.shard.counters import ShardCounters
 from ps_server.shard.data import DataPath
 from ps_server.shard.delegation import C, P, R, delegated, locked, part_property
 from ps_server.shard.members import ShardMembers
+from ps_server.shard.relay import MembershipRelay
 from ps_server.shard.round_stream import RoundStream
 from ps_server.shard.state import StateCodec
 from ps_server.shard.store import ParameterStore
@@ -136,6 +137,7 @@ class Shard:
         self.cluster = ShardMembers(
             self, shard_index, settings, lease_timeout, now, join_timeout, record_key, cluster_id
         )
+        self.relay = MembershipRelay(self, self.cluster)
         self.config = ConfigChanges(self, self.cluster)
         self.data = DataPath(self)
         self.codec = StateCodec(shard_index, num_shards)
@@ -206,11 +208,11 @@ class Shard:
 
     session_is = _locked("cluster", ShardMembers.session_is)
     is_live = _locked("cluster", ShardMembers.is_live)
-    join_relaying = _locked("cluster", ShardMembers.join_relaying)
-    heartbeat_relaying = _locked("cluster", ShardMembers.heartbeat_relaying)
-    leave_relaying = _locked("cluster", ShardMembers.leave_relaying)
-    resize_request = _locked("cluster", ShardMembers.resize_request)
-    told = _locked("cluster", ShardMembers.told)
+    join_relaying = _locked("relay", MembershipRelay.join_relaying)
+    heartbeat_relaying = _locked("relay", MembershipRelay.heartbeat_relaying)
+    leave_relaying = _locked("relay", MembershipRelay.leave_relaying)
+    resize_request = _locked("relay", MembershipRelay.resize_request)
+    told = _locked("relay", MembershipRelay.told)
 
     # ----------------------------------------------------------------- init
     init_plan = delegated("data", DataPath.init_plan)

@@ -9,7 +9,7 @@ import pytest
 
 from ps_common.errors import NotJoinedError, PreconditionError, WrongRankError
 from ps_common.modes import ModeSettings
-from ps_server.membership.ranks import Member, WorkerState
+from ps_server.membership.ranks import Member
 from ps_server.policy.sync import SyncRounds
 from ps_server.shard.counters import ShardCounters
 from ps_server.shard.members import ShardMembers
@@ -96,29 +96,3 @@ def test_only_shard_0_resizes_and_evicts() -> None:
         members.resize(3)
     with pytest.raises(PreconditionError, match="send EvictWorker to shard 0"):
         members.evict(0)
-
-
-def test_a_resize_request_answers_the_count_and_epoch_in_force() -> None:
-    host = Host()
-    members = members_of(host)
-    previous, at, count, epoch = members.resize_request(3, None)
-    assert (previous, at, count) == (2, 0, 3) and epoch == members.epochs.epoch > 0
-    assert host.settings.num_workers == 3 and "advance" in host.calls
-
-
-def test_a_heartbeat_tells_the_record_to_a_requester_that_knows_an_older_epoch() -> None:
-    members = members_of(Host())
-    members.join(0, 2, 1)
-    version, state, epoch, record = members.heartbeat_relaying(0, 1, None, request_epoch=0)
-    assert (version, state, epoch) == (0, WorkerState.LIVE, members.epochs.epoch) and record is members.epochs.record
-    assert members.heartbeat_relaying(0, 1, None, request_epoch=epoch)[3] is None
-
-
-def test_leaving_stops_counting_the_rank_on_shard_0() -> None:
-    host = Host()
-    members = members_of(host)
-    session = members.join(1, 2, 1).session
-    before = members.epochs.epoch
-    version, epoch, _ = members.leave_relaying(1, 1, session, None, 0)
-    assert version == 0 and epoch > before and not members.membership.members[1].counted
-    assert members.membership.members[1].state is WorkerState.LEFT
