@@ -3,6 +3,7 @@
 The servicer decodes a request and calls one method here; each takes the lock and calls the
 collaborators that own the state, whose methods assume the lock is held and never take it:
 :class:`~ps_server.shard.members.ShardMembers` (ranks, membership epochs),
+:class:`~ps_server.shard.relay.MembershipRelay` (membership requests and the records they relay),
 :class:`~ps_server.shard.admin.ConfigChanges` (configuration changes, status),
 :class:`~ps_server.shard.data.DataPath` (push, pull, exchange, their bookkeeping),
 :class:`~ps_server.shard.state.StateCodec` (checkpoint state), the
@@ -61,6 +62,7 @@ SnapshotHook = Callable[[int, dict[str, Any]], None]
 
 
 def _lock(self: Shard) -> threading.Condition:
+    """The shard's lock (for :func:`_locked`; nothing outside this module takes it)."""
     return self._cond
 
 
