@@ -82,8 +82,7 @@ class DataConnectionRpcs:
             setting = self.shard.stream_rounds
             if setting == "auto" and data.loopback(rank):
                 setting = "off"  # on one machine the link is a memory copy: nothing to overlap
-            with self.shard._cond:
-                stream = round_stream.join(self.shard, stamp, hyper, header.skip, setting)
+            stream = self.shard.join_stream(stamp, hyper, header.skip, setting)
             if stream is not None:
                 parts = self._stream_slots(stream, plan, stamp, sequence, dtype, context)
             else:
@@ -113,9 +112,7 @@ class DataConnectionRpcs:
             told = True
         finally:
             if stream is not None and not told:
-                with self.shard._cond:
-                    if stream.live and rank not in stream.pushed:
-                        round_stream.end(self.shard, f"rank {rank}'s streamed call failed")
+                self.shard.leave_stream(stream, rank, f"rank {rank}'s streamed call failed")
             if not told:
                 try:
                     data.send_records(rank, incarnation, sequence, [dataconn.marker(sequence, dataconn.ABORT, 0)], 1.0)
@@ -163,28 +160,23 @@ class DataConnectionRpcs:
         until = None if wait is None else time.monotonic() + wait
         data.send_records(rank, incarnation, sequence, [dataconn.marker(sequence, dataconn.SPECULATE)], wait)
         n = stream.num_slots
+
+        def landed() -> Iterator[tuple[int, torch.Tensor]]:
+            """The rank's partitions landed since the last look, checked (the shard's lock is held)."""
+            now, _ = data.peek(rank, incarnation, sequence)
+            for slot in sorted(now.keys() - checked.keys()):
+                landed_data[slot] = now[slot].data
+                part = intake.add(now[slot])
+                grad = round_stream.gradient_of(part, plan.dtypes[part.key])
+                if part.dtype != plan.dtypes[part.key]:  # the push holds the widened values
+                    part = dataclasses.replace(part, dtype=plan.dtypes[part.key], data=dataconn.byte_view(grad))
+                checked[slot] = part
+                yield slot, grad
+
         while len(sent) < n:
-            with shard._cond:
-                while True:
-                    landed, _ = data.peek(rank, incarnation, sequence)
-                    for slot in sorted(landed.keys() - checked.keys()):
-                        landed_data[slot] = landed[slot].data
-                        part = intake.add(landed[slot])
-                        grad = round_stream.gradient_of(part, plan.dtypes[part.key])
-                        if part.dtype != plan.dtypes[part.key]:  # the push holds the widened values
-                            part = dataclasses.replace(part, dtype=plan.dtypes[part.key], data=dataconn.byte_view(grad))
-                        checked[slot] = part
-                        round_stream.offer(shard, stream, rank, slot, grad)
-                    round_stream.step_ready(shard, stream)
-                    ready = sorted(stream.stepped - sent)
-                    if ready or not stream.live:
-                        outgoing = [round_stream.wire_values(shard, stream, slot, dtype) for slot in ready]
-                        break
-                    left = None if until is None else until - time.monotonic()
-                    if (left is not None and left <= 0) or not context.is_active():
-                        round_stream.end(shard, f"rank {rank}'s call ended waiting for the round's slots")
-                        break
-                    shard._cond.wait(POLL_SECONDS if left is None else min(POLL_SECONDS, left))
+            ready, outgoing = shard.stream_slots(
+                stream, rank, landed, sent, dtype, until, context.is_active, POLL_SECONDS
+            )
             if not stream.live:
                 break
             buffers: list[bytes | memoryview] = []

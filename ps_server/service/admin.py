@@ -152,13 +152,12 @@ class AdminServicer(ps_pb2_grpc.AdminServicer):
         changes = modes.changes_from_request(request)
         if request.mode != ps_pb2.MODE_UNSPECIFIED and request.mode not in MODE_TO_NAME:
             raise errors.InvalidRequestError(f"Unknown mode {request.mode}.")
-        settings = self.shard.update_config(
+        settings, view = self.shard.change_config(
             mode=MODE_TO_NAME.get(request.mode, ""),
             learning_rate=request.learning_rate if request.HasField("learning_rate") else None,
             at_version=request.at_version if request.HasField("at_version") else None,
             **changes,
         )
-        view = self.shard.status()
         scheduled = view.membership.config_changes[-1]
         lr = request.learning_rate if request.HasField("learning_rate") else view.learning_rate
         return ps_pb2.UpdateConfigResponse(
@@ -170,14 +169,11 @@ class AdminServicer(ps_pb2_grpc.AdminServicer):
 
     @maps_errors
     def Resize(self, request: ps_pb2.ResizeRequest, context: grpc.ServicerContext) -> ps_pb2.ResizeResponse:
-        previous, at = self.shard.resize(
+        previous, at, num_workers, epoch = self.shard.resize_request(
             request.num_workers, request.at_version if request.HasField("at_version") else None
         )
         return ps_pb2.ResizeResponse(
-            previous_num_workers=previous,
-            num_workers=self.shard.num_workers,
-            at_version=at,
-            membership_epoch=self.shard.epochs.epoch,
+            previous_num_workers=previous, num_workers=num_workers, at_version=at, membership_epoch=epoch
         )
 
     @maps_errors

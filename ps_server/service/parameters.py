@@ -121,24 +121,16 @@ class ParameterServicer(TableRpcs, DataConnectionRpcs):
 
     @maps_errors
     def Join(self, request: ps_pb2.JoinRequest, context: grpc.ServicerContext) -> ps_pb2.JoinResponse:
-        # the one request whose record is followed before its own checks: a rank counted again, or
-        # one a resize added, is known here only from shard 0's record, which its join carries. The
-        # record is checked first (signed by shard 0, of this shard's cluster), so only a genuine
-        # decision of this cluster, which every shard follows anyway, is ever adopted from it. A
-        # shard that knows no cluster yet (no --cluster-id, no record followed) follows the record
-        # only once the Join itself was accepted: it pins that record's cluster.
+        # the record a Join relays is followed before its own checks (ShardMembers.join_relaying)
         self._caller_is(context, request.rank, "Join")
-        pinned = bool(self.shard.epochs.cluster_id)
-        if pinned:
-            self._adopt(request)
-        info = self.shard.join(request.rank, request.num_workers, request.incarnation, request.membership_epoch)
-        if not pinned:
-            self._adopt(request)
+        info = self.shard.join_relaying(
+            request.rank, request.num_workers, request.incarnation, request.membership_epoch, _relayed(request)
+        )
         return ps_pb2.JoinResponse(
-            membership=self.shard.epochs.record,
+            membership=info.membership,
             shard_index=self.shard.shard_index,
             num_shards=self.shard.num_shards,
-            config=cluster_config(self.shard.settings, self.shard.lease_timeout, self.shard.learning_rate()),
+            config=cluster_config(info.settings, self.shard.lease_timeout, info.learning_rate),
             initialized=info.initialized,
             version=info.version,
             plan_digest=info.plan_digest,
@@ -175,8 +167,7 @@ class ParameterServicer(TableRpcs, DataConnectionRpcs):
                     f"{what} stamped rank {header.rank} came on the data connection of rank {peer_rank} (its hello); "
                     "a connection carries only its own rank's calls. Nothing was applied."
                 )
-            plan = self.shard.check_plan(header.plan_digest)
-            self.shard.check_session(header.rank, header.incarnation, header.session, what)
+            plan = self.shard.check_request(header.plan_digest, header.rank, header.incarnation, header.session, what)
             return Intake(plan, self.shard.shard_index, values)
 
         return read_request(request_iterator, what, header_cls, open_, what.startswith("PushPull"), _ignore)
@@ -314,24 +305,21 @@ class ParameterServicer(TableRpcs, DataConnectionRpcs):
     @maps_errors
     def Heartbeat(self, request: ps_pb2.HeartbeatRequest, context: grpc.ServicerContext) -> ps_pb2.HeartbeatResponse:
         self._caller_is(context, request.rank, "Heartbeat")
-        self.shard.check_member(request.rank, request.incarnation)  # a refused heartbeat adopts nothing
-        if self.shard.is_live(request.rank, request.incarnation):  # nor one of a rank not joined as this
-            self._adopt(request)
-        version, state = self.shard.heartbeat(request.rank, request.incarnation)
+        version, state, epoch, record = self.shard.heartbeat_relaying(
+            request.rank, request.incarnation, _relayed(request), request.membership_epoch
+        )
         answer = ps_pb2.HeartbeatResponse(
             version=version, state=WORKER_STATES[state], data_port=self.data.port if self.data is not None else 0
         )
-        return self._told(answer, request.membership_epoch)
+        return _with_epoch(answer, epoch, record)
 
     @maps_errors
     def Leave(self, request: ps_pb2.LeaveRequest, context: grpc.ServicerContext) -> ps_pb2.LeaveResponse:
         self._caller_is(context, request.rank, "Leave")
-        self.shard.check_member(request.rank, request.incarnation)
-        if self.shard.is_live(request.rank, request.incarnation):  # only its own session ends a live rank
-            self.shard.check_session(request.rank, request.incarnation, request.session, "Leave")
-            self._adopt(request)
-        version = self.shard.leave(request.rank, request.incarnation)
-        return self._told(ps_pb2.LeaveResponse(version=version), request.membership_epoch)
+        version, epoch, record = self.shard.leave_relaying(
+            request.rank, request.incarnation, request.session, _relayed(request), request.membership_epoch
+        )
+        return _with_epoch(ps_pb2.LeaveResponse(version=version), epoch, record)
 
     def _adopt(self, message: Any) -> None:
         """Follow the membership record a request relays, when it is newer than the shard's; called
@@ -342,12 +330,20 @@ class ParameterServicer(TableRpcs, DataConnectionRpcs):
     def _told(self, answer: T, request_epoch: int) -> T:
         """``answer`` with the shard's membership epoch, and its record when the requester knows
         an older one (the worker relays it to the shards that are behind)."""
-        epochs = self.shard.epochs
-        answer.membership_epoch = epochs.epoch  # type: ignore[attr-defined]
-        record = epochs.for_request(request_epoch)
-        if record is not None:
-            answer.membership.CopyFrom(record)  # type: ignore[attr-defined]
-        return answer
+        return _with_epoch(answer, *self.shard.told(request_epoch))
+
+
+def _relayed(message: Any) -> ps_pb2.MembershipEpoch | None:
+    """The membership record a request relays (None if none)."""
+    return message.membership if message.HasField("membership") else None
+
+
+def _with_epoch(answer: T, epoch: int, record: ps_pb2.MembershipEpoch | None) -> T:
+    """``answer`` with the shard's membership ``epoch`` and, when given, its ``record``."""
+    answer.membership_epoch = epoch  # type: ignore[attr-defined]
+    if record is not None:
+        answer.membership.CopyFrom(record)  # type: ignore[attr-defined]
+    return answer
 
 
 def _ignore(nbytes: int) -> None:

@@ -1,85 +1,181 @@
-"""The data path of a :class:`~ps_server.shard.shard.Shard`: Push, Pull, PushPull and Exchange.
+"""The data path of a shard (:class:`DataPath`): Push, Pull, PushPull and Exchange, their checks and
+their bookkeeping (idempotence, refusals, durable answers).
 
 Each call checks everything before it touches state, answers a repeated :class:`PushStamp` with the
 original answer (idempotence), and leaves the decision to the shard's consistency policy: what a
 push does (:meth:`~ps_server.policy.base.ConsistencyPolicy.accept`), when a read is served
 (``check_read``/``can_read``/``blocked``/``after_read``) and how an exchange applies. A read hands
 the caller's ``encode`` a :class:`~ps_server.shard.views.Snapshot` under the lock.
+
+A push or an exchange runs in two steps under the lock, with the decoding of its tensors between
+them (``ps_server.shard.shard.Shard`` takes the lock for each): ``admit_*`` checks and finds a
+repeated stamp's answer, ``apply_*`` checks again and applies.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import threading
+import logging
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, TypeVar
+from typing import Any, TypeVar
 
 import torch
 
-from ps_common.errors import StalePushError
-from ps_common.partition import WirePartition
-from ps_common.plan import Plan
-from ps_server.core.partitions import match_partitions
+from ps_common.codec import wire_dtype_allowed
+from ps_common.errors import (
+    HyperparametersDisagreeError,
+    InvalidRequestError,
+    NotInitializedError,
+    PlanMismatchError,
+    StalePushError,
+    UpdateRefusedError,
+)
+from ps_common.plan import ParameterSpec, Plan, make_plan, plan_digest
+from ps_common.text import quote
 from ps_server.membership.ranks import Member, PushResult, PushStamp, WorkerState
-from ps_server.policy import POLICIES
-from ps_server.shard import round_stream
-from ps_server.shard.views import Snapshot, clone_tensors
-
-if TYPE_CHECKING:
-    from ps_server.membership.ranks import Membership
-    from ps_server.policy import ConsistencyPolicy
-    from ps_server.policy.sync import Hyperparameters
-    from ps_server.shard.counters import ShardCounters
-    from ps_server.shard.round_stream import RoundStream
-    from ps_server.shard.store import ParameterStore
+from ps_server.shard.hosts import DataHost
+from ps_server.shard.views import Snapshot
 
 T = TypeVar("T")
 
+log = logging.getLogger("ps_server.shard.shard")
+
 
 class DataPath:
-    """Push, Pull, PushPull and Exchange of :class:`~ps_server.shard.shard.Shard` (a mixin: the state,
-    the lock and the policy glue are the shard's)."""
+    """Push, Pull, PushPull and Exchange of one shard, and what they keep: the store's epoch (new
+    at every Init and restore), durable answers (``durable_acks``: a push is answered once its
+    version is in a checkpoint on disk) and the newest checkpoint's version.
 
-    _cond: threading.Condition
-    _now: Callable[[], float]
-    _store_epoch: int
-    shard_index: int
-    plan: Plan | None
-    store: ParameterStore | None
-    version: int
-    mode: str
-    policy: ConsistencyPolicy
-    membership: Membership
-    counters: ShardCounters
-    refusals: dict
-    skipped_rounds: dict[int, None]
+    Every method assumes the caller (``ps_server.shard.shard.Shard``) holds the shard's lock (the
+    waits release it while they wait); none takes it.
 
-    if TYPE_CHECKING:
+    Args:
+        host: the shard (read and changed as :class:`DataHost` says).
+    """
 
-        def check_plan(self, digest: str) -> Plan: ...
-        def check_wire_dtype(self, plan: Plan, wire_dtype: str) -> None: ...
-        def advance(self) -> None: ...
-        def wait_for_ranks(
-            self, ready: Callable[[], bool], deadline: float | None, describe: Callable[[], str]
-        ) -> None: ...
+    def __init__(self, host: DataHost) -> None:
+        self._host = host
+        self.store_epoch = 0
+        self.durable_acks = False
+        self.last_checkpoint_version: int | None = None
 
-    def push(
+    # ----------------------------------------------------------------- plans
+    def check_plan(self, digest: str) -> Plan:
+        """The plan, when the shard is initialized and ``digest`` is its digest (reads one attribute:
+        no lock needed).
+
+        Raises:
+            NotInitializedError: not initialized yet. InvalidRequestError: an empty digest.
+            PlanMismatchError: another digest.
+        """
+        host = self._host
+        plan = host.plan
+        if plan is None:
+            raise NotInitializedError(
+                f"Shard {host.shard_index} is not initialized; rank 0 must call Init before pushes and pulls."
+            )
+        if not digest:
+            raise InvalidRequestError(
+                "The request's plan_digest is empty; send the digest of the plan (JoinResponse.plan_digest, "
+                "or PSClient's, which always sends it)."
+            )
+        if digest != plan.digest:
+            raise PlanMismatchError(
+                f"Plan digest {quote(digest[:12], 12)} does not match this shard's {plan.digest[:12]}; "
+                "every worker must build the same model with the same num_shards and partition_bytes."
+            )
+        return plan
+
+    @staticmethod
+    def check_wire_dtype(plan: Plan, wire_dtype: str) -> None:
+        """Raises InvalidRequestError unless ``wire_dtype`` is "" or narrower than every parameter."""
+        if not wire_dtype:
+            return
+        bad = {d for d in plan.dtypes.values() if not wire_dtype_allowed(wire_dtype, d)}
+        if bad:
+            raise InvalidRequestError(
+                f"wire_dtype {wire_dtype} is not narrower than this model's {', '.join(sorted(bad))} "
+                "parameters; leave it unset, or pick float16/bfloat16 for float32 models."
+            )
+
+    def init_plan(self, specs: Sequence[ParameterSpec], num_shards: int, partition_bytes: int, digest: str) -> Plan:
+        """The plan an Init declares, checked cheapest first and built only within the host's
+        ``limits``: the shard count, then "already initialized" (the digest alone decides), then the
+        number of keys (``len(specs)``, before any spec is read), then the bounds on keys, bytes and
+        partitions and the digest (linear in the keys), and only then the plan.
+
+        Returns:
+            The declared plan; the shard's own when it is already initialized with ``digest``.
+
+        Raises:
+            InvalidRequestError: num_shards differs, a bound of ``limits`` exceeded, the digest does
+                not match the specs, bad specs.
+            PlanMismatchError: already initialized with another plan.
+        """
+        host = self._host
+        if num_shards != host.num_shards:
+            raise InvalidRequestError(
+                f"Init is for {num_shards} shards but this cluster has {host.num_shards}; "
+                "pass every shard's address to the client."
+            )
+        if host.plan is not None:
+            return self.check_plan(digest)
+        host.limits.check_plan(specs, partition_bytes)  # the key count first, before any spec is read
+        expected = plan_digest(specs, num_shards, partition_bytes)
+        if digest != expected:
+            raise InvalidRequestError(
+                f"Init's plan digest {quote(digest[:12], 12)} does not match its own specs ({expected[:12]}); "
+                "the client and server disagree on the plan algorithm: upgrade both to the same release."
+            )
+        return make_plan(specs, num_shards, partition_bytes)
+
+    def initialized(self, digest: str) -> tuple[bool, int, str]:
+        """An Init of an initialized shard: (False, version, plan digest) when ``digest`` is its plan's.
+
+        Raises:
+            PlanMismatchError: another plan. InvalidRequestError: an empty digest.
+        """
+        plan = self.check_plan(digest)
+        return False, self._host.version, plan.digest
+
+    # ----------------------------------------------------------------- pushes
+    def admit_push(self, stamp: PushStamp, digest: str, hyper: Any) -> tuple[Plan, Member, PushResult | None]:
+        """A push's checks before its gradients are decoded: (plan, member, the original answer
+        when ``stamp`` was pushed already, else None). A push the policy applies at once (async,
+        ssp), holds for round ``stamp.clock`` (sync) or refuses (easgd: workers call Exchange).
+
+        Raises:
+            InvalidRequestError, NotInitializedError, PlanMismatchError, PreconditionError,
+            StalePushError (a replayed clock), HyperparametersDisagreeError (bad ``hyper``).
+        """
+        host = self._host
+        plan = self.check_plan(digest)
+        member = host.membership.get(stamp.rank, stamp.incarnation)
+        seen = member.history.get((stamp.incarnation, stamp.clock))
+        if seen is not None:
+            return plan, member, PushResult(seen.version, seen.staleness, True, seen.dropped, host.mode)
+        host.membership.check_live(member, stamp.incarnation)
+        self.check_replay(member, stamp)
+        if hyper:
+            assert host.store is not None
+            host.store.check_hyperparameters(hyper)
+        return plan, member, None
+
+    def apply_push(
         self,
+        member: Member,
         stamp: PushStamp,
         grad_version: int,
-        digest: str,
-        partitions: Sequence[WirePartition],
-        hyper: Hyperparameters = (),
-        skip: bool = False,
-        stream: RoundStream | None = None,
-    ) -> PushResult:
-        """Accept the gradients of ``stamp``; a repeated stamp is answered with the original result
-        and applied once. The policy applies the push at once (async, ssp), holds it for round
-        ``stamp.clock`` (sync) or refuses it (easgd: workers call Exchange).
+        grads: Sequence[torch.Tensor],
+        hyper: Any,
+        skip: bool,
+        stream: Any,
+    ) -> tuple[PushResult, bool]:
+        """Check the push again (the lock was released while it was decoded) and hand it to the
+        policy.
 
         Args:
             grad_version: the version the gradients were computed on (async staleness).
-            partitions: one gradient per partition of this shard (any order; checked against the plan).
+            grads: one 1-D tensor per partition of the shard, in plan order (the store's dtypes).
             hyper: per parameter group, the hyperparameters (lr...) of the step this push joins;
                 they stay in force after it. sync: the round's ranks must agree, or the round is
                 refused (HyperparametersDisagreeError). () keeps the shard's own.
@@ -88,44 +184,68 @@ class DataPath:
             stream: sync, the streamed round this push's partitions were stepped in
                 (:mod:`ps_server.shard.round_stream`); None: any stream of the round cannot stand for it.
 
+        Returns:
+            (result, whether its answer waits until its version is durable: a push applied now,
+            not a held one nor a repeat).
+
         Raises:
-            InvalidRequestError: bad rank or partitions. NotInitializedError, PlanMismatchError,
-            PreconditionError: not initialized, other plan, not joined, easgd mode.
+            NotJoinedError, PreconditionError: not joined, counted out, easgd mode.
             StalePushError: sync round closed (no quorum), async staleness above the bound, or a
-            replayed clock. UpdateRefusedError: the update (or its round) was refused.
+            replayed clock. UpdateRefusedError: the update (or the round it completed) was refused.
         """
-        with self._cond:
-            plan = self.check_plan(digest)
-            member = self.membership.get(stamp.rank, stamp.incarnation)
-            seen = member.history.get((stamp.incarnation, stamp.clock))
-            if seen is not None:
-                return PushResult(seen.version, seen.staleness, True, seen.dropped, self.mode)
-            self.membership.check_live(member, stamp.incarnation)
-            self._check_replay(member, stamp)
-            if hyper:
-                assert self.store is not None
-                self.store.check_hyperparameters(hyper)
-        grads = match_partitions(plan, self.shard_index, partitions, "gradient")
-        with self._cond:
-            self.membership.check_live(member, stamp.incarnation)
-            seen = member.history.get((stamp.incarnation, stamp.clock))
-            if seen is not None:
-                return PushResult(seen.version, seen.staleness, True, seen.dropped, self.mode)
-            self._check_replay(member, stamp)
-            self._check_counted(member, stamp)
-            policy = self.policy
-            result = policy.accept(self, member, stamp, grad_version, grads, hyper, skip)
-            if policy.holds_pushes and not result.dropped:
-                round_stream.held(self, stamp.rank, stream)  # type: ignore[arg-type]
-            self.advance()
-            if policy.holds_pushes and not result.dropped:
-                refusal = self.refusals.pop(stamp.rank, None)
-                if refusal is not None:  # this push completed its round, and the round was refused
-                    raise type(refusal)(str(refusal))
-            applied = self.version
-        if not policy.holds_pushes:  # applied: answered once durable (a held push is answered held)
-            self.wait_durable(applied, None)
-        return result
+        host = self._host
+        host.membership.check_live(member, stamp.incarnation)
+        seen = member.history.get((stamp.incarnation, stamp.clock))
+        if seen is not None:
+            return PushResult(seen.version, seen.staleness, True, seen.dropped, host.mode), False
+        self.check_replay(member, stamp)
+        self.check_counted(member, stamp)
+        policy = host.policy
+        result = policy.accept(host, member, stamp, grad_version, grads, hyper, skip)
+        if policy.holds_pushes and not result.dropped:
+            host.stream_held(stamp.rank, stream)
+        host.advance()
+        if policy.holds_pushes and not result.dropped:
+            refusal = host.refusals.pop(stamp.rank, None)
+            if refusal is not None:  # this push completed its round, and the round was refused
+                raise type(refusal)(str(refusal))
+        return result, not policy.holds_pushes
+
+    def record(self, member: Member, stamp: PushStamp, result: PushResult) -> None:
+        """Account an accepted push (before a snapshot of the version it makes is taken)."""
+        member.clock = max(member.clock, stamp.clock + 1)
+        member.pushes += 1
+        self._host.membership.touch(member)
+        self._host.membership.remember(member, stamp.incarnation, stamp.clock, result)
+
+    def refusal(self, exc: UpdateRefusedError, what: str, count: int) -> UpdateRefusedError:
+        """Count ``count`` refused pushes and word the refusal of ``what`` for the ranks told."""
+        host = self._host
+        host.counters.refuse(exc.reason.lower(), count)
+        log.warning("shard %d: %s refused: %s", host.shard_index, what, exc)
+        advice = (
+            "push the round again once they agree"
+            if isinstance(exc, HyperparametersDisagreeError)
+            else "lower the learning rate or clip gradients, then pull and push the next gradient"
+        )
+        return type(exc)(
+            f"Shard {host.shard_index} refused {what} as a whole: {exc} Version {host.version} stands; {advice}."
+        )
+
+    def refuse_round(self, held: dict[int, Any], exc: UpdateRefusedError) -> None:
+        """The complete round (sync) or period (easgd) ``held`` could not be applied: reopen it
+        empty at the same number, forget its pushes (so they may come again), and leave each of its
+        ranks the refusal its push or pull will raise. Nothing else changed."""
+        host = self._host
+        host.rounds.round -= 1
+        host.refused_at = host.rounds.round  # a change decided now governs the round's retry
+        error = self.refusal(exc, f"round {host.rounds.round} (ranks {sorted(held)})", len(held))
+        for rank in held:
+            member = host.membership.members[rank]
+            for key in [k for k in member.history if k[1] == host.rounds.round]:
+                del member.history[key]
+            member.clock = min(member.clock, host.rounds.round)
+            host.refusals[rank] = error
 
     def wait_durable(self, version: int, deadline: float | None) -> None:
         """With ``durable_acks``: wait until ``version`` is in a checkpoint on disk (the checkpointer
@@ -134,190 +254,151 @@ class DataPath:
         Raises:
             WaitTimeoutError: not durable by ``deadline``. ShuttingDownError: closing.
         """
-        if not self.durable_acks:
-            return
-        with self._cond:
-            self.waits.until(
-                lambda: (self.last_checkpoint_version or 0) >= version,
-                deadline,
-                lambda: (
-                    f"version {version} was not checkpointed in time (--durable-acks); newest on disk: "
-                    f"{self.last_checkpoint_version}"
-                ),
-            )
+        self._host.waits.until(
+            lambda: (self.last_checkpoint_version or 0) >= version,
+            deadline,
+            lambda: (
+                f"version {version} was not checkpointed in time (--durable-acks); newest on disk: "
+                f"{self.last_checkpoint_version}"
+            ),
+        )
 
-    def _check_counted(self, member: Member, stamp: PushStamp) -> None:
+    def check_counted(self, member: Member, stamp: PushStamp) -> None:
         """Refuse a push of a round the cluster does not count the rank in (shard 0's decision:
-        a resize left it out, or, sync, it rejoined from a later round). Caller holds the lock.
+        a resize left it out, or, sync, it rejoined from a later round).
 
         Raises:
             NotJoinedError: a resize left the rank out. StalePushError: sync, a round before the
                 rank's first counted one.
         """
-        sync = self.policy.holds_pushes
-        self.membership.check_in_cluster(member.rank, stamp.clock if sync else None)
+        sync = self._host.policy.holds_pushes
+        self._host.membership.check_in_cluster(member.rank, stamp.clock if sync else None)
         if sync and stamp.clock < member.since:
             raise StalePushError(
                 f"Rank {member.rank} counts from round {member.since} (it rejoined; shard 0 decided): round "
                 f"{stamp.clock} goes on without it. Pull version {member.since} and push clock {member.since}."
             )
 
-    def pull(
+    def check_replay(self, member: Member, stamp: PushStamp, what: str = "Push") -> None:
+        """Refuse a clock at or below the rank's high-water mark (policies that hold pushes for
+        their round refuse closed rounds themselves); the caller found no answer to repeat.
+
+        Raises:
+            ReplayedPushError: counted as ``replayed``.
+        """
+        if self._host.policy.holds_pushes:
+            return
+        try:
+            self._host.membership.check_replay(member, stamp.incarnation, stamp.clock, what)
+        except StalePushError:
+            self._host.counters.refuse("replayed")
+            raise
+
+    # ----------------------------------------------------------------- reads
+    def read(
         self,
         rank: int,
         incarnation: int,
         min_version: int,
         digest: str,
+        deadline: float | None,
         timeout: float | None,
-        wire_dtype: str = "",
-        encode: Callable[[Snapshot], T] = clone_tensors,  # type: ignore[assignment]
+        wire_dtype: str,
+        encode: Callable[[Snapshot], T],
     ) -> tuple[int, T]:
-        """Wait until this rank may read (the policy decides), then ``encode`` the parameters.
+        """A Pull: wait until this rank may read (the policy decides), then ``encode`` the parameters.
 
         sync: waits for version >= ``min_version``. ssp: waits until the slowest live rank's clock
         is >= this rank's clock - s (the clock is the shard's own count of the rank's pushes).
         async and easgd: no wait.
 
         Args:
-            timeout: seconds to wait at most; None waits until the shard closes.
+            deadline: the shard's clock (seconds) to wait until; ``timeout``, for the message.
             wire_dtype: checked here (a float narrower than every parameter, or ""); the encoder
                 converts.
-            encode: called under the lock with the :class:`Snapshot` of the version read; its
-                result is returned (by default copies of the tensors).
-
-        Returns:
-            (version, ``encode(snapshot)``).
+            encode: called with the :class:`Snapshot` of the version read; its result is returned.
 
         Raises:
             WaitTimeoutError: not readable in time. ShuttingDownError: closing.
             UpdateRefusedError: sync, the round waited for was refused. PushLostError.
             NotInitializedError, PlanMismatchError, InvalidRequestError, PreconditionError.
         """
-        deadline = None if timeout is None else self._now() + timeout
-        with self._cond:
-            self.check_wire_dtype(self.check_plan(digest), wire_dtype)
-            member = self.membership.get(rank, incarnation)
-            joined = member.state is WorkerState.LIVE and member.incarnation == incarnation
-            if joined:
-                self.membership.touch(member)
-            self.policy.check_read(self, member, joined, min_version)
-            self.wait_for_ranks(
-                lambda: self.policy.can_read(self, member, joined, min_version),
-                deadline,
-                lambda: self.policy.blocked(self, member, min_version, timeout),
-            )
-            self.policy.after_read(self, member, joined, min_version)
-            assert self.store is not None
-            if self.store.stepped_slots:  # a streamed round's speculative slots are not a version
-                round_stream.end(self, "a read needed the parameters mid-round")  # type: ignore[arg-type]
-            return self.version, encode(self._snapshot(self.version, self.store.tensors))
+        host = self._host
+        self.check_wire_dtype(self.check_plan(digest), wire_dtype)
+        member = host.membership.get(rank, incarnation)
+        joined = member.state is WorkerState.LIVE and member.incarnation == incarnation
+        if joined:
+            host.membership.touch(member)
+        host.policy.check_read(host, member, joined, min_version)
+        host.wait_for_ranks(
+            lambda: host.policy.can_read(host, member, joined, min_version),
+            deadline,
+            lambda: host.policy.blocked(host, member, min_version, timeout),
+        )
+        host.policy.after_read(host, member, joined, min_version)
+        assert host.store is not None
+        if host.store.stepped_slots:  # a streamed round's speculative slots are not a version
+            host.end_stream("a read needed the parameters mid-round")
+        return host.version, encode(self.snapshot(host.version, host.store.tensors))
 
-    def push_pull(
+    def snapshot(self, version: int, tensors: Sequence[torch.Tensor]) -> Snapshot:
+        """The :class:`Snapshot` of ``tensors`` (one per partition, plan order) at ``version``."""
+        host = self._host
+        assert host.store is not None and host.plan is not None
+        parts = [(p.key, p.offset, p.length) for p in host.store.partitions]
+        return Snapshot(version, self.store_epoch, host.plan, host.shard_index, parts, tensors)
+
+    # ----------------------------------------------------------------- exchanges
+    def admit_exchange(
+        self, stamp: PushStamp, digest: str, encode: Callable[[Snapshot], T]
+    ) -> tuple[Plan, Member, tuple[int, T] | None]:
+        """An Exchange's checks before its parameters are decoded: (plan, member, the original
+        answer when ``stamp`` was exchanged already, else None).
+
+        Raises:
+            PreconditionError: not in easgd mode, not joined. InvalidRequestError,
+            NotInitializedError, PlanMismatchError.
+        """
+        host = self._host
+        plan = self.check_plan(digest)
+        host.policy.check_exchange()
+        member = host.membership.get(stamp.rank, stamp.incarnation)
+        answer = self._repeated_exchange(member, stamp, encode)
+        if answer is None:
+            host.membership.check_live(member, stamp.incarnation)
+            self.check_replay(member, stamp, "Exchange")
+        return plan, member, answer
+
+    def apply_exchange(
         self,
+        member: Member,
         stamp: PushStamp,
-        grad_version: int,
-        digest: str,
-        partitions: Sequence[WirePartition],
-        timeout: float | None,
+        x: Sequence[torch.Tensor],
+        deadline: float | None,
         encode: Callable[[Snapshot], T],
-        wire_dtype: str = "",
-        check: Callable[[Plan], None] | None = None,
-        hyper: Hyperparameters = (),
-        skip: bool = False,
-        stream: RoundStream | None = None,
-    ) -> tuple[PushResult, int, T]:
-        """:meth:`push`, then :meth:`pull` of the version it lands in (one PushPull per training
-        step): sync reads version ``clock + 1``, the round the push joined; the others as a pull
-        with no minimum version.
-
-        Args:
-            encode: as :meth:`pull`.
-            check: called under the lock with the plan, after the plan and ``wire_dtype`` checks
-                and before the push (PushPullOnce: the response must fit in one message).
-            hyper, skip, stream: as :meth:`push`. sync: the result says whether the round was skipped.
-
-        Returns:
-            (push result, version, ``encode(snapshot)``).
-
-        Raises:
-            Everything :meth:`push`, :meth:`pull` and ``check`` raise; a refused push pulls nothing.
-        """
-        start = self._now()
-        with self._cond:
-            plan = self.check_plan(digest)
-            self.check_wire_dtype(plan, wire_dtype)
-            if check is not None:
-                check(plan)
-        result = self.push(stamp, grad_version, digest, partitions, hyper, skip, stream)
-        policy = POLICIES[result.mode]  # the mode that took the push
-        remaining = None if timeout is None else max(0.0, timeout - (self._now() - start))
-        min_version = policy.read_after_push(stamp.clock)
-        version, out = self.pull(stamp.rank, stamp.incarnation, min_version, digest, remaining, wire_dtype, encode)
-        self.wait_durable(version, None if timeout is None else start + timeout)
-        if policy.holds_pushes and not result.dropped:
-            with self._cond:
-                result = dataclasses.replace(result, skipped=stamp.clock in self.skipped_rounds)
-        return result, version, out
-
-    def exchange(
-        self,
-        stamp: PushStamp,
-        digest: str,
-        partitions: Sequence[WirePartition],
-        timeout: float | None,
-        encode: Callable[[Snapshot], T] = clone_tensors,  # type: ignore[assignment]
     ) -> tuple[int, T]:
-        """EASGD exchange: take the worker's x, return d = alpha (x - center); center += d.
-
-        Async (Algorithm 1): applied at once, atomically. Sync (``easgd_sync``): waits until every
-        live rank sent its x for period ``stamp.clock``, then applies them together in rank order.
-        A repeated stamp gets the original d and changes nothing.
-
-        Returns:
-            (version, ``encode`` of a :class:`Snapshot` whose tensors are d).
+        """Check the exchange again and let the policy apply it: take the worker's x, return
+        d = alpha (x - center); center += d. Async (Zhang et al. 2015, Algorithm 1): applied at once.
+        Sync (``easgd_sync``): waits until every live rank sent its x for period ``stamp.clock``,
+        then applies them together in rank order. Returns (version, ``encode`` of d).
 
         Raises:
-            PreconditionError: not in easgd mode, not joined. WaitTimeoutError: sync period not
-            complete in time. UpdateRefusedError. InvalidRequestError, NotInitializedError,
-            PlanMismatchError.
+            WaitTimeoutError: sync period not complete by ``deadline``. UpdateRefusedError.
         """
-        deadline = None if timeout is None else self._now() + timeout
-        with self._cond:
-            plan = self.check_plan(digest)
-            self.policy.check_exchange()
-            member = self.membership.get(stamp.rank, stamp.incarnation)
-            last = member.last_exchange
-            if last is not None and last[0] == (stamp.incarnation, stamp.clock):
-                return last[1], encode(self._snapshot(last[1], last[2]))
-            self.membership.check_live(member, stamp.incarnation)
-            self._check_replay(member, stamp, "Exchange")
-        x = match_partitions(plan, self.shard_index, partitions, "parameter")
-        with self._cond:
-            self.membership.check_live(member, stamp.incarnation)
-            last = member.last_exchange
-            if last is not None and last[0] == (stamp.incarnation, stamp.clock):
-                return last[1], encode(self._snapshot(last[1], last[2]))
-            self._check_replay(member, stamp, "Exchange")
-            version, d = self.policy.exchange(self, member, stamp, x, deadline)
-            self._cond.notify_all()
-            return version, encode(self._snapshot(version, d))
+        host = self._host
+        host.membership.check_live(member, stamp.incarnation)
+        answer = self._repeated_exchange(member, stamp, encode)
+        if answer is not None:
+            return answer
+        self.check_replay(member, stamp, "Exchange")
+        version, d = host.policy.exchange(host, member, stamp, x, deadline)
+        host.notify()
+        return version, encode(self.snapshot(version, d))
 
-    def _snapshot(self, version: int, tensors: Sequence[torch.Tensor]) -> Snapshot:
-        assert self.store is not None and self.plan is not None
-        parts = [(p.key, p.offset, p.length) for p in self.store.partitions]
-        return Snapshot(version, self._store_epoch, self.plan, self.shard_index, parts, tensors)
-
-    def _check_replay(self, member: Member, stamp: PushStamp, what: str = "Push") -> None:
-        """Refuse a clock at or below the rank's high-water mark (policies that hold pushes for
-        their round refuse closed rounds themselves). Caller holds the lock and found no answer.
-
-        Raises:
-            ReplayedPushError: counted as ``replayed``.
-        """
-        if self.policy.holds_pushes:
-            return
-        try:
-            self.membership.check_replay(member, stamp.incarnation, stamp.clock, what)
-        except StalePushError:
-            self.counters.refuse("replayed")
-            raise
+    def _repeated_exchange(
+        self, member: Member, stamp: PushStamp, encode: Callable[[Snapshot], T]
+    ) -> tuple[int, T] | None:
+        last = member.last_exchange
+        if last is not None and last[0] == (stamp.incarnation, stamp.clock):
+            return last[1], encode(self.snapshot(last[1], last[2]))
+        return None

@@ -1,55 +1,57 @@
-"""The state of one shard: membership, versions, idempotent pushes and waits, under one condition.
+"""One shard's state behind one condition: the facade that alone takes the shard's lock.
 
-The servicer decodes a request and calls one method here; each method validates everything before
-it touches state, so a refused request changes nothing. The shard's consistency model
-(:data:`ps_server.policy.POLICIES`, by ``settings.mode``) decides what a push does, when a round
-closes and when a read is served; the store applies updates. The shard keeps the lock and
-condition, the waits, idempotence (the answers of recent pushes, high-water marks, exchange
-results) and the membership glue. Reads hand a :class:`Snapshot` to the caller's ``encode`` under
-the lock (the service layer encodes and caches the response messages: ``ps_server.service.frame_cache``).
+The servicer decodes a request and calls one method here; each takes the lock and calls the
+collaborators that own the state, whose methods assume the lock is held and never take it:
+:class:`~ps_server.shard.members.ShardMembers` (ranks, membership epochs),
+:class:`~ps_server.shard.relay.MembershipRelay` (membership requests and the records they relay),
+:class:`~ps_server.shard.admin.ConfigChanges` (configuration changes, status),
+:class:`~ps_server.shard.data.DataPath` (push, pull, exchange, their bookkeeping),
+:class:`~ps_server.shard.state.StateCodec` (checkpoint state), the
+:class:`~ps_server.shard.store.ParameterStore` and the :class:`~ps_server.tables.store.TableStore`.
+The shard's consistency model (:data:`ps_server.policy.POLICIES`, by ``settings.mode``) decides
+what a push does, when a round closes and when a read is served; the shard is the
+:class:`~ps_server.policy.base.ShardCore` it is given, and keeps the round state it reads. Reads
+hand a :class:`Snapshot` to the caller's ``encode`` under the lock (the service layer encodes and
+caches the response messages: ``ps_server.service.frame_cache``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Concatenate
 
 import torch
 
-from ps_common.codec import wire_dtype_allowed
-from ps_common.errors import (
-    HyperparametersDisagreeError,
-    InvalidRequestError,
-    NotInitializedError,
-    PlanMismatchError,
-    UpdateRefusedError,
-)
+from ps_common.errors import UpdateRefusedError
 from ps_common.modes import MODES, ModeSettings
 from ps_common.optimizer import OptimizerSpec
 from ps_common.partition import WirePartition
-from ps_common.plan import ParameterSpec, Plan, make_plan, plan_digest
+from ps_common.plan import ParameterSpec, Plan
 from ps_common.tables import TableSpec
-from ps_common.text import quote
-from ps_proto.v1 import ps_pb2
 from ps_server.core.limits import Limits
 from ps_server.core.partitions import match_partitions
 from ps_server.membership.epochs import Epochs
 from ps_server.membership.ranks import Member, Membership, MemberView, PushResult, PushStamp, WorkerState
 from ps_server.policy import POLICIES, ConsistencyPolicy
-from ps_server.policy.sync import SyncRounds
-from ps_server.shard import admin as shard_admin
-from ps_server.shard import members as shard_members
-from ps_server.shard import state as shard_state
+from ps_server.policy.sync import Hyperparameters, SyncRounds
+from ps_server.shard import round_stream
+from ps_server.shard.admin import ConfigChanges
 from ps_server.shard.counters import ShardCounters
 from ps_server.shard.data import DataPath
+from ps_server.shard.delegation import C, P, R, delegated, locked, part_property
+from ps_server.shard.members import ShardMembers
+from ps_server.shard.relay import MembershipRelay
 from ps_server.shard.round_stream import RoundStream
+from ps_server.shard.state import StateCodec
 from ps_server.shard.store import ParameterStore
-from ps_server.shard.views import JoinInfo, Snapshot, StatusView
+from ps_server.shard.views import Snapshot, StatusView, clone_tensors
 from ps_server.shard.waits import Waits
 from ps_server.tables import calls as table_calls
+from ps_server.tables.metrics import TableRow, table_rows
 from ps_server.tables.store import TableStore
 from ps_server.tables.table import DEFAULT_MAX_TABLE_ROWS
 
@@ -61,7 +63,17 @@ SnapshotHook = Callable[[int, dict[str, Any]], None]
 """Called with (version, :meth:`Shard.export_state` output) under the shard's lock."""
 
 
-class Shard(DataPath):
+def _lock(self: Shard) -> threading.Condition:
+    """The shard's lock (for :func:`_locked`; nothing outside this module takes it)."""
+    return self._cond
+
+
+def _locked(part: str, method: Callable[Concatenate[C, P], R]) -> Callable[Concatenate[Shard, P], R]:
+    """``method`` of the shard's collaborator ``part``, called under the shard's lock."""
+    return locked(_lock, part, method)
+
+
+class Shard:
     """Thread-safe state of shard ``shard_index`` of ``num_shards``.
 
     Args:
@@ -96,46 +108,45 @@ class Shard(DataPath):
         record_key: str = "",
         cluster_id: str = "",
     ) -> None:
-        self.shard_index = shard_index
+        self.shard_index, self.num_shards = shard_index, num_shards
         self.limits = limits or Limits()
-        self.num_shards = num_shards
         self.settings = settings
-        self.configured_num_workers = settings.num_workers  # --num-workers; a resize changes num_workers
         self.lease_timeout = lease_timeout
         self._now = now
         self._cond = threading.Condition()
         self.waits = Waits(self._cond, now, shard_index)
+        self.counters = counters or ShardCounters()
+        self.checkpoint_every, self.on_snapshot = checkpoint_every, on_snapshot
+        # the round state the consistency policy reads and changes (ShardCore)
         self.plan: Plan | None = None
         self.store: ParameterStore | None = None
         self.version = 0
         self.rounds = SyncRounds()
         self.round_opened: float | None = None
         self.round_reported = False
-        self.pending_mode = ""
         self.max_clock_gap = 0
-        self.counters = counters or ShardCounters()
         self.exchange_results: dict[int, tuple[int, list[torch.Tensor]]] = {}
         # sync round or easgd period refused as a whole: rank -> the refusal it has yet to be told
         self.refusals: dict[int, UpdateRefusedError] = {}
         self.skipped_rounds: dict[int, None] = {}  # the last sync rounds whose step was skipped (ordered)
-        self.membership = Membership(settings.num_workers, lease_timeout, now, join_timeout)
-        # shard 0 decides; records are signed with the shards' admin token (``record_key``)
-        self.epochs = Epochs(
-            authority=shard_index == 0, num_workers=settings.num_workers, key=record_key, cluster_id=cluster_id
-        )
-        self.durable_acks = False  # answer pushes once their version is in a durable checkpoint
-        self.stream_rounds = "auto"  # --stream-rounds (ps_server.shard.round_stream)
-        self.stream: RoundStream | None = None  # the sync round being streamed (round_stream)
+        self.refused_at: int | None = None  # the round last refused as a whole (reopened)
+        # streamed sync rounds (ps_server.shard.round_stream)
+        self.stream_rounds = "auto"  # --stream-rounds
+        self.stream: RoundStream | None = None  # the sync round being streamed
         self.streamed_rounds = 0  # sync rounds stepped slot by slot and closed as streamed
         self.unstreamed_rounds = 0  # streams that ended before their round closed (then applied whole)
-        self.refused_at: int | None = None  # the round last refused as a whole (reopened)
-        self.checkpoint_every = checkpoint_every
-        self.on_snapshot = on_snapshot
-        self.last_checkpoint_version: int | None = None
         self.restored_from_version: int | None = None
-        self._store_epoch = 0
-        self.tables = TableStore(shard_index, num_shards, DEFAULT_MAX_TABLE_ROWS)  # embedding tables (issue 19)
+        self.tables = TableStore(shard_index, num_shards, DEFAULT_MAX_TABLE_ROWS)  # embedding tables
+        # the collaborators: each owns its state; their methods run under this shard's lock
+        self.cluster = ShardMembers(
+            self, shard_index, settings, lease_timeout, now, join_timeout, record_key, cluster_id
+        )
+        self.relay = MembershipRelay(self, self.cluster)
+        self.config = ConfigChanges(self, self.cluster)
+        self.data = DataPath(self)
+        self.codec = StateCodec(shard_index, num_shards)
 
+    # ----------------------------------------------------------------- views of the collaborators' state
     @property
     def mode(self) -> str:
         return self.settings.mode
@@ -145,14 +156,21 @@ class Shard(DataPath):
         """The consistency model in force (a mode switch swaps it at a round boundary)."""
         return POLICIES[self.settings.mode]
 
+    membership: Membership = part_property("cluster", "membership", "The shard's ranks (:class:`ShardMembers`).")
+    epochs: Epochs = part_property("cluster", "epochs", "Shard 0's membership records (:class:`ShardMembers`).")
+    configured_num_workers: int = part_property("cluster", "configured_num_workers", "``--num-workers``.")
+    pending_mode: str = part_property("config", "pending_mode", "The mode switched to at the next round boundary.")
+    durable_acks: bool = part_property("data", "durable_acks", "Answer pushes once their version is durable.", True)
+    last_checkpoint_version: int | None = part_property("data", "last_checkpoint_version", "The newest on disk.")
+
     @property
     def num_workers(self) -> int:
         """The cluster's worker count in force (``--num-workers`` until a resize)."""
-        return self.membership.num_workers
+        return self.cluster.membership.num_workers
 
     @property
     def members(self) -> list[Member]:
-        return self.membership.members
+        return self.cluster.membership.members
 
     def now(self) -> float:
         """The shard's monotonic clock, in seconds."""
@@ -164,141 +182,44 @@ class Shard(DataPath):
         self.membership.get(rank)
 
     def check_live(self, rank: int, incarnation: int) -> None:
-        """Raise unless ``rank`` is a live member of this shard under ``incarnation`` (a data
-        connection's frames come from members only).
-
-        Raises:
-            InvalidRequestError: rank out of range. SupersededError: an older incarnation.
-            NotJoinedError: not joined under ``incarnation``, evicted or left.
-        """
+        """Raise unless ``rank`` is a live member under ``incarnation`` (InvalidRequestError,
+        SupersededError, NotJoinedError); a data connection's frames come from members only."""
         with self._cond:
             self.membership.check_live(self.membership.get(rank, incarnation), incarnation)
 
-    def check_plan(self, digest: str) -> Plan:
-        """The plan, when the shard is initialized and ``digest`` is its digest.
+    check_plan = delegated("data", DataPath.check_plan)
+    check_wire_dtype = staticmethod(DataPath.check_wire_dtype)
 
-        Raises:
-            NotInitializedError: not initialized yet. InvalidRequestError: an empty digest.
-            PlanMismatchError: another digest.
-        """
-        plan = self.plan
-        if plan is None:
-            raise NotInitializedError(
-                f"Shard {self.shard_index} is not initialized; rank 0 must call Init before pushes and pulls."
-            )
-        if not digest:
-            raise InvalidRequestError(
-                "The request's plan_digest is empty; send the digest of the plan (JoinResponse.plan_digest, "
-                "or PSClient's, which always sends it)."
-            )
-        if digest != plan.digest:
-            raise PlanMismatchError(
-                f"Plan digest {quote(digest[:12], 12)} does not match this shard's {plan.digest[:12]}; "
-                "every worker must build the same model with the same num_shards and partition_bytes."
-            )
-        return plan
-
-    @staticmethod
-    def check_wire_dtype(plan: Plan, wire_dtype: str) -> None:
-        """Raises InvalidRequestError unless ``wire_dtype`` is "" or narrower than every parameter."""
-        if not wire_dtype:
-            return
-        bad = {d for d in plan.dtypes.values() if not wire_dtype_allowed(wire_dtype, d)}
-        if bad:
-            raise InvalidRequestError(
-                f"wire_dtype {wire_dtype} is not narrower than this model's {', '.join(sorted(bad))} "
-                "parameters; leave it unset, or pick float16/bfloat16 for float32 models."
-            )
-
-    # ----------------------------------------------------------------- membership (shard_members)
-    def join(self, rank: int, num_workers: int, incarnation: int, epoch: int = 0) -> JoinInfo:
-        """Register ``rank`` (a higher incarnation replaces the old one); see :func:`shard_members.join`."""
-        return shard_members.join(self, rank, num_workers, incarnation, epoch)
-
-    def check_session(self, rank: int, incarnation: int, session: int, what: str) -> None:
-        """Refuse a push-type request without ``rank``'s current session; see :func:`shard_members.check_session`."""
-        shard_members.check_session(self, rank, incarnation, session, what)
-
-    def session_is(self, rank: int, incarnation: int, session: int) -> bool:
-        """Whether ``session`` is ``rank``'s current session here under ``incarnation`` (a data
-        connection's hello; False for a rank out of range or no session)."""
+    def check_request(self, digest: str, rank: int, incarnation: int, session: int, what: str) -> Plan:
+        """A push-type request's header (``what``): :meth:`DataPath.check_plan` of ``digest``, then
+        ``rank``'s session (:meth:`ShardMembers.check_session`). Returns the plan."""
         with self._cond:
-            if not session or not 0 <= rank < len(self.members):
-                return False
-            member = self.members[rank]
-            return member.session == session and member.incarnation == incarnation
+            plan = self.data.check_plan(digest)
+            self.cluster.check_session(rank, incarnation, session, what)
+            return plan
 
-    def is_live(self, rank: int, incarnation: int) -> bool:
-        """Whether ``rank`` is joined and live here under ``incarnation`` (False for a rank out of
-        range): only such a rank's Heartbeat or Leave relays a membership record."""
-        with self._cond:
-            if not 0 <= rank < len(self.members):
-                return False
-            member = self.members[rank]
-            return member.state is WorkerState.LIVE and member.incarnation == incarnation
+    # ----------------------------------------------------------------- membership (ShardMembers)
+    join = _locked("cluster", ShardMembers.join)
+    check_session = _locked("cluster", ShardMembers.check_session)
+    check_member = _locked("cluster", ShardMembers.check_member)
+    heartbeat = _locked("cluster", ShardMembers.heartbeat)
+    leave = _locked("cluster", ShardMembers.leave)
+    evict = _locked("cluster", ShardMembers.evict)
+    adopt = _locked("cluster", ShardMembers.adopt)
+    resize = _locked("cluster", ShardMembers.resize)
+    expire_leases = _locked("cluster", ShardMembers.expire_leases)
+    report_missing = _locked("cluster", ShardMembers.report_missing)
 
-    def check_member(self, rank: int, incarnation: int) -> None:
-        """A Heartbeat's or Leave's own checks; see :func:`shard_members.check_member`."""
-        shard_members.check_member(self, rank, incarnation)
-
-    def heartbeat(self, rank: int, incarnation: int) -> tuple[int, WorkerState]:
-        """Renew ``rank``'s lease; returns (version, state)."""
-        return shard_members.heartbeat(self, rank, incarnation)
-
-    def leave(self, rank: int, incarnation: int) -> int:
-        """Stop counting ``rank``; rounds and waits go on without it. Returns the version."""
-        return shard_members.leave(self, rank, incarnation)
-
-    def evict(self, rank: int) -> tuple[WorkerState, int]:
-        """Operator eviction: stop counting ``rank`` now. Returns (previous state, version)."""
-        return shard_members.evict(self, rank)
-
-    def adopt(self, record: ps_pb2.MembershipEpoch) -> bool:
-        """Follow shard 0's membership ``record`` when newer; see :func:`shard_members.adopt`."""
-        return shard_members.adopt(self, record)
-
-    def resize(self, num_workers: int, at_version: int | None = None) -> tuple[int, int]:
-        """Shard 0: ranks ``0..num_workers-1`` from ``at_version``; see :func:`shard_members.resize`."""
-        return shard_members.resize(self, num_workers, at_version)
-
-    def expire_leases(self) -> list[int]:
-        """Evict silent live ranks and report an overdue sync round; returns the evicted ranks."""
-        return shard_members.expire_leases(self)
-
-    def report_missing(self) -> list[int]:
-        """Ranks that never joined within the join timeout (reported once)."""
-        return shard_members.report_missing(self)
+    session_is = _locked("cluster", ShardMembers.session_is)
+    is_live = _locked("cluster", ShardMembers.is_live)
+    join_relaying = _locked("relay", MembershipRelay.join_relaying)
+    heartbeat_relaying = _locked("relay", MembershipRelay.heartbeat_relaying)
+    leave_relaying = _locked("relay", MembershipRelay.leave_relaying)
+    resize_request = _locked("relay", MembershipRelay.resize_request)
+    told = _locked("relay", MembershipRelay.told)
 
     # ----------------------------------------------------------------- init
-    def init_plan(self, specs: Sequence[ParameterSpec], num_shards: int, partition_bytes: int, digest: str) -> Plan:
-        """The plan an Init declares, checked cheapest first and built only within :attr:`limits`:
-        the shard count, then "already initialized" (the digest alone decides), then the number
-        of keys (``len(specs)``, before any spec is read), then the bounds on keys, bytes and
-        partitions and the digest (linear in the keys), and only then the plan.
-
-        Returns:
-            The declared plan; the shard's own when it is already initialized with ``digest``.
-
-        Raises:
-            InvalidRequestError: num_shards differs, a bound of :attr:`limits` exceeded, the
-                digest does not match the specs, bad specs.
-            PlanMismatchError: already initialized with another plan.
-        """
-        if num_shards != self.num_shards:
-            raise InvalidRequestError(
-                f"Init is for {num_shards} shards but this cluster has {self.num_shards}; "
-                "pass every shard's address to the client."
-            )
-        if self.plan is not None:
-            return self.check_plan(digest)
-        self.limits.check_plan(specs, partition_bytes)  # the key count first, before any spec is read
-        expected = plan_digest(specs, num_shards, partition_bytes)
-        if digest != expected:
-            raise InvalidRequestError(
-                f"Init's plan digest {quote(digest[:12], 12)} does not match its own specs ({expected[:12]}); "
-                "the client and server disagree on the plan algorithm: upgrade both to the same release."
-            )
-        return make_plan(specs, num_shards, partition_bytes)
+    init_plan = delegated("data", DataPath.init_plan)
 
     def init(
         self,
@@ -310,88 +231,212 @@ class Shard(DataPath):
         partitions: Sequence[WirePartition],
         plan: Plan | None = None,
     ) -> tuple[bool, int, str]:
-        """First writer wins: set the plan, initial values and optimizer.
-
-        Args:
-            plan: :meth:`init_plan` of the other arguments, when the caller has it already.
-
-        Returns:
-            (applied, version, plan digest); ``applied`` is False when already initialized with
-            the same plan (a no-op).
+        """First writer wins: set the plan, initial values and optimizer (``plan``: :meth:`init_plan`
+        of the other arguments, when the caller has it). Returns (applied, version, plan digest):
+        not applied when already initialized with the same plan.
 
         Raises:
-            InvalidRequestError: num_shards differs, digest does not match the specs, a bound of
-                :attr:`limits` exceeded, a bad partition or optimizer spec.
+            InvalidRequestError: as :meth:`DataPath.init_plan`, a bad partition or optimizer spec.
             PlanMismatchError: already initialized with another plan.
         """
         plan = plan or self.init_plan(specs, num_shards, partition_bytes, digest)
         with self._cond:
             if self.plan is not None:
-                self.check_plan(digest)
-                return False, self.version, self.plan.digest
+                return self.data.initialized(digest)
         values = match_partitions(plan, self.shard_index, partitions, "value")
         store = ParameterStore(plan, self.shard_index, values, optimizer)
         with self._cond:
             if self.plan is not None:  # lost a race with another Init
-                self.check_plan(digest)
-                return False, self.version, self.plan.digest
-            self.plan, self.store = plan, store
-            self.stream = None
-            self._store_epoch += 1
+                return self.data.initialized(digest)
+            self._install(plan, store)
+            what = (len(store.partitions), store.num_bytes, plan.digest[:12], optimizer.name)
             log.info(
-                "shard %d: initialized with %d partitions (%d bytes), plan %s, optimizer %s",
-                self.shard_index,
-                len(store.partitions),
-                store.num_bytes,
-                plan.digest[:12],
-                optimizer.name,
+                "shard %d: initialized with %d partitions (%d bytes), plan %s, optimizer %s", self.shard_index, *what
             )
             self._cond.notify_all()
             return True, self.version, plan.digest
 
+    def _install(self, plan: Plan, store: ParameterStore) -> None:
+        self.plan, self.store = plan, store
+        self.stream = None
+        self.data.store_epoch += 1
+
+    # ----------------------------------------------------------------- the data path (DataPath)
+    def push(
+        self,
+        stamp: PushStamp,
+        grad_version: int,
+        digest: str,
+        partitions: Sequence[WirePartition],
+        hyper: Hyperparameters = (),
+        skip: bool = False,
+        stream: RoundStream | None = None,
+    ) -> PushResult:
+        """Accept the gradients of ``stamp`` (a repeat is answered as the first time); the policy
+        applies, holds or refuses it. Arguments and errors: :meth:`DataPath.admit_push`,
+        :meth:`DataPath.apply_push`; answered once durable with ``durable_acks``."""
+        with self._cond:
+            plan, member, seen = self.data.admit_push(stamp, digest, hyper)
+            if seen is not None:
+                return seen
+        grads = match_partitions(plan, self.shard_index, partitions, "gradient")
+        with self._cond:
+            result, durable = self.data.apply_push(member, stamp, grad_version, grads, hyper, skip, stream)
+            applied = self.version
+        if durable:  # applied: answered once durable (a held push is answered held)
+            self.wait_durable(applied, None)
+        return result
+
+    def wait_durable(self, version: int, deadline: float | None) -> None:
+        """With ``durable_acks``: wait until ``version`` is checkpointed; see :meth:`DataPath.wait_durable`."""
+        if self.data.durable_acks:
+            with self._cond:
+                self.data.wait_durable(version, deadline)
+
+    def pull(
+        self,
+        rank: int,
+        incarnation: int,
+        min_version: int,
+        digest: str,
+        timeout: float | None,
+        wire_dtype: str = "",
+        encode: Callable[[Snapshot], Any] = clone_tensors,
+    ) -> tuple[int, Any]:
+        """Wait until this rank may read, then return (version, ``encode(snapshot)``), ``encode``
+        called under the lock; ``timeout`` in seconds (None: until the shard closes). Arguments and
+        errors: :meth:`DataPath.read`."""
+        deadline = None if timeout is None else self._now() + timeout
+        with self._cond:
+            return self.data.read(rank, incarnation, min_version, digest, deadline, timeout, wire_dtype, encode)
+
+    def push_pull(
+        self,
+        stamp: PushStamp,
+        grad_version: int,
+        digest: str,
+        partitions: Sequence[WirePartition],
+        timeout: float | None,
+        encode: Callable[[Snapshot], Any],
+        wire_dtype: str = "",
+        check: Callable[[Plan], None] | None = None,
+        hyper: Hyperparameters = (),
+        skip: bool = False,
+        stream: RoundStream | None = None,
+    ) -> tuple[PushResult, int, Any]:
+        """:meth:`push`, then :meth:`pull` of the version it lands in (sync: ``clock + 1``; the
+        others: no minimum). ``check`` is called under the lock with the plan before the push
+        (PushPullOnce: the answer must fit in one message). Returns (push result, version,
+        ``encode(snapshot)``); sync: the result says whether the round was skipped.
+
+        Raises:
+            Everything :meth:`push`, :meth:`pull` and ``check`` raise; a refused push pulls nothing.
+        """
+        start = self._now()
+        with self._cond:
+            plan = self.check_plan(digest)
+            self.check_wire_dtype(plan, wire_dtype)
+            if check is not None:
+                check(plan)
+        result = self.push(stamp, grad_version, digest, partitions, hyper, skip, stream)
+        policy = POLICIES[result.mode]  # the mode that took the push
+        remaining = None if timeout is None else max(0.0, timeout - (self._now() - start))
+        min_version = policy.read_after_push(stamp.clock)
+        version, out = self.pull(stamp.rank, stamp.incarnation, min_version, digest, remaining, wire_dtype, encode)
+        self.wait_durable(version, None if timeout is None else start + timeout)
+        if policy.holds_pushes and not result.dropped:
+            with self._cond:
+                result = dataclasses.replace(result, skipped=stamp.clock in self.skipped_rounds)
+        return result, version, out
+
+    def exchange(
+        self,
+        stamp: PushStamp,
+        digest: str,
+        partitions: Sequence[WirePartition],
+        timeout: float | None,
+        encode: Callable[[Snapshot], Any] = clone_tensors,
+    ) -> tuple[int, Any]:
+        """EASGD exchange: return (version, ``encode`` of d = alpha (x - center)); a repeat gets the
+        original d. Arguments and errors: :meth:`DataPath.admit_exchange`, :meth:`DataPath.apply_exchange`."""
+        deadline = None if timeout is None else self._now() + timeout
+        with self._cond:
+            plan, member, answer = self.data.admit_exchange(stamp, digest, encode)
+            if answer is not None:
+                return answer
+        x = match_partitions(plan, self.shard_index, partitions, "parameter")
+        with self._cond:
+            return self.data.apply_exchange(member, stamp, x, deadline, encode)
+
+    def values_key(self) -> tuple[int, int]:
+        """(version, store epoch) now: the parameters' values are the same while both are."""
+        with self._cond:
+            return self.version, self.data.store_epoch
+
+    # ----------------------------------------------------------------- streamed rounds (round_stream)
+    def join_stream(self, stamp: PushStamp, hyper: Hyperparameters, skip: bool, setting: str) -> RoundStream | None:
+        """The stream of round ``stamp.clock`` this push takes part in; see :func:`round_stream.join`."""
+        with self._cond:
+            return round_stream.join(self, stamp, hyper, skip, setting)
+
+    def leave_stream(self, stream: RoundStream, rank: int, why: str) -> None:
+        """A streamed call failed: end ``stream`` (``why``) unless ``rank``'s push is in it."""
+        with self._cond:
+            if stream.live and rank not in stream.pushed:
+                round_stream.end(self, why)
+
+    def stream_slots(
+        self,
+        stream: RoundStream,
+        rank: int,
+        landed: Callable[[], Iterable[tuple[int, torch.Tensor]]],
+        sent: set[int],
+        wire: str,
+        until: float | None,
+        active: Callable[[], bool],
+        poll: float,
+    ) -> tuple[list[int], list[torch.Tensor]]:
+        """Offer ``rank``'s gradients that ``landed()`` yields (slot, checked gradient), step what is
+        complete, and wait until a slot not in ``sent`` is stepped or the stream ends; returns the
+        slots ready and their values on the wire (``wire`` dtype). Ends the stream when ``until``
+        (time.monotonic seconds) passes or ``active()`` is False; re-checks every ``poll`` seconds."""
+        with self._cond:
+            while True:
+                for slot, grad in landed():
+                    round_stream.offer(self, stream, rank, slot, grad)
+                round_stream.step_ready(self, stream)
+                ready = sorted(stream.stepped - sent)
+                if ready or not stream.live:
+                    return ready, [round_stream.wire_values(self, stream, slot, wire) for slot in ready]
+                left = None if until is None else until - time.monotonic()
+                if (left is not None and left <= 0) or not active():
+                    round_stream.end(self, f"rank {rank}'s call ended waiting for the round's slots")
+                    return [], []
+                self._cond.wait(poll if left is None else min(poll, left))
+
+    def stream_held(self, rank: int, stream: RoundStream | None) -> None:
+        """Rank's whole push joined the open round (caller holds the lock); see :func:`round_stream.held`."""
+        round_stream.held(self, rank, stream)
+
+    def end_stream(self, why: str) -> None:
+        """End the open round's stream (caller holds the lock); see :func:`round_stream.end`."""
+        round_stream.end(self, why)
+
     # ----------------------------------------------------------------- the policy's shard (ShardCore)
-    def record(self, member: Member, stamp: PushStamp, result: PushResult) -> None:
-        """Account an accepted push (before a snapshot of the version it makes is taken)."""
-        member.clock = max(member.clock, stamp.clock + 1)
-        member.pushes += 1
-        self.membership.touch(member)
-        self.membership.remember(member, stamp.incarnation, stamp.clock, result)
-
-    def refusal(self, exc: UpdateRefusedError, what: str, count: int) -> UpdateRefusedError:
-        """Count ``count`` refused pushes and word the refusal of ``what`` for the ranks told."""
-        self.counters.refuse(exc.reason.lower(), count)
-        log.warning("shard %d: %s refused: %s", self.shard_index, what, exc)
-        advice = (
-            "push the round again once they agree"
-            if isinstance(exc, HyperparametersDisagreeError)
-            else "lower the learning rate or clip gradients, then pull and push the next gradient"
-        )
-        return type(exc)(
-            f"Shard {self.shard_index} refused {what} as a whole: {exc} Version {self.version} stands; {advice}."
-        )
-
-    def refuse_round(self, held: dict[int, Any], exc: UpdateRefusedError) -> None:
-        """The complete round (sync) or period (easgd) ``held`` could not be applied: reopen it
-        empty at the same number, forget its pushes (so they may come again), and leave each of its
-        ranks the refusal its push or pull will raise. Caller holds the lock; nothing else changed."""
-        self.rounds.round -= 1
-        self.refused_at = self.rounds.round  # a change decided now governs the round's retry
-        error = self.refusal(exc, f"round {self.rounds.round} (ranks {sorted(held)})", len(held))
-        for rank in held:
-            member = self.members[rank]
-            for key in [k for k in member.history if k[1] == self.rounds.round]:
-                del member.history[key]
-            member.clock = min(member.clock, self.rounds.round)
-            self.refusals[rank] = error
+    record = delegated("data", DataPath.record)
+    refusal = delegated("data", DataPath.refusal)
+    refuse_round = delegated("data", DataPath.refuse_round)
 
     def set_version(self, version: int) -> None:
         """Advance the version; at every ``checkpoint_every``-th version hand a snapshot to
         ``on_snapshot`` (taken under the lock, so every sync shard snapshots the same rounds)."""
         self.version = version
         self.membership.settle(version)
-        shard_admin.apply_due(self)
+        self.config.apply_due()
         if self.checkpoint_every and self.on_snapshot and version % self.checkpoint_every == 0:
             self.on_snapshot(version, self.export_state())
+
+    apply_due = delegated("config", ConfigChanges.apply_due)
 
     def notify(self) -> None:
         """Wake every wait on the shard's lock (caller holds it)."""
@@ -402,11 +447,6 @@ class Shard(DataPath):
         with self._cond:
             self._cond.notify_all()
 
-    def values_key(self) -> tuple[int, int]:
-        """(version, store epoch) now: the parameters' values are the same while both are."""
-        with self._cond:
-            return self.version, self._store_epoch
-
     def advance(self) -> None:
         """Let the policy close a complete round or period, switch a pending mode at a round
         boundary (the new policy takes over), and wake waiters. Caller holds the lock."""
@@ -416,7 +456,7 @@ class Shard(DataPath):
                 "shard %d: mode %s -> %s at version %d", self.shard_index, self.mode, self.pending_mode, self.version
             )
             self.settings = self.settings.updated(mode=self.pending_mode)
-            self.pending_mode = ""
+            self.config.pending_mode = ""
             self.refusals.clear()  # told only while their rounds are the open ones
             self.rounds = SyncRounds(round=self.version)
             self.policy.on_switch(self)
@@ -433,41 +473,55 @@ class Shard(DataPath):
         quorum = lambda: self.policy.quorum(self.settings)  # noqa: E731
         self.waits.for_ranks(ready, deadline, describe, self.membership, self.report_missing, quorum)
 
-    # ----------------------------------------------------------------- checkpoints
+    # ----------------------------------------------------------------- checkpoints (StateCodec)
     def checkpointed(self, version: int) -> None:
         """The newest checkpoint on disk is at ``version``: wake the answers waiting for it (``durable_acks``)."""
         with self._cond:
-            self.last_checkpoint_version = version
+            self.data.last_checkpoint_version = version
             self._cond.notify_all()
 
     def export_state(self) -> dict[str, Any]:
-        """Everything a restarted shard needs, as plain data; see :func:`shard_state.snapshot`.
+        """Everything a restarted shard needs, as plain data (a streamed round's speculative
+        partitions are put back first); see :meth:`StateCodec.export`.
 
         Raises:
             NotInitializedError: nothing to save yet.
         """
-        return shard_state.snapshot(self)
+        with self._cond:
+            round_stream.end(self, "a checkpoint needed the parameters mid-round")
+            return self.codec.export(self)
 
     def restore(self, state: dict[str, Any]) -> None:
-        """Resume from :meth:`export_state` output; see :func:`shard_state.resume`.
+        """Resume from :meth:`export_state` output: parameters, optimizer state, version and
+        members (live ranks get a fresh lease to come back in).
 
         Raises:
             CheckpointError: the checkpoint belongs to another cluster shape or plan.
         """
-        shard_state.resume(self, state)
+        plan, store = self.codec.load(state)
+        with self._cond:
+            self._install(plan, store)
+            self.version = int(state["version"])
+            self.rounds = SyncRounds(round=self.version)
+            self.codec.restore(state, self.membership, self.epochs, self.tables)
+            self.cluster.restored(state)
+            self.restored_from_version = self.data.last_checkpoint_version = self.version
+            log.info("shard %d: resumed from its checkpoint at version %d", self.shard_index, self.version)
+            self._cond.notify_all()
 
-    # ----------------------------------------------------------------- admin (shard_admin)
-    def update_config(self, mode: str = "", learning_rate: float | None = None, **changes: Any) -> ModeSettings:
-        """Change mode parameters and the learning rate at once; see :func:`shard_admin.update_config`."""
-        return shard_admin.update_config(self, mode, learning_rate, **changes)
+    # ----------------------------------------------------------------- admin (ConfigChanges)
+    update_config = _locked("config", ConfigChanges.update_config)
+    status = _locked("config", ConfigChanges.status)
+    change_config = _locked("config", ConfigChanges.change_config)
 
     def learning_rate(self) -> float:
         """The optimizer's learning rate in force (0 before Init)."""
         return float(self.store.optimizer.param_groups[0]["lr"]) if self.store else 0.0
 
-    def status(self) -> StatusView:
-        """A consistent snapshot for operators."""
-        return shard_admin.status(self)
+    def table_metrics(self) -> tuple[list[TableRow], int]:
+        """:func:`~ps_server.tables.metrics.table_rows` under the lock (``TableCollector`` reads it)."""
+        with self._cond:
+            return table_rows(self.tables)
 
     def close(self) -> None:
         """Wake every waiter with ShuttingDownError."""

@@ -1,51 +1,54 @@
-"""A shard's state as plain data for checkpoints: what :meth:`Shard.export_state` writes
-(:func:`snapshot`) and :meth:`Shard.restore` reads (:func:`resume`); ``torch.load(weights_only=True)``
-reads it: no pickled objects."""
+"""A shard's state as plain data for checkpoints (the snapshot codec): what :meth:`Shard.export_state`
+writes and :meth:`Shard.restore` reads; ``torch.load(weights_only=True)`` reads it: no pickled objects."""
 
 from __future__ import annotations
 
 import copy
 import logging
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ps_common.errors import CheckpointError, NotInitializedError
 from ps_common.optimizer import OptimizerSpec
 from ps_common.plan import ParameterSpec, Plan, make_plan, plan_digest
-from ps_server.policy.sync import SyncRounds
-from ps_server.shard import members as shard_members
-from ps_server.shard import round_stream
+from ps_server.membership.epochs import Epochs
+from ps_server.membership.ranks import Membership
+from ps_server.shard.hosts import StateHost
 from ps_server.shard.store import ParameterStore
-
-if TYPE_CHECKING:
-    from ps_server.membership.ranks import Membership
-    from ps_server.shard.shard import Shard
+from ps_server.tables.store import TableStore
 
 log = logging.getLogger("ps_server.shard.shard")
 
 
-def snapshot(shard: Shard) -> dict[str, Any]:
-    """Everything a restarted ``shard`` needs, as plain data: plan, parameter tensors (copies),
-    optimizer spec and state, version, mode, members, membership epochs, tables. Taken under the
-    shard's lock; a streamed round's speculative partitions are put back first.
+class StateCodec:
+    """Turns the state of shard ``shard_index`` of ``num_shards`` into plain data and back.
 
-    Raises:
-        NotInitializedError: nothing to save yet.
+    Its methods read and write only what they are given; the caller holds the shard's lock, so
+    what it reads is consistent (``ps_server.shard.shard.Shard`` takes it).
     """
-    with shard._cond:
+
+    def __init__(self, shard_index: int, num_shards: int) -> None:
+        self.shard_index = shard_index
+        self.num_shards = num_shards
+
+    def export(self, shard: StateHost) -> dict[str, Any]:
+        """Everything a restarted ``shard`` needs, as plain data: :func:`export_state` of its plan,
+        parameters (copies), optimizer, version, mode and members, its membership epochs, the
+        ``--num-workers`` it was started with, and its tables (when any). The open round's held
+        pushes are left out, and so are their traces in the members (a remembered answer would
+        make the rank's push again a duplicate after a restart). Caller holds the shard's lock.
+
+        Raises:
+            NotInitializedError: nothing to save yet.
+        """
         if shard.plan is None or shard.store is None:
-            raise NotInitializedError(f"Shard {shard.shard_index} has nothing to checkpoint before Init.")
+            raise NotInitializedError(f"Shard {self.shard_index} has nothing to checkpoint before Init.")
         rounds = shard.rounds
         if rounds.pending:
             log.info(
                 "shard %d: snapshot at version %d leaves out the open round's pushes from ranks %s",
-                shard.shard_index,
-                shard.version,
-                sorted(rounds.pending),
+                *(self.shard_index, shard.version, sorted(rounds.pending)),
             )
-        round_stream.end(shard, "a checkpoint needed the parameters mid-round")
-        # the open round's held pushes are not in the snapshot: neither are their traces in the
-        # members (a remembered answer would make the rank's push again a duplicate after a restart)
         held = dict.fromkeys(rounds.pending, rounds.round)
         state = export_state(shard.plan, shard.store, shard.version, shard.mode, shard.membership, held)
         state["epochs"] = shard.epochs.export()
@@ -54,29 +57,21 @@ def snapshot(shard: Shard) -> dict[str, Any]:
             state["tables"] = shard.tables.export()
         return state
 
+    def load(self, state: dict[str, Any]) -> tuple[Plan, ParameterStore]:
+        """The plan and the store of :meth:`export` output (no lock needed: nothing shared is read).
 
-def resume(shard: Shard, state: dict[str, Any]) -> None:
-    """Resume ``shard`` from :func:`snapshot` output: parameters, optimizer state, version and
-    members (live ranks get a fresh lease to come back in).
+        Raises:
+            CheckpointError: the checkpoint belongs to another cluster shape or plan.
+        """
+        return load_state(state, self.shard_index, self.num_shards)
 
-    Raises:
-        CheckpointError: the checkpoint belongs to another cluster shape or plan.
-    """
-    plan, store = load_state(state, shard.shard_index, shard.num_shards)
-    with shard._cond:
-        shard.plan, shard.store = plan, store
-        shard.stream = None
-        shard._store_epoch += 1
-        shard.version = int(state["version"])
-        shard.rounds = SyncRounds(round=shard.version)
-        shard.membership.restore(state["members"])
-        shard.epochs.restore(state.get("epochs"))
-        shard.tables.restore(state.get("tables"))
-        shard_members.restored(shard, state)
-        shard.restored_from_version = shard.version
-        shard.last_checkpoint_version = shard.version
-        log.info("shard %d: resumed from its checkpoint at version %d", shard.shard_index, shard.version)
-        shard._cond.notify_all()
+    @staticmethod
+    def restore(state: dict[str, Any], membership: Membership, epochs: Epochs, tables: TableStore) -> None:
+        """Put the members, membership epochs and tables of :meth:`export` output back. Caller
+        holds the shard's lock."""
+        membership.restore(state["members"])
+        epochs.restore(state.get("epochs"))
+        tables.restore(state.get("tables"))
 
 
 def export_state(

@@ -27,6 +27,11 @@ class JoinInfo:
     clock: int
     optimizer: OptimizerSpec | None = None
     session: int = 0
+    membership: ps_pb2.MembershipEpoch | None = None
+    """The membership record the shard follows (a Join request's answer)."""
+    settings: ModeSettings | None = None
+    """The shard's settings (a Join request's answer)."""
+    learning_rate: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ few tables): ``ps_table_rows`` and ``ps_table_memory_bytes`` gauges, ``ps_table_
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -19,8 +19,25 @@ from prometheus_client.registry import Collector
 from ps_proto.v1 import ps_pb2
 from ps_server.tables.store import TableStore
 
-if TYPE_CHECKING:
-    from ps_server.shard.shard import Shard
+TableRow = tuple[str, int, int, int, int, int, int]
+"""A table's (name, rows, bytes, rows pulled, rows pushed, bytes sent, bytes received)."""
+
+
+def table_rows(store: TableStore) -> tuple[list[TableRow], int]:
+    """One :data:`TableRow` per table of ``store``, and its version (caller holds the shard's lock)."""
+    rows = [
+        (t.spec.name, t.rows, t.num_bytes, t.rows_pulled, t.rows_pushed, t.bytes_sent, t.bytes_received)
+        for t in store.tables.values()
+    ]
+    return rows, store.version
+
+
+class TableSource(Protocol):
+    """Where the collector reads the tables (``ps_server.shard.shard.Shard``, under its lock)."""
+
+    def table_metrics(self) -> tuple[list[TableRow], int]:
+        """:func:`table_rows` of the shard's tables, read under its lock."""
+        ...
 
 
 def table_status(store: TableStore) -> tuple[ps_pb2.TableStatus, ...]:
@@ -45,23 +62,17 @@ class TableCollector(Collector):
     """The ``ps_table_*`` metrics of one shard, read at scrape time.
 
     Args:
-        shard: the shard (its ``tables`` and lock).
+        shard: the shard (its :meth:`TableSource.table_metrics`).
     """
 
-    def __init__(self, shard: Shard) -> None:
+    def __init__(self, shard: TableSource) -> None:
         self._shard = shard
 
     def describe(self) -> list[GaugeMetricFamily]:
         return []  # read at scrape time only (tables appear after InitTables)
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        with self._shard._cond:
-            store = self._shard.tables
-            rows = [
-                (t.spec.name, t.rows, t.num_bytes, t.rows_pulled, t.rows_pushed, t.bytes_sent, t.bytes_received)
-                for t in store.tables.values()
-            ]
-            version = store.version
+        rows, version = self._shard.table_metrics()
         families: list[GaugeMetricFamily | CounterMetricFamily] = [
             GaugeMetricFamily("ps_table_rows", "Rows of each embedding table this shard holds.", labels=["table"]),
             GaugeMetricFamily(
