@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -40,10 +40,36 @@ from ps_server.policy.rounds import aggregate
 from ps_server.policy.types import Hyperparameters, hyper_key
 
 if TYPE_CHECKING:
-    from ps_server.membership.ranks import PushStamp
-    from ps_server.shard.shard import Shard
+    from ps_common.modes import ModeSettings
+    from ps_server.membership.ranks import Membership, PushStamp
+    from ps_server.policy.base import ConsistencyPolicy
+    from ps_server.policy.rounds import SyncRounds
+    from ps_server.shard.counters import ShardCounters
+    from ps_server.shard.store import ParameterStore
 
 log = logging.getLogger(__name__)
+
+
+class Shard(Protocol):
+    """What a streamed round reads and writes of its shard (the facade,
+    :class:`~ps_server.shard.shard.Shard`), under the shard's lock."""
+
+    shard_index: int
+    settings: ModeSettings
+    pending_mode: str
+    store: ParameterStore
+    counters: ShardCounters
+    stream: RoundStream | None
+    streamed_rounds: int
+    unstreamed_rounds: int
+
+    @property
+    def policy(self) -> ConsistencyPolicy: ...
+    @property
+    def membership(self) -> Membership: ...
+    @property
+    def rounds(self) -> SyncRounds | Any: ...
+    def notify(self) -> None: ...
 
 
 @dataclass

@@ -16,7 +16,10 @@ from ps_server.shard.members import ShardMembers
 
 
 class KeepClock:
-    """A policy's join_clock: the rank resumes where it was."""
+    """An async-like policy: the rank resumes where it was; no rounds hold pushes; resizable."""
+
+    holds_pushes = False
+    resizable = True
 
     def join_clock(self, shard: Any, member: Member, restarted: bool) -> int:
         return member.clock
