@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 import torch
 
-from ps_common import dataconn, frames
+from ps_common import dataconn, fields, frames
 from ps_common.codec import torch_dtype
 from ps_common.errors import DataPathError, InvalidRequestError
 from ps_common.partition import WirePartition
@@ -71,7 +71,7 @@ class DataConnectionRpcs:
                 "A PushPull with data_sequence carries its partitions on the data connection only."
             )
         self._adopt(header)
-        dtype = wire_dtype(first.ints.get(3, 0))
+        dtype = wire_dtype(first.ints.get(fields.WIRE_DTYPE, 0))
         plan = self.shard.check_plan(header.plan_digest)
         rank, incarnation, sequence = header.rank, header.incarnation, header.data_sequence
         stamp = PushStamp(rank, incarnation, header.clock)
@@ -126,9 +126,9 @@ class DataConnectionRpcs:
             raise DataPathError(f"Version {version} moved on while it was sent; pull it again.")
         answer = self._told(push_response(result), header.membership_epoch)
         yield (
-            frames.bytes_field(3, answer.SerializeToString())
-            + frames.uint_field(1, version)
-            + frames.uint_field(4, sequence)
+            frames.bytes_field(fields.PUSH_ANSWER, answer.SerializeToString())
+            + frames.uint_field(fields.VERSION, version)
+            + frames.uint_field(fields.DATA_SEQUENCE, sequence)
         )
 
     def _stream_slots(

@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 import grpc
 import torch
 
-from ps_common import frames
+from ps_common import fields, frames
 from ps_common.errors import InvalidRequestError, WrongRankError
 from ps_common.optimizer import OptimizerSpec
 from ps_common.plan import Plan
@@ -238,7 +238,7 @@ class ParameterServicer(TableRpcs, DataConnectionRpcs):
                 "PushPullOnce carries its partitions in its one message; data_sequence is for PushPull streams."
             )
         self._adopt(header)
-        dtype = wire_dtype(first.ints.get(3, 0))
+        dtype = wire_dtype(first.ints.get(fields.WIRE_DTYPE, 0))
         index = self.shard.shard_index
         result, version, out = self.shard.push_pull(
             PushStamp(header.rank, header.incarnation, header.clock),
@@ -256,14 +256,14 @@ class ParameterServicer(TableRpcs, DataConnectionRpcs):
         answer = self._told(push_response(result), header.membership_epoch)
         # A response of one message stays one; otherwise a large first frame is not copied to
         # prepend the answer: the answer goes alone, with the version
-        lead = frames.bytes_field(3, answer.SerializeToString())
+        lead = frames.bytes_field(fields.PUSH_ANSWER, answer.SerializeToString())
         if chunks:
             (only,) = out  # check_single: one message
             return [lead, only]
         if len(out) == 1 or len(out[0]) <= SMALL_FRAME_BYTES:
             out = [lead + out[0], *out[1:]]
         else:
-            out = [lead + frames.uint_field(1, version), *out]
+            out = [lead + frames.uint_field(fields.VERSION, version), *out]
         return out
 
     @maps_stream_errors
