@@ -41,6 +41,11 @@ class ConfigChanges:
         self.pending_mode = ""
         """The mode a due change switches to at the next round boundary ("" if none)."""
 
+    def learning_rate(self) -> float:
+        """The optimizer's learning rate in force (0 before Init); needs no lock."""
+        store = self._host.store
+        return float(store.optimizer.param_groups[0]["lr"]) if store else 0.0
+
     def update_config(
         self, mode: str = "", learning_rate: float | None = None, at_version: int | None = None, **changes: Any
     ) -> ModeSettings:

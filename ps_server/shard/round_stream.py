@@ -21,13 +21,14 @@ needs the parameters mid-round) every stepped slot is put back and the round is 
 streamed; the streaming calls then tell their workers to drop what they received and send the
 round's values again.
 
-Everything here runs under the shard's lock.
+Everything here runs under the shard's lock; :class:`RoundStreams` is what the shard's facade calls.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -40,6 +41,8 @@ from ps_server.policy.rounds import aggregate
 from ps_server.policy.types import Hyperparameters, hyper_key
 
 if TYPE_CHECKING:
+    import threading
+
     from ps_common.modes import ModeSettings
     from ps_server.membership.ranks import Membership, PushStamp
     from ps_server.policy.base import ConsistencyPolicy
@@ -261,3 +264,63 @@ def wire_values(shard: Shard, stream: RoundStream, slot: int, wire: str) -> torc
     if cast is None:
         cast = stream.casts[(slot, wire)] = t.to(torch_dtype(wire))
     return cast
+
+
+class RoundStreams:
+    """The streamed rounds of one shard, as its facade (:class:`~ps_server.shard.shard.Shard`)
+    calls them. Every method assumes the caller holds the shard's lock, the condition ``cond``;
+    :meth:`slots` waits on it (which releases it while it waits).
+
+    Args:
+        shard: the shard whose stream (``shard.stream``) these are, as :class:`Shard` says.
+        cond: the shard's condition.
+    """
+
+    def __init__(self, shard: Shard, cond: threading.Condition) -> None:
+        self._shard, self._cond = shard, cond
+
+    def join(self, stamp: PushStamp, hyper: Hyperparameters, skip: bool, setting: str) -> RoundStream | None:
+        """The stream of round ``stamp.clock`` this push takes part in; see :func:`join`."""
+        return join(self._shard, stamp, hyper, skip, setting)
+
+    def leave(self, stream: RoundStream, rank: int, why: str) -> None:
+        """A streamed call failed: end ``stream`` (``why``) unless ``rank``'s push is in it."""
+        if stream.live and rank not in stream.pushed:
+            end(self._shard, why)
+
+    def slots(
+        self,
+        stream: RoundStream,
+        rank: int,
+        landed: Callable[[], Iterable[tuple[int, torch.Tensor]]],
+        sent: set[int],
+        wire: str,
+        until: float | None,
+        active: Callable[[], bool],
+        poll: float,
+    ) -> tuple[list[int], list[torch.Tensor]]:
+        """Offer ``rank``'s gradients that ``landed()`` yields (slot, checked gradient), step what is
+        complete, and wait until a slot not in ``sent`` is stepped or the stream ends; returns the
+        slots ready and their values on the wire (``wire`` dtype). Ends the stream when ``until``
+        (time.monotonic seconds) passes or ``active()`` is False; re-checks every ``poll`` seconds."""
+        shard = self._shard
+        while True:
+            for slot, grad in landed():
+                offer(shard, stream, rank, slot, grad)
+            step_ready(shard, stream)
+            ready = sorted(stream.stepped - sent)
+            if ready or not stream.live:
+                return ready, [wire_values(shard, stream, slot, wire) for slot in ready]
+            left = None if until is None else until - time.monotonic()
+            if (left is not None and left <= 0) or not active():
+                end(shard, f"rank {rank}'s call ended waiting for the round's slots")
+                return [], []
+            self._cond.wait(poll if left is None else min(poll, left))
+
+    def held(self, rank: int, stream: RoundStream | None) -> None:
+        """Rank's whole push joined the open round; see :func:`held`."""
+        held(self._shard, rank, stream)
+
+    def end(self, why: str) -> None:
+        """End the open round's stream; see :func:`end`."""
+        end(self._shard, why)

@@ -6,8 +6,12 @@ collaborators that own the state, whose methods assume the lock is held and neve
 :class:`~ps_server.shard.relay.MembershipRelay` (membership requests and the records they relay),
 :class:`~ps_server.shard.admin.ConfigChanges` (configuration changes, status),
 :class:`~ps_server.shard.data.DataPath` (push, pull, exchange, their bookkeeping),
-:class:`~ps_server.shard.state.StateCodec` (checkpoint state), the
+:class:`~ps_server.shard.state.StateCodec` (checkpoint state),
+:class:`~ps_server.shard.round_stream.RoundStreams` (streamed sync rounds), the
 :class:`~ps_server.shard.store.ParameterStore` and the :class:`~ps_server.tables.store.TableStore`.
+:class:`~ps_server.shard.data_calls.DataCalls` (Push, Pull, PushPull, Exchange) and
+:class:`~ps_server.tables.calls.TableCalls` (InitTables, PullRows, PushRows) take the lock in
+phases, leaving out of it the work that needs no shared state (matching partitions, decoding ids).
 The shard's consistency model (:data:`ps_server.policy.POLICIES`, by ``settings.mode``) decides
 what a push does, when a round closes and when a read is served; the shard is the
 :class:`~ps_server.policy.base.ShardCore` it is given, and keeps the round state it reads. Reads
@@ -17,11 +21,10 @@ caches the response messages: ``ps_server.service.frame_cache``).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Concatenate
 
 import torch
@@ -31,27 +34,25 @@ from ps_common.modes import MODES, ModeSettings
 from ps_common.optimizer import OptimizerSpec
 from ps_common.partition import WirePartition
 from ps_common.plan import ParameterSpec, Plan
-from ps_common.tables import TableSpec
 from ps_server.core.limits import Limits
 from ps_server.core.partitions import match_partitions
 from ps_server.membership.epochs import Epochs
 from ps_server.membership.ranks import Member, Membership, MemberView, PushResult, PushStamp, WorkerState
 from ps_server.policy import POLICIES, ConsistencyPolicy
-from ps_server.policy.sync import Hyperparameters, SyncRounds
-from ps_server.shard import round_stream
+from ps_server.policy.sync import SyncRounds
 from ps_server.shard.admin import ConfigChanges
 from ps_server.shard.counters import ShardCounters
 from ps_server.shard.data import DataPath
+from ps_server.shard.data_calls import DataCalls
 from ps_server.shard.delegation import C, P, R, delegated, locked, part_property
 from ps_server.shard.members import ShardMembers
 from ps_server.shard.relay import MembershipRelay
-from ps_server.shard.round_stream import RoundStream
+from ps_server.shard.round_stream import RoundStream, RoundStreams
 from ps_server.shard.state import StateCodec
 from ps_server.shard.store import ParameterStore
-from ps_server.shard.views import Snapshot, StatusView, clone_tensors
+from ps_server.shard.views import Snapshot, StatusView
 from ps_server.shard.waits import Waits
-from ps_server.tables import calls as table_calls
-from ps_server.tables.metrics import TableRow, table_rows
+from ps_server.tables.calls import TableCalls
 from ps_server.tables.store import TableStore
 from ps_server.tables.table import DEFAULT_MAX_TABLE_ROWS
 
@@ -145,6 +146,9 @@ class Shard:
         self.config = ConfigChanges(self, self.cluster)
         self.data = DataPath(self)
         self.codec = StateCodec(shard_index, num_shards)
+        self.streams = RoundStreams(self, self._cond)
+        self.table_calls = TableCalls(self, self._cond)
+        self.data_calls = DataCalls(self, self._cond)
 
     # ----------------------------------------------------------------- views of the collaborators' state
     @property
@@ -262,165 +266,19 @@ class Shard:
         self.data.store_epoch += 1
 
     # ----------------------------------------------------------------- the data path (DataPath)
-    def push(
-        self,
-        stamp: PushStamp,
-        grad_version: int,
-        digest: str,
-        partitions: Sequence[WirePartition],
-        hyper: Hyperparameters = (),
-        skip: bool = False,
-        stream: RoundStream | None = None,
-    ) -> PushResult:
-        """Accept the gradients of ``stamp`` (a repeat is answered as the first time); the policy
-        applies, holds or refuses it. Arguments and errors: :meth:`DataPath.admit_push`,
-        :meth:`DataPath.apply_push`; answered once durable with ``durable_acks``."""
-        with self._cond:
-            plan, member, seen = self.data.admit_push(stamp, digest, hyper)
-            if seen is not None:
-                return seen
-        grads = match_partitions(plan, self.shard_index, partitions, "gradient")
-        with self._cond:
-            result, durable = self.data.apply_push(member, stamp, grad_version, grads, hyper, skip, stream)
-            applied = self.version
-        if durable:  # applied: answered once durable (a held push is answered held)
-            self.wait_durable(applied, None)
-        return result
+    push = delegated("data_calls", DataCalls.push)  # takes the lock in phases
+    wait_durable = delegated("data_calls", DataCalls.wait_durable)  # takes the lock with durable_acks
+    pull = delegated("data_calls", DataCalls.pull)
+    push_pull = delegated("data_calls", DataCalls.push_pull)
+    exchange = delegated("data_calls", DataCalls.exchange)  # takes the lock in phases
+    values_key = _locked("data", DataPath.values_key)
 
-    def wait_durable(self, version: int, deadline: float | None) -> None:
-        """With ``durable_acks``: wait until ``version`` is checkpointed; see :meth:`DataPath.wait_durable`."""
-        if self.data.durable_acks:
-            with self._cond:
-                self.data.wait_durable(version, deadline)
-
-    def pull(
-        self,
-        rank: int,
-        incarnation: int,
-        min_version: int,
-        digest: str,
-        timeout: float | None,
-        wire_dtype: str = "",
-        encode: Callable[[Snapshot], Any] = clone_tensors,
-    ) -> tuple[int, Any]:
-        """Wait until this rank may read, then return (version, ``encode(snapshot)``), ``encode``
-        called under the lock; ``timeout`` in seconds (None: until the shard closes). Arguments and
-        errors: :meth:`DataPath.read`."""
-        deadline = None if timeout is None else self._now() + timeout
-        with self._cond:
-            return self.data.read(rank, incarnation, min_version, digest, deadline, timeout, wire_dtype, encode)
-
-    def push_pull(
-        self,
-        stamp: PushStamp,
-        grad_version: int,
-        digest: str,
-        partitions: Sequence[WirePartition],
-        timeout: float | None,
-        encode: Callable[[Snapshot], Any],
-        wire_dtype: str = "",
-        check: Callable[[Plan], None] | None = None,
-        hyper: Hyperparameters = (),
-        skip: bool = False,
-        stream: RoundStream | None = None,
-    ) -> tuple[PushResult, int, Any]:
-        """:meth:`push`, then :meth:`pull` of the version it lands in (sync: ``clock + 1``; the
-        others: no minimum). ``check`` is called under the lock with the plan before the push
-        (PushPullOnce: the answer must fit in one message). Returns (push result, version,
-        ``encode(snapshot)``); sync: the result says whether the round was skipped.
-
-        Raises:
-            Everything :meth:`push`, :meth:`pull` and ``check`` raise; a refused push pulls nothing.
-        """
-        start = self._now()
-        with self._cond:
-            plan = self.check_plan(digest)
-            self.check_wire_dtype(plan, wire_dtype)
-            if check is not None:
-                check(plan)
-        result = self.push(stamp, grad_version, digest, partitions, hyper, skip, stream)
-        policy = POLICIES[result.mode]  # the mode that took the push
-        remaining = None if timeout is None else max(0.0, timeout - (self._now() - start))
-        min_version = policy.read_after_push(stamp.clock)
-        version, out = self.pull(stamp.rank, stamp.incarnation, min_version, digest, remaining, wire_dtype, encode)
-        self.wait_durable(version, None if timeout is None else start + timeout)
-        if policy.holds_pushes and not result.dropped:
-            with self._cond:
-                result = dataclasses.replace(result, skipped=stamp.clock in self.skipped_rounds)
-        return result, version, out
-
-    def exchange(
-        self,
-        stamp: PushStamp,
-        digest: str,
-        partitions: Sequence[WirePartition],
-        timeout: float | None,
-        encode: Callable[[Snapshot], Any] = clone_tensors,
-    ) -> tuple[int, Any]:
-        """EASGD exchange: return (version, ``encode`` of d = alpha (x - center)); a repeat gets the
-        original d. Arguments and errors: :meth:`DataPath.admit_exchange`, :meth:`DataPath.apply_exchange`."""
-        deadline = None if timeout is None else self._now() + timeout
-        with self._cond:
-            plan, member, answer = self.data.admit_exchange(stamp, digest, encode)
-            if answer is not None:
-                return answer
-        x = match_partitions(plan, self.shard_index, partitions, "parameter")
-        with self._cond:
-            return self.data.apply_exchange(member, stamp, x, deadline, encode)
-
-    def values_key(self) -> tuple[int, int]:
-        """(version, store epoch) now: the parameters' values are the same while both are."""
-        with self._cond:
-            return self.version, self.data.store_epoch
-
-    # ----------------------------------------------------------------- streamed rounds (round_stream)
-    def join_stream(self, stamp: PushStamp, hyper: Hyperparameters, skip: bool, setting: str) -> RoundStream | None:
-        """The stream of round ``stamp.clock`` this push takes part in; see :func:`round_stream.join`."""
-        with self._cond:
-            return round_stream.join(self, stamp, hyper, skip, setting)
-
-    def leave_stream(self, stream: RoundStream, rank: int, why: str) -> None:
-        """A streamed call failed: end ``stream`` (``why``) unless ``rank``'s push is in it."""
-        with self._cond:
-            if stream.live and rank not in stream.pushed:
-                round_stream.end(self, why)
-
-    def stream_slots(
-        self,
-        stream: RoundStream,
-        rank: int,
-        landed: Callable[[], Iterable[tuple[int, torch.Tensor]]],
-        sent: set[int],
-        wire: str,
-        until: float | None,
-        active: Callable[[], bool],
-        poll: float,
-    ) -> tuple[list[int], list[torch.Tensor]]:
-        """Offer ``rank``'s gradients that ``landed()`` yields (slot, checked gradient), step what is
-        complete, and wait until a slot not in ``sent`` is stepped or the stream ends; returns the
-        slots ready and their values on the wire (``wire`` dtype). Ends the stream when ``until``
-        (time.monotonic seconds) passes or ``active()`` is False; re-checks every ``poll`` seconds."""
-        with self._cond:
-            while True:
-                for slot, grad in landed():
-                    round_stream.offer(self, stream, rank, slot, grad)
-                round_stream.step_ready(self, stream)
-                ready = sorted(stream.stepped - sent)
-                if ready or not stream.live:
-                    return ready, [round_stream.wire_values(self, stream, slot, wire) for slot in ready]
-                left = None if until is None else until - time.monotonic()
-                if (left is not None and left <= 0) or not active():
-                    round_stream.end(self, f"rank {rank}'s call ended waiting for the round's slots")
-                    return [], []
-                self._cond.wait(poll if left is None else min(poll, left))
-
-    def stream_held(self, rank: int, stream: RoundStream | None) -> None:
-        """Rank's whole push joined the open round (caller holds the lock); see :func:`round_stream.held`."""
-        round_stream.held(self, rank, stream)
-
-    def end_stream(self, why: str) -> None:
-        """End the open round's stream (caller holds the lock); see :func:`round_stream.end`."""
-        round_stream.end(self, why)
+    # ----------------------------------------------------------------- streamed rounds (RoundStreams)
+    join_stream = _locked("streams", RoundStreams.join)
+    leave_stream = _locked("streams", RoundStreams.leave)
+    stream_slots = _locked("streams", RoundStreams.slots)
+    stream_held = delegated("streams", RoundStreams.held)  # the caller holds the lock
+    end_stream = delegated("streams", RoundStreams.end)  # the caller holds the lock
 
     # ----------------------------------------------------------------- the policy's shard (ShardCore)
     record = delegated("data", DataPath.record)
@@ -488,7 +346,7 @@ class Shard:
             NotInitializedError: nothing to save yet.
         """
         with self._cond:
-            round_stream.end(self, "a checkpoint needed the parameters mid-round")
+            self.streams.end("a checkpoint needed the parameters mid-round")
             return self.codec.export(self)
 
     def restore(self, state: dict[str, Any]) -> None:
@@ -514,48 +372,15 @@ class Shard:
     status = _locked("config", ConfigChanges.status)
     change_config = _locked("config", ConfigChanges.change_config)
 
-    def learning_rate(self) -> float:
-        """The optimizer's learning rate in force (0 before Init)."""
-        return float(self.store.optimizer.param_groups[0]["lr"]) if self.store else 0.0
-
-    def table_metrics(self) -> tuple[list[TableRow], int]:
-        """:func:`~ps_server.tables.metrics.table_rows` under the lock (``TableCollector`` reads it)."""
-        with self._cond:
-            return table_rows(self.tables)
+    learning_rate = delegated("config", ConfigChanges.learning_rate)  # needs no lock
+    table_metrics = _locked("table_calls", TableCalls.metrics)
 
     def close(self) -> None:
         """Wake every waiter with ShuttingDownError."""
         with self._cond:
             self.waits.close()
 
-    # ----------------------------------------------------------------- embedding tables (ps_server.tables.calls)
-    def init_tables(
-        self, rank: int, incarnation: int, specs: Sequence[TableSpec], remaining: float | None
-    ) -> tuple[bool, int, int, list[TableSpec]]:
-        """InitTables; see :func:`table_calls.init_tables`."""
-        with self._cond:
-            return table_calls.init_tables(self, rank, incarnation, specs, remaining)
-
-    def pull_rows(
-        self,
-        rank: int,
-        incarnation: int,
-        blocks: Sequence[table_calls.Block],
-        min_version: int,
-        remaining: float | None,
-        reader: Callable[[table_calls.ReadRows], Any],
-    ) -> Any:
-        """PullRows: check and wait (:func:`table_calls.check_pull`), then hand the read
-        (:func:`table_calls.read_rows`, a chunk per hold of the lock) to ``reader``; returns its result."""
-        with self._cond:
-            table_calls.check_pull(self, rank, incarnation, blocks, min_version, remaining)
-        return reader(lambda: table_calls.read_rows(self._cond, self.tables, blocks, self.num_shards))
-
-    def push_rows(
-        self, rank: int, incarnation: int, session: int, clock: int, blocks: Sequence[table_calls.Block]
-    ) -> tuple[int, bool]:
-        """PushRows; see :func:`table_calls.push_rows`. Returns (version, duplicate)."""
-        self.check_session(rank, incarnation, session, "PushRows")
-        ids = table_calls.decode_push(blocks)
-        with self._cond:
-            return table_calls.push_rows(self, rank, incarnation, clock, blocks, ids)
+    # ----------------------------------------------------------------- embedding tables (TableCalls)
+    init_tables = _locked("table_calls", TableCalls.init_tables)
+    pull_rows = delegated("table_calls", TableCalls.pull_rows)  # takes the lock in phases
+    push_rows = delegated("table_calls", TableCalls.push_rows)  # takes the lock in phases

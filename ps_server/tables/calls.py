@@ -1,8 +1,8 @@
 """The embedding-table calls of a shard (InitTables, PullRows, PushRows) against its tables and
 membership: what each does while the shard's lock is held.
 
-The shard's facade takes the lock and calls one function here per request (``Shard.init_tables``,
-``Shard.pull_rows``, ``Shard.push_rows``); every function whose docstring says "lock held" assumes
+The shard's facade calls one method of :class:`TableCalls` per request (``Shard.init_tables``,
+``Shard.pull_rows``, ``Shard.push_rows``); every method whose docstring says "lock held" assumes
 the caller holds it. The table's consistency comes from the shard's policy (``host.policy``:
 :class:`~ps_server.policy.base.ConsistencyPolicy`), asked through
 :class:`~ps_server.tables.store.TableStore`. Every request is bounded before any work: its ids (8
@@ -13,10 +13,11 @@ finite values) before anything is held or applied, so a refused request changes 
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
@@ -25,6 +26,7 @@ from ps_common.errors import InvalidRequestError, RequestTooLargeError, VersionA
 from ps_common.tables import TableSpec
 from ps_proto.v1 import ps_pb2
 from ps_server.membership.ranks import Membership
+from ps_server.tables.metrics import TableRow, table_rows
 from ps_server.tables.row_read import RowRead, RowRequest
 from ps_server.tables.store import TableStore
 from ps_server.tables.table import RowGrads
@@ -59,6 +61,9 @@ class TableHost(Protocol):
 
     def notify(self) -> None:
         """Wake every wait on the shard's lock (lock held)."""
+
+    def check_session(self, rank: int, incarnation: int, session: int, what: str) -> None:
+        """Raise unless ``rank`` is live in ``session`` (takes the shard's lock itself)."""
 
 
 class Block(Protocol):
@@ -126,92 +131,6 @@ def grads_of(store: TableStore, block: Block, ids: torch.Tensor, repeated: bool)
     return RowGrads(ids, grads)
 
 
-def init_tables(
-    host: TableHost, rank: int, incarnation: int, specs: Sequence[TableSpec], remaining: float | None
-) -> tuple[bool, int, int, list[TableSpec]]:
-    """InitTables (lock held): rank 0 (joined and live) declares the tables; another rank waits for
-    rank 0's declaration, then checks its own against it.
-
-    Args:
-        remaining: seconds the call may wait (None: no deadline).
-
-    Returns:
-        (applied: declared now, the table version, the clock the rank's next PushRows carries,
-        the tables in force).
-
-    Raises:
-        NotJoinedError, SupersededError: rank 0 not live under ``incarnation``. As
-        :meth:`TableStore.declare`; WaitTimeoutError, ShuttingDownError: rank 0 did not declare in time.
-    """
-    member = host.membership.get(rank, incarnation)
-    if rank == 0:  # only the joined, live rank 0 declares (NOT_JOINED otherwise)
-        Membership.check_live(member, incarnation)
-    store = host.tables
-    if rank != 0 and not store.tables:  # rank 0 declares, the others wait for it
-        until = None if remaining is None else host.now() + remaining
-        host.waits.until(
-            lambda: bool(store.tables),
-            until,
-            lambda: f"Shard {host.shard_index}: rank 0 did not declare its tables in time; start rank 0.",
-        )
-    applied = store.declare(specs)
-    if applied:
-        host.notify()
-    clock = store.clock_of(host.policy, rank, incarnation)
-    return applied, store.version, clock, [t.spec for t in store.tables.values()]
-
-
-def check_pull(
-    host: TableHost, rank: int, incarnation: int, blocks: Sequence[Block], min_version: int, remaining: float | None
-) -> None:
-    """A PullRows' checks, then its wait for table version ``min_version`` (lock held).
-
-    Raises:
-        InvalidRequestError, SupersededError: a bad rank or incarnation. RequestTooLargeError: as
-        :func:`check_size`. InvalidRequestError, PreconditionError: an unknown table.
-        As :func:`wait_for_version`.
-    """
-    store = host.tables
-    host.membership.get(rank, incarnation)
-    check_size(blocks, host.limits.max_message_bytes, store, pull=True)
-    for b in blocks:
-        store.table(b.table)
-    if min_version > store.version:
-        wait_for_version(host, min_version, remaining)
-
-
-def wait_for_version(host: TableHost, min_version: int, remaining: float | None) -> None:
-    """Wait (lock held) until the table version reaches ``min_version``, closing a table round
-    whose ranks have all pushed (an eviction can complete it; ``TableStore.advance``).
-
-    Raises:
-        VersionAheadError: ``min_version`` beyond the next table version (no wait could end on it).
-        WaitTimeoutError, ShuttingDownError: as :meth:`~ps_server.shard.waits.Waits.until`.
-    """
-    store = host.tables
-    if min_version > store.version + 1:  # a wait ends on the next table version at most
-        raise VersionAheadError(
-            f"A PullRows of table version {min_version} waits for nothing shard {host.shard_index} can make: "
-            f"it holds version {store.version} and makes {store.version + 1} next. Pull at most version "
-            f"{store.version + 1} (sync: the round after this rank's last PushRows; other modes: 0)."
-        )
-    until = None if remaining is None else host.now() + remaining
-
-    def ready() -> bool:
-        if store.advance(host.policy, host.membership.expected):
-            host.notify()
-        return store.version >= min_version
-
-    def describe() -> str:
-        missing = store.waiting_for(host.membership.expected(store.version))
-        return (
-            f"Shard {host.shard_index} waited for table round {store.version} until the deadline; ranks "
-            f"{missing} have not pushed rows for it. Check those workers, or evict them."
-        )
-
-    host.waits.until(ready, until, describe)
-
-
 def read_rows(
     lock: AbstractContextManager[object], store: TableStore, blocks: Sequence[Block], num_shards: int
 ) -> Rows:
@@ -247,42 +166,173 @@ def decode_push(blocks: Iterable[Block]) -> list[torch.Tensor]:
     return [decode_ids(b.ids, b.table) for b in blocks]
 
 
-def push_rows(
-    host: TableHost, rank: int, incarnation: int, clock: int, blocks: Sequence[Block], ids: Sequence[torch.Tensor]
-) -> tuple[int, bool]:
-    """PushRows (lock held): check the rank and every block, then hold or apply the push as the
-    shard's policy says (:meth:`TableStore.push`), close a complete table round, wake the waits
-    when the table version moved.
-
-    Args:
-        ids: :func:`decode_push` of ``blocks``.
-
-    Returns:
-        (version, duplicate) as :meth:`TableStore.push`.
-
-    Raises:
-        NotJoinedError, SupersededError, InvalidRequestError: not live under ``incarnation``.
-        RequestTooLargeError, InvalidRequestError, PreconditionError, TableFullError,
-        FutureRoundError, UpdateRefusedError: as :func:`check_size`, :func:`grads_of`, :meth:`TableStore.push`.
-    """
-    store, policy = host.tables, host.policy
-    member = host.membership.get(rank, incarnation)
-    Membership.check_live(member, incarnation)
-    check_size(blocks, host.limits.max_message_bytes, store, pull=False)
-    grads: dict[str, RowGrads] = {}
-    for b, i in zip(blocks, ids, strict=True):
-        grads[b.table] = grads_of(store, b, i, b.table in grads)
-    before = store.version
-    version, duplicate = store.push(policy, rank, incarnation, clock, grads)
-    if not duplicate:
-        for b in blocks:
-            store.tables[b.table].bytes_received += len(b.ids) + len(b.data)
-        store.advance(policy, host.membership.expected)
-        if store.version != before:
-            host.notify()
-    host.membership.touch(member)
-    return version, duplicate
-
-
 ReadRows = Callable[[], Rows]
 """A PullRows' read, run where and when the caller says (``Shard.pull_rows``)."""
+
+
+class TableCalls:
+    """InitTables, PullRows and PushRows of one shard, against its tables and membership; its facade
+    (``ps_server.shard.shard.Shard``) calls them. :meth:`init_tables` assumes the caller holds the
+    shard's lock ``cond``; :meth:`pull_rows` and :meth:`push_rows` take it in phases, leaving out the
+    work that needs no lock (decoding ids, a read's chunks between holds).
+
+    Args:
+        host: the shard, as :class:`TableHost` says.
+        cond: the shard's condition (its lock).
+    """
+
+    def __init__(self, host: TableHost, cond: threading.Condition) -> None:
+        self._host, self._cond = host, cond
+
+    def init_tables(
+        self, rank: int, incarnation: int, specs: Sequence[TableSpec], remaining: float | None
+    ) -> tuple[bool, int, int, list[TableSpec]]:
+        """InitTables (lock held): rank 0 (joined and live) declares the tables; another rank waits for
+        rank 0's declaration, then checks its own against it.
+
+        Args:
+            remaining: seconds the call may wait (None: no deadline).
+
+        Returns:
+            (applied: declared now, the table version, the clock the rank's next PushRows carries,
+            the tables in force).
+
+        Raises:
+            NotJoinedError, SupersededError: rank 0 not live under ``incarnation``. As
+            :meth:`TableStore.declare`; WaitTimeoutError, ShuttingDownError: rank 0 did not declare in time.
+        """
+        host = self._host
+        member = host.membership.get(rank, incarnation)
+        if rank == 0:  # only the joined, live rank 0 declares (NOT_JOINED otherwise)
+            Membership.check_live(member, incarnation)
+        store = host.tables
+        if rank != 0 and not store.tables:  # rank 0 declares, the others wait for it
+            until = None if remaining is None else host.now() + remaining
+            host.waits.until(
+                lambda: bool(store.tables),
+                until,
+                lambda: f"Shard {host.shard_index}: rank 0 did not declare its tables in time; start rank 0.",
+            )
+        applied = store.declare(specs)
+        if applied:
+            host.notify()
+        clock = store.clock_of(host.policy, rank, incarnation)
+        return applied, store.version, clock, [t.spec for t in store.tables.values()]
+
+    def pull_rows(
+        self,
+        rank: int,
+        incarnation: int,
+        blocks: Sequence[Block],
+        min_version: int,
+        remaining: float | None,
+        reader: Callable[[ReadRows], Any],
+    ) -> Any:
+        """PullRows: check and wait under the lock (:meth:`check_pull`), then, without it, hand the
+        read (:func:`read_rows`, a chunk per hold of the lock) to ``reader``; returns its result."""
+        with self._cond:
+            self.check_pull(rank, incarnation, blocks, min_version, remaining)
+        return reader(lambda: read_rows(self._cond, self._host.tables, blocks, self._host.num_shards))
+
+    def check_pull(
+        self, rank: int, incarnation: int, blocks: Sequence[Block], min_version: int, remaining: float | None
+    ) -> None:
+        """A PullRows' checks, then its wait for table version ``min_version`` (lock held).
+
+        Raises:
+            InvalidRequestError, SupersededError: a bad rank or incarnation. RequestTooLargeError: as
+            :func:`check_size`. InvalidRequestError, PreconditionError: an unknown table.
+            As :meth:`wait_for_version`.
+        """
+        host = self._host
+        store = host.tables
+        host.membership.get(rank, incarnation)
+        check_size(blocks, host.limits.max_message_bytes, store, pull=True)
+        for b in blocks:
+            store.table(b.table)
+        if min_version > store.version:
+            self.wait_for_version(min_version, remaining)
+
+    def wait_for_version(self, min_version: int, remaining: float | None) -> None:
+        """Wait (lock held) until the table version reaches ``min_version``, closing a table round
+        whose ranks have all pushed (an eviction can complete it; ``TableStore.advance``).
+
+        Raises:
+            VersionAheadError: ``min_version`` beyond the next table version (no wait could end on it).
+            WaitTimeoutError, ShuttingDownError: as :meth:`~ps_server.shard.waits.Waits.until`.
+        """
+        host = self._host
+        store = host.tables
+        if min_version > store.version + 1:  # a wait ends on the next table version at most
+            raise VersionAheadError(
+                f"A PullRows of table version {min_version} waits for nothing shard {host.shard_index} can make: "
+                f"it holds version {store.version} and makes {store.version + 1} next. Pull at most version "
+                f"{store.version + 1} (sync: the round after this rank's last PushRows; other modes: 0)."
+            )
+        until = None if remaining is None else host.now() + remaining
+
+        def ready() -> bool:
+            if store.advance(host.policy, host.membership.expected):
+                host.notify()
+            return store.version >= min_version
+
+        def describe() -> str:
+            missing = store.waiting_for(host.membership.expected(store.version))
+            return (
+                f"Shard {host.shard_index} waited for table round {store.version} until the deadline; ranks "
+                f"{missing} have not pushed rows for it. Check those workers, or evict them."
+            )
+
+        host.waits.until(ready, until, describe)
+
+    def push_rows(
+        self, rank: int, incarnation: int, session: int, clock: int, blocks: Sequence[Block]
+    ) -> tuple[int, bool]:
+        """PushRows: ``rank``'s session checked (``host.check_session``, which takes the lock) and
+        the ids decoded (:func:`decode_push`) before the lock, then :meth:`apply_push` under it.
+        Returns (version, duplicate); raises as those do."""
+        self._host.check_session(rank, incarnation, session, "PushRows")
+        ids = decode_push(blocks)
+        with self._cond:
+            return self.apply_push(rank, incarnation, clock, blocks, ids)
+
+    def apply_push(
+        self, rank: int, incarnation: int, clock: int, blocks: Sequence[Block], ids: Sequence[torch.Tensor]
+    ) -> tuple[int, bool]:
+        """PushRows (lock held): check the rank and every block, then hold or apply the push as the
+        shard's policy says (:meth:`TableStore.push`), close a complete table round, wake the waits
+        when the table version moved.
+
+        Args:
+            ids: :func:`decode_push` of ``blocks``.
+
+        Returns:
+            (version, duplicate) as :meth:`TableStore.push`.
+
+        Raises:
+            NotJoinedError, SupersededError, InvalidRequestError: not live under ``incarnation``.
+            RequestTooLargeError, InvalidRequestError, PreconditionError, TableFullError,
+            FutureRoundError, UpdateRefusedError: as :func:`check_size`, :func:`grads_of`, :meth:`TableStore.push`.
+        """
+        host = self._host
+        store, policy = host.tables, host.policy
+        member = host.membership.get(rank, incarnation)
+        Membership.check_live(member, incarnation)
+        check_size(blocks, host.limits.max_message_bytes, store, pull=False)
+        grads: dict[str, RowGrads] = {}
+        for b, i in zip(blocks, ids, strict=True):
+            grads[b.table] = grads_of(store, b, i, b.table in grads)
+        before = store.version
+        version, duplicate = store.push(policy, rank, incarnation, clock, grads)
+        if not duplicate:
+            for b in blocks:
+                store.tables[b.table].bytes_received += len(b.ids) + len(b.data)
+            store.advance(policy, host.membership.expected)
+            if store.version != before:
+                host.notify()
+        host.membership.touch(member)
+        return version, duplicate
+
+    def metrics(self) -> tuple[list[TableRow], int]:
+        """:func:`~ps_server.tables.metrics.table_rows` (lock held; ``TableCollector`` reads it)."""
+        return table_rows(self._host.tables)

@@ -1,0 +1,157 @@
+"""A shard's Push, Pull, PushPull and Exchange as calls: the phases in which each takes the shard's
+lock around :class:`~ps_server.shard.data.DataPath`, whose methods assume it held.
+
+Each call checks under the lock, matches the request's partitions to the plan without it (the
+work that needs no shared state: :func:`~ps_server.core.partitions.match_partitions`), then applies
+under it; an answer with ``durable_acks`` waits for its checkpoint under the lock
+(:meth:`DataPath.wait_durable`). The shard's facade (``ps_server.shard.shard.Shard``) delegates to
+:class:`DataCalls`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+from ps_common.partition import WirePartition
+from ps_common.plan import Plan
+from ps_server.core.partitions import match_partitions
+from ps_server.membership.ranks import PushResult, PushStamp
+from ps_server.policy import POLICIES
+from ps_server.policy.sync import Hyperparameters
+from ps_server.shard.data import DataPath
+from ps_server.shard.round_stream import RoundStream
+from ps_server.shard.views import Snapshot, clone_tensors
+
+
+class DataHost(Protocol):
+    """What the data calls use of their shard (``ps_server.shard.shard.Shard``)."""
+
+    shard_index: int
+    version: int
+    skipped_rounds: dict[int, None]
+    data: DataPath
+
+    def now(self) -> float:
+        """Monotonic seconds."""
+
+
+class DataCalls:
+    """Push, Pull, PushPull and Exchange of one shard: each takes the shard's lock ``cond`` in the
+    phases its docstring says, and calls :class:`DataPath` (``host.data``) under it.
+
+    Args:
+        host: the shard, as :class:`DataHost` says.
+        cond: the shard's condition (its lock).
+    """
+
+    def __init__(self, host: DataHost, cond: threading.Condition) -> None:
+        self._host, self._cond = host, cond
+
+    def push(
+        self,
+        stamp: PushStamp,
+        grad_version: int,
+        digest: str,
+        partitions: Sequence[WirePartition],
+        hyper: Hyperparameters = (),
+        skip: bool = False,
+        stream: RoundStream | None = None,
+    ) -> PushResult:
+        """Accept the gradients of ``stamp`` (a repeat is answered as the first time); the policy
+        applies, holds or refuses it. Arguments and errors: :meth:`DataPath.admit_push`,
+        :meth:`DataPath.apply_push`; answered once durable with ``durable_acks``."""
+        with self._cond:
+            plan, member, seen = self._host.data.admit_push(stamp, digest, hyper)
+            if seen is not None:
+                return seen
+        grads = match_partitions(plan, self._host.shard_index, partitions, "gradient")
+        with self._cond:
+            result, durable = self._host.data.apply_push(member, stamp, grad_version, grads, hyper, skip, stream)
+            applied = self._host.version
+        if durable:  # applied: answered once durable (a held push is answered held)
+            self.wait_durable(applied, None)
+        return result
+
+    def wait_durable(self, version: int, deadline: float | None) -> None:
+        """With ``durable_acks``: wait until ``version`` is checkpointed; see :meth:`DataPath.wait_durable`."""
+        if self._host.data.durable_acks:
+            with self._cond:
+                self._host.data.wait_durable(version, deadline)
+
+    def pull(
+        self,
+        rank: int,
+        incarnation: int,
+        min_version: int,
+        digest: str,
+        timeout: float | None,
+        wire_dtype: str = "",
+        encode: Callable[[Snapshot], Any] = clone_tensors,
+    ) -> tuple[int, Any]:
+        """Wait until this rank may read, then return (version, ``encode(snapshot)``), ``encode``
+        called under the lock; ``timeout`` in seconds (None: until the shard closes). Arguments and
+        errors: :meth:`DataPath.read`."""
+        deadline = None if timeout is None else self._host.now() + timeout
+        with self._cond:
+            return self._host.data.read(rank, incarnation, min_version, digest, deadline, timeout, wire_dtype, encode)
+
+    def push_pull(
+        self,
+        stamp: PushStamp,
+        grad_version: int,
+        digest: str,
+        partitions: Sequence[WirePartition],
+        timeout: float | None,
+        encode: Callable[[Snapshot], Any],
+        wire_dtype: str = "",
+        check: Callable[[Plan], None] | None = None,
+        hyper: Hyperparameters = (),
+        skip: bool = False,
+        stream: RoundStream | None = None,
+    ) -> tuple[PushResult, int, Any]:
+        """:meth:`push`, then :meth:`pull` of the version it lands in (sync: ``clock + 1``; the
+        others: no minimum). ``check`` is called under the lock with the plan before the push
+        (PushPullOnce: the answer must fit in one message). Returns (push result, version,
+        ``encode(snapshot)``); sync: the result says whether the round was skipped.
+
+        Raises:
+            Everything :meth:`push`, :meth:`pull` and ``check`` raise; a refused push pulls nothing.
+        """
+        start = self._host.now()
+        with self._cond:
+            plan = self._host.data.check_plan(digest)
+            self._host.data.check_wire_dtype(plan, wire_dtype)
+            if check is not None:
+                check(plan)
+        result = self.push(stamp, grad_version, digest, partitions, hyper, skip, stream)
+        policy = POLICIES[result.mode]  # the mode that took the push
+        remaining = None if timeout is None else max(0.0, timeout - (self._host.now() - start))
+        min_version = policy.read_after_push(stamp.clock)
+        version, out = self.pull(stamp.rank, stamp.incarnation, min_version, digest, remaining, wire_dtype, encode)
+        self.wait_durable(version, None if timeout is None else start + timeout)
+        if policy.holds_pushes and not result.dropped:
+            with self._cond:
+                result = dataclasses.replace(result, skipped=stamp.clock in self._host.skipped_rounds)
+        return result, version, out
+
+    def exchange(
+        self,
+        stamp: PushStamp,
+        digest: str,
+        partitions: Sequence[WirePartition],
+        timeout: float | None,
+        encode: Callable[[Snapshot], Any] = clone_tensors,
+    ) -> tuple[int, Any]:
+        """EASGD exchange: return (version, ``encode`` of d = alpha (x - center)); a repeat gets the
+        original d. Arguments and errors: :meth:`DataPath.admit_exchange`, :meth:`DataPath.apply_exchange`."""
+        deadline = None if timeout is None else self._host.now() + timeout
+        with self._cond:
+            plan, member, answer = self._host.data.admit_exchange(stamp, digest, encode)
+            if answer is not None:
+                return answer
+        x = match_partitions(plan, self._host.shard_index, partitions, "parameter")
+        with self._cond:
+            return self._host.data.apply_exchange(member, stamp, x, deadline, encode)
