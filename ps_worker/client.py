@@ -35,7 +35,7 @@ from ps_worker.session_view import SessionField
 from ps_worker.staging import HostStaging
 from ps_worker.tables.client import TableClient
 from ps_worker.tables.modules import attach_tables
-from ps_worker.transport.calls import DataPath
+from ps_worker.transport.calls import ShardCalls
 from ps_worker.transport.encoding import WIRE_DTYPES, WireCodec
 from ps_worker.transport.grpc_link import Transport
 from ps_worker.transport.pushpull import PendingPushPull
@@ -152,7 +152,7 @@ class PSClient:
             self.transport, rank, num_workers, time.time_ns() // 1000 if incarnation is None else incarnation
         )
         self.staging = HostStaging()
-        self.path = DataPath(self.transport, self.session, self.staging, metrics)
+        self.path = ShardCalls(self.transport, self.session, self.staging, metrics)
         self._closed = False
 
     @classmethod

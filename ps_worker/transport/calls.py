@@ -1,6 +1,6 @@
 """The worker's data calls to every shard: Init, Push, Pull and Exchange (PushPull: :mod:`.pushpull`).
 
-:class:`DataPath` joins the parts of a client: it stages tensors (:mod:`ps_worker.staging`),
+:class:`ShardCalls` joins the parts of a client: it stages tensors (:mod:`ps_worker.staging`),
 encodes them (:mod:`ps_worker.transport.encoding`), sends them to every shard in parallel with retries
 (:mod:`ps_worker.transport.grpc_link`), recovers and accounts through the session (:mod:`ps_worker.session`),
 and records times and bytes (:mod:`ps_worker.metrics`).
@@ -40,7 +40,7 @@ def is_stale(exc: BaseException) -> bool:
     return isinstance(exc, grpc.RpcError) and exc.code() == grpc.StatusCode.ABORTED
 
 
-class DataPath:
+class ShardCalls:
     """Init, push, pull and exchange for one client.
 
     Args:

@@ -21,7 +21,7 @@ import torch
 from ps_common import frames
 from ps_common.channels import is_loopback
 from ps_common.codec import torch_dtype
-from ps_worker.transport.calls import DataPath, is_stale
+from ps_worker.transport.calls import ShardCalls, is_stale
 from ps_worker.transport.encoding import Stamp
 from ps_worker.transport.frame_sender import SendOrder, keep_in_order
 from ps_worker.transport.link import Answer, Link, choose_link
@@ -47,7 +47,7 @@ class PendingPushPull:
 
     def __init__(
         self,
-        path: DataPath,
+        path: ShardCalls,
         out: Mapping[str, torch.Tensor],
         stream: bool,
         hyperparameters: Sequence[Mapping[str, float]] | None = None,

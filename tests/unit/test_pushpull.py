@@ -18,7 +18,7 @@ from ps_worker.metrics import WorkerMetrics
 from ps_worker.planning import model_specs
 from ps_worker.session import Session
 from ps_worker.staging import HostStaging
-from ps_worker.transport.calls import DataPath
+from ps_worker.transport.calls import ShardCalls
 from ps_worker.transport.encoding import WireCodec
 from ps_worker.transport.pushpull import PendingPushPull
 
@@ -89,11 +89,11 @@ class FakeTransport:
         return None  # the shard offers no data connection: PushPullOnce on gRPC
 
 
-def client_parts(shard: FakeShard) -> tuple[DataPath, Session, CollectorRegistry]:
+def client_parts(shard: FakeShard) -> tuple[ShardCalls, Session, CollectorRegistry]:
     registry = CollectorRegistry()
     t = FakeTransport(shard)
     session = Session(t, rank=0, num_workers=1, incarnation=5)  # type: ignore[arg-type]
-    path = DataPath(t, session, HostStaging(), WorkerMetrics(registry))  # type: ignore[arg-type]
+    path = ShardCalls(t, session, HostStaging(), WorkerMetrics(registry))  # type: ignore[arg-type]
     path.codec = WireCodec(PLAN)
     return path, session, registry
 
