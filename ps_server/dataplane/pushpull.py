@@ -1,8 +1,8 @@
 """PushPull whose partitions travel on the rank's data connection (``PushHeader.data_sequence``,
 :mod:`ps_common.dataconn`), with streamed sync rounds (:mod:`ps_server.shard.round_stream`).
 
-A mixin of :class:`~ps_server.service.parameters.ParameterServicer` (which supplies ``shard``, ``data``,
-``observer``, ``_adopt`` and ``_told``). The call's header, answer, errors and deadline stay on
+:class:`DataPushPull` is held by :class:`~ps_server.service.parameters.ParameterServicer`, which
+hands it the calls whose header says ``data_sequence``. The call's header, answer, errors and deadline stay on
 gRPC; the partitions come on the data connection, and the values go back there before the call
 answers. Every wait is bounded by the call's deadline; every send by the call's time left.
 """
@@ -36,20 +36,34 @@ if TYPE_CHECKING:
     from ps_server.shard.shard import Shard
 
 
-class DataConnectionRpcs:
-    """PushPull on data connections (a mixin of the servicer)."""
+class DataPushPull:
+    """PushPull on data connections (see the module docstring).
 
-    shard: Shard
-    data: DataPlane | None
-    observer: PushObserver
-    _slots: dict[tuple[int, int, str], list[torch.Tensor]]
+    Args:
+        shard: the shard served. data: its data connections (None: refuses every such call with
+            DataPathError, and the worker sends the partitions on the stream).
+        observer: told every accepted push.
+        adopt: follows the membership record a request relays (the servicer's).
+        told: stamps an answer with the membership record the caller should learn (the servicer's).
+    """
 
-    if TYPE_CHECKING:
+    def __init__(
+        self,
+        shard: Shard,
+        data: DataPlane | None,
+        observer: PushObserver,
+        adopt: Callable[[Any], None],
+        told: Callable[[Any, int], Any],
+    ) -> None:
+        self.shard = shard
+        self.data = data
+        self.observer = observer
+        self._adopt = adopt
+        self._told = told
+        self._slots: dict[tuple[int, int, str], list[torch.Tensor]] = {}
+        """(slot, store epoch, wire dtype) -> the stepped slot's values on the wire, shared by ranks."""
 
-        def _adopt(self, message: Any) -> None: ...
-        def _told(self, answer: Any, request_epoch: int) -> Any: ...
-
-    def _push_pull_data(self, req: Request, context: grpc.ServicerContext) -> Iterator[bytes]:
+    def push_pull(self, req: Request, context: grpc.ServicerContext) -> Iterator[bytes]:
         """PushPull with its partitions on the rank's data connection (``data_sequence``): the same
         checks and semantics as on the stream (every partition checked against the plan and for
         finiteness before the push; all or nothing). The values go back on the connection first

@@ -14,7 +14,6 @@ from collections.abc import Iterator
 from typing import Any, TypeVar
 
 import grpc
-import torch
 
 from ps_common import fields, frames
 from ps_common.errors import InvalidRequestError, WrongRankError
@@ -24,7 +23,7 @@ from ps_common.wire import SpecList, hyperparameters_from_proto, optimizer_from_
 from ps_proto.v1 import ps_pb2
 from ps_server.core.partitions import Intake
 from ps_server.dataplane.connections import DataPlane
-from ps_server.dataplane.pushpull import DataConnectionRpcs
+from ps_server.dataplane.pushpull import DataPushPull
 from ps_server.membership.ranks import PushStamp
 from ps_server.service.frame_cache import FrameCache, encode_exchange
 from ps_server.service.handlers import HANDLER_MAKERS
@@ -81,7 +80,7 @@ def parameter_service_handler(servicer: ParameterServicer) -> grpc.GenericRpcHan
     return grpc.method_handlers_generic_handler(descriptor.full_name, handlers)
 
 
-class ParameterServicer(TableRpcs, DataConnectionRpcs):
+class ParameterServicer:
     """ps.v1.ParameterService over one :class:`Shard`. Not the generated servicer base: the data
     methods take and return ``bytes`` (see :func:`parameter_service_handler`, which registers it).
 
@@ -107,13 +106,23 @@ class ParameterServicer(TableRpcs, DataConnectionRpcs):
     ) -> None:
         self.shard = shard
         self.rank_tokens = rank_tokens
-        self.table_reads = table_reads
         self.counters = counters
         self.observer: PushObserver = observer or counters
         self.frames = FrameCache()
-        self.data = data
-        """The shard's data connections (None: PushPull's partitions travel on gRPC only)."""
-        self._slots: dict[tuple[int, int, str], list[torch.Tensor]] = {}
+        self.tables = TableRpcs(shard, counters, rank_tokens, table_reads)
+        """InitTables, PullRows and PushRows (``ps_server.service.tables``)."""
+        self.data_push_pull = DataPushPull(shard, data, self.observer, self._adopt, self._told)
+        """PushPull whose partitions come on a data connection (``ps_server.dataplane.pushpull``)."""
+
+    @property
+    def data(self) -> DataPlane | None:
+        """The shard's data connections (None: PushPull's partitions travel on gRPC only); set once
+        the data plane listens, after the servicer is built."""
+        return self.data_push_pull.data
+
+    @data.setter
+    def data(self, data: DataPlane | None) -> None:
+        self.data_push_pull.data = data
 
     def _caller_is(self, context: Any, rank: int, what: str) -> None:
         """Refuse a request stamped with ``rank`` its caller's token may not act as (WrongRankError)."""
@@ -270,7 +279,7 @@ class ParameterServicer(TableRpcs, DataConnectionRpcs):
     def PushPull(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
         req = self._read(request_iterator, "PushPull", ps_pb2.PushHeader, "gradient", context)
         if req.header.data_sequence:
-            yield from self._push_pull_data(req, context)
+            yield from self.data_push_pull.push_pull(req, context)
         else:
             yield from self._push_pull(req, context, single=False)
 
@@ -320,6 +329,15 @@ class ParameterServicer(TableRpcs, DataConnectionRpcs):
             request.rank, request.incarnation, request.session, _relayed(request), request.membership_epoch
         )
         return _with_epoch(ps_pb2.LeaveResponse(version=version), epoch, record)
+
+    def InitTables(self, request: ps_pb2.InitTablesRequest, context: grpc.ServicerContext) -> ps_pb2.InitTablesResponse:
+        return self.tables.InitTables(request, context)
+
+    def PullRows(self, request: ps_pb2.PullRowsRequest, context: grpc.ServicerContext) -> ps_pb2.PullRowsResponse:
+        return self.tables.PullRows(request, context)
+
+    def PushRows(self, request: ps_pb2.PushRowsRequest, context: grpc.ServicerContext) -> ps_pb2.PushRowsResponse:
+        return self.tables.PushRows(request, context)
 
     def _adopt(self, message: Any) -> None:
         """Follow the membership record a request relays, when it is newer than the shard's; called

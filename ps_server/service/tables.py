@@ -2,8 +2,8 @@
 caller, make the one shard call of the request (``Shard.init_tables``, ``Shard.pull_rows``,
 ``Shard.push_rows``; what they do: ``ps_server.tables.calls``), encode the answer.
 
-A mixin of :class:`~ps_server.service.parameters.ParameterServicer` (which supplies ``shard``,
-``counters`` and ``rank_tokens``). Every request stamped with a rank its caller's token may not act
+:class:`TableRpcs` is held by :class:`~ps_server.service.parameters.ParameterServicer`, which
+hands it these three methods. Every request stamped with a rank its caller's token may not act
 as (``--rank-tokens``) is refused first (WRONG_RANK). Every request is bounded before any work:
 its ids (8 bytes each) and, for a pull, the rows it asks for must fit in one message of
 ``--max-message-bytes`` (RESOURCE_EXHAUSTED otherwise); every block is checked (table, ids in
@@ -42,13 +42,21 @@ def rows_answer(request: ps_pb2.PullRowsRequest, version: int, rows: list[torch.
 
 
 class TableRpcs:
-    """InitTables, PullRows and PushRows of ParameterService (see the module docstring)."""
+    """InitTables, PullRows and PushRows of ParameterService (see the module docstring).
 
-    shard: Shard  # supplied by ParameterServicer
-    counters: ShardCounters
-    rank_tokens: RankTokens | None
-    table_reads: TableReads | None
-    """Where PullRows' reads run (``ps_server.tables.reads``); None: on the calling thread."""
+    Args:
+        shard: the shard served. counters: where refused requests are counted (``rejected_requests``).
+        rank_tokens: per-rank credentials (``--rank-tokens``), or None.
+        table_reads: where PullRows' reads run (``ps_server.tables.reads``); None: on the calling thread.
+    """
+
+    def __init__(
+        self, shard: Shard, counters: ShardCounters, rank_tokens: RankTokens | None, table_reads: TableReads | None
+    ) -> None:
+        self.shard = shard
+        self.counters = counters
+        self.rank_tokens = rank_tokens
+        self.table_reads = table_reads
 
     @maps_errors
     def InitTables(self, request: ps_pb2.InitTablesRequest, context: grpc.ServicerContext) -> ps_pb2.InitTablesResponse:
