@@ -135,7 +135,7 @@ def _run(parser: Any, args: Any) -> int:
     from ps_worker.client import PSClient
     from ps_worker.errors import ShardError
     from ps_worker.metrics import WorkerMetrics
-    from ps_worker.workloads import get_workload
+    from ps_worker.workloads.registry import get_workload
     from ps_worker.workloads.train import train
 
     me = f"ps-worker rank {args.rank}"

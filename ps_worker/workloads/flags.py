@@ -17,7 +17,7 @@ from ps_common.dataconn import DATA_PATHS
 from ps_common.flags import FlagParser, secret_help
 
 WORKLOAD_NAMES = ("charlm", "ctr", "digits", "linreg")
-"""The built-in workloads (the keys of ``ps_worker.workloads.WORKLOADS``, sorted; a test keeps them equal)."""
+"""The built-in workloads (the keys of ``ps_worker.workloads.registry.WORKLOADS``, sorted; a test keeps them equal)."""
 
 
 class CommandParser(FlagParser):

@@ -50,7 +50,7 @@ def test_kill9_worker_is_evicted_in_status_and_metrics(start_cluster) -> None:
     try:
         import torch
 
-        from ps_worker.workloads import get_workload
+        from ps_worker.workloads.registry import get_workload
 
         workload = get_workload("digits")
         torch.manual_seed(0)

@@ -15,7 +15,7 @@ from ps_common.metrics_endpoint import serve_metrics
 from ps_proto.v1 import ps_pb2, ps_pb2_grpc
 from ps_worker.client import PSClient
 from ps_worker.metrics import WorkerMetrics
-from ps_worker.workloads import get_workload
+from ps_worker.workloads.registry import get_workload
 from ps_worker.workloads.train import train
 
 STEPS = 6

@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ps_common import frames
 from ps_worker.client import PSClient
-from ps_worker.workloads import get_workload
+from ps_worker.workloads.registry import get_workload
 from ps_worker.workloads.train import train
 
 RPC_TIMEOUT = 20.0

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from ps_worker.workloads import WORKLOADS, get_workload
 from ps_worker.workloads.charlm import CharBlocks, CharLMWorkload, GPTConfig, default_corpus
+from ps_worker.workloads.registry import WORKLOADS, get_workload
 
 TINY = GPTConfig(block_size=32, n_layer=2, n_head=2, n_embd=32)
 

@@ -12,7 +12,6 @@ import torch
 from sklearn.metrics import roc_auc_score
 from torch.utils.data import DataLoader
 
-from ps_worker.workloads import WORKLOADS, get_workload
 from ps_worker.workloads.clicklog import (
     ID_BITS,
     ClickLogConfig,
@@ -24,6 +23,7 @@ from ps_worker.workloads.clicklog import (
     zipf_cdf,
 )
 from ps_worker.workloads.ctr import DLRM, ClickLogDataset, CTRWorkload
+from ps_worker.workloads.registry import WORKLOADS, get_workload
 
 SMALL = ClickLogConfig(cardinalities=(1000, 50), zipf_exponents=(1.2, 1.3), id_scales=(0.5, 0.5), pairs=((0, 1),))
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ps_worker.workloads import WORKLOADS
 from ps_worker.workloads.flags import WORKLOAD_NAMES, worker_parser
+from ps_worker.workloads.registry import WORKLOADS
 
 
 def test_workload_names_are_the_workloads() -> None:
