@@ -61,7 +61,9 @@ class DataPushPull:
         self._adopt = adopt
         self._told = told
         self._slots: dict[tuple[int, int, str], list[torch.Tensor]] = {}
-        """(slot, store epoch, wire dtype) -> the stepped slot's values on the wire, shared by ranks."""
+        """(version, store epoch, wire dtype) -> a version's values on the wire, shared by the ranks that
+        read it; entries of other versions are dropped when a new version is encoded (at most one per
+        wire dtype)."""
 
     def push_pull(self, req: Request, context: grpc.ServicerContext) -> Iterator[bytes]:
         """PushPull with its partitions on the rank's data connection (``data_sequence``): the same
