@@ -9,8 +9,9 @@ gradient accumulation, trained through grpc-ps.
 - gradient accumulation: ``--accum K`` micro-batches per step; each backward adds into ``.grad`` and
   ``DistributedOptimizer(backward_passes_per_step=K)`` pushes their sum once per step (the loss is
   divided by K, so it is the mean, as with DDP).
-- gradient clipping: ``clip_grad_norm_`` on this rank's accumulated gradient before the push (the norm
-  of the rank's own gradient, not of the sum over ranks that DDP would clip after its all-reduce).
+- gradient clipping: in sync mode ``opt.clip_grad_norm_`` clips the round's averaged gradient by its
+  norm over every shard, as DDP clips after its all-reduce; the other modes have no round average,
+  so there torch's ``clip_grad_norm_`` clips this rank's accumulated gradient before the push.
 
 The data: the Python standard library's source as bytes (no download), or ``--corpus FILE``; the
 held-out blocks report bits per character. Steps, batch, optimizer, lr and seed come from ``PS_STEPS``,
@@ -74,8 +75,10 @@ def main() -> None:
                     loss = workload.loss(model, x.to(device), y.to(device)) / args.accum
                 loss.backward()
                 total += loss.item()
-            if args.clip > 0:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+            if args.clip > 0 and client.mode == "sync":
+                opt.clip_grad_norm_(args.clip)  # the averaged gradient's norm, as DDP's
+            elif args.clip > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)  # this rank's gradient
             opt.step()
             losses.append(total)
             step += 1

@@ -158,7 +158,7 @@ def assemble(exports: Sequence[ShardExport]) -> tuple[dict[str, Any], list[int]]
 
     from ps_common import errors
     from ps_common.codec import decode, dtype_from_proto, torch_dtype
-    from ps_common.plan import make_plan
+    from ps_common.plan import plan_for_digest
     from ps_common.wire import specs_from_proto
 
     plan = exports[0].head.plan  # type: ignore[union-attr]
@@ -177,7 +177,7 @@ def assemble(exports: Sequence[ShardExport]) -> tuple[dict[str, Any], list[int]]
     specs = specs_from_proto(plan.specs)
     # each partition of the plan exactly once, from the shard that owns it, in the parameter's dtype
     dtypes = {s.key: s.dtype for s in plan.specs}
-    layout = make_plan(specs, plan.num_shards, plan.partition_bytes).partitions
+    layout = plan_for_digest(specs, plan.num_shards, plan.partition_bytes, plan.digest).partitions
     expected = {(p.key, p.offset, p.length, p.shard) for p in layout}
     got = [(p.key, p.offset, p.length, k) for k, e in enumerate(exports) for p in e.partitions if p.key in dtypes]
     wrong = {p.key for e in exports for p in e.partitions if p.dtype != dtypes.get(p.key)}

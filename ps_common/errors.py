@@ -10,6 +10,7 @@ aborts with ``code`` and ``reason``; the worker's exceptions (``ps_worker.errors
 from __future__ import annotations
 
 import enum
+import re
 
 REASON_KEY = "ps-reason"
 """Trailing metadata key of a refused call's :class:`Reason`."""
@@ -36,6 +37,7 @@ class Reason(enum.StrEnum):
     HYPERPARAMETERS_DISAGREE = "HYPERPARAMETERS_DISAGREE"
     SHUTTING_DOWN = "SHUTTING_DOWN"
     WAIT_TIMEOUT = "WAIT_TIMEOUT"
+    AWAITING_RANKS = "AWAITING_RANKS"
     CHECKPOINT = "CHECKPOINT"
     TOO_MANY_STREAMS = "TOO_MANY_STREAMS"
     TABLE_FULL = "TABLE_FULL"
@@ -171,6 +173,37 @@ class WaitTimeoutError(PSError):
 
     reason: Reason = Reason.WAIT_TIMEOUT
     code = "DEADLINE_EXCEEDED"
+
+
+class AwaitingRanksError(WaitTimeoutError):
+    """A wait for other ranks reached the end of its call while the ranks it waits for still count
+    (alive: heartbeating within their leases, or not joined yet within ``--join-timeout``)
+    (DEADLINE_EXCEEDED). Nothing failed: the per-RPC deadline bounds a call, not a slow peer, so
+    the worker calls again (a repeated push is answered as a duplicate) until they come, or until
+    a silent one's lease lapses and it is evicted. The message reads as
+    :func:`awaiting_message` writes it; :func:`parse_awaiting` reads it back."""
+
+    reason: Reason = Reason.AWAITING_RANKS
+
+
+_AWAITING = re.compile(r"waiting for (.+?): ranks \[([0-9, ]*)\] ([^;]+);")
+
+
+def awaiting_message(what: str, ranks: list[int], state: str) -> str:
+    """The text of an :class:`AwaitingRanksError`: ``waiting for <what>: ranks [r, ...] <state>;``
+    and what happens next (e.g. ``waiting for round 42: ranks [0] are alive but have not pushed; ...``)."""
+    return (
+        f"waiting for {what}: ranks {sorted(ranks)} {state}; the call ended at its deadline and the worker calls "
+        "again while they are alive (a rank silent past --lease-timeout is evicted and the wait goes on without it)"
+    )
+
+
+def parse_awaiting(details: str) -> tuple[str, list[int], str] | None:
+    """(what, ranks, state) of an :func:`awaiting_message` text, None when ``details`` is not one."""
+    found = _AWAITING.search(details or "")
+    if found is None:
+        return None
+    return found.group(1), [int(r) for r in found.group(2).replace(" ", "").split(",") if r], found.group(3)
 
 
 class VersionAheadError(PSError):

@@ -1,11 +1,13 @@
 """Server-side optimizer specs: a name from an allowlist of torch.optim classes plus numeric kwargs.
 
 Nothing executable crosses the wire (compare MXNet's pickled optimizers). All allowed optimizers
-are elementwise, so stepping each partition on its own equals stepping the whole parameter.
+are elementwise, so stepping each partition on its own equals stepping the whole parameter. Which
+names and arguments there are: :mod:`ps_common.optimizer_args`.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -13,29 +15,12 @@ from dataclasses import dataclass, field
 import torch
 
 from ps_common.errors import InvalidRequestError
+from ps_common.optimizer_args import KWARGS, PAIRS, RANGES, TORCH_CLASSES, TUPLES
 
 OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
-    "sgd": torch.optim.SGD,
-    "adam": torch.optim.Adam,
-    "adamw": torch.optim.AdamW,
-    "adagrad": torch.optim.Adagrad,
-    "rmsprop": torch.optim.RMSprop,
+    name: getattr(torch.optim, cls) for name, cls in TORCH_CLASSES.items()
 }
-
-# Keyword arguments each optimizer accepts (numeric only); booleans are sent as 0/1.
-_KWARGS: dict[str, dict[str, type]] = {
-    "sgd": {"lr": float, "momentum": float, "dampening": float, "weight_decay": float, "nesterov": bool},
-    "adam": {"lr": float, "beta1": float, "beta2": float, "eps": float, "weight_decay": float, "amsgrad": bool},
-    "adamw": {"lr": float, "beta1": float, "beta2": float, "eps": float, "weight_decay": float, "amsgrad": bool},
-    "adagrad": {
-        "lr": float,
-        "lr_decay": float,
-        "weight_decay": float,
-        "initial_accumulator_value": float,
-        "eps": float,
-    },
-    "rmsprop": {"lr": float, "alpha": float, "eps": float, "weight_decay": float, "momentum": float, "centered": bool},
-}
+"""Server optimizer name -> torch.optim class (the table: :mod:`ps_common.optimizer_args`)."""
 
 
 def check_in_range(name: str, value: float, dtypes: Iterable[torch.dtype]) -> None:
@@ -98,7 +83,7 @@ class OptimizerSpec:
             )
 
     def _check_kwargs(self, kwargs: Mapping[str, float]) -> None:
-        allowed = _KWARGS[self.name]
+        allowed = KWARGS[self.name]
         for k, v in kwargs.items():
             if k not in allowed:
                 raise InvalidRequestError(
@@ -108,11 +93,22 @@ class OptimizerSpec:
                 raise InvalidRequestError(f"Optimizer argument {k}={v!r} must be a finite number >= 0.")
             if allowed[k] is bool and v not in (0, 1):
                 raise InvalidRequestError(f"Optimizer argument {k} is a flag; send 0 or 1, got {v}.")
+            self._check_torch_range(k, v)
+
+    def _check_torch_range(self, name: str, value: float) -> None:
+        """Refuse a value torch.optim's constructor would refuse (:data:`RANGES`); torch checks
+        only its constructor's arguments, not param groups' or later assignments, so this does."""
+        interval = RANGES.get(name)
+        if interval is not None and value not in interval:
+            raise InvalidRequestError(
+                f"Optimizer argument {name}={value!r} of {self.name!r} must be in {interval} "
+                f"(torch.optim.{TORCH_CLASSES[self.name]} refuses other values)."
+            )
 
     @property
     def hyperparameter_names(self) -> frozenset[str]:
         """The arguments a push may set per step (:meth:`check_hyperparameters`): the numeric ones, no flags."""
-        return frozenset(k for k, t in _KWARGS[self.name].items() if t is float)
+        return frozenset(k for k, t in KWARGS[self.name].items() if t is float)
 
     def check_hyperparameters(self, groups: Sequence[Mapping[str, float]], num_groups: int) -> None:
         """Refuse per-step hyperparameters (one mapping per parameter group, as a push carries them)
@@ -135,6 +131,7 @@ class OptimizerSpec:
                     )
                 if not (math.isfinite(v) and v >= 0):
                     raise InvalidRequestError(f"Hyperparameter {k}={v!r} must be a finite number >= 0.")
+                self._check_torch_range(k, v)
 
     def check_range(self, dtypes: Iterable[torch.dtype]) -> None:
         """Refuse arguments a step cannot use on parameters of ``dtypes``: every numeric argument,
@@ -176,15 +173,18 @@ class OptimizerSpec:
             raise InvalidRequestError(f"Optimizer {self.name!r} rejected its arguments: {exc}") from exc
 
     def _torch_kwargs(self, values: Mapping[str, float]) -> dict[str, object]:
-        """``values`` as torch.optim keyword arguments: flags as bool, beta1/beta2 as betas."""
-        allowed = _KWARGS[self.name]
+        """``values`` as torch.optim keyword arguments: flags as bool, pairs as torch's tuples
+        (beta1/beta2 -> betas, eta_minus/eta_plus -> etas, step_size_min/step_size_max ->
+        step_sizes; an element not given is the spec's, else torch's default)."""
+        allowed = KWARGS[self.name]
         kwargs: dict[str, object] = {}
         for k, v in values.items():
-            if k not in ("beta1", "beta2"):
+            if k not in PAIRS:
                 kwargs[k] = bool(v) if allowed[k] is bool else float(v)
-        if "beta1" in values or "beta2" in values:
-            base = {**self.kwargs, **values}
-            kwargs["betas"] = (float(base.get("beta1", 0.9)), float(base.get("beta2", 0.999)))
+        base = {**self.kwargs, **values}
+        for tuple_name in dict.fromkeys(PAIRS[k][0] for k in values if k in PAIRS):
+            defaults = inspect.signature(OPTIMIZERS[self.name]).parameters[tuple_name].default
+            kwargs[tuple_name] = tuple(float(base.get(k, d)) for k, d in zip(TUPLES[tuple_name], defaults, strict=True))
         return kwargs
 
 

@@ -1,9 +1,12 @@
 """The partition plan: a deterministic map partition -> shard (docs/architecture.md#6-partition-plan).
 
-Every parameter is flattened and cut into partitions of at most ``partition_bytes``; walking
-parameters in declaration order, each partition goes to the shard holding the fewest bytes so far
-(ties to the lowest shard index). Workers and shards compute the same plan from the same inputs
-and compare its digest.
+Every parameter is flattened and cut into partitions of at most :func:`piece_bytes` (the smaller of
+``partition_bytes`` and 1/:data:`BALANCE_PIECES` of a shard's fair share); walking parameters in
+declaration order, each partition goes to the shard holding the fewest bytes so far (ties to the
+lowest shard index). Greedy least-load placement ends with the fullest shard at most one piece above
+the mean (Graham, "Bounds on multiprocessing timing anomalies", SIAM J. Appl. Math. 1969), so the
+bytes per shard are within about ``1 + 1/BALANCE_PIECES`` of each other whatever the largest
+parameter. Workers and shards compute the same plan from the same inputs and compare its digest.
 """
 
 from __future__ import annotations
@@ -24,6 +27,15 @@ DEFAULT_PARTITION_BYTES = 4 * 1024 * 1024
 """Default upper bound of one partition's payload, in bytes (4 MiB)."""
 
 MAX_PARTITION_BYTES = 64 * 1024 * 1024
+
+CUT_VERSION = 2
+"""Version of the rule that cuts parameters into partitions; the plan digest covers it (from version
+2 on). 1: pieces of ``partition_bytes``. 2: pieces of :func:`piece_bytes`, balanced across shards.
+Checkpoints and shards of version 1 are followed by :func:`plan_for_digest`."""
+
+BALANCE_PIECES = 16
+"""Cut version 2 cuts a parameter into pieces of at most 1/16 of a shard's fair share of the model's
+bytes, so the fullest shard holds at most about 1/16 above the mean."""
 
 
 @dataclass(frozen=True)
@@ -120,16 +132,23 @@ class Plan:
 
 
 def plan_digest(
-    specs: Sequence[ParameterSpec], num_shards: int, partition_bytes: int, packing: int = PACKING_VERSION
+    specs: Sequence[ParameterSpec],
+    num_shards: int,
+    partition_bytes: int,
+    packing: int = PACKING_VERSION,
+    cut: int = CUT_VERSION,
 ) -> str:
     """Hex sha256 of the canonical JSON of the plan's inputs (the plan is a pure function of them)
     and of the version of the packing rule (``frames.PACKING_VERSION``) that client and shard must
     share: peers that would cut or pack partitions differently get different digests.
     ``packing=0`` gives the digest of releases before the packing version joined it (their rule is
-    version 1's); checkpoints they wrote still restore (:func:`ps_server.shard.state.load_state`)."""
+    version 1's); checkpoints they wrote still restore (:func:`ps_server.shard.state.load_state`).
+    ``cut``: :data:`CUT_VERSION`; version 1 (before the cut joined the digest) leaves it out."""
     inputs: dict[str, object] = {"v": 1, "packing": packing}
     if not packing:
         del inputs["packing"]
+    if cut >= 2:
+        inputs["cut"] = cut
     inputs |= {
         "num_shards": num_shards,
         "partition_bytes": partition_bytes,
@@ -139,13 +158,30 @@ def plan_digest(
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
-def make_plan(specs: Iterable[ParameterSpec], num_shards: int, partition_bytes: int = DEFAULT_PARTITION_BYTES) -> Plan:
+def piece_bytes(specs: Sequence[ParameterSpec], num_shards: int, partition_bytes: int, cut: int = CUT_VERSION) -> int:
+    """Largest payload of one partition, in bytes: ``partition_bytes`` (cut 1), or the smaller of it and
+    ``ceil(total bytes / (BALANCE_PIECES * num_shards))`` (cut 2, more than one shard; at least 1:
+    one element). Raises InvalidRequestError for an unsupported dtype."""
+    if cut < 2 or num_shards <= 1:
+        return partition_bytes
+    total = sum(s.numel * itemsize(s.dtype) for s in specs)
+    return max(1, min(partition_bytes, -(-total // (BALANCE_PIECES * max(1, num_shards)))))
+
+
+def make_plan(
+    specs: Iterable[ParameterSpec],
+    num_shards: int,
+    partition_bytes: int = DEFAULT_PARTITION_BYTES,
+    cut: int = CUT_VERSION,
+) -> Plan:
     """Cut parameters into partitions and assign them to shards by least load in bytes.
 
     Args:
         specs: parameters in declaration order; keys must be unique.
         num_shards: number of shards, >= 1.
         partition_bytes: upper bound of one partition's payload in bytes; at least one element.
+            Messages pack partitions up to this many bytes whatever the cut.
+        cut: the cutting rule (:data:`CUT_VERSION`; 1 for plans of earlier releases).
 
     Returns:
         The plan, with its digest.
@@ -161,9 +197,9 @@ def make_plan(specs: Iterable[ParameterSpec], num_shards: int, partition_bytes: 
         raise InvalidRequestError(f"partition_bytes must be in [1, {MAX_PARTITION_BYTES}], got {partition_bytes}.")
     if not specs:
         raise InvalidRequestError("The model has no parameters; nothing to serve.")
+    if cut not in (1, CUT_VERSION):
+        raise InvalidRequestError(f"Unknown plan cut version {cut}; this release knows 1 and {CUT_VERSION}.")
     seen: set[str] = set()
-    loads = [0] * num_shards
-    partitions: list[PartitionSlice] = []
     for spec in specs:
         if not spec.key:
             raise InvalidRequestError("A parameter has an empty key.")
@@ -172,11 +208,16 @@ def make_plan(specs: Iterable[ParameterSpec], num_shards: int, partition_bytes: 
         seen.add(spec.key)
         if any(d < 0 for d in spec.shape):
             raise InvalidRequestError(f"Parameter {quote(spec.key)} has a negative dimension {spec.shape[:8]}.")
+        itemsize(spec.dtype)  # an unsupported dtype is refused before anything is cut
+        if spec.numel == 0:
+            raise InvalidRequestError(f"Parameter {quote(spec.key)} is empty; remove it from the model.")
+    piece = piece_bytes(specs, num_shards, partition_bytes, cut)
+    loads = [0] * num_shards
+    partitions: list[PartitionSlice] = []
+    for spec in specs:
         size = itemsize(spec.dtype)
         numel = spec.numel
-        if numel == 0:
-            raise InvalidRequestError(f"Parameter {quote(spec.key)} is empty; remove it from the model.")
-        per_part = max(1, partition_bytes // size)
+        per_part = max(1, piece // size)
         for offset in range(0, numel, per_part):
             length = min(per_part, numel - offset)
             shard = min(range(num_shards), key=lambda k: (loads[k], k))
@@ -187,5 +228,31 @@ def make_plan(specs: Iterable[ParameterSpec], num_shards: int, partition_bytes: 
         num_shards=num_shards,
         partition_bytes=partition_bytes,
         partitions=tuple(partitions),
-        digest=plan_digest(specs, num_shards, partition_bytes),
+        digest=plan_digest(specs, num_shards, partition_bytes, cut=cut),
+    )
+
+
+def plan_for_digest(specs: Sequence[ParameterSpec], num_shards: int, partition_bytes: int, digest: str) -> Plan:
+    """The plan of these inputs whose digest is ``digest``: this release's cut, or cut 1 (plans of
+    earlier releases, with or without the packing version in their digest), so that a shard or a
+    checkpoint of an earlier release is followed instead of refused. When both cuts give the same
+    partitions (one shard, or small parameters) the plan of this release is returned, with its digest.
+
+    Raises:
+        InvalidRequestError: no known rule gives ``digest`` (another release's plan algorithm), or
+            the inputs are invalid (as :func:`make_plan`).
+    """
+    plan = make_plan(specs, num_shards, partition_bytes)
+    if digest == plan.digest:
+        return plan
+    if digest in (
+        plan_digest(specs, num_shards, partition_bytes, cut=1),
+        plan_digest(specs, num_shards, partition_bytes, packing=0, cut=1),
+    ):
+        earlier = make_plan(specs, num_shards, partition_bytes, cut=1)
+        return plan if earlier.partitions == plan.partitions else earlier  # the same layout: today's digest
+    raise InvalidRequestError(
+        f"Plan digest {quote(digest[:12], 12)} does not match its specs under any plan rule this release "
+        f"knows (expected {plan.digest[:12]}); the client and server disagree on the plan algorithm: upgrade "
+        "both to the same release."
     )

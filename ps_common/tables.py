@@ -47,6 +47,14 @@ ROW_OPTIMIZERS: dict[str, dict[str, tuple[float, float]]] = {
 """Allowlist of row-wise optimizers and the closed ranges of their numeric arguments (momentum and
 betas below 1): sgd (with momentum), adagrad, adam (lazy, as torch.optim.SparseAdam)."""
 
+ROW_HYPERPARAMETERS: dict[str, frozenset[str]] = {
+    "sgd": frozenset({"lr", "momentum", "weight_decay"}),
+    "adagrad": frozenset({"lr", "lr_decay", "eps"}),
+    "adam": frozenset({"lr", "beta1", "beta2", "eps"}),
+}
+"""The row optimizer arguments a PushRows may set for its step (an lr scheduler's values); they stay
+in force after it. ``initial_accumulator_value`` only shapes fresh state, so it is not among them."""
+
 DENSE_TO_ROW = {"sgd": "sgd", "adagrad": "adagrad", "adam": "adam", "adamw": "adam", "sparse_adam": "adam"}
 """The row optimizer a model's tables get by default from its dense optimizer's name."""
 

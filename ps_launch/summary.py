@@ -265,6 +265,40 @@ def print_summary(s: dict[str, Any], out: IO[str]) -> None:
     out.flush()
 
 
+def local_steps(
+    mode: str, statuses: Sequence[ps_pb2.ShardStatus], ranks: list[dict[str, Any]], done: Mapping[int, dict[str, Any]]
+) -> int | None:
+    """easgd: the shards' clocks count each rank's exchanges, not its steps. Move them to
+    ``row["exchanges"]`` and set ``row["steps_run"]`` to its local steps: what its script reported
+    (a ``{"event": "done", "local_steps": N}`` line), else the least the exchanges prove (exchanges x
+    the period tau; up to tau - 1 more after the last exchange reach no shard: ``row["local_steps_known"]``
+    says which). Returns tau in easgd, None in the other modes (their clocks are steps; rows unchanged)."""
+    if mode != "easgd":
+        return None
+    period = max(1, statuses[0].config.communication_period) if statuses else 1
+    for row in ranks:
+        said = done.get(row["rank"], {}).get("local_steps")
+        row["exchanges"] = row["steps_run"]
+        row["local_steps_known"] = isinstance(said, int)
+        row["steps_run"] = said if isinstance(said, int) else row["exchanges"] * period
+    return period
+
+
+def _steps_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
+    """The rows of what each rank ran: steps (the shards' clocks), or easgd's exchanges and local steps."""
+    ran, restarts = s["steps_run_per_rank"], _restart_note(s["ranks"])
+    given = "" if all(n == s["steps"] for n in ran) else f"PS_STEPS was {s['steps']}; the script ran its own count"
+    if not s.get("communication_period"):
+        return [("steps run per rank", f"{ran}{restarts}" + (f" ({given})" if given else ""))]
+    period = s["communication_period"]
+    exact = all(r.get("local_steps_known") for r in s["ranks"])
+    how = "as the script reported" if exact else f"at least exchanges x {period}: later ones reach no shard"
+    return [
+        ("exchanges per rank", f"{s['exchanges_per_rank']}{restarts} (every {period} local steps)"),
+        ("local steps per rank", f"{ran} ({how}" + (f"; {given})" if given else ")")),
+    ]
+
+
 def summarize_script(
     args: Any,
     done: Mapping[int, dict[str, Any]],
@@ -280,6 +314,7 @@ def summarize_script(
     ``done``: rank -> what its last process reported (``{"event": "done", ...}`` lines it printed,
     merged; at least its steps); a script's own ``accuracy`` there is shown too."""
     ranks = rank_rows(args, runs)
+    period = local_steps(args.mode, statuses, ranks, done)
     for row in ranks:
         row["last_line"] = (list(last_lines.get(row["rank"], ())) or [""])[-1]
         row["accuracy"] = done.get(row["rank"], {}).get("accuracy")
@@ -287,6 +322,8 @@ def summarize_script(
     rate = total / train_seconds if train_seconds else 0.0
     view = shards_view(statuses)
     return {
+        "communication_period": period,
+        "exchanges_per_rank": [r["exchanges"] for r in ranks] if period else None,
         "workload": args.workload,
         "script": args.workload,
         "mode": args.mode,
@@ -314,8 +351,7 @@ def print_script_summary(s: dict[str, Any], out: IO[str]) -> None:
     view = s["shards_view"]
     rows = [
         ("script", f"{s['script']} ({s['mode']}, {s['shards']} shards x {s['workers']} workers)"),
-        ("steps per worker", f"{s['steps']} (PS_STEPS)"),
-        ("steps run per rank", f"{s['steps_run_per_rank']}{_restart_note(s['ranks'])}"),
+        *_steps_rows(s),
         ("wall time", f"{s['wall_seconds']:.1f} s (training {s['train_seconds']:.1f} s)"),
         ("throughput", f"{s['steps_per_second']:.1f} steps/s (all ranks)"),
         ("bytes moved", f"pushed {s['pushed_bytes'] / mib:.1f} MiB, pulled {s['pulled_bytes'] / mib:.1f} MiB"),

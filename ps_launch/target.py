@@ -3,7 +3,8 @@
 ``ps-launch [flags] digits`` runs ``ps-worker``; ``ps-launch [flags] train.py [script args]`` and
 ``ps-launch [flags] -m package.module [args]`` (torchrun-style) run ``python train.py ...`` once per
 rank with the environment contract of :mod:`ps_worker.env` set (``PS_SERVERS``, ``PS_RANK``,
-``PS_NUM_WORKERS``, ``PS_STEPS``...). Everything after the script or module goes to it.
+``PS_NUM_WORKERS``, ``PS_STEPS``...) and torchrun's ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+``LOCAL_WORLD_SIZE``. Everything after the script or module goes to it.
 """
 
 from __future__ import annotations
@@ -96,11 +97,20 @@ def _script(path: str, args: Sequence[str]) -> Target:
 def script_environment(args: Any, addresses: Sequence[str], rank: int) -> dict[str, str]:
     """The environment contract (:data:`ps_worker.env.CONTRACT`) of rank ``rank``'s copy of the user's
     script: the shards' addresses, rank, workers and the training flags ps-launch was given. Tokens and
-    TLS files pass through from ps-launch's own environment."""
+    TLS files pass through from ps-launch's own environment.
+
+    torchrun's ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` are set too (every rank of
+    ps-launch runs on this host, so the local ones equal the global ones), for scripts that read them.
+    ``MASTER_ADDR``/``MASTER_PORT`` are not: no process group is meant to form, and a script calling
+    ``torch.distributed.init_process_group`` fails at once saying so, instead of waiting for peers."""
     return {
         "PS_SERVERS": ",".join(addresses),
         "PS_RANK": str(rank),
         "PS_NUM_WORKERS": str(args.workers),
+        "RANK": str(rank),
+        "WORLD_SIZE": str(args.workers),
+        "LOCAL_RANK": str(rank),
+        "LOCAL_WORLD_SIZE": str(args.workers),
         "PS_STEPS": str(args.steps),
         "PS_BATCH_SIZE": str(args.batch_size),
         "PS_OPTIMIZER": args.optimizer,

@@ -1,6 +1,7 @@
-"""grpc-ps worker side: ``PSClient`` (push/pull to every shard) and ``DistributedOptimizer``.
+"""grpc-ps worker side: ``PSClient`` (push/pull to every shard), ``DistributedOptimizer`` and
+``DistributedSampler`` (torch's, its rank from the client or environment).
 
-Both are imported on first use, so the command-line tools parse their arguments before torch loads.
+Each is imported on first use, so the command-line tools parse their arguments before torch loads.
 """
 
 from __future__ import annotations
@@ -11,10 +12,12 @@ if TYPE_CHECKING:
     from ps_worker.client import PSClient, init_from_env
     from ps_worker.errors import RoundTimeoutError, ShardError, ShardUnreachableError
     from ps_worker.optimizer import DistributedOptimizer
+    from ps_worker.sampler import DistributedSampler
 
 __all__ = [
     "PSClient",
     "DistributedOptimizer",
+    "DistributedSampler",
     "RoundTimeoutError",
     "ShardError",
     "ShardUnreachableError",
@@ -33,6 +36,10 @@ def __getattr__(name: str) -> Any:
         from ps_worker.optimizer import DistributedOptimizer
 
         return DistributedOptimizer
+    if name == "DistributedSampler":
+        from ps_worker.sampler import DistributedSampler
+
+        return DistributedSampler
     if name == "init_from_env":
         from ps_worker.client import init_from_env
 

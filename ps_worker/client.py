@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -25,7 +25,8 @@ from ps_common.optimizer import OptimizerSpec
 from ps_common.plan import DEFAULT_PARTITION_BYTES, Plan
 from ps_common.tables import TableSpec
 from ps_proto.v1 import ps_pb2
-from ps_worker import env, export
+from ps_worker import env, export, optim_wrap
+from ps_worker.awaiting import DEFAULT_WAIT_TIMEOUT, PeerWaits
 from ps_worker.compression import TopK
 from ps_worker.consistency import WorkerMode
 from ps_worker.errors import reason_of
@@ -42,6 +43,7 @@ from ps_worker.transport.pushpull import PendingPushPull
 
 if TYPE_CHECKING:
     from ps_worker.metrics import WorkerMetrics
+    from ps_worker.torch_optim import Translation
 
 __all__ = ["PSClient", "PendingPushPull", "init_from_env", "model_specs", "reason_of", "WIRE_DTYPES"]
 
@@ -56,23 +58,21 @@ class PSClient:
         incarnation: grows each time this rank restarts; default: wall-clock microseconds, which
             grows across restarts without any stored state.
         token: bearer token for ParameterService (``PS_TOKEN``), or None.
-        timeout: per-RPC deadline in seconds; a sync pull waits at most this long for its round.
+        timeout: per-RPC deadline in seconds: it bounds a call, not a slow peer (:mod:`ps_worker.awaiting`).
+        wait_timeout: seconds a wait for other ranks alive may last (default 1800; None or 0: no
+            bound); then :class:`~ps_worker.errors.AwaitingRanks`. A silent rank is evicted anyway.
         retry_deadline: seconds to keep retrying UNAVAILABLE (backoff with jitter).
         partition_bytes: largest partition payload in bytes (all workers must agree).
         tls_ca: PEM file of the CA of the shards' certificates: use TLS (``docs/architecture.md#8-security``).
-        tls_cert: PEM client certificate for mutual TLS (with ``tls_key``).
-        tls_key: PEM private key of ``tls_cert``.
+        tls_cert, tls_key: PEM client certificate and its private key, for mutual TLS.
         metrics: where to record push/pull seconds and bytes; None records nothing.
-        wire_dtype: send gradients and receive weights as this dtype (float16/bfloat16: half the
-            bytes of float32; the shards keep float32 weights and optimizer state and widen what
-            they receive). None: each parameter's own dtype.
+        wire_dtype: gradients and weights on the wire as this dtype (float16/bfloat16: half of float32's
+            bytes; the shards keep float32 weights and state and widen what they get). None: each parameter's.
         topk: push only this fraction of each partition's gradient entries, the largest in
             magnitude, with error feedback (:class:`~ps_worker.compression.TopK`); 0: dense.
-        data_path: ``"tcp"`` (default): PushPull's partitions go on the shard's data connection
-            when Join offers one (no TLS; dense pushes of more than one message), received straight
-            into the weights, and a push of one message goes there as a whole PushPullOnce call
-            (one round trip, no gRPC call); ``"grpc"``: always on gRPC
-            (:data:`~ps_common.dataconn.DATA_PATHS`).
+        data_path: ``"tcp"`` (default): the shard's data connection when Join offers one (no TLS): dense
+            pushes of several messages stream there, received into the weights; a one-message push goes as a
+            whole PushPullOnce call (one round trip); ``"grpc"``: always gRPC (``ps_common.dataconn.DATA_PATHS``).
 
     The session's state (``mode``, ``clock``, ``version``, ``versions``, counters...) reads through
     the client: each is a :class:`~ps_worker.session_view.SessionField` of ``client.session``.
@@ -83,6 +83,8 @@ class PSClient:
 
     tables: TableClient | None = None
     """The model's embedding tables (``ps_worker.tables.modules``), set by :meth:`init` or :meth:`init_tables`."""
+    translation: Translation | None = None
+    """The torch optimizers :meth:`init` was given, translated (``ps_worker.torch_optim``)."""
 
     # the session's state, read (and, by tests and tools, written) through the client
     mode: SessionField[str] = SessionField()
@@ -114,6 +116,7 @@ class PSClient:
         token: str | None = None,
         timeout: float = 60.0,
         retry_deadline: float = 30.0,
+        wait_timeout: float | None = DEFAULT_WAIT_TIMEOUT,
         partition_bytes: int = DEFAULT_PARTITION_BYTES,
         tls_ca: str | None = None,
         tls_cert: str | None = None,
@@ -128,6 +131,7 @@ class PSClient:
             raise ValueError(f"rank must be in 0..{num_workers - 1}, got {rank}.")
         if wire_dtype not in (None, "", *WIRE_DTYPES):
             raise ValueError(f"wire_dtype must be one of {', '.join(WIRE_DTYPES)}, got {wire_dtype!r}.")
+        waits = PeerWaits(rank, wait_timeout)  # checks wait_timeout
         self.wire_dtype = wire_dtype or None
         self.compressor = TopK(topk) if topk else None
         self.servers = list(servers)
@@ -151,17 +155,17 @@ class PSClient:
         self.session = Session(
             self.transport, rank, num_workers, time.time_ns() // 1000 if incarnation is None else incarnation
         )
+        self.session.waits = waits
         self.staging = HostStaging()
         self.path = ShardCalls(self.transport, self.session, self.staging, metrics)
+        self.on_close: list[Callable[[], None]] = []  # run by close() once it left (ps_worker.embedded)
         self._closed = False
 
     @classmethod
-    def from_env(
-        cls, model: torch.nn.Module | None = None, optimizer: Mapping[str, Any] | None = None, **overrides: Any
-    ) -> PSClient:
+    def from_env(cls, model: torch.nn.Module | None = None, optimizer: Any = None, **overrides: Any) -> PSClient:
         """A client configured by the environment contract (:data:`ps_worker.env.CONTRACT`), joined
-        and initialized with ``model`` when given (``optimizer``: default from ``PS_OPTIMIZER``,
-        ``PS_LR``, ``PS_MOMENTUM``); ``overrides`` are constructor arguments that win.
+        and initialized with ``model`` when given (``optimizer``: as :meth:`init`'s; default from
+        ``PS_OPTIMIZER``, ``PS_LR``, ``PS_MOMENTUM``); ``overrides`` are constructor arguments that win.
 
         Raises:
             ps_worker.env.EnvError: a variable is missing or invalid (the message names it).
@@ -196,7 +200,7 @@ class PSClient:
     def init(
         self,
         model: torch.nn.Module,
-        optimizer: Mapping[str, Any] | None = None,
+        optimizer: Any = None,
         *,
         init_timeout: float = 120.0,
         buffers: bool = True,
@@ -206,10 +210,11 @@ class PSClient:
 
         Args:
             model: its ``named_parameters()`` define the plan (float32/float16/bfloat16/float64).
-            optimizer: ``{"name": "sgd", "lr": 0.1, ...}`` (see ``ps_common.optimizer``);
-                used by rank 0 only. Default ``{"name": "sgd", "lr": 0.1}``. Parameter groups:
+            optimizer: a ``torch.optim.Optimizer`` or a list (AdamW + SparseAdam for the tables),
+                built from ``model`` before this call (:func:`ps_worker.torch_optim.translate`), or
+                ``{"name": "sgd", "lr": 0.1, ...}`` (``ps_common.optimizer``; the default), with
                 ``"groups": [{"params": ["fc.bias", ...], "weight_decay": 0.0}, ...]`` (parameter
-                names), groups 1, 2...; group 0 holds the parameters in none, with the top-level arguments.
+                names), groups 1, 2...; group 0 holds the parameters in none. Rank 0's is used.
             init_timeout: seconds ranks other than 0 wait for rank 0's Init.
             buffers: the model's buffers (BatchNorm running statistics) join the plan, after the
                 parameters, as untrained entries the shards set to rank 0's values each step
@@ -219,10 +224,12 @@ class PSClient:
 
         Raises:
             InvalidRequestError: a bad optimizer spec or unsupported parameter dtype.
-            ValueError: ``wire_dtype`` wider than a parameter; optimizer groups naming unknown keys.
+            ValueError: ``wire_dtype`` wider than a parameter; optimizer groups naming unknown keys;
+                a torch optimizer the shards do not run (LBFGS), or a trained parameter in none.
             ShardError: a refusal (PlanMismatch: the shards hold another model's plan).
             TimeoutError: rank 0 did not initialize the shards in time.
         """
+        self.translation, optimizer = optim_wrap.spec_of(model, optimizer)
         optimizer = attach_tables(self, model, optimizer)  # sparse embeddings become shard tables
         named, opt, plan = model_plan(model, optimizer, buffers, self.num_shards, self.partition_bytes)
         self.path.initialize(named, WireCodec(plan, self.wire_dtype, self.compressor), opt, self.join, init_timeout)
@@ -397,6 +404,8 @@ class PSClient:
             return
         self._closed = True
         self.session.close()
+        for then in self.on_close:
+            then()
 
     def __enter__(self) -> PSClient:
         return self
@@ -405,9 +414,7 @@ class PSClient:
         self.close()
 
 
-def init_from_env(
-    model: torch.nn.Module | None = None, optimizer: Mapping[str, Any] | None = None, **overrides: Any
-) -> PSClient:
+def init_from_env(model: torch.nn.Module | None = None, optimizer: Any = None, **overrides: Any) -> PSClient:
     """:meth:`PSClient.from_env`, exported as ``ps_worker.init_from_env``; ``overrides`` may also name
     ``environ`` and ``client_class`` (see :func:`ps_worker.env.init_from_env`)."""
     return env.init_from_env(model, optimizer, **{"client_class": PSClient, **overrides})

@@ -14,8 +14,9 @@ anything else (``digits``, flags, none)     ``ps-worker [args]`` (``PS_WORKLOAD`
 =========================================  =============================================
 
 Arguments win over the environment, as flags win over their ``PS_*`` twins. The environment is
-passed on unchanged: the script reads the contract (``PS_SERVERS``, ``PS_RANK``,
-``PS_NUM_WORKERS``, ``PS_TOKEN``, ...) that compose and the k8s manifests set for ``ps-worker``.
+passed on: the script reads the contract (``PS_SERVERS``, ``PS_RANK``, ``PS_NUM_WORKERS``,
+``PS_TOKEN``, ...) that compose and the k8s manifests set for ``ps-worker``, plus torchrun's
+``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` where unset (:func:`torchrun_variables`).
 """
 
 from __future__ import annotations
@@ -66,6 +67,16 @@ def resolve(argv: Sequence[str], environ: Mapping[str, str], python: str = sys.e
     return ["ps-worker", *args]
 
 
+def torchrun_variables(environ: Mapping[str, str]) -> dict[str, str]:
+    """torchrun's variables that ``environ`` lacks, from ``PS_RANK``/``PS_NUM_WORKERS`` (one worker
+    per container: ``LOCAL_RANK`` 0 of ``LOCAL_WORLD_SIZE`` 1); none when those are unset."""
+    rank, workers = environ.get("PS_RANK", "").strip(), environ.get("PS_NUM_WORKERS", "").strip()
+    if not rank or not workers:
+        return {}
+    twins = {"RANK": rank, "WORLD_SIZE": workers, "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
+    return {k: v for k, v in twins.items() if k not in environ}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point: ``exec`` what :func:`resolve` says; returns only on a usage error (exit 2) or
     when the program cannot be started (exit 127)."""
@@ -79,6 +90,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"grpc-ps-worker: no script {command[1]!r} in the image (COPY it in, or mount it)\n{USAGE}", file=sys.stderr
         )
         return 2
+    os.environ.update(torchrun_variables(os.environ))
     sys.stdout.flush()
     sys.stderr.flush()
     try:

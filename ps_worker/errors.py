@@ -11,6 +11,8 @@ A class's ``status`` is the code the shard sends with its reason; ``reason`` the
     ├── ShardUnreachableError       no answer within --retry-deadline (not running, wrong address)
     ├── RoundTimeoutError           a sync round / SSP read did not complete in time; .ranks it waits for
     │   └── WaitTimeout             DEADLINE_EXCEEDED  WAIT_TIMEOUT: the shard's wait ran out
+    │       └── AwaitingRanks       DEADLINE_EXCEEDED  AWAITING_RANKS: the awaited ranks are alive (called
+    │                               again; raised only after wait_timeout, ps_worker.awaiting)
     ├── InvalidRequest              INVALID_ARGUMENT   INVALID: wrong dtype/length, non-finite, bad config
     │   └── UnknownKey              INVALID_ARGUMENT   UNKNOWN_KEY: a key or slice the shard does not own
     ├── PreconditionFailed          FAILED_PRECONDITION PRECONDITION
@@ -53,6 +55,7 @@ __all__ = [
     "ShardUnreachableError",
     "RoundTimeoutError",
     "WaitTimeout",
+    "AwaitingRanks",
     "InvalidRequest",
     "UnknownKey",
     "PreconditionFailed",
@@ -81,7 +84,7 @@ __all__ = [
 
 HINT_UNREACHABLE = "is the shard running? check --servers (and --tls-ca if the shards serve TLS)"
 
-_RANKS = re.compile(r"waits for ranks \[([0-9, ]*)\]")
+_RANKS = re.compile(r"(?:waits for ranks|: ranks) \[([0-9, ]*)\]")
 
 _BY_REASON: dict[str, type[ShardError]] = {}
 """Reason -> the class that stands for it (filled by ``ShardError.__init_subclass__``)."""
@@ -199,7 +202,9 @@ class RoundTimeoutError(ShardError, TimeoutError):
         self.ranks: list[int] | None = (
             [int(r) for r in found.group(1).replace(" ", "").split(",") if r] if found else None
         )
-        if self.ranks is not None:
+        if message is not None:
+            text = message
+        elif self.ranks is not None:
             text = f"Shard {address}: {details}"
         else:
             text = (
@@ -212,6 +217,12 @@ class RoundTimeoutError(ShardError, TimeoutError):
 class WaitTimeout(RoundTimeoutError, mirrors=common.WaitTimeoutError):
     """The shard's wait for a version (a sync round, an SSP read) ran past the call's deadline and
     the shard said so, naming the ranks it waits for."""
+
+
+class AwaitingRanks(WaitTimeout, mirrors=common.AwaitingRanksError):
+    """The shard's wait for other ranks reached the end of its call while they were alive. The
+    client calls again (:class:`ps_worker.awaiting.PeerWaits`) and raises this only once a wait
+    lasted ``wait_timeout`` seconds; ``.ranks`` names the ranks it waited for."""
 
 
 class InvalidRequest(ShardError, mirrors=common.InvalidRequestError):

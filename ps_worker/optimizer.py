@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from ps_common.codec import torch_dtype
+from ps_worker import optim_wrap, optimizer_state
 from ps_worker.client import PSClient
+from ps_worker.clipping import RoundClipper, amp_skip, check_clip_args
 from ps_worker.tables.modules import push_step
 from ps_worker.transport.pushpull import PendingPushPull
 
@@ -47,11 +49,22 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     Parameters without a gradient push zeros.
 
+    Clipping: :meth:`clip_grad_norm_` (FSDP's name), called where a DDP script calls
+    ``torch.nn.utils.clip_grad_norm_`` (after backward, before ``step()``), clips the round's
+    averaged gradient by its global norm over every shard, as DDP's clip does (sync only).
+    ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` on a worker clips that rank's own
+    gradient before it is averaged, which is not what DDP does.
+
     Args:
         model: the module whose parameters the client was initialized with.
         client: an initialized :class:`PSClient`.
-        local_optimizer: required in easgd mode (e.g. ``torch.optim.SGD(model.parameters(), lr=0.1)``);
-            ignored otherwise.
+        optimizer: the script's torch optimizer (or list, e.g. AdamW + SparseAdam for the tables),
+            as given to ``client.init`` (Horovod's pattern): ``param_groups`` are its own group
+            dicts, so an lr scheduler on it or on this object sets what every push (and PushRows,
+            for the tables' group) carries; in easgd it is the local optimizer. None: groups
+            mirror the shards' optimizer spec.
+        local_optimizer: easgd's local optimizer when ``optimizer`` is not given (also wrapped);
+            ignored in other modes.
         overlap: push each parameter's gradient while backward still runs (sync, async, ssp):
             autograd hooks (``register_post_accumulate_grad_hook``) hand every finished gradient to
             a :class:`~ps_worker.transport.pushpull.PendingPushPull`, whose streams send each message as soon
@@ -74,9 +87,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             since they are in the plan).
 
     Raises:
-        ValueError: easgd mode without a local optimizer; backward_passes_per_step < 1; overlap
-            with a grad_scaler;
-            broadcast_buffers with buffers the client's plan does not carry.
+        ValueError: easgd mode without a local optimizer; ``optimizer`` not what the shards run
+            (``ps_worker.optim_wrap.bind``); backward_passes_per_step < 1; overlap with a
+            grad_scaler; broadcast_buffers with buffers the client's plan does not carry.
     """
 
     _step_supports_amp_scaling = True
@@ -86,14 +99,18 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self,
         model: torch.nn.Module,
         client: PSClient,
-        local_optimizer: torch.optim.Optimizer | None = None,
+        optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
         *,
+        local_optimizer: torch.optim.Optimizer | None = None,
         overlap: bool = False,
         backward_passes_per_step: int = 1,
         grad_scaler: Any | None = None,
         broadcast_buffers: bool = True,
     ) -> None:
-        if client.worker_mode.local_optimizer and local_optimizer is None:
+        local = client.worker_mode.local_optimizer
+        if local and local_optimizer is None and optimizer is not None:
+            local_optimizer = optim_wrap.single(optimizer)  # easgd: the wrapped optimizer steps locally
+        if local and local_optimizer is None:
             raise ValueError("This cluster runs easgd: pass local_optimizer=torch.optim.SGD(model.parameters(), ...).")
         if backward_passes_per_step < 1:
             raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}.")
@@ -111,6 +128,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.backward_passes_per_step = backward_passes_per_step
         self.grad_scaler = grad_scaler
         self._pending: PendingPushPull | None = None
+        self._clipper = RoundClipper(client)  # clip_grad_norm_ (ps_worker.clipping)
         self._passes: dict[str, int] = {}
         plan = client.path.plan
         self.broadcast_buffers = broadcast_buffers
@@ -139,20 +157,38 @@ class DistributedOptimizer(torch.optim.Optimizer):
             {"params": ps, **{k: float(v) for k, v in kw.items() if k in self._names}}
             for ps, kw in zip(members, overrides, strict=True)
         ]
-        super().__init__(param_groups, defaults)
+        wrapped = optimizer if optimizer is not None else (local_optimizer if local else None)
+        named = list(self.params.items())
+        self._translation = None if wrapped is None or local else optim_wrap.bind(client, named, wrapped)
+        if wrapped is not None:  # the user's own group dicts: a scheduler on either optimizer moves both
+            param_groups, defaults = optim_wrap.shared_groups(wrapped)
+        super().__init__(param_groups, {} if wrapped is not None else defaults)
+        self.defaults = defaults
+        if wrapped is not None:
+            self.register_step_post_hook(lambda *_: optim_wrap.mark_stepped(wrapped))
         for key, p in self.params.items():  # the hooks stay; they count passes and, with overlap, push
             if p.requires_grad:
                 p.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, key))
 
     # ------------------------------------------------------------------ torch.optim.Optimizer
     def hyperparameters(self) -> list[dict[str, float]]:
-        """Per parameter group, the values a push carries (the server optimizer's numeric arguments)."""
+        """Per parameter group of the shards' optimizer, the values a push carries (its numeric
+        arguments; with a wrapped torch optimizer, read from its groups: ``ps_worker.torch_optim``)."""
+        if self._translation is not None:
+            return self._translation.hyperparameters(self._names)
         return [{k: float(g[k]) for k in self._names if k in g} for g in self.param_groups]
 
     def state_dict(self) -> dict[str, Any]:
-        """torch's optimizer state (``param_groups`` with their lr...) plus the local step count
-        and the easgd local optimizer's state."""
+        """torch's optimizer state dict: ``state`` is the server optimizer's (moments, steps...)
+        gathered from the shards in torch's layout (:mod:`ps_worker.optimizer_state`; empty in
+        easgd, where the local optimizer's is under ``ps``), ``param_groups`` with their lr...;
+        plus ``ps``: the local step count and the easgd local optimizer's state.
+
+        Raises:
+            ShardError: a shard refused the read.
+        """
         out = super().state_dict()
+        out["state"] = optimizer_state.state_of(self)
         out["ps"] = {
             "local_steps": self.local_steps,
             "local_optimizer": self.local_optimizer.state_dict() if self.local_optimizer is not None else None,
@@ -160,10 +196,18 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output (the shards' own state is in their checkpoints)."""
+        """Restore :meth:`state_dict` output, or a torch optimizer's of the same class, model and
+        groups (a DDP or single-process run): its ``state`` goes to the shards, all or nothing
+        (rank 0 sends it; see :func:`ps_worker.optimizer_state.load`), its groups' values here.
+
+        Raises:
+            ValueError: the state_dict does not fit this optimizer's groups or the model's shapes.
+            ShardError: INVALID_ARGUMENT, a shard refused the state (e.g. another optimizer
+                class's); nothing was loaded.
+        """
         state_dict = dict(state_dict)
         extra = state_dict.pop("ps", None) or {}
-        super().load_state_dict(state_dict)
+        super().load_state_dict(optimizer_state.load(self, state_dict))
         self.local_steps = int(extra.get("local_steps", self.local_steps))
         if self.local_optimizer is not None and extra.get("local_optimizer") is not None:
             self.local_optimizer.load_state_dict(extra["local_optimizer"])
@@ -217,6 +261,42 @@ class DistributedOptimizer(torch.optim.Optimizer):
             )
 
     @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip this step's averaged gradient by its L2 norm over every shard, as DDP followed by
+        ``torch.nn.utils.clip_grad_norm_`` does: ``g_avg *= min(1, max_norm / (||g_avg|| + 1e-6))``
+        (sync mode; every rank must call it, with the same ``max_norm``, after backward and before
+        ``step()``). It pushes the gradients (each shard holds the round and answers its part of
+        the squared norm); ``step()`` then sends the coefficient and pulls the clipped round's
+        weights: one more small round trip per step than an unclipped one (``ps_worker.clipping``).
+        With AMP, call ``scaler.unscale_(optimizer)`` first and pass ``grad_scaler=``. Buffers and
+        embedding tables are not in the norm.
+
+        Args:
+            max_norm: the largest norm allowed, > 0. norm_type: 2.0 only.
+
+        Returns:
+            The total norm of the averaged gradient (0-dim float32 tensor), the same on every rank;
+            ``inf`` when the round is skipped for an AMP overflow.
+
+        Raises:
+            ValueError: ``max_norm`` not a finite number > 0, ``norm_type`` not 2, the number of
+                backward passes differs from ``backward_passes_per_step``, or ``overlap=True``:
+                nothing pushed.
+            RuntimeError: not sync mode; a GradScaler that did not unscale first; called twice
+                before ``step()``. grpc.RpcError: as :meth:`step`.
+        """
+        max_norm = check_clip_args(max_norm, norm_type)
+        self._clipper.check_mode()
+        if self.overlap:
+            raise ValueError("clip_grad_norm_ needs overlap=False: the whole gradient is known before it is pushed.")
+        amp = self.grad_scaler is not None and self.grad_scaler.is_enabled()
+        skip = amp_skip(self.grad_scaler._per_optimizer_states.get(id(self), {}) if amp else None)
+        self._check_passes()
+        grads = {k: p.grad if p.grad is not None and not skip else torch.zeros_like(p) for k, p in self.params.items()}
+        grads.update(self._buffer_values())
+        return self._clipper.push(grads, self.hyperparameters(), skip, max_norm)
+
+    @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """One training step.
 
@@ -255,6 +335,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
             )
         self._check_passes()
         skip = amp and float(found_inf) > 0
+        if self._clipper.due and grad_scale is not None:
+            raise RuntimeError(
+                "clip_grad_norm_ pushed gradients a GradScaler had not unscaled: pass grad_scaler= to "
+                "DistributedOptimizer and call scaler.unscale_(optimizer) before clip_grad_norm_."
+            )
         if grad_scale is not None and not skip:
             inv = grad_scale.double().reciprocal().float()
             for p in self.params.values():
@@ -297,6 +382,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         Returns:
             The version the model now holds (sync: the round number after this step).
         """
+        if self._clipper.due:  # clip_grad_norm_ pushed this step: send the coefficient, pull
+            version = self._clipper.finish(self._out())
+            self._buffers_due = True
+            if self.client.last_step_skipped and not skip:
+                self._overflow_elsewhere()
+            return version
         if self._pending is not None:  # overlap: the pushes began during backward
             pending, self._pending = self._pending, None
             for k, v in self._buffer_values().items():

@@ -23,6 +23,7 @@ from ps_common.optimizer import OptimizerSpec
 from ps_common.wire import MODE_TO_NAME, optimizer_from_proto
 from ps_proto.v1 import ps_pb2
 from ps_worker import errors
+from ps_worker.awaiting import PeerWaits
 from ps_worker.consistency import WorkerMode, settings_from_config, worker_mode
 from ps_worker.errors import HINT_UNREACHABLE, ShardUnreachableError, error_from_rpc
 from ps_worker.heartbeat import Heartbeat
@@ -64,6 +65,7 @@ class Session:
         repush: pushes the last gradient to shard ``k`` again (set by the client).
         epochs: the membership records as this worker knows them (:class:`~ps_worker.relay.EpochRelay`).
         on_resize: called with a membership record that changes the worker count.
+        waits: calls waiting for other ranks, called again while those are alive.
     """
 
     def __init__(self, transport: Transport, rank: int, num_workers: int, incarnation: int) -> None:
@@ -97,6 +99,7 @@ class Session:
         self.epochs = EpochRelay(n, self._resized)
         self.on_resize: Callable[[ps_pb2.MembershipEpoch], None] | None = None
         self.heartbeat = Heartbeat(self)
+        self.waits = PeerWaits(rank)
 
     @property
     def mode(self) -> str:
@@ -274,9 +277,10 @@ class Session:
 
     # ------------------------------------------------------------------ recovery
     def with_recovery(self, k: int, fn: Callable[[], T], what: str, repush: bool = True, round: int | None = None) -> T:
-        """``fn`` with retries of transient errors, and at most :data:`MAX_RECOVERIES` recoveries
-        from refusals that name a fixable cause (see :meth:`recover`; ``repush=False`` when ``fn``
-        pushes again itself, as PushPull does; ``round``: sync, the round ``fn`` pushes).
+        """``fn`` with retries of transient errors, again while the ranks it waits for are alive
+        (:attr:`waits`), and at most :data:`MAX_RECOVERIES` recoveries from refusals that name a
+        fixable cause (see :meth:`recover`; ``repush=False`` when ``fn`` pushes again itself, as
+        PushPull does; ``round``: sync, the round ``fn`` pushes).
 
         Raises:
             ShardError: the typed error of the last failure (:func:`~ps_worker.errors.error_from_rpc`).
@@ -284,7 +288,7 @@ class Session:
         address = self.transport.servers[k]
         for attempt in range(MAX_RECOVERIES + 1):
             try:
-                return self.transport.call(fn, what)
+                return self.waits.call(lambda: self.transport.call(fn, what), address)
             except grpc.RpcError as exc:
                 err = error_from_rpc(address, exc, waits=not what.startswith("Push "))
                 if attempt == MAX_RECOVERIES or not self.recover(k, err, repush, round):

@@ -280,7 +280,7 @@ class InitResponse(_message.Message):
     def __init__(self, applied: _Optional[bool] = ..., version: _Optional[int] = ..., plan_digest: _Optional[str] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("rank", "incarnation", "clock", "version", "plan_digest", "groups", "skip", "membership_epoch", "membership", "data_sequence", "session")
+    __slots__ = ("rank", "incarnation", "clock", "version", "plan_digest", "groups", "skip", "membership_epoch", "membership", "data_sequence", "session", "hold_for_clip")
     RANK_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     CLOCK_FIELD_NUMBER: _ClassVar[int]
@@ -292,6 +292,7 @@ class PushHeader(_message.Message):
     MEMBERSHIP_FIELD_NUMBER: _ClassVar[int]
     DATA_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
+    HOLD_FOR_CLIP_FIELD_NUMBER: _ClassVar[int]
     rank: int
     incarnation: int
     clock: int
@@ -303,7 +304,8 @@ class PushHeader(_message.Message):
     membership: MembershipEpoch
     data_sequence: int
     session: int
-    def __init__(self, rank: _Optional[int] = ..., incarnation: _Optional[int] = ..., clock: _Optional[int] = ..., version: _Optional[int] = ..., plan_digest: _Optional[str] = ..., groups: _Optional[_Iterable[_Union[GroupHyperparameters, _Mapping]]] = ..., skip: _Optional[bool] = ..., membership_epoch: _Optional[int] = ..., membership: _Optional[_Union[MembershipEpoch, _Mapping]] = ..., data_sequence: _Optional[int] = ..., session: _Optional[int] = ...) -> None: ...
+    hold_for_clip: bool
+    def __init__(self, rank: _Optional[int] = ..., incarnation: _Optional[int] = ..., clock: _Optional[int] = ..., version: _Optional[int] = ..., plan_digest: _Optional[str] = ..., groups: _Optional[_Iterable[_Union[GroupHyperparameters, _Mapping]]] = ..., skip: _Optional[bool] = ..., membership_epoch: _Optional[int] = ..., membership: _Optional[_Union[MembershipEpoch, _Mapping]] = ..., data_sequence: _Optional[int] = ..., session: _Optional[int] = ..., hold_for_clip: _Optional[bool] = ...) -> None: ...
 
 class PushRequest(_message.Message):
     __slots__ = ("header", "partition")
@@ -314,7 +316,7 @@ class PushRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., partition: _Optional[_Union[Partition, _Mapping]] = ...) -> None: ...
 
 class PushResponse(_message.Message):
-    __slots__ = ("version", "duplicate", "staleness", "dropped", "mode", "skipped", "membership_epoch", "membership")
+    __slots__ = ("version", "duplicate", "staleness", "dropped", "mode", "skipped", "membership_epoch", "membership", "clip")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     DUPLICATE_FIELD_NUMBER: _ClassVar[int]
     STALENESS_FIELD_NUMBER: _ClassVar[int]
@@ -323,6 +325,7 @@ class PushResponse(_message.Message):
     SKIPPED_FIELD_NUMBER: _ClassVar[int]
     MEMBERSHIP_EPOCH_FIELD_NUMBER: _ClassVar[int]
     MEMBERSHIP_FIELD_NUMBER: _ClassVar[int]
+    CLIP_FIELD_NUMBER: _ClassVar[int]
     version: int
     duplicate: bool
     staleness: int
@@ -331,23 +334,26 @@ class PushResponse(_message.Message):
     skipped: bool
     membership_epoch: int
     membership: MembershipEpoch
-    def __init__(self, version: _Optional[int] = ..., duplicate: _Optional[bool] = ..., staleness: _Optional[int] = ..., dropped: _Optional[bool] = ..., mode: _Optional[_Union[Mode, str]] = ..., skipped: _Optional[bool] = ..., membership_epoch: _Optional[int] = ..., membership: _Optional[_Union[MembershipEpoch, _Mapping]] = ...) -> None: ...
+    clip: ClipNorm
+    def __init__(self, version: _Optional[int] = ..., duplicate: _Optional[bool] = ..., staleness: _Optional[int] = ..., dropped: _Optional[bool] = ..., mode: _Optional[_Union[Mode, str]] = ..., skipped: _Optional[bool] = ..., membership_epoch: _Optional[int] = ..., membership: _Optional[_Union[MembershipEpoch, _Mapping]] = ..., clip: _Optional[_Union[ClipNorm, _Mapping]] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("rank", "incarnation", "min_version", "plan_digest", "wire_dtype", "membership_epoch")
+    __slots__ = ("rank", "incarnation", "min_version", "plan_digest", "wire_dtype", "membership_epoch", "clip")
     RANK_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     MIN_VERSION_FIELD_NUMBER: _ClassVar[int]
     PLAN_DIGEST_FIELD_NUMBER: _ClassVar[int]
     WIRE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     MEMBERSHIP_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    CLIP_FIELD_NUMBER: _ClassVar[int]
     rank: int
     incarnation: int
     min_version: int
     plan_digest: str
     wire_dtype: Dtype
     membership_epoch: int
-    def __init__(self, rank: _Optional[int] = ..., incarnation: _Optional[int] = ..., min_version: _Optional[int] = ..., plan_digest: _Optional[str] = ..., wire_dtype: _Optional[_Union[Dtype, str]] = ..., membership_epoch: _Optional[int] = ...) -> None: ...
+    clip: ClipCoefficient
+    def __init__(self, rank: _Optional[int] = ..., incarnation: _Optional[int] = ..., min_version: _Optional[int] = ..., plan_digest: _Optional[str] = ..., wire_dtype: _Optional[_Union[Dtype, str]] = ..., membership_epoch: _Optional[int] = ..., clip: _Optional[_Union[ClipCoefficient, _Mapping]] = ...) -> None: ...
 
 class PullResponse(_message.Message):
     __slots__ = ("version", "partition")
@@ -554,18 +560,27 @@ class PullRowsResponse(_message.Message):
     def __init__(self, version: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[RowBlock, _Mapping]]] = ...) -> None: ...
 
 class PushRowsRequest(_message.Message):
-    __slots__ = ("rank", "incarnation", "clock", "blocks", "session")
+    __slots__ = ("rank", "incarnation", "clock", "blocks", "session", "hyperparameters")
+    class HyperparametersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     RANK_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     CLOCK_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
+    HYPERPARAMETERS_FIELD_NUMBER: _ClassVar[int]
     rank: int
     incarnation: int
     clock: int
     blocks: _containers.RepeatedCompositeFieldContainer[RowBlock]
     session: int
-    def __init__(self, rank: _Optional[int] = ..., incarnation: _Optional[int] = ..., clock: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[RowBlock, _Mapping]]] = ..., session: _Optional[int] = ...) -> None: ...
+    hyperparameters: _containers.ScalarMap[str, float]
+    def __init__(self, rank: _Optional[int] = ..., incarnation: _Optional[int] = ..., clock: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[RowBlock, _Mapping]]] = ..., session: _Optional[int] = ..., hyperparameters: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class PushRowsResponse(_message.Message):
     __slots__ = ("version", "duplicate")
@@ -825,3 +840,95 @@ class ExportParametersResponse(_message.Message):
     buffers: _containers.RepeatedScalarFieldContainer[str]
     shard_index: int
     def __init__(self, version: _Optional[int] = ..., partition: _Optional[_Union[Partition, _Mapping]] = ..., plan: _Optional[_Union[PlanInfo, _Mapping]] = ..., buffers: _Optional[_Iterable[str]] = ..., shard_index: _Optional[int] = ...) -> None: ...
+
+class ClipNorm(_message.Message):
+    __slots__ = ("round", "sum_squares")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    SUM_SQUARES_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    sum_squares: float
+    def __init__(self, round: _Optional[int] = ..., sum_squares: _Optional[float] = ...) -> None: ...
+
+class ClipCoefficient(_message.Message):
+    __slots__ = ("round", "coefficient")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    COEFFICIENT_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    coefficient: float
+    def __init__(self, round: _Optional[int] = ..., coefficient: _Optional[float] = ...) -> None: ...
+
+class OptimizerStateValue(_message.Message):
+    __slots__ = ("key", "offset", "name", "dtype", "scalar", "data")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SCALAR_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    offset: int
+    name: str
+    dtype: Dtype
+    scalar: bool
+    data: bytes
+    def __init__(self, key: _Optional[str] = ..., offset: _Optional[int] = ..., name: _Optional[str] = ..., dtype: _Optional[_Union[Dtype, str]] = ..., scalar: _Optional[bool] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class PullOptimizerStateRequest(_message.Message):
+    __slots__ = ("rank", "incarnation", "session", "plan_digest")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    PLAN_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    incarnation: int
+    session: int
+    plan_digest: str
+    def __init__(self, rank: _Optional[int] = ..., incarnation: _Optional[int] = ..., session: _Optional[int] = ..., plan_digest: _Optional[str] = ...) -> None: ...
+
+class PullOptimizerStateResponse(_message.Message):
+    __slots__ = ("version", "values")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    values: _containers.RepeatedCompositeFieldContainer[OptimizerStateValue]
+    def __init__(self, version: _Optional[int] = ..., values: _Optional[_Iterable[_Union[OptimizerStateValue, _Mapping]]] = ...) -> None: ...
+
+class PushOptimizerStateRequest(_message.Message):
+    __slots__ = ("rank", "incarnation", "session", "plan_digest", "values")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    PLAN_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    incarnation: int
+    session: int
+    plan_digest: str
+    values: _containers.RepeatedCompositeFieldContainer[OptimizerStateValue]
+    def __init__(self, rank: _Optional[int] = ..., incarnation: _Optional[int] = ..., session: _Optional[int] = ..., plan_digest: _Optional[str] = ..., values: _Optional[_Iterable[_Union[OptimizerStateValue, _Mapping]]] = ...) -> None: ...
+
+class PushOptimizerStateResponse(_message.Message):
+    __slots__ = ("stage", "partitions")
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    PARTITIONS_FIELD_NUMBER: _ClassVar[int]
+    stage: int
+    partitions: int
+    def __init__(self, stage: _Optional[int] = ..., partitions: _Optional[int] = ...) -> None: ...
+
+class CommitOptimizerStateRequest(_message.Message):
+    __slots__ = ("rank", "incarnation", "session", "stage")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    incarnation: int
+    session: int
+    stage: int
+    def __init__(self, rank: _Optional[int] = ..., incarnation: _Optional[int] = ..., session: _Optional[int] = ..., stage: _Optional[int] = ...) -> None: ...
+
+class CommitOptimizerStateResponse(_message.Message):
+    __slots__ = ("version",)
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    def __init__(self, version: _Optional[int] = ...) -> None: ...

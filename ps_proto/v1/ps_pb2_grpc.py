@@ -95,6 +95,21 @@ class ParameterServiceStub:
                 request_serializer=ps__proto_dot_v1_dot_ps__pb2.PushRowsRequest.SerializeToString,
                 response_deserializer=ps__proto_dot_v1_dot_ps__pb2.PushRowsResponse.FromString,
                 _registered_method=True)
+        self.PullOptimizerState = channel.unary_stream(
+                '/ps.v1.ParameterService/PullOptimizerState',
+                request_serializer=ps__proto_dot_v1_dot_ps__pb2.PullOptimizerStateRequest.SerializeToString,
+                response_deserializer=ps__proto_dot_v1_dot_ps__pb2.PullOptimizerStateResponse.FromString,
+                _registered_method=True)
+        self.PushOptimizerState = channel.stream_unary(
+                '/ps.v1.ParameterService/PushOptimizerState',
+                request_serializer=ps__proto_dot_v1_dot_ps__pb2.PushOptimizerStateRequest.SerializeToString,
+                response_deserializer=ps__proto_dot_v1_dot_ps__pb2.PushOptimizerStateResponse.FromString,
+                _registered_method=True)
+        self.CommitOptimizerState = channel.unary_unary(
+                '/ps.v1.ParameterService/CommitOptimizerState',
+                request_serializer=ps__proto_dot_v1_dot_ps__pb2.CommitOptimizerStateRequest.SerializeToString,
+                response_deserializer=ps__proto_dot_v1_dot_ps__pb2.CommitOptimizerStateResponse.FromString,
+                _registered_method=True)
 
 
 class ParameterServiceServicer:
@@ -187,6 +202,29 @@ class ParameterServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PullOptimizerState(self, request, context):
+        """The server optimizer's per-parameter state of this shard's partitions (torch.optim's moments,
+        step counts...), a few values per message: what DistributedOptimizer.state_dict() gathers.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PushOptimizerState(self, request_iterator, context):
+        """Stage optimizer state for every partition this shard owns: checked whole, applied by nothing
+        until CommitOptimizerState names the stage (so a state refused by any shard is applied by none).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CommitOptimizerState(self, request, context):
+        """Replace the optimizer state with the staged one, all at once, between two optimizer steps.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -249,6 +287,21 @@ def add_ParameterServiceServicer_to_server(servicer, server):
                     servicer.PushRows,
                     request_deserializer=ps__proto_dot_v1_dot_ps__pb2.PushRowsRequest.FromString,
                     response_serializer=ps__proto_dot_v1_dot_ps__pb2.PushRowsResponse.SerializeToString,
+            ),
+            'PullOptimizerState': grpc.unary_stream_rpc_method_handler(
+                    servicer.PullOptimizerState,
+                    request_deserializer=ps__proto_dot_v1_dot_ps__pb2.PullOptimizerStateRequest.FromString,
+                    response_serializer=ps__proto_dot_v1_dot_ps__pb2.PullOptimizerStateResponse.SerializeToString,
+            ),
+            'PushOptimizerState': grpc.stream_unary_rpc_method_handler(
+                    servicer.PushOptimizerState,
+                    request_deserializer=ps__proto_dot_v1_dot_ps__pb2.PushOptimizerStateRequest.FromString,
+                    response_serializer=ps__proto_dot_v1_dot_ps__pb2.PushOptimizerStateResponse.SerializeToString,
+            ),
+            'CommitOptimizerState': grpc.unary_unary_rpc_method_handler(
+                    servicer.CommitOptimizerState,
+                    request_deserializer=ps__proto_dot_v1_dot_ps__pb2.CommitOptimizerStateRequest.FromString,
+                    response_serializer=ps__proto_dot_v1_dot_ps__pb2.CommitOptimizerStateResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -576,6 +629,87 @@ class ParameterService:
             '/ps.v1.ParameterService/PushRows',
             ps__proto_dot_v1_dot_ps__pb2.PushRowsRequest.SerializeToString,
             ps__proto_dot_v1_dot_ps__pb2.PushRowsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PullOptimizerState(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/ps.v1.ParameterService/PullOptimizerState',
+            ps__proto_dot_v1_dot_ps__pb2.PullOptimizerStateRequest.SerializeToString,
+            ps__proto_dot_v1_dot_ps__pb2.PullOptimizerStateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushOptimizerState(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/ps.v1.ParameterService/PushOptimizerState',
+            ps__proto_dot_v1_dot_ps__pb2.PushOptimizerStateRequest.SerializeToString,
+            ps__proto_dot_v1_dot_ps__pb2.PushOptimizerStateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CommitOptimizerState(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ps.v1.ParameterService/CommitOptimizerState',
+            ps__proto_dot_v1_dot_ps__pb2.CommitOptimizerStateRequest.SerializeToString,
+            ps__proto_dot_v1_dot_ps__pb2.CommitOptimizerStateResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -65,6 +65,16 @@ class ParameterServiceStub:
     """Read the rows a batch needs (a row never updated reads as its initial value)."""
     PushRows: _grpc.UnaryUnaryMultiCallable[_ps_pb2.PushRowsRequest, _ps_pb2.PushRowsResponse]
     """Row-sparse gradients of one step: applied (async, ssp) or held for the table round (sync)."""
+    PullOptimizerState: _grpc.UnaryStreamMultiCallable[_ps_pb2.PullOptimizerStateRequest, _ps_pb2.PullOptimizerStateResponse]
+    """The server optimizer's per-parameter state of this shard's partitions (torch.optim's moments,
+    step counts...), a few values per message: what DistributedOptimizer.state_dict() gathers.
+    """
+    PushOptimizerState: _grpc.StreamUnaryMultiCallable[_ps_pb2.PushOptimizerStateRequest, _ps_pb2.PushOptimizerStateResponse]
+    """Stage optimizer state for every partition this shard owns: checked whole, applied by nothing
+    until CommitOptimizerState names the stage (so a state refused by any shard is applied by none).
+    """
+    CommitOptimizerState: _grpc.UnaryUnaryMultiCallable[_ps_pb2.CommitOptimizerStateRequest, _ps_pb2.CommitOptimizerStateResponse]
+    """Replace the optimizer state with the staged one, all at once, between two optimizer steps."""
 
 @_typing.type_check_only
 class ParameterServiceAsyncStub(ParameterServiceStub):
@@ -98,6 +108,16 @@ class ParameterServiceAsyncStub(ParameterServiceStub):
     """Read the rows a batch needs (a row never updated reads as its initial value)."""
     PushRows: _aio.UnaryUnaryMultiCallable[_ps_pb2.PushRowsRequest, _ps_pb2.PushRowsResponse]  # type: ignore[assignment]
     """Row-sparse gradients of one step: applied (async, ssp) or held for the table round (sync)."""
+    PullOptimizerState: _aio.UnaryStreamMultiCallable[_ps_pb2.PullOptimizerStateRequest, _ps_pb2.PullOptimizerStateResponse]  # type: ignore[assignment]
+    """The server optimizer's per-parameter state of this shard's partitions (torch.optim's moments,
+    step counts...), a few values per message: what DistributedOptimizer.state_dict() gathers.
+    """
+    PushOptimizerState: _aio.StreamUnaryMultiCallable[_ps_pb2.PushOptimizerStateRequest, _ps_pb2.PushOptimizerStateResponse]  # type: ignore[assignment]
+    """Stage optimizer state for every partition this shard owns: checked whole, applied by nothing
+    until CommitOptimizerState names the stage (so a state refused by any shard is applied by none).
+    """
+    CommitOptimizerState: _aio.UnaryUnaryMultiCallable[_ps_pb2.CommitOptimizerStateRequest, _ps_pb2.CommitOptimizerStateResponse]  # type: ignore[assignment]
+    """Replace the optimizer state with the staged one, all at once, between two optimizer steps."""
 
 class ParameterServiceServicer(metaclass=_abc_1.ABCMeta):
     """Data plane: workers join, rank 0 initializes, everyone pushes gradients and pulls weights."""
@@ -200,6 +220,34 @@ class ParameterServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_ps_pb2.PushRowsResponse, _abc.Awaitable[_ps_pb2.PushRowsResponse]]:
         """Row-sparse gradients of one step: applied (async, ssp) or held for the table round (sync)."""
+
+    @_abc_1.abstractmethod
+    def PullOptimizerState(
+        self,
+        request: _ps_pb2.PullOptimizerStateRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_ps_pb2.PullOptimizerStateResponse], _abc.AsyncIterator[_ps_pb2.PullOptimizerStateResponse]]:
+        """The server optimizer's per-parameter state of this shard's partitions (torch.optim's moments,
+        step counts...), a few values per message: what DistributedOptimizer.state_dict() gathers.
+        """
+
+    @_abc_1.abstractmethod
+    def PushOptimizerState(
+        self,
+        request_iterator: _MaybeAsyncIterator[_ps_pb2.PushOptimizerStateRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_ps_pb2.PushOptimizerStateResponse, _abc.Awaitable[_ps_pb2.PushOptimizerStateResponse]]:
+        """Stage optimizer state for every partition this shard owns: checked whole, applied by nothing
+        until CommitOptimizerState names the stage (so a state refused by any shard is applied by none).
+        """
+
+    @_abc_1.abstractmethod
+    def CommitOptimizerState(
+        self,
+        request: _ps_pb2.CommitOptimizerStateRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_ps_pb2.CommitOptimizerStateResponse, _abc.Awaitable[_ps_pb2.CommitOptimizerStateResponse]]:
+        """Replace the optimizer state with the staged one, all at once, between two optimizer steps."""
 
 def add_ParameterServiceServicer_to_server(servicer: ParameterServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
 

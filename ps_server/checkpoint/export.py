@@ -16,7 +16,7 @@ import torch
 
 from ps_common import errors
 from ps_common.codec import dtype_to_proto
-from ps_common.plan import ParameterSpec, make_plan
+from ps_common.plan import ParameterSpec, plan_for_digest
 from ps_common.wire import plan_to_proto
 from ps_proto.v1 import ps_pb2
 
@@ -50,7 +50,7 @@ def export_messages(shard: Any) -> Iterator[ps_pb2.ExportParametersResponse]:
         ) from None
     info = state["plan"]
     specs = [ParameterSpec(key, tuple(shape), dtype) for key, shape, dtype in info["specs"]]
-    plan = make_plan(specs, info["num_shards"], info["partition_bytes"])
+    plan = plan_for_digest(specs, info["num_shards"], info["partition_bytes"], info["digest"])
     version = int(state["version"])
     log.info("shard %d: exporting %d partitions at version %d", shard.shard_index, len(state["tensors"]), version)
     yield ps_pb2.ExportParametersResponse(

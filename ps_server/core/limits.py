@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from ps_common.codec import DTYPES
 from ps_common.errors import InvalidRequestError
 from ps_common.frames import MESSAGE_OVERHEAD_BYTES
-from ps_common.plan import DEFAULT_PARTITION_BYTES, MAX_PARTITION_BYTES, ParameterSpec
+from ps_common.plan import DEFAULT_PARTITION_BYTES, MAX_PARTITION_BYTES, ParameterSpec, piece_bytes
 from ps_common.text import quote
 
 DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
@@ -84,13 +84,14 @@ class Limits:
                 "(max_message_bytes / 256): raise --max-message-bytes, or group parameters."
             )
 
-    def check_plan(self, specs: Sequence[ParameterSpec], partition_bytes: int) -> None:
+    def check_plan(self, specs: Sequence[ParameterSpec], partition_bytes: int, num_shards: int = 1) -> None:
         """Bound a plan by its inputs, before it is built: key count and length, dimensions,
         bytes and partitions; time linear in ``len(specs)``.
 
         Args:
             specs: the declared parameters (dtype names are checked by :func:`make_plan`).
             partition_bytes: the declared partition size in bytes.
+            num_shards: the shards the plan spreads over (its cut: :func:`ps_common.plan.piece_bytes`).
 
         Raises:
             InvalidRequestError: a bound exceeded; the message names the flag that sets it.
@@ -128,4 +129,14 @@ class Limits:
                 raise InvalidRequestError(
                     f"The plan cuts its parameters into more than {self.max_partitions} partitions of "
                     f"{partition_bytes} bytes; use a larger partition_bytes (default {DEFAULT_PARTITION_BYTES})."
+                )
+        # the balanced cut (ps_common.plan.piece_bytes) may cut finer: count its pieces exactly
+        piece = piece_bytes(specs, num_shards, partition_bytes)
+        if piece < partition_bytes:
+            partitions = sum(-(-math.prod(s.shape) // max(1, piece // DTYPES[s.dtype].itemsize)) for s in specs)
+            if partitions > self.max_partitions:
+                raise InvalidRequestError(
+                    f"The plan cuts its parameters into {partitions} partitions (pieces of {piece} bytes, so "
+                    f"that {num_shards} shards hold even shares); this shard accepts at most {self.max_partitions}: "
+                    "raise --max-message-bytes, or group parameters."
                 )

@@ -20,7 +20,7 @@ import torch
 from ps_common.errors import PreconditionError, UpdateRefusedError
 from ps_common.modes import ModeSettings
 from ps_server.membership.ranks import Member, Membership, PushResult, PushStamp
-from ps_server.policy.types import Hyperparameters, StreamHook
+from ps_server.policy.types import Awaited, ClipHook, Hyperparameters, StreamHook
 
 if TYPE_CHECKING:
     from ps_server.policy.rounds import SyncRounds
@@ -44,6 +44,8 @@ class ShardCore(Protocol):
     exchange_results: dict[int, tuple[int, list[torch.Tensor]]]
     membership: Membership
     counters: ShardCounters
+    clips: ClipHook
+    """Rounds held for clipping (``ps_server.shard.clipping``)."""
 
     @property
     def members(self) -> list[Member]: ...
@@ -70,7 +72,13 @@ class ShardCore(Protocol):
     def advance(self) -> None:
         """Let the policy close what is complete, switch a pending mode, wake the waiters."""
 
-    def wait_for_ranks(self, ready: Callable[[], bool], deadline: float | None, describe: Callable[[], str]) -> None:
+    def wait_for_ranks(
+        self,
+        ready: Callable[[], bool],
+        deadline: float | None,
+        describe: Callable[[], str],
+        awaited: Callable[[], Awaited | None] | None = None,
+    ) -> None:
         """Wait on the shard's condition until ``ready()`` (see ``Shard.wait_for_ranks``)."""
 
 
@@ -171,6 +179,12 @@ class ConsistencyPolicy(ABC):
             f"{shard.version}; round waits for ranks {waiting}); "
             "check those workers."
         )
+
+    def awaited(self, shard: ShardCore, member: Member, min_version: int) -> Awaited | None:
+        """Whom a blocked read of ``member`` waits for (the ranks that have not pushed the open
+        round, here), or None when it waits for no rank."""
+        round_ = shard.rounds.round
+        return Awaited(f"round {round_}", shard.rounds.waiting_for(shard.membership.expected(round_)), "pushed")
 
     def after_read(self, shard: ShardCore, member: Member, joined: bool, min_version: int) -> None:
         """After the wait, before the parameters are copied: raise a refusal the wait ended on, or

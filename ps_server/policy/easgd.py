@@ -22,6 +22,7 @@ from ps_common.errors import NonFiniteUpdateError, PreconditionError, UpdateRefu
 from ps_server.core.finite import all_finite
 from ps_server.membership.ranks import Member, PushResult, PushStamp
 from ps_server.policy.base import ConsistencyPolicy, ShardCore
+from ps_server.policy.types import Awaited
 
 if TYPE_CHECKING:
     from ps_server.policy.types import Hyperparameters
@@ -129,6 +130,9 @@ class EasgdPolicy(ConsistencyPolicy):
                 lambda: (
                     f"EASGD period {stamp.clock} waits for ranks "
                     f"{shard.rounds.waiting_for(shard.membership.expected())}; check those workers."
+                ),
+                lambda: Awaited(
+                    f"EASGD period {stamp.clock}", shard.rounds.waiting_for(shard.membership.expected()), "exchanged"
                 ),
             )
             if rank in shard.refusals:

@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from ps_server.membership.ranks import Member, WorkerState
 from ps_server.policy.asynchronous import ImmediatePolicy
 from ps_server.policy.base import ShardCore
+from ps_server.policy.types import Awaited
 
 
 def slowest(clocks: Iterable[int]) -> int | None:
@@ -60,6 +61,13 @@ class SspPolicy(ImmediatePolicy):
             f"{member.clock - shard.settings.staleness} (slowest: {slowest(shard.membership.clocks())}); "
             "check the slow workers."
         )
+
+    def awaited(self, shard: ShardCore, member: Member, min_version: int) -> Awaited | None:
+        """The live ranks more than s clocks behind the reader."""
+        floor = member.clock - shard.settings.staleness
+        ranks = [r for r in shard.membership.expected() if shard.membership.members[r].clock < floor]
+        staleness = shard.settings.staleness
+        return Awaited(f"clock {floor} of every rank (staleness {staleness})", ranks, f"reached clock {floor}")
 
     def after_read(self, shard: ShardCore, member: Member, joined: bool, min_version: int) -> None:
         """Record the reader's lead over the slowest live rank (the status's ``max_clock_gap``)."""

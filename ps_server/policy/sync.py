@@ -112,6 +112,7 @@ class SyncPolicy(ConsistencyPolicy):
         partitions take the values of the round's lowest rank (rank 0)."""
         store, rounds = shard.store, shard.rounds
         assert store is not None
+        clip = shard.clips.wanted(rounds.round - 1, list(held))
         hyper = agreed_hyperparameters(rounds.taken_hyper)
         if (hyper is None or rounds.taken_skips) and shard.stream is not None:
             shard.stream.stop(shard, "its ranks disagree, or one asked to skip")
@@ -139,6 +140,9 @@ class SyncPolicy(ConsistencyPolicy):
             while len(shard.skipped_rounds) > SKIPPED_ROUNDS:
                 del shard.skipped_rounds[next(iter(shard.skipped_rounds))]
             shard.set_version(rounds.round)
+            return
+        if clip:  # stepped when its coefficient comes (ps_server.shard.clipping)
+            shard.clips.hold(rounds.round - 1, held, hyper, lowest)
             return
         if shard.stream is not None and shard.stream.settle(shard, rounds.round - 1, list(held), hyper):
             shard.set_version(rounds.round)  # stepped slot by slot as its pushes arrived
@@ -178,8 +182,10 @@ class SyncPolicy(ConsistencyPolicy):
             refusal = shard.refusals.pop(rank)  # the round it waits for was refused
             raise type(refusal)(str(refusal))
         round_ = shard.rounds.round
-        waits_without_its_push = min_version > shard.version and (
-            rank not in shard.rounds.pending or min_version > round_ + 1
+        waits_without_its_push = (
+            min_version > shard.version
+            and (rank not in shard.rounds.pending or min_version > round_ + 1)
+            and shard.clips.held_round != min_version - 1  # a held round is stepped by its coefficient
         )
         if joined and waits_without_its_push and rank in shard.membership.expected(round_):
             raise PushLostError(

@@ -27,6 +27,7 @@ from ps_server.dataplane.pushpull import DataPushPull
 from ps_server.membership.ranks import PushStamp
 from ps_server.service.frame_cache import FrameCache, encode_exchange
 from ps_server.service.handlers import HANDLER_MAKERS
+from ps_server.service.optimizer_state import OptimizerStateRpcs
 from ps_server.service.rank_tokens import RankTokens, check_caller
 from ps_server.service.request_streams import Request, read_request
 from ps_server.service.rpc import (
@@ -111,6 +112,8 @@ class ParameterServicer:
         self.frames = FrameCache()
         self.tables = TableRpcs(shard, counters, rank_tokens, table_reads)
         """InitTables, PullRows and PushRows (``ps_server.service.tables``)."""
+        self.optimizer_state = OptimizerStateRpcs(shard, counters, rank_tokens)
+        """PullOptimizerState, PushOptimizerState, CommitOptimizerState (``ps_server.service.optimizer_state``)."""
         self.data_push_pull = DataPushPull(shard, data, self.observer, self._adopt, self._told)
         """PushPull whose partitions come on a data connection (``ps_server.dataplane.pushpull``)."""
 
@@ -208,6 +211,8 @@ class ParameterServicer:
         req = self._read(request_iterator, "Push", ps_pb2.PushHeader, "gradient", context)
         h = req.header
         self._adopt(h)
+        if h.hold_for_clip:  # sync: the round waits for its clipping coefficient (ps_server.shard.clipping)
+            self.shard.request_clip(h.rank, h.clock)
         r = self.shard.push(
             PushStamp(h.rank, h.incarnation, h.clock),
             h.version,
@@ -217,13 +222,23 @@ class ParameterServicer:
             h.skip,
         )
         self.observer.pushed(r)
-        return self._told(push_response(r), h.membership_epoch)
+        answer = push_response(r)
+        if h.hold_for_clip and not r.dropped:
+            round_, sum_squares = self.shard.wait_clip_norm(h.rank, h.clock, deadline(context))
+            if sum_squares is None:
+                answer.skipped = True
+            else:
+                answer.clip.CopyFrom(ps_pb2.ClipNorm(round=round_, sum_squares=sum_squares))
+        return self._told(answer, h.membership_epoch)
 
     @maps_stream_errors
     def Pull(self, request: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
         req = parse(ps_pb2.PullRequest, request)
         self._caller_is(context, req.rank, "Pull")
         dtype = wire_dtype(req.wire_dtype)
+        if req.HasField("clip"):  # step the round held for clipping first (ps_server.shard.clipping)
+            self.shard.check_plan(req.plan_digest)
+            self.shard.apply_clip(req.rank, req.incarnation, req.clip.round, req.clip.coefficient)
         version, out = self.shard.pull(
             req.rank,
             req.incarnation,
@@ -338,6 +353,15 @@ class ParameterServicer:
 
     def PushRows(self, request: ps_pb2.PushRowsRequest, context: grpc.ServicerContext) -> ps_pb2.PushRowsResponse:
         return self.tables.PushRows(request, context)
+
+    def PullOptimizerState(self, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+        return self.optimizer_state.PullOptimizerState(request, context)
+
+    def PushOptimizerState(self, request_iterator: Iterator[Any], context: grpc.ServicerContext) -> Any:
+        return self.optimizer_state.PushOptimizerState(request_iterator, context)
+
+    def CommitOptimizerState(self, request: Any, context: grpc.ServicerContext) -> Any:
+        return self.optimizer_state.CommitOptimizerState(request, context)
 
     def _adopt(self, message: Any) -> None:
         """Follow the membership record a request relays, when it is newer than the shard's; called

@@ -85,6 +85,11 @@ class TableRpcs:
     def PushRows(self, request: ps_pb2.PushRowsRequest, context: grpc.ServicerContext) -> ps_pb2.PushRowsResponse:
         check_caller(context, request.rank, "PushRows", self.rank_tokens)
         version, duplicate = self.shard.push_rows(
-            request.rank, request.incarnation, request.session, request.clock, request.blocks
+            request.rank,
+            request.incarnation,
+            request.session,
+            request.clock,
+            request.blocks,
+            dict(request.hyperparameters),
         )
         return ps_pb2.PushRowsResponse(version=version, duplicate=duplicate)

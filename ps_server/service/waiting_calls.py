@@ -43,7 +43,10 @@ from ps_server.service.handlers import behavior_of, rebuilt
 from ps_server.service.rank_tokens import RANK, caller_of
 
 SERVICE = "/ps.v1.ParameterService/"
-WAITING_METHODS = frozenset({"Init", "Push", "Pull", "PushPull", "PushPullOnce", "Exchange", "InitTables", "PullRows"})
+WAITING_METHODS = frozenset(
+    {"Init", "Push", "Pull", "PushPull", "PushPullOnce", "Exchange", "InitTables", "PullRows"}
+    | {"PullOptimizerState", "PushOptimizerState"}
+)
 """ParameterService methods whose handlers can last: they wait on the shard, or read a client stream."""
 REFUSAL_THREADS = 4
 """Threads of the waiting calls' pool beyond the limit: they refuse extra calls at once."""

@@ -119,7 +119,7 @@ class DataPath:
             )
         if host.plan is not None:
             return self.check_plan(digest)
-        host.limits.check_plan(specs, partition_bytes)  # the key count first, before any spec is read
+        host.limits.check_plan(specs, partition_bytes, num_shards)  # the key count first, before any spec is read
         expected = plan_digest(specs, num_shards, partition_bytes)
         if digest != expected:
             raise InvalidRequestError(
@@ -323,8 +323,9 @@ class DataPath:
             encode: called with the :class:`Snapshot` of the version read; its result is returned.
 
         Raises:
-            WaitTimeoutError: not readable in time. ShuttingDownError: closing.
-            UpdateRefusedError: sync, the round waited for was refused. PushLostError.
+            AwaitingRanksError: not readable by the call's deadline, and the ranks it waits for are
+                alive (the worker calls again). WaitTimeoutError: not readable in time.
+            ShuttingDownError: closing. UpdateRefusedError: sync, the round waited for was refused. PushLostError.
             NotInitializedError, PlanMismatchError, InvalidRequestError, PreconditionError.
         """
         host = self._host
@@ -338,6 +339,7 @@ class DataPath:
             lambda: host.policy.can_read(host, member, joined, min_version),
             deadline,
             lambda: host.policy.blocked(host, member, min_version, timeout),
+            lambda: host.policy.awaited(host, member, min_version),
         )
         host.policy.after_read(host, member, joined, min_version)
         assert host.store is not None

@@ -18,6 +18,7 @@ from ps_common.plan import Plan
 from ps_server.core.limits import Limits
 from ps_server.membership.epochs import Epochs
 from ps_server.membership.ranks import Member, Membership, PushResult, PushStamp
+from ps_server.policy.types import Awaited
 from ps_server.shard.counters import ShardCounters
 from ps_server.shard.store import ParameterStore
 from ps_server.shard.waits import Waits
@@ -124,7 +125,11 @@ class DataHost(ShardState, Protocol):
 
     def notify(self) -> None: ...
     def wait_for_ranks(
-        self, ready: Callable[[], bool], deadline: float | None, describe: Callable[[], str]
+        self,
+        ready: Callable[[], bool],
+        deadline: float | None,
+        describe: Callable[[], str],
+        awaited: Callable[[], Awaited | None] | None = None,
     ) -> None: ...
     def stream_held(self, rank: int, stream: Any) -> None: ...
     def end_stream(self, why: str) -> None: ...

@@ -7,7 +7,8 @@ collaborators that own the state, whose methods assume the lock is held and neve
 :class:`~ps_server.shard.admin.ConfigChanges` (configuration changes, status),
 :class:`~ps_server.shard.data.DataPath` (push, pull, exchange, their bookkeeping),
 :class:`~ps_server.shard.state.StateCodec` (checkpoint state),
-:class:`~ps_server.shard.round_stream.RoundStreams` (streamed sync rounds), the
+:class:`~ps_server.shard.round_stream.RoundStreams` (streamed sync rounds),
+:class:`~ps_server.shard.optimizer_state.OptimizerStates` (the optimizer state in torch's layout), the
 :class:`~ps_server.shard.store.ParameterStore` and the :class:`~ps_server.tables.store.TableStore`.
 :class:`~ps_server.shard.data_calls.DataCalls` (Push, Pull, PushPull, Exchange) and
 :class:`~ps_server.tables.calls.TableCalls` (InitTables, PullRows, PushRows) take the lock in
@@ -40,12 +41,15 @@ from ps_server.membership.epochs import Epochs
 from ps_server.membership.ranks import Member, Membership, MemberView, PushResult, PushStamp, WorkerState
 from ps_server.policy import POLICIES, ConsistencyPolicy
 from ps_server.policy.sync import SyncRounds
+from ps_server.policy.types import Awaited
 from ps_server.shard.admin import ConfigChanges
+from ps_server.shard.clipping import RoundClips
 from ps_server.shard.counters import ShardCounters
 from ps_server.shard.data import DataPath
 from ps_server.shard.data_calls import DataCalls
 from ps_server.shard.delegation import C, P, R, delegated, locked, part_property
 from ps_server.shard.members import ShardMembers
+from ps_server.shard.optimizer_state import OptimizerStates
 from ps_server.shard.relay import MembershipRelay
 from ps_server.shard.round_stream import RoundStream, RoundStreams
 from ps_server.shard.state import StateCodec
@@ -149,6 +153,8 @@ class Shard:
         self.streams = RoundStreams(self, self._cond)
         self.table_calls = TableCalls(self, self._cond)
         self.data_calls = DataCalls(self, self._cond)
+        self.clips = RoundClips(self)
+        self.optimizer_states = OptimizerStates(self)
 
     # ----------------------------------------------------------------- views of the collaborators' state
     @property
@@ -263,6 +269,7 @@ class Shard:
     def _install(self, plan: Plan, store: ParameterStore) -> None:
         self.plan, self.store = plan, store
         self.stream = None
+        self.clips.forget()
         self.data.store_epoch += 1
 
     # ----------------------------------------------------------------- the data path (DataPath)
@@ -272,6 +279,9 @@ class Shard:
     push_pull = delegated("data_calls", DataCalls.push_pull)
     exchange = delegated("data_calls", DataCalls.exchange)  # takes the lock in phases
     values_key = _locked("data", DataPath.values_key)
+    request_clip = _locked("clips", RoundClips.request)
+    wait_clip_norm = _locked("clips", RoundClips.wait_norm)
+    apply_clip = _locked("clips", RoundClips.apply)
 
     # ----------------------------------------------------------------- streamed rounds (RoundStreams)
     join_stream = _locked("streams", RoundStreams.join)
@@ -309,7 +319,7 @@ class Shard:
         """Let the policy close a complete round or period, switch a pending mode at a round
         boundary (the new policy takes over), and wake waiters. Caller holds the lock."""
         self.policy.advance(self)
-        if self.pending_mode and not self.rounds.pending:
+        if self.pending_mode and not self.rounds.pending and self.clips.held is None:
             log.info(
                 "shard %d: mode %s -> %s at version %d", self.shard_index, self.mode, self.pending_mode, self.version
             )
@@ -320,16 +330,24 @@ class Shard:
             self.policy.on_switch(self)
         self._cond.notify_all()
 
-    def wait_for_ranks(self, ready: Callable[[], bool], deadline: float | None, describe: Callable[[], str]) -> None:
+    def wait_for_ranks(
+        self,
+        ready: Callable[[], bool],
+        deadline: float | None,
+        describe: Callable[[], str],
+        awaited: Callable[[], Awaited | None] | None = None,
+    ) -> None:
         """Wait for a round or read that needs every expected rank; caller holds the lock.
+        ``awaited``: whom it waits for (:meth:`Waits.for_ranks`).
 
         Raises:
+            AwaitingRanksError: the call's deadline came while the awaited ranks still count.
             RanksMissingError: ranks never joined within the join timeout (see
                 :class:`~ps_server.membership.ranks.JoinDeadline`), and it is still not ready then.
             ShuttingDownError: closing. WaitTimeoutError: ``deadline`` passed.
         """
         quorum = lambda: self.policy.quorum(self.settings)  # noqa: E731
-        self.waits.for_ranks(ready, deadline, describe, self.membership, self.report_missing, quorum)
+        self.waits.for_ranks(ready, deadline, describe, self.membership, self.report_missing, quorum, awaited)
 
     # ----------------------------------------------------------------- checkpoints (StateCodec)
     def checkpointed(self, version: int) -> None:
@@ -384,3 +402,9 @@ class Shard:
     init_tables = _locked("table_calls", TableCalls.init_tables)
     pull_rows = delegated("table_calls", TableCalls.pull_rows)  # takes the lock in phases
     push_rows = delegated("table_calls", TableCalls.push_rows)  # takes the lock in phases
+
+    # ----------------------------------------------------------------- optimizer state (OptimizerStates)
+    optimizer_state_layout = _locked("optimizer_states", OptimizerStates.layout)
+    read_optimizer_state = _locked("optimizer_states", OptimizerStates.read)
+    stage_optimizer_state = _locked("optimizer_states", OptimizerStates.stage)
+    commit_optimizer_state = _locked("optimizer_states", OptimizerStates.commit)

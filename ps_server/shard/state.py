@@ -8,9 +8,9 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from ps_common.errors import CheckpointError, NotInitializedError
+from ps_common.errors import CheckpointError, InvalidRequestError, NotInitializedError
 from ps_common.optimizer import OptimizerSpec
-from ps_common.plan import ParameterSpec, Plan, make_plan, plan_digest
+from ps_common.plan import ParameterSpec, Plan, plan_for_digest
 from ps_server.membership.epochs import Epochs
 from ps_server.membership.ranks import Membership
 from ps_server.shard.hosts import StateHost
@@ -124,13 +124,13 @@ def load_state(state: dict[str, Any], shard_index: int, num_shards: int) -> tupl
             "of a job is fixed; its worker count is not)."
         )
     specs = [ParameterSpec(k, tuple(shape), dtype) for k, shape, dtype in plan_info["specs"]]
-    plan = make_plan(specs, plan_info["num_shards"], plan_info["partition_bytes"])
-    # a checkpoint of a release before the packing version joined the digest holds the same plan
-    legacy = plan_digest(specs, plan.num_shards, plan.partition_bytes, packing=0)
-    if plan_info["digest"] not in (plan.digest, legacy):
+    # a checkpoint of an earlier release holds its own cut of the plan (ps_common.plan.plan_for_digest)
+    try:
+        plan = plan_for_digest(specs, plan_info["num_shards"], plan_info["partition_bytes"], plan_info["digest"])
+    except InvalidRequestError:
         raise CheckpointError(
             "The checkpoint's plan digest does not match its specs; it was written by another release of grpc-ps."
-        )
+        ) from None
     store = ParameterStore(
         plan,
         shard_index,

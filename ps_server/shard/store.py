@@ -11,6 +11,7 @@ import torch
 from ps_common.codec import torch_dtype
 from ps_common.errors import NonFiniteUpdateError, UpdateRefusedError
 from ps_common.optimizer import OptimizerSpec, check_hyperparameter_range
+from ps_common.optimizer_args import set_group_value
 from ps_common.plan import PartitionSlice, Plan
 from ps_server.core.finite import all_finite
 from ps_server.core.partitions import max_abs_of
@@ -93,11 +94,7 @@ class ParameterStore:
                 if self._pushed[g].get(k) == v:
                     continue
                 self._pushed[g][k] = v
-                if k in ("beta1", "beta2"):
-                    b1, b2 = group["betas"]
-                    group["betas"] = (float(v), b2) if k == "beta1" else (b1, float(v))
-                else:
-                    group[k] = float(v)
+                set_group_value(group, k, v)
         return old
 
     def restore_hyperparameters(self, old: Sequence[Mapping[str, Any]]) -> None:
@@ -105,6 +102,18 @@ class ParameterStore:
             values = dict(values)
             self._pushed[g] = values.pop("__pushed__")
             group.update(values)
+
+    def replace_state(self, state: Mapping[int, Mapping[str, torch.Tensor]]) -> None:
+        """Replace the optimizer state of every trained partition with ``state`` (partition index,
+        plan order among the shard's -> torch's name -> tensor, copied; a partition absent gets
+        none, as before its first step), checked by :mod:`ps_server.shard.optimizer_state`."""
+        for i in self.trained_index:
+            entry = state.get(i)
+            if entry:
+                self.optimizer.state[self.tensors[i]] = {k: v.clone() for k, v in entry.items()}
+            else:
+                self.optimizer.state.pop(self.tensors[i], None)
+        self._bounds = None  # measured again at the next step that needs them
 
     def assign_buffers(self, values: Sequence[torch.Tensor]) -> None:
         """Set the buffer partitions to ``values`` (one tensor per owned partition, plan order; the
@@ -197,8 +206,9 @@ class ParameterStore:
         :mod:`ps_server.shard.round_stream`): its values and optimizer state are copied first, so that
         :meth:`undo_slots` can put every slot stepped since the last :meth:`commit_slots` back
         exactly. The result is bitwise the one :meth:`apply` gives that partition: torch.optim's
-        single-tensor step on CPU treats every parameter on its own (SGD, Adam, AdamW, RMSprop,
-        Adagrad), and a parameter whose ``grad`` is None is left alone.
+        single-tensor step on CPU treats every parameter on its own (every optimizer of
+        :data:`~ps_common.optimizer_args.TORCH_CLASSES`), and a parameter whose ``grad`` is None
+        is left alone.
 
         Args:
             index: the partition's position among the shard's (plan order).

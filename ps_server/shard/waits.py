@@ -1,6 +1,8 @@
 """Waiting on a shard's condition with a deadline: for a version, a round, an SSP read bound or an
 EASGD period, ending in a timeout, a closing shard, ranks that never joined, or the end of the call
-the wait serves.
+the wait serves. A wait for other ranks that reaches the end of its call while they still count ends
+in :class:`~ps_common.errors.AwaitingRanksError` (the worker calls again: the per-RPC deadline bounds
+a call, not a slow peer; docs/architecture.md#12-membership).
 
 The call: the service layer runs each request inside :func:`serving` with two callables of its call
 (grpc's ``context.is_active`` and ``context.time_remaining``, or a data connection's), and every
@@ -18,8 +20,15 @@ import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from ps_common.errors import RanksMissingError, ShuttingDownError, WaitTimeoutError
-from ps_server.membership.ranks import Membership
+from ps_common.errors import (
+    AwaitingRanksError,
+    RanksMissingError,
+    ShuttingDownError,
+    WaitTimeoutError,
+    awaiting_message,
+)
+from ps_server.membership.ranks import Membership, WorkerState
+from ps_server.policy.types import Awaited
 
 WAKE_SECONDS = 0.25
 """Longest a wait sleeps between checks that its call is still active (so a cancelled call's
@@ -133,6 +142,7 @@ class Waits:
         membership: Membership,
         report_missing: Callable[[], list[int]],
         quorum: Callable[[], int] = lambda: 0,
+        awaited: Callable[[], Awaited | None] | None = None,
     ) -> None:
         """:meth:`until` for a round or read that needs every expected rank: once the join
         deadline passes with ranks that never joined (and the others cannot close rounds on a
@@ -142,11 +152,59 @@ class Waits:
             membership: the shard's ranks and their join deadline.
             report_missing: reports and returns the ranks that never joined.
             quorum: pushes that close a round whoever sent them now (0: every expected rank).
+            awaited: whom the wait waits for when its deadline comes (None: no rank).
 
         Raises:
+            AwaitingRanksError: the deadline came while ``awaited()`` names ranks that still count
+                (alive, or not joined yet within the join timeout): the caller calls again.
             RanksMissingError: ranks never joined within the join timeout, and it is still not
                 ready then. ShuttingDownError, WaitTimeoutError: as :meth:`until`.
         """
+        try:
+            self._for_ranks(ready, deadline, describe, membership, report_missing, quorum)
+        except WaitTimeoutError:
+            self._still_awaited(membership, awaited, describe)
+            raise
+
+    def until_awaited(
+        self,
+        ready: Callable[[], bool],
+        deadline: float | None,
+        describe: Callable[[], str],
+        membership: Membership,
+        awaited: Callable[[], Awaited | None],
+    ) -> None:
+        """:meth:`until` for a wait on other ranks with no join deadline (a sync table round).
+
+        Raises:
+            AwaitingRanksError: as :meth:`for_ranks`. ShuttingDownError, WaitTimeoutError: as :meth:`until`.
+        """
+        try:
+            self.until(ready, deadline, describe)
+        except WaitTimeoutError:
+            self._still_awaited(membership, awaited, describe)
+            raise
+
+    def _still_awaited(
+        self, membership: Membership, awaited: Callable[[], Awaited | None] | None, describe: Callable[[], str]
+    ) -> None:
+        """Raise AwaitingRanksError when ``awaited()`` names ranks that all joined (a wait just
+        timed out; a rank that never joined is waited for no longer than before: the call times
+        out, and ``--join-timeout`` applies); its message ends with ``describe()``."""
+        found = None if awaited is None else awaited()
+        if found is not None and found.ranks and not _not_joined(found, membership):
+            text = awaiting_message(found.what, found.ranks, _state(found, membership))
+            raise AwaitingRanksError(f"Shard {self.shard_index} is {text}. {describe()}") from None
+
+    def _for_ranks(
+        self,
+        ready: Callable[[], bool],
+        deadline: float | None,
+        describe: Callable[[], str],
+        membership: Membership,
+        report_missing: Callable[[], list[int]],
+        quorum: Callable[[], int],
+    ) -> None:
         due = membership.joins.due()
         if due is not None and (deadline is None or due < deadline):
             try:
@@ -157,3 +215,22 @@ class Waits:
                 if missing and not (k and len(membership.expected()) - len(missing) >= k):
                     raise RanksMissingError(membership.joins.describe(missing, self.shard_index)) from None
         self.until(ready, deadline, describe)
+
+
+def _not_joined(found: Awaited, membership: Membership) -> bool:
+    """Whether an awaited rank has not joined this shard yet."""
+    members = membership.members
+    return any(r >= len(members) or members[r].state is WorkerState.PENDING for r in found.ranks)
+
+
+def _state(found: Awaited, membership: Membership) -> str:
+    """What the awaited ranks are: ``are alive but have not pushed`` when every one is live here
+    (heartbeating within its lease), else which are alive and which are silent (evicted here or
+    gone, and still counted until shard 0's decision arrives)."""
+    by_state: dict[str, list[int]] = {"alive": [], "silent": []}
+    for r in found.ranks:
+        by_state["alive" if membership.members[r].state is WorkerState.LIVE else "silent"].append(r)
+    if len(by_state["alive"]) == len(found.ranks):
+        return f"are alive but have not {found.missing}"
+    shown = ", ".join(f"{k}: {v}" for k, v in by_state.items() if v)
+    return f"have not {found.missing} ({shown})"

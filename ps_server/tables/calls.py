@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -26,6 +26,7 @@ from ps_common.errors import InvalidRequestError, RequestTooLargeError, VersionA
 from ps_common.tables import TableSpec
 from ps_proto.v1 import ps_pb2
 from ps_server.membership.ranks import Membership
+from ps_server.policy.types import Awaited
 from ps_server.tables.metrics import TableRow, table_rows
 from ps_server.tables.row_read import RowRead, RowRequest
 from ps_server.tables.store import TableStore
@@ -259,6 +260,8 @@ class TableCalls:
 
         Raises:
             VersionAheadError: ``min_version`` beyond the next table version (no wait could end on it).
+            AwaitingRanksError: the call's deadline came while ranks that have not pushed rows
+                for the round are alive (the worker calls again).
             WaitTimeoutError, ShuttingDownError: as :meth:`~ps_server.shard.waits.Waits.until`.
         """
         host = self._host
@@ -283,10 +286,20 @@ class TableCalls:
                 f"{missing} have not pushed rows for it. Check those workers, or evict them."
             )
 
-        host.waits.until(ready, until, describe)
+        def awaited() -> Awaited:
+            ranks = store.waiting_for(host.membership.expected(store.version))
+            return Awaited(f"table round {store.version}", ranks, "pushed rows")
+
+        host.waits.until_awaited(ready, until, describe, host.membership, awaited)
 
     def push_rows(
-        self, rank: int, incarnation: int, session: int, clock: int, blocks: Sequence[Block]
+        self,
+        rank: int,
+        incarnation: int,
+        session: int,
+        clock: int,
+        blocks: Sequence[Block],
+        hyper: Mapping[str, float] | None = None,
     ) -> tuple[int, bool]:
         """PushRows: ``rank``'s session checked (``host.check_session``, which takes the lock) and
         the ids decoded (:func:`decode_push`) before the lock, then :meth:`apply_push` under it.
@@ -294,10 +307,16 @@ class TableCalls:
         self._host.check_session(rank, incarnation, session, "PushRows")
         ids = decode_push(blocks)
         with self._cond:
-            return self.apply_push(rank, incarnation, clock, blocks, ids)
+            return self.apply_push(rank, incarnation, clock, blocks, ids, hyper)
 
     def apply_push(
-        self, rank: int, incarnation: int, clock: int, blocks: Sequence[Block], ids: Sequence[torch.Tensor]
+        self,
+        rank: int,
+        incarnation: int,
+        clock: int,
+        blocks: Sequence[Block],
+        ids: Sequence[torch.Tensor],
+        hyper: Mapping[str, float] | None = None,
     ) -> tuple[int, bool]:
         """PushRows (lock held): check the rank and every block, then hold or apply the push as the
         shard's policy says (:meth:`TableStore.push`), close a complete table round, wake the waits
@@ -305,6 +324,7 @@ class TableCalls:
 
         Args:
             ids: :func:`decode_push` of ``blocks``.
+            hyper: the row optimizer's values for this step and after (:meth:`TableStore.push`).
 
         Returns:
             (version, duplicate) as :meth:`TableStore.push`.
@@ -323,7 +343,7 @@ class TableCalls:
         for b, i in zip(blocks, ids, strict=True):
             grads[b.table] = grads_of(store, b, i, b.table in grads)
         before = store.version
-        version, duplicate = store.push(policy, rank, incarnation, clock, grads)
+        version, duplicate = store.push(policy, rank, incarnation, clock, grads, hyper or {})
         if not duplicate:
             for b in blocks:
                 store.tables[b.table].bytes_received += len(b.ids) + len(b.data)

@@ -25,6 +25,7 @@ nothing. ``policy.row_clock`` says which clock a rank's next push carries.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -38,9 +39,10 @@ from ps_common.errors import (
     TableFullError,
     UpdateRefusedError,
 )
-from ps_common.tables import MAX_TABLES, TableSpec
+from ps_common.tables import MAX_TABLES, ROW_HYPERPARAMETERS, TableSpec
 from ps_server.policy import ConsistencyPolicy
 from ps_server.tables.row_read import RowRead, RowRequest
+from ps_server.tables.sparse_optim import state_names
 from ps_server.tables.table import DEFAULT_MAX_TABLE_BYTES, RowGrads, Table, coalesce, table_row_bytes
 
 log = logging.getLogger(__name__)
@@ -68,6 +70,8 @@ class TableStore:
         self.held: dict[int, dict[str, RowGrads]] = {}  # row rounds: the open round's pushes by rank
         self.held_keys: dict[int, int] = {}  # rank -> incarnation of its held push
         self.high_water: dict[int, tuple[int, int]] = {}  # immediate rows: rank -> (incarnation, last clock)
+        self.held_hyper: dict[str, float] | None = None  # row rounds: the open round's hyperparameters
+        self.hyper: dict[str, float] = {}  # row optimizer values pushes set; in force until changed
         self.refused = 0
 
     # ----------------------------------------------------------------- declare
@@ -187,6 +191,34 @@ class TableStore:
                 t.check_room(new[name])
         self.check_bytes(new)
 
+    def check_hyperparameters(self, hyper: Mapping[str, float]) -> None:
+        """Refuse row optimizer values a push sets (:data:`~ps_common.tables.ROW_HYPERPARAMETERS`)
+        that a table's row optimizer does not take per push, or that are out of its range
+        (``RowOptimizerSpec``'s checks on the values in force with ``hyper``), or that would
+        change the state it keeps (sgd's momentum from 0).
+
+        Raises:
+            InvalidRequestError: an unknown name, a value out of range.
+        """
+        for name, v in hyper.items():
+            if not (math.isfinite(v) and v >= 0):
+                raise InvalidRequestError(f"Row hyperparameter {name[:64]}={v!r} must be a finite number >= 0.")
+        for t in self.tables.values():
+            opt = t.spec.optimizer
+            allowed = ROW_HYPERPARAMETERS[opt.name]
+            unknown = sorted(set(hyper) - allowed)
+            if unknown:
+                raise InvalidRequestError(
+                    f"A row push may set {', '.join(sorted(allowed))} of table {t.spec.name!r}'s {opt.name} row "
+                    f"optimizer, not {unknown[0][:64]!r}."
+                )
+            effective = t.optimizer_with({**self.hyper, **hyper})
+            if state_names(effective) != state_names(opt):
+                raise InvalidRequestError(
+                    f"Table {t.spec.name!r}'s {opt.name} row optimizer keeps no momentum; a push cannot turn it on "
+                    "(declare the table with momentum)."
+                )
+
     @property
     def num_bytes(self) -> int:
         """Bytes all tables hold (capacity, optimizer state, ids and index)."""
@@ -205,30 +237,48 @@ class TableStore:
             )
 
     def push(
-        self, policy: ConsistencyPolicy, rank: int, incarnation: int, clock: int, blocks: Mapping[str, RowGrads]
+        self,
+        policy: ConsistencyPolicy,
+        rank: int,
+        incarnation: int,
+        clock: int,
+        blocks: Mapping[str, RowGrads],
+        hyper: Mapping[str, float] | None = None,
     ) -> tuple[int, bool]:
         """Hold (``policy.row_rounds``) or apply one rank's row gradients of one step.
+
+        ``hyper``: row optimizer values (``{"lr": 0.01}``) for the step and after; a row round
+        takes its ranks' (they must agree), an immediate push its own.
 
         Returns:
             (version: the round joined (row rounds) or the version after the step, duplicate).
 
         Raises:
             FutureRoundError: row rounds, a clock beyond the open round.
-            as :meth:`check_push`; UpdateRefusedError (applied at once): the step failed, nothing changed.
+            PreconditionError: row rounds, ``hyper`` differs from another rank's push of the round.
+            as :meth:`check_push` and :meth:`check_hyperparameters`; UpdateRefusedError (applied
+            at once): the step failed, nothing changed.
         """
-        policy = policy
+        hyper = dict(hyper or {})
         if policy.row_rounds:
-            return self._hold(policy, rank, incarnation, clock, blocks)
+            return self._hold(policy, rank, incarnation, clock, blocks, hyper)
         seen = self.high_water.get(rank)
         if seen is not None and seen[0] == incarnation and clock <= seen[1]:
             return self.version, True
         self.check_push(policy, blocks)
-        self._apply(blocks.items(), count=1)
+        self.check_hyperparameters(hyper)
+        self._apply(blocks.items(), count=1, hyper=hyper)
         self.high_water[rank] = (incarnation, clock)
         return self.version, False
 
     def _hold(
-        self, policy: ConsistencyPolicy, rank: int, incarnation: int, clock: int, blocks: Mapping[str, RowGrads]
+        self,
+        policy: ConsistencyPolicy,
+        rank: int,
+        incarnation: int,
+        clock: int,
+        blocks: Mapping[str, RowGrads],
+        hyper: dict[str, float],
     ) -> tuple[int, bool]:
         """Hold ``rank``'s push for the open table round ``clock`` (a closed round's, or a second
         push of the open round, is a duplicate). Returns (clock, duplicate).
@@ -244,6 +294,13 @@ class TableStore:
                 "pull rows and push the round it holds."
             )
         self.check_push(policy, blocks)
+        self.check_hyperparameters(hyper)
+        if self.held_hyper is not None and hyper != self.held_hyper:
+            raise PreconditionError(
+                f"Rank {rank} sent row hyperparameters {hyper} for table round {clock}, but another rank sent "
+                f"{self.held_hyper}; every rank must step the tables with the same values (the same lr schedule)."
+            )
+        self.held_hyper = hyper
         self.held[rank] = dict(blocks)
         self.held_keys[rank] = incarnation
         return clock, False
@@ -270,22 +327,31 @@ class TableStore:
         if not self.held or any(r not in self.held for r in expected):
             return False
         held, self.held, self.held_keys = self.held, {}, {}
+        hyper, self.held_hyper = self.held_hyper or {}, None
         ranks = sorted(held)
         per_table: dict[str, list[RowGrads]] = {name: [] for name in self.tables}
         for r in ranks:  # rank order, never arrival order
             for name, rg in held[r].items():
                 per_table[name].append(rg)
         try:
-            self._apply(per_table.items(), count=len(ranks), parts=True)
+            self._apply(per_table.items(), count=len(ranks), parts=True, hyper=hyper)
         except UpdateRefusedError as exc:
             self.refused += 1
             log.warning("shard %d: table round %d refused, rows unchanged: %s", self.shard_index, self.version, exc)
             self.version += 1
         return True
 
-    def _apply(self, items: Iterable[tuple[str, Any]], count: int, parts: bool = False) -> None:
-        """Coalesce each table's gradients, divide by ``count``, step every table (all or nothing:
-        every table's step is computed and checked before any is written); version + 1."""
+    def _apply(
+        self,
+        items: Iterable[tuple[str, Any]],
+        count: int,
+        parts: bool = False,
+        hyper: Mapping[str, float] | None = None,
+    ) -> None:
+        """Coalesce each table's gradients, divide by ``count``, step every table with the values
+        in force updated by ``hyper`` (all or nothing: every table's step is computed and checked
+        before any is written, and ``hyper`` stays in force only then); version + 1."""
+        in_force = {**self.hyper, **(hyper or {})}
         summed = {}
         for name, value in items:
             dim = self.tables[name].spec.dim
@@ -294,7 +360,10 @@ class TableStore:
                 grads = grads / count
             summed[name] = (ids, grads)
         empty = torch.empty(0, dtype=torch.int64)
-        prepared = [(t, t.prepare(*summed.get(name, (empty, None)))) for name, t in self.tables.items()]
+        prepared = [
+            (t, t.prepare(*summed.get(name, (empty, None)), overrides=in_force)) for name, t in self.tables.items()
+        ]
+        self.hyper = in_force
         # every table computed and checked: now write, each table growing within what the byte
         # budget leaves once every other table has room for its own new rows
         floors = {id(t): t.bytes_with(int((~p.held).sum()) if p.held is not None else 0) for t, p in prepared}
@@ -311,6 +380,7 @@ class TableStore:
             "version": self.version,
             "tables": [t.export() for t in self.tables.values()],
             "high_water": [[r, inc, clock] for r, (inc, clock) in sorted(self.high_water.items())],
+            "hyperparameters": dict(self.hyper),
         }
 
     def restore(self, saved: dict[str, Any] | None) -> None:
@@ -325,7 +395,8 @@ class TableStore:
             self.tables[spec.name] = table
         self.version = int(saved["version"])
         self.high_water = {int(r): (int(inc), int(clock)) for r, inc, clock in saved.get("high_water", [])}
-        self.held, self.held_keys = {}, {}
+        self.held, self.held_keys, self.held_hyper = {}, {}, None
+        self.hyper = {str(k): float(v) for k, v in saved.get("hyperparameters", {}).items()}
 
     def clock_of(self, policy: ConsistencyPolicy, rank: int, incarnation: int) -> int:
         """The clock ``rank``'s next push carries (``policy.row_clock``: the open round in row

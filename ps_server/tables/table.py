@@ -18,7 +18,7 @@ whatever the arrival order.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -234,10 +234,26 @@ class Table:
         """One row-optimizer step: :meth:`commit` of :meth:`prepare` (all or nothing)."""
         self.commit(self.prepare(ids, grads, lr))
 
-    def prepare(self, ids: torch.Tensor, grads: torch.Tensor | None, lr: float | None = None) -> Prepared:
+    def optimizer_with(self, overrides: Mapping[str, float] | None) -> RowOptimizerSpec:
+        """The table's row optimizer with ``overrides`` (values a push set) in place of its own.
+
+        Raises:
+            InvalidRequestError: an override out of the optimizer's range.
+        """
+        opt = self.spec.optimizer
+        return RowOptimizerSpec(opt.name, {**opt.kwargs, **overrides}) if overrides else opt
+
+    def prepare(
+        self,
+        ids: torch.Tensor,
+        grads: torch.Tensor | None,
+        lr: float | None = None,
+        overrides: Mapping[str, float] | None = None,
+    ) -> Prepared:
         """Compute one row-optimizer step with coalesced gradients ``grads`` [u, dim] of distinct
         ``ids`` [u], changing nothing (the table's step counts it even when ``ids`` is empty, as
-        torch counts a step of a parameter whose gradient touched no row).
+        torch counts a step of a parameter whose gradient touched no row). ``overrides``: values
+        in force in place of the row optimizer's own (:meth:`optimizer_with`).
 
         Raises:
             TableFullError: new rows beyond ``max_rows``.
@@ -257,7 +273,7 @@ class Table:
             if bool(held.any()):
                 s[held] = self.state[name][slots[held]]
             state[name] = s
-        new_rows, new_state = update_rows(self.spec.optimizer, rows, grads, state, step, lr)
+        new_rows, new_state = update_rows(self.optimizer_with(overrides), rows, grads, state, step, lr)
         if not bool(torch.isfinite(new_rows).all()) or not all(
             bool(torch.isfinite(t).all()) for t in new_state.values()
         ):

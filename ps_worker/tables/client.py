@@ -12,8 +12,10 @@ counts the rank in the table round). Bytes on the wire: 8 bytes per distinct id 
 from __future__ import annotations
 
 import logging
+import math
+import weakref
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -102,6 +104,12 @@ class TableClient:
         """table -> (distinct ids, rows) pulled ahead by ``ps_worker.tables.modules.prefetch`` for the next forward."""
         self.calls: Counter[str] = Counter()
         """Calls made, by method (InitTables, PullRows, PushRows)."""
+        self.weights: dict[str, weakref.ref[torch.Tensor]] = {}
+        """Table name -> the weight its module held before ``attach_tables`` removed it (a user
+        optimizer built before ``client.init`` still holds it: ``ps_worker.torch_optim``)."""
+        self.hyperparameters: Callable[[], Mapping[str, float]] | None = None
+        """What each PushRows carries when :meth:`push` is given none: the row optimizer's values
+        an lr scheduler set (``DistributedOptimizer`` reads them from the user's optimizer)."""
 
     def _call(self, k: int, method: str, request: Any) -> Any:
         stub = self.transport.stubs[k]
@@ -117,7 +125,10 @@ class TableClient:
         self.sent_bytes += sent
         if self.metrics is not None:
             self.metrics.sent_bytes.inc(sent)
-        reply = retry_call(once, self.transport.retry_deadline, f"{method} to shard {k}", codes=RETRY)
+        what = f"{method} to shard {k}"
+        reply = self.session.waits.call(
+            lambda: retry_call(once, self.transport.retry_deadline, what, codes=RETRY), self.transport.servers[k]
+        )  # a sync table round's PullRows again while the ranks it waits for are alive
         got = reply.ByteSize()
         self.received_bytes += got
         if self.metrics is not None:
@@ -225,22 +236,39 @@ class TableClient:
         return chunks
 
     # ------------------------------------------------------------------ push
-    def push(self, grads: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> int:
+    def push(
+        self,
+        grads: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
+        hyperparameters: Mapping[str, float] | None = None,
+    ) -> int:
         """One step's row gradients: coalesced per table, one PushRows per shard (every shard in sync
         mode, empty where no row of it was touched), stamped (rank, incarnation, clock); the clock
         then advances. Retries resend the same stamp, so nothing applies twice.
 
         Args:
             grads: table name -> (int64 ids [n], float32 grads [n, dim]); duplicates allowed.
+            hyperparameters: the row optimizer's values for this step and after (``{"lr": 0.01}``,
+                names in ``ps_common.tables.ROW_HYPERPARAMETERS``); None: :attr:`hyperparameters`'
+                values, or none (the values in force stay).
 
         Returns:
             The largest table version a shard answered (sync: the round joined).
 
         Raises:
             KeyError: an unknown table. ShardError: a refusal (INVALID_ARGUMENT: non-finite rows,
-                ids out of range; RESOURCE_EXHAUSTED: a table's cap); the clock does not advance.
+                ids out of range, bad hyperparameters; RESOURCE_EXHAUSTED: a table's cap;
+                FAILED_PRECONDITION: a sync round's ranks sent different hyperparameters); the
+                clock does not advance.
         """
         clock = self._ensure()
+        if hyperparameters is None and self.hyperparameters is not None:
+            hyperparameters = self.hyperparameters()
+        hyper = {k: float(v) for k, v in (hyperparameters or {}).items()}
+        bad = [k for k, v in hyper.items() if not math.isfinite(v)]
+        if bad:
+            raise ValueError(
+                f"Row optimizer hyperparameter {bad[0]}={hyper[bad[0]]} is not finite; nothing was pushed."
+            )
         n = self.transport.num_shards
         per_shard: list[list[ps_pb2.RowBlock]] = [[] for _ in range(n)]
         for name, (ids, g) in grads.items():
@@ -280,6 +308,7 @@ class TableClient:
                 clock=clock,
                 blocks=per_shard[k],
                 session=self.session.sessions[k],
+                hyperparameters=hyper,
             )
             return self._call(k, "PushRows", request)
 

@@ -21,6 +21,8 @@ optimizer's name and the arguments a row optimizer takes (sgd, adagrad, adam/ada
 from __future__ import annotations
 
 import functools
+import logging
+import weakref
 from collections import defaultdict
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Protocol
@@ -37,6 +39,8 @@ if TYPE_CHECKING:
     from ps_worker.metrics import WorkerMetrics
     from ps_worker.session import Session
     from ps_worker.transport.grpc_link import Transport
+
+log = logging.getLogger(__name__)
 
 
 class TableHost(Protocol):
@@ -76,10 +80,22 @@ class ShardedEmbedding(nn.Module):
         raise RuntimeError("ShardedEmbedding serves rows from the shards: call client.init(model, ...) first.")
 
 
-def _is_table(module: nn.Module) -> bool:
+def is_table(module: nn.Module) -> bool:
+    """True for a module :func:`attach_tables` serves from the shards (a sparse embedding)."""
     if isinstance(module, ShardedEmbedding):
         return True
     return isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and bool(module.sparse)
+
+
+def table_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Table name (``"emb.weight"``) -> the weight of each sparse embedding of ``model`` still
+    holding one (before :func:`attach_tables`; a :class:`ShardedEmbedding` has none)."""
+    out = {}
+    for name, m in model.named_modules():
+        weight = m._parameters.get("weight") if is_table(m) else None
+        if weight is not None:
+            out[f"{name}.weight" if name else "weight"] = weight
+    return out
 
 
 def row_optimizer(optimizer: Mapping[str, Any] | None) -> tuple[dict[str, Any], RowOptimizerSpec]:
@@ -114,7 +130,7 @@ def attach_tables(client: TableHost, model: nn.Module, optimizer: Mapping[str, A
         ValueError: an embedding option tables do not support (max_norm, padding_idx,
             scale_grad_by_freq), or no row optimizer (see :func:`row_optimizer`).
     """
-    found = [(name, m) for name, m in model.named_modules() if _is_table(m)]
+    found = [(name, m) for name, m in model.named_modules() if is_table(m)]
     if not found:
         if optimizer is not None and "sparse" in optimizer:
             return {k: v for k, v in optimizer.items() if k != "sparse"}
@@ -135,10 +151,22 @@ def attach_tables(client: TableHost, model: nn.Module, optimizer: Mapping[str, A
     tables = TableClient(client.transport, client.session, specs, client.metrics, limit)
     for (_, m), spec in zip(found, specs, strict=True):
         if "weight" in m._parameters:
+            tables.weights[spec.name] = weakref.ref(m._parameters["weight"])  # a user optimizer's, by identity
             del m._parameters["weight"]  # the table is the shards'; nothing of it stays here
             object.__setattr__(m, "weight", None)
         m.forward = functools.partial(_forward, m, tables, spec.name)  # type: ignore[method-assign]
     client.tables = tables
+    # the row optimizer derived from the dense one: a user may build a SparseAdam over the tables next,
+    # which torch refuses ("empty parameter list") without a word of why: say it before
+    log.log(
+        logging.INFO if "sparse" in (optimizer or {}) else logging.WARNING,
+        "embedding tables %s live on the shards and left model.parameters(): build any optimizer over them "
+        "before client.init and pass it too, e.g. optimizer=[adam, SparseAdam(emb.parameters())] (row "
+        "optimizer now: %s %s)",
+        ", ".join(s.name for s in specs),
+        row_opt.name,
+        dict(row_opt.kwargs),
+    )
     return dense
 
 

@@ -17,8 +17,9 @@ import grpc
 import torch
 
 from ps_common import frames
+from ps_common.errors import InvalidRequestError
 from ps_common.optimizer import OptimizerSpec
-from ps_common.plan import Plan
+from ps_common.plan import Plan, plan_for_digest
 from ps_common.wire import optimizer_from_proto
 from ps_proto.v1 import ps_pb2
 from ps_worker.errors import error_from_rpc
@@ -66,6 +67,8 @@ class ShardCalls:
         """The hyperparameters of the last push (a repush carries them)."""
         self.skipping = False
         """A push with skip is being answered (a repush meanwhile carries the skip)."""
+        self.holding = False
+        """The last push held its round for clipping (a repush carries it too)."""
         session.repush = self._repush
 
     def initialize(
@@ -89,6 +92,7 @@ class ShardCalls:
         self.session.plan_digest = codec.plan.digest
         self.staging.reset()
         replies = join()
+        codec = self.follow_plan(codec, replies[0].plan_digest)
         if replies[0].HasField("optimizer"):  # already initialized: its spec is the truth
             optimizer = optimizer_from_proto(replies[0].optimizer)
         self.params = dict(named)
@@ -108,6 +112,22 @@ class ShardCalls:
         for k, p in named:
             if not p.is_floating_point():  # an integer buffer, pulled as float64
                 p.copy_(values[k])
+
+    def follow_plan(self, codec: WireCodec, digest: str) -> WireCodec:
+        """``codec``, or one of the same model on the plan the shards already hold when that is the
+        cut of an earlier release (restored from its checkpoint: :func:`ps_common.plan.plan_for_digest`).
+        Any other digest is left for the shards to refuse (PLAN_MISMATCH) at the first request."""
+        plan = codec.plan
+        if not digest or digest == plan.digest:
+            return codec
+        try:
+            earlier = plan_for_digest(plan.specs, plan.num_shards, plan.partition_bytes, digest)
+        except InvalidRequestError:
+            return codec
+        log.info("the shards hold this model's plan as cut by an earlier release (%s); following it", digest[:12])
+        self.codec = WireCodec(earlier, codec.wire_dtype, codec.compressor)
+        self.session.plan_digest = earlier.digest
+        return self.codec
 
     def require_codec(self) -> WireCodec:
         """The codec of the plan.
@@ -152,8 +172,11 @@ class ShardCalls:
         grads: Mapping[str, torch.Tensor],
         hyperparameters: Sequence[Mapping[str, float]] | None = None,
         skip: bool = False,
+        hold: bool = False,
     ) -> list[ps_pb2.PushResponse]:
-        """See :meth:`ps_worker.client.PSClient.push`."""
+        """See :meth:`ps_worker.client.PSClient.push`. ``hold``: sync, hold the round for
+        clipping (``ps_worker.clipping``): each answer waits for the round and carries its
+        ``clip`` norm."""
         codec = self.require_codec()
         if hyperparameters is not None:
             self.last_hyperparameters = [dict(h) for h in hyperparameters]
@@ -161,11 +184,11 @@ class ShardCalls:
         flats = self.staging.stage(codec.plan, grads)
         outs = [codec.out_partitions(k, flats, compress=True) for k in range(self.transport.num_shards)]
         round_ = self.session.push_round()  # sync: one round for every shard and retry
-        self.last_push, self.last_round = outs, round_
+        self.last_push, self.last_round, self.holding = outs, round_, hold
         sent = [0] * self.transport.num_shards
 
         def one(k: int) -> ps_pb2.PushResponse:
-            reply, sent[k] = self.push_shard(k, outs[k], round_, hyper, skip)
+            reply, sent[k] = self.push_shard(k, outs[k], round_, hyper, skip, hold)
             return reply
 
         start = time.perf_counter()
@@ -188,18 +211,27 @@ class ShardCalls:
         round: int | None = None,
         hyperparameters: Sequence[Mapping[str, float]] = (),
         skip: bool = False,
+        hold: bool = False,
     ) -> tuple[ps_pb2.PushResponse, int]:
         """Push ``outs`` to shard ``k`` (a header message, then one frame per partition); returns its
         answer and the bytes sent. ``round``: sync, the round the gradient is for (every attempt is
         stamped with it; None: the session's clock). ``hyperparameters``, ``skip``: as
-        :meth:`ps_worker.client.PSClient.push`."""
+        :meth:`ps_worker.client.PSClient.push`; ``hold``: as :meth:`push`."""
         t, s, codec = self.transport, self.session, self.require_codec()
+
+        def head() -> bytes:
+            stamp = s.stamp(k, round, hyperparameters, skip)
+            if not hold:
+                return codec.push_head(stamp)
+            header = ps_pb2.PushHeader.FromString(codec.push_header(stamp))
+            header.hold_for_clip = True
+            return ps_pb2.PushRequest(header=header).SerializeToString()
 
         def attempt() -> tuple[ps_pb2.PushResponse, int]:
             sent = [0]
 
             def messages():  # built as gRPC sends them (overlapping the shard's reading)
-                for m in codec.push_messages(codec.push_head(s.stamp(k, round, hyperparameters, skip)), outs):
+                for m in codec.push_messages(head(), outs):
                     sent[0] += len(m)
                     yield t.sent(m)
 
@@ -227,17 +259,25 @@ class ShardCalls:
                 round_,
             )
             return
-        self.push_shard(k, self.last_push[k], round_, self.last_hyperparameters, self.skipping)
+        self.push_shard(k, self.last_push[k], round_, self.last_hyperparameters, self.skipping, self.holding)
 
     # ------------------------------------------------------------------ pull
-    def pull(self, out: Mapping[str, torch.Tensor], min_version: int | None = None) -> int:
-        """See :meth:`ps_worker.client.PSClient.pull`."""
+    def pull(
+        self,
+        out: Mapping[str, torch.Tensor],
+        min_version: int | None = None,
+        clip: ps_pb2.ClipCoefficient | None = None,
+    ) -> int:
+        """See :meth:`ps_worker.client.PSClient.pull`. ``clip``: step the round held for clipping
+        with this coefficient before reading (``ps_worker.clipping``)."""
         t, s, codec = self.transport, self.session, self.require_codec()
         flats, device_out = self.staging.pull_targets(codec.plan, out)
 
         def one(k: int) -> tuple[int, int]:
             def attempt() -> tuple[int, int]:  # the floor per attempt: a recovery may move this shard's round
                 req = codec.pull_request(s.rank, s.incarnation, s.pull_floor(k, min_version), s.relayed(k)[0])
+                if clip is not None:
+                    req.clip.CopyFrom(clip)
                 replies = t.pull_calls[k](req, timeout=t.timeout, metadata=t.metadata)
                 version, received, _ = codec.decode(k, replies, flats, t.servers[k], t.received)
                 return version, received

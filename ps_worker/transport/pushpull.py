@@ -202,6 +202,7 @@ class PendingPushPull:
         self.path.last_push = _LastPush(self)  # made as the frames are sent; whole once they are
         self.path.last_round = self.round
         self.path.skipping = self.skip  # a repush while this push is answered carries its skip
+        self.path.holding = False
         self.order = self._send_order()
         begun = list(self._begun.values())
         for link in begun:  # every frame is built: the streams may end

@@ -45,10 +45,14 @@ def is_transient(exc: grpc.RpcError, codes: Collection[grpc.StatusCode] = RETRYA
     it is an overload (gRPC's "Concurrent RPC limit exceeded", no reason attached) rather than a limit
     on the request itself (a message over the size limit, or a shard's refusal with a ``ps-reason``,
     e.g. ``TOO_MANY_STREAMS``), which would be refused again. A shard's ``TOO_MANY_WAITS`` is an
-    overload too: its waiting calls end with their rounds or deadlines."""
+    overload too: its waiting calls end with their rounds or deadlines. ``AWAITING_RANKS`` is not
+    transient: the wait for alive ranks is called again by :class:`ps_worker.awaiting.PeerWaits`,
+    which bounds it with ``wait_timeout`` instead of the retry deadline."""
     code = exc.code() if hasattr(exc, "code") else None
     if code not in codes:
         return False
+    if code is grpc.StatusCode.DEADLINE_EXCEEDED:
+        return reason_of(exc) != Reason.AWAITING_RANKS
     if code is grpc.StatusCode.RESOURCE_EXHAUSTED:
         return reason_of(exc) in ("", Reason.TOO_MANY_WAITS) and TOO_LARGE not in _details(exc)
     return True

@@ -169,6 +169,7 @@ def _run(parser: Any, args: Any) -> int:
             token=token or None,
             timeout=args.timeout,
             retry_deadline=args.retry_deadline,
+            wait_timeout=args.wait_timeout,
             tls_ca=args.tls_ca or None,
             tls_cert=args.tls_cert or None,
             tls_key=args.tls_key or None,

@@ -15,6 +15,7 @@ from typing import NoReturn
 from ps_common.channels import tls_flags
 from ps_common.dataconn import DATA_PATHS
 from ps_common.flags import FlagParser, secret_help
+from ps_common.optimizer_args import OPTIMIZER_NAMES
 
 WORKLOAD_NAMES = ("charlm", "ctr", "digits", "linreg")
 """The built-in workloads (the keys of ``ps_worker.workloads.registry.WORKLOADS``, sorted; a test keeps them equal)."""
@@ -59,7 +60,7 @@ def training_flags(p: FlagParser) -> None:
     p.flag(
         "--optimizer",
         default="sgd",
-        choices=("sgd", "adam", "adamw", "adagrad", "rmsprop"),
+        choices=OPTIMIZER_NAMES,
         help="server-side torch.optim optimizer (sent by rank 0 at Init)",
     )
     p.flag("--lr", type=float, default=0.1, help="learning rate")
@@ -106,7 +107,13 @@ def worker_parser(environ: Mapping[str, str] | None = None) -> FlagParser:
     p.flag("--num-workers", type=int, required=True, help="number of worker ranks")
     training_flags(p)
     p.flag("--device", default="auto", help="cpu, cuda, cuda:N, or auto (cuda when available)")
-    p.flag("--timeout", type=float, default=60.0, help="per-RPC deadline in seconds (a sync pull waits this long)")
+    p.flag("--timeout", type=float, default=60.0, help="per-RPC deadline in seconds (bounds a call, not a slow peer)")
+    p.flag(
+        "--wait-timeout",
+        type=float,
+        default=1800.0,
+        help="seconds a wait for other ranks may last while they are alive (0: no bound); a silent rank is evicted",
+    )
     p.flag("--incarnation", type=int, default=None, help="restart counter of this rank (default: wall-clock µs)")
     p.flag(
         "--retry-deadline",

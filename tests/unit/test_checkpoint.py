@@ -503,6 +503,12 @@ OPTIMIZER_KWARGS = {
     "adamw": {"lr": 0.01, "weight_decay": 0.1},
     "adagrad": {"lr": 0.1, "lr_decay": 0.01},
     "rmsprop": {"lr": 0.01, "momentum": 0.9, "centered": 1},
+    "adadelta": {"lr": 1.0, "rho": 0.8, "weight_decay": 0.01},
+    "adamax": {"lr": 0.01, "beta1": 0.8},
+    "nadam": {"lr": 0.01, "weight_decay": 0.1, "decoupled_weight_decay": 1},
+    "radam": {"lr": 0.01, "weight_decay": 0.1, "decoupled_weight_decay": 1},
+    "asgd": {"lr": 0.01, "t0": 1},
+    "rprop": {"lr": 0.01, "eta_minus": 0.4, "step_size_max": 1.0},
 }
 
 

@@ -21,6 +21,8 @@ ALLOWED = {
     ("ps_worker/optimizer.py", "self.grad_scaler._per_optimizer_states"),
     # a sparse embedding's weight leaves the module's parameters (the shards hold it)
     ("ps_worker/tables/modules.py", "m._parameters"),
+    # a step of DistributedOptimizer counts as the wrapped torch optimizer's for its lr schedulers
+    ("ps_worker/optim_wrap.py", "o._opt_called"),
     # ps-worker exits without the interpreter's teardown racing gRPC's threads
     ("ps_worker/workloads/cli.py", "os._exit"),
     # which of ps-launch's own flags take a value, to split its argv from the script's

@@ -55,9 +55,11 @@ def test_a_missing_script_is_named(tmp_path: Path, capsys: pytest.CaptureFixture
 def test_the_script_replaces_the_entrypoint_with_args_env_and_exit_status(tmp_path: Path) -> None:
     script = tmp_path / "train.py"
     script.write_text(
-        "import os, sys\nprint(os.getpid(), sys.argv[1:], os.environ['PS_RANK'])\nsys.exit(int(sys.argv[1]))\n"
+        "import os, sys\nprint(os.getpid(), sys.argv[1:], os.environ['PS_RANK'], os.environ['RANK'], "
+        "os.environ['WORLD_SIZE'])\nsys.exit(int(sys.argv[1]))\n"
     )
-    env = {**os.environ, "PS_RANK": "1", "PS_SCRIPT": str(script)}
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    env |= {"PS_RANK": "1", "PS_NUM_WORKERS": "2", "PS_SCRIPT": str(script)}
     done = subprocess.Popen(
         [sys.executable, "-m", "ps_worker.entrypoint", "3", "--epochs", "2"],
         env=env,
@@ -68,4 +70,13 @@ def test_the_script_replaces_the_entrypoint_with_args_env_and_exit_status(tmp_pa
     assert done.returncode == 3
     pid, rest = out.split(" ", 1)
     assert int(pid) == done.pid, "exec: the script is the container's process itself (signals reach it)"
-    assert rest.strip() == "['3', '--epochs', '2'] 1"
+    assert rest.strip() == "['3', '--epochs', '2'] 1 1 2"  # torchrun's RANK, WORLD_SIZE from PS_*
+
+
+def test_torchrun_s_variables_come_from_the_contract_and_never_override() -> None:
+    from ps_worker.entrypoint import torchrun_variables
+
+    env = {"PS_RANK": "3", "PS_NUM_WORKERS": "4"}
+    assert torchrun_variables(env) == {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
+    assert torchrun_variables({**env, "RANK": "9", "LOCAL_RANK": "2"}) == {"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "1"}
+    assert torchrun_variables({"PS_RANK": "3"}) == {} and torchrun_variables({}) == {}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ps_common.flags import env_name
-from ps_worker.env import CONTRACT, EnvError, init_from_env, read_env
+from ps_worker.env import CONTRACT, EnvError, init_from_env, rank_and_workers, read_env, single_process
 from ps_worker.workloads.flags import worker_parser
 
 GOOD = {"PS_SERVERS": "127.0.0.1:50051,127.0.0.1:50052", "PS_RANK": "1", "PS_NUM_WORKERS": "2"}
@@ -107,6 +107,7 @@ def test_psclient_from_env_reads_the_environment(monkeypatch) -> None:
     from ps_worker import PSClient
 
     monkeypatch.delenv("PS_SERVERS", raising=False)
+    monkeypatch.setenv("PS_NUM_WORKERS", "2")  # a job of two workers: no single-process fallback
     with pytest.raises(EnvError, match="PS_SERVERS is not set"):
         PSClient.from_env()
     for k, v in GOOD.items():
@@ -140,3 +141,78 @@ def test_the_contract_s_choices_are_the_allowlists_the_client_and_shards_use() -
 
     assert set(env.OPTIMIZERS) == set(SERVER_OPTIMIZERS)
     assert set(env.WIRE_DTYPES) - {"native"} == set(CLIENT_WIRE_DTYPES) - {"float32"}
+
+
+SERVERS = {"PS_SERVERS": GOOD["PS_SERVERS"]}
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        ({"RANK": "1", "WORLD_SIZE": "2"}, (1, 2)),  # torchrun's alone
+        ({"PS_RANK": "1", "WORLD_SIZE": "2"}, (1, 2)),  # one of each
+        ({"RANK": "0", "PS_NUM_WORKERS": "2"}, (0, 2)),
+        ({"PS_RANK": "1", "PS_NUM_WORKERS": "2", "RANK": "1", "WORLD_SIZE": "2"}, (1, 2)),  # agree
+    ],
+)
+def test_torchrun_s_rank_and_world_size_stand_in_for_the_ps_twins(env: dict, expected: tuple) -> None:
+    assert rank_and_workers(env) == expected
+    s = read_env({**SERVERS, **env})
+    assert (s.rank, s.num_workers) == expected
+
+
+def test_the_ps_variables_win_over_torchrun_s_with_a_warning(caplog) -> None:
+    env = {**SERVERS, "PS_RANK": "1", "PS_NUM_WORKERS": "3", "RANK": "2", "WORLD_SIZE": "3"}
+    with caplog.at_level("WARNING", logger="ps_worker.env"):
+        s = read_env(env)
+    assert (s.rank, s.num_workers) == (1, 3)
+    assert ["PS_RANK=1 and RANK=2 disagree; using PS_RANK=1"] == [r.getMessage() for r in caplog.records]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="ps_worker.env"):
+        read_env({**SERVERS, "PS_RANK": "1", "PS_NUM_WORKERS": "3", "RANK": "1", "WORLD_SIZE": "3"})
+    assert not caplog.records  # agreeing twins say nothing
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        (
+            {"WORLD_SIZE": "2"},
+            "PS_RANK is not set: set it to this worker's rank, 0..PS_NUM_WORKERS-1 (or torchrun's RANK)",
+        ),
+        (
+            {"RANK": "0"},
+            "PS_NUM_WORKERS is not set: set it to number of worker ranks of the job (or torchrun's WORLD_SIZE)",
+        ),
+        ({"RANK": "x", "WORLD_SIZE": "2"}, "RANK='x' is not an integer; set RANK to an integer."),
+        ({"RANK": "2", "WORLD_SIZE": "2"}, "PS_RANK=2 is outside 0..1 (PS_NUM_WORKERS=2); give each worker"),
+        ({"RANK": "0", "WORLD_SIZE": "0"}, "WORLD_SIZE='0' must be >= 1."),
+        ({}, "PS_RANK is not set"),
+    ],
+)
+def test_a_half_set_or_invalid_rank_is_named(env: dict, message: str) -> None:
+    with pytest.raises(EnvError) as err:
+        read_env({**SERVERS, **env})
+    assert message in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("env", "alone"),
+    [
+        ({}, True),  # python train.py on a laptop
+        ({"RANK": "0", "WORLD_SIZE": "1"}, True),  # torchrun --nproc-per-node 1
+        ({"PS_RANK": "0", "PS_NUM_WORKERS": "1"}, True),
+        ({"RANK": "0", "WORLD_SIZE": "2"}, False),  # a job of two workers needs its shards named
+        ({"PS_NUM_WORKERS": "2", "PS_RANK": "1"}, False),
+        ({"PS_SERVERS": "127.0.0.1:1"}, False),  # a cluster is named
+        ({"RANK": "0"}, False),  # half set: read_env names what is missing
+    ],
+)
+def test_a_single_process_job_is_one_with_no_servers_and_no_other_worker(env: dict, alone: bool) -> None:
+    assert single_process(env) is alone
+
+
+def test_from_env_of_a_job_of_two_without_servers_still_fails() -> None:
+    """No shard starts (this test may open no socket): the job names two workers and no shards."""
+    with pytest.raises(EnvError, match="^PS_SERVERS is not set"):
+        init_from_env(environ={"RANK": "0", "WORLD_SIZE": "2"}, client_class=FakeClient)

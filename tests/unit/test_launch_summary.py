@@ -97,3 +97,45 @@ def test_a_user_script_s_summary_counts_clocks_and_shows_what_each_rank_said() -
     assert "held-out accuracy   0.9100 (rank 0's report)" in text
     assert "rank 0 said         rank 0 done" in text and "rank 1 said         -" in text
     assert "pushed 2.0 MiB, pulled 1.0 MiB" in text
+
+
+def _script_summary(mode: str, clocks: list[int], done: dict, period: int = 10) -> tuple[dict, str]:
+    from ps_launch.summary import print_script_summary, summarize_script
+    from ps_proto.v1 import ps_pb2
+
+    args = SimpleNamespace(workload="train.py", mode=mode, shards=1, workers=len(clocks), steps=300, batch_size=32)
+    status = ps_pb2.ShardStatus(version=max(clocks))
+    status.config.communication_period = period
+    status.workers.extend(ps_pb2.WorkerStatus(rank=r, clock=c) for r, c in enumerate(clocks))
+    runs = {r: [RankRun(0, c, {"rank": r, "steps": c})] for r, c in enumerate(clocks)}
+    lines = {r: [] for r in range(len(clocks))}
+    s = summarize_script(args, done, 9.0, ["127.0.0.1:1"], [status], runs, lines, train_seconds=5.0)
+    json.dumps(s, allow_nan=False)
+    out = io.StringIO()
+    print_script_summary(s, out)
+    return s, out.getvalue()
+
+
+@pytest.mark.parametrize("mode", ["sync", "async", "ssp"])
+def test_a_script_s_summary_reports_the_steps_it_ran_not_ps_steps(mode: str) -> None:
+    """A script that ran 320 and 168 steps under PS_STEPS=300: the summary says 320 and 168."""
+    s, text = _script_summary(mode, [320, 168], {0: {"rank": 0, "steps": 320}, 1: {"rank": 1, "steps": 168}})
+    assert s["steps_run_per_rank"] == [320, 168] and s["exchanges_per_rank"] is None
+    assert "steps run per rank  [320, 168] (PS_STEPS was 300; the script ran its own count)" in text
+    assert "(PS_STEPS)" not in text and "steps per worker" not in text
+    _, text = _script_summary(mode, [300, 300], {})
+    assert "steps run per rank  [300, 300]\n" in text  # what it was told: nothing more to say
+
+
+def test_an_easgd_script_s_summary_shows_exchanges_and_local_steps_apart() -> None:
+    """easgd: the shards count exchanges (clock); local steps are tau x exchanges at least, exact when
+    the script reports them in its done line."""
+    s, text = _script_summary("easgd", [10, 16], {}, period=10)
+    assert s["exchanges_per_rank"] == [10, 16] and s["steps_run_per_rank"] == [100, 160]
+    assert s["communication_period"] == 10 and s["steps_per_second"] == pytest.approx(260 / 5.0)
+    assert "exchanges per rank    [10, 16] (every 10 local steps)" in text
+    assert "local steps per rank  [100, 160] (at least exchanges x 10: later ones reach no shard; PS_STEPS" in text
+    done = {0: {"rank": 0, "local_steps": 101}, 1: {"rank": 1, "local_steps": 168}}
+    s, text = _script_summary("easgd", [10, 16], done, period=10)
+    assert s["steps_run_per_rank"] == [101, 168] and s["exchanges_per_rank"] == [10, 16]
+    assert "local steps per rank  [101, 168] (as the script reported; PS_STEPS was 300" in text

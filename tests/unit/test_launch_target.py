@@ -67,3 +67,6 @@ def test_the_script_s_environment_is_the_contract() -> None:
     s = read_env(env)
     assert s.servers == ("127.0.0.1:1", "127.0.0.1:2") and (s.rank, s.num_workers, s.steps) == (1, 2, 40)
     assert (s.batch_size, s.optimizer, s.lr, s.seed, s.timeout, s.wire_dtype) == (16, "adam", 0.01, 3, 30.0, "bfloat16")
+    torchrun = {k: env[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+    assert torchrun == {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
+    assert "MASTER_ADDR" not in env and "MASTER_PORT" not in env  # no process group is meant to form

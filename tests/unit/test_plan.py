@@ -16,7 +16,7 @@ from ps_common.frames import MESSAGE_OVERHEAD_BYTES, PACKING_VERSION, PARTITION_
 from ps_common.modes import ModeSettings
 from ps_common.optimizer import OptimizerSpec
 from ps_common.partition import WirePartition
-from ps_common.plan import ParameterSpec, make_plan, plan_digest
+from ps_common.plan import DEFAULT_PARTITION_BYTES, ParameterSpec, make_plan, plan_digest, plan_for_digest
 from ps_common.text import quote, shown
 from ps_server.core.limits import Limits
 from ps_server.core.partitions import Intake, match_partitions
@@ -61,7 +61,45 @@ def test_least_loaded_assignment_balances_bytes() -> None:
 def test_one_huge_parameter_spreads_over_every_shard() -> None:
     plan = make_plan([ParameterSpec("w", (4096, 4096), "float32")], 2)
     assert {p.shard for p in plan.partitions} == {0, 1}
-    assert len(plan.partitions) == 16  # 64 MiB in 4 MiB partitions
+    assert len(plan.partitions) == 32  # 64 MiB in pieces of 1/16 of a shard's 32 MiB share
+    assert plan.shard_bytes() == [32 << 20, 32 << 20]
+
+
+def test_one_shard_keeps_whole_partitions() -> None:
+    plan = make_plan([ParameterSpec("w", (4096, 4096), "float32")], 1)
+    assert len(plan.partitions) == 16  # 64 MiB in 4 MiB partitions: nothing to balance
+
+
+@pytest.mark.parametrize("shards", [2, 3, 4])
+@pytest.mark.parametrize(
+    "shapes",
+    [
+        [(9216, 128), (128,), (128, 10), (10,)],  # an MNIST net: one layer outweighs the rest
+        [(64, 64), (64,), (64, 10), (10,)],  # smaller than one 4 MiB partition
+        [(30000, 1024), (1024,), (1024, 10), (10,), (1000, 50)],  # about 123 MB
+    ],
+)
+def test_bytes_per_shard_are_within_10_percent_of_each_other(shapes, shards) -> None:
+    plan = make_plan([ParameterSpec(f"p{i}", s, "float32") for i, s in enumerate(shapes)], shards)
+    loads = plan.shard_bytes()
+    assert max(loads) <= 1.1 * sum(loads) / shards, loads
+
+
+def test_a_plan_of_the_earlier_cut_is_followed_by_its_digest() -> None:
+    specs = [ParameterSpec("w", (9216, 128), "float32"), ParameterSpec("b", (128,), "float32")]
+    old = make_plan(specs, 2, cut=1)
+    assert old.digest == plan_digest(specs, 2, DEFAULT_PARTITION_BYTES, cut=1)
+    assert old.partitions != make_plan(specs, 2).partitions
+    assert plan_for_digest(specs, 2, DEFAULT_PARTITION_BYTES, old.digest) == old
+    one = make_plan(specs, 1, cut=1)  # one shard: both cuts give the same partitions, today's digest wins
+    assert plan_for_digest(specs, 1, DEFAULT_PARTITION_BYTES, one.digest) == make_plan(specs, 1)
+    legacy = plan_digest(specs, 2, DEFAULT_PARTITION_BYTES, packing=0, cut=1)
+    assert plan_for_digest(specs, 2, DEFAULT_PARTITION_BYTES, legacy).partitions == old.partitions
+    assert plan_for_digest(specs, 2, DEFAULT_PARTITION_BYTES, make_plan(specs, 2).digest) == make_plan(specs, 2)
+    with pytest.raises(InvalidRequestError, match="any plan rule"):
+        plan_for_digest(specs, 2, DEFAULT_PARTITION_BYTES, "0" * 64)
+    with pytest.raises(InvalidRequestError, match="cut version"):
+        make_plan(specs, 2, cut=7)
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from ps_common import frames
-from ps_common.plan import make_plan
+from ps_common.plan import ParameterSpec, make_plan
 from ps_proto.v1 import ps_pb2
 from ps_worker.metrics import WorkerMetrics
 from ps_worker.planning import model_specs
@@ -131,3 +131,16 @@ def test_nothing_goes_before_init() -> None:
     path.codec = None
     with pytest.raises(RuntimeError, match="Call client.init"):
         PendingPushPull(path, dict(PARAMS), stream=False)
+
+
+def test_a_worker_follows_the_plan_an_earlier_release_cut_and_nothing_else() -> None:
+    path, session, _ = client_parts(FakeShard())
+    specs = [ParameterSpec("w", (9216, 128), "float32"), ParameterSpec("b", (128,), "float32")]
+    ours = WireCodec(make_plan(specs, 2))
+    earlier = make_plan(specs, 2, cut=1)  # restored from a checkpoint of an earlier release
+    assert earlier.partitions != ours.plan.partitions
+    followed = path.follow_plan(ours, earlier.digest)
+    assert followed.plan == earlier and path.codec is followed and session.plan_digest == earlier.digest
+    assert path.follow_plan(ours, ours.plan.digest) is ours
+    assert path.follow_plan(ours, "") is ours  # the shards are not initialized yet
+    assert path.follow_plan(ours, "f" * 64) is ours  # another model: the shards refuse it at the first request

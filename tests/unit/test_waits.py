@@ -7,8 +7,15 @@ import threading
 
 import pytest
 
-from ps_common.errors import RanksMissingError, ShuttingDownError, WaitTimeoutError
-from ps_server.membership.ranks import Membership
+from ps_common.errors import (
+    AwaitingRanksError,
+    RanksMissingError,
+    ShuttingDownError,
+    WaitTimeoutError,
+    parse_awaiting,
+)
+from ps_server.membership.ranks import Membership, WorkerState
+from ps_server.policy.types import Awaited
 from ps_server.shard.waits import WAKE_SECONDS, Waits, current_call, serving
 
 
@@ -113,3 +120,30 @@ def test_a_wait_outside_any_call_sleeps_until_its_deadline() -> None:
     with cond, pytest.raises(WaitTimeoutError):
         waits.until(lambda: False, 5.0, lambda: "late")
     assert cond.waits == 1
+
+
+def test_a_wait_for_alive_ranks_ends_at_its_deadline_saying_who_it_waits_for() -> None:
+    """The call's deadline bounds the call, not the peers: the shard says which ranks it waits for
+    and that they are alive, so the worker calls again (ps_worker.awaiting)."""
+    clock = Clock()
+    cond = StepCondition(clock)
+    membership = Membership(3, 10.0, clock)
+    membership.members[0].state = WorkerState.LIVE
+    membership.members[2].state = WorkerState.LIVE
+    waits = Waits(cond, clock, 1)
+    round_ = Awaited("round 42", [0], "pushed")
+    with cond:
+        with pytest.raises(AwaitingRanksError) as caught:
+            waits.for_ranks(lambda: False, 2.0, lambda: "x", membership, lambda: [], awaited=lambda: round_)
+        assert parse_awaiting(caught.value.args[0]) == ("round 42", [0], "are alive but have not pushed")
+        assert str(caught.value).startswith("Shard 1 is waiting for round 42: ranks [0] are alive")
+        membership.members[2].state = WorkerState.EVICTED  # silent here, still counted by shard 0
+        mixed = Awaited("table round 3", [0, 2], "pushed rows")
+        with pytest.raises(AwaitingRanksError, match=r"\[0, 2\] have not pushed rows \(alive: \[0\], silent: \[2\]\);"):
+            waits.until_awaited(lambda: False, clock.t + 1, lambda: "x", membership, lambda: mixed)
+        for never_joined in (Awaited("round 42", [0, 1], "pushed"), None):  # as before: the call times out
+            with pytest.raises(WaitTimeoutError) as plain:
+                waits.for_ranks(
+                    lambda: False, clock.t + 1, lambda: "late", membership, lambda: [], awaited=lambda a=never_joined: a
+                )
+            assert type(plain.value) is WaitTimeoutError
