@@ -284,7 +284,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         meta = {k: v for k, v in vars(args).items()}
         Path(args.json).write_text(
-            json.dumps({"args": meta, "load": [load0, os.getloadavg()], "runs": runs, "rows": rows})
+            json.dumps({"args": meta, "load": [load0, os.getloadavg()], "runs": runs, "rows": rows}, default=str)
         )
         print(f"tta: wrote {args.json}")
     if args.plot:

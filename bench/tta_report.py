@@ -153,19 +153,21 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
 
 
 def _ratio(a: float | None, b: float | None) -> str:
-    """``a / b`` as a speed-up of the system that took ``b`` (``>``: it never reached the target)."""
+    """``a / b``: the speed-up of the system that took ``b`` seconds over the one that took ``a``
+    (None: it never reached the target)."""
     if a is None and b is None:
         return "neither"
     if b is None:
-        return "never"
+        return "first only"
     if a is None:
-        return "> budget"
+        return "second only"
     return f"{a / b:.2f}x" if b > 0 else "-"
 
 
 def summary(rows: Sequence[dict[str, Any]]) -> str:
     """Per cell: the best DDP and the best grpc-ps mode to the target, and like-for-like ratios
-    (DDP's time over grpc-ps's: above 1, grpc-ps got there sooner)."""
+    (DDP's time over grpc-ps's: above 1, grpc-ps got there sooner; "first only": only DDP reached
+    the target, "second only": only grpc-ps did)."""
     cells: dict[tuple[str, int, str], dict[str, dict[str, Any]]] = {}
     for r in rows:
         if not r["error"]:

@@ -115,11 +115,27 @@ class Straggle:
             time.sleep(delay)
 
 
+def bf16_hook(process_group: object, bucket: object) -> torch.futures.Future[torch.Tensor]:
+    """torch's ``bf16_compress_hook`` itself (cast the bucket to bf16 and divide by the world size,
+    all-reduce, widen in place), under another name: DDP refuses a hook *named* so unless CUDA and
+    NCCL are there, but gloo all-reduces bfloat16 on CPU, so the wire carries what it would with NCCL."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
+
+    return bf16_compress_hook(process_group, bucket)  # type: ignore[arg-type]
+
+
+# DDP checks a hook's annotations as objects; this module's are strings (``from __future__ import annotations``).
+bf16_hook.__annotations__ = {
+    "process_group": torch.distributed.ProcessGroup,
+    "bucket": torch.distributed.GradBucket,
+    "return": torch.futures.Future[torch.Tensor],
+}
+
+
 def build(args: argparse.Namespace, model: torch.nn.Module) -> tuple[torch.nn.Module, torch.optim.Optimizer, object]:
     """The trained module and the optimizer whose ``step()`` ends a step; and the PSClient (or None)."""
     lr = args.lr / args.workers if args.system in ("async", "ssp") else args.lr
     if args.system.startswith("ddp"):
-        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
         from torch.nn.parallel import DistributedDataParallel
 
         torch.distributed.init_process_group(
@@ -131,7 +147,7 @@ def build(args: argparse.Namespace, model: torch.nn.Module) -> tuple[torch.nn.Mo
         )
         ddp = DistributedDataParallel(model)
         if args.system == "ddp-bf16":
-            ddp.register_comm_hook(None, bf16_compress_hook)
+            ddp.register_comm_hook(None, bf16_hook)
         return ddp, torch.optim.AdamW(ddp.parameters(), lr=lr), None
     from ps_worker import DistributedOptimizer, PSClient
 
