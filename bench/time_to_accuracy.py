@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import tta_report
-from _common import BENCH, Child, ChildError, child_env, shard_argv, stop_all
+from _common import BENCH, Child, ChildError, busy_fraction, child_env, cpu_seconds, machine_ticks, shard_argv, stop_all
 from netns import Netlab, cleanup, parse_rate, plan_network, sh
 from tta_worker import SYSTEMS, calibrate, workload_of
 
@@ -133,6 +133,8 @@ def run_one(
             c.recv(max(0.01, deadline - time.monotonic()), "start-up")
         run["setup_s"] = time.monotonic() + STARTUP_TIMEOUT - deadline
         tx0 = host_tx(lab)
+        pids = [c.proc.pid for c in [*ranks, *passive]]
+        cpu0, ticks0 = sum(cpu_seconds(p) for p in pids), machine_ticks()
         t0 = time.time() + 0.5
         for c in ranks:
             c.send("go", t0=t0)
@@ -145,6 +147,8 @@ def run_one(
             if msg.get("trained"):
                 run.update(steps=msg["steps"], paused_s=msg.get("paused_s", 0.0))
                 break
+        run["cpu_s"] = sum(cpu_seconds(p) for p in pids) - cpu0  # every process of the run, user + system
+        run["machine_busy"] = busy_fraction(ticks0, machine_ticks())  # all CPUs, this run's and others'
         run["host_tx_bytes"] = {k: v - tx0[k] for k, v in host_tx(lab).items()}
         stop_all([*ranks[1:], *passive], grace=2.0)
         for r, c in enumerate(ranks[1:], start=1):

@@ -123,6 +123,8 @@ def score(runs: Sequence[Run], tolerance: float, fixed: float | None = None) -> 
             steps=last.get("step"),
             seconds=last.get("t"),
             total_bytes=wire_bytes(r, float("inf")) if r.get("logs") else None,
+            cpu_s=r.get("cpu_s"),
+            busy=r.get("machine_busy"),
         )
         rows.append(row)
     return rows
@@ -133,21 +135,24 @@ def _num(v: float | None, fmt: str) -> str:
 
 
 def table(rows: Sequence[dict[str, Any]]) -> str:
-    """The per-run table (markdown)."""
+    """The per-run table (markdown). CPU s per step: every process of the run (workers and shards),
+    per rank-0 step; machine busy: the share of all the machine's CPU time that was busy meanwhile."""
     lines = [
         "| rate | workers | straggler | system | wire | target, nats | time to target, s | MB to target "
-        "| loss at budget | rank-0 steps | MB in all |",
-        "|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|",
+        "| loss at budget | rank-0 steps | MB in all | CPU s per step | machine busy |",
+        "|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         if r["error"]:
             lines.append(f"| {r['rate']} | {r['workers']} | {r['straggler']} | {r['system']} | {r['wire']} | failed |")
             continue
         mb = [None if r[k] is None else r[k] / 1e6 for k in ("tta_bytes", "total_bytes")]
+        per_step = r["cpu_s"] / r["steps"] if r.get("cpu_s") is not None and r["steps"] else None
         lines.append(
             f"| {r['rate']} | {r['workers']} | {r['straggler']} | {r['system']} | {r['wire']} | "
             f"{_num(r['target'], '.3f')} | {_num(r['tta_s'], '.1f')} | {_num(mb[0], '.0f')} | "
-            f"{_num(r['final'], '.3f')} | {r['steps'] if r['steps'] is not None else '-'} | {_num(mb[1], '.0f')} |"
+            f"{_num(r['final'], '.3f')} | {r['steps'] if r['steps'] is not None else '-'} | {_num(mb[1], '.0f')} | "
+            f"{_num(per_step, '.2f')} | {_num(r['busy'], '.0%')} |"
         )
     return "\n".join(lines)
 
