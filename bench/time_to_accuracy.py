@@ -2,6 +2,7 @@
 
     python bench/time_to_accuracy.py --workers 2,4 --rates 1gbit,100mbit --stragglers none,slow,pauses \\
         --budget-s 40 --json tta.json --plot bench/tta.png
+    python bench/time_to_accuracy.py --report tta.json --tolerance 0.1 --plot tta.png   # re-score saved runs
     python bench/time_to_accuracy.py --cleanup      # delete namespaces a killed run left behind
 
 Every run trains the charlm GPT (834k parameters, 3.34 MB float32; ``tta_worker.py``) for
@@ -240,6 +241,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--json", default="", help="write every run (curves, byte logs) and the rows here")
     p.add_argument("--plot", default="", help="write the loss-against-time PNG here (needs matplotlib)")
     p.add_argument("--log-dir", default="", help="children's logs (default: a temporary directory)")
+    p.add_argument("--report", default="", help="score the runs of a --json file again (no runs, no root)")
     p.add_argument("--cleanup", action="store_true", help="delete namespaces left by runs that are gone, then exit")
     args = p.parse_args(argv)
     args.systems = args.systems.split(",")
@@ -259,8 +261,21 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
+def report(runs: list[dict[str, Any]], args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Print the tables of ``runs``, write the plot when asked; the rows."""
+    rows = tta_report.score(runs, args.tolerance, args.target)
+    print(tta_report.table(rows) + "\n\n" + tta_report.summary(rows))
+    if args.plot:
+        tta_report.plot(runs, rows, args.plot)
+        print(f"tta: wrote {args.plot}")
+    return rows
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.report:
+        report(json.loads(Path(args.report).read_text())["runs"], args)
+        return 0
     if os.geteuid() != 0:
         print("tta: needs root (ip netns, tc)", file=sys.stderr)
         return 2
@@ -282,18 +297,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ChildError, RuntimeError, KeyboardInterrupt, SystemExit) as exc:
         print(f"tta: {exc}\nlogs in {log_dir}", file=sys.stderr)
         return 1
-    rows = tta_report.score(runs, args.tolerance, args.target)
     print(f"\nload average {load0[0]:.2f} at start, {os.getloadavg()[0]:.2f} at end; budget {args.budget_s:g} s\n")
-    print(tta_report.table(rows) + "\n\n" + tta_report.summary(rows))
+    rows = report(runs, args)
     if args.json:
         meta = {k: v for k, v in vars(args).items()}
         Path(args.json).write_text(
             json.dumps({"args": meta, "load": [load0, os.getloadavg()], "runs": runs, "rows": rows}, default=str)
         )
         print(f"tta: wrote {args.json}")
-    if args.plot:
-        tta_report.plot(runs, rows, args.plot)
-        print(f"tta: wrote {args.plot}")
     return 1 if any(r.get("error") for r in runs) else 0
 
 

@@ -3,7 +3,8 @@
 A run is a dict: ``rate`` (tc text), ``workers``, ``straggler`` (none, slow, pauses), ``system``
 (``tta_worker.SYSTEMS``), ``evals`` (rank 0's held-out scores, a list of ``{"t", "step", "loss", ...}``
 in time order; ``t`` in seconds since the common start), ``logs`` (per rank, a list of ``{"t",
-"step", "tx", "rx"}``: cumulative bytes of that rank's link), and ``error`` when it failed. The
+"step", "tx", "rx"}``: cumulative bytes of that rank's link), ``host_tx_bytes`` (role -> bytes every host's
+link sent from the start to rank 0's budget), and ``error`` when it failed. The
 metric is the held-out ``loss`` (cross-entropy, nats per char; lower is better).
 """
 
@@ -122,7 +123,7 @@ def score(runs: Sequence[Run], tolerance: float, fixed: float | None = None) -> 
             final=final(r),
             steps=last.get("step"),
             seconds=last.get("t"),
-            total_bytes=wire_bytes(r, float("inf")) if r.get("logs") else None,
+            total_bytes=sum(r["host_tx_bytes"].values()) if r.get("host_tx_bytes") else None,
             cpu_s=r.get("cpu_s"),
             busy=r.get("machine_busy"),
         )

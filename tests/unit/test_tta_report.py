@@ -70,7 +70,7 @@ def test_wire_bytes_count_what_the_hosts_sent() -> None:
 
 def test_tables_show_times_ratios_and_failures() -> None:
     runs = [
-        run("ddp", [(0, 5.0), (4, 3.0), (8, 2.0)], cpu_s=4.0, machine_busy=0.5),
+        run("ddp", [(0, 5.0), (4, 3.0), (8, 2.0)], cpu_s=4.0, machine_busy=0.5, host_tx_bytes={"w0": 2e6, "s0": 1e6}),
         run("sync", [(0, 5.0), (2, 3.0), (4, 2.0)]),
         run("async", [(0, 5.0), (8, 4.0)]),
         run("easgd", [], error="easgd failed"),
@@ -80,8 +80,8 @@ def test_tables_show_times_ratios_and_failures() -> None:
     assert rows[1]["target"] == pytest.approx(target) and rows[1]["tta_s"] == pytest.approx(2 * (5 - target) / 2)
     assert rows[2]["tta_s"] is None and rows[0]["steps"] == 20
     text = tta_report.table(rows)
-    assert "| 20 | 0 | 0.20 | 50% |" in text  # 4 CPU s over 20 steps
+    assert "| 20 | 3 | 0.20 | 50% |" in text  # 3 MB sent by all hosts; 4 CPU s over 20 steps
     assert "| 1gbit | 2 | none | easgd | float32 | failed |" in text
-    assert "| 1gbit | 2 | none | async | float32 | 3.333 | - | - | 4.500 | 20 | 0 | - | - |" in text
+    assert "| 1gbit | 2 | none | async | float32 | 3.333 | - | - | 4.500 | 20 | - | - | - |" in text
     summary = tta_report.summary(rows)
     assert "ddp 3.3 | sync 1.7 | 2.00x | 2.00x | - |" in summary
