@@ -223,6 +223,7 @@ class Session:
         self.lease_timeout = self.config.lease_timeout_seconds or 10.0
         self.worker.adopt_join(self, replies)
         self.start_heartbeat()
+        logging.getLogger("ps_worker.startup").debug("start-up: joined %d shards (rank %d)", t.num_shards, self.rank)
         return replies
 
     def wait_initialized(self, replies: Mapping[int, ps_pb2.JoinResponse], init_timeout: float) -> None:
