@@ -32,6 +32,7 @@ from ps_launch.cluster import (
     MembershipWatch,
     read_events,
     read_output,
+    reserve_ports,
     resize_job,
     server_flags,
     shard_statuses,
@@ -93,9 +94,26 @@ def run(args: Any, target: Target | None = None) -> int:
     bars: list[tqdm] = []
     failed = False
     started = time.perf_counter()
+    events: Events = queue.Queue()
+    workers: list[Child] = []
+
+    def start_workers(addresses: list[str]) -> None:
+        for r in range(args.workers):
+            workers.append(start_worker(cluster, args, target, addresses, r))
+            follow(workers[-1], events, script)
+
+    # A fresh job (no checkpoint to resume, so not finished either) starts its workers while its shards
+    # start, on ports held for them: the workers' imports overlap the shards' (bench/first_step.py).
+    fresh = not any(log_dir.glob("checkpoints/*"))
     try:
         addresses = cluster.start_shards(
-            args.shards, args.workers, args.mode, server_flags(args, log_dir), metrics=not args.no_metrics
+            args.shards,
+            args.workers,
+            args.mode,
+            server_flags(args, log_dir),
+            metrics=not args.no_metrics,
+            reserved=reserve_ports(args.shards) if fresh else (),
+            meanwhile=start_workers if fresh else None,
         )
         where = f"logs in {log_dir}" + (
             "" if args.log_dir else " (removed at the end unless the run fails; --log-dir keeps them)"
@@ -104,18 +122,14 @@ def run(args: Any, target: Target | None = None) -> int:
         for c in cluster.children:
             if c.metrics_url:
                 print(f"ps-launch: {c.name} metrics on {c.metrics_url}", file=sys.stderr)
-        finished = finished_version(shard_statuses(addresses), args.steps)
-        if finished is not None:  # a finished job run again: say so, rather than train nothing
-            nothing_to_do(args, log_dir, finished, sys.stdout)
-            return 0
-        events: Events = queue.Queue()
-        workers = []
+        if not workers:
+            finished = finished_version(shard_statuses(addresses), args.steps)
+            if finished is not None:  # a finished job run again: say so, rather than train nothing
+                nothing_to_do(args, log_dir, finished, sys.stdout)
+                return 0
+            start_workers(addresses)
         fired: list[dict[str, Any]] = []
         restarts: list[str] = []
-        for r in range(args.workers):
-            child = start_worker(cluster, args, target, addresses, r)
-            workers.append(child)
-            follow(child, events, script)
         bars = [
             tqdm(
                 total=args.steps,
