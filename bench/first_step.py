@@ -219,15 +219,11 @@ def report(runs: list[dict[str, Any]], rounds: int) -> dict[str, Any]:
         if not good:
             continue
         print(f"\n{system}: when the last rank reached each stage (median over {len(good)} runs, from the command)")
-        before = 0.0
         stages = [s for s, _ in LAUNCHER_LINES[system]] + [s for s, _ in RANK_STAGES[system]]
-        figures[f"{system}_stages"] = {}
-        for stage in stages:
-            times = [r["stages"][stage] for r in good if stage in r["stages"]]
-            if not times:
-                continue
-            median = statistics.median(times)
-            figures[f"{system}_stages"][stage] = median
+        seen = {s: [r["stages"][s] for r in good if s in r["stages"]] for s in stages}
+        figures[f"{system}_stages"] = medians = {s: statistics.median(t) for s, t in seen.items() if t}
+        before = 0.0
+        for stage, median in sorted(medians.items(), key=lambda item: item[1]):  # in the order they happened
             print(f"  {stage:<30} {median:6.2f} s   (+{median - before:5.2f})")
             before = median
         wall = statistics.median([r["wall"] for r in good])
