@@ -13,6 +13,8 @@ is on this machine, on the same clock):
 
 - **first step**: until every rank's first ``optimizer.step()`` returned (the last rank's);
 - **wall**: until the command exited;
+- **CPU**: user + system seconds of every process of the run, start to exit (``RUSAGE_CHILDREN``):
+  what a busy machine does not change much, and what bounds the wall time on few cores;
 - the **breakdown**: when every rank reached each start-up moment (the launcher's own stderr lines,
   time-stamped as they arrive, and the runner's marks), as a median over the rounds.
 
@@ -28,6 +30,7 @@ import argparse
 import json
 import os
 import queue
+import resource
 import shutil
 import signal
 import statistics
@@ -133,6 +136,7 @@ def run_once(system: str, argv: list[str], timeout: float) -> dict[str, Any]:
     }
     load = os.getloadavg()[0]
     lines: queue.Queue[tuple[float, str]] = queue.Queue()
+    used = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.time()
     proc = subprocess.Popen(
         argv, cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
@@ -151,11 +155,13 @@ def run_once(system: str, argv: list[str], timeout: float) -> dict[str, Any]:
             os.killpg(proc.pid, signal.SIGKILL)  # the group this run's Popen made (start_new_session)
             rc = proc.wait(timeout=10)
     end = time.time()
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)  # every process of the run: each was waited for
+    cpu = after.ru_utime + after.ru_stime - used.ru_utime - used.ru_stime
     reader.join(timeout=5)
     output = []
     while not lines.empty():
         output.append(lines.get())
-    result: dict[str, Any] = {"system": system, "load": load, "rc": rc, "wall": end - start, "stages": {}}
+    result: dict[str, Any] = {"system": system, "load": load, "rc": rc, "wall": end - start, "cpu": cpu, "stages": {}}
     for stage, prefix in LAUNCHER_LINES[system]:
         when = next((t for t, line in output if prefix in line), None)
         if when is not None:
@@ -193,15 +199,16 @@ def spread(values: list[float]) -> str:
 def report(runs: list[dict[str, Any]], rounds: int) -> dict[str, Any]:
     """Print the table and the breakdown; returns the figures (medians, ratios)."""
     ok = {s: [r for r in runs if r["system"] == s and "error" not in r] for s in RANK_STAGES}
-    print(f"\n{'system':<10} {'runs ok':>7}  {'first step, every rank':<26} {'wall':<26} load at start")
+    print(f"\n{'system':<10} {'runs ok':>7}  {'first step, every rank':<26} {'wall':<26} {'CPU':<26} load at start")
     for system, good in ok.items():
         loads = [r["load"] for r in runs if r["system"] == system]
         print(
             f"{system:<10} {len(good):>3}/{rounds:<3}  {spread([r['first_step'] for r in good]):<26} "
-            f"{spread([r['wall'] for r in good]):<26} {', '.join(f'{x:.1f}' for x in loads)}"
+            f"{spread([r['wall'] for r in good]):<26} {spread([r['cpu'] for r in good]):<26} "
+            f"{', '.join(f'{x:.1f}' for x in loads)}"
         )
     figures: dict[str, Any] = {}
-    for what in ("first_step", "wall"):
+    for what in ("first_step", "wall", "cpu"):
         a = [r[what] for r in ok["torchrun"]]
         b = [r[what] for r in ok["ps-launch"]]
         if a and b:
