@@ -188,7 +188,7 @@ class Cluster:
             )
             for k in range(n)
         ]
-        if meanwhile is not None:
+        if meanwhile is not None and reserved:
             meanwhile([f"127.0.0.1:{port}" for port in ports])
         found: queue.Queue[tuple[int, str | None]] = queue.Queue()
         for k, child in enumerate(shards):

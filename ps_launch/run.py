@@ -104,7 +104,7 @@ def run(args: Any, target: Target | None = None) -> int:
 
     # A fresh job (no checkpoint to resume, so not finished either) starts its workers while its shards
     # start, on ports held for them: the workers' imports overlap the shards' (bench/first_step.py).
-    fresh = not any(log_dir.glob("checkpoints/*"))
+    reserved = [] if any(log_dir.glob("checkpoints/*")) else reserve_ports(args.shards)
     try:
         addresses = cluster.start_shards(
             args.shards,
@@ -112,8 +112,8 @@ def run(args: Any, target: Target | None = None) -> int:
             args.mode,
             server_flags(args, log_dir),
             metrics=not args.no_metrics,
-            reserved=reserve_ports(args.shards) if fresh else (),
-            meanwhile=start_workers if fresh else None,
+            reserved=reserved,
+            meanwhile=start_workers if reserved else None,
         )
         where = f"logs in {log_dir}" + (
             "" if args.log_dir else " (removed at the end unless the run fails; --log-dir keeps them)"
