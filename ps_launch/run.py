@@ -104,7 +104,8 @@ def run(args: Any, target: Target | None = None) -> int:
 
     # A fresh job (no checkpoint to resume, so not finished either) starts its workers while its shards
     # start, on ports held for them: the workers' imports overlap the shards' (bench/first_step.py).
-    reserved = [] if any(log_dir.glob("checkpoints/*")) else reserve_ports(args.shards)
+    fresh = not any(log_dir.glob("checkpoints/*"))
+    reserved = reserve_ports(args.shards) if fresh else []
     try:
         addresses = cluster.start_shards(
             args.shards,
@@ -203,8 +204,10 @@ def run(args: Any, target: Target | None = None) -> int:
                 if name in exited or name in killed or name in respawn:
                     continue
                 if incarnations.get(rank) != incarnation:
+                    # a fresh job's first ranks start at 0, however far the first poll of shard 0 finds them
+                    fresh_rank = fresh and rank not in incarnations and rank < args.workers
                     incarnations[rank] = incarnation
-                    events.put((name, {"event": "start", "step": clock}))
+                    events.put((name, {"event": "start", "step": 0 if fresh_rank else clock}))
                 elif runs[rank] and clock > runs[rank][-1].last:
                     events.put((name, {"event": "step", "step": clock, "loss": float("nan")}))
 
