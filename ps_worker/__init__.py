@@ -1,5 +1,6 @@
 """grpc-ps worker side: ``PSClient`` (push/pull to every shard), ``DistributedOptimizer`` and
-``DistributedSampler`` (torch's, its rank from the client or environment).
+``DistributedSampler`` (torch's, its rank from the client or environment), ``RowPrefetcher`` (embedding
+rows of the next batch pulled while the current one trains).
 
 Each is imported on first use, so the command-line tools parse their arguments before torch loads.
 """
@@ -13,11 +14,13 @@ if TYPE_CHECKING:
     from ps_worker.errors import RoundTimeoutError, ShardError, ShardUnreachableError
     from ps_worker.optimizer import DistributedOptimizer
     from ps_worker.sampler import DistributedSampler
+    from ps_worker.tables.prefetch import RowPrefetcher
 
 __all__ = [
     "PSClient",
     "DistributedOptimizer",
     "DistributedSampler",
+    "RowPrefetcher",
     "RoundTimeoutError",
     "ShardError",
     "ShardUnreachableError",
@@ -40,6 +43,10 @@ def __getattr__(name: str) -> Any:
         from ps_worker.sampler import DistributedSampler
 
         return DistributedSampler
+    if name == "RowPrefetcher":
+        from ps_worker.tables.prefetch import RowPrefetcher
+
+        return RowPrefetcher
     if name == "init_from_env":
         from ps_worker.client import init_from_env
 

@@ -53,7 +53,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
     ``torch.nn.utils.clip_grad_norm_`` (after backward, before ``step()``), clips the round's
     averaged gradient by its global norm over every shard, as DDP's clip does (sync only).
     ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` on a worker clips that rank's own
-    gradient before it is averaged, which is not what DDP does.
+    gradient before it is averaged, which is not what DDP does. Embedding tables' rows: pushed
+    before the dense step, or beside it with a ``ps_worker.tables.RowPrefetcher``.
 
     Args:
         model: the module whose parameters the client was initialized with.
@@ -92,8 +93,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             grad_scaler; broadcast_buffers with buffers the client's plan does not carry.
     """
 
-    _step_supports_amp_scaling = True
-    """GradScaler calls :meth:`step` on every step, with ``grad_scale`` and ``found_inf`` set."""
+    _step_supports_amp_scaling = True  # GradScaler calls step() every step, grad_scale and found_inf set
 
     def __init__(
         self,
@@ -119,13 +119,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 "overlap=True pushes gradients during backward, before a GradScaler unscales them or sees an "
                 "overflow; use overlap=False with AMP."
             )
-        self.model = model
-        self.client = client
-        self.local_optimizer = local_optimizer
+        self.model, self.client = model, client
+        self.local_optimizer, self.local_steps = local_optimizer, 0
         self.params = dict(model.named_parameters())
-        self.local_steps = 0
-        self.overlap = overlap
-        self.backward_passes_per_step = backward_passes_per_step
+        self.overlap, self.backward_passes_per_step = overlap, backward_passes_per_step
         self.grad_scaler = grad_scaler
         self._pending: PendingPushPull | None = None
         self._clipper = RoundClipper(client)  # clip_grad_norm_ (ps_worker.clipping)
@@ -345,9 +342,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
             for p in self.params.values():
                 if p.grad is not None:
                     p.grad.mul_(inv.to(p.grad.device))
-        if self.client.tables is not None:  # embedding tables: row gradients first (ps_worker.tables.modules)
-            push_step(self.client.tables, inv if grad_scale is not None and not skip else None, skip)
-        return self.client.worker_mode.step(self, skip)
+        tables = self.client.tables  # row gradients before the dense step, or beside it (ps_worker.tables.prefetch)
+        pushed = push_step(tables, inv if grad_scale is not None and not skip else None, skip) if tables else None
+        version = self.client.worker_mode.step(self, skip)
+        if pushed is not None:
+            pushed()  # the row push's errors are the step's
+        return version
 
     def local_step(self, skip: bool) -> int:
         """EASGD's step (:class:`~ps_worker.consistency.ElasticAveraging`): a local optimizer step,

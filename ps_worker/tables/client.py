@@ -28,6 +28,7 @@ from ps_common.tables import TableSpec, shard_of
 from ps_common.wire import table_spec_from_proto, table_spec_to_proto
 from ps_proto.v1 import ps_pb2
 from ps_worker.errors import error_from_rpc
+from ps_worker.tables.prefetch import Ahead
 from ps_worker.transport.retry import retry_call
 
 if TYPE_CHECKING:
@@ -102,6 +103,8 @@ class TableClient:
         """(table, distinct ids, rows leaf) of each forward since the last push (``ps_worker.tables.modules``)."""
         self.prefetched: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         """table -> (distinct ids, rows) pulled ahead by ``ps_worker.tables.modules.prefetch`` for the next forward."""
+        self.ahead = Ahead(self)
+        """The next batch's rows pulled while this step runs (``ps_worker.tables.prefetch``)."""
         self.calls: Counter[str] = Counter()
         """Calls made, by method (InitTables, PullRows, PushRows)."""
         self.weights: dict[str, weakref.ref[torch.Tensor]] = {}
@@ -110,6 +113,10 @@ class TableClient:
         self.hyperparameters: Callable[[], Mapping[str, float]] | None = None
         """What each PushRows carries when :meth:`push` is given none: the row optimizer's values
         an lr scheduler set (``DistributedOptimizer`` reads them from the user's optimizer)."""
+
+    def close(self) -> None:
+        """Stop the prefetch threads, if any (``PSClient.close`` calls it)."""
+        self.ahead.close()
 
     def _call(self, k: int, method: str, request: Any) -> Any:
         stub = self.transport.stubs[k]
@@ -158,13 +165,29 @@ class TableClient:
         assert self.clock is not None
         return self.clock
 
+    @property
+    def num_shards(self) -> int:
+        """The shards the rows are spread over."""
+        return self.transport.num_shards
+
     # ------------------------------------------------------------------ pull
-    def pull(self, requests: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def pull_floor(self) -> int:
+        """The table version a pull issued now waits for (sync: the round of this rank's last push)."""
+        return self.session.worker.table_pull_floor(self._ensure())
+
+    def pull(
+        self,
+        requests: Mapping[str, torch.Tensor],
+        min_version: int | None = None,
+        each_shard: Callable[[Callable[[int], Any]], list[Any]] | None = None,
+    ) -> dict[str, torch.Tensor]:
         """Rows of each table's ``ids``: one PullRows per shard that owns any of them (several when
         its rows exceed one message: reads may be split, pushes may not).
 
         Args:
             requests: table name -> int64 ids [n] (any order; duplicates read once).
+            min_version: the table version to read (None: :meth:`pull_floor`).
+            each_shard: runs the per-shard calls (None: the transport's pool).
 
         Returns:
             table name -> float32 rows [n, dim], in ``ids``' order (CPU).
@@ -172,8 +195,8 @@ class TableClient:
         Raises:
             KeyError: an unknown table. ShardError: a refusal (ids out of range: INVALID_ARGUMENT).
         """
-        clock = self._ensure()
-        min_version = self.session.worker.table_pull_floor(clock)
+        if min_version is None:
+            min_version = self.pull_floor()
         n = self.transport.num_shards
         plan: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         per_shard: list[list[tuple[str, torch.Tensor]]] = [[] for _ in range(n)]
@@ -204,7 +227,7 @@ class TableClient:
                     got.setdefault(name, []).append(torch.from_numpy(values.copy()))
             return {name: torch.cat(parts) for name, parts in got.items()}
 
-        replies = self.transport.each_shard(pull_shard)
+        replies = (each_shard or self.transport.each_shard)(pull_shard)
         out: dict[str, torch.Tensor] = {}
         for name, (unique, inverse, owner) in plan.items():
             rows = torch.empty(unique.numel(), self.specs[name].dim, dtype=torch.float32)
@@ -240,6 +263,7 @@ class TableClient:
         self,
         grads: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
         hyperparameters: Mapping[str, float] | None = None,
+        each_shard: Callable[[Callable[[int], Any]], list[Any]] | None = None,
     ) -> int:
         """One step's row gradients: coalesced per table, one PushRows per shard (every shard in sync
         mode, empty where no row of it was touched), stamped (rank, incarnation, clock); the clock
@@ -250,6 +274,7 @@ class TableClient:
             hyperparameters: the row optimizer's values for this step and after (``{"lr": 0.01}``,
                 names in ``ps_common.tables.ROW_HYPERPARAMETERS``); None: :attr:`hyperparameters`'
                 values, or none (the values in force stay).
+            each_shard: runs the per-shard calls (None: the transport's pool).
 
         Returns:
             The largest table version a shard answered (sync: the round joined).
@@ -312,6 +337,6 @@ class TableClient:
             )
             return self._call(k, "PushRows", request)
 
-        replies = self.transport.each_shard(push_shard)
+        replies = (each_shard or self.transport.each_shard)(push_shard)
         self.clock = clock + 1
         return max((r.version for r in replies if r is not None), default=0)

@@ -24,7 +24,7 @@ import functools
 import logging
 import weakref
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -52,6 +52,7 @@ class TableHost(Protocol):
     session: Session
     metrics: WorkerMetrics | None
     tables: TableClient | None
+    on_close: list[Callable[[], None]]
 
 
 class ShardedEmbedding(nn.Module):
@@ -155,7 +156,9 @@ def attach_tables(client: TableHost, model: nn.Module, optimizer: Mapping[str, A
             del m._parameters["weight"]  # the table is the shards'; nothing of it stays here
             object.__setattr__(m, "weight", None)
         m.forward = functools.partial(_forward, m, tables, spec.name)  # type: ignore[method-assign]
+        object.__setattr__(m, "ps_table", spec.name)  # what ps_worker.tables.prefetch knows the module by
     client.tables = tables
+    client.on_close.append(tables.close)
     # the row optimizer derived from the dense one: a user may build a SparseAdam over the tables next,
     # which torch refuses ("empty parameter list") without a word of why: say it before
     log.log(
@@ -181,7 +184,10 @@ def _forward(
     """A table module's forward: pull the input's distinct rows, look up in them."""
     unique, inverse = torch.unique(input.detach().reshape(-1).cpu().to(torch.int64), return_inverse=True)
     ahead = tables.prefetched.pop(table, None)
-    if ahead is not None and torch.equal(ahead[0], unique):
+    fetched = tables.ahead.take(table, unique) if torch.is_grad_enabled() else None  # a RowPrefetcher's
+    if fetched is not None:
+        rows = fetched.to(input.device)
+    elif ahead is not None and torch.equal(ahead[0], unique):
         rows = ahead[1].to(input.device)  # pulled by prefetch() together with the other tables
     else:
         rows = tables.pull({table: unique})[table].to(input.device)
@@ -222,13 +228,17 @@ def prefetch(client: TableHost, ids: Mapping[str, torch.Tensor]) -> None:
     tables.prefetched = {t: (unique[t], rows[t]) for t in unique}
 
 
-def push_step(tables: TableClient, scale: torch.Tensor | float | None = None, skip: bool = False) -> int:
+def push_step(tables: TableClient, scale: torch.Tensor | float | None = None, skip: bool = False) -> Callable[[], int]:
     """Push the row gradients of the lookups since the last step (one PushRows per shard), then
     forget them. ``scale`` multiplies them (a GradScaler's 1/scale); ``skip`` pushes none (the
-    sync round still counts this rank).
+    sync round still counts this rank). With a :class:`~ps_worker.tables.prefetch.RowPrefetcher`
+    naming the next batch's ids, the push runs on the prefetch thread, followed by the pull of those
+    rows, while the caller goes on (the dense step).
 
     Returns:
-        The table version the shards answered (sync: the round joined).
+        A callable that waits for the push and returns the table version the shards answered
+        (sync: the round joined), or raises the push's error (ShardError, ValueError: as
+        :meth:`TableClient.push`).
     """
     parts: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = defaultdict(list)
     lookups = tables.lookups
@@ -239,4 +249,10 @@ def push_step(tables: TableClient, scale: torch.Tensor | float | None = None, sk
     lookups.clear()
     tables.prefetched = {}
     grads = {t: (torch.cat([i for i, _ in ps]), torch.cat([g for _, g in ps])) for t, ps in parts.items()}
-    return tables.push(grads)
+    if tables.ahead.next_ids is None:
+        tables.ahead.drop()  # rows pulled before this push would be a version behind
+        version = tables.push(grads)
+        return lambda: version
+    hyper = tables.hyperparameters() if tables.hyperparameters is not None else None  # read on this thread
+    pushed = tables.ahead.push_then_pull(lambda each_shard: tables.push(grads, hyper, each_shard))
+    return pushed.result

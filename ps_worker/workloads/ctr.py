@@ -112,15 +112,22 @@ class DLRM(nn.Module):
         # plain tensors, not buffers: grpc-ps moves a model's buffers with its parameters every step
         self.pairs = torch.tril_indices(n, n, offset=-1)  # [2, (F + 1) F / 2]: the pairs (i, j), i > j
         self.vocabularies = list(vocabularies)  # sorted int64 ids per field
+        self._vocab_on: dict[tuple[int, torch.device], torch.Tensor] = {}
 
     def rows(self, f: int, ids: torch.Tensor) -> torch.Tensor:
         """Rows of field ``f``'s table for int64 ``ids`` ``[batch]``: the id's index in the sorted vocabulary,
         or the last row for an id outside it."""
-        vocab = self.vocabularies[f]
-        if vocab.device != ids.device:  # moved once, on the first batch on another device
-            vocab = self.vocabularies[f] = vocab.to(ids.device)
+        vocab = self._vocab_on.get((f, ids.device))
+        if vocab is None:  # copied once per device (the prefetcher reads CPU batches, the model may be on a GPU)
+            vocab = self._vocab_on[(f, ids.device)] = self.vocabularies[f].to(ids.device)
         at = torch.searchsorted(vocab, ids).clamp_(max=len(vocab) - 1)
         return torch.where(vocab[at] == ids, at, len(vocab))
+
+    def table_inputs(self, x: torch.Tensor) -> dict[nn.Module, torch.Tensor]:
+        """Each table module -> the int64 row indices ``[batch]`` its forward looks up for input ``x``
+        (what ``ps_worker.RowPrefetcher`` prefetches)."""
+        ids = x[:, self.cfg.num_dense :].to(torch.int64)
+        return {table: self.rows(f, ids[:, f].contiguous()) for f, table in enumerate(self.tables)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dense = x[:, : self.cfg.num_dense].float()

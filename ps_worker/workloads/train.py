@@ -6,7 +6,7 @@ import hashlib
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -18,6 +18,7 @@ from ps_worker import resume
 from ps_worker.client import PSClient
 from ps_worker.metrics import WorkerMetrics
 from ps_worker.optimizer import DistributedOptimizer
+from ps_worker.tables.prefetch import RowPrefetcher
 from ps_worker.workloads.base import Workload
 
 log = logging.getLogger(__name__)
@@ -130,7 +131,7 @@ def train(
     resume_at = resume.resume_step(client)
     first = min(resume_at, steps)
     resume.reseed(seed, client.rank, first)  # and skips the batches already consumed
-    sampler, data = shard_data(train_set, batch_size, seed, client, first)
+    sampler, data = shard_data(train_set, batch_size, seed, client, first, model)
     lr_factor = elastic_factor(client, elastic_lr)
     scale_lr(opt, lr_factor)
     resized_out = None
@@ -154,7 +155,7 @@ def train(
             )
             break
         if sampler.num_replicas != client.num_workers and resize_due(client, step):
-            sampler, data = shard_data(train_set, batch_size, seed, client, step)
+            sampler, data = shard_data(train_set, batch_size, seed, client, step, model)
             factor = elastic_factor(client, elastic_lr)
             scale_lr(opt, factor / lr_factor)
             lr_factor = factor
@@ -215,19 +216,32 @@ def train(
     )
 
 
-def shard_data(train_set: Any, batch_size: int, seed: int, client: PSClient, step: int) -> tuple[Any, Any]:
+def shard_data(
+    train_set: Any, batch_size: int, seed: int, client: PSClient, step: int, model: Any = None
+) -> tuple[Any, Any]:
     """This rank's sampler and endless batches from ``step`` on, for the cluster's worker count:
     before any resize, the passes of a fixed-size job (:func:`resume.batches`); from a resize's round
     ``V`` on, passes of ``DistributedSampler(num_replicas=num_workers)`` starting at sampler epoch
-    ``V`` (every rank, however late it started, reads the same sequence)."""
+    ``V`` (every rank, however late it started, reads the same sequence); with the rows of each
+    batch prefetched when ``model`` has ``table_inputs`` (:func:`prefetched`)."""
     sampler = DistributedSampler(
         train_set, num_replicas=client.num_workers, rank=client.rank, shuffle=True, seed=seed, drop_last=True
     )
     loader = DataLoader(train_set, batch_size=batch_size, sampler=sampler, drop_last=True)
     since = int(client.session.membership.resize_version)
     if since and step >= since:
-        return sampler, resume.batches(loader, sampler, step - since, first_epoch=since)
-    return sampler, resume.batches(loader, sampler, step)
+        return sampler, prefetched(client, model, resume.batches(loader, sampler, step - since, first_epoch=since))
+    return sampler, prefetched(client, model, resume.batches(loader, sampler, step))
+
+
+def prefetched(client: PSClient, model: Any, batches: Iterator[Any]) -> Iterator[Any]:
+    """``batches`` with each one's embedding rows pulled while the step before it runs, when the
+    model says which rows a batch looks up (``table_inputs(x)``, as the ctr workload's DLRM;
+    ``ps_worker.tables.prefetch``); otherwise ``batches`` as they are."""
+    inputs = getattr(model, "table_inputs", None)
+    if client.tables is None or inputs is None:
+        return batches
+    return iter(RowPrefetcher(client, lambda batch: inputs(batch[0])).wrap(batches))
 
 
 def resize_due(client: PSClient, step: int) -> bool:

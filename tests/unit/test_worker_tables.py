@@ -16,7 +16,9 @@ from ps_worker.tables.modules import ShardedEmbedding, attach_tables, row_optimi
 
 
 def _client() -> SimpleNamespace:
-    return SimpleNamespace(transport=None, session=None, metrics=None, tables=None, partition_bytes=4 * 2**20)
+    return SimpleNamespace(
+        transport=None, session=None, metrics=None, tables=None, partition_bytes=4 * 2**20, on_close=[]
+    )
 
 
 def test_sparse_embeddings_become_tables_and_leave_the_dense_parameters() -> None:
@@ -42,6 +44,7 @@ def test_sparse_embeddings_become_tables_and_leave_the_dense_parameters() -> Non
         "beta1": 0.8,
     }
     assert model["emb"].weight is None
+    assert model["emb"].ps_table == "emb.weight" and client.on_close == [client.tables.close]  # prefetch threads
 
 
 def test_row_optimizer_from_the_sparse_entry_or_the_dense_name() -> None:
