@@ -14,12 +14,13 @@ import queue
 import re
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -130,13 +131,38 @@ class Cluster:
         extra: Sequence[str] = (),
         deadline: float = 60.0,
         metrics: bool = True,
+        reserved: Sequence[socket.socket] = (),
+        meanwhile: Callable[[list[str]], None] | None = None,
     ) -> list[str]:
         """Start ``n`` shards on free ports (``extra``: more ps-server flags; ``/metrics`` too, unless
         ``metrics`` is False); returns their addresses in shard order.
 
+        With ``reserved`` (:func:`reserve_ports`, one per shard) shard ``k`` binds the port of
+        ``reserved[k]`` (``--reuse-port``), and ``meanwhile`` is called with the addresses once every
+        shard is started, before they serve: the workers start while the shards import torch. The
+        sockets are closed when this returns or raises.
+
         Raises:
             RuntimeError: a shard exited or did not report its port in time.
         """
+        try:
+            return self._start_shards(n, workers, mode, extra, deadline, metrics, reserved, meanwhile)
+        finally:
+            for s in reserved:
+                s.close()
+
+    def _start_shards(
+        self,
+        n: int,
+        workers: int,
+        mode: str,
+        extra: Sequence[str],
+        deadline: float,
+        metrics: bool,
+        reserved: Sequence[socket.socket],
+        meanwhile: Callable[[list[str]], None] | None,
+    ) -> list[str]:
+        ports = [str(s.getsockname()[1]) for s in reserved] or ["0"] * n
         shards = [
             self.spawn(
                 f"shard-{k}",
@@ -153,7 +179,8 @@ class Cluster:
                     "--host",
                     "127.0.0.1",
                     "--port",
-                    "0",
+                    ports[k],
+                    *(["--reuse-port"] if reserved else []),
                     "--metrics-port",
                     "0" if metrics else "-1",
                     *extra,
@@ -161,6 +188,8 @@ class Cluster:
             )
             for k in range(n)
         ]
+        if meanwhile is not None and reserved:
+            meanwhile([f"127.0.0.1:{port}" for port in ports])
         found: queue.Queue[tuple[int, str | None]] = queue.Queue()
         for k, child in enumerate(shards):
             threading.Thread(target=self._read_address, args=(k, child, found), daemon=True).start()
@@ -173,6 +202,8 @@ class Cluster:
                 raise RuntimeError(f"Shards did not start within {deadline:.0f} s; see {self.log_dir}") from None
             if addr is None:
                 raise RuntimeError(f"shard-{k} exited before serving:\n{tail(shards[k].log_path)}")
+            if reserved and addr != f"127.0.0.1:{ports[k]}":
+                raise RuntimeError(f"shard-{k} serves on {addr}, not on its reserved port {ports[k]}")
             addresses[k] = addr
         return [addresses[k] for k in range(n)]
 
@@ -225,6 +256,25 @@ class Cluster:
                 c.proc.kill()
                 c.proc.wait(timeout=5)
             c.log_file.close()
+
+
+def reserve_ports(n: int, host: str = "127.0.0.1") -> list[socket.socket]:
+    """``n`` sockets bound to free ports of ``host`` with ``SO_REUSEPORT``, not listening: while they
+    are open no other socket can bind those ports (nor get one for an outgoing connection), except a
+    ``ps-server --reuse-port`` on it, and a connection to one is refused (a worker's Join retries).
+    Empty where the system refuses (no ``SO_REUSEPORT``): start the shards first then."""
+    held: list[socket.socket] = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            held.append(s)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            s.bind((host, 0))
+    except (OSError, AttributeError):
+        for s in held:
+            s.close()
+        return []
+    return held
 
 
 def cluster_id(log_dir: Path) -> str:

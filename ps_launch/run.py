@@ -32,6 +32,7 @@ from ps_launch.cluster import (
     MembershipWatch,
     read_events,
     read_output,
+    reserve_ports,
     resize_job,
     server_flags,
     shard_statuses,
@@ -93,9 +94,27 @@ def run(args: Any, target: Target | None = None) -> int:
     bars: list[tqdm] = []
     failed = False
     started = time.perf_counter()
+    events: Events = queue.Queue()
+    workers: list[Child] = []
+
+    def start_workers(addresses: list[str]) -> None:
+        for r in range(args.workers):
+            workers.append(start_worker(cluster, args, target, addresses, r))
+            follow(workers[-1], events, script)
+
+    # A fresh job (no checkpoint to resume, so not finished either) starts its workers while its shards
+    # start, on ports held for them: the workers' imports overlap the shards' (bench/first_step.py).
+    fresh = not any(log_dir.glob("checkpoints/*"))
+    reserved = reserve_ports(args.shards) if fresh else []
     try:
         addresses = cluster.start_shards(
-            args.shards, args.workers, args.mode, server_flags(args, log_dir), metrics=not args.no_metrics
+            args.shards,
+            args.workers,
+            args.mode,
+            server_flags(args, log_dir),
+            metrics=not args.no_metrics,
+            reserved=reserved,
+            meanwhile=start_workers if reserved else None,
         )
         where = f"logs in {log_dir}" + (
             "" if args.log_dir else " (removed at the end unless the run fails; --log-dir keeps them)"
@@ -104,18 +123,14 @@ def run(args: Any, target: Target | None = None) -> int:
         for c in cluster.children:
             if c.metrics_url:
                 print(f"ps-launch: {c.name} metrics on {c.metrics_url}", file=sys.stderr)
-        finished = finished_version(shard_statuses(addresses), args.steps)
-        if finished is not None:  # a finished job run again: say so, rather than train nothing
-            nothing_to_do(args, log_dir, finished, sys.stdout)
-            return 0
-        events: Events = queue.Queue()
-        workers = []
+        if not workers:
+            finished = finished_version(shard_statuses(addresses), args.steps)
+            if finished is not None:  # a finished job run again: say so, rather than train nothing
+                nothing_to_do(args, log_dir, finished, sys.stdout)
+                return 0
+            start_workers(addresses)
         fired: list[dict[str, Any]] = []
         restarts: list[str] = []
-        for r in range(args.workers):
-            child = start_worker(cluster, args, target, addresses, r)
-            workers.append(child)
-            follow(child, events, script)
         bars = [
             tqdm(
                 total=args.steps,
@@ -189,8 +204,10 @@ def run(args: Any, target: Target | None = None) -> int:
                 if name in exited or name in killed or name in respawn:
                     continue
                 if incarnations.get(rank) != incarnation:
+                    # a fresh job's first ranks start at 0, however far the first poll of shard 0 finds them
+                    fresh_rank = fresh and rank not in incarnations and rank < args.workers
                     incarnations[rank] = incarnation
-                    events.put((name, {"event": "start", "step": clock}))
+                    events.put((name, {"event": "start", "step": 0 if fresh_rank else clock}))
                 elif runs[rank] and clock > runs[rank][-1].last:
                     events.put((name, {"event": "step", "step": clock, "loss": float("nan")}))
 

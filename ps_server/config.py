@@ -42,6 +42,8 @@ class ServerConfig:
     mode: str = "sync"
     host: str = "127.0.0.1"
     port: int = 50051
+    reuse_port: bool = False
+    """Bind ``port`` with SO_REUSEPORT (a port its launcher reserved with it); False: a port in use fails."""
     lease_timeout: float = 10.0
     token: str = ""
     admin_token: str = ""
@@ -318,6 +320,7 @@ def config_from_args(
             mode=args.mode,
             host=args.host,
             port=args.port,
+            reuse_port=args.reuse_port,
             lease_timeout=args.lease_timeout,
             join_timeout=args.join_timeout,
             cluster_id=args.cluster_id,

@@ -28,6 +28,13 @@ def server_parser(environ: Mapping[str, str] | None = None) -> FlagParser:
     p.flag("--host", default="127.0.0.1", help="address to bind; non-loopback needs tokens or --insecure")
     p.flag("--port", type=int, default=50051, help="gRPC port; 0 picks a free port and prints it")
     p.flag(
+        "--reuse-port",
+        switch=True,
+        help="bind --port with SO_REUSEPORT, beside the socket of a launcher that holds the port reserved until "
+        "this shard serves (ps-launch does, to start workers with the address while shards start); otherwise "
+        "a second server on a port in use fails to start",
+    )
+    p.flag(
         "--metrics-port",
         type=int,
         default=8000,

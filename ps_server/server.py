@@ -228,7 +228,7 @@ def start_server(config: ServerConfig, shard: Shard | None = None) -> ShardServe
     options = [
         ("grpc.max_receive_message_length", config.max_message_bytes),
         ("grpc.max_send_message_length", config.max_message_bytes),
-        ("grpc.so_reuseport", 0),
+        ("grpc.so_reuseport", int(config.reuse_port)),
     ]
     # Long-lived streams run in a pool of their own, capped per group (ps_server.service.streams): however
     # many a client opens, the data plane keeps all of its threads and its share of concurrent RPCs.

@@ -31,6 +31,8 @@ if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger(__name__)
+startup = logging.getLogger("ps_worker.startup")
+"""Start-up moments at DEBUG level (``start-up: NAME ...``; ``bench/first_step.py`` reads them)."""
 
 
 class Client(Protocol):
@@ -334,6 +336,7 @@ def init_from_env(
     """
     if environ is None:
         environ = os.environ
+    startup.debug("start-up: from_env called")
     shard = None
     if "servers" not in overrides and single_process(environ):
         from ps_worker.embedded import EmbeddedShard

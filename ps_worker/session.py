@@ -167,7 +167,7 @@ class Session:
         req = self.join_request(k)
         start = time.monotonic()
         stop = start + t.retry_deadline
-        delays = backoff_delays(base=0.1, cap=1.0)
+        delays = backoff_delays(base=0.05, cap=0.5)  # a shard still starting (ps-launch) serves within seconds
         warned = False
         while True:
             # each attempt is short: a connection that hangs (a dropped SYN) must not use the whole budget
@@ -223,6 +223,7 @@ class Session:
         self.lease_timeout = self.config.lease_timeout_seconds or 10.0
         self.worker.adopt_join(self, replies)
         self.start_heartbeat()
+        logging.getLogger("ps_worker.startup").debug("start-up: joined %d shards (rank %d)", t.num_shards, self.rank)
         return replies
 
     def wait_initialized(self, replies: Mapping[int, ps_pb2.JoinResponse], init_timeout: float) -> None:
@@ -235,7 +236,7 @@ class Session:
         """
         t = self.transport
         stop = time.monotonic() + init_timeout
-        delays = backoff_delays(base=0.02, cap=0.5)
+        delays = backoff_delays(base=0.02, cap=0.1)  # a Join answers in ms: rank 0's Init is seen within 0.1 s
         for k, reply in replies.items():
             while not reply.initialized:
                 if time.monotonic() > stop:

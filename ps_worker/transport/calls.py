@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from ps_worker.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
+startup = logging.getLogger("ps_worker.startup")
 
 
 def is_stale(exc: BaseException) -> bool:
@@ -105,13 +106,16 @@ class ShardCalls:
         if self.session.rank == 0:
             self.session.reinit = write
             self.transport.each_shard(write)
+            startup.debug("start-up: written the initial values to %d shards", self.transport.num_shards)
         else:
             self.session.wait_initialized(dict(enumerate(replies)), init_timeout)
+            startup.debug("start-up: waited for rank 0's values (rank %d)", self.session.rank)
         values = {k: p.data if p.is_floating_point() else torch.empty(p.shape, dtype=torch.float64) for k, p in named}
         self.pull(values, min_version=0)
         for k, p in named:
             if not p.is_floating_point():  # an integer buffer, pulled as float64
                 p.copy_(values[k])
+        startup.debug("start-up: initialized (rank %d, version %d)", self.session.rank, self.session.version)
 
     def follow_plan(self, codec: WireCodec, digest: str) -> WireCodec:
         """``codec``, or one of the same model on the plan the shards already hold when that is the
