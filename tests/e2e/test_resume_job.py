@@ -23,7 +23,9 @@ STEPS = 200
 EVERY = 20
 JOB = [
     *(sys.executable, "-m", "ps_launch.cli", "--shards", "2", "--workers", "2", "--mode", "sync"),
-    *("--steps", str(STEPS), "--checkpoint-every", str(EVERY), "--lease-timeout", "3"),
+    # a restored shard gives the ranks it saved as live one lease to rejoin (ps_server.membership.ranks
+    # Membership.restore): long enough for a worker process to start on a loaded 2-core machine
+    *("--steps", str(STEPS), "--checkpoint-every", str(EVERY), "--lease-timeout", "30"),
     *("--no-progress", "--no-metrics", "--json"),
 ]
 
