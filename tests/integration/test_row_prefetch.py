@@ -13,27 +13,13 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from ps_worker import DistributedOptimizer, PSClient, RowPrefetcher
+from tests.integration.test_tables import OPTIMIZER, Model  # an nn.Embedding, an nn.EmbeddingBag, a head
 
 RPC_TIMEOUT = 20.0
 JOIN_TIMEOUT = 120.0
 B = 8
-OPTIMIZER = {"name": "sgd", "lr": 0.1, "sparse": {"name": "adagrad", "lr": 0.5}}
-
-
-class Model(nn.Module):
-    """An nn.Embedding and an nn.EmbeddingBag (sparse: shard tables) and a dense head."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(1000, 4, sparse=True)
-        self.bag = nn.EmbeddingBag(500, 4, mode="sum", sparse=True)
-        self.fc = nn.Linear(8, 1)
-
-    def forward(self, ids: torch.Tensor, bag: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        return self.fc(torch.cat([self.emb(ids), self.bag(bag, offsets)], 1)).squeeze(1)
 
 
 def batches(rank: int, n: int) -> list[tuple[torch.Tensor, ...]]:
