@@ -7,7 +7,8 @@
 
 Every run trains the charlm GPT (834k parameters, 3.34 MB float32; ``tta_worker.py``) for
 ``--budget-s`` seconds of wall clock under one system: DDP over gloo (float32, or its
-``bf16_compress_hook``) or grpc-ps (sync, sync with bf16 on the wire, async, ssp, easgd), with W
+``bf16_compress_hook``) or grpc-ps (sync, sync with bf16 on the wire, async, ssp, easgd, diloco with
+H = 10 and 50: inner AdamW, the shards' outer Nesterov SGD 0.7/0.9), with W
 workers and, for grpc-ps, as many shards (``--shards``). Each worker and shard is a host of its own
 (a network namespace behind a veth link shaped with tbf at the run's rate, both directions:
 ``netns.py``, as ``emulated.py``); DDP's ranks are the worker hosts, the TCP store on w0. The
@@ -52,6 +53,8 @@ MODE_FLAGS = {
     "async": ["--mode", "async"],
     "ssp": ["--mode", "ssp", "--staleness", "2"],
     "easgd": ["--mode", "easgd", "--communication-period", "10"],
+    "diloco-10": ["--mode", "diloco", "--communication-period", "10"],  # outer: DiLoCo's Nesterov SGD 0.7/0.9
+    "diloco-50": ["--mode", "diloco", "--communication-period", "50"],
 }
 """The shards' flags of each grpc-ps system (``ps-server --help``)."""
 

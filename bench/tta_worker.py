@@ -21,7 +21,9 @@ Systems: ``ddp`` and ``ddp-bf16`` (``DistributedDataParallel`` over gloo; ``-bf1
 ``bf16_compress_hook``), ``sync``, ``sync-bf16`` (bf16 on the wire), ``async``, ``ssp``, ``easgd``
 (``DistributedOptimizer``; the mode is the shards'). Every system trains the same model from the same
 seed on the same ``DistributedSampler`` shards with AdamW at ``--lr`` (async and ssp at ``--lr`` /
-workers: each of their pushes is an optimizer step of its own; easgd: a local AdamW at ``--lr``).
+workers: each of their pushes is an optimizer step of its own; easgd: a local AdamW at ``--lr``;
+``diloco-H``: the inner AdamW at ``--lr``, an outer round every H steps, rank 0's snapshots are
+theta_global, the model of the last outer round).
 
 Stragglers (``--delay-s D``: sleep D seconds before each step, the orchestrator's (F - 1) x the compute
 time of one forward and backward, :func:`calibrate`, for a step F times as long; ``--pauses``: before a
@@ -46,7 +48,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from ps_worker.workloads.charlm import CharLMWorkload, GPTConfig
 
-SYSTEMS = ("ddp", "ddp-bf16", "sync", "sync-bf16", "async", "ssp", "easgd")
+SYSTEMS = ("ddp", "ddp-bf16", "sync", "sync-bf16", "async", "ssp", "easgd", "diloco-10", "diloco-50")
 MODEL = GPTConfig(block_size=64, n_layer=4, n_head=4, n_embd=128)
 """834,304 parameters (3.34 MB float32): 27 ms of a 1 Gbit/s link, 267 ms at 100 Mbit/s."""
 
@@ -162,7 +164,7 @@ def build(args: argparse.Namespace, model: torch.nn.Module) -> tuple[torch.nn.Mo
     )
     local = torch.optim.AdamW(model.parameters(), lr=lr)
     client.init(model, local)  # rank 0's weights and AdamW spec go to the shards; every rank pulls them
-    overlap = args.overlap and args.system != "easgd"
+    overlap = args.overlap and args.system != "easgd" and not args.system.startswith("diloco")
     return model, DistributedOptimizer(model, client, local, overlap=overlap), client
 
 
@@ -192,6 +194,8 @@ def train(args: argparse.Namespace) -> None:
 
     def snapshot(step: int) -> None:
         state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        if args.system.startswith("diloco"):  # the cluster's model: theta_global of the last outer round
+            state.update({k: v.clone() for k, v in opt.local.anchor.items()})  # type: ignore[union-attr]
         snapshots.append((time.time() - t0, step, state))
 
     def log(step: int) -> None:

@@ -16,19 +16,21 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from ps_common.errors import InvalidRequestError
+from ps_common.optimizer_args import KWARGS, OPTIMIZER_NAMES
 from ps_common.text import quote
 
-MODES = ("async", "easgd", "ssp", "sync")
+MODES = ("async", "diloco", "easgd", "ssp", "sync")
 
-LOCAL_OPTIMIZER_MODES = frozenset({"easgd"})
-"""Modes whose workers step a local optimizer and exchange with a center (their own training loop):
-a cluster cannot switch into or out of them live."""
+LOCAL_OPTIMIZER_MODES = frozenset({"diloco", "easgd"})
+"""Modes whose workers step a local optimizer and exchange with the shards every few steps (their
+own training loop): a cluster cannot switch into, out of or between them live."""
 
 STALENESS_LR_RULES = ("", "inverse")
 
@@ -85,6 +87,39 @@ def _check_staleness_lr(value: str, num_workers: int) -> None:
 def _check_moving_rate(value: float | None, num_workers: int) -> None:
     if value is not None and not (0 < value <= 1):
         raise InvalidRequestError(f"--moving-rate must be in (0, 1], got {value}.")
+
+
+DILOCO_OUTER_OPTIMIZER = '{"name": "sgd", "lr": 0.7, "momentum": 0.9, "nesterov": true}'
+"""DiLoCo's outer optimizer (Douillard et al. 2023, section 3: Nesterov momentum, lr 0.7, momentum 0.9)."""
+
+
+def outer_optimizer_json(text: str) -> dict[str, Any]:
+    """``--outer-optimizer`` as a spec dict (``name`` and numeric arguments of :mod:`ps_common.optimizer_args`'s
+    table; torch's range checks come when the shards build it).
+
+    Raises:
+        InvalidRequestError: not a JSON object with a known name and known numeric arguments, or no lr.
+    """
+    try:
+        spec = json.loads(text)
+    except ValueError:
+        spec = None
+    if not isinstance(spec, dict) or spec.get("name") not in KWARGS:
+        raise InvalidRequestError(
+            f"--outer-optimizer must be a JSON object naming one of {', '.join(OPTIMIZER_NAMES)}, e.g. "
+            f"{DILOCO_OUTER_OPTIMIZER}; got {quote(text)}."
+        )
+    kwargs = {k: v for k, v in spec.items() if k != "name"}
+    allowed = KWARGS[spec["name"]]
+    bad = sorted(k for k, v in kwargs.items() if k not in allowed or not isinstance(v, int | float))
+    if bad or "lr" not in kwargs:
+        what = f"has no argument {quote(bad[0])} (or it is not a number)" if bad else "needs an lr"
+        raise InvalidRequestError(f"--outer-optimizer: {spec['name']} {what}; it takes {', '.join(allowed)}.")
+    return spec
+
+
+def _check_outer_optimizer(value: str, num_workers: int) -> None:
+    outer_optimizer_json(value)
 
 
 def _any(value: Any, num_workers: int) -> None:
@@ -150,8 +185,8 @@ PARAMETERS: tuple[Parameter, ...] = (
         set_help="(sync) apply a round after the first K pushes (0 = every live rank)", set_type=uint32,
     ),
     Parameter(
-        "round_timeout", "--round-timeout", "round_timeout_seconds", "seconds", ("sync",),
-        "sync: seconds after which ranks missing from an open round are reported (0 = never)",
+        "round_timeout", "--round-timeout", "round_timeout_seconds", "seconds", ("sync", "diloco"),
+        "sync, diloco: seconds after which ranks missing from an open round are reported (0 = never)",
         _check_round_timeout,
         lambda v, n: f"round timeout {seconds(v)}",
         type=float, default=0.0, updatable=True,
@@ -191,12 +226,12 @@ PARAMETERS: tuple[Parameter, ...] = (
         set_help="(easgd) the moving rate alpha, in (0, 1]", set_type=float,
     ),
     Parameter(
-        "communication_period", "--communication-period", "communication_period", "steps", ("easgd",),
-        "easgd: local steps tau between exchanges",
+        "communication_period", "--communication-period", "communication_period", "steps", ("easgd", "diloco"),
+        "easgd: local steps tau between exchanges; diloco: inner steps H between outer rounds",
         _count("--communication-period", 1, "steps"),
         lambda v, n: f"period {v}",
         type=int, default=10, updatable=True,
-        set_help="(easgd) local steps tau between exchanges", set_type=uint32,
+        set_help="(easgd, diloco) local steps between exchanges (tau) or outer rounds (H)", set_type=uint32,
     ),
     Parameter(
         "easgd_sync", "--easgd-sync", "easgd_sync", "", ("easgd",),
@@ -204,6 +239,14 @@ PARAMETERS: tuple[Parameter, ...] = (
         _any,
         lambda v, n: "(rounds)" if v else "(async)",
         default=False, switch=True, joiner=" ",
+    ),
+    Parameter(
+        "outer_optimizer", "--outer-optimizer", "outer_optimizer", "", ("diloco",),
+        "diloco: the shards' outer optimizer as JSON (FedAvg: '{\"name\": \"sgd\", \"lr\": 1.0}'); "
+        "the workers' own optimizer takes the inner steps",
+        _check_outer_optimizer,
+        lambda v, n: f"outer {v}",
+        default=DILOCO_OUTER_OPTIMIZER,
     ),
 )
 # fmt: on
@@ -231,8 +274,11 @@ class ModeSettings:
         staleness: ssp: the bound s in clocks.
         moving_rate: easgd: alpha, in (0, 1]; None given at construction takes 0.9 / num_workers
             (Zhang et al. 2015, section 5), so the attribute always holds the rate in force.
-        communication_period: easgd: tau, local steps between exchanges.
+        communication_period: easgd: tau, local steps between exchanges; diloco: H, inner steps
+            between outer rounds.
         easgd_sync: easgd: apply one period's exchanges together in rank order.
+        outer_optimizer: diloco: the outer optimizer's JSON spec (:func:`outer_optimizer_json`; "" given
+            at construction takes DiLoCo's).
 
     Raises:
         InvalidRequestError: a value out of range, in a full sentence.
@@ -248,10 +294,13 @@ class ModeSettings:
     moving_rate: float = None  # type: ignore[assignment]  # None: 0.9 / num_workers, set in __post_init__
     communication_period: int = 10
     easgd_sync: bool = False
+    outer_optimizer: str = DILOCO_OUTER_OPTIMIZER
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise InvalidRequestError(f"Unknown mode {quote(self.mode)}; expected one of {', '.join(MODES)}.")
+        if not self.outer_optimizer:  # a ClusterConfig of a shard without diloco
+            object.__setattr__(self, "outer_optimizer", DILOCO_OUTER_OPTIMIZER)
         for p in PARAMETERS:
             p.check(getattr(self, p.name), self.num_workers)
         if self.moving_rate is None:
@@ -261,14 +310,14 @@ class ModeSettings:
         """A copy with ``changes`` (attribute -> value) applied and validated.
 
         Raises:
-            InvalidRequestError: an invalid value, or a switch into or out of easgd (workers run a
-                different loop there; restart the cluster instead).
+            InvalidRequestError: an invalid value, or a switch into, out of or between easgd and
+                diloco (workers run a different loop there; restart the cluster instead).
         """
         new = dataclasses.replace(self, **changes)
-        if (new.mode in LOCAL_OPTIMIZER_MODES) != (self.mode in LOCAL_OPTIMIZER_MODES):
+        if new.mode != self.mode and {new.mode, self.mode} & LOCAL_OPTIMIZER_MODES:
             raise InvalidRequestError(
-                f"Cannot switch from {self.mode} to {new.mode} live: EASGD workers run local optimizers; "
-                "restart the cluster with the new --mode."
+                f"Cannot switch from {self.mode} to {new.mode} live: easgd and diloco workers run local "
+                "optimizers in a loop of their own; restart the cluster with the new --mode."
             )
         return new
 

@@ -18,6 +18,7 @@ MODE_TO_NAME = {
     ps_pb2.MODE_ASYNC: "async",
     ps_pb2.MODE_SSP: "ssp",
     ps_pb2.MODE_EASGD: "easgd",
+    ps_pb2.MODE_DILOCO: "diloco",
 }
 NAME_TO_MODE = {v: k for k, v in MODE_TO_NAME.items()}
 

@@ -19,7 +19,8 @@ def finished_version(statuses: Sequence[ps_pb2.ShardStatus], steps: int) -> int 
     """The version at which the job whose checkpoints every shard resumed from had already run
     ``steps`` steps on every rank (so workers would train nothing); None for a fresh start or a job
     with steps left. The steps a rank has done are those its worker resumes at (``train``): sync, the
-    round (version); async and ssp, the rank's clock; easgd, its exchanges times the period.
+    round (version); async and ssp, the rank's clock; easgd, its exchanges times the period; diloco,
+    the outer rounds (version) times H.
     """
     if not statuses or not all(st.HasField("restored_from_version") for st in statuses):
         return None
@@ -27,6 +28,12 @@ def finished_version(statuses: Sequence[ps_pb2.ShardStatus], steps: int) -> int 
     config = statuses[0].config
     if config.mode == ps_pb2.MODE_SYNC:
         return version if version >= steps else None
+    if config.mode == ps_pb2.MODE_DILOCO:  # the inner steps after the last whole round reach no shard
+        return (
+            version
+            if version * max(1, config.communication_period) >= steps - steps % max(1, config.communication_period)
+            else None
+        )
     done = [max(st.workers[r].clock for st in statuses) for r in range(len(statuses[0].workers))]
     if config.mode == ps_pb2.MODE_EASGD:
         period = max(1, config.communication_period)
@@ -208,6 +215,7 @@ STALENESS_UNIT = {
     "async": "versions behind when applied (--max-staleness bounds it)",
     "ssp": "versions behind when applied; the bound s counts clocks (see the gap above)",
     "easgd": "not measured (workers exchange parameters)",
+    "diloco": "not measured (an outer round is a sync round)",
 }
 
 
@@ -272,8 +280,9 @@ def local_steps(
     ``row["exchanges"]`` and set ``row["steps_run"]`` to its local steps: what its script reported
     (a ``{"event": "done", "local_steps": N}`` line), else the least the exchanges prove (exchanges x
     the period tau; up to tau - 1 more after the last exchange reach no shard: ``row["local_steps_known"]``
-    says which). Returns tau in easgd, None in the other modes (their clocks are steps; rows unchanged)."""
-    if mode != "easgd":
+    says which). diloco the same with its outer rounds and H. Returns tau (H) in easgd (diloco), None in
+    the other modes (their clocks are steps; rows unchanged)."""
+    if mode not in ("easgd", "diloco"):
         return None
     period = max(1, statuses[0].config.communication_period) if statuses else 1
     for row in ranks:
@@ -292,9 +301,10 @@ def _steps_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
         return [("steps run per rank", f"{ran}{restarts}" + (f" ({given})" if given else ""))]
     period = s["communication_period"]
     exact = all(r.get("local_steps_known") for r in s["ranks"])
-    how = "as the script reported" if exact else f"at least exchanges x {period}: later ones reach no shard"
+    name = "outer rounds" if s.get("mode") == "diloco" else "exchanges"
+    how = "as the script reported" if exact else f"at least {name} x {period}: later ones reach no shard"
     return [
-        ("exchanges per rank", f"{s['exchanges_per_rank']}{restarts} (every {period} local steps)"),
+        (f"{name} per rank", f"{s['exchanges_per_rank']}{restarts} (every {period} local steps)"),
         ("local steps per rank", f"{ran} ({how}" + (f"; {given})" if given else ")")),
     ]
 

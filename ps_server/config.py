@@ -11,7 +11,7 @@ from ps_common import modes
 from ps_common.channels import is_loopback
 from ps_common.errors import InvalidRequestError
 from ps_common.flags import secret
-from ps_common.modes import MODES, ModeSettings
+from ps_common.modes import DILOCO_OUTER_OPTIMIZER, MODES, ModeSettings
 from ps_server.core.limits import DEFAULT_MAX_PARAMETER_BYTES, Limits
 from ps_server.flags import STREAM_ROUNDS, server_parser
 from ps_server.service.rank_tokens import RankTokens, load_rank_tokens
@@ -61,6 +61,7 @@ class ServerConfig:
     moving_rate: float | None = None
     communication_period: int = 10
     easgd_sync: bool = False
+    outer_optimizer: str = DILOCO_OUTER_OPTIMIZER
     checkpoint_dir: str = ""
     checkpoint_every: int = 0
     checkpoint_keep: int = 3

@@ -119,6 +119,12 @@ class RoundClipper:
     def check_mode(self) -> None:
         """Raises RuntimeError unless the cluster runs sync (only sync averages a round)."""
         worker = self.client.worker_mode
+        if worker.local_optimizer:
+            raise RuntimeError(
+                f"DistributedOptimizer.clip_grad_norm_ clips a sync round's averaged gradient; this cluster runs "
+                f"{worker.name}, whose steps are this rank's own local steps: clip them as a single-process script "
+                "does, with torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm) before step()."
+            )
         if not worker.pushes_in_rounds:
             raise RuntimeError(
                 f"DistributedOptimizer.clip_grad_norm_ clips a sync round's averaged gradient; this cluster runs "

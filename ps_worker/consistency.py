@@ -12,6 +12,9 @@ for. Each :class:`WorkerMode` says that for one mode, and is looked up by name i
 - ``easgd``: a step is a local optimizer step; every communication period tau the worker
   exchanges its parameters with the center (async EASGD, Zhang, Choromanska, LeCun 2015,
   Algorithm 1); at the end the center is the model.
+- ``diloco``: a step is an inner optimizer step; every H steps the worker pushes its outer
+  gradient as one sync round (Douillard et al. 2023, Algorithm 1; :mod:`ps_worker.local_sgd`); at
+  the end the global parameters are the model.
 
 Every question the worker asks of its mode goes to its :class:`WorkerMode` (which step counter a
 training loop follows, the floor of a table pull, whether a rejoin keeps the step's gradient, whether
@@ -31,6 +34,7 @@ import torch
 
 from ps_common import modes
 from ps_common.modes import ModeSettings
+from ps_common.optimizer import OptimizerSpec
 from ps_common.wire import MODE_TO_NAME
 from ps_proto.v1 import ps_pb2
 from ps_worker.errors import StalePush
@@ -58,6 +62,8 @@ class Stepper(Protocol):
     def push_pull_step(self, skip: bool) -> int: ...
 
     def local_step(self, skip: bool) -> int: ...
+
+    def outer_step(self, skip: bool) -> int: ...
 
 
 class Puller(Protocol):
@@ -93,6 +99,10 @@ class WorkerMode:
 
     def after_init(self, session: Progress) -> None:
         """Once the initial weights are pulled (``session.version`` is the shards' lowest version)."""
+
+    def shard_optimizer(self, given: OptimizerSpec, settings: ModeSettings) -> OptimizerSpec:
+        """The optimizer rank 0's Init sets on the shards, given the one ``client.init`` was given."""
+        return given
 
     def push_clock(self, session: Progress, k: int) -> int:
         """The ``clock`` a push to shard ``k`` is stamped with: the step count."""
@@ -258,8 +268,43 @@ class ElasticAveraging(WorkerMode):
         client.pull({k: p.data for k, p in model.named_parameters()})
 
 
+class LocalSgd(Synchronous):
+    """DiLoCo / FedAvg: inner steps of the script's optimizer, and every H steps an outer round,
+    which is a sync round (its stamping, waits and rejoin rules are sync's): the rank pushes
+    ``theta_global - theta_local`` and pulls the outer optimizer's result."""
+
+    name = "diloco"
+    local_optimizer = True
+
+    def shard_optimizer(self, given: OptimizerSpec, settings: ModeSettings) -> OptimizerSpec:
+        """The outer optimizer (``--outer-optimizer``); the one given steps locally (the inner steps)."""
+        spec = modes.outer_optimizer_json(settings.outer_optimizer)
+        kwargs = {k: float(v) for k, v in spec.items() if k != "name"}
+        return OptimizerSpec(str(spec["name"]), kwargs, (), given.buffers)
+
+    def progress(self, session: Progress, settings: ModeSettings) -> int:
+        """The outer rounds done times H (a restarted rank resumes at the start of the open round)."""
+        return session.version * max(1, settings.communication_period)
+
+    def next_step(self, step: int, version: int) -> int:
+        """The next inner step (a loop counts inner steps, not rounds)."""
+        return step + 1
+
+    def resize_pending(self, step: int, resize_version: int) -> bool:
+        """Never: a diloco cluster is not resized while it trains (the shards refuse it)."""
+        return False
+
+    def step(self, opt: Stepper, skip: bool) -> int:
+        return opt.outer_step(skip)
+
+    def finish(self, client: Puller, model: torch.nn.Module) -> None:
+        """theta_global is the model (the inner steps after the last outer round are dropped, so
+        every rank ends with the same model): pull it into ``model``."""
+        client.pull({k: p.data for k, p in model.named_parameters()})
+
+
 WORKER_MODES: dict[str, WorkerMode] = {
-    m.name: m for m in (Synchronous(), Asynchronous(), StaleSynchronous(), ElasticAveraging())
+    m.name: m for m in (Synchronous(), Asynchronous(), StaleSynchronous(), ElasticAveraging(), LocalSgd())
 }
 """Mode name (``ps_common.modes.MODES``) -> its worker side."""
 

@@ -13,6 +13,7 @@ from ps_common.codec import torch_dtype
 from ps_worker import optim_wrap, optimizer_state
 from ps_worker.client import PSClient
 from ps_worker.clipping import RoundClipper, amp_skip, check_clip_args
+from ps_worker.local_sgd import LocalSteps
 from ps_worker.tables.modules import push_step
 from ps_worker.transport.pushpull import PendingPushPull
 
@@ -28,7 +29,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
       slowest; async pulls never wait. A push the shards refuse as too stale (ABORTED) is counted
       in ``client.refused_pushes``, the weights are pulled, and training carries on.
     - easgd: ``step()`` runs ``local_optimizer``; every tau-th step it exchanges with the center
-      (Zhang, Choromanska, LeCun 2015, Algorithm 1).
+      (Zhang, Choromanska, LeCun 2015, Algorithm 1). diloco: ``step()`` is an inner step of
+      ``local_optimizer``; every H-th step pushes the outer gradient and pulls the outer optimizer's
+      result (Douillard et al. 2023, Algorithm 1; :mod:`ps_worker.local_sgd`).
 
     As a torch optimizer: ``param_groups`` mirror the server optimizer's groups (the Init spec's
     ``groups`` after group 0 of the parameters in none) with its numeric hyperparameters (``lr``,
@@ -64,7 +67,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             dicts, so an lr scheduler on it or on this object sets what every push (and PushRows,
             for the tables' group) carries; in easgd it is the local optimizer. None: groups
             mirror the shards' optimizer spec.
-        local_optimizer: easgd's local optimizer when ``optimizer`` is not given (also wrapped);
+        local_optimizer: easgd's (diloco's inner) optimizer when ``optimizer`` is not given;
             ignored in other modes.
         overlap: push each parameter's gradient while backward still runs (sync, async, ssp):
             autograd hooks (``register_post_accumulate_grad_hook``) hand every finished gradient to
@@ -88,7 +91,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             since they are in the plan).
 
     Raises:
-        ValueError: easgd mode without a local optimizer; ``optimizer`` not what the shards run
+        ValueError: easgd or diloco without a local optimizer; ``optimizer`` not what the shards run
             (``ps_worker.optim_wrap.bind``); backward_passes_per_step < 1; overlap with a
             grad_scaler; broadcast_buffers with buffers the client's plan does not carry.
     """
@@ -109,9 +112,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
     ) -> None:
         local = client.worker_mode.local_optimizer
         if local and local_optimizer is None and optimizer is not None:
-            local_optimizer = optim_wrap.single(optimizer)  # easgd: the wrapped optimizer steps locally
+            local_optimizer = optim_wrap.single(optimizer)  # easgd, diloco: the wrapped optimizer steps locally
         if local and local_optimizer is None:
-            raise ValueError("This cluster runs easgd: pass local_optimizer=torch.optim.SGD(model.parameters(), ...).")
+            raise ValueError(
+                f"This cluster runs {client.mode}: pass the optimizer that steps locally, "
+                "DistributedOptimizer(model, client, torch.optim.AdamW(...)) or local_optimizer=..."
+            )
         if backward_passes_per_step < 1:
             raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}.")
         if overlap and grad_scaler is not None:
@@ -120,7 +126,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 "overflow; use overlap=False with AMP."
             )
         self.model, self.client = model, client
-        self.local_optimizer, self.local_steps = local_optimizer, 0
+        self.local_optimizer = local_optimizer
         self.params = dict(model.named_parameters())
         self.overlap, self.backward_passes_per_step = overlap, backward_passes_per_step
         self.grad_scaler = grad_scaler
@@ -163,6 +169,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.defaults = defaults
         if wrapped is not None:
             self.register_step_post_hook(lambda *_: optim_wrap.mark_stepped(wrapped))
+        args = (self.buffers, self._buffer_values, self._out, self._buffers_pulled)  # easgd, diloco's steps
+        self.local = LocalSteps(client, self.params, local_optimizer, *args) if local_optimizer and local else None
         for key, p in self.params.items():  # the hooks stay; they count passes and, with overlap, push
             if p.requires_grad:
                 p.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, key))
@@ -177,19 +185,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         """torch's optimizer state dict: ``state`` is the server optimizer's (moments, steps...)
-        gathered from the shards in torch's layout (:mod:`ps_worker.optimizer_state`; empty in
-        easgd, where the local optimizer's is under ``ps``), ``param_groups`` with their lr...;
-        plus ``ps``: the local step count and the easgd local optimizer's state.
-
-        Raises:
-            ShardError: a shard refused the read.
-        """
+        gathered from the shards in torch's layout (:mod:`ps_worker.optimizer_state`; empty in easgd
+        and diloco, whose outer state stays in the shards' checkpoints), ``param_groups`` with their
+        lr...; ``ps``: the local optimizer's state and steps (``LocalSteps.state_dict``). Raises:
+            ShardError: a shard refused the read."""
         out = super().state_dict()
         out["state"] = optimizer_state.state_of(self)
-        out["ps"] = {
-            "local_steps": self.local_steps,
-            "local_optimizer": self.local_optimizer.state_dict() if self.local_optimizer is not None else None,
-        }
+        out["ps"] = self.local.state_dict() if self.local is not None else {"local_steps": 0, "local_optimizer": None}
         return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -205,9 +207,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         state_dict = dict(state_dict)
         extra = state_dict.pop("ps", None) or {}
         super().load_state_dict(optimizer_state.load(self, state_dict))
-        self.local_steps = int(extra.get("local_steps", self.local_steps))
-        if self.local_optimizer is not None and extra.get("local_optimizer") is not None:
-            self.local_optimizer.load_state_dict(extra["local_optimizer"])
+        if self.local is not None:
+            self.local.load_state_dict(extra)
 
     # ------------------------------------------------------------------ buffers
     def _load_buffers(self, module: torch.nn.Module, args: Any) -> None:
@@ -217,6 +218,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 for k, b in self.buffers.items():
                     b.copy_(self._buffers_in[k])
         self._buffers_due = False
+
+    def _buffers_pulled(self) -> None:
+        self._buffers_due = True  # loaded before the next forward
 
     def _out(self) -> dict[str, torch.Tensor]:
         """Where a pull writes: the parameters themselves, and the buffers' staging tensors."""
@@ -350,29 +354,22 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return version
 
     def local_step(self, skip: bool) -> int:
-        """EASGD's step (:class:`~ps_worker.consistency.ElasticAveraging`): a local optimizer step,
-        and every communication period tau an exchange with the center (the float buffers are
-        averaged elastically too). ``skip``: AMP found inf, nothing is stepped.
+        """EASGD's step (:meth:`ps_worker.local_sgd.LocalSteps.easgd_step`)."""
+        assert self.local is not None
+        return self.local.easgd_step(skip)
 
-        Returns:
-            The version of the center after the last exchange.
-        """
-        assert self.local_optimizer is not None
-        if skip:
-            return self.client.version
-        self.local_optimizer.step()
-        self.local_steps += 1
-        settings = self.client.settings
-        period = settings.communication_period if settings is not None else 1
-        if self.local_steps % period == 0:
-            values = {**{k: p.data for k, p in self.params.items()}, **self._buffer_values()}
-            version = self.client.exchange(values)
-            with torch.no_grad():
-                for k, b in self.buffers.items():
-                    if b.is_floating_point():  # a counter (num_batches_tracked) stays this rank's own
-                        b.copy_(values[k])
-            return version
-        return self.client.version
+    def outer_step(self, skip: bool) -> int:
+        """DiLoCo's step (:meth:`ps_worker.local_sgd.LocalSteps.outer_step`)."""
+        assert self.local is not None
+        return self.local.outer_step(skip)
+
+    def count_samples(self, n: int) -> None:
+        """diloco: add ``n`` (the batch's size) to this rank's samples of the outer round, its FedAvg
+        weight (every rank counts, or none: a plain mean). Raises:
+            ValueError: not an integer >= 0. RuntimeError: not a local-optimizer mode."""
+        if self.local is None:
+            raise RuntimeError(f"count_samples weights diloco's outer rounds; this cluster runs {self.client.mode}.")
+        self.local.count_samples(n)
 
     def push_pull_step(self, skip: bool) -> int:
         """The step of sync, async and ssp (:mod:`ps_worker.consistency`): push every gradient (and

@@ -22,6 +22,7 @@ class Mode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     MODE_ASYNC: _ClassVar[Mode]
     MODE_SSP: _ClassVar[Mode]
     MODE_EASGD: _ClassVar[Mode]
+    MODE_DILOCO: _ClassVar[Mode]
 
 class WorkerState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -40,6 +41,7 @@ MODE_SYNC: Mode
 MODE_ASYNC: Mode
 MODE_SSP: Mode
 MODE_EASGD: Mode
+MODE_DILOCO: Mode
 WORKER_STATE_UNSPECIFIED: WorkerState
 WORKER_STATE_PENDING: WorkerState
 WORKER_STATE_LIVE: WorkerState
@@ -132,7 +134,7 @@ class PlanInfo(_message.Message):
     def __init__(self, specs: _Optional[_Iterable[_Union[ParameterSpec, _Mapping]]] = ..., num_shards: _Optional[int] = ..., partition_bytes: _Optional[int] = ..., digest: _Optional[str] = ...) -> None: ...
 
 class ClusterConfig(_message.Message):
-    __slots__ = ("mode", "num_workers", "lease_timeout_seconds", "learning_rate", "sync_quorum", "round_timeout_seconds", "max_staleness", "staleness_lr", "staleness", "moving_rate", "communication_period", "easgd_sync")
+    __slots__ = ("mode", "num_workers", "lease_timeout_seconds", "learning_rate", "sync_quorum", "round_timeout_seconds", "max_staleness", "staleness_lr", "staleness", "moving_rate", "communication_period", "easgd_sync", "outer_optimizer")
     MODE_FIELD_NUMBER: _ClassVar[int]
     NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
     LEASE_TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -145,6 +147,7 @@ class ClusterConfig(_message.Message):
     MOVING_RATE_FIELD_NUMBER: _ClassVar[int]
     COMMUNICATION_PERIOD_FIELD_NUMBER: _ClassVar[int]
     EASGD_SYNC_FIELD_NUMBER: _ClassVar[int]
+    OUTER_OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
     mode: Mode
     num_workers: int
     lease_timeout_seconds: float
@@ -157,7 +160,8 @@ class ClusterConfig(_message.Message):
     moving_rate: float
     communication_period: int
     easgd_sync: bool
-    def __init__(self, mode: _Optional[_Union[Mode, str]] = ..., num_workers: _Optional[int] = ..., lease_timeout_seconds: _Optional[float] = ..., learning_rate: _Optional[float] = ..., sync_quorum: _Optional[int] = ..., round_timeout_seconds: _Optional[float] = ..., max_staleness: _Optional[int] = ..., staleness_lr: _Optional[str] = ..., staleness: _Optional[int] = ..., moving_rate: _Optional[float] = ..., communication_period: _Optional[int] = ..., easgd_sync: _Optional[bool] = ...) -> None: ...
+    outer_optimizer: str
+    def __init__(self, mode: _Optional[_Union[Mode, str]] = ..., num_workers: _Optional[int] = ..., lease_timeout_seconds: _Optional[float] = ..., learning_rate: _Optional[float] = ..., sync_quorum: _Optional[int] = ..., round_timeout_seconds: _Optional[float] = ..., max_staleness: _Optional[int] = ..., staleness_lr: _Optional[str] = ..., staleness: _Optional[int] = ..., moving_rate: _Optional[float] = ..., communication_period: _Optional[int] = ..., easgd_sync: _Optional[bool] = ..., outer_optimizer: _Optional[str] = ...) -> None: ...
 
 class MembershipEpoch(_message.Message):
     __slots__ = ("epoch", "decided_at_version", "num_workers", "members", "config_changes", "reason", "resize_version", "previous_num_workers", "configured_num_workers", "signature", "cluster_id")
@@ -280,7 +284,7 @@ class InitResponse(_message.Message):
     def __init__(self, applied: _Optional[bool] = ..., version: _Optional[int] = ..., plan_digest: _Optional[str] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("rank", "incarnation", "clock", "version", "plan_digest", "groups", "skip", "membership_epoch", "membership", "data_sequence", "session", "hold_for_clip")
+    __slots__ = ("rank", "incarnation", "clock", "version", "plan_digest", "groups", "skip", "membership_epoch", "membership", "data_sequence", "session", "hold_for_clip", "sample_count")
     RANK_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     CLOCK_FIELD_NUMBER: _ClassVar[int]
@@ -293,6 +297,7 @@ class PushHeader(_message.Message):
     DATA_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
     HOLD_FOR_CLIP_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_COUNT_FIELD_NUMBER: _ClassVar[int]
     rank: int
     incarnation: int
     clock: int
@@ -305,7 +310,8 @@ class PushHeader(_message.Message):
     data_sequence: int
     session: int
     hold_for_clip: bool
-    def __init__(self, rank: _Optional[int] = ..., incarnation: _Optional[int] = ..., clock: _Optional[int] = ..., version: _Optional[int] = ..., plan_digest: _Optional[str] = ..., groups: _Optional[_Iterable[_Union[GroupHyperparameters, _Mapping]]] = ..., skip: _Optional[bool] = ..., membership_epoch: _Optional[int] = ..., membership: _Optional[_Union[MembershipEpoch, _Mapping]] = ..., data_sequence: _Optional[int] = ..., session: _Optional[int] = ..., hold_for_clip: _Optional[bool] = ...) -> None: ...
+    sample_count: int
+    def __init__(self, rank: _Optional[int] = ..., incarnation: _Optional[int] = ..., clock: _Optional[int] = ..., version: _Optional[int] = ..., plan_digest: _Optional[str] = ..., groups: _Optional[_Iterable[_Union[GroupHyperparameters, _Mapping]]] = ..., skip: _Optional[bool] = ..., membership_epoch: _Optional[int] = ..., membership: _Optional[_Union[MembershipEpoch, _Mapping]] = ..., data_sequence: _Optional[int] = ..., session: _Optional[int] = ..., hold_for_clip: _Optional[bool] = ..., sample_count: _Optional[int] = ...) -> None: ...
 
 class PushRequest(_message.Message):
     __slots__ = ("header", "partition")

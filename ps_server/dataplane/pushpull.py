@@ -90,7 +90,7 @@ class DataPushPull:
         dtype = wire_dtype(first.ints.get(fields.WIRE_DTYPE, 0))
         plan = self.shard.check_plan(header.plan_digest)
         rank, incarnation, sequence = header.rank, header.incarnation, header.data_sequence
-        stamp = PushStamp(rank, incarnation, header.clock)
+        stamp = PushStamp(rank, incarnation, header.clock, header.sample_count)
         hyper = hyperparameters_from_proto(header)
         told = False  # the worker has the answer's end (values, or an ABORT) on its connection
         stream: round_stream.RoundStream | None = None

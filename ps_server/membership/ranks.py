@@ -37,6 +37,8 @@ class PushStamp:
     rank: int
     incarnation: int
     clock: int
+    samples: int = 0
+    """diloco: the samples the push's outer gradient stands for (its FedAvg weight); 0: unweighted."""
 
 
 @dataclass(frozen=True)

@@ -57,6 +57,33 @@ def aggregate(grads_by_rank: Mapping[int, Gradients]) -> list[torch.Tensor]:
     return Bounded(out, bound)
 
 
+def weighted_aggregate(grads_by_rank: Mapping[int, Gradients], samples: Mapping[int, int]) -> list[torch.Tensor]:
+    """FedAvg's weighted mean (McMahan et al. 2017, Algorithm 1: ``sum_k n_k / n * w_k``) of the
+    ranks' gradients, summed in ascending rank order.
+
+    Args:
+        grads_by_rank: rank -> gradients (1-D tensors per partition, same shapes and dtypes).
+        samples: rank -> its sample count n_k (> 0 for every rank of ``grads_by_rank``).
+
+    Returns:
+        One new tensor per partition, ``sum_k (n_k / sum n) * g[k]`` (the weights in float64, each
+        product in the gradients' dtype); it carries the largest of the ranks' bounds.
+
+    Raises:
+        ValueError: no ranks, or a rank without a positive count.
+    """
+    ranks = sorted(grads_by_rank)
+    if not ranks or any(samples.get(r, 0) <= 0 for r in ranks):
+        raise ValueError("weighted_aggregate() needs a positive sample count for every rank.")
+    total = sum(samples[r] for r in ranks)
+    bound = max(max_abs_of(grads_by_rank[r]) for r in ranks)
+    out = [torch.mul(g, samples[ranks[0]] / total) for g in grads_by_rank[ranks[0]]]
+    for r in ranks[1:]:
+        for acc, g in zip(out, grads_by_rank[r], strict=True):
+            acc.add_(g, alpha=samples[r] / total)
+    return Bounded(out, bound)
+
+
 class SyncRounds:
     """The open round of a shard in sync mode.
 
@@ -73,9 +100,20 @@ class SyncRounds:
         """The hyperparameters of the round :meth:`take_if_complete` last closed, by rank."""
         self.taken_skips: set[int] = set()
         """The ranks of that round that asked to skip its step (AMP overflow)."""
+        self.samples: dict[int, int] = {}
+        self.taken_samples: dict[int, int] = {}
+        """The sample counts of that round's pushes, by rank (diloco's FedAvg weights)."""
 
-    def add(self, rank: int, clock: int, grads: Gradients, hyper: Hyperparameters = (), skip: bool = False) -> None:
-        """Hold ``rank``'s gradients, hyperparameters and skip request for the round ``clock``.
+    def add(
+        self,
+        rank: int,
+        clock: int,
+        grads: Gradients,
+        hyper: Hyperparameters = (),
+        skip: bool = False,
+        samples: int = 0,
+    ) -> None:
+        """Hold ``rank``'s gradients, hyperparameters, skip request and sample count for the round ``clock``.
 
         Raises:
             StalePushError: ``clock`` is an already closed round.
@@ -97,6 +135,7 @@ class SyncRounds:
             )
         self.pending[rank] = grads
         self.hyper[rank] = hyper
+        self.samples[rank] = samples
         if skip:
             self.skips.add(rank)
 
@@ -126,6 +165,7 @@ class SyncRounds:
         held, self.pending = self.pending, {}
         self.taken_hyper, self.hyper = self.hyper, {}
         self.taken_skips, self.skips = self.skips, set()
+        self.taken_samples, self.samples = self.samples, {}
         self.round += 1
         return held
 

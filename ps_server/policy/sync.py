@@ -82,7 +82,7 @@ class SyncPolicy(ConsistencyPolicy):
             result = PushResult(shard.version, staleness=rounds.round - stamp.clock, dropped=True, mode=self.mode)
         else:
             try:
-                rounds.add(member.rank, stamp.clock, grads, hyper, skip)
+                rounds.add(member.rank, stamp.clock, grads, hyper, skip, stamp.samples)
             except StalePushError:
                 shard.counters.refuse("stale")
                 raise
@@ -149,12 +149,20 @@ class SyncPolicy(ConsistencyPolicy):
             log.debug("shard %d: round %d applied (streamed)", shard.shard_index, shard.version - 1)
             return
         try:
-            store.apply(aggregate(held), hyper=hyper, buffers=lowest)
+            store.apply(self.mean(shard, held), hyper=hyper, buffers=lowest)
         except UpdateRefusedError as exc:
             shard.refuse_round(held, exc)
         else:
             shard.set_version(rounds.round)
             log.debug("shard %d: round %d applied", shard.shard_index, shard.version - 1)
+
+    def mean(self, shard: ShardCore, held: dict[int, Gradients]) -> list[torch.Tensor]:
+        """The round's gradient: the rank-ordered mean of ``held`` (:func:`aggregate`).
+
+        Raises:
+            UpdateRefusedError: the round cannot be reduced (diloco's sample counts); refused whole.
+        """
+        return aggregate(held)
 
     def quorum(self, settings: ModeSettings) -> int:
         return settings.sync_quorum

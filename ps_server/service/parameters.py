@@ -214,7 +214,7 @@ class ParameterServicer:
         if h.hold_for_clip:  # sync: the round waits for its clipping coefficient (ps_server.shard.clipping)
             self.shard.request_clip(h.rank, h.clock)
         r = self.shard.push(
-            PushStamp(h.rank, h.incarnation, h.clock),
+            PushStamp(h.rank, h.incarnation, h.clock, h.sample_count),
             h.version,
             h.plan_digest,
             req.parts,
@@ -265,7 +265,7 @@ class ParameterServicer:
         dtype = wire_dtype(first.ints.get(fields.WIRE_DTYPE, 0))
         index = self.shard.shard_index
         result, version, out = self.shard.push_pull(
-            PushStamp(header.rank, header.incarnation, header.clock),
+            PushStamp(header.rank, header.incarnation, header.clock, header.sample_count),
             header.version,
             header.plan_digest,
             parts,

@@ -93,6 +93,8 @@ class ShardCalls:
         self.session.plan_digest = codec.plan.digest
         self.staging.reset()
         replies = join()
+        assert self.session.settings is not None
+        optimizer = self.session.worker.shard_optimizer(optimizer, self.session.settings)  # diloco: the outer one
         codec = self.follow_plan(codec, replies[0].plan_digest)
         if replies[0].HasField("optimizer"):  # already initialized: its spec is the truth
             optimizer = optimizer_from_proto(replies[0].optimizer)

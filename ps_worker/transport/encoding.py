@@ -49,6 +49,8 @@ class Stamp:
     """The record itself, for a shard that reported an older epoch (relayed)."""
     session: int = 0
     """The rank's session on the shard pushed to (``JoinResponse.session``)."""
+    samples: int = 0
+    """diloco: the samples the outer gradient stands for (``PushHeader.sample_count``)."""
 
 
 class WireCodec:
@@ -128,6 +130,7 @@ class WireCodec:
             membership=stamp.membership,
             data_sequence=data_sequence,
             session=stamp.session,
+            sample_count=stamp.samples,
         ).SerializeToString(deterministic=True)
 
     def push_head(self, stamp: Stamp) -> bytes:

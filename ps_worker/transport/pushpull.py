@@ -8,6 +8,7 @@ its partitions are ready. It stamps, recovers and accounts through the session
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import threading
@@ -62,6 +63,8 @@ class PendingPushPull:
             path.last_hyperparameters = [dict(h) for h in hyperparameters]
         self.hyperparameters = path.last_hyperparameters
         self.skip = skip
+        self.samples = 0
+        """diloco: the samples this outer round's push stands for (its FedAvg weight)."""
         self.flats, self.device_out = path.staging.pull_targets(codec.plan, out)
         self._lock = threading.Lock()
         self.cond = threading.Condition()
@@ -89,7 +92,8 @@ class PendingPushPull:
 
     def stamp(self, k: int) -> Stamp:
         """What every attempt to shard ``k`` carries besides the gradients."""
-        return self.session.stamp(k, self.round, self.hyperparameters, self.skip)
+        stamp = self.session.stamp(k, self.round, self.hyperparameters, self.skip)
+        return dataclasses.replace(stamp, samples=self.samples) if self.samples else stamp
 
     def out(self, k: int, i: int) -> frames.OutPartition:
         """Shard ``k``'s partition ``i`` as it goes on the wire, made once (top-k updates its

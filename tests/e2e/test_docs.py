@@ -56,7 +56,7 @@ SKIPPED: dict[str, str] = {
 """Pattern of a command -> why it is not run here."""
 
 EXPECTED: dict[str, tuple[int, str]] = {
-    "set --mode easgd": (1, "to easgd live: EASGD workers run local optimizers"),
+    "set --mode easgd": (1, "to easgd live: easgd and diloco workers run local optimizers"),
 }
 """Command fragment -> (exit status, text in its output) where the docs show a refusal."""
 

@@ -28,7 +28,7 @@ def test_bad_twin_value_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> 
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"mode": "ssp2"}, "Unknown mode 'ssp2'; expected one of async, easgd, ssp, sync."),
+        ({"mode": "ssp2"}, "Unknown mode 'ssp2'; expected one of async, diloco, easgd, ssp, sync."),
         ({"shard_index": 2}, "--shard-index must be in 0..1"),
         ({"num_workers": 0}, "--num-workers"),
         ({"lease_timeout": 0}, "--lease-timeout"),

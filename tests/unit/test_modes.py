@@ -27,6 +27,7 @@ SAMPLES = {
     "moving_rate": ("0.5", 0.5),
     "communication_period": ("7", 7),
     "easgd_sync": (None, True),
+    "outer_optimizer": ('{"name": "sgd", "lr": 1.0}', '{"name": "sgd", "lr": 1.0}'),
 }
 """A value other than the default of every parameter: (text on the command line, parsed)."""
 
@@ -94,7 +95,8 @@ def test_cluster_config_has_a_field_for_every_parameter_and_the_moving_rate_in_f
 def test_update_config_changes_exactly_the_updatable_parameters() -> None:
     request_fields = set(ps_pb2.UpdateConfigRequest.DESCRIPTOR.fields_by_name) - {"learning_rate", "mode", "at_version"}
     assert {p.field for p in UPDATABLE} == request_fields
-    assert [p.name for p in PARAMETERS if not p.updatable] == ["easgd_sync"]  # workers' loop depends on it
+    # workers' loop depends on easgd_sync; rank 0's Init sets the outer optimizer
+    assert [p.name for p in PARAMETERS if not p.updatable] == ["easgd_sync", "outer_optimizer"]
     assert modes.changes_from_request(ps_pb2.UpdateConfigRequest()) == {}
     for p in UPDATABLE:
         value = "" if p.name == "staleness_lr" else SAMPLES[p.name][1]
@@ -177,3 +179,28 @@ def test_uint32_parses_the_range_of_a_uint32_field() -> None:
     assert modes.uint32("4294967295") == 2**32 - 1
     with pytest.raises(Exception, match="out of range"):
         modes.uint32("-1")
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("sgd", "must be a JSON object naming one of sgd"),
+        ('{"lr": 0.7}', "must be a JSON object naming one of"),
+        ('{"name": "lbfgs", "lr": 1}', "must be a JSON object naming one of"),
+        ('{"name": "sgd"}', "sgd needs an lr"),
+        ('{"name": "sgd", "lr": 0.7, "betas": 1}', "sgd has no argument 'betas'"),
+        ('{"name": "sgd", "lr": "fast"}', "sgd has no argument 'lr' (or it is not a number)"),
+    ],
+)
+def test_a_bad_outer_optimizer_is_refused_in_a_full_sentence(text: str, message: str) -> None:
+    with pytest.raises(InvalidRequestError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        ModeSettings("diloco", num_workers=2, outer_optimizer=text)
+    assert modes.outer_optimizer_json(modes.DILOCO_OUTER_OPTIMIZER)["nesterov"] is True
+    assert ModeSettings("diloco", num_workers=2, outer_optimizer="").outer_optimizer == modes.DILOCO_OUTER_OPTIMIZER
+
+
+def test_easgd_and_diloco_cannot_be_switched_into_out_of_or_between_live() -> None:
+    for old, new in (("sync", "diloco"), ("diloco", "async"), ("easgd", "diloco"), ("diloco", "easgd")):
+        with pytest.raises(InvalidRequestError, match="restart the cluster"):
+            ModeSettings(old, num_workers=2).updated(mode=new)
+    assert ModeSettings("sync", num_workers=2).updated(mode="async").mode == "async"

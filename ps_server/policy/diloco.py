@@ -1,0 +1,95 @@
+"""Local SGD with an outer optimizer: DiLoCo and FedAvg (docs/architecture.md#5-consistency).
+
+DiLoCo (Douillard et al. 2023, "DiLoCo: Distributed Low-Communication Training of Language
+Models", arXiv:2311.08105, Algorithm 1): every worker takes H inner steps with its own optimizer
+from the global parameters theta, then the outer gradient ``delta_i = theta - theta_i`` of every
+worker is averaged and the **outer optimizer** steps theta with it. Here the outer optimizer is the
+shard's server-side optimizer (``{"name": "sgd", "lr": 0.7, "momentum": 0.9, "nesterov": true}``
+is the paper's), and an outer round is a sync round: one push per live rank, reduced in rank order,
+one step, version + 1 — so everything a sync round promises (exactly-once pushes, checkpoints,
+rejoin) holds for it.
+
+FedAvg (McMahan et al. 2017, "Communication-Efficient Learning of Deep Networks from Decentralized
+Data", Algorithm 1, ``w <- sum_k n_k / n * w_k``) is the same round with outer SGD at lr 1.0 and
+every rank's delta weighted by the samples it trained on (``PushHeader.sample_count``): with
+weights w_k = theta - delta_k, ``theta - sum_k n_k/n * delta_k`` is exactly that average.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ps_common.errors import HyperparametersDisagreeError, InvalidRequestError, PreconditionError
+from ps_common.modes import ModeSettings
+from ps_server.membership.ranks import Member, PushResult, PushStamp
+from ps_server.policy.base import ShardCore
+from ps_server.policy.rounds import aggregate, weighted_aggregate
+from ps_server.policy.sync import SyncPolicy
+from ps_server.policy.types import Gradients, Hyperparameters
+
+MAX_SAMPLE_COUNT = 2**53
+"""Largest sample count a push may carry (every count up to it is exact in float64, the weights' dtype)."""
+
+
+class DilocoPolicy(SyncPolicy):
+    """DiLoCo / FedAvg: an outer round is a sync round whose pushes are outer gradients
+    ``theta_global - theta_local`` (one per rank every H inner steps), averaged in rank order —
+    weighted by each rank's sample count when every rank sent one — and applied by the server
+    optimizer (the outer optimizer). No rows (a local copy of a table would move every row), no
+    resize while training (an outer round needs the ranks that started it), no streamed rounds
+    (the weights are known only when the round closes)."""
+
+    mode = "diloco"
+    resizable = False
+
+    def accept(
+        self,
+        shard: ShardCore,
+        member: Member,
+        stamp: PushStamp,
+        grad_version: int,
+        grads: Gradients,
+        hyper: Hyperparameters = (),
+        skip: bool = False,
+    ) -> PushResult:
+        """Hold the outer gradient for round ``stamp.clock`` (as :meth:`SyncPolicy.accept`).
+
+        Raises:
+            InvalidRequestError: a sample count above :data:`MAX_SAMPLE_COUNT`; as SyncPolicy.accept.
+        """
+        if stamp.samples > MAX_SAMPLE_COUNT:
+            raise InvalidRequestError(
+                f"sample_count {stamp.samples} is above {MAX_SAMPLE_COUNT}; send the samples this rank trained on "
+                "since its last outer round."
+            )
+        return super().accept(shard, member, stamp, grad_version, grads, hyper, skip)
+
+    def mean(self, shard: ShardCore, held: dict[int, Gradients]) -> list[torch.Tensor]:
+        """The outer gradient: FedAvg's weighted mean when every rank sent a sample count, the plain
+        rank-ordered mean when none did.
+
+        Raises:
+            HyperparametersDisagreeError: some ranks sent a count and others did not (the round is
+                refused whole; every rank must count its samples, or none).
+        """
+        samples = {r: shard.rounds.taken_samples.get(r, 0) for r in held}
+        counted = {r for r, n in samples.items() if n > 0}
+        if not counted:
+            return aggregate(held)
+        if counted != set(held):
+            raise HyperparametersDisagreeError(
+                f"ranks {sorted(counted)} sent sample counts and ranks {sorted(set(held) - counted)} did not; every "
+                "rank must call DistributedOptimizer.count_samples (FedAvg weights), or none."
+            )
+        return weighted_aggregate(held, samples)
+
+    def may_stream(self, settings: ModeSettings) -> bool:
+        """Never: the weights of a round are known only once every rank pushed it."""
+        return False
+
+    def check_rows(self) -> None:
+        """Raises PreconditionError: a worker's local copy of a table would move every row."""
+        raise PreconditionError(
+            "Embedding tables are not served in diloco mode (each worker would train a local copy of every row); "
+            "run sync, async or ssp, or keep the embedding dense (sparse=False)."
+        )

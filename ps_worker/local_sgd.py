@@ -1,0 +1,159 @@
+"""The steps of the local-optimizer modes, easgd and diloco (docs/architecture.md#5-consistency).
+
+In both, ``DistributedOptimizer.step()`` steps the script's own torch optimizer on this rank's
+copy of the model, and every few steps talks to the shards:
+
+- **easgd** (Zhang, Choromanska, LeCun 2015, Algorithm 1): every tau local steps the rank
+  exchanges its parameters with the center (``PSClient.exchange``).
+- **diloco** (Douillard et al. 2023, arXiv:2311.08105, Algorithm 1): every H inner steps the rank
+  pushes its outer gradient ``delta = theta_global - theta_local`` (the parameters of the last
+  outer round minus its own now) as one sync round's gradient; the shards average the ranks'
+  deltas (weighted by :meth:`LocalSteps.count_samples` when every rank counts: FedAvg, McMahan et
+  al. 2017) and step the outer optimizer (the server-side optimizer) with it; the pull of the
+  round's result sets ``theta_local = theta_global``. The inner optimizer keeps its state across
+  rounds, as in the paper.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from ps_worker.client import PSClient
+
+
+class LocalSteps:
+    """The local optimizer of one ``DistributedOptimizer`` and its exchanges with the shards.
+
+    Args:
+        client: the initialized client.
+        params: name -> parameter of the model (the tensors the optimizer steps).
+        optimizer: the local (inner) torch optimizer.
+        buffers: name -> buffer of the model in the plan (BatchNorm statistics).
+        buffer_values: this rank's buffers as the plan carries them (pushed with an outer round).
+        pull_targets: where a pull writes (the parameters and the buffers' staging tensors).
+        buffers_pulled: called once an outer round pulled rank 0's buffers (loaded before the next forward).
+
+    Attributes:
+        steps: local steps taken. in_round: diloco: inner steps since the last outer round.
+        anchor: diloco: theta_global, the parameters the last outer round (or Init) left (float32
+            clones, name -> tensor of the parameter's shape).
+        samples: diloco: samples counted since the last outer round (its FedAvg weight).
+    """
+
+    def __init__(
+        self,
+        client: PSClient,
+        params: Mapping[str, torch.Tensor],
+        optimizer: torch.optim.Optimizer,
+        buffers: Mapping[str, torch.Tensor],
+        buffer_values: Callable[[], dict[str, torch.Tensor]],
+        pull_targets: Callable[[], dict[str, torch.Tensor]],
+        buffers_pulled: Callable[[], None],
+    ) -> None:
+        self.client, self.params, self.optimizer = client, dict(params), optimizer
+        self.buffers, self.buffer_values = dict(buffers), buffer_values
+        self.pull_targets, self.buffers_pulled = pull_targets, buffers_pulled
+        self.steps = self.in_round = self.samples = 0
+        self.anchor = {k: p.detach().clone() for k, p in self.params.items()}
+
+    def period(self) -> int:
+        """tau (easgd) or H (diloco) in force: ``--communication-period``, live-updatable."""
+        settings = self.client.settings
+        return max(1, settings.communication_period) if settings is not None else 1
+
+    def count_samples(self, n: int) -> None:
+        """Add ``n`` samples to this rank's count for the current outer round (diloco's FedAvg weight).
+
+        Raises:
+            ValueError: ``n`` is not an integer >= 0.
+        """
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"count_samples takes the number of samples of a batch, an integer >= 0; got {n!r}.")
+        self.samples += n
+
+    # ------------------------------------------------------------------ easgd
+    def easgd_step(self, skip: bool) -> int:
+        """A local step, and every tau steps an exchange with the center (the float buffers are
+        averaged elastically too). ``skip``: AMP found inf, nothing is stepped.
+
+        Returns:
+            The version of the center after the last exchange.
+        """
+        if skip:
+            return self.client.version
+        self.optimizer.step()
+        self.steps += 1
+        if self.steps % self.period():
+            return self.client.version
+        values = {**{k: p.data for k, p in self.params.items()}, **self.buffer_values()}
+        version = self.client.exchange(values)
+        with torch.no_grad():
+            for k, b in self.buffers.items():
+                if b.is_floating_point():  # a counter (num_batches_tracked) stays this rank's own
+                    b.copy_(values[k])
+        return version
+
+    # ------------------------------------------------------------------ diloco
+    def outer_step(self, skip: bool) -> int:
+        """An inner step, and every H inner steps an outer round. ``skip``: AMP found inf on this
+        rank; the inner step is skipped (as GradScaler skips a step) and counts toward H, so that
+        every rank reaches the round at the same step.
+
+        Returns:
+            The version of theta_global this rank's round started from, or made (after a round).
+
+        Raises:
+            ShardError: the shards refused the round (see ``PSClient.push_pull``).
+        """
+        if not skip:
+            self.optimizer.step()
+        self.steps += 1
+        self.in_round += 1
+        if self.in_round < self.period():
+            return self.client.version
+        return self.outer_round()
+
+    @torch.no_grad()
+    def outer_round(self) -> int:
+        """Push ``delta = anchor - theta_local`` (and this rank's buffers; the shards keep rank
+        0's) as this round's gradient with the samples counted, pull theta_global into the model
+        and make it the new anchor. The outer optimizer's hyperparameters are the shards' own.
+
+        Returns:
+            The version the model now holds (the outer rounds done).
+        """
+        deltas: dict[str, torch.Tensor] = {k: self.anchor[k] - p.detach() for k, p in self.params.items()}
+        deltas.update(self.buffer_values())
+        client = self.client
+        step = client.begin_push_pull(self.pull_targets(), stream=False, hyperparameters=[])
+        step.samples = self.samples
+        for key, t in client.staging.stage(client.path.plan, deltas).items():
+            step.ready(key, t)
+        version = step.finish()
+        for k, p in self.params.items():
+            self.anchor[k].copy_(p.detach())
+        self.in_round = self.samples = 0
+        self.buffers_pulled()
+        return version
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """The local steps, diloco's position in its round and samples counted, and the local
+        optimizer's state (``DistributedOptimizer.state_dict()['ps']``)."""
+        return {
+            "local_steps": self.steps,
+            "steps_in_round": self.in_round,
+            "samples_in_round": self.samples,
+            "local_optimizer": self.optimizer.state_dict(),
+        }
+
+    def load_state_dict(self, extra: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict` output (keys missing keep their values)."""
+        self.steps = int(extra.get("local_steps", self.steps))
+        self.in_round = int(extra.get("steps_in_round", self.in_round))
+        self.samples = int(extra.get("samples_in_round", self.samples))
+        if extra.get("local_optimizer") is not None:
+            self.optimizer.load_state_dict(extra["local_optimizer"])

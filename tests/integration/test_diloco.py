@@ -1,0 +1,210 @@
+"""diloco over real gRPC shards against single-process references written from the papers' pseudo-code:
+DiLoCo (Douillard et al. 2023, arXiv:2311.08105, Algorithm 1: inner AdamW, outer SGD with Nesterov
+momentum) and FedAvg (McMahan et al. 2017, Algorithm 1: ``w <- sum_k n_k / n * w_k``) with
+unequal sample counts."""
+
+from __future__ import annotations
+
+import copy
+import json
+import threading
+from collections.abc import Callable
+
+import grpc
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ps_proto.v1 import ps_pb2, ps_pb2_grpc
+from ps_worker import DistributedOptimizer, PSClient
+from tests.conftest import RPC_TIMEOUT
+
+DILOCO_OUTER = {"name": "sgd", "lr": 0.7, "momentum": 0.9, "nesterov": True}
+FEDAVG_OUTER = {"name": "sgd", "lr": 1.0}
+
+
+torch.manual_seed(0)
+INITIAL = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+"""Built once: ranks run in threads, where seeding the global generator would race."""
+
+
+def make_model() -> torch.nn.Module:
+    return copy.deepcopy(INITIAL)
+
+
+def batches(rank: int, steps: int, size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Rank ``rank``'s ``steps`` batches of ``size`` samples (a fixed regression target)."""
+    g = torch.Generator().manual_seed(100 + rank)
+    out = []
+    for _ in range(steps):
+        x = torch.randn(size, 4, generator=g)
+        out.append((x, (x @ torch.tensor([[1.5], [-2.0], [0.5], [3.0]])).sin()))
+    return out
+
+
+def inner_optimizer(name: str, params) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=0.01) if name == "adamw" else torch.optim.SGD(params, lr=0.05)
+
+
+def reference(
+    data: list[list[tuple[torch.Tensor, torch.Tensor]]], period: int, inner: str, outer: dict, weighted: bool
+) -> list[torch.Tensor]:
+    """Algorithm 1 of DiLoCo, one process: every worker starts each outer round from theta, takes
+    ``period`` inner steps with its own inner optimizer (its state kept across rounds), the outer
+    gradient is the (FedAvg: sample-weighted) average of theta - theta_i, and the outer optimizer steps theta."""
+    model = make_model()
+    theta = [p.detach().clone().requires_grad_(True) for p in model.parameters()]
+    kwargs = {k: v for k, v in outer.items() if k != "name"}
+    outer_opt = torch.optim.SGD(theta, **kwargs)
+    replicas = [copy.deepcopy(model) for _ in data]
+    inners = [inner_optimizer(inner, r.parameters()) for r in replicas]
+    rounds = len(data[0]) // period
+    for t in range(rounds):
+        deltas, counts = [], []
+        for i, replica in enumerate(replicas):
+            with torch.no_grad():
+                for p, th in zip(replica.parameters(), theta, strict=True):
+                    p.copy_(th)
+            n = 0
+            for x, y in data[i][t * period : (t + 1) * period]:
+                inners[i].zero_grad()
+                F.mse_loss(replica(x), y).backward()
+                inners[i].step()
+                n += len(x)
+            deltas.append([th.detach() - p.detach() for th, p in zip(theta, replica.parameters(), strict=True)])
+            counts.append(n)
+        weights = [n / sum(counts) for n in counts] if weighted else [1 / len(data)] * len(data)
+        for j, th in enumerate(theta):
+            th.grad = sum(w * d[j] for w, d in zip(weights, deltas, strict=True))
+        outer_opt.step()
+    return [th.detach() for th in theta]
+
+
+def train(
+    addresses: list[str],
+    data: list[list[tuple[torch.Tensor, torch.Tensor]]],
+    inner: str,
+    count: bool,
+    after_step: Callable[[int, DistributedOptimizer], None] | None = None,
+) -> list[list[torch.Tensor]]:
+    """Every rank in a thread: ``DistributedOptimizer`` around the inner optimizer; returns each rank's
+    parameters after its last step (an outer round's result)."""
+    out: list[list[torch.Tensor]] = [[] for _ in data]
+    errors: list[BaseException] = []
+
+    def work(rank: int) -> None:
+        try:
+            model = make_model()
+            with PSClient(addresses, rank=rank, num_workers=len(data), incarnation=1, timeout=RPC_TIMEOUT) as c:
+                c.init(model, inner_optimizer(inner, model.parameters()))
+                opt = DistributedOptimizer(model, c, inner_optimizer(inner, model.parameters()))
+                for step, (x, y) in enumerate(data[rank]):
+                    opt.zero_grad()
+                    F.mse_loss(model(x), y).backward()
+                    if count:
+                        opt.count_samples(len(x))
+                    opt.step()
+                    if after_step is not None:
+                        after_step(step, opt)
+                out[rank] = [p.detach().clone() for p in model.parameters()]
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(r,)) for r in range(len(data))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads), "a worker hung"
+    assert not errors, errors
+    return out
+
+
+def test_diloco_equals_algorithm_1_with_inner_adamw_and_outer_nesterov(start_cluster) -> None:
+    period, rounds = 5, 4
+    shards = start_cluster(
+        num_shards=2,
+        num_workers=2,
+        mode="diloco",
+        communication_period=period,
+        outer_optimizer=json.dumps(DILOCO_OUTER),
+    )
+    data = [batches(r, period * rounds, 16) for r in range(2)]
+    got = train([s.address for s in shards], data, "adamw", count=False)
+    want = reference(data, period, "adamw", DILOCO_OUTER, weighted=False)
+    for rank_params in got:  # every rank holds theta after the last outer round
+        for g, w in zip(rank_params, want, strict=True):
+            torch.testing.assert_close(g, w, rtol=0, atol=1e-6)
+    moved = max(float((w - p.detach()).abs().max()) for w, p in zip(want, make_model().parameters(), strict=True))
+    assert moved > 0.05  # the reference trained: equality is not two untouched models
+    for s in shards:
+        assert s.shard.version == rounds  # one version per outer round, not per inner step
+
+
+def test_fedavg_weights_each_rank_by_its_sample_count(start_cluster) -> None:
+    period, rounds = 4, 3
+    shards = start_cluster(
+        num_shards=2,
+        num_workers=2,
+        mode="diloco",
+        communication_period=period,
+        outer_optimizer=json.dumps(FEDAVG_OUTER),
+    )
+    data = [batches(0, period * rounds, 8), batches(1, period * rounds, 24)]  # 1 : 3 samples
+    got = train([s.address for s in shards], data, "sgd", count=True)
+    want = reference(data, period, "sgd", FEDAVG_OUTER, weighted=True)
+    unweighted = reference(data, period, "sgd", FEDAVG_OUTER, weighted=False)
+    for g, w in zip(got[0], want, strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=1e-6)
+    assert max(float((w - u).abs().max()) for w, u in zip(want, unweighted, strict=True)) > 1e-3  # weights matter
+
+
+def test_a_round_where_only_some_ranks_count_samples_is_refused_whole(start_cluster) -> None:
+    shards = start_cluster(num_shards=1, num_workers=2, mode="diloco", communication_period=2)
+    data = [batches(r, 2, 8) for r in range(2)]
+    model = make_model()
+    before = [p.detach().clone() for p in model.parameters()]
+    errors: list[BaseException] = []
+
+    def work(rank: int) -> None:
+        try:
+            m = make_model()
+            with PSClient([shards[0].address], rank=rank, num_workers=2, incarnation=1, timeout=RPC_TIMEOUT) as c:
+                c.init(m, {"name": "sgd", "lr": 0.1})
+                opt = DistributedOptimizer(m, c, torch.optim.SGD(m.parameters(), lr=0.05))
+                for x, y in data[rank]:
+                    opt.zero_grad()
+                    F.mse_loss(m(x), y).backward()
+                    if rank == 0:
+                        opt.count_samples(len(x))
+                    opt.step()
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads)
+    assert len(errors) == 2 and all(isinstance(e, grpc.RpcError) for e in errors), errors
+    assert {e.code() for e in errors} == {grpc.StatusCode.FAILED_PRECONDITION}  # type: ignore[attr-defined]
+    assert "count_samples" in str(errors[0])
+    store = shards[0].shard.store
+    assert shards[0].shard.version == 0
+    flat = torch.cat([p.reshape(-1) for p in before])
+    assert torch.equal(torch.cat([t.reshape(-1) for t in store.tensors])[: flat.numel()], flat)  # unchanged
+
+
+def test_a_diloco_cluster_reports_its_mode_and_refuses_a_live_switch(start_cluster) -> None:
+    shards = start_cluster(num_shards=1, num_workers=1, mode="diloco", communication_period=3)
+    with grpc.insecure_channel(shards[0].address) as ch:
+        admin = ps_pb2_grpc.AdminStub(ch)
+        status = admin.GetStatus(ps_pb2.GetStatusRequest(), timeout=RPC_TIMEOUT).status
+        assert status.config.mode == ps_pb2.MODE_DILOCO
+        assert status.config.communication_period == 3
+        assert json.loads(status.config.outer_optimizer) == DILOCO_OUTER
+        with pytest.raises(grpc.RpcError) as info:
+            admin.UpdateConfig(ps_pb2.UpdateConfigRequest(mode=ps_pb2.MODE_SYNC), timeout=RPC_TIMEOUT)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "restart the cluster" in info.value.details()
