@@ -243,6 +243,7 @@ def test_bad_arguments_are_refused_before_starting_anything() -> None:
         ("async", ["--max-staleness", "4", "--staleness-lr", "inverse"]),
         ("ssp", ["--staleness", "2"]),
         ("easgd", ["--communication-period", "10"]),
+        ("diloco", ["--communication-period", "10"]),  # inner SGD 0.1/0.9, outer Nesterov SGD 0.7/0.9
     ],
 )
 def test_every_mode_reaches_93_percent_on_digits(tmp_path, mode: str, flags: list[str]) -> None:
@@ -288,6 +289,8 @@ def test_every_mode_reaches_93_percent_on_digits(tmp_path, mode: str, flags: lis
         assert summary["accuracy"] >= 0.93, summary
     if mode == "ssp":
         assert summary["shards_view"]["max_clock_gap"] <= 2
+    if mode == "diloco":
+        assert summary["version"] == 30  # one version per outer round: 300 inner steps / H = 10
     if mode == "async":
         assert summary["shards_view"]["staleness_max"] <= 4
 

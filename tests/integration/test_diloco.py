@@ -208,3 +208,43 @@ def test_a_diloco_cluster_reports_its_mode_and_refuses_a_live_switch(start_clust
             admin.UpdateConfig(ps_pb2.UpdateConfigRequest(mode=ps_pb2.MODE_SYNC), timeout=RPC_TIMEOUT)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "restart the cluster" in info.value.details()
+
+
+def test_a_shard_restart_between_outer_rounds_changes_nothing(tmp_path, start_cluster) -> None:
+    """Both shards stop after round 2 (final checkpoint: theta and the outer optimizer's Nesterov
+    momentum) and come back on their ports; the ranks, still in their inner loops, rejoin and the
+    run ends where an uninterrupted one does."""
+    period, rounds = 5, 4
+    shards = start_cluster(
+        num_shards=2,
+        num_workers=2,
+        mode="diloco",
+        communication_period=period,
+        outer_optimizer=json.dumps(DILOCO_OUTER),
+        checkpoint_dir=str(tmp_path),
+    )
+    data = [batches(r, period * rounds, 16) for r in range(2)]
+    paused, resumed = threading.Barrier(3, timeout=60), threading.Barrier(3, timeout=60)
+
+    def after_step(step: int, opt: DistributedOptimizer) -> None:
+        if step == 2 * period - 1:  # round 2 done on this rank
+            paused.wait()
+            resumed.wait()
+
+    results: list[list[list[torch.Tensor]]] = []
+    runner = threading.Thread(
+        target=lambda: results.append(train([s.address for s in shards], data, "adamw", False, after_step))
+    )
+    runner.start()
+    paused.wait()
+    for s in shards:
+        s.stop(grace=0.5)  # writes a final checkpoint at version 2
+    restarted = [start_cluster.restart(s, same_port=True) for s in shards]
+    assert all(s.shard.status().restored_from_version == 2 for s in restarted)
+    resumed.wait()
+    runner.join(timeout=120)
+    assert not runner.is_alive() and results
+    want = reference(data, period, "adamw", DILOCO_OUTER, weighted=False)
+    for g, w in zip(results[0][0], want, strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=1e-6)
+    assert all(s.shard.version == rounds for s in restarted)
