@@ -74,6 +74,12 @@ class LocalSteps:
             raise ValueError(f"count_samples takes the number of samples of a batch, an integer >= 0; got {n!r}.")
         self.samples += n
 
+    def stepped(self) -> None:
+        """Count a local step (``ps_worker_local_steps`` too)."""
+        self.steps += 1
+        if self.client.metrics is not None:
+            self.client.metrics.local_steps.inc()
+
     # ------------------------------------------------------------------ easgd
     def easgd_step(self, skip: bool) -> int:
         """A local step, and every tau steps an exchange with the center (the float buffers are
@@ -85,7 +91,7 @@ class LocalSteps:
         if skip:
             return self.client.version
         self.optimizer.step()
-        self.steps += 1
+        self.stepped()
         if self.steps % self.period():
             return self.client.version
         values = {**{k: p.data for k, p in self.params.items()}, **self.buffer_values()}
@@ -110,7 +116,7 @@ class LocalSteps:
         """
         if not skip:
             self.optimizer.step()
-        self.steps += 1
+        self.stepped()
         self.in_round += 1
         if self.in_round < self.period():
             return self.client.version
@@ -128,6 +134,7 @@ class LocalSteps:
         deltas: dict[str, torch.Tensor] = {k: self.anchor[k] - p.detach() for k, p in self.params.items()}
         deltas.update(self.buffer_values())
         client = self.client
+        moved = client.pushed_bytes + client.pulled_bytes
         step = client.begin_push_pull(self.pull_targets(), stream=False, hyperparameters=[])
         step.samples = self.samples
         for key, t in client.staging.stage(client.path.plan, deltas).items():
@@ -137,6 +144,9 @@ class LocalSteps:
             self.anchor[k].copy_(p.detach())
         self.in_round = self.samples = 0
         self.buffers_pulled()
+        if client.metrics is not None:
+            client.metrics.outer_rounds.inc()
+            client.metrics.outer_round_bytes.observe(client.pushed_bytes + client.pulled_bytes - moved)
         return version
 
     # ------------------------------------------------------------------ checkpoints

@@ -12,6 +12,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 STEP_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 """Seconds; a push or pull moves every parameter and a sync pull waits for its round."""
 
+BYTES_BUCKETS = tuple(float(4**k * 1024) for k in range(13))
+"""Bytes, 1 KiB to 16 GiB by factors of 4: a model's push and pull, from a toy to a large model."""
+
 
 class WorkerMetrics:
     """The metrics of one worker process, registered in ``registry``.
@@ -56,6 +59,22 @@ class WorkerMetrics:
         self.received_bytes = Counter(
             "ps_worker_received_bytes",
             "Serialized bytes of Pull messages received from the shards.",
+            registry=registry,
+        )
+        self.local_steps = Counter(
+            "ps_worker_local_steps",
+            "easgd and diloco: steps of this rank's local (inner) optimizer.",
+            registry=registry,
+        )
+        self.outer_rounds = Counter(
+            "ps_worker_outer_rounds",
+            "diloco: outer rounds this rank took part in (a push of its outer gradient and a pull of the result).",
+            registry=registry,
+        )
+        self.outer_round_bytes = Histogram(
+            "ps_worker_outer_round_bytes",
+            "diloco: serialized bytes one outer round sent and received (its push and its pull, every shard).",
+            buckets=BYTES_BUCKETS,
             registry=registry,
         )
         self.loss = Gauge(

@@ -14,9 +14,11 @@ import grpc
 import pytest
 import torch
 import torch.nn.functional as F
+from prometheus_client import CollectorRegistry
 
 from ps_proto.v1 import ps_pb2, ps_pb2_grpc
 from ps_worker import DistributedOptimizer, PSClient
+from ps_worker.metrics import WorkerMetrics
 from tests.conftest import RPC_TIMEOUT
 
 DILOCO_OUTER = {"name": "sgd", "lr": 0.7, "momentum": 0.9, "nesterov": True}
@@ -86,6 +88,7 @@ def train(
     inner: str,
     count: bool,
     after_step: Callable[[int, DistributedOptimizer], None] | None = None,
+    metrics: list[WorkerMetrics] | None = None,
 ) -> list[list[torch.Tensor]]:
     """Every rank in a thread: ``DistributedOptimizer`` around the inner optimizer; returns each rank's
     parameters after its last step (an outer round's result)."""
@@ -95,7 +98,10 @@ def train(
     def work(rank: int) -> None:
         try:
             model = make_model()
-            with PSClient(addresses, rank=rank, num_workers=len(data), incarnation=1, timeout=RPC_TIMEOUT) as c:
+            m = metrics[rank] if metrics else None
+            with PSClient(
+                addresses, rank=rank, num_workers=len(data), incarnation=1, timeout=RPC_TIMEOUT, metrics=m
+            ) as c:
                 c.init(model, inner_optimizer(inner, model.parameters()))
                 opt = DistributedOptimizer(model, c, inner_optimizer(inner, model.parameters()))
                 for step, (x, y) in enumerate(data[rank]):
@@ -130,7 +136,8 @@ def test_diloco_equals_algorithm_1_with_inner_adamw_and_outer_nesterov(start_clu
         outer_optimizer=json.dumps(DILOCO_OUTER),
     )
     data = [batches(r, period * rounds, 16) for r in range(2)]
-    got = train([s.address for s in shards], data, "adamw", count=False)
+    metrics = [WorkerMetrics(CollectorRegistry()) for _ in range(2)]
+    got = train([s.address for s in shards], data, "adamw", count=False, metrics=metrics)
     want = reference(data, period, "adamw", DILOCO_OUTER, weighted=False)
     for rank_params in got:  # every rank holds theta after the last outer round
         for g, w in zip(rank_params, want, strict=True):
@@ -139,6 +146,13 @@ def test_diloco_equals_algorithm_1_with_inner_adamw_and_outer_nesterov(start_clu
     assert moved > 0.05  # the reference trained: equality is not two untouched models
     for s in shards:
         assert s.shard.version == rounds  # one version per outer round, not per inner step
+    for m in metrics:
+        value = m.registry.get_sample_value
+        assert value("ps_worker_local_steps_total") == period * rounds
+        assert value("ps_worker_outer_rounds_total") == rounds
+        assert value("ps_worker_outer_round_bytes_count") == rounds
+        per_round = value("ps_worker_outer_round_bytes_sum") / rounds
+        assert per_round > 2 * 4 * sum(p.numel() for p in INITIAL.parameters())  # Δ out, theta in, float32
 
 
 def test_fedavg_weights_each_rank_by_its_sample_count(start_cluster) -> None:

@@ -22,6 +22,9 @@ def test_push_push_pull_and_pull_are_separate_histograms() -> None:
         "ps_worker_sent_bytes",
         "ps_worker_received_bytes",
         "ps_worker_loss",
+        "ps_worker_local_steps",
+        "ps_worker_outer_rounds",
+        "ps_worker_outer_round_bytes",
     } <= names
     assert registry.get_sample_value("ps_worker_push_pull_duration_seconds_count") == 1
     assert registry.get_sample_value("ps_worker_push_duration_seconds_sum") == 0.01
