@@ -60,9 +60,16 @@ class LocalSteps:
         self.anchor = {k: p.detach().clone() for k, p in self.params.items()}
 
     def period(self) -> int:
-        """tau (easgd) or H (diloco) in force: ``--communication-period``, live-updatable."""
+        """tau (easgd) or H (diloco) in force: ``--communication-period`` as the Join told it, or a
+        live change (``ps-admin set --communication-period``) once the model holds the version it is
+        scheduled at (diloco: the outer round it governs, the same on every rank); the membership
+        records the shards relay carry the changes."""
         settings = self.client.settings
-        return max(1, settings.communication_period) if settings is not None else 1
+        period = settings.communication_period if settings is not None else 1
+        for change in self.client.session.membership.config_changes:  # in the order they were scheduled
+            if change.version <= self.client.version and change.update.HasField("communication_period"):
+                period = change.update.communication_period
+        return max(1, period)
 
     def count_samples(self, n: int) -> None:
         """Add ``n`` samples to this rank's count for the current outer round (diloco's FedAvg weight).

@@ -262,3 +262,17 @@ def test_a_shard_restart_between_outer_rounds_changes_nothing(tmp_path, start_cl
     for g, w in zip(results[0][0], want, strict=True):
         torch.testing.assert_close(g, w, rtol=0, atol=1e-6)
     assert all(s.shard.version == rounds for s in restarted)
+
+
+def test_a_live_change_of_h_applies_from_the_outer_round_it_is_scheduled_at(start_cluster) -> None:
+    shards = start_cluster(num_shards=2, num_workers=2, mode="diloco", communication_period=5)
+    with grpc.insecure_channel(shards[0].address) as ch:  # ps-admin set --communication-period 2 --at-version 2
+        ps_pb2_grpc.AdminStub(ch).UpdateConfig(
+            ps_pb2.UpdateConfigRequest(communication_period=2, at_version=2), timeout=RPC_TIMEOUT
+        )
+    data = [batches(r, 16, 8) for r in range(2)]
+    got = train([s.address for s in shards], data, "sgd", count=False)
+    # rounds 0 and 1 after 5 inner steps each, then 2, 3, 4 after 2 each: 16 steps, version 5
+    assert [s.shard.version for s in shards] == [5, 5]
+    for a, b in zip(got[0], got[1], strict=True):
+        assert torch.equal(a, b)  # both ranks closed every round together and hold theta_global
