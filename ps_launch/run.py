@@ -29,16 +29,14 @@ from ps_common.process_env import available_cpus, launch_environment
 from ps_launch.cluster import (
     Child,
     Cluster,
-    MembershipWatch,
     read_events,
     read_output,
     reserve_ports,
-    resize_job,
     server_flags,
-    shard_statuses,
     tail,
 )
 from ps_launch.faults import Fault, parse_faults, parse_resizes
+from ps_launch.status import MembershipWatch, resize_job, shard_statuses
 from ps_launch.summary import (
     RankRun,
     close_bars,
