@@ -95,6 +95,12 @@ def launch_parser(environ: Mapping[str, str] | None = None) -> FlagParser:
     p.flag("--no-metrics", switch=True, help="serve no Prometheus /metrics from shards and workers")
     p.flag("--json", switch=True, help="print the summary as one JSON object on the last line of stdout")
     p.flag("--no-progress", switch=True, help="no progress bars")
+    p.flag(
+        "--no-shard-host",
+        switch=True,
+        help="start every shard as a process of its own; by default a fresh job's shards are forked from one "
+        "process that imports torch once for all of them (a resumed job's shards always start on their own)",
+    )
     p.flag("--lease-timeout", type=float, default=10.0, help="seconds of silence before a shard evicts a rank")
     join_timeout_flag(p)
     p.flag(

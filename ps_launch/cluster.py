@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from ps_common import modes
+from ps_launch.shard_host import ForkedProcess, ShardHost, set_subreaper
 
 LISTENING = re.compile(r"listening on (\S+)")
 METRICS = re.compile(r"metrics on (http://\S+)")
@@ -50,7 +51,7 @@ class Child:
     """One started process and where its output goes."""
 
     name: str
-    proc: subprocess.Popen[str]
+    proc: subprocess.Popen[str] | ForkedProcess
     log_path: Path
     log_file: IO[str]
     argv: list[str] = field(default_factory=list)
@@ -72,10 +73,12 @@ class Cluster:
         env: the environment of every process (``PYTHONUNBUFFERED=1`` is added).
     """
 
-    def __init__(self, log_dir: Path, env: Mapping[str, str]) -> None:
+    def __init__(self, log_dir: Path, env: Mapping[str, str], shard_host: bool = False) -> None:
         self.log_dir = log_dir
         self.children: list[Child] = []
         self.env = {**env, "PYTHONUNBUFFERED": "1"}
+        self.shard_host = shard_host
+        """Start a fresh job's shards from one forking process (:mod:`ps_launch.shard_host`)."""
 
     def spawn(
         self,
@@ -159,33 +162,34 @@ class Cluster:
         meanwhile: Callable[[list[str]], None] | None,
     ) -> list[str]:
         ports = [str(s.getsockname()[1]) for s in reserved] or ["0"] * n
-        shards = [
-            self.spawn(
-                f"shard-{k}",
-                [
-                    "ps_server.cli",
-                    "--shard-index",
-                    str(k),
-                    "--num-shards",
-                    str(n),
-                    "--num-workers",
-                    str(workers),
-                    "--mode",
-                    mode,
-                    "--host",
-                    "127.0.0.1",
-                    "--port",
-                    ports[k],
-                    *(["--reuse-port"] if reserved else []),
-                    "--metrics-port",
-                    "0" if metrics else "-1",
-                    *extra,
-                ],
-            )
+        argvs = [
+            [
+                "ps_server.cli",
+                "--shard-index",
+                str(k),
+                "--num-shards",
+                str(n),
+                "--num-workers",
+                str(workers),
+                "--mode",
+                mode,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                ports[k],
+                *(["--reuse-port"] if reserved else []),
+                "--metrics-port",
+                "0" if metrics else "-1",
+                *extra,
+            ]
             for k in range(n)
         ]
+        host = self._start_host(argvs) if reserved and self.shard_host else None
+        shards = [] if host else [self.spawn(f"shard-{k}", argv) for k, argv in enumerate(argvs)]
         if meanwhile is not None and reserved:
             meanwhile([f"127.0.0.1:{port}" for port in ports])
+        if host is not None:
+            shards = self._hosted(*host, argvs, deadline)
         found: queue.Queue[tuple[int, str | None]] = queue.Queue()
         for k, child in enumerate(shards):
             threading.Thread(target=self._read_address, args=(k, child, found), daemon=True).start()
@@ -202,6 +206,54 @@ class Cluster:
                 raise RuntimeError(f"shard-{k} serves on {addr}, not on its reserved port {ports[k]}")
             addresses[k] = addr
         return [addresses[k] for k in range(n)]
+
+    def _start_host(self, argvs: list[list[str]]) -> tuple[ShardHost, list[IO[str]]] | None:
+        """Start the shard host of ``argvs`` (registered as ``shard-host``) and open the shards'
+        logs; None where this process cannot be the shards' subreaper."""
+        if not set_subreaper(True):
+            return None
+        logs: list[IO[str]] = [open(self.log_dir / f"shard-{k}.log", "a") for k in range(len(argvs))]  # noqa: SIM115 - Child's
+        host_log = open(self.log_dir / "shard-host.log", "a")  # noqa: SIM115 - closed in stop()
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        try:
+            host = ShardHost([a[1:] for a in argvs], logs, host_log, self.env, _die_with_parent)
+            self.children.append(Child("shard-host", host.proc, Path(host_log.name), host_log, ["ps_server.host"]))
+        except OSError as exc:
+            print(f"ps-launch: the shard host did not start ({exc}); starting each shard on its own", file=sys.stderr)
+            set_subreaper(False)
+            for log in (*logs, host_log):
+                log.close()
+            return None
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        print(
+            f"ps-launch: started shard-host (pid {host.proc.pid}): imports torch once, then forks the "
+            f"{len(argvs)} shards",
+            file=sys.stderr,
+            flush=True,
+        )
+        return host, logs
+
+    def _hosted(self, host: ShardHost, logs: list[IO[str]], argvs: list[list[str]], deadline: float) -> list[Child]:
+        """The shards the host forked, as children of this process; plain ones if it failed."""
+        try:
+            forked = host.shards(deadline)
+        finally:
+            set_subreaper(False)
+        if forked is None:
+            print(f"ps-launch: the shard host failed ({self.log_dir / 'shard-host.log'}); starting each shard on its "
+                  "own", file=sys.stderr)  # fmt: skip
+            for log in logs:
+                log.close()
+            return [self.spawn(f"shard-{k}", argv) for k, argv in enumerate(argvs)]
+        shards = [
+            Child(f"shard-{k}", p, Path(log.name), log, argvs[k])
+            for k, (p, log) in enumerate(zip(forked, logs, strict=True))
+        ]
+        self.children.extend(shards)
+        for c in shards:
+            print(f"ps-launch: started {c.name} (pid {c.proc.pid}) from the shard host", file=sys.stderr, flush=True)
+        return shards
 
     def restart_shard(self, child: Child, address: str, deadline: float = 60.0) -> Child:
         """Start a killed shard again with its command, on its old port; returns the new child.
