@@ -208,16 +208,16 @@ class Cluster:
         return [addresses[k] for k in range(n)]
 
     def _start_host(self, argvs: list[list[str]]) -> tuple[ShardHost, list[IO[str]]] | None:
-        """Start the shard host of ``argvs`` (registered as ``shard-host``) and open the shards'
+        """Start the shard host of ``argvs`` (registered as ``shard_host``) and open the shards'
         logs; None where this process cannot be the shards' subreaper."""
         if not set_subreaper(True):
             return None
         logs: list[IO[str]] = [open(self.log_dir / f"shard-{k}.log", "a") for k in range(len(argvs))]  # noqa: SIM115 - Child's
-        host_log = open(self.log_dir / "shard-host.log", "a")  # noqa: SIM115 - closed in stop()
+        host_log = open(self.log_dir / "shard_host.log", "a")  # noqa: SIM115 - closed in stop()
         blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
         try:
             host = ShardHost([a[1:] for a in argvs], logs, host_log, self.env, _die_with_parent)
-            self.children.append(Child("shard-host", host.proc, Path(host_log.name), host_log, ["ps_server.host"]))
+            self.children.append(Child("shard_host", host.proc, Path(host_log.name), host_log, ["ps_server.host"]))
         except OSError as exc:
             print(f"ps-launch: the shard host did not start ({exc}); starting each shard on its own", file=sys.stderr)
             set_subreaper(False)
@@ -227,7 +227,7 @@ class Cluster:
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         print(
-            f"ps-launch: started shard-host (pid {host.proc.pid}): imports torch once, then forks the "
+            f"ps-launch: started shard_host (pid {host.proc.pid}): imports torch once, then forks the "
             f"{len(argvs)} shards",
             file=sys.stderr,
             flush=True,
@@ -241,7 +241,7 @@ class Cluster:
         finally:
             set_subreaper(False)
         if forked is None:
-            print(f"ps-launch: the shard host failed ({self.log_dir / 'shard-host.log'}); starting each shard on its "
+            print(f"ps-launch: the shard host failed ({self.log_dir / 'shard_host.log'}); starting each shard on its "
                   "own", file=sys.stderr)  # fmt: skip
             for log in logs:
                 log.close()

@@ -19,7 +19,7 @@ LAUNCH = [sys.executable, "-m", "ps_launch.cli"]
 
 def pids(stderr: str) -> list[int]:
     """The shards' and workers' pids (not the shard host's: it exits once it forked the shards)."""
-    return [pid for name, pid in started(stderr) if name != "shard-host"]
+    return [pid for name, pid in started(stderr) if name != "shard_host"]
 
 
 def alive(pid: int) -> bool:
@@ -37,13 +37,13 @@ def started(stderr: str) -> list[tuple[str, int]]:
 
 def hosted(stderr: str) -> bool:
     """The shards were to be forked by ps-launch's shard host (ps_server.host), not started on their own."""
-    return any(name == "shard-host" for name, _ in started(stderr))
+    return any(name == "shard_host" for name, _ in started(stderr))
 
 
 def assert_all_gone(stderr: str, expected: int, shards: int = 0) -> None:
     """``expected`` shards and workers were started and none of them is left, nor the shard host if
     there was one; a host stopped before it forked stands for the ``shards`` it had not started."""
-    names = [name for name, _ in started(stderr) if name != "shard-host"]
+    names = [name for name, _ in started(stderr) if name != "shard_host"]
     forked = any(re.fullmatch(r"shard-\d+", name) for name in names)
     assert len(names) + (shards if hosted(stderr) and not forked else 0) == expected, stderr
     assert not [p for _, p in started(stderr) if alive(p)], "ps-launch left processes behind"
