@@ -1,6 +1,5 @@
-"""ps-launch's side of the shard host (:mod:`ps_server.host`; docs/architecture.md#10-commands-and-metrics,
-"Start-up"): start it, learn the PIDs of the shards it forks, and follow them as ps-launch's own
-children.
+"""ps-launch's side of the shard host (:mod:`ps_server.host`; docs/architecture.md#start-up): start
+it, learn the PIDs of the shards it forks, and follow them as ps-launch's own children.
 
 A fresh job's S shards on this machine start from one process that imports torch, grpcio and
 ``torch._dynamo`` once and forks them, instead of S processes that each pay those imports on the

@@ -1,6 +1,6 @@
 """``python -m ps_server.host SPEC``: the shard host, which starts the shards of one machine for the
-cost of one start-up (docs/architecture.md#10-commands-and-metrics, "Start-up"; measured in
-bench/README.md, "Time to first step").
+cost of one start-up (docs/architecture.md#start-up; measured in bench/README.md, "Time to first
+step").
 
 ``ps-launch`` starts it for a fresh job's S shards. It imports once what every shard imports
 (torch, grpcio, the server's modules) and ``torch._dynamo`` (which the first ``torch.optim``
