@@ -15,7 +15,8 @@ line, the code ``ps-server ARGV`` runs. ps-launch is the children's subreaper
 (``PR_SET_CHILD_SUBREAPER``): once the host exits they are ps-launch's own children, which it waits
 for and whose exit status and CPU time it reads as any child's. A child first waits for that (its
 parent becomes the launcher), then asks for SIGTERM at the launcher's death (``PR_SET_PDEATHSIG``,
-as every ps-launch child) and exits at once if the launcher is already gone.
+as every ps-launch child); it exits at once if another process adopts it (the launcher is gone, or
+stopped being the subreaper before the host exited).
 
 Fork safety: no gRPC object (server, channel) exists before the fork, and the host forks only when
 it runs a single thread (nothing started torch's intra-op pool or a gRPC thread; ps-launch sets
@@ -111,6 +112,7 @@ def become_shard(argv: list[str], out: int, err: int, inherited: set[int], launc
     """In a forked child: take ``out``/``err`` as stdout/stderr, close the other shards' ends, wait
     to be the launcher's child, then run ``ps-server ARGV`` and end with its exit status."""
     code: Any = 1
+    host = os.getppid()
     try:
         os.setsid()
         os.dup2(out, 1)
@@ -118,9 +120,9 @@ def become_shard(argv: list[str], out: int, err: int, inherited: set[int], launc
         for fd in inherited - {0, 1, 2}:
             os.close(fd)
         deadline = time.monotonic() + ADOPTION_SECONDS
-        while os.getppid() != launcher:
-            if time.monotonic() > deadline:
-                print(f"ps-server: pid {launcher} never became this shard's parent; exiting", file=sys.stderr)
+        while (parent := os.getppid()) != launcher:
+            if parent != host or time.monotonic() > deadline:  # adopted by another: the launcher is gone
+                print(f"ps-server: pid {launcher} did not become this shard's parent; exiting", file=sys.stderr)
                 end(1)
             time.sleep(0.002)
         try:
