@@ -10,7 +10,9 @@ SIGTERM if the launcher is killed. Children start with ``GLIBC_TUNABLES`` and ``
 set (see :func:`launch_environment`) unless the user set them.
 
 The parts: :mod:`ps_launch.target` (what each worker runs), :mod:`ps_launch.cluster`
-(the processes), :mod:`ps_launch.run` (one run), :mod:`ps_launch.summary` (its account).
+(the processes), :mod:`ps_launch.shard_host` (a fresh job's shards forked from one process),
+:mod:`ps_launch.status` (the shards' status), :mod:`ps_launch.run` (one run),
+:mod:`ps_launch.summary` (its account).
 """
 
 from __future__ import annotations
@@ -22,8 +24,9 @@ from collections.abc import Mapping, Sequence
 from ps_common.flags import FlagParser, join_timeout_flag, mode_flags
 from ps_common.modes import MODES
 from ps_common.process_env import GLIBC_TUNABLES, launch_environment
-from ps_launch.cluster import Child, Cluster, MembershipWatch, server_flags, shard_statuses, tail
+from ps_launch.cluster import Child, Cluster, server_flags, tail
 from ps_launch.run import run
+from ps_launch.status import MembershipWatch, shard_statuses
 from ps_launch.summary import (
     RankRun,
     close_bars,
@@ -92,6 +95,12 @@ def launch_parser(environ: Mapping[str, str] | None = None) -> FlagParser:
     p.flag("--no-metrics", switch=True, help="serve no Prometheus /metrics from shards and workers")
     p.flag("--json", switch=True, help="print the summary as one JSON object on the last line of stdout")
     p.flag("--no-progress", switch=True, help="no progress bars")
+    p.flag(
+        "--no-shard-host",
+        switch=True,
+        help="start every shard as a process of its own; by default a fresh job's shards are forked from one "
+        "process that imports torch once for all of them (a resumed job's shards always start on their own)",
+    )
     p.flag("--lease-timeout", type=float, default=10.0, help="seconds of silence before a shard evicts a rank")
     join_timeout_flag(p)
     p.flag(

@@ -1,15 +1,15 @@
 """ps-launch's processes: shards and workers started on this machine, watched and stopped.
 
 Every child runs in its own session with ``PR_SET_PDEATHSIG`` (SIGTERM when the launcher dies, even
-by SIGKILL); :meth:`Cluster.stop` ends every one of them. Also the shards' status as ps-launch reads
-it (``Admin/GetStatus``) and the flags it forwards to every ``ps-server``.
+by SIGKILL); :meth:`Cluster.stop` ends every one of them. Also the flags it forwards to every
+``ps-server``. The shards' status as ps-launch reads it: :mod:`ps_launch.status`; the shard host
+that starts a fresh job's shards for the cost of one start-up: :mod:`ps_launch.shard_host`.
 """
 
 from __future__ import annotations
 
 import ctypes
 import json
-import os
 import queue
 import re
 import secrets
@@ -25,11 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-import grpc
-
 from ps_common import modes
-from ps_common.flags import secret
-from ps_proto.v1 import ps_pb2, ps_pb2_grpc
+from ps_launch.shard_host import ForkedProcess, ShardHost, set_subreaper
 
 LISTENING = re.compile(r"listening on (\S+)")
 METRICS = re.compile(r"metrics on (http://\S+)")
@@ -54,7 +51,7 @@ class Child:
     """One started process and where its output goes."""
 
     name: str
-    proc: subprocess.Popen[str]
+    proc: subprocess.Popen[str] | ForkedProcess
     log_path: Path
     log_file: IO[str]
     argv: list[str] = field(default_factory=list)
@@ -76,10 +73,12 @@ class Cluster:
         env: the environment of every process (``PYTHONUNBUFFERED=1`` is added).
     """
 
-    def __init__(self, log_dir: Path, env: Mapping[str, str]) -> None:
+    def __init__(self, log_dir: Path, env: Mapping[str, str], shard_host: bool = False) -> None:
         self.log_dir = log_dir
         self.children: list[Child] = []
         self.env = {**env, "PYTHONUNBUFFERED": "1"}
+        self.shard_host = shard_host
+        """Start a fresh job's shards from one forking process (:mod:`ps_launch.shard_host`)."""
 
     def spawn(
         self,
@@ -163,33 +162,34 @@ class Cluster:
         meanwhile: Callable[[list[str]], None] | None,
     ) -> list[str]:
         ports = [str(s.getsockname()[1]) for s in reserved] or ["0"] * n
-        shards = [
-            self.spawn(
-                f"shard-{k}",
-                [
-                    "ps_server.cli",
-                    "--shard-index",
-                    str(k),
-                    "--num-shards",
-                    str(n),
-                    "--num-workers",
-                    str(workers),
-                    "--mode",
-                    mode,
-                    "--host",
-                    "127.0.0.1",
-                    "--port",
-                    ports[k],
-                    *(["--reuse-port"] if reserved else []),
-                    "--metrics-port",
-                    "0" if metrics else "-1",
-                    *extra,
-                ],
-            )
+        argvs = [
+            [
+                "ps_server.cli",
+                "--shard-index",
+                str(k),
+                "--num-shards",
+                str(n),
+                "--num-workers",
+                str(workers),
+                "--mode",
+                mode,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                ports[k],
+                *(["--reuse-port"] if reserved else []),
+                "--metrics-port",
+                "0" if metrics else "-1",
+                *extra,
+            ]
             for k in range(n)
         ]
+        host = self._start_host(argvs) if reserved and self.shard_host else None
+        shards = [] if host else [self.spawn(f"shard-{k}", argv) for k, argv in enumerate(argvs)]
         if meanwhile is not None and reserved:
             meanwhile([f"127.0.0.1:{port}" for port in ports])
+        if host is not None:
+            shards = self._hosted(*host, argvs, deadline)
         found: queue.Queue[tuple[int, str | None]] = queue.Queue()
         for k, child in enumerate(shards):
             threading.Thread(target=self._read_address, args=(k, child, found), daemon=True).start()
@@ -206,6 +206,54 @@ class Cluster:
                 raise RuntimeError(f"shard-{k} serves on {addr}, not on its reserved port {ports[k]}")
             addresses[k] = addr
         return [addresses[k] for k in range(n)]
+
+    def _start_host(self, argvs: list[list[str]]) -> tuple[ShardHost, list[IO[str]]] | None:
+        """Start the shard host of ``argvs`` (registered as ``shard_host``) and open the shards'
+        logs; None where this process cannot be the shards' subreaper."""
+        if not set_subreaper(True):
+            return None
+        logs: list[IO[str]] = [open(self.log_dir / f"shard-{k}.log", "a") for k in range(len(argvs))]  # noqa: SIM115 - Child's
+        host_log = open(self.log_dir / "shard_host.log", "a")  # noqa: SIM115 - closed in stop()
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        try:
+            host = ShardHost([a[1:] for a in argvs], logs, host_log, self.env, _die_with_parent)
+            self.children.append(Child("shard_host", host.proc, Path(host_log.name), host_log, ["ps_server.host"]))
+        except OSError as exc:
+            print(f"ps-launch: the shard host did not start ({exc}); starting each shard on its own", file=sys.stderr)
+            set_subreaper(False)
+            for log in (*logs, host_log):
+                log.close()
+            return None
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        print(
+            f"ps-launch: started shard_host (pid {host.proc.pid}): imports torch once, then forks the "
+            f"{len(argvs)} shards",
+            file=sys.stderr,
+            flush=True,
+        )
+        return host, logs
+
+    def _hosted(self, host: ShardHost, logs: list[IO[str]], argvs: list[list[str]], deadline: float) -> list[Child]:
+        """The shards the host forked, as children of this process; plain ones if it failed."""
+        try:
+            forked = host.shards(deadline)
+        finally:
+            set_subreaper(False)
+        if forked is None:
+            print(f"ps-launch: the shard host failed ({self.log_dir / 'shard_host.log'}); starting each shard on its "
+                  "own", file=sys.stderr)  # fmt: skip
+            for log in logs:
+                log.close()
+            return [self.spawn(f"shard-{k}", argv) for k, argv in enumerate(argvs)]
+        shards = [
+            Child(f"shard-{k}", p, Path(log.name), log, argvs[k])
+            for k, (p, log) in enumerate(zip(forked, logs, strict=True))
+        ]
+        self.children.extend(shards)
+        for c in shards:
+            print(f"ps-launch: started {c.name} (pid {c.proc.pid}) from the shard host", file=sys.stderr, flush=True)
+        return shards
 
     def restart_shard(self, child: Child, address: str, deadline: float = 60.0) -> Child:
         """Start a killed shard again with its command, on its old port; returns the new child.
@@ -308,74 +356,6 @@ def server_flags(args: Any, log_dir: Path) -> list[str]:
         str(args.join_timeout),
     ]
     return flags + modes.forward_flags(args)  # every mode parameter, from ps_common.modes' one table
-
-
-def _admin_metadata() -> tuple[tuple[str, str], ...]:
-    try:
-        token = secret(os.environ.get("PS_ADMIN_TOKEN", ""), os.environ.get("PS_ADMIN_TOKEN_FILE", ""), "--admin-token")
-    except ValueError:
-        token = ""
-    return (("authorization", f"Bearer {token}"),) if token else ()
-
-
-def resize_job(address: str, num_workers: int, timeout: float = 10.0) -> ps_pb2.ResizeResponse:
-    """Admin/Resize on shard 0 (``address``): the job has ``num_workers`` ranks from its next round."""
-    with grpc.insecure_channel(address) as channel:
-        stub = ps_pb2_grpc.AdminStub(channel)
-        return stub.Resize(ps_pb2.ResizeRequest(num_workers=num_workers), timeout=timeout, metadata=_admin_metadata())
-
-
-def shard_statuses(addresses: Sequence[str], timeout: float = 10.0) -> list[ps_pb2.ShardStatus]:
-    """Admin/GetStatus of every shard (the shards' own account of clocks and refusals), with the admin
-    token the shards took from this environment (``PS_ADMIN_TOKEN`` or ``PS_ADMIN_TOKEN_FILE``), if any."""
-    metadata = _admin_metadata()
-    statuses = []
-    for address in addresses:
-        with grpc.insecure_channel(address) as channel:
-            stub = ps_pb2_grpc.AdminStub(channel)
-            statuses.append(stub.GetStatus(ps_pb2.GetStatusRequest(), timeout=timeout, metadata=metadata).status)
-    return statuses
-
-
-class MembershipWatch:
-    """Polls one shard's status and says when a rank's state or incarnation changes (an eviction, a
-    rejoin), so a fault injection shows its consequences on the console. ``clocks`` keeps each rank's
-    (clock, incarnation) as last seen: the progress of a user's script, which prints no step events."""
-
-    def __init__(self, address: str, interval: float = 0.5) -> None:
-        self.address = address
-        self.interval = interval
-        self.seen: dict[int, tuple[int, int]] = {}
-        self.clocks: dict[int, tuple[int, int]] = {}
-        self.next = 0.0
-
-    def changes(self) -> list[str]:
-        now = time.monotonic()
-        if now < self.next:
-            return []
-        self.next = now + self.interval
-        try:
-            (status,) = shard_statuses([self.address], timeout=2.0)
-        except grpc.RpcError:
-            return []
-        lines = []
-        for w in status.workers:
-            before = self.seen.get(w.rank)
-            self.seen[w.rank] = (w.state, w.incarnation)
-            if w.state == ps_pb2.WORKER_STATE_LIVE:
-                self.clocks[w.rank] = (w.clock, w.incarnation)
-            if before is None or before == (w.state, w.incarnation) or before[0] == ps_pb2.WORKER_STATE_PENDING:
-                continue  # nothing new, or a first join
-            state = ps_pb2.WorkerState.Name(w.state).removeprefix("WORKER_STATE_").lower()
-            if w.state == ps_pb2.WORKER_STATE_EVICTED:
-                lines.append(
-                    f"shard-0 evicted rank {w.rank} at clock {w.clock} (its lease lapsed); rounds go on without it"
-                )
-            elif w.incarnation != before[1] and w.state == ps_pb2.WORKER_STATE_LIVE:
-                lines.append(f"shard-0 counts rank {w.rank} again (new incarnation {w.incarnation}, clock {w.clock})")
-            elif w.state != ps_pb2.WORKER_STATE_LEFT:
-                lines.append(f"rank {w.rank} is {state} on shard-0 (clock {w.clock})")
-        return lines
 
 
 def tail(path: Path, lines: int = 15) -> str:

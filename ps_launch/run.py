@@ -29,16 +29,14 @@ from ps_common.process_env import available_cpus, launch_environment
 from ps_launch.cluster import (
     Child,
     Cluster,
-    MembershipWatch,
     read_events,
     read_output,
     reserve_ports,
-    resize_job,
     server_flags,
-    shard_statuses,
     tail,
 )
 from ps_launch.faults import Fault, parse_faults, parse_resizes
+from ps_launch.status import MembershipWatch, resize_job, shard_statuses
 from ps_launch.summary import (
     RankRun,
     close_bars,
@@ -85,7 +83,8 @@ def run(args: Any, target: Target | None = None) -> int:
         args.workload = target.label
     log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="ps-launch-"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    cluster = Cluster(log_dir, launch_environment(os.environ, args.shards + args.workers, available_cpus()))
+    environment = launch_environment(os.environ, args.shards + args.workers, available_cpus())
+    cluster = Cluster(log_dir, environment, shard_host=not getattr(args, "no_shard_host", False))
     print(
         f"ps-launch: children run with OMP_NUM_THREADS={cluster.env['OMP_NUM_THREADS']} "
         f"GLIBC_TUNABLES={cluster.env['GLIBC_TUNABLES']}",

@@ -18,7 +18,8 @@ LAUNCH = [sys.executable, "-m", "ps_launch.cli"]
 
 
 def pids(stderr: str) -> list[int]:
-    return [int(p) for p in re.findall(r"started \S+ \(pid (\d+)\)", stderr)]
+    """The shards' and workers' pids (not the shard host's: it exits once it forked the shards)."""
+    return [pid for name, pid in started(stderr) if name != "shard_host"]
 
 
 def alive(pid: int) -> bool:
@@ -29,10 +30,23 @@ def alive(pid: int) -> bool:
     return True
 
 
-def assert_all_gone(stderr: str, expected: int) -> None:
-    started = pids(stderr)
-    assert len(started) == expected, stderr
-    assert not [p for p in started if alive(p)], "ps-launch left processes behind"
+def started(stderr: str) -> list[tuple[str, int]]:
+    """(name, pid) of every process ps-launch said it started, in order (a restarted one twice)."""
+    return [(name, int(pid)) for name, pid in re.findall(r"started (\S+) \(pid (\d+)\)", stderr)]
+
+
+def hosted(stderr: str) -> bool:
+    """The shards were to be forked by ps-launch's shard host (ps_server.host), not started on their own."""
+    return any(name == "shard_host" for name, _ in started(stderr))
+
+
+def assert_all_gone(stderr: str, expected: int, shards: int = 0) -> None:
+    """``expected`` shards and workers were started and none of them is left, nor the shard host if
+    there was one; a host stopped before it forked stands for the ``shards`` it had not started."""
+    names = [name for name, _ in started(stderr) if name != "shard_host"]
+    forked = any(re.fullmatch(r"shard-\d+", name) for name in names)
+    assert len(names) + (shards if hosted(stderr) and not forked else 0) == expected, stderr
+    assert not [p for _, p in started(stderr) if alive(p)], "ps-launch left processes behind"
 
 
 @pytest.mark.slow
@@ -172,7 +186,7 @@ def test_ctrl_c_stops_every_process(tmp_path) -> None:
     )
     assert code == 130, stderr
     assert "interrupted" in stderr
-    assert_all_gone(stderr, expected=2)
+    assert_all_gone(stderr, expected=2, shards=1)
 
 
 ENV_PROBE = """
@@ -218,7 +232,10 @@ def test_children_start_with_the_allocator_settings_and_the_users_own_values_win
         env=env,
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    children = pids(out.stderr)
+    # a shard forked by the shard host started no interpreter of its own: it has the host's environment
+    children = [
+        pid for name, pid in started(out.stderr) if not (hosted(out.stderr) and re.fullmatch(r"shard-\d+", name))
+    ]
     assert len(children) == 2, out.stderr
     for pid in children:
         assert json.loads((seen / f"{pid}.json").read_text()) == {
@@ -427,4 +444,4 @@ def test_ctrl_c_stops_every_copy_of_a_user_script(tmp_path, script) -> None:
         ]
     )
     assert code == 130, stderr
-    assert_all_gone(stderr, expected=2)
+    assert_all_gone(stderr, expected=2, shards=1)
