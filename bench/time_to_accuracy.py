@@ -55,6 +55,7 @@ MODE_FLAGS = {
     "easgd": ["--mode", "easgd", "--communication-period", "10"],
     "diloco-10": ["--mode", "diloco", "--communication-period", "10"],  # outer: DiLoCo's Nesterov SGD 0.7/0.9
     "diloco-50": ["--mode", "diloco", "--communication-period", "50"],
+    "avg-50": ["--mode", "diloco", "--communication-period", "50", "--outer-optimizer", '{"name": "sgd", "lr": 1.0}'],
 }
 """The shards' flags of each grpc-ps system (``ps-server --help``)."""
 

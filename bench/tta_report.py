@@ -19,7 +19,7 @@ FINAL_POINTS = 3
 """A run's metric at its budget is the mean of its last 3 scores (the last quarter of the budget at
 the default 12 scores a run): one score of a batch-8 run moves by up to 0.1 nats from copy to copy."""
 DDP_SYSTEMS = ("ddp", "ddp-bf16")
-PS_SYSTEMS = ("sync", "sync-bf16", "async", "ssp", "easgd", "diloco-10", "diloco-50")
+PS_SYSTEMS = ("sync", "sync-bf16", "async", "ssp", "easgd", "diloco-10", "diloco-50", "avg-50")
 WIRE = {"ddp": "float32", "ddp-bf16": "bfloat16", "sync-bf16": "bfloat16"}
 """Wire dtype of each system (float32 when not listed)."""
 

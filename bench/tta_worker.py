@@ -48,7 +48,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from ps_worker.workloads.charlm import CharLMWorkload, GPTConfig
 
-SYSTEMS = ("ddp", "ddp-bf16", "sync", "sync-bf16", "async", "ssp", "easgd", "diloco-10", "diloco-50")
+SYSTEMS = ("ddp", "ddp-bf16", "sync", "sync-bf16", "async", "ssp", "easgd", "diloco-10", "diloco-50", "avg-50")
 MODEL = GPTConfig(block_size=64, n_layer=4, n_head=4, n_embd=128)
 """834,304 parameters (3.34 MB float32): 27 ms of a 1 Gbit/s link, 267 ms at 100 Mbit/s."""
 
@@ -164,7 +164,7 @@ def build(args: argparse.Namespace, model: torch.nn.Module) -> tuple[torch.nn.Mo
     )
     local = torch.optim.AdamW(model.parameters(), lr=lr)
     client.init(model, local)  # rank 0's weights and AdamW spec go to the shards; every rank pulls them
-    overlap = args.overlap and args.system != "easgd" and not args.system.startswith("diloco")
+    overlap = args.overlap and args.system in ("sync", "sync-bf16", "async", "ssp")
     return model, DistributedOptimizer(model, client, local, overlap=overlap), client
 
 
@@ -194,7 +194,7 @@ def train(args: argparse.Namespace) -> None:
 
     def snapshot(step: int) -> None:
         state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        if args.system.startswith("diloco"):  # the cluster's model: theta_global of the last outer round
+        if args.system.startswith(("diloco", "avg")):  # the cluster's model: theta_global of the last outer round
             state.update({k: v.clone() for k, v in opt.local.anchor.items()})  # type: ignore[union-attr]
         snapshots.append((time.time() - t0, step, state))
 

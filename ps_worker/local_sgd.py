@@ -38,8 +38,8 @@ class LocalSteps:
 
     Attributes:
         steps: local steps taken. in_round: diloco: inner steps since the last outer round.
-        anchor: diloco: theta_global, the parameters the last outer round (or Init) left (float32
-            clones, name -> tensor of the parameter's shape).
+        anchor: diloco: theta_global, the parameters the last outer round (or Init) left (clones,
+            name -> tensor of the parameter's shape and dtype: one more copy of the model); easgd: {}.
         samples: diloco: samples counted since the last outer round (its FedAvg weight).
     """
 
@@ -57,7 +57,8 @@ class LocalSteps:
         self.buffers, self.buffer_values = dict(buffers), buffer_values
         self.pull_targets, self.buffers_pulled = pull_targets, buffers_pulled
         self.steps = self.in_round = self.samples = 0
-        self.anchor = {k: p.detach().clone() for k, p in self.params.items()}
+        rounds = client.worker_mode.pushes_in_rounds  # diloco; easgd's exchanges need no copy of theta_global
+        self.anchor = {k: p.detach().clone() for k, p in self.params.items()} if rounds else {}
 
     def period(self) -> int:
         """tau (easgd) or H (diloco) in force: ``--communication-period`` as the Join told it, or a
