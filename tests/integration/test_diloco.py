@@ -126,15 +126,15 @@ def train(
     return out
 
 
+def diloco_cluster(start_cluster, period: int, outer: dict = DILOCO_OUTER, **config):
+    """A diloco cluster of 2 shards and 2 workers unless ``config`` says otherwise."""
+    config = {"num_shards": 2, "num_workers": 2, **config}
+    return start_cluster(mode="diloco", communication_period=period, outer_optimizer=json.dumps(outer), **config)
+
+
 def test_diloco_equals_algorithm_1_with_inner_adamw_and_outer_nesterov(start_cluster) -> None:
     period, rounds = 5, 4
-    shards = start_cluster(
-        num_shards=2,
-        num_workers=2,
-        mode="diloco",
-        communication_period=period,
-        outer_optimizer=json.dumps(DILOCO_OUTER),
-    )
+    shards = diloco_cluster(start_cluster, period)
     data = [batches(r, period * rounds, 16) for r in range(2)]
     metrics = [WorkerMetrics(CollectorRegistry()) for _ in range(2)]
     got = train([s.address for s in shards], data, "adamw", count=False, metrics=metrics)
@@ -157,13 +157,7 @@ def test_diloco_equals_algorithm_1_with_inner_adamw_and_outer_nesterov(start_clu
 
 def test_fedavg_weights_each_rank_by_its_sample_count(start_cluster) -> None:
     period, rounds = 4, 3
-    shards = start_cluster(
-        num_shards=2,
-        num_workers=2,
-        mode="diloco",
-        communication_period=period,
-        outer_optimizer=json.dumps(FEDAVG_OUTER),
-    )
+    shards = diloco_cluster(start_cluster, period, FEDAVG_OUTER)
     data = [batches(0, period * rounds, 8), batches(1, period * rounds, 24)]  # 1 : 3 samples
     got = train([s.address for s in shards], data, "sgd", count=True)
     want = reference(data, period, "sgd", FEDAVG_OUTER, weighted=True)
@@ -174,7 +168,7 @@ def test_fedavg_weights_each_rank_by_its_sample_count(start_cluster) -> None:
 
 
 def test_a_round_where_only_some_ranks_count_samples_is_refused_whole(start_cluster) -> None:
-    shards = start_cluster(num_shards=1, num_workers=2, mode="diloco", communication_period=2)
+    shards = diloco_cluster(start_cluster, 2, num_shards=1)
     data = [batches(r, 2, 8) for r in range(2)]
     model = make_model()
     before = [p.detach().clone() for p in model.parameters()]
@@ -211,7 +205,7 @@ def test_a_round_where_only_some_ranks_count_samples_is_refused_whole(start_clus
 
 
 def test_a_diloco_cluster_reports_its_mode_and_refuses_a_live_switch(start_cluster) -> None:
-    shards = start_cluster(num_shards=1, num_workers=1, mode="diloco", communication_period=3)
+    shards = diloco_cluster(start_cluster, 3, num_shards=1, num_workers=1)
     with grpc.insecure_channel(shards[0].address) as ch:
         admin = ps_pb2_grpc.AdminStub(ch)
         status = admin.GetStatus(ps_pb2.GetStatusRequest(), timeout=RPC_TIMEOUT).status
@@ -229,14 +223,7 @@ def test_a_shard_restart_between_outer_rounds_changes_nothing(tmp_path, start_cl
     momentum) and come back on their ports; the ranks, still in their inner loops, rejoin and the
     run ends where an uninterrupted one does."""
     period, rounds = 5, 4
-    shards = start_cluster(
-        num_shards=2,
-        num_workers=2,
-        mode="diloco",
-        communication_period=period,
-        outer_optimizer=json.dumps(DILOCO_OUTER),
-        checkpoint_dir=str(tmp_path),
-    )
+    shards = diloco_cluster(start_cluster, period, checkpoint_dir=str(tmp_path))
     data = [batches(r, period * rounds, 16) for r in range(2)]
     paused, resumed = threading.Barrier(3, timeout=60), threading.Barrier(3, timeout=60)
 
@@ -265,7 +252,7 @@ def test_a_shard_restart_between_outer_rounds_changes_nothing(tmp_path, start_cl
 
 
 def test_a_live_change_of_h_applies_from_the_outer_round_it_is_scheduled_at(start_cluster) -> None:
-    shards = start_cluster(num_shards=2, num_workers=2, mode="diloco", communication_period=5)
+    shards = diloco_cluster(start_cluster, 5)
     with grpc.insecure_channel(shards[0].address) as ch:  # ps-admin set --communication-period 2 --at-version 2
         ps_pb2_grpc.AdminStub(ch).UpdateConfig(
             ps_pb2.UpdateConfigRequest(communication_period=2, at_version=2), timeout=RPC_TIMEOUT
