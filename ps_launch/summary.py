@@ -26,17 +26,13 @@ def finished_version(statuses: Sequence[ps_pb2.ShardStatus], steps: int) -> int 
         return None
     version = min(st.version for st in statuses)
     config = statuses[0].config
+    period = max(1, config.communication_period)
     if config.mode == ps_pb2.MODE_SYNC:
         return version if version >= steps else None
     if config.mode == ps_pb2.MODE_DILOCO:  # the inner steps after the last whole round reach no shard
-        return (
-            version
-            if version * max(1, config.communication_period) >= steps - steps % max(1, config.communication_period)
-            else None
-        )
+        return version if version * period >= steps - steps % period else None
     done = [max(st.workers[r].clock for st in statuses) for r in range(len(statuses[0].workers))]
     if config.mode == ps_pb2.MODE_EASGD:
-        period = max(1, config.communication_period)
         done = [clock * period for clock in done]
         steps -= steps % period  # the steps after the last whole period end no exchange
     return version if all(d >= steps for d in done) else None

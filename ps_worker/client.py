@@ -1,12 +1,10 @@
 """``PSClient``: a worker's connection to every shard of a grpc-ps cluster (``docs/architecture.md#9-worker-library``).
 
-One channel per shard; pushes and pulls go to all shards in parallel, each as a stream of
-partitions. Tensors may live on any device: device tensors are staged through pinned host memory
-with ``non_blocking=True`` copies. A facade over ``transport`` (channels, fan-out, retries),
-``session`` (rank, clock, versions; join, heartbeats, recovery), ``staging`` (pinned buffers),
-``encoding`` (frames, pure given the plan), ``calls`` and ``pushpull`` (the data calls);
-construction from the environment contract (:mod:`ps_worker.env`) and the full model out of every
-shard (:mod:`ps_worker.export`).
+One channel per shard; pushes and pulls go to all shards in parallel, each as a stream of partitions.
+Device tensors are staged through pinned host memory with ``non_blocking=True`` copies. A facade over
+``transport`` (channels, fan-out, retries), ``session`` (rank, clock, versions; join, heartbeats,
+recovery), ``staging``, ``encoding`` (frames, pure given the plan), ``calls`` and ``pushpull`` (the
+data calls); construction from the environment (:mod:`ps_worker.env`), export (:mod:`ps_worker.export`).
 """
 
 from __future__ import annotations
@@ -308,6 +306,7 @@ class PSClient:
         out: Mapping[str, torch.Tensor],
         hyperparameters: Sequence[Mapping[str, float]] | None = None,
         skip: bool = False,
+        samples: int = 0,
     ) -> int:
         """One training step's communication in one call per shard (PushPull): push ``grads`` as
         :meth:`push` does, then copy the parameters of the version the push lands in into ``out``
@@ -320,6 +319,7 @@ class PSClient:
             out: key -> parameter tensor written in place (any device); may be the parameters
                 the gradients belong to.
             hyperparameters, skip: as in :meth:`push`.
+            samples: diloco: the samples an outer gradient stands for (FedAvg's weight; 0: none).
 
         Returns:
             The lowest version among the shards.
@@ -328,7 +328,7 @@ class PSClient:
             ShardError: as :meth:`push` and :meth:`pull`. A push refused as too stale
                 (ABORTED) is counted in ``refused_pushes`` and followed by a plain :meth:`pull`.
         """
-        step = self.begin_push_pull(out, stream=False, hyperparameters=hyperparameters, skip=skip)
+        step = PendingPushPull(self.path, out, False, hyperparameters, skip, samples)
         for key, t in self.staging.stage(self.path.plan, grads).items():
             step.ready(key, t)
         return step.finish()

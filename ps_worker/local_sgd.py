@@ -143,11 +143,7 @@ class LocalSteps:
         deltas.update(self.buffer_values())
         client = self.client
         moved = client.pushed_bytes + client.pulled_bytes
-        step = client.begin_push_pull(self.pull_targets(), stream=False, hyperparameters=[])
-        step.samples = self.samples
-        for key, t in client.staging.stage(client.path.plan, deltas).items():
-            step.ready(key, t)
-        version = step.finish()
+        version = client.push_pull(deltas, self.pull_targets(), hyperparameters=[], samples=self.samples)
         for k, p in self.params.items():
             self.anchor[k].copy_(p.detach())
         self.in_round = self.samples = 0

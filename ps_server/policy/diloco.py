@@ -19,16 +19,12 @@ from __future__ import annotations
 
 import torch
 
-from ps_common.errors import HyperparametersDisagreeError, InvalidRequestError, PreconditionError
+from ps_common.errors import HyperparametersDisagreeError, PreconditionError
 from ps_common.modes import ModeSettings
-from ps_server.membership.ranks import Member, PushResult, PushStamp
 from ps_server.policy.base import ShardCore
 from ps_server.policy.rounds import aggregate, weighted_aggregate
 from ps_server.policy.sync import SyncPolicy
-from ps_server.policy.types import Gradients, Hyperparameters
-
-MAX_SAMPLE_COUNT = 2**53
-"""Largest sample count a push may carry (every count up to it is exact in float64, the weights' dtype)."""
+from ps_server.policy.types import Gradients
 
 
 class DilocoPolicy(SyncPolicy):
@@ -37,32 +33,11 @@ class DilocoPolicy(SyncPolicy):
     weighted by each rank's sample count when every rank sent one — and applied by the server
     optimizer (the outer optimizer). No rows (a local copy of a table would move every row), no
     resize while training (an outer round needs the ranks that started it), no streamed rounds
-    (the weights are known only when the round closes)."""
+    (the weights are known only when the round closes). Any uint64 sample count is valid: the
+    weights n_k / n are divided from Python integers."""
 
     mode = "diloco"
     resizable = False
-
-    def accept(
-        self,
-        shard: ShardCore,
-        member: Member,
-        stamp: PushStamp,
-        grad_version: int,
-        grads: Gradients,
-        hyper: Hyperparameters = (),
-        skip: bool = False,
-    ) -> PushResult:
-        """Hold the outer gradient for round ``stamp.clock`` (as :meth:`SyncPolicy.accept`).
-
-        Raises:
-            InvalidRequestError: a sample count above :data:`MAX_SAMPLE_COUNT`; as SyncPolicy.accept.
-        """
-        if stamp.samples > MAX_SAMPLE_COUNT:
-            raise InvalidRequestError(
-                f"sample_count {stamp.samples} is above {MAX_SAMPLE_COUNT}; send the samples this rank trained on "
-                "since its last outer round."
-            )
-        return super().accept(shard, member, stamp, grad_version, grads, hyper, skip)
 
     def mean(self, shard: ShardCore, held: dict[int, Gradients]) -> list[torch.Tensor]:
         """The outer gradient: FedAvg's weighted mean when every rank sent a sample count, the plain

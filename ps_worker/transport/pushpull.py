@@ -44,6 +44,7 @@ class PendingPushPull:
         hyperparameters: per parameter group, the step's values (an lr scheduler's), sent in
             every attempt's header; None: the last push's (none before the first).
         skip: AMP found inf: the shard skips the step.
+        samples: diloco: the samples the pushed outer gradient stands for (``PushHeader.sample_count``).
     """
 
     def __init__(
@@ -53,6 +54,7 @@ class PendingPushPull:
         stream: bool,
         hyperparameters: Sequence[Mapping[str, float]] | None = None,
         skip: bool = False,
+        samples: int = 0,
     ) -> None:
         self.codec = codec = path.require_codec()
         self.path = path
@@ -63,8 +65,7 @@ class PendingPushPull:
             path.last_hyperparameters = [dict(h) for h in hyperparameters]
         self.hyperparameters = path.last_hyperparameters
         self.skip = skip
-        self.samples = 0
-        """diloco: the samples this outer round's push stands for (its FedAvg weight)."""
+        self.samples = samples
         self.flats, self.device_out = path.staging.pull_targets(codec.plan, out)
         self._lock = threading.Lock()
         self.cond = threading.Condition()
