@@ -20,6 +20,7 @@ import torch
 from ps_common import dataconn, fields, frames
 from ps_common.codec import torch_dtype
 from ps_common.errors import DataPathError, InvalidRequestError
+from ps_common.fragments import fragments_in_force
 from ps_common.partition import WirePartition
 from ps_common.plan import Plan
 from ps_common.wire import hyperparameters_from_proto
@@ -85,6 +86,10 @@ class DataPushPull:
         if req.parts:
             raise InvalidRequestError(
                 "A PushPull with data_sequence carries its partitions on the data connection only."
+            )
+        if fragments_in_force(self.shard.settings) > 1:
+            raise DataPathError(
+                "A diloco round of one fragment (--fragments > 1) carries its partitions on the PushPull stream."
             )
         self._adopt(header)
         dtype = wire_dtype(first.ints.get(fields.WIRE_DTYPE, 0))

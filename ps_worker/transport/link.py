@@ -95,7 +95,7 @@ def choose_link(push: Push, k: int) -> Link:
     the push may use it (a push of one message, top-k too; or a dense push of several), else gRPC.
     The transport answers no connection for ``data_path="grpc"``, TLS, a target without a host, or
     for a while after the connection failed."""
-    if push.once(k) or push.codec.compressor is None:
+    if push.codec.keys is None and (push.once(k) or push.codec.compressor is None):  # a fragment: gRPC
         s = push.session
         conn = push.transport.data_connection(k, s.rank, s.incarnation, s.sessions[k])
         if conn is not None:
