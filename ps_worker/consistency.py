@@ -283,8 +283,9 @@ class LocalSgd(Synchronous):
         return OptimizerSpec(str(spec["name"]), kwargs, (), given.buffers)
 
     def progress(self, session: Progress, settings: ModeSettings) -> int:
-        """The outer rounds done times H (a restarted rank resumes at the start of the open round)."""
-        return session.version * max(1, settings.communication_period)
+        """The outer rounds done times H (H // F with ``--fragments F``; a restarted rank resumes at
+        the start of the open round)."""
+        return session.version * max(1, settings.communication_period // max(1, settings.fragments))
 
     def next_step(self, step: int, version: int) -> int:
         """The next inner step (a loop counts inner steps, not rounds)."""

@@ -261,6 +261,7 @@ def test_bad_arguments_are_refused_before_starting_anything() -> None:
         ("ssp", ["--staleness", "2"]),
         ("easgd", ["--communication-period", "10"]),
         ("diloco", ["--communication-period", "10"]),  # inner SGD 0.1/0.9, outer Nesterov SGD 0.7/0.9
+        ("diloco", ["--communication-period", "10", "--fragments", "2"]),  # Streaming DiLoCo: a round per 5 steps
     ],
 )
 def test_every_mode_reaches_93_percent_on_digits(tmp_path, mode: str, flags: list[str]) -> None:
@@ -307,7 +308,8 @@ def test_every_mode_reaches_93_percent_on_digits(tmp_path, mode: str, flags: lis
     if mode == "ssp":
         assert summary["shards_view"]["max_clock_gap"] <= 2
     if mode == "diloco":
-        assert summary["version"] == 30  # one version per outer round: 300 inner steps / H = 10
+        # one version per outer round: 300 inner steps / H = 10, or / (H / F) = 5 with 2 fragments
+        assert summary["version"] == (60 if "--fragments" in flags else 30)
     if mode == "async":
         assert summary["shards_view"]["staleness_max"] <= 4
 
