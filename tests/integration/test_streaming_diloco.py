@@ -177,12 +177,43 @@ def test_a_fragment_round_moves_one_fth_of_the_bytes(start_cluster) -> None:
     assert 0.45 < per_round[2] / per_round[1] < 0.55, per_round
 
 
-def test_fragment_rounds_with_bf16_deltas_equal_the_reference_rounding_them_the_same_way(start_cluster) -> None:
+@pytest.mark.parametrize("fragments", [1, 2])
+def test_rounds_with_bf16_deltas_equal_the_reference_rounding_them_the_same_way(start_cluster, fragments) -> None:
     period = 6
-    shards = diloco_cluster(start_cluster, period, fragments=2)
+    shards = diloco_cluster(start_cluster, period, fragments=fragments)
     data = [batches(r, period * 2, 16) for r in range(2)]
     got = train_on([s.address for s in shards], data, bf16_model, wire_dtype="bfloat16")
-    check(shards, got, streaming_reference(data, period, 2, wire=torch.bfloat16))
+    check(shards, got, streaming_reference(data, period, fragments, wire=torch.bfloat16))
+
+
+def test_a_shard_restart_between_fragment_rounds_changes_nothing(tmp_path, start_cluster) -> None:
+    """Both shards stop after round 3 (final checkpoint: theta and each fragment's Nesterov momentum)
+    and come back on their ports; the ranks rejoin and the run ends where an uninterrupted one does."""
+    period, fragments = 6, 2
+    shards = diloco_cluster(start_cluster, period, fragments=fragments, checkpoint_dir=str(tmp_path))
+    data = [batches(r, period * 2, 16) for r in range(2)]
+    paused, resumed = threading.Barrier(3, timeout=60), threading.Barrier(3, timeout=60)
+
+    def after_step(step: int, opt: DistributedOptimizer) -> None:
+        if step == 3 * (period // fragments) - 1:  # round 3 (fragment 0 again) done on this rank
+            paused.wait()
+            resumed.wait()
+
+    results: list[list[list[torch.Tensor]]] = []
+    runner = threading.Thread(
+        target=lambda: results.append(train([s.address for s in shards], data, "adamw", False, after_step))
+    )
+    runner.start()
+    paused.wait()
+    for s in shards:
+        s.stop(grace=0.5)  # writes a final checkpoint at version 3
+    restarted = [start_cluster.restart(s, same_port=True) for s in shards]
+    assert all(s.shard.status().restored_from_version == 3 for s in restarted)
+    resumed.wait()
+    runner.join(timeout=120)
+    assert not runner.is_alive() and results
+    check(restarted, results[0], streaming_reference(data, period, fragments))
+    assert all(s.shard.version == 4 for s in restarted)
 
 
 def test_bad_fragments_are_refused_and_change_nothing(start_cluster) -> None:
