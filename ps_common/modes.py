@@ -254,7 +254,8 @@ PARAMETERS: tuple[Parameter, ...] = (
         "of the parameters in turn (1 = every round carries everything; 1 <= F <= H)",
         _count("--fragments", 1, "fragments"),
         lambda v, n: f"{v} fragment{'' if v == 1 else 's'}",
-        type=int, default=1,
+        type=int, default=1, updatable=True,
+        set_help="(diloco) Streaming DiLoCo's fragments F, 1 <= F <= H", set_type=uint32,
     ),
 )
 # fmt: on

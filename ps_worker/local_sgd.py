@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from ps_common.fragments import fragment_keys, fragments_in_force, round_fragment
+from ps_common.fragments import fragment_keys, round_fragment
 from ps_worker.client import PSClient
 from ps_worker.transport.encoding import WireCodec
 from ps_worker.transport.pushpull import PendingPushPull
@@ -76,17 +76,21 @@ class LocalSteps:
         live change (``ps-admin set --communication-period``) once the model holds the version it is
         scheduled at (diloco: the outer round it governs, the same on every rank); the membership
         records the shards relay carry the changes."""
-        settings = self.client.settings
-        period = settings.communication_period if settings is not None else 1
-        for change in self.client.session.membership.config_changes:  # in the order they were scheduled
-            if change.version <= self.client.version and change.update.HasField("communication_period"):
-                period = change.update.communication_period
-        return max(1, period)
+        return self._in_force("communication_period")
 
     def fragments(self) -> int:
-        """F in force (diloco's ``--fragments``; 1 in easgd)."""
+        """F in force (diloco's ``--fragments``, or a live change as :meth:`period` says; 1 in easgd)."""
         settings = self.client.settings
-        return fragments_in_force(settings) if settings is not None else 1
+        return self._in_force("fragments") if settings is not None and settings.mode == "diloco" else 1
+
+    def _in_force(self, field: str) -> int:
+        """ClusterConfig's ``field`` in force at the model's version (Join's, or the newest change due), >= 1."""
+        settings = self.client.settings
+        value = getattr(settings, field) if settings is not None else 1
+        for change in self.client.session.membership.config_changes:  # in the order they were scheduled
+            if change.version <= self.client.version and change.update.HasField(field):
+                value = getattr(change.update, field)
+        return max(1, value)
 
     def round_period(self) -> int:
         """Inner steps between outer rounds: H, or H // F with F > 1 fragments (at least 1)."""

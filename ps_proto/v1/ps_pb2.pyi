@@ -748,7 +748,7 @@ class WatchStatusResponse(_message.Message):
     def __init__(self, status: _Optional[_Union[ShardStatus, _Mapping]] = ...) -> None: ...
 
 class UpdateConfigRequest(_message.Message):
-    __slots__ = ("learning_rate", "mode", "sync_quorum", "round_timeout_seconds", "max_staleness", "staleness_lr", "staleness", "moving_rate", "communication_period", "at_version")
+    __slots__ = ("learning_rate", "mode", "sync_quorum", "round_timeout_seconds", "max_staleness", "staleness_lr", "staleness", "moving_rate", "communication_period", "at_version", "fragments")
     LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     SYNC_QUORUM_FIELD_NUMBER: _ClassVar[int]
@@ -759,6 +759,7 @@ class UpdateConfigRequest(_message.Message):
     MOVING_RATE_FIELD_NUMBER: _ClassVar[int]
     COMMUNICATION_PERIOD_FIELD_NUMBER: _ClassVar[int]
     AT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENTS_FIELD_NUMBER: _ClassVar[int]
     learning_rate: float
     mode: Mode
     sync_quorum: int
@@ -769,7 +770,8 @@ class UpdateConfigRequest(_message.Message):
     moving_rate: float
     communication_period: int
     at_version: int
-    def __init__(self, learning_rate: _Optional[float] = ..., mode: _Optional[_Union[Mode, str]] = ..., sync_quorum: _Optional[int] = ..., round_timeout_seconds: _Optional[float] = ..., max_staleness: _Optional[int] = ..., staleness_lr: _Optional[str] = ..., staleness: _Optional[int] = ..., moving_rate: _Optional[float] = ..., communication_period: _Optional[int] = ..., at_version: _Optional[int] = ...) -> None: ...
+    fragments: int
+    def __init__(self, learning_rate: _Optional[float] = ..., mode: _Optional[_Union[Mode, str]] = ..., sync_quorum: _Optional[int] = ..., round_timeout_seconds: _Optional[float] = ..., max_staleness: _Optional[int] = ..., staleness_lr: _Optional[str] = ..., staleness: _Optional[int] = ..., moving_rate: _Optional[float] = ..., communication_period: _Optional[int] = ..., at_version: _Optional[int] = ..., fragments: _Optional[int] = ...) -> None: ...
 
 class UpdateConfigResponse(_message.Message):
     __slots__ = ("config", "pending_mode", "at_version", "membership_epoch")

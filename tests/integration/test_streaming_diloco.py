@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import json
 import threading
+from collections.abc import Callable
 
 import grpc
 import pytest
@@ -42,10 +43,13 @@ def fragment_of(model: torch.nn.Module, fragments: int) -> list[int]:
 
 
 def streaming_reference(
-    data: list[list[tuple[torch.Tensor, torch.Tensor]]], period: int, fragments: int, wire: torch.dtype | None = None
+    data: list[list[tuple[torch.Tensor, torch.Tensor]]],
+    period: int,
+    fragments: int | Callable[[int], int],
+    wire: torch.dtype | None = None,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor | None], list[list[torch.Tensor]]]:
     """Streaming DiLoCo in one process: each worker takes inner AdamW steps on its own replica;
-    after every H/F-th step, outer round t = (step + 1) / (H/F) - 1 syncs fragment p = t mod F:
+    every H // F inner steps (F in force at the round: ``fragments(t)``), outer round t syncs fragment p = t mod F:
     delta_p = mean over workers of (anchor_p - theta_local_p) (each rounded to ``wire`` as it
     travels), the outer Nesterov SGD steps theta_p alone (the others have no grad), and every worker
     sets theta_local_p = anchor_p = theta_p (as ``wire`` carries it back).
@@ -58,17 +62,20 @@ def streaming_reference(
     anchors = [[p.detach().clone() for p in model.parameters()] for _ in data]
     inners = [torch.optim.AdamW(r.parameters(), lr=0.01) for r in replicas]
     carry = (lambda t: t.to(wire).float()) if wire is not None else (lambda t: t)
-    every = period // fragments
+    fragments_at = fragments if callable(fragments) else lambda t: fragments
+    t = in_round = 0
     for step in range(len(data[0])):
         for i, replica in enumerate(replicas):
             x, y = data[i][step]
             inners[i].zero_grad()
             F.mse_loss(replica(x), y).backward()
             inners[i].step()
-        if (step + 1) % every:
+        in_round, count = in_round + 1, fragments_at(t)
+        if in_round < period // count:
             continue
-        p = ((step + 1) // every - 1) % fragments
-        mine = [j for j, f in enumerate(fragment_of(model, fragments)) if f == p]
+        in_round, p = 0, t % count
+        t += 1
+        mine = [j for j, f in enumerate(fragment_of(model, count)) if f == p]
         for j, th in enumerate(theta):
             deltas = [carry(a[j] - list(r.parameters())[j].detach()) for a, r in zip(anchors, replicas, strict=True)]
             th.grad = (deltas[0] + deltas[1]) / 2 if j in mine else None
@@ -238,10 +245,14 @@ def test_bad_fragments_are_refused_and_change_nothing(start_cluster) -> None:
 
 def test_a_push_of_another_fragments_partitions_is_refused(start_cluster) -> None:
     """Round 0 carries fragment 0 (0.weight, 2.weight); a whole-model push is refused, nothing moves."""
-    shards = diloco_cluster(start_cluster, 4, num_shards=1, num_workers=1, fragments=2)
+    shards = diloco_cluster(start_cluster, 6, num_shards=1, num_workers=1, fragments=2)
     model = make_model()
     with PSClient([shards[0].address], rank=0, num_workers=1, incarnation=1, timeout=RPC_TIMEOUT) as c:
         c.init(model, json.loads(json.dumps(DILOCO_OUTER)))
+        with grpc.insecure_channel(shards[0].address) as ch, pytest.raises(grpc.RpcError) as refused:
+            ps_pb2_grpc.AdminStub(ch).UpdateConfig(ps_pb2.UpdateConfigRequest(fragments=5), timeout=RPC_TIMEOUT)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # the model has 4 parameters
+        assert shards[0].shard.settings.fragments == 2
         before = [t.clone() for t in shards[0].shard.store.tensors]
         grads = {k: torch.ones_like(p) for k, p in model.named_parameters()}
         with pytest.raises(grpc.RpcError) as info:
@@ -266,3 +277,17 @@ def test_local_steps_state_dict_keeps_the_position_in_the_sub_period(start_clust
         state = opt.state_dict()["ps"]
     assert c.version == 1  # round 0 (fragment 0) after H/F = 2 steps
     assert state["steps_in_round"] == 1 and state["fragment_samples"] == [4, 12]
+
+
+def test_a_live_change_of_f_applies_from_the_outer_round_it_is_scheduled_at(start_cluster) -> None:
+    """ps-admin set --fragments 3 --at-version 2 on H = 6: rounds 0, 1 carry everything after 6
+    steps each, then a round every 2 steps carries fragment t mod 3."""
+    shards = diloco_cluster(start_cluster, 6)
+    with grpc.insecure_channel(shards[0].address) as ch:
+        ps_pb2_grpc.AdminStub(ch).UpdateConfig(
+            ps_pb2.UpdateConfigRequest(fragments=3, at_version=2), timeout=RPC_TIMEOUT
+        )
+    data = [batches(r, 18, 16) for r in range(2)]
+    got = train([s.address for s in shards], data, "adamw", count=False)
+    check(shards, got, streaming_reference(data, 6, lambda t: 1 if t < 2 else 3))
+    assert [s.shard.version for s in shards] == [5, 5]

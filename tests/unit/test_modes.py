@@ -96,8 +96,8 @@ def test_cluster_config_has_a_field_for_every_parameter_and_the_moving_rate_in_f
 def test_update_config_changes_exactly_the_updatable_parameters() -> None:
     request_fields = set(ps_pb2.UpdateConfigRequest.DESCRIPTOR.fields_by_name) - {"learning_rate", "mode", "at_version"}
     assert {p.field for p in UPDATABLE} == request_fields
-    # workers' loop depends on easgd_sync; rank 0's Init sets the outer optimizer; F fixes the fragments
-    assert [p.name for p in PARAMETERS if not p.updatable] == ["easgd_sync", "outer_optimizer", "fragments"]
+    # workers' loop depends on easgd_sync; rank 0's Init sets the outer optimizer
+    assert [p.name for p in PARAMETERS if not p.updatable] == ["easgd_sync", "outer_optimizer"]
     assert modes.changes_from_request(ps_pb2.UpdateConfigRequest()) == {}
     for p in UPDATABLE:
         value = "" if p.name == "staleness_lr" else SAMPLES[p.name][1]
