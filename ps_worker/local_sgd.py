@@ -67,7 +67,8 @@ class LocalSteps:
         self.pull_targets, self.buffers_pulled = pull_targets, buffers_pulled
         self.steps = self.in_round = self.samples = 0
         self.fragment_samples: list[int] = []
-        self._codecs: dict[tuple[int, int, int], WireCodec] = {}
+        self._codecs: dict[tuple[str, int, int], WireCodec] = {}
+        """diloco with F > 1: (plan digest, F, fragment) -> the client's codec restricted to the fragment."""
         rounds = client.worker_mode.pushes_in_rounds  # diloco; easgd's exchanges need no copy of theta_global
         self.anchor = {k: p.detach().clone() for k, p in self.params.items()} if rounds else {}
 
@@ -191,11 +192,12 @@ class LocalSteps:
         client, count = self.client, self.fragments()
         base = client.path.require_codec()
         p = round_fragment(client.session.push_round() or 0, count)
-        codec = self._codecs.get((id(base), count, p))
-        if codec is None:
+        codec = self._codecs.get((base.plan.digest, count, p))
+        if codec is None or codec.wire_dtype != base.wire_dtype or codec.compressor is not base.compressor:
             keys = fragment_keys(base.plan, count, p)
-            self._codecs = {k: v for k, v in self._codecs.items() if k[0] == id(base)}  # a new plan drops the old
-            codec = self._codecs[(id(base), count, p)] = WireCodec(base.plan, base.wire_dtype, base.compressor, keys)
+            self._codecs = {k: v for k, v in self._codecs.items() if k[0] == base.plan.digest}  # a new plan: drop
+            codec = WireCodec(base.plan, base.wire_dtype, base.compressor, keys)
+            self._codecs[(base.plan.digest, count, p)] = codec
         keys = codec.keys
         assert keys is not None
         if len(self.fragment_samples) != count:

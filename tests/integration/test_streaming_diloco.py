@@ -47,12 +47,14 @@ def streaming_reference(
     period: int,
     fragments: int | Callable[[int], int],
     wire: torch.dtype | None = None,
+    weights: tuple[float, float] = (0.5, 0.5),
 ) -> tuple[list[torch.Tensor], list[torch.Tensor | None], list[list[torch.Tensor]]]:
     """Streaming DiLoCo in one process: each worker takes inner AdamW steps on its own replica;
     every H // F inner steps (F in force at the round: ``fragments(t)``), outer round t syncs fragment p = t mod F:
     delta_p = mean over workers of (anchor_p - theta_local_p) (each rounded to ``wire`` as it
     travels), the outer Nesterov SGD steps theta_p alone (the others have no grad), and every worker
-    sets theta_local_p = anchor_p = theta_p (as ``wire`` carries it back).
+    sets theta_local_p = anchor_p = theta_p (as ``wire`` carries it back). ``weights``: each
+    worker's share of the mean (FedAvg: its samples since p's last sync over all workers').
     Returns theta, the outer optimizer's momentum per parameter (None: never stepped), and each
     worker's parameters."""
     model = bf16_model() if wire is not None else make_model()
@@ -78,7 +80,7 @@ def streaming_reference(
         mine = [j for j, f in enumerate(fragment_of(model, count)) if f == p]
         for j, th in enumerate(theta):
             deltas = [carry(a[j] - list(r.parameters())[j].detach()) for a, r in zip(anchors, replicas, strict=True)]
-            th.grad = (deltas[0] + deltas[1]) / 2 if j in mine else None
+            th.grad = deltas[0] * weights[0] + deltas[1] * weights[1] if j in mine else None
         outer.step()
         with torch.no_grad():
             for a, r in zip(anchors, replicas, strict=True):
@@ -162,6 +164,14 @@ def test_streaming_diloco_equals_the_reference_with_one_fragment_per_round(start
 def wide_model() -> torch.nn.Module:
     torch.manual_seed(1)
     return torch.nn.Sequential(torch.nn.Linear(4, 128), torch.nn.Tanh(), torch.nn.Linear(128, 32))
+
+
+def test_fragment_rounds_weight_each_rank_by_its_samples_since_the_fragments_last_sync(start_cluster) -> None:
+    period = 6
+    shards = diloco_cluster(start_cluster, period, fragments=3)
+    data = [batches(0, period * 2, 8), batches(1, period * 2, 24)]  # 1 : 3 samples
+    got = train([s.address for s in shards], data, "adamw", count=True)
+    check(shards, got, streaming_reference(data, period, 3, weights=(0.25, 0.75)))
 
 
 def test_a_fragment_round_moves_one_fth_of_the_bytes(start_cluster) -> None:
