@@ -257,6 +257,12 @@ def match_partitions(
     missing = intake.missing()
     if wanted is not None:
         missing = [f"{owned[i].key}[{owned[i].offset}:]" for i in sorted(wanted) if not intake.seen[i]]
+    if missing and wanted is not None:
+        raise InvalidRequestError(
+            f"The request misses {len(missing)} of the {len(wanted)} partitions of shard {shard_index} in the "
+            f"fragment this outer round carries ({', '.join(missing[:4])}{'…' if len(missing) > 4 else ''}); "
+            "send every partition of fragment (round mod --fragments) (ps_common.fragments)."
+        )
     if missing:
         raise InvalidRequestError(
             f"The request misses {len(missing)} of this shard's {len(owned)} partitions "
