@@ -88,8 +88,14 @@ class WireCodec:
         self.wire = torch_dtype(wire_dtype) if wire_dtype else None
         self.wire_enum = dtype_to_proto(wire_dtype) if wire_dtype else ps_pb2.DTYPE_UNSPECIFIED
         self.keys = keys
+        self.slots: list[tuple[int, ...]] = [
+            tuple(i for i, p in enumerate(plan.owned_by(k)) if keys is None or p.key in keys)
+            for k in range(plan.num_shards)
+        ]
+        """Per shard: the position of each of ``owned[k]`` among all the shard's partitions (its
+        slot on a data connection, whose records name partitions by it)."""
         self.owned: list[tuple[PartitionSlice, ...]] = [
-            tuple(p for p in plan.owned_by(k) if keys is None or p.key in keys) for k in range(plan.num_shards)
+            tuple(plan.owned_by(k)[i] for i in self.slots[k]) for k in range(plan.num_shards)
         ]
         self._lengths = [{(p.key, p.offset): p.length for p in owned} for owned in self.owned]
         self.single_response = [len(self.packing(k, sparse=False)) <= 1 for k in range(plan.num_shards)]

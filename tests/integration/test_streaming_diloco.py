@@ -91,7 +91,7 @@ def streaming_reference(
     return [th.detach() for th in theta], momentum, [[p.detach() for p in r.parameters()] for r in replicas]
 
 
-def train_on(addresses, data, fragments_model, wire_dtype=None) -> list[list[torch.Tensor]]:
+def train_on(addresses, data, fragments_model, **client_args) -> list[list[torch.Tensor]]:
     """Each rank in a thread with inner AdamW (``fragments_model`` makes the model); its parameters at the end."""
     out: list[list[torch.Tensor]] = [[] for _ in data]
     errors: list[BaseException] = []
@@ -99,9 +99,7 @@ def train_on(addresses, data, fragments_model, wire_dtype=None) -> list[list[tor
     def work(rank: int) -> None:
         try:
             model = fragments_model()
-            with PSClient(
-                addresses, rank=rank, num_workers=2, incarnation=1, timeout=RPC_TIMEOUT, wire_dtype=wire_dtype
-            ) as c:
+            with PSClient(addresses, rank=rank, num_workers=2, incarnation=1, timeout=RPC_TIMEOUT, **client_args) as c:
                 c.init(model, {"name": "sgd", "lr": 0.1})
                 opt = DistributedOptimizer(model, c, torch.optim.AdamW(model.parameters(), lr=0.01))
                 for x, y in data[rank]:
@@ -201,6 +199,17 @@ def test_rounds_with_bf16_deltas_equal_the_reference_rounding_them_the_same_way(
     data = [batches(r, period * 2, 16) for r in range(2)]
     got = train_on([s.address for s in shards], data, bf16_model, wire_dtype="bfloat16")
     check(shards, got, streaming_reference(data, period, fragments, wire=torch.bfloat16))
+
+
+@pytest.mark.parametrize("partition_bytes", [16, 1 << 20])
+def test_fragment_rounds_on_data_connections_equal_the_reference(start_cluster, partition_bytes) -> None:
+    """The partitions go on the ranks' data connections: as frames (16-byte partitions: several
+    messages a shard) or as one PushPullOnce call; the shards answer the fragment's alone."""
+    period = 6
+    shards = diloco_cluster(start_cluster, period, fragments=3, data_port=0)
+    data = [batches(r, period * 2, 16) for r in range(2)]
+    got = train_on([s.address for s in shards], data, make_model, partition_bytes=partition_bytes)
+    check(shards, got, streaming_reference(data, period, 3))
 
 
 def test_a_shard_restart_between_fragment_rounds_changes_nothing(tmp_path, start_cluster) -> None:
