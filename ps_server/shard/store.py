@@ -162,7 +162,7 @@ class ParameterStore:
             self.assign_buffers(buffers)
 
     def _apply(self, grads: Sequence[torch.Tensor], lr_scale: float, known: float = math.inf) -> None:
-        if not self.trained:
+        if not self.trained or all(g is None for g in grads):  # nothing to step (a fragment owned elsewhere)
             return
         whole = all(g is not None for g in grads)  # None: a partition left alone (a diloco fragment round)
         bounds = self._sgd_stays_finite(grads, lr_scale, known) if whole and self._plain_sgd() else None
