@@ -222,15 +222,17 @@ def shard_data(
     """This rank's sampler and endless batches from ``step`` on, for the cluster's worker count:
     before any resize, the passes of a fixed-size job (:func:`resume.batches`); from a resize's round
     ``V`` on, passes of ``DistributedSampler(num_replicas=num_workers)`` starting at sampler epoch
-    ``V`` (every rank, however late it started, reads the same sequence); with the rows of each
+    ``V`` (every rank, however late it started, reads the same sequence; diloco counts the steps
+    from round V's first inner step); with the rows of each
     batch prefetched when ``model`` has ``table_inputs`` (:func:`prefetched`)."""
     sampler = DistributedSampler(
         train_set, num_replicas=client.num_workers, rank=client.rank, shuffle=True, seed=seed, drop_last=True
     )
     loader = DataLoader(train_set, batch_size=batch_size, sampler=sampler, drop_last=True)
     since = int(client.session.membership.resize_version)
-    if since and step >= since:
-        return sampler, prefetched(client, model, resume.batches(loader, sampler, step - since, first_epoch=since))
+    start = client.worker_mode.round_start(since, client.settings)  # diloco: the round's first inner step
+    if since and step >= start:
+        return sampler, prefetched(client, model, resume.batches(loader, sampler, step - start, first_epoch=since))
     return sampler, prefetched(client, model, resume.batches(loader, sampler, step))
 
 
@@ -245,8 +247,10 @@ def prefetched(client: PSClient, model: Any, batches: Iterator[Any]) -> Iterator
 
 
 def resize_due(client: PSClient, step: int) -> bool:
-    """Whether a new worker count holds at ``step``: from its round in sync, at once otherwise."""
-    return not client.worker_mode.resize_pending(step, client.session.membership.resize_version)
+    """Whether a new worker count holds at ``step``: from its round in sync and diloco (the outer
+    round the inner steps lead to), at once otherwise."""
+    mode = client.worker_mode
+    return not mode.resize_pending(mode.resize_clock(client.session, step), client.session.membership.resize_version)
 
 
 def elastic_factor(client: PSClient, elastic_lr: str) -> float:
