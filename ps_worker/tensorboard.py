@@ -101,8 +101,9 @@ class TrainingLog:
         writer: a ``SummaryWriter``-like object to write to instead of one made here (tests).
 
     Cost: between points :meth:`log_step` appends two floats; a point writes up to 8 scalars, about
-    0.2 ms each through torch's ``add_scalar`` (measured on a loaded 2-core machine), hence a point
-    every 10 steps by default: 0.1-0.2 ms per step, against 10-20 ms of a digits step there.
+    0.2 ms of CPU each (tensorboard's event writer computes its checksums in pure Python; measured on
+    a loaded 2-core machine), hence a point every 10 steps by default: 0.1-0.2 ms per step, against
+    10-20 ms of a digits step there.
 
     Raises:
         TensorBoardMissing: ``log_dir`` is given and the ``tensorboard`` package is not installed.
