@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -47,48 +48,39 @@ def test_a_built_in_workload_writes_each_rank_s_curves_and_held_out_scores(tmp_p
 
 
 SCRIPT = """
+import os
 import torch
 from ps_worker import DistributedOptimizer, PSClient
-from ps_worker.env import read_env
 from ps_worker.tensorboard import TrainingLog
 
-env = read_env()
-torch.manual_seed(env.seed)
+steps = int(os.environ["PS_STEPS"])
+torch.manual_seed(0)
 model = torch.nn.Linear(4, 1)
 client = PSClient.from_env(model)
 opt = DistributedOptimizer(model, client)
 with TrainingLog.from_env() as curves:  # PS_TENSORBOARD, PS_TENSORBOARD_EVERY, PS_RANK
-    for step in range(1, env.steps + 1):
+    for step in range(1, steps + 1):
         opt.zero_grad()
         loss = model(torch.ones(8, 4)).pow(2).mean()
         loss.backward()
         opt.step()
         curves.log_step(opt, loss=loss, step=step)
-    curves.log_eval({"loss": float(model(torch.ones(8, 4)).pow(2).mean())}, step=env.steps)
+    curves.log_eval({"loss": float(model(torch.ones(8, 4)).pow(2).mean())}, step=steps)
 client.close()
 """
 
 
 def test_a_user_script_writes_the_same_curves_through_training_log(tmp_path) -> None:
+    """What ps-launch --tensorboard sets for a script (tests/unit/test_tensorboard.py), in a
+    single-process job: the script's own shard, no cluster to start."""
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
-    tb = tmp_path / "tb"
-    argv = [
-        "--workers",
-        "1",
-        "--steps",
-        "6",
-        "--tensorboard",
-        "tb",
-        "--tensorboard-every",
-        "2",
-        "--log-dir",
-        str(tmp_path / "logs"),
-    ]
-    out = subprocess.run([*LAUNCH, *argv, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PS_") and k not in ("RANK", "WORLD_SIZE")}
+    env.update(PS_TENSORBOARD=str(tmp_path / "tb"), PS_TENSORBOARD_EVERY="2", PS_STEPS="6")
+    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert [p.name for p in tb.iterdir()] == ["rank-0"]
-    s = scalars(tb / "rank-0")
+    assert [p.name for p in (tmp_path / "tb").iterdir()] == ["rank-0"]
+    s = scalars(tmp_path / "tb" / "rank-0")
     assert [step for step, _ in s["train/loss"]] == [1, 2, 4, 6]
     assert [step for step, _ in s["comm/pulled_bytes"]] == [1, 2, 4, 6] and "train/lr_pushed" in s
     assert [step for step, _ in s["eval/loss"]] == [6]
