@@ -44,6 +44,10 @@ INSTALL = "pip install 'grpc-ps[tensorboard]'"
 """The command that installs what ``--tensorboard`` needs."""
 
 
+FLUSH_SECONDS = 10
+"""Seconds between the writer's flushes to disk (torch's default, 120, hides a live run's curves for minutes)."""
+
+
 class TensorBoardMissing(ImportError):
     """The ``tensorboard`` package is not installed (or ``torch.utils.tensorboard`` cannot load it)."""
 
@@ -239,4 +243,4 @@ def _summary_writer(path: Path) -> Any:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError as exc:  # tensorboard present but unusable (too old, a missing dependency)
         raise TensorBoardMissing(f"torch.utils.tensorboard cannot load tensorboard ({exc}): {INSTALL}") from exc
-    return SummaryWriter(log_dir=str(path))
+    return SummaryWriter(log_dir=str(path), flush_secs=FLUSH_SECONDS)
