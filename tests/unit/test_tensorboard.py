@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from collections import Counter
 from types import SimpleNamespace
@@ -114,3 +115,14 @@ def test_without_the_package_both_commands_fail_at_start_naming_the_install(tmp_
     err = capsys.readouterr().err
     assert INSTALL in err and "started" not in err
     assert not any(tmp_path.iterdir())  # nothing created
+
+
+def test_the_commands_load_neither_torch_nor_tensorboard_to_parse_their_flags() -> None:
+    """ps-launch imports ps_worker.tensorboard; its --help and ps-worker's stay fast."""
+    code = (
+        "import sys, ps_launch.cli, ps_worker.workloads.cli, ps_worker.tensorboard; "
+        "ps_launch.cli.launch_parser({}).parse_args(['--tensorboard', 'tb', 'digits']); "
+        "print('torch' in sys.modules, 'tensorboard' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.split() == ["False", "False"], out.stdout + out.stderr
