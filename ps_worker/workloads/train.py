@@ -19,6 +19,7 @@ from ps_worker.client import PSClient
 from ps_worker.metrics import WorkerMetrics
 from ps_worker.optimizer import DistributedOptimizer
 from ps_worker.tables.prefetch import RowPrefetcher
+from ps_worker.tensorboard import TrainingLog
 from ps_worker.workloads.base import Workload
 
 log = logging.getLogger(__name__)
@@ -89,6 +90,7 @@ def train(
     metrics: WorkerMetrics | None = None,
     overlap: bool = False,
     elastic_lr: str = "none",
+    curves: TrainingLog | None = None,
 ) -> TrainSummary:
     """Initialize through ``client`` and train ``steps`` steps.
 
@@ -109,6 +111,9 @@ def train(
         elastic_lr: "linear" scales every group's learning rate by the cluster's worker count over
             the shards' ``--num-workers`` (Goyal et al. 2017, the linear scaling rule), from the start
             and at each resize; "none" keeps it.
+        curves: TensorBoard curves of this rank (:class:`~ps_worker.tensorboard.TrainingLog`): every
+            step's loss, seconds, learning rate, staleness and bytes, and the held-out scores at the
+            last step; the caller closes it. None records nothing.
 
     A resize (``ps-admin resize``) reaches the loop through the client: from the resize's round
     (sync; at once in the other modes) the data is re-sharded — a ``DistributedSampler`` with the
@@ -169,11 +174,14 @@ def train(
             before_push(step)
         opt.step()
         losses.append(float(loss.detach()))
+        seconds = time.perf_counter() - step_start
         if metrics is not None:
-            metrics.step_duration.observe(time.perf_counter() - step_start)
+            metrics.step_duration.observe(seconds)
             metrics.loss.set(losses[-1])
         # sync: the round the rank holds next, the same on every rank (WorkerMode.next_step)
         step = client.worker_mode.next_step(step, client.version)
+        if curves is not None:
+            curves.log_step(opt, loss=losses[-1], step=step, step_seconds=seconds)
         iterations += 1
         if iterations > limit:
             raise RuntimeError(
@@ -186,6 +194,8 @@ def train(
     client.worker_mode.finish(client, model)  # easgd: the center is the model; local x only explores around it
     model.eval()
     scores = workload.evaluate(model.cpu(), held_out)
+    if curves is not None:
+        curves.log_eval(scores, step)
     tail = losses[-10:]
     return TrainSummary(
         rank=client.rank,
