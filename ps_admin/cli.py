@@ -218,7 +218,7 @@ def admin_parser(environ: Mapping[str, str] | None = None) -> FlagParser:
     add_set_flags(change)
     grow = sub.add_parser(
         "resize",
-        help="grow or shrink a running job to N workers at a round boundary (sync, async, ssp)",
+        help="grow or shrink a running job to N workers at a round boundary (sync, async, ssp, diloco)",
         environ=p.environ,
     )
     grow.add_argument("num_workers", type=uint32, metavar="N", help="ranks 0..N-1 make up the job from the resize on")

@@ -118,7 +118,7 @@ def launch_parser(environ: Mapping[str, str] | None = None) -> FlagParser:
         "--resize",
         default="",
         help="resize the running job: N@step=S grows or shrinks it to N workers once a rank reaches step S "
-        "(ps-admin resize N; new ranks are started, ranks beyond N stop), ';'-separated (sync, async, ssp)",
+        "(ps-admin resize N; new ranks are started, ranks beyond N stop), ';'-separated (sync, async, ssp, diloco)",
     )
     p.add_argument(
         "-m",

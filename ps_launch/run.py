@@ -49,6 +49,7 @@ from ps_launch.summary import (
 )
 from ps_launch.target import Target, script_environment, worker_argv
 from ps_proto.v1 import ps_pb2
+from ps_worker.tensorboard import prepare
 
 Events = queue.Queue[tuple[str, dict[str, Any]]]
 
@@ -78,6 +79,13 @@ def run(args: Any, target: Target | None = None) -> int:
     except ValueError as exc:
         print(f"ps-launch: {exc}", file=sys.stderr)
         return 2
+    if getattr(args, "tensorboard", ""):  # before anything starts: a missing package fails here, not mid-run
+        try:
+            where = prepare(args.tensorboard, args.tensorboard_every)
+            print(f"ps-launch: TensorBoard curves in {where}", file=sys.stderr)
+        except (ImportError, ValueError) as exc:
+            print(f"ps-launch: {exc}", file=sys.stderr)
+            return 2
     script = target is not None
     if target is not None:
         args.workload = target.label

@@ -120,7 +120,16 @@ def script_environment(args: Any, addresses: Sequence[str], rank: int) -> dict[s
         "PS_TIMEOUT": str(args.timeout),
         "PS_WIRE_DTYPE": args.wire_dtype,
         "PS_TOPK": str(args.topk),
+        **tensorboard_environment(args),
     }
+
+
+def tensorboard_environment(args: Any) -> dict[str, str]:
+    """``PS_TENSORBOARD`` and ``PS_TENSORBOARD_EVERY`` of ``ps-launch --tensorboard DIR``; none without it."""
+    if not getattr(args, "tensorboard", ""):
+        return {}
+    path = str(Path(args.tensorboard).resolve())
+    return {"PS_TENSORBOARD": path, "PS_TENSORBOARD_EVERY": str(args.tensorboard_every)}
 
 
 def worker_argv(args: Any, addresses: Sequence[str], rank: int) -> list[str]:
@@ -165,4 +174,11 @@ def worker_argv(args: Any, addresses: Sequence[str], rank: int) -> list[str]:
     ]
     if args.corpus:
         argv[-1:-1] = ["--corpus", str(Path(args.corpus).resolve())]
+    if tensorboard := tensorboard_environment(args):
+        argv[-1:-1] = [
+            "--tensorboard",
+            tensorboard["PS_TENSORBOARD"],
+            "--tensorboard-every",
+            tensorboard["PS_TENSORBOARD_EVERY"],
+        ]
     return argv

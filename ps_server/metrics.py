@@ -37,6 +37,20 @@ CHECKPOINT_FAILURE_REASONS = ("no_space", "permission", "not_a_directory", "io_e
 """Values of the ``reason`` label of ``ps_checkpoint_failures_total`` (``checkpoint.failure_reason``);
 every one is exported from the start, zeros included, so a first failure shows in ``increase()``."""
 
+REFUSAL_REASONS = (
+    "stale",
+    "late",
+    "replayed",
+    "non_finite_update",
+    "update_failed",
+    "hyperparameters_disagree",
+    "round_timeout",
+    "join_timeout",
+)
+"""The shard's own values of the ``reason`` label of ``ps_rejected_pushes_total``: every one is exported from
+the start, zeros included, so a dashboard shows them and a first refusal shows in ``increase()``; the status-code
+reasons (``invalid_argument``, ...) appear at their first refusal. GetStatus reports only the non-zero ones."""
+
 WORKER_STATES = ("pending", "live", "evicted", "left")
 """Values of the ``state`` label of ``ps_workers``; every one is exported, zeros included."""
 
@@ -120,7 +134,8 @@ class CountersCollector(Collector):
                 "reason",
             ),
         )
-        values = (view.received_bytes, view.sent_bytes, view.pushes, view.rejected_pushes) if view else ({}, {}, {}, {})
+        refused = dict.fromkeys(REFUSAL_REASONS, 0) | (view.rejected_pushes if view else {})
+        values = (view.received_bytes, view.sent_bytes, view.pushes, refused) if view else ({}, {}, {}, refused)
         for (name, text, label), counts in zip(labelled, values, strict=True):
             family = CounterMetricFamily(name, text, labels=[label])
             for key, n in sorted(counts.items()):
@@ -196,12 +211,26 @@ class ServerMetrics:
             ["reason"],
             registry=registry,
         )
+        self.last_checkpoint_timestamp = Gauge(
+            "ps_last_checkpoint_timestamp_seconds",
+            "Unix time in seconds when the newest complete checkpoint of this shard was written (after a restart: "
+            "the modification time of the checkpoint it resumed from); 0 until a checkpoint is written.",
+            registry=registry,
+        )
         for reason in CHECKPOINT_FAILURE_REASONS:
             self.checkpoint_failures.labels(reason)
         if status is not None:
             registry.register(ShardCollector(status))
 
     def observe_checkpoint(self, version: int, seconds: float) -> None:
-        """Record one written checkpoint (for the checkpoint writer)."""
+        """Record one written checkpoint (for the checkpoint writer): ``version`` is the newest on disk, written now."""
         self.checkpoint_duration.observe(seconds)
         self.last_checkpoint_version.set(version)
+        self.last_checkpoint_timestamp.set_to_current_time()
+
+    def observe_resume(self, version: int, written_at: float | None) -> None:
+        """Record the checkpoint a restarted shard resumed from: its ``version`` and the Unix time in seconds
+        its file was written (None when unknown: the timestamp stays as it is)."""
+        self.last_checkpoint_version.set(version)
+        if written_at is not None:
+            self.last_checkpoint_timestamp.set(written_at)

@@ -130,6 +130,15 @@ class WorkerMode:
         ``step`` (the resize applies at once: never)."""
         return False
 
+    def resize_clock(self, session: Progress, step: int) -> int:
+        """What :meth:`resize_pending` compares with a resize's version at the loop's ``step``: the
+        step itself (sync: the round the rank holds)."""
+        return step
+
+    def round_start(self, round: int, settings: ModeSettings) -> int:
+        """The loop's step at which round (version) ``round`` starts: the round itself."""
+        return round
+
     def after_rejoin(
         self, session: Progress, k: int, reply: ps_pb2.JoinResponse, round: int | None, address: str
     ) -> None:
@@ -291,9 +300,16 @@ class LocalSgd(Synchronous):
         """The next inner step (a loop counts inner steps, not rounds)."""
         return step + 1
 
-    def resize_pending(self, step: int, resize_version: int) -> bool:
-        """Never: a diloco cluster is not resized while it trains (the shards refuse it)."""
-        return False
+    def resize_clock(self, session: Progress, step: int) -> int:
+        """The outer round the rank's inner steps lead to (the round its next push is for): a resize
+        from round V holds from the inner steps whose push is for round V on, on every rank."""
+        return self.push_clock(session, 0)
+
+    def round_start(self, round: int, settings: ModeSettings) -> int:
+        """The inner step outer round ``round`` starts at: ``round * H`` (``H // F`` with ``--fragments
+        F``; with today's H and F: a live change moves later rounds' starts, which only the data order
+        of a resized job follows)."""
+        return round * max(1, settings.communication_period // max(1, settings.fragments))
 
     def step(self, opt: Stepper, skip: bool) -> int:
         return opt.outer_step(skip)

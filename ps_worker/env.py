@@ -87,6 +87,8 @@ CONTRACT: tuple[Variable, ...] = (
     Variable("PS_LR", "0.1", "learning rate"),
     Variable("PS_MOMENTUM", "0.9", "momentum (sgd, rmsprop)"),
     Variable("PS_SEED", "0", "seed of model initialization and data shuffling (same on every rank)"),
+    Variable("PS_TENSORBOARD", "", "directory of TensorBoard curves, one run per rank (DIR/rank-R); empty: none"),
+    Variable("PS_TENSORBOARD_EVERY", "10", "steps between two TensorBoard points"),
 )
 """Every variable: name, default (None: required) and meaning. The README's table is this one."""
 
@@ -180,6 +182,16 @@ def rank_and_workers(environ: Mapping[str, str], required: bool = False) -> tupl
             "give each worker its own rank below PS_NUM_WORKERS (or RANK below WORLD_SIZE)."
         )
     return rank, num_workers
+
+
+def tensorboard_settings(environ: Mapping[str, str]) -> tuple[str, int]:
+    """``(PS_TENSORBOARD, PS_TENSORBOARD_EVERY)``: the directory of TensorBoard curves ("" for none)
+    and the steps between two points (:class:`ps_worker.tensorboard.TrainingLog`).
+
+    Raises:
+        EnvError: ``PS_TENSORBOARD_EVERY`` is not an integer >= 1.
+    """
+    return _get(environ, "PS_TENSORBOARD"), _number(environ, "PS_TENSORBOARD_EVERY", int, 1)
 
 
 def single_process(environ: Mapping[str, str]) -> bool:

@@ -126,8 +126,8 @@ class Session:
         self.epochs.learn(k, answer)
 
     def in_cluster(self, clock: int) -> bool:
-        """Whether this rank pushes step ``clock`` (:meth:`EpochRelay.in_cluster`)."""
-        return self.epochs.in_cluster(self.rank, clock, self.worker)
+        """Whether this rank pushes step ``clock`` (:meth:`EpochRelay.in_cluster`, at the mode's ``resize_clock``)."""
+        return self.epochs.in_cluster(self.rank, self.worker.resize_clock(self, clock), self.worker)
 
     def _resized(self, record: ps_pb2.MembershipEpoch) -> None:
         previous, self.num_workers = self.num_workers, int(record.num_workers)

@@ -119,8 +119,15 @@ class Checkpointer:
         with self._write_lock:
             self._newest = version
         if self.metrics is not None:
-            self.metrics.last_checkpoint_version.set(version)
+            self.metrics.observe_resume(version, self._written_at(version))
         return version
+
+    def _written_at(self, version: int) -> float | None:
+        """Modification time (Unix seconds) of this shard's checkpoint file of ``version``; None if unreadable."""
+        try:
+            return next((c.path.stat().st_mtime for c in self.store.checkpoints() if c.version == version), None)
+        except (OSError, CheckpointError):
+            return None
 
     def failures(self) -> CheckpointFailures:
         """Failed writes so far and the newest write's error."""

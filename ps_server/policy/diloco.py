@@ -34,9 +34,10 @@ class DilocoPolicy(SyncPolicy):
     """DiLoCo / FedAvg: an outer round is a sync round whose pushes are outer gradients
     ``theta_global - theta_local`` (one per rank every H inner steps), averaged in rank order —
     weighted by each rank's sample count when every rank sent one — and applied by the server
-    optimizer (the outer optimizer). No rows (a local copy of a table would move every row), no
-    resize while training (an outer round needs the ranks that started it), no streamed rounds
-    (the weights are known only when the round closes). Any uint64 sample count is valid: the
+    optimizer (the outer optimizer). Resizable like sync, at an outer round: ranks beyond the new
+    count push their last round before it, a new rank starts its inner steps from that round's
+    theta_global. No rows (a local copy of a table would move every row), no streamed rounds (the
+    weights are known only when the round closes). Any uint64 sample count is valid: the
     weights n_k / n are divided from Python integers.
 
     Streaming DiLoCo (``--fragments F``, Douillard et al. 2025, arXiv:2501.18512): round ``t``
@@ -45,7 +46,7 @@ class DilocoPolicy(SyncPolicy):
     their momentum as they are)."""
 
     mode = "diloco"
-    resizable = False
+    resizable = True
 
     def mean(self, shard: ShardCore, held: dict[int, Gradients]) -> list[torch.Tensor]:
         """The outer gradient: FedAvg's weighted mean when every rank sent a sample count, the plain

@@ -286,7 +286,7 @@ class ShardMembers:
         if not 1 <= num_workers <= MAX_WORKERS:
             raise InvalidRequestError(f"num_workers must be from 1 to {MAX_WORKERS}, got {num_workers}.")
         if not shard.policy.resizable:
-            raise PreconditionError("Resize works in sync, async and ssp; an easgd job keeps its workers.")
+            raise PreconditionError("Resize works in sync, async, ssp and diloco; an easgd job keeps its workers.")
         at = self.next_version() if at_version is None else at_version
         if at < shard.version:
             raise InvalidRequestError(f"at_version {at} has passed: shard 0 is at version {shard.version}.")

@@ -96,6 +96,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if not -1 <= args.metrics_port <= 65535:
         parser.error(f"--metrics-port must be in -1..65535 (-1: off), got {args.metrics_port}")
+    if args.tensorboard:  # a missing package fails here, before torch loads and the shards are joined
+        from ps_worker.tensorboard import prepare
+
+        try:
+            prepare(args.tensorboard, args.tensorboard_every)
+        except (ImportError, ValueError) as exc:
+            print(f"ps-worker: {exc}", file=sys.stderr)
+            return 2
     if argv is None:  # the command line of this process: restart it with the malloc tuning if it lacks it
         from ps_common.process_env import dump_stacks_on_signal, tune_malloc_at_start
 
@@ -135,6 +143,7 @@ def _run(parser: Any, args: Any) -> int:
     from ps_worker.client import PSClient
     from ps_worker.errors import ShardError
     from ps_worker.metrics import WorkerMetrics
+    from ps_worker.tensorboard import TrainingLog
     from ps_worker.workloads.registry import get_workload
     from ps_worker.workloads.train import train
 
@@ -159,6 +168,7 @@ def _run(parser: Any, args: Any) -> int:
             print(jsonout.dumps({"event": "metrics", "rank": args.rank, "url": endpoint.url}), flush=True)
     progress = Progress(args, me)
     client = None
+    curves = TrainingLog(args.tensorboard or None, args.rank, every=args.tensorboard_every)
     step_at = [0]
     try:
         client = PSClient(
@@ -201,6 +211,7 @@ def _run(parser: Any, args: Any) -> int:
             metrics=metrics,
             overlap=args.overlap,
             elastic_lr=args.elastic_lr,
+            curves=curves,
         )
     except Stopped as stop:
         progress.close()
@@ -219,6 +230,7 @@ def _run(parser: Any, args: Any) -> int:
         print(f"{me}: {exc}", file=sys.stderr)
         return 1
     finally:
+        curves.close()
         if client is not None:
             client.close()
         if endpoint is not None:

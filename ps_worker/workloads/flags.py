@@ -95,6 +95,14 @@ def training_flags(p: FlagParser) -> None:
         help="push only this fraction of each gradient partition, the largest entries, and keep the rest for "
         "later pushes (error feedback, Stich et al. 2018); 0 pushes dense gradients",
     )
+    # TensorBoard curves (ps_worker.tensorboard)
+    p.flag(
+        "--tensorboard",
+        default="",
+        help="write TensorBoard curves into DIR/rank-R, one run per rank: loss, learning rate, step seconds, "
+        "staleness, bytes, held-out scores (needs pip install 'grpc-ps[tensorboard]'; view: tensorboard --logdir DIR)",
+    )
+    p.flag("--tensorboard-every", type=int, default=10, help="steps between two TensorBoard points (means over them)")
 
 
 def worker_parser(environ: Mapping[str, str] | None = None) -> FlagParser:

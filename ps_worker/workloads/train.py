@@ -19,6 +19,7 @@ from ps_worker.client import PSClient
 from ps_worker.metrics import WorkerMetrics
 from ps_worker.optimizer import DistributedOptimizer
 from ps_worker.tables.prefetch import RowPrefetcher
+from ps_worker.tensorboard import TrainingLog
 from ps_worker.workloads.base import Workload
 
 log = logging.getLogger(__name__)
@@ -89,6 +90,7 @@ def train(
     metrics: WorkerMetrics | None = None,
     overlap: bool = False,
     elastic_lr: str = "none",
+    curves: TrainingLog | None = None,
 ) -> TrainSummary:
     """Initialize through ``client`` and train ``steps`` steps.
 
@@ -109,6 +111,9 @@ def train(
         elastic_lr: "linear" scales every group's learning rate by the cluster's worker count over
             the shards' ``--num-workers`` (Goyal et al. 2017, the linear scaling rule), from the start
             and at each resize; "none" keeps it.
+        curves: TensorBoard curves of this rank (:class:`~ps_worker.tensorboard.TrainingLog`): every
+            step's loss, seconds, learning rate, staleness and bytes, and the held-out scores at the
+            last step; the caller closes it. None records nothing.
 
     A resize (``ps-admin resize``) reaches the loop through the client: from the resize's round
     (sync; at once in the other modes) the data is re-sharded — a ``DistributedSampler`` with the
@@ -169,11 +174,14 @@ def train(
             before_push(step)
         opt.step()
         losses.append(float(loss.detach()))
+        seconds = time.perf_counter() - step_start
         if metrics is not None:
-            metrics.step_duration.observe(time.perf_counter() - step_start)
+            metrics.step_duration.observe(seconds)
             metrics.loss.set(losses[-1])
         # sync: the round the rank holds next, the same on every rank (WorkerMode.next_step)
         step = client.worker_mode.next_step(step, client.version)
+        if curves is not None:
+            curves.log_step(opt, loss=losses[-1], step=step, step_seconds=seconds)
         iterations += 1
         if iterations > limit:
             raise RuntimeError(
@@ -186,6 +194,8 @@ def train(
     client.worker_mode.finish(client, model)  # easgd: the center is the model; local x only explores around it
     model.eval()
     scores = workload.evaluate(model.cpu(), held_out)
+    if curves is not None:
+        curves.log_eval(scores, step)
     tail = losses[-10:]
     return TrainSummary(
         rank=client.rank,
@@ -222,15 +232,17 @@ def shard_data(
     """This rank's sampler and endless batches from ``step`` on, for the cluster's worker count:
     before any resize, the passes of a fixed-size job (:func:`resume.batches`); from a resize's round
     ``V`` on, passes of ``DistributedSampler(num_replicas=num_workers)`` starting at sampler epoch
-    ``V`` (every rank, however late it started, reads the same sequence); with the rows of each
+    ``V`` (every rank, however late it started, reads the same sequence; diloco counts the steps
+    from round V's first inner step); with the rows of each
     batch prefetched when ``model`` has ``table_inputs`` (:func:`prefetched`)."""
     sampler = DistributedSampler(
         train_set, num_replicas=client.num_workers, rank=client.rank, shuffle=True, seed=seed, drop_last=True
     )
     loader = DataLoader(train_set, batch_size=batch_size, sampler=sampler, drop_last=True)
     since = int(client.session.membership.resize_version)
-    if since and step >= since:
-        return sampler, prefetched(client, model, resume.batches(loader, sampler, step - since, first_epoch=since))
+    start = client.worker_mode.round_start(since, client.settings)  # diloco: the round's first inner step
+    if since and step >= start:
+        return sampler, prefetched(client, model, resume.batches(loader, sampler, step - start, first_epoch=since))
     return sampler, prefetched(client, model, resume.batches(loader, sampler, step))
 
 
@@ -245,8 +257,10 @@ def prefetched(client: PSClient, model: Any, batches: Iterator[Any]) -> Iterator
 
 
 def resize_due(client: PSClient, step: int) -> bool:
-    """Whether a new worker count holds at ``step``: from its round in sync, at once otherwise."""
-    return not client.worker_mode.resize_pending(step, client.session.membership.resize_version)
+    """Whether a new worker count holds at ``step``: from its round in sync and diloco (the outer
+    round the inner steps lead to), at once otherwise."""
+    mode = client.worker_mode
+    return not mode.resize_pending(mode.resize_clock(client.session, step), client.session.membership.resize_version)
 
 
 def elastic_factor(client: PSClient, elastic_lr: str) -> float:

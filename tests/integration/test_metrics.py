@@ -13,6 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ps_common.metrics_endpoint import serve_metrics
 from ps_proto.v1 import ps_pb2, ps_pb2_grpc
+from ps_server.metrics import REFUSAL_REASONS
 from ps_worker.client import PSClient
 from ps_worker.metrics import WorkerMetrics
 from ps_worker.workloads.registry import get_workload
@@ -88,7 +89,10 @@ def test_training_moves_shard_and_worker_metrics(start_cluster, tool) -> None:
     assert value(s, "ps_sent_bytes_total", method=PULL) > 0
     assert value(s, "ps_last_checkpoint_version") == 0
     assert value(s, "ps_checkpoint_duration_seconds_count") == 0
+    assert value(s, "ps_last_checkpoint_timestamp_seconds") == 0
     assert value(s, "ps_rejected_pushes_total", reason="invalid_argument") == 0
+    for reason in REFUSAL_REASONS:  # the shard's own reasons, exported at 0 from the start
+        assert s[("ps_rejected_pushes_total", frozenset({("reason", reason)}))] == 0
 
     w = samples(worker_text)
     assert value(w, "ps_worker_step_duration_seconds_count") == STEPS

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -120,3 +122,23 @@ def test_failed_writes_are_counted_by_reason_and_shown_until_a_write_succeeds(tm
     checkpointer.close(final=True)
     assert checkpointer.final_error is not None and "File exists" in checkpointer.final_error
     assert checkpointer.failures().count == 3 and failures_by_reason(metrics)["not_a_directory"] == 3
+
+
+def test_the_newest_checkpoint_time_is_exported_when_written_and_when_resumed(tmp_path: Path) -> None:
+    metrics = ServerMetrics(CollectorRegistry())
+    checkpointer = started(CheckpointStore(tmp_path, 0), MovingShard(version=7), metrics)
+    assert metrics.registry.get_sample_value("ps_last_checkpoint_timestamp_seconds") == 0
+    before = time.time()
+    version, path, _ = checkpointer.checkpoint_now()
+    assert before <= metrics.registry.get_sample_value("ps_last_checkpoint_timestamp_seconds") <= time.time()
+    checkpointer.close(final=False)
+    os.utime(path, (1_000_000.0, 1_000_000.0))  # as if written long ago
+
+    resumed = ServerMetrics(CollectorRegistry())  # a restarted shard: the time of the file it resumes from
+    restarted = Checkpointer(CheckpointStore(tmp_path, 0), resumed)
+    shard = MovingShard()
+    shard.restore = lambda state: None  # type: ignore[attr-defined]
+    restarted.attach(shard)  # type: ignore[arg-type]
+    assert restarted.resume() == version == 7
+    assert resumed.registry.get_sample_value("ps_last_checkpoint_timestamp_seconds") == 1_000_000.0
+    assert resumed.registry.get_sample_value("ps_last_checkpoint_version") == 7

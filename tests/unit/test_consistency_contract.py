@@ -37,7 +37,7 @@ TABLES = {
     "async": (True, False, True, False),
     "ssp": (True, False, True, False),
     "easgd": (False, False, False, False),
-    "diloco": (False, True, False, False),  # no tables, no resize, weights known at the close
+    "diloco": (False, True, True, False),  # no tables, resized at an outer round, weights known at the close
 }
 
 

@@ -14,7 +14,7 @@ from ps_common.optimizer import OptimizerSpec
 from ps_common.partition import WirePartition
 from ps_common.plan import ParameterSpec, make_plan
 from ps_server.membership.ranks import PushResult
-from ps_server.metrics import STALENESS_BUCKETS, ServerMetrics
+from ps_server.metrics import REFUSAL_REASONS, STALENESS_BUCKETS, ServerMetrics
 from ps_server.service.admin import status_to_proto
 from ps_server.service.interceptors import MetricsInterceptor
 from ps_server.shard.counters import RECEIVED_METHODS, SENT_METHODS, ShardCounters
@@ -112,7 +112,8 @@ def test_getstatus_and_prometheus_read_the_same_numbers_after_a_mix_of_refusals(
         for x in family.samples
         if x.name == "ps_rejected_pushes_total"
     }
-    assert dict(status.rejected_pushes) == exported
+    assert dict(status.rejected_pushes) == {r: n for r, n in exported.items() if n}  # GetStatus: non-zero only
+    assert set(REFUSAL_REASONS) <= set(exported)  # the shard's own reasons from the start, zeros included
     assert {"stale", "replayed", "non_finite_update", "invalid_argument"} <= set(status.rejected_pushes)
     assert status.rejected_pushes["invalid_argument"] == 1
     assert status.staleness.count == sample(metrics, "ps_push_staleness_count") == shard.counters.view().pushes["async"]
