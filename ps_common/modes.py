@@ -248,6 +248,15 @@ PARAMETERS: tuple[Parameter, ...] = (
         lambda v, n: f"outer {v}",
         default=DILOCO_OUTER_OPTIMIZER,
     ),
+    Parameter(
+        "fragments", "--fragments", "fragments", "fragments", ("diloco",),
+        "diloco: Streaming DiLoCo's F: each outer round, every H/F inner steps, carries one of F fragments "
+        "of the parameters in turn (1 = every round carries everything; 1 <= F <= H)",
+        _count("--fragments", 1, "fragments"),
+        lambda v, n: f"{v} fragment{'' if v == 1 else 's'}",
+        type=int, default=1, updatable=True,
+        set_help="(diloco) Streaming DiLoCo's fragments F, 1 <= F <= H", set_type=uint32,
+    ),
 )
 # fmt: on
 """Every mode parameter, in the order of the flags, the checks and the settings lines."""
@@ -279,6 +288,7 @@ class ModeSettings:
         easgd_sync: easgd: apply one period's exchanges together in rank order.
         outer_optimizer: diloco: the outer optimizer's JSON spec (:func:`outer_optimizer_json`; "" given
             at construction takes DiLoCo's).
+        fragments: diloco: F, the fragments outer rounds carry in turn (:mod:`ps_common.fragments`).
 
     Raises:
         InvalidRequestError: a value out of range, in a full sentence.
@@ -295,6 +305,7 @@ class ModeSettings:
     communication_period: int = 10
     easgd_sync: bool = False
     outer_optimizer: str = DILOCO_OUTER_OPTIMIZER
+    fragments: int = 1
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -305,6 +316,11 @@ class ModeSettings:
             p.check(getattr(self, p.name), self.num_workers)
         if self.moving_rate is None:
             object.__setattr__(self, "moving_rate", DEFAULT_MOVING_RATE_NUMERATOR / self.num_workers)
+        if self.mode == "diloco" and self.fragments > self.communication_period:
+            raise InvalidRequestError(
+                f"--fragments {self.fragments} is more than --communication-period {self.communication_period}: an "
+                "outer round every H/F inner steps needs F <= H; give fewer fragments or a longer period."
+            )
 
     def updated(self, **changes: Any) -> ModeSettings:
         """A copy with ``changes`` (attribute -> value) applied and validated.
@@ -392,4 +408,5 @@ def settings_from_config(mode: str, config: Any) -> ModeSettings:
     values = {p.name: getattr(config, p.field) for p in PARAMETERS}
     values["moving_rate"] = values["moving_rate"] or None
     values["communication_period"] = max(1, values["communication_period"])
+    values["fragments"] = max(1, values["fragments"])  # a shard that predates the field
     return ModeSettings(mode=mode, num_workers=max(1, config.num_workers, config.sync_quorum), **values)

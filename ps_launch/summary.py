@@ -27,6 +27,8 @@ def finished_version(statuses: Sequence[ps_pb2.ShardStatus], steps: int) -> int 
     version = min(st.version for st in statuses)
     config = statuses[0].config
     period = max(1, config.communication_period)
+    if config.mode == ps_pb2.MODE_DILOCO:  # --fragments F: a round every H // F inner steps
+        period = max(1, period // max(1, config.fragments))
     if config.mode == ps_pb2.MODE_SYNC:
         return version if version >= steps else None
     if config.mode == ps_pb2.MODE_DILOCO:  # the inner steps after the last whole round reach no shard
@@ -281,6 +283,8 @@ def local_steps(
     if mode not in ("easgd", "diloco"):
         return None
     period = max(1, statuses[0].config.communication_period) if statuses else 1
+    if mode == "diloco" and statuses:  # --fragments F: a round every H // F inner steps
+        period = max(1, period // max(1, statuses[0].config.fragments))
     for row in ranks:
         said = done.get(row["rank"], {}).get("local_steps")
         row["exchanges"] = row["steps_run"]

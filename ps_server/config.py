@@ -62,6 +62,7 @@ class ServerConfig:
     communication_period: int = 10
     easgd_sync: bool = False
     outer_optimizer: str = DILOCO_OUTER_OPTIMIZER
+    fragments: int = 1
     checkpoint_dir: str = ""
     checkpoint_every: int = 0
     checkpoint_keep: int = 3

@@ -292,8 +292,9 @@ class LocalSgd(Synchronous):
         return OptimizerSpec(str(spec["name"]), kwargs, (), given.buffers)
 
     def progress(self, session: Progress, settings: ModeSettings) -> int:
-        """The outer rounds done times H (a restarted rank resumes at the start of the open round)."""
-        return session.version * max(1, settings.communication_period)
+        """The outer rounds done times H (H // F with ``--fragments F``; a restarted rank resumes at
+        the start of the open round)."""
+        return session.version * max(1, settings.communication_period // max(1, settings.fragments))
 
     def next_step(self, step: int, version: int) -> int:
         """The next inner step (a loop counts inner steps, not rounds)."""
@@ -305,9 +306,10 @@ class LocalSgd(Synchronous):
         return self.push_clock(session, 0)
 
     def round_start(self, round: int, settings: ModeSettings) -> int:
-        """The inner step outer round ``round`` starts at: ``round * H`` (with today's H; a live
-        change of H moves later rounds' starts, which only the data order of a resized job follows)."""
-        return round * max(1, settings.communication_period)
+        """The inner step outer round ``round`` starts at: ``round * H`` (``H // F`` with ``--fragments
+        F``; with today's H and F: a live change moves later rounds' starts, which only the data order
+        of a resized job follows)."""
+        return round * max(1, settings.communication_period // max(1, settings.fragments))
 
     def step(self, opt: Stepper, skip: bool) -> int:
         return opt.outer_step(skip)

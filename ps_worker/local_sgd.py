@@ -12,6 +12,11 @@ copy of the model, and every few steps talks to the shards:
   al. 2017) and step the outer optimizer (the server-side optimizer) with it; the pull of the
   round's result sets ``theta_local = theta_global``. The inner optimizer keeps its state across
   rounds, as in the paper.
+- **Streaming DiLoCo** (``--fragments F``; Douillard et al. 2025, arXiv:2501.18512, Algorithm 1
+  without overlap, mixing alpha = 0): every H/F inner steps an outer round carries one fragment,
+  ``t mod F`` for round t (:mod:`ps_common.fragments`): its delta goes, its theta_global comes back
+  and replaces the local fragment and its anchor; the other fragments keep training. Each fragment
+  is thus synchronized every H inner steps, the fragments at offsets of H/F.
 """
 
 from __future__ import annotations
@@ -21,7 +26,10 @@ from typing import Any
 
 import torch
 
+from ps_common.fragments import fragment_keys, round_fragment
 from ps_worker.client import PSClient
+from ps_worker.transport.encoding import WireCodec
+from ps_worker.transport.pushpull import PendingPushPull
 
 
 class LocalSteps:
@@ -40,7 +48,8 @@ class LocalSteps:
         steps: local steps taken. in_round: diloco: inner steps since the last outer round.
         anchor: diloco: theta_global, the parameters the last outer round (or Init) left (clones,
             name -> tensor of the parameter's shape and dtype: one more copy of the model); easgd: {}.
-        samples: diloco: samples counted since the last outer round (its FedAvg weight).
+        samples: diloco: samples counted since the last outer round (its FedAvg weight); with F > 1
+            fragments, ``fragment_samples[p]``: since fragment p's last round.
     """
 
     def __init__(
@@ -57,6 +66,9 @@ class LocalSteps:
         self.buffers, self.buffer_values = dict(buffers), buffer_values
         self.pull_targets, self.buffers_pulled = pull_targets, buffers_pulled
         self.steps = self.in_round = self.samples = 0
+        self.fragment_samples: list[int] = []
+        self._codecs: dict[tuple[str, int, int], WireCodec] = {}
+        """diloco with F > 1: (plan digest, F, fragment) -> the client's codec restricted to the fragment."""
         rounds = client.worker_mode.pushes_in_rounds  # diloco; easgd's exchanges need no copy of theta_global
         self.anchor = {k: p.detach().clone() for k, p in self.params.items()} if rounds else {}
 
@@ -65,12 +77,25 @@ class LocalSteps:
         live change (``ps-admin set --communication-period``) once the model holds the version it is
         scheduled at (diloco: the outer round it governs, the same on every rank); the membership
         records the shards relay carry the changes."""
+        return self._in_force("communication_period")
+
+    def fragments(self) -> int:
+        """F in force (diloco's ``--fragments``, or a live change as :meth:`period` says; 1 in easgd)."""
         settings = self.client.settings
-        period = settings.communication_period if settings is not None else 1
+        return self._in_force("fragments") if settings is not None and settings.mode == "diloco" else 1
+
+    def _in_force(self, field: str) -> int:
+        """ClusterConfig's ``field`` in force at the model's version (Join's, or the newest change due), >= 1."""
+        settings = self.client.settings
+        value = getattr(settings, field) if settings is not None else 1
         for change in self.client.session.membership.config_changes:  # in the order they were scheduled
-            if change.version <= self.client.version and change.update.HasField("communication_period"):
-                period = change.update.communication_period
-        return max(1, period)
+            if change.version <= self.client.version and change.update.HasField(field):
+                value = getattr(change.update, field)
+        return max(1, value)
+
+    def round_period(self) -> int:
+        """Inner steps between outer rounds: H, or H // F with F > 1 fragments (at least 1)."""
+        return max(1, self.period() // self.fragments())
 
     def count_samples(self, n: int) -> None:
         """Add ``n`` samples to this rank's count for the current outer round (diloco's FedAvg weight).
@@ -81,6 +106,7 @@ class LocalSteps:
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ValueError(f"count_samples takes the number of samples of a batch, an integer >= 0; got {n!r}.")
         self.samples += n
+        self.fragment_samples = [c + n for c in self.fragment_samples]
 
     def stepped(self) -> None:
         """Count a local step (``ps_worker_local_steps`` too)."""
@@ -126,9 +152,9 @@ class LocalSteps:
             self.optimizer.step()
         self.stepped()
         self.in_round += 1
-        if self.in_round < self.period():
+        if self.in_round < self.round_period():
             return self.client.version
-        return self.outer_round()
+        return self.outer_round() if self.fragments() == 1 else self.fragment_round()
 
     @torch.no_grad()
     def outer_round(self) -> int:
@@ -153,6 +179,51 @@ class LocalSteps:
             client.metrics.outer_round_bytes.observe(client.pushed_bytes + client.pulled_bytes - moved)
         return version
 
+    @torch.no_grad()
+    def fragment_round(self) -> int:
+        """Streaming DiLoCo's outer round t: push fragment ``p = t mod F``'s delta (and its buffers)
+        with the samples counted since p's last round, on gRPC, only p's partitions; pull p's
+        theta_global into the model (alpha = 0: it replaces the local values) and make it p's anchor.
+        A buffer outside p keeps this rank's value.
+
+        Returns:
+            The version the model now holds (the outer rounds done).
+        """
+        client, count = self.client, self.fragments()
+        base = client.path.require_codec()
+        p = round_fragment(client.session.push_round() or 0, count)
+        codec = self._codecs.get((base.plan.digest, count, p))
+        if codec is None or codec.wire_dtype != base.wire_dtype or codec.compressor is not base.compressor:
+            keys = fragment_keys(base.plan, count, p)
+            self._codecs = {k: v for k, v in self._codecs.items() if k[0] == base.plan.digest}  # a new plan: drop
+            codec = WireCodec(base.plan, base.wire_dtype, base.compressor, keys)
+            self._codecs[(base.plan.digest, count, p)] = codec
+        keys = codec.keys
+        assert keys is not None
+        if len(self.fragment_samples) != count:
+            self.fragment_samples = [self.samples] * count
+        values = self.buffer_values()
+        deltas = {k: self.anchor[k] - q.detach() for k, q in self.params.items() if k in keys}
+        deltas.update({k: v for k, v in values.items() if k in keys})
+        targets = self.pull_targets()
+        for k, v in values.items():
+            if k not in keys:
+                targets[k].copy_(v)  # loaded back as it is
+        moved = client.pushed_bytes + client.pulled_bytes
+        step = PendingPushPull(client.path, targets, False, [], False, self.fragment_samples[p], codec=codec)
+        for key, t in client.staging.stage(base.plan, deltas, keys).items():
+            step.ready(key, t)
+        version = step.finish()
+        for k, q in self.params.items():
+            if k in keys:
+                self.anchor[k].copy_(q.detach())
+        self.in_round = self.samples = self.fragment_samples[p] = 0
+        self.buffers_pulled()
+        if client.metrics is not None:
+            client.metrics.outer_rounds.inc()
+            client.metrics.outer_round_bytes.observe(client.pushed_bytes + client.pulled_bytes - moved)
+        return version
+
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
         """The local steps, diloco's position in its round and samples counted, and the local
@@ -161,6 +232,7 @@ class LocalSteps:
             "local_steps": self.steps,
             "steps_in_round": self.in_round,
             "samples_in_round": self.samples,
+            "fragment_samples": list(self.fragment_samples),
             "local_optimizer": self.optimizer.state_dict(),
         }
 
@@ -169,5 +241,6 @@ class LocalSteps:
         self.steps = int(extra.get("local_steps", self.steps))
         self.in_round = int(extra.get("steps_in_round", self.in_round))
         self.samples = int(extra.get("samples_in_round", self.samples))
+        self.fragment_samples = [int(n) for n in extra.get("fragment_samples", self.fragment_samples)]
         if extra.get("local_optimizer") is not None:
             self.optimizer.load_state_dict(extra["local_optimizer"])

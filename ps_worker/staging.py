@@ -37,32 +37,38 @@ class HostStaging:
         buf.copy_(t.detach().reshape(-1), non_blocking=True)
         return buf
 
-    def stage(self, plan: Plan, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Every key of ``plan`` -> a 1-D CPU tensor of ``tensors[key]``'s values, copied to host.
+    def stage(
+        self, plan: Plan, tensors: Mapping[str, torch.Tensor], keys: frozenset[str] | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Every key of ``plan`` (``keys``: those only) -> a 1-D CPU tensor of ``tensors[key]``'s
+        values, copied to host.
 
         Raises:
             KeyError: a key of the plan is missing from ``tensors``.
         """
-        missing = [s.key for s in plan.specs if s.key not in tensors]
+        specs = [s for s in plan.specs if keys is None or s.key in keys]
+        missing = [s.key for s in specs if s.key not in tensors]
         if missing:
             raise KeyError(f"push/pull needs every parameter of the plan; missing {missing[:4]}")
-        flats = {s.key: self.host_flat(s.key, tensors[s.key]) for s in plan.specs}
+        flats = {s.key: self.host_flat(s.key, tensors[s.key]) for s in specs}
         if any(t.device.type == "cuda" for t in tensors.values()):
             torch.cuda.synchronize()
         return flats
 
     def pull_targets(
-        self, plan: Plan, out: Mapping[str, torch.Tensor]
+        self, plan: Plan, out: Mapping[str, torch.Tensor], keys: frozenset[str] | None = None
     ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """(key -> 1-D CPU tensor a pull writes, key -> device tensor to copy it into after).
+        """(key -> 1-D CPU tensor a pull writes, key -> device tensor to copy it into after), for
+        every key of the plan (``keys``: those only; a diloco round of one fragment).
 
         Raises:
             ValueError: a CPU tensor of ``out`` is not contiguous (a pull writes in place).
         """
-        device_out = {k: t for k, t in out.items() if t.device.type != "cpu"}
+        device_out = {k: t for k, t in out.items() if t.device.type != "cpu" and (keys is None or k in keys)}
         flats = {
             s.key: (self.host_flat(s.key, out[s.key]) if s.key in device_out else out[s.key].data.reshape(-1))
             for s in plan.specs
+            if keys is None or s.key in keys
         }
         if any(flat.data_ptr() != out[k].data_ptr() and k not in device_out for k, flat in flats.items()):
             raise ValueError("pull() writes in place and needs contiguous CPU tensors or device tensors.")

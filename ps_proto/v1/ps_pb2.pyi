@@ -134,7 +134,7 @@ class PlanInfo(_message.Message):
     def __init__(self, specs: _Optional[_Iterable[_Union[ParameterSpec, _Mapping]]] = ..., num_shards: _Optional[int] = ..., partition_bytes: _Optional[int] = ..., digest: _Optional[str] = ...) -> None: ...
 
 class ClusterConfig(_message.Message):
-    __slots__ = ("mode", "num_workers", "lease_timeout_seconds", "learning_rate", "sync_quorum", "round_timeout_seconds", "max_staleness", "staleness_lr", "staleness", "moving_rate", "communication_period", "easgd_sync", "outer_optimizer")
+    __slots__ = ("mode", "num_workers", "lease_timeout_seconds", "learning_rate", "sync_quorum", "round_timeout_seconds", "max_staleness", "staleness_lr", "staleness", "moving_rate", "communication_period", "easgd_sync", "outer_optimizer", "fragments")
     MODE_FIELD_NUMBER: _ClassVar[int]
     NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
     LEASE_TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -148,6 +148,7 @@ class ClusterConfig(_message.Message):
     COMMUNICATION_PERIOD_FIELD_NUMBER: _ClassVar[int]
     EASGD_SYNC_FIELD_NUMBER: _ClassVar[int]
     OUTER_OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENTS_FIELD_NUMBER: _ClassVar[int]
     mode: Mode
     num_workers: int
     lease_timeout_seconds: float
@@ -161,7 +162,8 @@ class ClusterConfig(_message.Message):
     communication_period: int
     easgd_sync: bool
     outer_optimizer: str
-    def __init__(self, mode: _Optional[_Union[Mode, str]] = ..., num_workers: _Optional[int] = ..., lease_timeout_seconds: _Optional[float] = ..., learning_rate: _Optional[float] = ..., sync_quorum: _Optional[int] = ..., round_timeout_seconds: _Optional[float] = ..., max_staleness: _Optional[int] = ..., staleness_lr: _Optional[str] = ..., staleness: _Optional[int] = ..., moving_rate: _Optional[float] = ..., communication_period: _Optional[int] = ..., easgd_sync: _Optional[bool] = ..., outer_optimizer: _Optional[str] = ...) -> None: ...
+    fragments: int
+    def __init__(self, mode: _Optional[_Union[Mode, str]] = ..., num_workers: _Optional[int] = ..., lease_timeout_seconds: _Optional[float] = ..., learning_rate: _Optional[float] = ..., sync_quorum: _Optional[int] = ..., round_timeout_seconds: _Optional[float] = ..., max_staleness: _Optional[int] = ..., staleness_lr: _Optional[str] = ..., staleness: _Optional[int] = ..., moving_rate: _Optional[float] = ..., communication_period: _Optional[int] = ..., easgd_sync: _Optional[bool] = ..., outer_optimizer: _Optional[str] = ..., fragments: _Optional[int] = ...) -> None: ...
 
 class MembershipEpoch(_message.Message):
     __slots__ = ("epoch", "decided_at_version", "num_workers", "members", "config_changes", "reason", "resize_version", "previous_num_workers", "configured_num_workers", "signature", "cluster_id")
@@ -746,7 +748,7 @@ class WatchStatusResponse(_message.Message):
     def __init__(self, status: _Optional[_Union[ShardStatus, _Mapping]] = ...) -> None: ...
 
 class UpdateConfigRequest(_message.Message):
-    __slots__ = ("learning_rate", "mode", "sync_quorum", "round_timeout_seconds", "max_staleness", "staleness_lr", "staleness", "moving_rate", "communication_period", "at_version")
+    __slots__ = ("learning_rate", "mode", "sync_quorum", "round_timeout_seconds", "max_staleness", "staleness_lr", "staleness", "moving_rate", "communication_period", "at_version", "fragments")
     LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     SYNC_QUORUM_FIELD_NUMBER: _ClassVar[int]
@@ -757,6 +759,7 @@ class UpdateConfigRequest(_message.Message):
     MOVING_RATE_FIELD_NUMBER: _ClassVar[int]
     COMMUNICATION_PERIOD_FIELD_NUMBER: _ClassVar[int]
     AT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENTS_FIELD_NUMBER: _ClassVar[int]
     learning_rate: float
     mode: Mode
     sync_quorum: int
@@ -767,7 +770,8 @@ class UpdateConfigRequest(_message.Message):
     moving_rate: float
     communication_period: int
     at_version: int
-    def __init__(self, learning_rate: _Optional[float] = ..., mode: _Optional[_Union[Mode, str]] = ..., sync_quorum: _Optional[int] = ..., round_timeout_seconds: _Optional[float] = ..., max_staleness: _Optional[int] = ..., staleness_lr: _Optional[str] = ..., staleness: _Optional[int] = ..., moving_rate: _Optional[float] = ..., communication_period: _Optional[int] = ..., at_version: _Optional[int] = ...) -> None: ...
+    fragments: int
+    def __init__(self, learning_rate: _Optional[float] = ..., mode: _Optional[_Union[Mode, str]] = ..., sync_quorum: _Optional[int] = ..., round_timeout_seconds: _Optional[float] = ..., max_staleness: _Optional[int] = ..., staleness_lr: _Optional[str] = ..., staleness: _Optional[int] = ..., moving_rate: _Optional[float] = ..., communication_period: _Optional[int] = ..., at_version: _Optional[int] = ..., fragments: _Optional[int] = ...) -> None: ...
 
 class UpdateConfigResponse(_message.Message):
     __slots__ = ("config", "pending_mode", "at_version", "membership_epoch")

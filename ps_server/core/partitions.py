@@ -200,9 +200,14 @@ def max_abs_of(tensors: Sequence[torch.Tensor]) -> float:
 
 
 def match_partitions(
-    plan: Plan, shard_index: int, received: Iterable[WirePartition], what: str, sparse_ok: bool | None = None
+    plan: Plan,
+    shard_index: int,
+    received: Iterable[WirePartition],
+    what: str,
+    sparse_ok: bool | None = None,
+    expected: Sequence[int] | None = None,
 ) -> Bounded:
-    """Check that ``received`` is exactly the shard's partitions, each well-formed and finite.
+    """Check that ``received`` is exactly the shard's partitions (or ``expected``'s), each well-formed and finite.
 
     Args:
         plan: the cluster's plan.
@@ -210,9 +215,11 @@ def match_partitions(
         received: partitions in any order.
         what: "gradient" or "value", for messages.
         sparse_ok: accept top-k sparse partitions (default: for gradients only).
+        expected: the indices (into the shard's partitions, ascending) the request must carry, and no
+            others (a diloco round of one fragment, :func:`ps_common.fragments.owned_slots`); None: all.
 
     Returns:
-        1-D tensors of the parameters' dtypes, one per owned partition in plan order: read-only
+        1-D tensors of the parameters' dtypes, one per expected partition in plan order: read-only
         views of the received bytes when the wire dtype is the parameter's, widened copies of
         narrower wire dtypes, dense copies of sparse partitions; with the largest of the
         partitions' bounds (:attr:`WirePartition.bound`, found when their finiteness was checked).
@@ -225,9 +232,15 @@ def match_partitions(
     intake = Intake(plan, shard_index, what, sparse_ok)
     owned = intake.owned
     out: list[torch.Tensor | None] = [None] * len(owned)
+    wanted = None if expected is None else set(expected)
     bound = 0.0
     for part in received:
         i = intake.readmit(part)
+        if wanted is not None and i not in wanted:
+            raise InvalidRequestError(
+                f"Partition {part.key}[{part.offset}:] is not in the fragment this outer round carries; send "
+                "only the partitions of fragment (round mod --fragments) (ps_common.fragments). Nothing was applied."
+            )
         param_dtype = intake.dtypes[part.key]
         if len(part.indices):
             out[i] = densify(part, torch_dtype(param_dtype), what)
@@ -242,6 +255,14 @@ def match_partitions(
         # a narrower wire dtype is widened here, so sums and optimizer steps run in the parameter's dtype
         out[i] = tensor if part.dtype == param_dtype else tensor.to(torch_dtype(param_dtype))
     missing = intake.missing()
+    if wanted is not None:
+        missing = [f"{owned[i].key}[{owned[i].offset}:]" for i in sorted(wanted) if not intake.seen[i]]
+    if missing and wanted is not None:
+        raise InvalidRequestError(
+            f"The request misses {len(missing)} of the {len(wanted)} partitions of shard {shard_index} in the "
+            f"fragment this outer round carries ({', '.join(missing[:4])}{'…' if len(missing) > 4 else ''}); "
+            "send every partition of fragment (round mod --fragments) (ps_common.fragments)."
+        )
     if missing:
         raise InvalidRequestError(
             f"The request misses {len(missing)} of this shard's {len(owned)} partitions "

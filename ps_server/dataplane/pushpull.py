@@ -20,6 +20,7 @@ import torch
 from ps_common import dataconn, fields, frames
 from ps_common.codec import torch_dtype
 from ps_common.errors import DataPathError, InvalidRequestError
+from ps_common.fragments import fragments_in_force, owned_slots
 from ps_common.partition import WirePartition
 from ps_common.plan import Plan
 from ps_common.wire import hyperparameters_from_proto
@@ -111,7 +112,7 @@ class DataPushPull:
                 header.plan_digest,
                 parts,
                 deadline(context),
-                self._slot_encoder(dtype, lazy=stream is not None),
+                self._slot_encoder(dtype, stream is not None, (fragments_in_force(self.shard.settings), header.clock)),
                 dtype,
                 hyper=hyper,
                 skip=header.skip,
@@ -215,24 +216,27 @@ class DataPushPull:
         return out
 
     def _slot_encoder(
-        self, dtype: str, lazy: bool = False
+        self, dtype: str, lazy: bool = False, fragment: tuple[int, int] = (1, 0)
     ) -> Callable[[Snapshot], tuple[int, list[torch.Tensor], bool]]:
         """A snapshot's partitions for the data connection, under the shard's lock: (store epoch,
         slots, live). sync without a wire dtype, or ``lazy`` (a streamed call, which sends them only
         when its stream ended: the caller casts), the parameters' own memory (``live``; in sync a
         version moves only once every live rank pushed again, so a rank's answer normally goes out
         whole, and the sender checks); otherwise copies made once per (version, store epoch, wire
-        dtype), only the newest version's kept."""
+        dtype), only the newest version's kept. ``fragment``: (F, outer round); with F > 1 (diloco) only
+        the round's fragment's partitions (:func:`ps_common.fragments.owned_slots`)."""
 
         def encode(snapshot: Snapshot) -> tuple[int, list[torch.Tensor], bool]:
+            slots = owned_slots(snapshot.plan, snapshot.shard_index, *fragment)
+            tensors = list(snapshot.tensors) if slots is None else [snapshot.tensors[i] for i in slots]
             if lazy:
-                return snapshot.epoch, list(snapshot.tensors), True
+                return snapshot.epoch, tensors, True
             if not dtype and self.shard.policy.holds_pushes:
-                return snapshot.epoch, wire_slots(snapshot.tensors, None, copy=False), True
-            key = (snapshot.version, snapshot.epoch, dtype)
+                return snapshot.epoch, wire_slots(tensors, None, copy=False), True
+            key = (snapshot.version, snapshot.epoch, f"{dtype}/{fragment[1] % fragment[0]}")
             cached = self._slots.get(key)
             if cached is None:
-                cached = wire_slots(snapshot.tensors, torch_dtype(dtype) if dtype else None)
+                cached = wire_slots(tensors, torch_dtype(dtype) if dtype else None)
                 self._slots = {k: v for k, v in self._slots.items() if k[:2] == key[:2]}
                 self._slots[key] = cached
             return snapshot.epoch, cached, False

@@ -17,9 +17,12 @@ weights w_k = theta - delta_k, ``theta - sum_k n_k/n * delta_k`` is exactly that
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from ps_common.errors import HyperparametersDisagreeError, PreconditionError
+from ps_common.fragments import fragments_in_force, owned_slots
 from ps_common.modes import ModeSettings
 from ps_server.policy.base import ShardCore
 from ps_server.policy.rounds import aggregate, weighted_aggregate
@@ -35,7 +38,12 @@ class DilocoPolicy(SyncPolicy):
     count push their last round before it, a new rank starts its inner steps from that round's
     theta_global. No rows (a local copy of a table would move every row), no streamed rounds (the
     weights are known only when the round closes). Any uint64 sample count is valid: the
-    weights n_k / n are divided from Python integers."""
+    weights n_k / n are divided from Python integers.
+
+    Streaming DiLoCo (``--fragments F``, Douillard et al. 2025, arXiv:2501.18512): round ``t``
+    carries only the shard's partitions of fragment ``t mod F`` (:mod:`ps_common.fragments`); the
+    outer optimizer steps those alone (the others get no gradient, so torch.optim leaves them and
+    their momentum as they are)."""
 
     mode = "diloco"
     resizable = True
@@ -58,6 +66,19 @@ class DilocoPolicy(SyncPolicy):
                 "rank must call DistributedOptimizer.count_samples (FedAvg weights), or none."
             )
         return weighted_aggregate(held, samples)
+
+    def expand(self, shard: ShardCore, tensors: Sequence[torch.Tensor]) -> Sequence[torch.Tensor | None]:
+        """With F > 1 fragments: the closed round's tensors (its fragment's partitions, plan order) put
+        at their partitions' places, None elsewhere (:meth:`ParameterStore.apply` leaves those alone)."""
+        store = shard.store
+        assert store is not None
+        slots = owned_slots(store.plan, shard.shard_index, fragments_in_force(shard.settings), shard.rounds.round - 1)
+        if slots is None:
+            return tensors
+        full: list[torch.Tensor | None] = [None] * len(store.partitions)
+        for i, t in zip(slots, tensors, strict=True):
+            full[i] = t
+        return full
 
     def may_stream(self, settings: ModeSettings) -> bool:
         """Never: the weights of a round are known only once every rank pushed it."""

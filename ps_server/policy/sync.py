@@ -126,7 +126,7 @@ class SyncPolicy(ConsistencyPolicy):
                 ),
             )
             return
-        lowest = held[min(held)] if store.buffer_index else None
+        lowest = self.expand(shard, held[min(held)]) if store.buffer_index else None
         if rounds.taken_skips:
             if lowest is not None:
                 store.assign_buffers(lowest)
@@ -149,7 +149,7 @@ class SyncPolicy(ConsistencyPolicy):
             log.debug("shard %d: round %d applied (streamed)", shard.shard_index, shard.version - 1)
             return
         try:
-            store.apply(self.mean(shard, held), hyper=hyper, buffers=lowest)
+            store.apply(self.expand(shard, self.mean(shard, held)), hyper=hyper, buffers=lowest)
         except UpdateRefusedError as exc:
             shard.refuse_round(held, exc)
         else:
@@ -163,6 +163,11 @@ class SyncPolicy(ConsistencyPolicy):
             UpdateRefusedError: the round cannot be reduced (diloco's sample counts); refused whole.
         """
         return aggregate(held)
+
+    def expand(self, shard: ShardCore, tensors: Sequence[torch.Tensor]) -> Sequence[torch.Tensor | None]:
+        """The closed round's tensors as one per partition of the shard (None: a partition the round
+        leaves alone; diloco's fragments). Here: ``tensors`` themselves, a round carries every partition."""
+        return tensors
 
     def quorum(self, settings: ModeSettings) -> int:
         return settings.sync_quorum

@@ -17,6 +17,7 @@ import grpc
 
 from ps_common import fields, frames
 from ps_common.errors import InvalidRequestError, WrongRankError
+from ps_common.fragments import fragments_in_force
 from ps_common.optimizer import OptimizerSpec
 from ps_common.plan import Plan
 from ps_common.wire import SpecList, hyperparameters_from_proto, optimizer_from_proto, optimizer_to_proto
@@ -264,15 +265,16 @@ class ParameterServicer:
         self._adopt(header)
         dtype = wire_dtype(first.ints.get(fields.WIRE_DTYPE, 0))
         index = self.shard.shard_index
+        fragment = (fragments_in_force(self.shard.settings), header.clock)  # diloco: the round's fragment
         result, version, out = self.shard.push_pull(
             PushStamp(header.rank, header.incarnation, header.clock, header.sample_count),
             header.version,
             header.plan_digest,
             parts,
             deadline(context),
-            self.frames.encoder(dtype, packed=True),
+            self.frames.encoder(dtype, packed=True, fragment=fragment),
             dtype,
-            check=(lambda plan: self.frames.check_single(plan, index, dtype)) if single else None,
+            check=(lambda plan: self.frames.check_single(plan, index, dtype, fragment)) if single else None,
             hyper=hyperparameters_from_proto(header),
             skip=header.skip,
         )

@@ -9,6 +9,7 @@ from typing import Any
 
 from ps_common.codec import torch_dtype
 from ps_common.errors import InvalidRequestError, NotInitializedError, PreconditionError
+from ps_common.fragments import check_fragments, fragments_in_force
 from ps_common.modes import ModeSettings, changes_from_request, request_fields
 from ps_common.optimizer import check_in_range
 from ps_common.wire import MODE_TO_NAME, NAME_TO_MODE
@@ -62,7 +63,8 @@ class ConfigChanges:
         Raises:
             PreconditionError: not shard 0, or :data:`~ps_server.membership.epochs.KEPT_CHANGES` changes are
                 already scheduled and not applied.
-            InvalidRequestError: a value out of range, an unknown mode, a switch into or out of easgd,
+            InvalidRequestError: a value out of range (diloco: more fragments than H or than the
+                model's parameters), an unknown mode, a switch into or out of easgd,
                 or ``at_version`` below the shard's version or an earlier change's; nothing changes.
             NotInitializedError: a learning rate before Init.
         """
@@ -70,6 +72,8 @@ class ConfigChanges:
         if not self._members.epochs.authority:
             raise not_authority(shard.shard_index, "UpdateConfig")
         settings = shard.settings.updated(**changes)
+        if shard.plan is not None:
+            check_fragments(shard.plan, fragments_in_force(settings))  # diloco: each fragment holds a parameter
         if mode:
             settings.updated(mode=mode)  # validate the switch now
         if learning_rate is not None:

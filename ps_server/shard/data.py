@@ -29,6 +29,7 @@ from ps_common.errors import (
     StalePushError,
     UpdateRefusedError,
 )
+from ps_common.fragments import check_fragments, fragments_in_force
 from ps_common.plan import ParameterSpec, Plan, make_plan, plan_digest
 from ps_common.text import quote
 from ps_server.membership.ranks import Member, PushResult, PushStamp, WorkerState
@@ -108,7 +109,7 @@ class DataPath:
 
         Raises:
             InvalidRequestError: num_shards differs, a bound of ``limits`` exceeded, the digest does
-                not match the specs, bad specs.
+                not match the specs, bad specs, fewer parameters than diloco's ``--fragments``.
             PlanMismatchError: already initialized with another plan.
         """
         host = self._host
@@ -126,7 +127,9 @@ class DataPath:
                 f"Init's plan digest {quote(digest[:12], 12)} does not match its own specs ({expected[:12]}); "
                 "the client and server disagree on the plan algorithm: upgrade both to the same release."
             )
-        return make_plan(specs, num_shards, partition_bytes)
+        plan = make_plan(specs, num_shards, partition_bytes)
+        check_fragments(plan, fragments_in_force(host.settings))  # diloco: each fragment holds a parameter
+        return plan
 
     def initialized(self, digest: str) -> tuple[bool, int, str]:
         """An Init of an initialized shard: (False, version, plan digest) when ``digest`` is its plan's.

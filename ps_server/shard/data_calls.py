@@ -15,6 +15,8 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+from ps_common.fragments import fragments_in_force, owned_slots
+from ps_common.modes import ModeSettings
 from ps_common.partition import WirePartition
 from ps_common.plan import Plan
 from ps_server.core.partitions import match_partitions
@@ -30,6 +32,7 @@ class DataHost(Protocol):
     """What the data calls use of their shard (``ps_server.shard.shard.Shard``)."""
 
     shard_index: int
+    settings: ModeSettings
     version: int
     skipped_rounds: dict[int, None]
     data: DataPath
@@ -67,13 +70,18 @@ class DataCalls:
             plan, member, seen = self._host.data.admit_push(stamp, digest, hyper)
             if seen is not None:
                 return seen
-        grads = match_partitions(plan, self._host.shard_index, partitions, "gradient")
+        grads = match_partitions(plan, self._host.shard_index, partitions, "gradient", expected=self.slots(plan, stamp))
         with self._cond:
             result, durable = self._host.data.apply_push(member, stamp, grad_version, grads, hyper, skip, stream)
             applied = self._host.version
         if durable:  # applied: answered once durable (a held push is answered held)
             self.wait_durable(applied, None)
         return result
+
+    def slots(self, plan: Plan, stamp: PushStamp) -> tuple[int, ...] | None:
+        """The partitions (indices into the shard's) a push of ``stamp`` carries: diloco with F > 1
+        fragments, those of fragment ``clock mod F`` (:func:`ps_common.fragments.owned_slots`); else None, all."""
+        return owned_slots(plan, self._host.shard_index, fragments_in_force(self._host.settings), stamp.clock)
 
     def wait_durable(self, version: int, deadline: float | None) -> None:
         """With ``durable_acks``: wait until ``version`` is checkpointed; see :meth:`DataPath.wait_durable`."""

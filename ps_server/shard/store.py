@@ -117,9 +117,10 @@ class ParameterStore:
 
     def assign_buffers(self, values: Sequence[torch.Tensor]) -> None:
         """Set the buffer partitions to ``values`` (one tensor per owned partition, plan order; the
-        others are ignored). Cannot fail: the values were checked as they arrived."""
+        others are ignored; None leaves that buffer). Cannot fail: the values were checked as they arrived."""
         for i in self.buffer_index:
-            self.tensors[i].copy_(values[i])
+            if values[i] is not None:
+                self.tensors[i].copy_(values[i])
 
     def apply(
         self,
@@ -128,7 +129,8 @@ class ParameterStore:
         hyper: Sequence[Mapping[str, float]] = (),
         buffers: Sequence[torch.Tensor] | None = None,
     ) -> None:
-        """One optimizer step with ``grads`` (one 1-D tensor per partition, plan order), all or
+        """One optimizer step with ``grads`` (one 1-D tensor per partition, plan order; None leaves a
+        partition and its optimizer state alone, as torch.optim does a parameter without grad), all or
         nothing: a step that raises, or that leaves a parameter or an optimizer state value
         non-finite (inf, NaN), is undone and refused.
 
@@ -160,14 +162,15 @@ class ParameterStore:
             self.assign_buffers(buffers)
 
     def _apply(self, grads: Sequence[torch.Tensor], lr_scale: float, known: float = math.inf) -> None:
-        if not self.trained:
+        if not self.trained or all(g is None for g in grads):  # nothing to step (a fragment owned elsewhere)
             return
-        bounds = self._sgd_stays_finite(grads, lr_scale, known) if self._plain_sgd() else None
+        whole = all(g is not None for g in grads)  # None: a partition left alone (a diloco fragment round)
+        bounds = self._sgd_stays_finite(grads, lr_scale, known) if whole and self._plain_sgd() else None
         saved = self._save() if bounds is None else []
         lrs = [group["lr"] for group in self.optimizer.param_groups]
         try:
             for t, g in zip(self.trained, grads, strict=True):
-                t.grad = g.to(t.dtype)
+                t.grad = None if g is None else g.to(t.dtype)
             for group in self.optimizer.param_groups:
                 group["lr"] = group["lr"] * lr_scale
             with torch.no_grad():

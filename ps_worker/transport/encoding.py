@@ -61,12 +61,20 @@ class WireCodec:
         wire_dtype: gradients go and weights come as this dtype (float16/bfloat16/float32), or
             None: each parameter's own dtype.
         compressor: top-k sparsification of gradients (with error feedback), or None: dense.
+        keys: only these parameters' partitions go and come (a diloco round of one fragment,
+            :mod:`ps_common.fragments`); None: every parameter's.
 
     Raises:
         ValueError: ``wire_dtype`` is not narrower than (or equal to) every parameter's dtype.
     """
 
-    def __init__(self, plan: Plan, wire_dtype: str | None = None, compressor: TopK | None = None) -> None:
+    def __init__(
+        self,
+        plan: Plan,
+        wire_dtype: str | None = None,
+        compressor: TopK | None = None,
+        keys: frozenset[str] | None = None,
+    ) -> None:
         if wire_dtype is not None:
             bad = sorted(key for key, name in plan.dtypes.items() if not wire_dtype_allowed(wire_dtype, name))
             if bad:
@@ -79,7 +87,16 @@ class WireCodec:
         self.compressor = compressor
         self.wire = torch_dtype(wire_dtype) if wire_dtype else None
         self.wire_enum = dtype_to_proto(wire_dtype) if wire_dtype else ps_pb2.DTYPE_UNSPECIFIED
-        self.owned: list[tuple[PartitionSlice, ...]] = [plan.owned_by(k) for k in range(plan.num_shards)]
+        self.keys = keys
+        self.slots: list[tuple[int, ...]] = [
+            tuple(i for i, p in enumerate(plan.owned_by(k)) if keys is None or p.key in keys)
+            for k in range(plan.num_shards)
+        ]
+        """Per shard: the position of each of ``owned[k]`` among all the shard's partitions (its
+        slot on a data connection, whose records name partitions by it)."""
+        self.owned: list[tuple[PartitionSlice, ...]] = [
+            tuple(plan.owned_by(k)[i] for i in self.slots[k]) for k in range(plan.num_shards)
+        ]
         self._lengths = [{(p.key, p.offset): p.length for p in owned} for owned in self.owned]
         self.single_response = [len(self.packing(k, sparse=False)) <= 1 for k in range(plan.num_shards)]
         """Per shard: its PushPull response is one message (then a one-message request is PushPullOnce)."""

@@ -92,6 +92,8 @@ class FrameSender:
         order: the push's order across shards (None: send at once); this sender takes its turns in
             it and gives up the rest when it ends.
         k: the shard's index in ``order``.
+        slots: partition i's slot on the wire (its position among all the shard's partitions; a
+            diloco round of one fragment sends some); None: i.
     """
 
     def __init__(
@@ -103,6 +105,7 @@ class FrameSender:
         sent_before: int,
         order: SendOrder | None = None,
         k: int = 0,
+        slots: Sequence[int] | None = None,
     ) -> None:
         self.sent = 0
         self.error: DataLinkError | None = None
@@ -121,7 +124,7 @@ class FrameSender:
                     if order is not None:
                         order.wait(k, i, max(0.0, deadline - time.monotonic()))
                     try:
-                        sent += conn.send_slot(sequence, i, values(i))
+                        sent += conn.send_slot(sequence, i if slots is None else slots[i], values(i))
                     finally:
                         if order is not None:
                             order.sent(k, i)

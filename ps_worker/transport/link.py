@@ -191,7 +191,7 @@ class DataLink:
             return True
         for i in self._slots.get(key, ()):
             try:
-                p.sent[k] += self.conn.send_slot(self.sequence, i, p.out_locked(k, i).values)
+                p.sent[k] += self.conn.send_slot(self.sequence, p.codec.slots[k][i], p.out_locked(k, i).values)
             except DataLinkError as exc:
                 p.transport.data_failed(k, exc.details())
                 return False
@@ -262,7 +262,9 @@ class DataLink:
             # the later ones are still on their way (both directions of the link busy at once)
             sending: FrameSender | None = None
             try:
-                sending = FrameSender(conn, sequence, len(owned), lambda i: p.out(k, i).values, sent_before, p.order, k)
+                sending = FrameSender(
+                    conn, sequence, len(owned), lambda i: p.out(k, i).values, sent_before, p.order, k, p.codec.slots[k]
+                )
                 received = conn.receive(
                     sequence, targets, t.timeout, lambda: replies.done() and replies.code() is not grpc.StatusCode.OK
                 )

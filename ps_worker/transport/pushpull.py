@@ -23,7 +23,7 @@ from ps_common import frames
 from ps_common.channels import is_loopback
 from ps_common.codec import torch_dtype
 from ps_worker.transport.calls import ShardCalls, is_stale
-from ps_worker.transport.encoding import Stamp
+from ps_worker.transport.encoding import Stamp, WireCodec
 from ps_worker.transport.frame_sender import SendOrder, keep_in_order
 from ps_worker.transport.link import Answer, Link, choose_link
 from ps_worker.transport.request_frames import frames_of
@@ -45,6 +45,8 @@ class PendingPushPull:
             every attempt's header; None: the last push's (none before the first).
         skip: AMP found inf: the shard skips the step.
         samples: diloco: the samples the pushed outer gradient stands for (``PushHeader.sample_count``).
+        codec: the client's codec restricted to some parameters (``WireCodec(keys=...)``: a diloco
+            round of one fragment; those go and come, on gRPC only); None: the client's.
     """
 
     def __init__(
@@ -55,8 +57,9 @@ class PendingPushPull:
         hyperparameters: Sequence[Mapping[str, float]] | None = None,
         skip: bool = False,
         samples: int = 0,
+        codec: WireCodec | None = None,
     ) -> None:
-        self.codec = codec = path.require_codec()
+        self.codec = codec = codec or path.require_codec()
         self.path = path
         self.session = path.session
         self.transport = t = path.transport
@@ -66,7 +69,7 @@ class PendingPushPull:
         self.hyperparameters = path.last_hyperparameters
         self.skip = skip
         self.samples = samples
-        self.flats, self.device_out = path.staging.pull_targets(codec.plan, out)
+        self.flats, self.device_out = path.staging.pull_targets(codec.plan, out, codec.keys)
         self._lock = threading.Lock()
         self.cond = threading.Condition()
         self._grads: dict[str, torch.Tensor] = {}
@@ -202,7 +205,7 @@ class PendingPushPull:
         """
         t, s = self.transport, self.session
         for spec in self.codec.plan.specs:
-            if spec.key not in self._grads:
+            if spec.key not in self._grads and (self.codec.keys is None or spec.key in self.codec.keys):
                 self.ready(spec.key, torch.zeros(math.prod(spec.shape), dtype=torch_dtype(spec.dtype)))
         self.path.last_push = _LastPush(self)  # made as the frames are sent; whole once they are
         self.path.last_round = self.round

@@ -312,6 +312,24 @@ def test_every_mode_reaches_93_percent_on_digits(tmp_path, mode: str, flags: lis
         assert summary["shards_view"]["staleness_max"] <= 4
 
 
+def test_diloco_with_fragments_finishes(tmp_path) -> None:
+    """Streaming DiLoCo (--fragments 2): an outer round every H/F = 2 inner steps, one fragment each."""
+    out = subprocess.run(
+        [
+            *LAUNCH,
+            *("--shards", "2", "--workers", "2", "--mode", "diloco", "--steps", "40"),
+            *("--communication-period", "4", "--fragments", "2"),
+            *("--json", "--no-progress", "--no-metrics", "--log-dir", str(tmp_path), "digits"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert summary["mode"] == "diloco" and summary["version"] == 20, summary  # 40 steps / (H / F)
+
+
 SCRIPT = """
 import sys, time
 import torch

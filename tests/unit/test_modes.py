@@ -28,6 +28,7 @@ SAMPLES = {
     "communication_period": ("7", 7),
     "easgd_sync": (None, True),
     "outer_optimizer": ('{"name": "sgd", "lr": 1.0}', '{"name": "sgd", "lr": 1.0}'),
+    "fragments": ("2", 2),
 }
 """A value other than the default of every parameter: (text on the command line, parsed)."""
 

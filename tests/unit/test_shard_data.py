@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from ps_common.errors import InvalidRequestError, NonFiniteUpdateError, NotInitializedError, PlanMismatchError
+from ps_common.modes import ModeSettings
 from ps_common.plan import ParameterSpec, make_plan, plan_digest
 from ps_server.core.limits import Limits
 from ps_server.membership.ranks import Membership, PushResult, PushStamp
@@ -33,6 +34,7 @@ class Host:
         self.refusals: dict = {}
         self.counters = ShardCounters()
         self.membership = Membership(2, 5.0, lambda: 0.0, 0.0)
+        self.settings = ModeSettings()
 
 
 def test_the_plan_is_checked_before_anything() -> None:
