@@ -211,13 +211,18 @@ def headers(started: Any = None) -> tuple[tuple[str, str], ...]:
     return ((TRACEPARENT, value),) if value else ()
 
 
-@contextlib.contextmanager
-def server_span(method: str, parent: str | Sequence[tuple[str, Any]] | None, **attributes: Any) -> Iterator[Any]:
+def server_span(
+    method: str, parent: str | Sequence[tuple[str, Any]] | None, **attributes: Any
+) -> contextlib.AbstractContextManager[Any]:
     """The shard's span of one call of ``method``, child of the caller's span: ``parent`` is its
-    ``traceparent`` or the call's metadata (where it is looked up). Off: yields None."""
+    ``traceparent`` or the call's metadata (where it is looked up). Off: the shared no-op."""
     if _tracer is None:
-        yield None
-        return
+        return _NULL
+    return _server_span(method, parent, attributes)
+
+
+@contextlib.contextmanager
+def _server_span(method: str, parent: str | Sequence[tuple[str, Any]] | None, attributes: Any) -> Iterator[Any]:
     from opentelemetry.trace import SpanKind
     from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
