@@ -24,7 +24,7 @@ import threading
 from concurrent import futures
 from pathlib import Path
 
-from _common import Child, child_env, start_shards, stop_all
+from _common import Child, child_env, cpu_seconds, start_shards, stop_all
 
 CONFIGS = {
     "off": {},
@@ -103,6 +103,7 @@ def main() -> int:
     load_before = os.getloadavg()
     children: list[Child] = []
     workers: dict[str, Child] = {}
+    pids: dict[str, list[int]] = {}
     try:
         for name, extra in CONFIGS.items():
             env = {k: v for k, v in child_env(1).items() if not k.startswith("OTEL_") and k != "PS_OTEL_ENDPOINT"}
@@ -116,25 +117,32 @@ def main() -> int:
             children += shards
             argv = [sys.executable, str(Path(__file__).resolve()), "--worker", ",".join(servers)]
             workers[name] = w = Child("worker", argv, env, logs)
+            pids[name] = [c.proc.pid for c in (*shards, w)]
             children.append(w)
             w.wait_for(r'"ready"', 300)
         rates: dict[str, list[float]] = {n: [] for n in CONFIGS}
+        cpu: dict[str, list[float]] = {n: [] for n in CONFIGS}
         for _ in range(args.rounds):
             for name, w in workers.items():
+                before = sum(cpu_seconds(pid) for pid in pids[name])
                 w.send("run", iters=args.steps, warmup=args.warmup)
                 samples = w.recv(600, "run")["samples"]
+                used = sum(cpu_seconds(pid) for pid in pids[name]) - before
                 rates[name].append(1.0 / statistics.median(samples))
+                cpu[name].append(1000 * used / (args.steps + args.warmup))
     finally:
         stop_all(children)
         server.stop(None)
     load_after = os.getloadavg()
     base = rates["off"]
     print(f"{args.shards} shards x 1 worker, sync, MLP 9,610 parameters, {args.rounds} rounds of {args.steps} steps")
-    print(f"{'configuration':36} {'steps/s':>9} {'vs off':>7}  per-round")
+    print(f"{'configuration':36} {'steps/s':>9} {'vs off':>7}  per-round     CPU ms/step (worker + shards)")
     for name, r in rates.items():
         ratios = [a / b for a, b in zip(r, base, strict=True)]
         med = statistics.median(r)
-        print(f"{name:36} {med:9.1f} {med / statistics.median(base):7.3f}  {min(ratios):.3f}-{max(ratios):.3f}")
+        spread = f"{min(ratios):.3f}-{max(ratios):.3f}"
+        ms = statistics.median(cpu[name])
+        print(f"{name:36} {med:9.1f} {med / statistics.median(base):7.3f}  {spread:12}  {ms:.2f}")
     print(f"spans received by the collector: {spans[0]}")
     print(f"load average before {load_before[0]:.2f} (5 min {load_before[1]:.2f}), after {load_after[0]:.2f}")
     return 0
