@@ -78,6 +78,10 @@ def test_a_step_is_one_trace_from_the_worker_to_both_shards(tmp_path, collector,
     assert len(rpcs) == 2, [(svc, s.name) for svc, s in trace]
     assert all(s.parent_span_id == push_pull.span_id for s in rpcs)
     assert {collector.shard_of[s.span_id] for s in rpcs} == {0, 1}
+    # tcp: the small model's PushPullOnce goes whole on the data connections, its context in
+    # PushHeader.traceparent; grpc: in the call's metadata, read by the shard's interceptor
+    paths = {next((a.value.string_value for a in s.attributes if a.key == "ps.path"), "grpc") for s in rpcs}
+    assert paths == {"data connection" if data_path == "tcp" else "grpc"}
 
     def descendants(root) -> set[str]:
         names, frontier = set(), {root.span_id}
