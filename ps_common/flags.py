@@ -130,3 +130,14 @@ def join_timeout_flag(p: FlagParser) -> None:
         help="seconds after the first worker's Join that ranks which never joined are waited for; then the "
         "rounds and reads that need them fail, naming them (0: wait forever)",
     )
+
+
+def otel_flag(p: FlagParser) -> None:
+    """``--otel-endpoint`` (``PS_OTEL_ENDPOINT``) of ``ps-server``, ``ps-worker`` and ``ps-launch`` (which
+    passes it down); :mod:`ps_common.tracing`."""
+    p.flag(
+        "--otel-endpoint",
+        default="",
+        help="OTLP collector to send OpenTelemetry traces to (http://HOST:4317); empty: tracing off unless the "
+        "OTEL_* variables turn it on (docs/operations.md#tracing-opentelemetry). Needs grpc-ps[otel]",
+    )

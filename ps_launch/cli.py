@@ -21,7 +21,7 @@ import signal
 import sys
 from collections.abc import Mapping, Sequence
 
-from ps_common.flags import FlagParser, join_timeout_flag, mode_flags
+from ps_common.flags import FlagParser, join_timeout_flag, mode_flags, otel_flag
 from ps_common.modes import MODES
 from ps_common.process_env import GLIBC_TUNABLES, launch_environment
 from ps_launch.cluster import Child, Cluster, server_flags, tail
@@ -93,6 +93,7 @@ def launch_parser(environ: Mapping[str, str] | None = None) -> FlagParser:
     p.flag("--timeout", type=float, default=60.0, help="per-RPC deadline of workers, seconds")
     p.flag("--log-dir", default="", help="directory for each process's log (default: a temporary directory)")
     p.flag("--no-metrics", switch=True, help="serve no Prometheus /metrics from shards and workers")
+    otel_flag(p)  # passed down to every shard and worker as PS_OTEL_ENDPOINT
     p.flag("--json", switch=True, help="print the summary as one JSON object on the last line of stdout")
     p.flag("--no-progress", switch=True, help="no progress bars")
     p.flag(

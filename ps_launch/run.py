@@ -24,7 +24,7 @@ from typing import Any
 import grpc
 from tqdm import tqdm
 
-from ps_common import jsonout
+from ps_common import jsonout, tracing
 from ps_common.process_env import available_cpus, launch_environment
 from ps_launch.cluster import (
     Child,
@@ -76,7 +76,8 @@ def run(args: Any, target: Target | None = None) -> int:
     try:
         faults = parse_faults(args.fault, args.shards, args.workers)
         resizes = parse_resizes(getattr(args, "resize", ""))
-    except ValueError as exc:
+        tracing.check_installed(args.otel_endpoint)
+    except (ValueError, tracing.TracingUnavailableError) as exc:
         print(f"ps-launch: {exc}", file=sys.stderr)
         return 2
     if getattr(args, "tensorboard", ""):  # before anything starts: a missing package fails here, not mid-run
@@ -92,6 +93,8 @@ def run(args: Any, target: Target | None = None) -> int:
     log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="ps-launch-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     environment = launch_environment(os.environ, args.shards + args.workers, available_cpus())
+    if args.otel_endpoint:  # every shard and worker traces (ps_common.tracing)
+        environment["PS_OTEL_ENDPOINT"] = args.otel_endpoint
     cluster = Cluster(log_dir, environment, shard_host=not getattr(args, "no_shard_host", False))
     print(
         f"ps-launch: children run with OMP_NUM_THREADS={cluster.env['OMP_NUM_THREADS']} "

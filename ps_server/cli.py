@@ -10,6 +10,7 @@ import threading
 from collections.abc import Sequence
 from typing import NoReturn
 
+from ps_common import tracing
 from ps_common.process_env import dump_stacks_on_signal, tune_malloc_at_start
 
 
@@ -37,9 +38,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     config, log_level = config_from_args(argv)
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
+    try:  # before the server starts: it installs its tracing interceptor only when tracing is on
+        tracing.configure(config.otel_endpoint, "ps-server", {"ps.shard_index": config.shard_index})
         running = start_server(config)
-    except (RuntimeError, CheckpointError) as exc:
+    except (RuntimeError, CheckpointError) as exc:  # TracingUnavailableError: pip install 'grpc-ps[otel]'
         print(f"ps-server: {exc}", file=sys.stderr)
         return 1
     restored = running.shard.restored_from_version
@@ -59,6 +61,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGINT, on_signal)
     done.wait()
     running.stop()
+    tracing.shutdown()  # the spans still queued go out before the process ends
     failed = running.checkpointer.final_error if running.checkpointer is not None else None
     code = 1 if failed else 0
     if failed:

@@ -81,6 +81,8 @@ class ServerConfig:
     and a shard follows only records of its own cluster. "": shard 0 draws one at its first start
     (kept in checkpoints) and the other shards pin the id of the first record they follow."""
     """Seconds after the first Join that ranks which never joined are waited for (0: forever)."""
+    otel_endpoint: str = ""
+    """``--otel-endpoint``: where the shard's traces go ("": off unless ``OTEL_*`` say; ps_common.tracing)."""
     metrics_port: int = -1
     """HTTP port of ``/metrics`` on ``host``; 0 picks a free port, -1 (the library default) serves none.
     ``ps-server`` defaults to 8000."""
@@ -341,6 +343,7 @@ def config_from_args(
             tls_key=args.tls_key,
             tls_client_ca=args.tls_client_ca,
             metrics_port=args.metrics_port,
+            otel_endpoint=args.otel_endpoint,
             data_port=args.data_port,
             stream_rounds=args.stream_rounds,
             max_watch_streams=args.max_watch_streams,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from ps_common.flags import FlagParser, join_timeout_flag, mode_flags, secret_help
+from ps_common.flags import FlagParser, join_timeout_flag, mode_flags, otel_flag, secret_help
 from ps_common.modes import MODES
 from ps_server.core.limits import DEFAULT_MAX_PARAMETER_BYTES
 from ps_server.tables.table import DEFAULT_MAX_TABLE_BYTES, DEFAULT_MAX_TABLE_ROWS
@@ -58,6 +58,7 @@ def server_parser(environ: Mapping[str, str] | None = None) -> FlagParser:
         "hosts (not loopback); on: every round on data connections; off: answer once the round closed",
     )
     p.flag("--lease-timeout", type=float, default=10.0, help="seconds without a heartbeat before a rank is evicted")
+    otel_flag(p)
     p.flag(
         "--data-frame-timeout",
         type=float,

@@ -12,6 +12,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
+from ps_common import tracing
 from ps_common.codec import DTYPES
 from ps_common.metrics_endpoint import MetricsEndpoint, serve_metrics
 from ps_proto.v1 import ps_pb2, ps_pb2_grpc
@@ -26,6 +27,7 @@ from ps_server.service.decoding import DecodingInterceptor
 from ps_server.service.interceptors import PUSH_PULL, PUSH_PULL_ONCE, MetricsInterceptor
 from ps_server.service.parameters import ParameterServicer, parameter_service_handler
 from ps_server.service.streams import PUBLIC, WATCH, StreamLimit, StreamLimitInterceptor
+from ps_server.service.tracing import TracingInterceptor
 from ps_server.service.waiting_calls import Alarms, WaitingCalls
 from ps_server.shard.counters import ShardCounters
 from ps_server.shard.shard import Shard
@@ -267,6 +269,7 @@ def start_server(config: ServerConfig, shard: Shard | None = None) -> ShardServe
             ),
             streams,
             waiting,
+            *([TracingInterceptor()] if tracing.enabled() else []),  # off: none (ps_server.service.tracing)
             DecodingInterceptor(on_refused=lambda: counters.add(rejected=1)),  # innermost: see its docstring
         ],
         options=options,

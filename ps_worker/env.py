@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
+from ps_common import tracing
 from ps_common.channels import parse_servers
 from ps_common.dataconn import DATA_PATHS
 from ps_common.errors import InvalidRequestError
@@ -349,6 +350,10 @@ def init_from_env(
     if environ is None:
         environ = os.environ
     startup.debug("start-up: from_env called")
+    if not tracing.enabled():  # before a single-process job's shard: ps-launch --otel-endpoint sets PS_OTEL_ENDPOINT
+        rank = (environ.get("PS_RANK") or environ.get("RANK") or "").strip()
+        attributes = {"ps.rank": int(rank)} if rank.isdigit() else {}
+        tracing.configure(environ.get("PS_OTEL_ENDPOINT", "").strip(), "ps-worker", attributes)
     shard = None
     if "servers" not in overrides and single_process(environ):
         from ps_worker.embedded import EmbeddedShard

@@ -286,7 +286,7 @@ class InitResponse(_message.Message):
     def __init__(self, applied: _Optional[bool] = ..., version: _Optional[int] = ..., plan_digest: _Optional[str] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("rank", "incarnation", "clock", "version", "plan_digest", "groups", "skip", "membership_epoch", "membership", "data_sequence", "session", "hold_for_clip", "sample_count")
+    __slots__ = ("rank", "incarnation", "clock", "version", "plan_digest", "groups", "skip", "membership_epoch", "membership", "data_sequence", "session", "hold_for_clip", "sample_count", "traceparent")
     RANK_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     CLOCK_FIELD_NUMBER: _ClassVar[int]
@@ -300,6 +300,7 @@ class PushHeader(_message.Message):
     SESSION_FIELD_NUMBER: _ClassVar[int]
     HOLD_FOR_CLIP_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_COUNT_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     rank: int
     incarnation: int
     clock: int
@@ -313,7 +314,8 @@ class PushHeader(_message.Message):
     session: int
     hold_for_clip: bool
     sample_count: int
-    def __init__(self, rank: _Optional[int] = ..., incarnation: _Optional[int] = ..., clock: _Optional[int] = ..., version: _Optional[int] = ..., plan_digest: _Optional[str] = ..., groups: _Optional[_Iterable[_Union[GroupHyperparameters, _Mapping]]] = ..., skip: _Optional[bool] = ..., membership_epoch: _Optional[int] = ..., membership: _Optional[_Union[MembershipEpoch, _Mapping]] = ..., data_sequence: _Optional[int] = ..., session: _Optional[int] = ..., hold_for_clip: _Optional[bool] = ..., sample_count: _Optional[int] = ...) -> None: ...
+    traceparent: str
+    def __init__(self, rank: _Optional[int] = ..., incarnation: _Optional[int] = ..., clock: _Optional[int] = ..., version: _Optional[int] = ..., plan_digest: _Optional[str] = ..., groups: _Optional[_Iterable[_Union[GroupHyperparameters, _Mapping]]] = ..., skip: _Optional[bool] = ..., membership_epoch: _Optional[int] = ..., membership: _Optional[_Union[MembershipEpoch, _Mapping]] = ..., data_sequence: _Optional[int] = ..., session: _Optional[int] = ..., hold_for_clip: _Optional[bool] = ..., sample_count: _Optional[int] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class PushRequest(_message.Message):
     __slots__ = ("header", "partition")

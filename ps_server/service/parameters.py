@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 import grpc
 
-from ps_common import fields, frames
+from ps_common import fields, frames, tracing
 from ps_common.errors import InvalidRequestError, WrongRankError
 from ps_common.fragments import fragments_in_force
 from ps_common.optimizer import OptimizerSpec
@@ -54,6 +54,9 @@ SMALL_FRAME_BYTES = 64 * 1024
 """A first PushPull frame up to this many bytes, or the only one, gets the push's answer prepended (a
 copy); larger ones are sent after a message of their own with the answer."""
 
+
+PUSH_PULL_ONCE_METHOD = "ps.v1.ParameterService/PushPullOnce"
+"""The span name of a PushPullOnce, on gRPC or on a data connection (:mod:`ps_common.tracing`)."""
 
 RAW_METHODS = frozenset({"Init", "Push", "Pull", "PushPull", "PushPullOnce", "Exchange"})
 """ParameterService methods whose partitions travel as hand-built frames (``ps_common.frames``):
@@ -313,7 +316,8 @@ class ParameterServicer:
         payload per call saved)."""
         peer = getattr(context, "peer_rank", None)
         req = self._read(iter([request]), "PushPullOnce", ps_pb2.PushHeader, "gradient", context, peer_rank=peer)
-        return self._push_pull(req, context, single=True, chunks=True)
+        with tracing.server_span(PUSH_PULL_ONCE_METHOD, req.header.traceparent, path="data connection"):
+            return self._push_pull(req, context, single=True, chunks=True)
 
     @maps_stream_errors
     def Exchange(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:

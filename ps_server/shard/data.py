@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from ps_common import tracing
 from ps_common.codec import wire_dtype_allowed
 from ps_common.errors import (
     HyperparametersDisagreeError,
@@ -338,12 +339,13 @@ class DataPath:
         if joined:
             host.membership.touch(member)
         host.policy.check_read(host, member, joined, min_version)
-        host.wait_for_ranks(
-            lambda: host.policy.can_read(host, member, joined, min_version),
-            deadline,
-            lambda: host.policy.blocked(host, member, min_version, timeout),
-            lambda: host.policy.awaited(host, member, min_version),
-        )
+        with tracing.span("round_wait", mode=host.mode, min_version=min_version, version=host.version):
+            host.wait_for_ranks(  # sync: the round; ssp: the staleness bound; async: no wait
+                lambda: host.policy.can_read(host, member, joined, min_version),
+                deadline,
+                lambda: host.policy.blocked(host, member, min_version, timeout),
+                lambda: host.policy.awaited(host, member, min_version),
+            )
         host.policy.after_read(host, member, joined, min_version)
         assert host.store is not None
         if host.store.stepped_slots:  # a streamed round's speculative slots are not a version

@@ -15,6 +15,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+from ps_common import tracing
 from ps_common.fragments import fragments_in_force, owned_slots
 from ps_common.modes import ModeSettings
 from ps_common.partition import WirePartition
@@ -134,11 +135,13 @@ class DataCalls:
             self._host.data.check_wire_dtype(plan, wire_dtype)
             if check is not None:
                 check(plan)
-        result = self.push(stamp, grad_version, digest, partitions, hyper, skip, stream)
+        with tracing.span("push", rank=stamp.rank, clock=stamp.clock, partitions=len(partitions)):
+            result = self.push(stamp, grad_version, digest, partitions, hyper, skip, stream)
         policy = POLICIES[result.mode]  # the mode that took the push
         remaining = None if timeout is None else max(0.0, timeout - (self._host.now() - start))
         min_version = policy.read_after_push(stamp.clock)
-        version, out = self.pull(stamp.rank, stamp.incarnation, min_version, digest, remaining, wire_dtype, encode)
+        with tracing.span("pull", rank=stamp.rank, min_version=min_version, mode=result.mode):  # waits, then encodes
+            version, out = self.pull(stamp.rank, stamp.incarnation, min_version, digest, remaining, wire_dtype, encode)
         self.wait_durable(version, None if timeout is None else start + timeout)
         if policy.holds_pushes and not result.dropped:
             with self._cond:

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from ps_common import tracing
 from ps_common.codec import torch_dtype
 from ps_common.errors import NonFiniteUpdateError, UpdateRefusedError
 from ps_common.optimizer import OptimizerSpec, check_hyperparameter_range
@@ -153,7 +154,8 @@ class ParameterStore:
         old = self.set_hyperparameters(hyper) if hyper else None
         try:
             trained = [grads[i] for i in self.trained_index] if self.buffer_index else grads
-            self._apply(trained, lr_scale, max_abs_of(grads))
+            with tracing.span("optimizer_step", optimizer=self.optimizer_spec.name, partitions=len(grads)):
+                self._apply(trained, lr_scale, max_abs_of(grads))
         except Exception:
             if old is not None:
                 self.restore_hyperparameters(old)

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import grpc
 import torch
 
-from ps_common import frames
+from ps_common import frames, tracing
 from ps_common.errors import InvalidRequestError
 from ps_common.optimizer import OptimizerSpec
 from ps_common.plan import Plan, plan_for_digest
@@ -165,7 +165,7 @@ class ShardCalls:
         msgs = self.require_codec().init_messages(k, s.rank, s.incarnation, opt, values, s.relayed(k)[0])
         try:
             reply = t.call(
-                lambda: t.init_calls[k]((t.sent(m) for m in msgs), timeout=t.timeout, metadata=t.metadata),
+                lambda: t.init_calls[k]((t.sent(m) for m in msgs), timeout=t.timeout, metadata=t.call_metadata()),
                 f"Init {t.servers[k]}",
             )
         except grpc.RpcError as exc:
@@ -199,7 +199,8 @@ class ShardCalls:
 
         start = time.perf_counter()
         try:
-            replies = self.transport.each_shard(one)
+            with tracing.span("push", rank=self.session.rank, clock=round_, shards=self.transport.num_shards):
+                replies = self.transport.each_shard(one)
         except grpc.RpcError as exc:
             if is_stale(exc):  # too stale: the step is done, its gradient refused
                 self.session.push_refused()
@@ -241,7 +242,7 @@ class ShardCalls:
                     sent[0] += len(m)
                     yield t.sent(m)
 
-            reply = t.push_calls[k](messages(), timeout=t.timeout, metadata=t.metadata)
+            reply = t.push_calls[k](messages(), timeout=t.timeout, metadata=t.call_metadata())
             s.learn(k, reply)
             return reply, sent[0]
 
@@ -284,7 +285,7 @@ class ShardCalls:
                 req = codec.pull_request(s.rank, s.incarnation, s.pull_floor(k, min_version), s.relayed(k)[0])
                 if clip is not None:
                     req.clip.CopyFrom(clip)
-                replies = t.pull_calls[k](req, timeout=t.timeout, metadata=t.metadata)
+                replies = t.pull_calls[k](req, timeout=t.timeout, metadata=t.call_metadata())
                 version, received, _ = codec.decode(k, replies, flats, t.servers[k], t.received)
                 return version, received
 
@@ -296,7 +297,8 @@ class ShardCalls:
                 raise
 
         start = time.perf_counter()
-        results = t.each_shard(one)
+        with tracing.span("pull", rank=s.rank, min_version=min_version, shards=t.num_shards):
+            results = t.each_shard(one)
         self.observe("pull_duration", start)
         s.pulled_bytes += sum(r[1] for r in results)
         return self.finish_pull([r[0] for r in results], device_out, flats)
@@ -319,14 +321,15 @@ class ShardCalls:
             msgs = codec.exchange_messages(k, s.rank, s.incarnation, s.exchanges, flats, s.relayed(k)[0], s.sessions[k])
 
             def attempt() -> tuple[int, int, int]:
-                replies = t.exchange_calls[k](iter(msgs), timeout=t.timeout, metadata=t.metadata)
+                replies = t.exchange_calls[k](iter(msgs), timeout=t.timeout, metadata=t.call_metadata())
                 version, received, _ = codec.decode(k, replies, diffs, t.servers[k], t.received)
                 return version, sum(len(m) for m in msgs), received
 
             return s.with_recovery(k, attempt, f"Exchange {t.servers[k]}")
 
         start = time.perf_counter()
-        results = t.each_shard(one)
+        with tracing.span("exchange", rank=s.rank, shards=t.num_shards):
+            results = t.each_shard(one)
         self.observe("push_pull_duration", start)
         s.exchanges += 1
         s.pushed_bytes += sum(r[1] for r in results)

@@ -51,6 +51,8 @@ class Stamp:
     """The rank's session on the shard pushed to (``JoinResponse.session``)."""
     samples: int = 0
     """diloco: the samples the outer gradient stands for (``PushHeader.sample_count``)."""
+    traceparent: str = ""
+    """The push's trace context (``PushHeader.traceparent``; "" with tracing off)."""
 
 
 class WireCodec:
@@ -148,6 +150,7 @@ class WireCodec:
             data_sequence=data_sequence,
             session=stamp.session,
             sample_count=stamp.samples,
+            traceparent=stamp.traceparent,
         ).SerializeToString(deterministic=True)
 
     def push_head(self, stamp: Stamp) -> bytes:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 
-from ps_common import frames
+from ps_common import frames, tracing
 from ps_common.channels import channel
 from ps_common.dataconn import DATA_PATHS
 from ps_common.wire import message_size
@@ -223,9 +223,14 @@ class Transport:
         error in shard order."""
         if self.num_shards == 1:  # no hand-off to a pool thread (a third of a small step's time)
             return [fn(0)]
-        pending = [self._pool.submit(fn, k) for k in range(self.num_shards)]
+        pending = [tracing.run_in_context(self._pool, fn, k) for k in range(self.num_shards)]
         futures.wait(pending)
         return [f.result() for f in pending]
+
+    def call_metadata(self) -> tuple[tuple[str, str], ...]:
+        """A data call's metadata: :attr:`metadata`, and the current span's ``traceparent`` when
+        tracing is on (:mod:`ps_common.tracing`)."""
+        return self.metadata + tracing.headers()
 
     def call(self, fn: Callable[[], T], what: str) -> T:
         """``fn`` with retries of transient failures for up to ``retry_deadline`` seconds."""

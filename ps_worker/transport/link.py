@@ -125,7 +125,7 @@ class GrpcLink:
         p, t, k = self.push, self.push.transport, self.k
         self.stream = StartedStream(p.cond, list(p.groups[k]), t.timeout)
         self._head = p.head(k)
-        self.call = t.push_pull_calls[k](self.stream.messages(), timeout=t.timeout, metadata=t.metadata)
+        self.call = t.push_pull_calls[k](self.stream.messages(), timeout=t.timeout, metadata=t.call_metadata())
 
     def ready(self, key: str) -> bool:
         """Build the messages whose partitions are now all ready, for the begun stream."""
@@ -161,9 +161,9 @@ class GrpcLink:
             replies: Iterator[bytes | memoryview] = begun
         elif p.once(k):
             (only,) = p.messages(k)
-            replies = iter([t.push_pull_once[k](only, timeout=t.timeout, metadata=t.metadata)])
+            replies = iter([t.push_pull_once[k](only, timeout=t.timeout, metadata=t.call_metadata())])
         else:
-            replies = t.push_pull_calls[k](p.messages(k), timeout=t.timeout, metadata=t.metadata)
+            replies = t.push_pull_calls[k](p.messages(k), timeout=t.timeout, metadata=t.call_metadata())
         return _decoded(p, k, replies)
 
     def frame_connection(self) -> DataConnection | None:
@@ -252,7 +252,7 @@ class DataLink:
         owned = p.codec.owned[k]
         with conn.lock:
             # the call first: its header reaches the shard while the frame is still being sent
-            replies = t.push_pull_calls[k](iter([p.head(k, sequence)]), timeout=t.timeout, metadata=t.metadata)
+            replies = t.push_pull_calls[k](iter([p.head(k, sequence)]), timeout=t.timeout, metadata=t.call_metadata())
             wire = p.codec.wire
             targets = []
             for part in owned:

@@ -19,7 +19,7 @@ from typing import overload
 import grpc
 import torch
 
-from ps_common import frames
+from ps_common import frames, tracing
 from ps_common.channels import is_loopback
 from ps_common.codec import torch_dtype
 from ps_worker.transport.calls import ShardCalls, is_stale
@@ -83,11 +83,14 @@ class PendingPushPull:
         self._begun: dict[int, Link] = {}
         """Shards whose call began during backward (a push of one message waits for finish())."""
         self.order: SendOrder | None = None  # finish(): the frames' order across shards
+        self.span = tracing.start("push_pull", rank=self.session.rank, clock=self.round, shards=t.num_shards)
+        """This push's span (tracing on), from here to the end of :meth:`finish` or :meth:`cancel`."""
         if stream:
-            for k in range(t.num_shards):
-                if not self.once(k):
-                    self._begun[k] = link = choose_link(self, k)
-                    link.begin()
+            with tracing.current(self.span, end=False):  # the calls begun now carry its traceparent
+                for k in range(t.num_shards):
+                    if not self.once(k):
+                        self._begun[k] = link = choose_link(self, k)
+                        link.begin()
 
     # -------------------------------------------------------------- what goes on the wire
     def once(self, k: int) -> bool:
@@ -97,6 +100,8 @@ class PendingPushPull:
     def stamp(self, k: int) -> Stamp:
         """What every attempt to shard ``k`` carries besides the gradients."""
         stamp = self.session.stamp(k, self.round, self.hyperparameters, self.skip)
+        if self.span is not None:  # a call on a data connection has no metadata: the header carries it
+            stamp = dataclasses.replace(stamp, traceparent=tracing.traceparent(self.span))
         return dataclasses.replace(stamp, samples=self.samples) if self.samples else stamp
 
     def out(self, k: int, i: int) -> frames.OutPartition:
@@ -173,6 +178,7 @@ class PendingPushPull:
         for link in self._begun.values():
             link.cancel()
         self._begun.clear()
+        tracing.end(self.span)
 
     def _send_order(self) -> SendOrder | None:
         """The order of this push's frames across shards (:mod:`ps_worker.transport.frame_sender`), when two
@@ -203,6 +209,10 @@ class PendingPushPull:
         Raises:
             grpc.RpcError: as :meth:`~ps_worker.client.PSClient.push_pull`.
         """
+        with tracing.current(self.span):  # ends the span, failed with the step's error if any
+            return self._finish()
+
+    def _finish(self) -> int:
         t, s = self.transport, self.session
         for spec in self.codec.plan.specs:
             if spec.key not in self._grads and (self.codec.keys is None or spec.key in self.codec.keys):

@@ -16,7 +16,7 @@ import time
 from collections.abc import Sequence
 from typing import IO, Any, NoReturn
 
-from ps_common import jsonout
+from ps_common import jsonout, tracing
 from ps_worker.workloads.flags import optimizer_spec, ratio, training_flags, worker_parser
 
 __all__ = ["main", "optimizer_spec", "ratio", "training_flags", "worker_parser"]
@@ -111,6 +111,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         dump_stacks_on_signal()
     _stop_on_signals()
     logging.basicConfig(level=args.log_level, format="ps-worker %(levelname)s %(name)s: %(message)s")
+    try:
+        tracing.configure(args.otel_endpoint, "ps-worker", {"ps.rank": args.rank})
+    except tracing.TracingUnavailableError as exc:
+        print(f"ps-worker: {exc}", file=sys.stderr)
+        return 2
     try:
         return _run(parser, args)
     except Stopped as stop:
@@ -235,6 +240,7 @@ def _run(parser: Any, args: Any) -> int:
             client.close()
         if endpoint is not None:
             endpoint.close()
+        tracing.shutdown()  # the spans still queued go out
     progress.close()
     report = jsonout.finite_or_none({"workload": args.workload, "batch_size": args.batch_size, **summary.to_dict()})
     if args.events or args.json:  # the same last line either way: what containers' logs are read for

@@ -14,7 +14,7 @@ from typing import NoReturn
 
 from ps_common.channels import tls_flags
 from ps_common.dataconn import DATA_PATHS
-from ps_common.flags import FlagParser, secret_help
+from ps_common.flags import FlagParser, otel_flag, secret_help
 from ps_common.optimizer_args import OPTIMIZER_NAMES
 
 WORKLOAD_NAMES = ("charlm", "ctr", "digits", "linreg")
@@ -147,6 +147,7 @@ def worker_parser(environ: Mapping[str, str] | None = None) -> FlagParser:
         "processes share a host; -1 turns it off",
     )
     p.flag("--metrics-host", default="127.0.0.1", help="address /metrics binds (0.0.0.0 to be scraped from outside)")
+    otel_flag(p)
     p.flag("--json", switch=True, help="print the summary as one JSON object on the last line of stdout")
     p.flag("--no-progress", switch=True, help="no progress bar (there is none when stderr is not a terminal)")
     p.flag("--events", switch=True, help="print one JSON object per step on stdout (used by ps-launch)")

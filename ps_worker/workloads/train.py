@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
+from ps_common import tracing
 from ps_common.optimizer import OptimizerSpec
 from ps_worker import resume
 from ps_worker.client import PSClient
@@ -165,14 +166,15 @@ def train(
             scale_lr(opt, factor / lr_factor)
             lr_factor = factor
         step_start = time.perf_counter()
-        x, y = next(data)
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        opt.zero_grad()
-        loss = workload.loss(model, x, y)
-        loss.backward()
-        if before_push is not None:
-            before_push(step)
-        opt.step()
+        with tracing.span("step", rank=client.rank, step=step):  # off: a no-op (ps_common.tracing)
+            x, y = next(data)
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            opt.zero_grad()
+            loss = workload.loss(model, x, y)
+            loss.backward()
+            if before_push is not None:
+                before_push(step)
+            opt.step()
         losses.append(float(loss.detach()))
         seconds = time.perf_counter() - step_start
         if metrics is not None:

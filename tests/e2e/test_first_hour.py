@@ -214,6 +214,7 @@ def test_help_and_a_mistyped_flag_import_no_torch(command, args) -> None:
     took = time.monotonic() - start
     imported = {line.rsplit("|", 1)[-1].strip() for line in out.stderr.splitlines() if line.startswith("import time:")}
     assert "torch" not in imported and "sklearn" not in imported, sorted(m for m in imported if "torch" in m)[:5]
+    assert not [m for m in imported if m.startswith("opentelemetry")]  # tracing is off: nothing of it loads
     assert took < 15, f"{took:.1f} s"
     if args == ["--help"]:
         assert out.returncode == 0 and "usage:" in out.stdout

@@ -78,6 +78,9 @@ class FakeTransport:
     def call(self, fn: Callable[[], Any], what: str) -> Any:
         return fn()
 
+    def call_metadata(self) -> tuple[tuple[str, str], ...]:
+        return self.metadata
+
     def sent(self, msg: bytes) -> bytes:
         self.sent_bytes += len(msg)
         return msg
