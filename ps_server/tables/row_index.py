@@ -49,10 +49,10 @@ class RowIndex:
         empty = torch.empty(0, dtype=torch.int64)
         self._main_ids, self._main_slots = empty, empty
         self._delta_ids, self._delta_slots = empty, empty
-        self._live = 0
+        self.live_rows = 0  # ids held (tombstones left out)
 
     def __len__(self) -> int:
-        return self._live
+        return self.live_rows
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         """The slot of each of ``ids`` (int64 [n], any order, duplicates allowed), -1 where the
@@ -69,7 +69,7 @@ class RowIndex:
         """Add rows ``ids`` (int64 [m], distinct, none held yet) at ``slots`` (int64 [m])."""
         if ids.numel() == 0:
             return
-        self._live += ids.numel()
+        self.live_rows += ids.numel()
         order = torch.argsort(ids)
         ids, slots = ids[order].contiguous(), slots[order].contiguous()
         alive = self._delta_slots >= 0  # drop the delta's tombstones (an id may come back)
@@ -93,7 +93,7 @@ class RowIndex:
                 pos = torch.searchsorted(keys, ids).clamp_(max=keys.numel() - 1)
                 hit = (keys[pos] == ids) & (values[pos] >= 0)
                 values[pos[hit]] = -1
-        self._live -= ids.numel()
+        self.live_rows -= ids.numel()
 
     @classmethod
     def of(cls, ids: torch.Tensor) -> RowIndex:
@@ -101,5 +101,5 @@ class RowIndex:
         index = cls()
         order = torch.argsort(ids)
         index._main_ids, index._main_slots = ids[order].contiguous(), order.to(torch.int64).contiguous()
-        index._live = ids.numel()
+        index.live_rows = ids.numel()
         return index
