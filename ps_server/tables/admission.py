@@ -30,8 +30,8 @@ DEPTH = 4
 
 MIN_FILTER_BYTES = 64 * 1024
 MAX_FILTER_BYTES = 64 * 1024**2
-FILTER_FRACTION = 32
-"""A filter takes 1/32 of its table's bound (``max_bytes``, else the shard's ``--max-table-bytes``),
+FILTER_FRACTION = 64
+"""A filter takes 1/64 of its table's bound (``max_bytes``, else the shard's ``--max-table-bytes``),
 clamped to [64 KiB, 64 MiB]."""
 
 _SALTS = np.array([0x243F6A8885A308D3, 0x13198A2E03707344, 0xA4093822299F31D0, 0x082EFA98EC4E6C89], dtype=np.uint64)
