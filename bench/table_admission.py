@@ -135,10 +135,14 @@ def auc(args: argparse.Namespace) -> dict:
     from ps_worker.workloads.train import train
 
     out = {}
-    for label, options in (
-        ("off", {}),
-        ("on", {"admit_after": args.admit, "expire_after_rounds": args.ctr_expire}),
-    ):
+    configs = {
+        "off": {},
+        "on": {"admit_after": args.admit, "expire_after_rounds": args.ctr_expire},
+        "admission": {"admit_after": args.admit},
+        "expiry": {"expire_after_rounds": args.ctr_expire},
+    }
+    for label in args.ctr_configs.split(","):
+        options = configs[label]
         servers = [
             start_server(
                 ServerConfig(shard_index=k, num_shards=args.shards, num_workers=1, mode="sync", port=0, metrics_port=-1)
@@ -166,7 +170,9 @@ def auc(args: argparse.Namespace) -> dict:
         finally:
             for s in servers:
                 s.stop(grace=0.2)
-    out["auc_difference"] = round(out["on"]["auc"] - out["off"]["auc"], 4)
+    for label in out.keys() - {"off"}:
+        if "off" in out:
+            out[label]["auc_difference"] = round(out[label]["auc"] - out["off"]["auc"], 4)
     return out
 
 
@@ -188,6 +194,9 @@ def main() -> None:
     p.add_argument("--ctr-batch", type=int, default=1024)
     p.add_argument("--ctr-train", type=int, default=1_000_000)
     p.add_argument("--ctr-expire", type=int, default=200)
+    p.add_argument(
+        "--ctr-configs", default="off,on", help="of off, on (admission and expiry), admission, expiry; comma-separated"
+    )
     p.add_argument("--json", default="")
     args = p.parse_args()
     torch.set_num_threads(1)
