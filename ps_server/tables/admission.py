@@ -3,8 +3,9 @@ in a bounded count-min sketch (docs/tables.md#admission-expiry-and-an-lru-bound)
 
 A count-min sketch (Cormode and Muthukrishnan, "An improved data stream summary: the count-min
 sketch and its applications", J. Algorithms 55(1), 2005) of :data:`DEPTH` rows of ``width``
-saturating uint8 counters: an id's count is the smallest of its ``DEPTH`` counters (one per row,
-at ``mix64(id ^ salt_row) % width``). Collisions only add, so the estimate is never below the
+saturating uint8 counters, updated conservatively (:meth:`AdmissionFilter.add`): an id's count is
+the smallest of its ``DEPTH`` counters (one per row, at ``mix64(id ^ salt_row) % width``).
+Collisions only add, so the estimate is never below the
 true count: a row may be **admitted early** (when other ids share all its counters), **never
 late**. Expected excess at most ``e * pushes / width`` with probability ``1 - e**-DEPTH``
 (Cormode and Muthukrishnan, theorem 1).
@@ -80,14 +81,19 @@ class AdmissionFilter:
         return torch.from_numpy(counts.min(axis=0))
 
     def add(self, ids: torch.Tensor) -> None:
-        """Count one push of each of ``ids`` (int64 [n], distinct); counters saturate at 255."""
+        """Count one push of each of ``ids`` (int64 [n], distinct), by conservative update (Estan
+        and Varghese, SIGCOMM 2002): each of an id's counters rises only to its estimate + 1, so
+        every id's counters stay at least its count while colliding ids inflate each other less.
+        Counters saturate at 255."""
         if ids.numel() == 0:
             return
         cells = self._cells(ids)
-        for d in range(DEPTH):  # ids sharing a cell each count (np.unique), so no count is lost
-            cell, times = np.unique(cells[d], return_counts=True)
-            row = self.current[d]
-            row[cell] = np.minimum(row[cell].astype(np.int64) + times, 255).astype(np.uint8)
+        rows = np.arange(DEPTH)[:, None]
+        previous = self.previous[rows, cells].astype(np.int64) if self.previous is not None else 0
+        target = self.estimate(ids).numpy()[None, :] + 1 - previous
+        target = np.broadcast_to(np.clip(target, 0, 255).astype(np.uint8), cells.shape)  # [DEPTH, n]
+        for d in range(DEPTH):  # ids sharing a cell: the largest target wins
+            np.maximum.at(self.current[d], cells[d], target[d])
 
     def rotate(self) -> None:
         """Forget the older generation (with two; a no-op with one)."""
