@@ -49,11 +49,13 @@ class AdmissionFilter:
     Args:
         budget: bytes the counters may take (:func:`filter_bytes`).
         generations: 1 (counts never forgotten) or 2 (with expiry: see the module docstring).
+        ids: how many distinct ids there can be (a table's rows on one shard): the sketch is no
+            wider than the power of two at or above twice that (nearly exact already).
     """
 
-    def __init__(self, budget: int, generations: int) -> None:
+    def __init__(self, budget: int, generations: int, ids: int = 2**62) -> None:
         width = 1
-        while DEPTH * generations * width * 2 <= budget:
+        while DEPTH * generations * width * 2 <= budget and width < 2 * ids:
             width *= 2
         self.width = width
         self.current = np.zeros((DEPTH, width), dtype=np.uint8)

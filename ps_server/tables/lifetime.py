@@ -34,13 +34,15 @@ class RowLife:
         bound: the table's bound in bytes (``spec.max_bytes``, else the shard's budget), which sizes
             the admission filter.
         clock: wall-clock seconds (stamps survive a restart, so not a monotonic clock).
+        num_shards: shards the table's ids are spread over (a small table's filter is smaller).
     """
 
-    def __init__(self, spec: TableSpec, bound: int, clock: Callable[[], float]) -> None:
+    def __init__(self, spec: TableSpec, bound: int, clock: Callable[[], float], num_shards: int = 1) -> None:
         self.spec = spec
         self.clock = clock
         generations = 2 if spec.expires else 1
-        self.filter = AdmissionFilter(filter_bytes(bound), generations) if spec.admits else None
+        ids = -(-spec.num_rows // num_shards)  # the most distinct ids one shard sees
+        self.filter = AdmissionFilter(filter_bytes(bound), generations, ids) if spec.admits else None
         self.step_stamp = torch.empty(0, dtype=torch.int64)  # per slot: the table step of the last push
         self.time_stamp = torch.empty(0, dtype=torch.float64)  # per slot: its wall-clock seconds
         self.rotated_step = 0

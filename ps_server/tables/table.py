@@ -134,7 +134,7 @@ class Table:
                     f"Table {spec.name!r}: max_bytes={spec.max_bytes} holds no row ({table_row_bytes(spec)} bytes with "
                     "its optimizer state, id and index); nothing was declared. Raise max_bytes or leave it 0."
                 )
-        self.life = RowLife(spec, spec.max_bytes or bound, clock)
+        self.life = RowLife(spec, spec.max_bytes or bound, clock, num_shards)
         self.used = 0  # slots handed out (rows held + free slots)
         self.free = torch.empty(0, dtype=torch.int64)  # slots of evicted rows, reused first
         self.index = RowIndex()
