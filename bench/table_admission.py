@@ -11,7 +11,7 @@ Two measurements (bench/README.md#tables-that-follow-the-live-ids):
    admission filter's bytes with the bytes of the **live rows**: the rows an exact filter would hold,
    ids pushed in at least ``admit_after`` steps with no gap longer than the expiry window between
    them, and pushed within the last ``expire_after_rounds`` steps (computed exactly beside the stream
-   with numpy). The brief count "ids pushed >= k times within the last T steps" is printed too.
+   with numpy). The looser count, ids pushed >= k times within the last T steps, is printed too.
 2. **AUC** (``--part auc``): the ``ctr`` workload (``ps_worker.workloads.ctr``, the DLRM on the
    synthetic click log) trained through real shards (``--shards`` in-process gRPC servers on
    127.0.0.1, one worker, sync, Adagrad as ``tests/e2e/test_ctr.py``) without and with
@@ -92,7 +92,7 @@ def memory(args: argparse.Namespace) -> dict:
                     "step": step + 1,
                     "rows_held": table.rows,
                     "live_rows": live,
-                    "brief_live_rows": int((in_window[1] >= args.admit).sum()),
+                    "looser_live_rows": int((in_window[1] >= args.admit).sum()),
                     "table_bytes": table.num_bytes,
                     "held_bytes": table.rows * row,
                     "filter_bytes": table.life.filter_bytes,
