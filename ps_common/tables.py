@@ -34,6 +34,13 @@ MAX_TABLES = 64
 
 MAX_NAME_CHARS = 256
 
+MAX_ADMIT_AFTER = 255
+"""Largest ``admit_after`` (the admission filter counts in saturating bytes)."""
+
+ON_FULL = ("refuse", "evict_lru")
+"""What a table does when a push needs rows beyond its bound: refuse it (``TABLE_FULL``, the
+default) or evict the least recently pushed rows (``max_bytes`` required)."""
+
 ROW_OPTIMIZERS: dict[str, dict[str, tuple[float, float]]] = {
     "sgd": {"lr": (0.0, math.inf), "momentum": (0.0, 1.0), "weight_decay": (0.0, math.inf)},
     "adagrad": {
@@ -172,6 +179,15 @@ class TableSpec:
         seed, init_std: initial rows are N(0, init_std**2) (:func:`initial_rows`).
         optimizer: the row-wise optimizer the shards run.
         dtype: "float32" (the only one).
+        admit_after: a row is stored only from its ``admit_after``-th push on (0 or 1: at its first;
+            at most 255); before, pulls read its initial value and its gradients are dropped
+            (frequency filtering, Monolith, arXiv:2209.07663 section 3.2). docs/tables.md.
+        expire_after_rounds: evict rows not pushed for this many table versions (0: never).
+        expire_after_seconds: evict rows not pushed for this many seconds (0: never).
+        max_bytes: most bytes this table holds on one shard, rows and optimizer state, ids and index,
+            capacity included (0: only the shard's ``--max-table-rows``/``--max-table-bytes``).
+        on_full: ``"refuse"`` (TABLE_FULL beyond the bound, the default) or ``"evict_lru"`` (evict the
+            least recently pushed rows; needs ``max_bytes``).
 
     Raises:
         InvalidRequestError: a field out of range.
@@ -184,6 +200,11 @@ class TableSpec:
     seed: int = 0
     init_std: float = 1.0
     dtype: str = "float32"
+    admit_after: int = 0
+    expire_after_rounds: int = 0
+    expire_after_seconds: float = 0.0
+    max_bytes: int = 0
+    on_full: str = "refuse"
 
     def __post_init__(self) -> None:
         if not self.name or len(self.name) > MAX_NAME_CHARS:
@@ -198,6 +219,44 @@ class TableSpec:
             raise InvalidRequestError(f"Table {self.name!r}: init_std must be a finite number >= 0.")
         if self.dtype != "float32":
             raise InvalidRequestError(f"Table {self.name!r}: rows must be float32, got {self.dtype}.")
+        self._check_lifetime()
+
+    def _check_lifetime(self) -> None:
+        """Refuse admission, expiry and bound settings out of range (InvalidRequestError)."""
+        if not 0 <= self.admit_after <= MAX_ADMIT_AFTER:
+            raise InvalidRequestError(
+                f"Table {self.name!r}: admit_after must be in 0..{MAX_ADMIT_AFTER} (0: every row at its first "
+                f"push), got {self.admit_after}."
+            )
+        if not 0 <= self.expire_after_rounds < 2**62:
+            raise InvalidRequestError(
+                f"Table {self.name!r}: expire_after_rounds must be >= 0 (0: never), got {self.expire_after_rounds}."
+            )
+        seconds = self.expire_after_seconds
+        if not (math.isfinite(seconds) and seconds >= 0):
+            raise InvalidRequestError(
+                f"Table {self.name!r}: expire_after_seconds must be a finite number >= 0 (0: never), got {seconds}."
+            )
+        if not 0 <= self.max_bytes < 2**62:
+            raise InvalidRequestError(f"Table {self.name!r}: max_bytes must be >= 0 (0: no bound of its own).")
+        if self.on_full not in ON_FULL:
+            raise InvalidRequestError(
+                f"Table {self.name!r}: on_full must be one of {', '.join(ON_FULL)}, got {self.on_full[:32]!r}."
+            )
+        if self.on_full == "evict_lru" and self.max_bytes == 0:
+            raise InvalidRequestError(
+                f"Table {self.name!r}: on_full='evict_lru' evicts down to max_bytes; set max_bytes (bytes per shard)."
+            )
+
+    @property
+    def admits(self) -> bool:
+        """True when rows wait for ``admit_after`` pushes before they are stored."""
+        return self.admit_after > 1
+
+    @property
+    def expires(self) -> bool:
+        """True when untouched rows expire."""
+        return self.expire_after_rounds > 0 or self.expire_after_seconds > 0
 
     @property
     def row_bytes(self) -> int:

@@ -145,7 +145,19 @@ def table_spec_from_proto(msg: ps_pb2.TableSpec) -> TableSpec:
     if msg.dtype not in (ps_pb2.DTYPE_UNSPECIFIED, ps_pb2.DTYPE_FLOAT32):
         raise InvalidRequestError(f"Table {msg.name[:80]!r}: rows must be float32.")
     opt = RowOptimizerSpec(msg.optimizer.name, dict(msg.optimizer.kwargs))
-    return TableSpec(msg.name, msg.num_rows, msg.dim, opt, msg.seed, msg.init_std)
+    return TableSpec(
+        msg.name,
+        msg.num_rows,
+        msg.dim,
+        opt,
+        msg.seed,
+        msg.init_std,
+        admit_after=msg.admit_after,
+        expire_after_rounds=msg.expire_after_rounds,
+        expire_after_seconds=msg.expire_after_seconds,
+        max_bytes=msg.max_bytes,
+        on_full=msg.on_full or "refuse",
+    )
 
 
 def table_spec_to_proto(spec: TableSpec) -> ps_pb2.TableSpec:
@@ -158,4 +170,9 @@ def table_spec_to_proto(spec: TableSpec) -> ps_pb2.TableSpec:
         seed=spec.seed,
         init_std=spec.init_std,
         optimizer=ps_pb2.OptimizerSpec(name=spec.optimizer.name, kwargs=dict(spec.optimizer.kwargs)),
+        admit_after=spec.admit_after,
+        expire_after_rounds=spec.expire_after_rounds,
+        expire_after_seconds=spec.expire_after_seconds,
+        max_bytes=spec.max_bytes,
+        on_full=spec.on_full,
     )

@@ -51,7 +51,8 @@ class ShardServer:
     """A running shard: gRPC server, state, and the lease reaper.
 
     Use :func:`start_server` (which calls :meth:`start`); call :meth:`stop` to shut down. The
-    threads it owns (``threads``: the lease reaper ``lease-reaper-{k}``, the server's pool
+    threads it owns (``threads``: the lease reaper ``lease-reaper-{k}``, which also sweeps tables'
+    expired rows each tick (``TableStore.expire``, bounded work per tick), the server's pool
     ``shard{k}_*``, the streams' pool ``shard{k}-streams_*``, the waiting calls' pool
     ``shard{k}-waits_*``) start in :meth:`start` or with the gRPC server and are joined by
     :meth:`stop`; the checkpointer joins its own writer.
@@ -129,6 +130,7 @@ class ShardServer:
         while not self._stopping.wait(interval):
             self.shard.expire_leases()
             self.shard.report_missing()
+            self.shard.expire_table_rows()  # tables with expiry: a bounded sweep per tick
 
     def stop(self, grace: float = 2.0) -> None:
         """Mark NOT_SERVING, wake waiters with UNAVAILABLE, and stop within ``grace`` seconds; then

@@ -498,7 +498,7 @@ class LeaveResponse(_message.Message):
     def __init__(self, version: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., membership: _Optional[_Union[MembershipEpoch, _Mapping]] = ...) -> None: ...
 
 class TableSpec(_message.Message):
-    __slots__ = ("name", "num_rows", "dim", "dtype", "seed", "init_std", "optimizer")
+    __slots__ = ("name", "num_rows", "dim", "dtype", "seed", "init_std", "optimizer", "admit_after", "expire_after_rounds", "expire_after_seconds", "max_bytes", "on_full")
     NAME_FIELD_NUMBER: _ClassVar[int]
     NUM_ROWS_FIELD_NUMBER: _ClassVar[int]
     DIM_FIELD_NUMBER: _ClassVar[int]
@@ -506,6 +506,11 @@ class TableSpec(_message.Message):
     SEED_FIELD_NUMBER: _ClassVar[int]
     INIT_STD_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    ADMIT_AFTER_FIELD_NUMBER: _ClassVar[int]
+    EXPIRE_AFTER_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    EXPIRE_AFTER_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ON_FULL_FIELD_NUMBER: _ClassVar[int]
     name: str
     num_rows: int
     dim: int
@@ -513,7 +518,12 @@ class TableSpec(_message.Message):
     seed: int
     init_std: float
     optimizer: OptimizerSpec
-    def __init__(self, name: _Optional[str] = ..., num_rows: _Optional[int] = ..., dim: _Optional[int] = ..., dtype: _Optional[_Union[Dtype, str]] = ..., seed: _Optional[int] = ..., init_std: _Optional[float] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ...) -> None: ...
+    admit_after: int
+    expire_after_rounds: int
+    expire_after_seconds: float
+    max_bytes: int
+    on_full: str
+    def __init__(self, name: _Optional[str] = ..., num_rows: _Optional[int] = ..., dim: _Optional[int] = ..., dtype: _Optional[_Union[Dtype, str]] = ..., seed: _Optional[int] = ..., init_std: _Optional[float] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., admit_after: _Optional[int] = ..., expire_after_rounds: _Optional[int] = ..., expire_after_seconds: _Optional[float] = ..., max_bytes: _Optional[int] = ..., on_full: _Optional[str] = ...) -> None: ...
 
 class RowBlock(_message.Message):
     __slots__ = ("table", "ids", "dtype", "data")
@@ -601,7 +611,7 @@ class PushRowsResponse(_message.Message):
     def __init__(self, version: _Optional[int] = ..., duplicate: _Optional[bool] = ...) -> None: ...
 
 class TableStatus(_message.Message):
-    __slots__ = ("name", "num_rows", "dim", "rows", "bytes", "rows_pulled", "rows_pushed", "max_rows", "optimizer")
+    __slots__ = ("name", "num_rows", "dim", "rows", "bytes", "rows_pulled", "rows_pushed", "max_rows", "optimizer", "rows_admitted", "rows_evicted_expired", "rows_evicted_lru", "admit_after", "expire_after_rounds", "expire_after_seconds", "max_bytes", "on_full", "filter_bytes")
     NAME_FIELD_NUMBER: _ClassVar[int]
     NUM_ROWS_FIELD_NUMBER: _ClassVar[int]
     DIM_FIELD_NUMBER: _ClassVar[int]
@@ -611,6 +621,15 @@ class TableStatus(_message.Message):
     ROWS_PUSHED_FIELD_NUMBER: _ClassVar[int]
     MAX_ROWS_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    ROWS_ADMITTED_FIELD_NUMBER: _ClassVar[int]
+    ROWS_EVICTED_EXPIRED_FIELD_NUMBER: _ClassVar[int]
+    ROWS_EVICTED_LRU_FIELD_NUMBER: _ClassVar[int]
+    ADMIT_AFTER_FIELD_NUMBER: _ClassVar[int]
+    EXPIRE_AFTER_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    EXPIRE_AFTER_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ON_FULL_FIELD_NUMBER: _ClassVar[int]
+    FILTER_BYTES_FIELD_NUMBER: _ClassVar[int]
     name: str
     num_rows: int
     dim: int
@@ -620,7 +639,16 @@ class TableStatus(_message.Message):
     rows_pushed: int
     max_rows: int
     optimizer: str
-    def __init__(self, name: _Optional[str] = ..., num_rows: _Optional[int] = ..., dim: _Optional[int] = ..., rows: _Optional[int] = ..., bytes: _Optional[int] = ..., rows_pulled: _Optional[int] = ..., rows_pushed: _Optional[int] = ..., max_rows: _Optional[int] = ..., optimizer: _Optional[str] = ...) -> None: ...
+    rows_admitted: int
+    rows_evicted_expired: int
+    rows_evicted_lru: int
+    admit_after: int
+    expire_after_rounds: int
+    expire_after_seconds: float
+    max_bytes: int
+    on_full: str
+    filter_bytes: int
+    def __init__(self, name: _Optional[str] = ..., num_rows: _Optional[int] = ..., dim: _Optional[int] = ..., rows: _Optional[int] = ..., bytes: _Optional[int] = ..., rows_pulled: _Optional[int] = ..., rows_pushed: _Optional[int] = ..., max_rows: _Optional[int] = ..., optimizer: _Optional[str] = ..., rows_admitted: _Optional[int] = ..., rows_evicted_expired: _Optional[int] = ..., rows_evicted_lru: _Optional[int] = ..., admit_after: _Optional[int] = ..., expire_after_rounds: _Optional[int] = ..., expire_after_seconds: _Optional[float] = ..., max_bytes: _Optional[int] = ..., on_full: _Optional[str] = ..., filter_bytes: _Optional[int] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
     __slots__ = ("rank", "incarnation", "clock", "state", "last_seen_seconds_ago", "pushes")

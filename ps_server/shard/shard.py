@@ -392,6 +392,7 @@ class Shard:
 
     learning_rate = delegated("config", ConfigChanges.learning_rate)  # needs no lock
     table_metrics = _locked("table_calls", TableCalls.metrics)
+    expire_table_rows = _locked("tables", TableStore.expire)  # a bounded sweep per timer tick
 
     def close(self) -> None:
         """Wake every waiter with ShuttingDownError."""

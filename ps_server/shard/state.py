@@ -54,6 +54,7 @@ class StateCodec:
         state["epochs"] = shard.epochs.export()
         state["configured_num_workers"] = shard.configured_num_workers
         if shard.tables.tables:
+            shard.tables.expire(None)  # expired rows leave at checkpoint time (docs/tables.md)
             state["tables"] = shard.tables.export()
         return state
 

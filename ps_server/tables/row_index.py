@@ -4,9 +4,10 @@ Two sorted levels, as a two-level log-structured merge: a large ``main`` array o
 with each id's slot, and a small ``delta`` of the ids added since the last merge. A lookup is one
 ``torch.searchsorted`` per level (O(n log rows), no Python loop: 64Ki sorted ids against 10M
 held rows take about 3 ms on one core); an add merges the new ids into ``delta`` in
-O(len(delta)), and ``delta`` is merged into ``main`` (O(rows), ``numpy.insert``) once it holds more
-than :data:`MIN_DELTA` ids and an eighth of ``main``, so an add costs O(1) amortized per id and a
-push of a few thousand new rows never copies the whole index. Pure torch/numpy: no lock, no grpc.
+O(len(delta)), a removal marks the id's slot -1 (a tombstone, dropped at the next merge), and
+``delta`` is merged into ``main`` (O(rows), ``numpy.insert``) once it holds more than
+:data:`MIN_DELTA` ids and an eighth of ``main``, so an add costs O(1) amortized per id and a push
+of a few thousand new rows never copies the whole index. Pure torch/numpy: no lock, no grpc.
 """
 
 from __future__ import annotations
@@ -48,9 +49,10 @@ class RowIndex:
         empty = torch.empty(0, dtype=torch.int64)
         self._main_ids, self._main_slots = empty, empty
         self._delta_ids, self._delta_slots = empty, empty
+        self.live_rows = 0  # ids held (tombstones left out)
 
     def __len__(self) -> int:
-        return self._main_ids.numel() + self._delta_ids.numel()
+        return self.live_rows
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         """The slot of each of ``ids`` (int64 [n], any order, duplicates allowed), -1 where the
@@ -67,15 +69,31 @@ class RowIndex:
         """Add rows ``ids`` (int64 [m], distinct, none held yet) at ``slots`` (int64 [m])."""
         if ids.numel() == 0:
             return
+        self.live_rows += ids.numel()
         order = torch.argsort(ids)
         ids, slots = ids[order].contiguous(), slots[order].contiguous()
+        alive = self._delta_slots >= 0  # drop the delta's tombstones (an id may come back)
+        if not bool(alive.all()):
+            self._delta_ids, self._delta_slots = self._delta_ids[alive], self._delta_slots[alive]
         self._delta_ids, self._delta_slots = _merge(self._delta_ids, self._delta_slots, ids, slots)
         if self._delta_ids.numel() > max(MIN_DELTA, self._main_ids.numel() // 8):
-            self._main_ids, self._main_slots = _merge(
-                self._main_ids, self._main_slots, self._delta_ids, self._delta_slots
-            )
+            alive = self._main_slots >= 0
+            main_ids, main_slots = self._main_ids[alive], self._main_slots[alive]
+            self._main_ids, self._main_slots = _merge(main_ids, main_slots, self._delta_ids, self._delta_slots)
             empty = torch.empty(0, dtype=torch.int64)
             self._delta_ids, self._delta_slots = empty, empty
+
+    def remove(self, ids: torch.Tensor) -> None:
+        """Remove rows ``ids`` (int64 [m], distinct, all held): their slots read -1 from now on."""
+        if ids.numel() == 0:
+            return
+        ids = torch.sort(ids.to(torch.int64)).values
+        for keys, values in ((self._main_ids, self._main_slots), (self._delta_ids, self._delta_slots)):
+            if keys.numel():
+                pos = torch.searchsorted(keys, ids).clamp_(max=keys.numel() - 1)
+                hit = (keys[pos] == ids) & (values[pos] >= 0)
+                values[pos[hit]] = -1
+        self.live_rows -= ids.numel()
 
     @classmethod
     def of(cls, ids: torch.Tensor) -> RowIndex:
@@ -83,4 +101,5 @@ class RowIndex:
         index = cls()
         order = torch.argsort(ids)
         index._main_ids, index._main_slots = ids[order].contiguous(), order.to(torch.int64).contiguous()
+        index.live_rows = ids.numel()
         return index

@@ -7,8 +7,11 @@ held then; each :meth:`RowRead.step` (under the lock) looks up and copies at mos
 ``READ_CHUNK_IDS`` ids and ``READ_CHUNK_BYTES`` of rows; between steps the lock is free and
 pushes apply. The answer is still the state at the opening version, exactly:
 
-- a row first created after the opening (its slot is at or beyond the rows held then) reads as
+- a row first created after the opening (its slot is at or beyond the slots used then) reads as
   its initial value, as it did at the opening;
+- before a table evicts rows or reuses an evicted row's slot, it finishes every read open on it
+  (:meth:`RowRead.finish`: the chunks left are read at once, under the lock), so no read ever
+  follows a slot that changed rows;
 - a held row that a push overwrites while the read is open keeps the value it had at the opening:
   the table hands every open read the old values of the rows it is about to overwrite
   (:meth:`RowRead.preserve`, called by ``Table.commit`` under the lock), and :meth:`RowRead.result`
@@ -96,7 +99,7 @@ class RowRead:
         for part in self.parts:
             t = part.table
             if id(t) not in self._held_at_open:
-                self._held_at_open[id(t)] = t.rows
+                self._held_at_open[id(t)] = t.used
                 self._saved[id(t)] = []
                 self._tables.append(t)
                 t.readers.append(self)
@@ -132,9 +135,17 @@ class RowRead:
         start = self._held_at_open.get(id(table))
         if start is None:
             return
+        if self.done:  # every chunk read: later writes are after what it copied
+            return
         keep = slots < start
         if bool(keep.any()):
             self._saved[id(table)].append((slots[keep], values[keep]))
+
+    def finish(self) -> None:
+        """Read every chunk left now (lock held): the table is about to evict rows or reuse the
+        slots of evicted rows (``Table.evict``), which an open read's slots would not follow."""
+        while self.step():
+            pass
 
     def close(self) -> None:
         """Stop receiving preserved rows (lock held); call once, after the last :meth:`step`."""

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -41,9 +42,11 @@ from ps_common.errors import (
 )
 from ps_common.tables import MAX_TABLES, ROW_HYPERPARAMETERS, TableSpec
 from ps_server.policy import ConsistencyPolicy
+from ps_server.tables.lifetime import EXPIRE_SCAN_ROWS
 from ps_server.tables.row_read import RowRead, RowRequest
 from ps_server.tables.sparse_optim import state_names
 from ps_server.tables.table import DEFAULT_MAX_TABLE_BYTES, RowGrads, Table, coalesce, table_row_bytes
+from ps_server.tables.table_io import export_table, restore_table, spec_from_export
 
 log = logging.getLogger(__name__)
 
@@ -56,13 +59,14 @@ class TableStore:
         max_bytes: most bytes all tables of this shard hold together, capacity and optimizer state
             included (``--max-table-bytes``; ``tables.table_row_bytes`` per row); checked before
             anything is allocated.
+        clock: wall-clock seconds, for tables' ``expire_after_seconds``.
     """
 
-    def __init__(
-        self, shard_index: int, num_shards: int, max_rows: int, max_bytes: int = DEFAULT_MAX_TABLE_BYTES
-    ) -> None:
-        self.shard_index = shard_index
-        self.num_shards = num_shards
+    def __init__(  # noqa: PLR0913
+        self, shard_index: int, num_shards: int, max_rows: int, max_bytes: int = DEFAULT_MAX_TABLE_BYTES,
+        clock: Callable[[], float] = time.time,
+    ) -> None:  # fmt: skip
+        self.clock, self.shard_index, self.num_shards = clock, shard_index, num_shards
         self.max_rows = max_rows
         self.max_bytes = max_bytes
         self.tables: dict[str, Table] = {}
@@ -111,9 +115,17 @@ class TableStore:
                 "declared. Raise --max-table-bytes, or declare narrower tables (a smaller dim, or an optimizer "
                 "with less state)."
             )
-        self.tables = {s.name: Table(s, self.shard_index, self.num_shards, self.max_rows) for s in specs}
+        self.tables = {s.name: self._new_table(s) for s in specs}  # InvalidRequestError: a max_bytes too small
         log.info("shard %d: tables %s declared", self.shard_index, ", ".join(names))
         return True
+
+    def _new_table(self, s: TableSpec) -> Table:
+        return Table(s, self.shard_index, self.num_shards, self.max_rows, self.max_bytes, self.clock)
+
+    def expire(self, limit: int | None = EXPIRE_SCAN_ROWS) -> int:
+        """Evict expired rows (tables with expiry): at most ``limit`` slots looked at per table (a
+        timer tick), None: all (at checkpoint time). Returns the rows evicted."""
+        return sum(t.expire(limit) for t in self.tables.values() if t.spec.expires)
 
     def table(self, name: str) -> Table:
         """The table ``name``.
@@ -378,7 +390,7 @@ class TableStore:
         """Plain data for ``torch.load(weights_only=True)`` (the open table round is left out)."""
         return {
             "version": self.version,
-            "tables": [t.export() for t in self.tables.values()],
+            "tables": [export_table(t) for t in self.tables.values()],
             "high_water": [[r, inc, clock] for r, (inc, clock) in sorted(self.high_water.items())],
             "hyperparameters": dict(self.hyper),
         }
@@ -389,9 +401,9 @@ class TableStore:
             return
         self.tables = {}
         for item in saved["tables"]:
-            spec = Table.spec_from_export(item)
-            table = Table(spec, self.shard_index, self.num_shards, self.max_rows)
-            table.restore(item)
+            spec = spec_from_export(item)
+            table = self._new_table(spec)
+            restore_table(table, item)
             self.tables[spec.name] = table
         self.version = int(saved["version"])
         self.high_water = {int(r): (int(inc), int(clock)) for r, inc, clock in saved.get("high_water", [])}

@@ -5,8 +5,12 @@ Pure state (torch, no grpc, no lock: the shard's condition guards it). A :class:
 the rows of its table this shard owns (``ps_common.tables.shard_of``) that were updated at least
 once, in slots of one growing [capacity, dim] float32 tensor (plus one per optimizer state); a row
 never updated reads as ``initial_rows`` (name, seed, id), so a pull allocates nothing. A push that
-would create rows beyond ``max_rows`` (or beyond the shard's byte budget: ``TableStore``) is refused
-with :class:`TableFullError` (RESOURCE_EXHAUSTED) and changes nothing: refusal, never eviction. The
+would create rows beyond ``max_rows`` (or the spec's ``max_bytes``, or the shard's byte budget:
+``TableStore``) is refused with :class:`TableFullError` (RESOURCE_EXHAUSTED) and changes nothing,
+unless the spec says ``on_full="evict_lru"``: then the least recently pushed rows are evicted to
+make room. Admission (``admit_after``) and expiry are the table's
+:class:`~ps_server.tables.lifetime.RowLife`'s; an evicted row's slot goes to a free list for the
+next new row, and any chunked read open on the table is finished first (:meth:`Table.evict`). The
 storage grows in proportion to what a push needs (:meth:`Table.grown_capacity`), and ids map to
 slots through a vectorized :class:`~ps_server.tables.row_index.RowIndex` (no per-id Python).
 
@@ -18,15 +22,19 @@ whatever the arrival order.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
 from ps_common.errors import InvalidRequestError, NonFiniteUpdateError, TableFullError
 from ps_common.tables import RowOptimizerSpec, TableSpec, initial_rows, shard_of
+from ps_server.tables.lifetime import LRU_HEADROOM, RowLife
 from ps_server.tables.row_index import INDEX_BYTES_PER_ROW, RowIndex
+from ps_server.tables.rows import RowGrads as RowGrads
+from ps_server.tables.rows import coalesce as coalesce
 from ps_server.tables.sparse_optim import initial_state, state_names, update_rows
 
 log = logging.getLogger(__name__)
@@ -39,6 +47,12 @@ class Reader(Protocol):
         """``table`` is about to overwrite rows at ``slots`` (int64 [m]) whose values are ``values``
         (float32 [m, dim], a copy): keep those the read must still answer (lock held)."""
 
+    def finish(self) -> None:
+        """Read every chunk left now (lock held): the table is about to move rows between slots."""
+
+
+LIFETIME_FIELDS = ("admit_after", "expire_after_rounds", "expire_after_seconds", "max_bytes", "on_full")
+"""TableSpec fields of admission, expiry and the table's own bound (kept in checkpoints)."""
 
 DEFAULT_MAX_TABLE_ROWS = 50_000_000
 """Default ``--max-table-rows``: rows one shard holds per table (12.8 GB of 64-dim rows plus state)."""
@@ -68,37 +82,6 @@ def table_row_bytes(spec: TableSpec) -> int:
 
 
 @dataclass
-class RowGrads:
-    """Row gradients of one table: ``ids`` int64 [n] (any order, duplicates allowed) and ``grads``
-    float32 [n, dim]."""
-
-    ids: torch.Tensor
-    grads: torch.Tensor
-
-
-def coalesce(parts: Sequence[RowGrads], dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sum the rows of equal ids in a fixed order: ``parts`` concatenated in the order given (rank
-    order), a stable sort by id, then each id's rows added in that order (``index_add_`` over
-    sorted indices runs sequentially on CPU).
-
-    Returns:
-        (unique ids int64 [u] ascending, summed grads float32 [u, dim]).
-    """
-    if not parts:
-        return torch.empty(0, dtype=torch.int64), torch.empty(0, dim, dtype=torch.float32)
-    ids = torch.cat([p.ids for p in parts])
-    grads = torch.cat([p.grads for p in parts])
-    order = torch.sort(ids, stable=True).indices
-    ids, grads = ids[order], grads[order]
-    unique, inverse = torch.unique_consecutive(ids, return_inverse=True)
-    if unique.numel() == ids.numel():
-        return unique, grads.clone()
-    out = torch.zeros(unique.numel(), dim, dtype=torch.float32)
-    out.index_add_(0, inverse, grads)
-    return unique, out
-
-
-@dataclass
 class Prepared:
     """A computed, unwritten row-optimizer step of one table (:meth:`Table.prepare`)."""
 
@@ -108,6 +91,7 @@ class Prepared:
     held: torch.Tensor | None
     state: dict[str, torch.Tensor]
     rows: torch.Tensor | None
+    pending: torch.Tensor | None = None  # ids pushed but not admitted (their gradients dropped)
 
 
 class Table:
@@ -123,13 +107,36 @@ class Table:
         spec: the table.
         shard_index, num_shards: this shard; ids it does not own are refused.
         max_rows: most rows this shard holds for the table.
+        bound: the shard's byte budget for tables (sizes the admission filter without ``max_bytes``).
+        clock: wall-clock seconds, for ``expire_after_seconds``.
+
+    Raises:
+        InvalidRequestError: ``spec.max_bytes`` below one row's bytes.
     """
 
-    def __init__(self, spec: TableSpec, shard_index: int, num_shards: int, max_rows: int) -> None:
+    def __init__(
+        self,
+        spec: TableSpec,
+        shard_index: int,
+        num_shards: int,
+        max_rows: int,
+        bound: int = 4 * 1024**3,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self.spec = spec
         self.shard_index = shard_index
         self.num_shards = num_shards
         self.max_rows = max_rows
+        if spec.max_bytes:
+            self.max_rows = min(max_rows, spec.max_bytes // table_row_bytes(spec))
+            if self.max_rows == 0:
+                raise InvalidRequestError(
+                    f"Table {spec.name!r}: max_bytes={spec.max_bytes} holds no row ({table_row_bytes(spec)} bytes with "
+                    "its optimizer state, id and index); nothing was declared. Raise max_bytes or leave it 0."
+                )
+        self.life = RowLife(spec, spec.max_bytes or bound, clock, num_shards)
+        self.used = 0  # slots handed out (rows held + free slots)
+        self.free = torch.empty(0, dtype=torch.int64)  # slots of evicted rows, reused first
         self.index = RowIndex()
         self.ids = torch.empty(0, dtype=torch.int64)
         self.values = torch.empty(0, spec.dim, dtype=torch.float32)
@@ -162,9 +169,17 @@ class Table:
         """Bytes of the held rows and their optimizer state (capacity included)."""
         return self.capacity * self.bytes_per_row
 
+    @property
+    def evicts_lru(self) -> bool:
+        return self.spec.on_full == "evict_lru"
+
     def bytes_with(self, new: int) -> int:
-        """Bytes the table needs at least once ``new`` more rows are held (its current capacity if larger)."""
-        return max(self.capacity, self.rows + new) * self.bytes_per_row
+        """Bytes the table needs at least once ``new`` more rows are held (its current capacity if
+        larger; an LRU table evicts rather than grow beyond ``max_rows``)."""
+        rows = self.rows + new
+        if self.evicts_lru:
+            rows = min(rows, self.max_rows)
+        return max(self.capacity, rows) * self.bytes_per_row
 
     def check_ids(self, ids: torch.Tensor, owners: torch.Tensor | None = None) -> None:
         """Raise InvalidRequestError unless every id is in ``[0, num_rows)`` and owned here.
@@ -209,12 +224,14 @@ class Table:
         return out
 
     def new_rows(self, unique_ids: torch.Tensor) -> int:
-        """How many of ``unique_ids`` (distinct) are not held yet."""
-        return int((self._lookup(unique_ids) < 0).sum())
+        """How many of ``unique_ids`` (distinct) are not held yet and would be admitted now."""
+        fresh = unique_ids[self._lookup(unique_ids) < 0]
+        return int(self.life.admit(fresh).sum())
 
-    def check_room(self, new: int) -> None:
-        """Raise TableFullError when ``new`` more rows exceed ``max_rows``."""
-        if self.rows + new > self.max_rows:
+    def check_room(self, new: int, held: int = 0) -> None:
+        """Raise TableFullError when ``new`` more rows exceed ``max_rows`` (an LRU table: when
+        ``new`` and the ``held`` rows the same step updates exceed it)."""
+        if (held + new if self.evicts_lru else self.rows + new) > self.max_rows:
             raise TableFullError(
                 f"Table {self.spec.name!r} holds {self.rows} rows on shard {self.shard_index} and this update "
                 f"would add {new}, beyond --max-table-rows={self.max_rows}; nothing changed. Raise "
@@ -227,6 +244,8 @@ class Table:
         :data:`GROWTH_SLACK_BYTES` of rows and half the capacity (amortized O(1) copying per row),
         then capped at ``max_rows`` and ``most`` rows (the caller's byte budget), never below ``needed``."""
         slack = max(GROWTH_SLACK_BYTES // self.bytes_per_row, self.capacity // 2)
+        if self.evicts_lru or self.spec.expires:  # rows come and go: grow by an eighth, not a half
+            slack = max(1024, self.capacity // 8)
         target = max(needed, min(2 * self.capacity, needed + slack))
         return max(needed, min(target, self.max_rows, most))
 
@@ -264,7 +283,13 @@ class Table:
             return Prepared(step, ids, None, None, {}, None)
         slots = self._lookup(ids)
         held = slots >= 0
-        self.check_room(int((~held).sum()))
+        pending = None
+        if self.spec.admits and not bool(held.all()):  # ids below admit_after pushes: dropped, counted
+            admit = held.clone()
+            admit[~held] = self.life.admit(ids[~held])
+            pending = ids[~admit]
+            ids, grads, slots, held = ids[admit], grads[admit], slots[admit], held[admit]
+        self.check_room(int((~held).sum()), int(held.sum()))
         rows = self.read_for_update(ids, slots, held)
         fresh = initial_state(self.spec.optimizer, ids.numel(), self.spec.dim)
         state = {}
@@ -281,7 +306,7 @@ class Table:
                 f"A step of table {self.spec.name!r} would make rows non-finite; nothing changed. Lower the "
                 "learning rate or clip gradients."
             )
-        return Prepared(step, ids, slots, held, new_state, new_rows)
+        return Prepared(step, ids, slots, held, new_state, new_rows, pending)
 
     def commit(self, prepared: Prepared, most: int | None = None) -> None:
         """Write a :meth:`prepare` result (cannot fail but for memory).
@@ -301,7 +326,14 @@ class Table:
             for name, value in prepared.state.items():
                 self.state[name][slots] = value
             self.rows_pushed += prepared.ids.numel()
+            self.life.touch(slots, prepared.step)
+            self.life.count(
+                prepared.pending if prepared.pending is not None else prepared.ids[:0], int((~prepared.held).sum())
+            )
+        elif prepared.pending is not None:
+            self.life.count(prepared.pending, 0)
         self.step = prepared.step
+        self.life.rotate_if_due(self.step)
 
     def read_for_update(self, ids: torch.Tensor, slots: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
         out = torch.empty(ids.numel(), self.spec.dim, dtype=torch.float32)
@@ -317,53 +349,55 @@ class Table:
         need = int((~held).sum())
         if need == 0:
             return slots
-        n = self.rows
-        if n + need > self.capacity:
-            target = self.grown_capacity(n + need, self.max_rows if most is None else most)
+        if self.evicts_lru and self.rows + need > self.max_rows:  # make room: least recently pushed first
+            extra = max(0, min(self.max_rows // LRU_HEADROOM, self.max_rows - need - int(held.sum())))
+            victims = self.life.least_recent(self.live(), slots[held], self.rows + need - self.max_rows + extra)
+            self.evict(victims, "lru")
+        if self.free.numel() and self.readers:  # a free slot may be one an open read saw held
+            for r in list(self.readers):
+                r.finish()
+        reuse = self.free[:need]
+        self.free = self.free[reuse.numel() :]
+        n, fresh = self.used, need - reuse.numel()
+        if n + fresh > self.capacity:
+            target = self.grown_capacity(n + fresh, self.max_rows if most is None else most)
             grow = target - self.capacity
             self.values = torch.cat([self.values, torch.empty(grow, self.spec.dim)])
-            self.ids = torch.cat([self.ids, torch.empty(grow, dtype=torch.int64)])
+            self.ids = torch.cat([self.ids, torch.full((grow,), -1, dtype=torch.int64)])
             fill = initial_state(self.spec.optimizer, grow, self.spec.dim)
             self.state = {k: torch.cat([v, fill[k]]) for k, v in self.state.items()}
+            self.life.grow(grow)
         slots = slots.clone()
         new_ids = ids[~held]
-        new_slots = torch.arange(n, n + need, dtype=torch.int64)
+        new_slots = torch.cat([reuse, torch.arange(n, n + fresh, dtype=torch.int64)])
+        self.used += fresh
         slots[~held] = new_slots
-        self.ids[n : n + need] = new_ids
+        self.ids[new_slots] = new_ids
         self.index.add(new_ids, new_slots)
         return slots
 
-    # ----------------------------------------------------------------- checkpoints
-    def export(self) -> dict[str, Any]:
-        """Plain data for ``torch.load(weights_only=True)``: spec fields, ids [n], values [n, dim], state."""
-        n = self.rows
-        s = self.spec
-        return {
-            "spec": {
-                "name": s.name,
-                "num_rows": s.num_rows,
-                "dim": s.dim,
-                "seed": s.seed,
-                "init_std": s.init_std,
-                "optimizer": s.optimizer.name,
-                "optimizer_kwargs": dict(s.optimizer.kwargs),
-            },
-            "ids": self.ids[:n].clone(),
-            "values": self.values[:n].clone() if n else torch.empty(0, s.dim),
-            "state": {k: v[:n].clone() if n else torch.empty(0, s.dim) for k, v in self.state.items()},
-            "step": self.step,
-        }
+    def live(self) -> torch.Tensor:
+        """bool [used]: which slots hold a row."""
+        return self.ids[: self.used] >= 0
 
-    @staticmethod
-    def spec_from_export(saved: dict[str, Any]) -> TableSpec:
-        s = saved["spec"]
-        opt = RowOptimizerSpec(str(s["optimizer"]), {k: float(v) for k, v in s["optimizer_kwargs"].items()})
-        return TableSpec(str(s["name"]), int(s["num_rows"]), int(s["dim"]), opt, int(s["seed"]), float(s["init_std"]))
+    def evict(self, slots: torch.Tensor, reason: str) -> int:
+        """Drop the rows at ``slots`` (int64 [m], held) and their optimizer state; they read as their
+        initial values again. Chunked reads open on the table are finished first (lock held).
+        ``reason``: "expired" or "lru". Returns m."""
+        if slots.numel() == 0:
+            return 0
+        for r in list(self.readers):
+            r.finish()
+        self.index.remove(self.ids[slots])
+        self.ids[slots] = -1
+        fill = initial_state(self.spec.optimizer, slots.numel(), self.spec.dim)
+        for name, value in fill.items():
+            self.state[name][slots] = value
+        self.free = torch.cat([self.free, slots])
+        self.life.evicted[reason] += slots.numel()
+        return slots.numel()
 
-    def restore(self, saved: dict[str, Any]) -> None:
-        """Load :meth:`export` output (the spec must be this table's)."""
-        self.ids = saved["ids"].to(torch.int64).clone()
-        self.values = saved["values"].clone()
-        self.state = {k: v.clone() for k, v in saved["state"].items()}
-        self.index = RowIndex.of(self.ids)
-        self.step = int(saved["step"])
+    def expire(self, limit: int | None) -> int:
+        """Evict the expired rows among the next ``limit`` slots (None: all). Returns how many."""
+        self.life.rotate_if_due(self.step)
+        return self.evict(self.life.expired(self.live(), self.step, limit), "expired")

@@ -13,7 +13,9 @@ device="meta")``) or as ``ShardedEmbedding(10**7, 64)`` so it is never allocated
 
 The table's name is the module's parameter name (``"emb.weight"``); its rows start as
 N(0, init_std**2) (``init_std`` 1.0: nn.Embedding's own initialization) from (name, seed, id),
-never from the module's weight; a module may set ``ps_seed``/``ps_init_std`` attributes. The row
+never from the module's weight; a module may set ``ps_seed``/``ps_init_std`` attributes, and
+``ps_table_options`` (a dict of ``TableSpec``'s ``admit_after``, ``expire_after_rounds``,
+``expire_after_seconds``, ``max_bytes``, ``on_full``: docs/tables.md). The row
 optimizer is ``optimizer["sparse"]`` (``{"name": "adagrad", "lr": 0.05}``) or, without it, the dense
 optimizer's name and the arguments a row optimizer takes (sgd, adagrad, adam/adamw -> lazy adam).
 """
@@ -147,7 +149,12 @@ def attach_tables(client: TableHost, model: nn.Module, optimizer: Mapping[str, A
         table = f"{name}.weight" if name else "weight"
         seed = int(getattr(m, "ps_seed", 0))
         init_std = float(getattr(m, "ps_init_std", 1.0))
-        specs.append(TableSpec(table, int(m.num_embeddings), int(m.embedding_dim), row_opt, seed, init_std))
+        options = dict(getattr(m, "ps_table_options", {}))  # admit_after, expire_after_*, max_bytes, on_full
+        try:
+            rows, dim = int(m.num_embeddings), int(m.embedding_dim)
+            specs.append(TableSpec(table, rows, dim, row_opt, seed, init_std, **options))
+        except TypeError as exc:
+            raise ValueError(f"{name}: ps_table_options takes TableSpec's lifetime fields; {exc}") from exc
     limit = client.partition_bytes + MESSAGE_OVERHEAD_BYTES  # what the client's channels carry
     tables = TableClient(client.transport, client.session, specs, client.metrics, limit)
     for (_, m), spec in zip(found, specs, strict=True):

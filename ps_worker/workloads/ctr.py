@@ -29,7 +29,9 @@ embeddings: a row's step shrinks with its own history, and rows a batch does not
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -165,6 +167,9 @@ class CTRWorkload:
         train_size: training impressions.
         held_out_size: held-out impressions (AUC and log loss are measured on all of them).
         dim: embedding width.
+        table_options: the tables' admission, expiry and bound (``ps_common.tables.TableSpec`` fields
+            ``admit_after``, ``expire_after_rounds``, ``expire_after_seconds``, ``max_bytes``, ``on_full``;
+            none by default).
     """
 
     name = "ctr"
@@ -176,7 +181,9 @@ class CTRWorkload:
         train_size: int = 1_000_000,
         held_out_size: int = 50_000,
         dim: int = 16,
+        table_options: Mapping[str, Any] | None = None,
     ) -> None:
+        self.table_options = dict(table_options or {})
         self.clicklog = clicklog or ClickLogConfig()
         if train_size < 1 or held_out_size < 2:
             raise ValueError(f"train_size must be >= 1 and held_out_size >= 2; got {train_size}, {held_out_size}.")
@@ -190,7 +197,10 @@ class CTRWorkload:
 
     def model(self) -> torch.nn.Module:
         vocabularies = [torch.from_numpy(vocabulary(self.clicklog, f)) for f in range(self.clicklog.num_fields)]
-        return DLRM(self.config, vocabularies)
+        model = DLRM(self.config, vocabularies)
+        for table in model.tables:  # admission, expiry, a bound: TableSpec fields (docs/tables.md)
+            setattr(table, "ps_table_options", self.table_options)  # noqa: B010 - an attribute nn.EmbeddingBag lacks
+        return model
 
     def datasets(self) -> tuple[Dataset, Dataset]:
         train = generate(self.clicklog, self.train_size, stream=0)

@@ -30,3 +30,16 @@ def test_one_line_per_table_summed_over_shards() -> None:
 
 def test_no_tables_no_lines() -> None:
     assert table_lines([ShardResult(0, "a", ps_pb2.ShardStatus())]) == []
+
+
+def test_admission_and_evictions_join_the_line_when_a_table_has_them() -> None:
+    shards = [_shard(0, 100), _shard(1, 300)]
+    for r in shards:
+        (t,) = r.status.tables
+        t.admit_after, t.expire_after_rounds, t.on_full, t.max_bytes = 2, 1000, "evict_lru", 1024**3
+        t.rows_admitted, t.rows_evicted_expired, t.rows_evicted_lru, t.filter_bytes = 500, 20, 5, 1024**2
+    (line,) = table_lines(shards)
+    assert line.endswith(
+        "; admitted 1000 (after 2 pushes), evicted 40 expired (after 1000 rounds), 10 lru (max 1.0 GiB/shard), "
+        "filter 2.0 MiB"
+    ), line
