@@ -121,8 +121,9 @@ def load_state(state: dict[str, Any], shard_index: int, num_shards: int) -> tupl
     if plan_info["num_shards"] != num_shards:
         raise CheckpointError(
             f"The checkpoint is of a cluster with {plan_info['num_shards']} shards, but this shard runs with "
-            f"{num_shards}; start with the same --num-shards or another --checkpoint-dir (the shard count "
-            "of a job is fixed; its worker count is not)."
+            f"{num_shards}; start with the same --num-shards or another --checkpoint-dir, or stop the job and "
+            f"restore its checkpoints onto {num_shards} shards with `ps-admin reshard --from CHECKPOINT_DIR --to "
+            f"{num_shards}` (docs/operations.md#reshard-restore-a-job-onto-another-shard-count)."
         )
     specs = [ParameterSpec(k, tuple(shape), dtype) for k, shape, dtype in plan_info["specs"]]
     # a checkpoint of an earlier release holds its own cut of the plan (ps_common.plan.plan_for_digest)
