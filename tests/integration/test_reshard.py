@@ -176,3 +176,42 @@ def test_bad_input_is_refused_and_changes_nothing(tmp_path, start_cluster) -> No
     with pytest.raises(ReshardError, match="new shard count must be an int >= 1"):
         reshard_directory(old, 0)  # refused before anything moves
     assert sorted(p.name for p in old.glob("*.pt")) == ["shard-0-v000000000002.pt"]
+
+
+def test_async_exactly_once_marks_move_with_the_job(tmp_path, start_cluster) -> None:
+    """async, one rank (deterministic): its high-water mark is on every new shard, the same process
+    (same incarnation) goes on from its clock, and the result is bitwise the run on 3 shards."""
+
+    def steps(addresses: list[str], which: range) -> dict[str, torch.Tensor]:
+        torch.manual_seed(0)
+        m = Model(table=False)
+        with PSClient(addresses, rank=0, num_workers=1, incarnation=7, timeout=RPC_TIMEOUT) as c:
+            c.init(m, {"name": "sgd", "lr": 0.05, "momentum": 0.9})
+            opt = DistributedOptimizer(m, c)
+            for step in which:
+                x, ids, y = batch(step, 0)
+                opt.zero_grad()
+                F.cross_entropy(m(x, ids), y).backward()
+                opt.step()
+        return {k: v.detach().clone() for k, v in m.named_parameters()}
+
+    def job(shards: int, which: range, directory: Path | None = None) -> dict[str, torch.Tensor]:
+        extra = {"checkpoint_dir": str(directory)} if directory else {}
+        cluster = start_cluster(num_shards=shards, num_workers=1, mode="async", **extra)
+        try:
+            return steps(cluster.addresses, which)
+        finally:
+            for s in cluster:
+                s.stop(grace=0.2)
+
+    job(2, range(K), tmp_path / "two")
+    reshard_directory(tmp_path / "two", 3, tmp_path / "three")
+    cluster = start_cluster(num_shards=3, num_workers=1, mode="async", checkpoint_dir=str(tmp_path / "three"))
+    assert [(m.incarnation, m.high_water) for s in cluster for m in s.shard.membership.members] == [(7, K - 1)] * 3
+    try:
+        resumed = steps(cluster.addresses, range(K, K + M))
+    finally:
+        for s in cluster:
+            s.stop(grace=0.2)
+    straight = job(3, range(K + M))
+    assert all(torch.equal(resumed[k], straight[k]) for k in straight)
