@@ -178,14 +178,14 @@ def _partition_state(pieces: _Pieces, store: ParameterStore) -> dict[int, dict[s
         have = [s is not None for _, _, s in covering]
         if not any(have):
             continue
-        names = {tuple(sorted(s)) for _, _, s in covering if s is not None}
+        names = {frozenset(s) for _, _, s in covering if s is not None}
         if not all(have) or len(names) != 1:
             raise ReshardError(
                 f"Parameter {p.key!r}: its old partitions over elements [{p.offset}, {end}) hold different "
                 "optimizer state (some stepped, some not); they cannot form one partition."
             )
         entry: dict[str, torch.Tensor] = {}
-        for name in next(iter(names)):
+        for name in next(s for _, _, s in covering if s is not None):  # torch's order of the names
             values = [(o, n, s[name]) for o, n, s in covering if s is not None]
             if values[0][2].dim() == 0:
                 if any(not torch.equal(v, values[0][2]) for _, _, v in values):

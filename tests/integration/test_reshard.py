@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ps_server.checkpoint.files import CheckpointStore
-from ps_server.checkpoint.reshard import ReshardError
-from ps_server.checkpoint.reshard_cli import checkpoint_files, main, reshard_directory
+from ps_server.checkpoint.reshard import ReshardError, reshard_states
+from ps_server.checkpoint.reshard_cli import checkpoint_files, main, read_set, reshard_directory
 from ps_worker import DistributedOptimizer, PSClient
 
 RPC_TIMEOUT = 20.0
@@ -129,6 +129,17 @@ def test_a_resharded_job_resumes_bitwise_as_one_run_on_the_new_shard_count(tmp_p
         assert all(st["version"] == K + M for st in finished)
         assert [m["clock"] for m in finished[0]["members"]] == [K + M] * WORKERS
     assert sorted(checkpoint_files(old)) == [2, 4]  # --out leaves the source as it was
+    # 2 -> 5 -> 2 gives the 2 shards' states back: parameters, optimizer state, members, rows
+    _, states = read_set(old)
+    for a, b in zip(states, reshard_states(reshard_states(states, 5), 2), strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(a["tensors"], b["tensors"], strict=True))
+        assert str(a["optimizer_state"]) == str(b["optimizer_state"]) and a["members"] == b["members"]
+        (ta,), (tb,) = a["tables"]["tables"], b["tables"]["tables"]
+        order_a, order_b = torch.argsort(ta["ids"]), torch.argsort(tb["ids"])
+        assert torch.equal(ta["ids"][order_a], tb["ids"][order_b]) and ta["step"] == tb["step"]
+        for name in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(ta["state"][name][order_a], tb["state"][name][order_b])
+        assert torch.equal(ta["values"][order_a], tb["values"][order_b])
 
 
 def test_bad_input_is_refused_and_changes_nothing(tmp_path, start_cluster) -> None:
