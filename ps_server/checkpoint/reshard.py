@@ -12,7 +12,7 @@ What moves and how:
   like the parameters; a new partition's scalar is that of the old partitions it covers, which must
   agree (they do in a job where every partition steps each update); the parameter groups'
   hyperparameters (a learning rate a worker or an operator set) are shard 0's;
-- **embedding tables**: held rows (ids, values, row-optimizer state) go to the new owner of each id,
+- **embedding tables**: held rows (ids, values, row-optimizer state, lifetime stamps) go to the new owner of each id,
   ``ps_common.tables.shard_of(ids, N)``; a table's step and round must agree on every old shard;
 - **version, mode, members, membership epochs, worker count**: shard 0's; the members' exactly-once
   marks (incarnation, clock, high-water mark) must agree on every old shard, which they do at a
@@ -234,16 +234,39 @@ def _tables(states: Sequence[dict[str, Any]], num_shards: int) -> list[dict[str,
         state = {n: torch.cat([p["state"][n] for p in parts]) for n in names}
         order = torch.argsort(ids)
         ids, values, state = ids[order], values[order], {n: v[order] for n, v in state.items()}
+        lives = [p.get("life") for p in parts]
         owner = shard_of(ids, num_shards)
         for k in range(num_shards):
             mine = owner == k
-            out[k]["tables"].append(
-                {
-                    "spec": copy.deepcopy(table["spec"]),
-                    "ids": ids[mine].clone(),
-                    "values": values[mine].clone(),
-                    "state": {n: v[mine].clone() for n, v in state.items()},
-                    "step": table["step"],
-                }
-            )
+            moved = {
+                "spec": copy.deepcopy(table["spec"]),
+                "ids": ids[mine].clone(),
+                "values": values[mine].clone(),
+                "state": {n: v[mine].clone() for n, v in state.items()},
+                "step": table["step"],
+            }
+            if all(life is not None for life in lives):
+                moved["life"] = _life(lives, order, mine, first_shard=k == 0)
+            out[k]["tables"].append(moved)
+    return out
+
+
+def _life(lives: Sequence[dict[str, Any]], order: torch.Tensor, mine: torch.Tensor, first_shard: bool) -> dict:
+    """A table's row lifetimes on one new shard: each row's stamps move with it; the admission
+    filter is the cell-wise sum of the old shards' count-min sketches (a valid sketch of all their
+    ids: no estimate drops; folded to the narrowest width, ``AdmissionFilter.restore`` fits it);
+    rotation as on shard 0; the admitted and evicted counts, summed, on new shard 0."""
+    head = lives[0]
+    out = {key: torch.cat([life[key] for life in lives])[order][mine].clone() for key in ("step_stamp", "time_stamp")}
+    out["filter"] = {}
+    for generation in ("current", "previous"):
+        sketches = [(life.get("filter") or {}).get(generation) for life in lives]
+        if any(s is None for s in sketches):
+            continue
+        width = min(int(s.shape[1]) for s in sketches)
+        total = sum(s.to(torch.int64).reshape(s.shape[0], -1, width).sum(1) for s in sketches)
+        out["filter"][generation] = torch.as_tensor(total).clamp(max=255).to(torch.uint8)
+    out["rotated_step"], out["rotated_at"] = head.get("rotated_step", 0), head.get("rotated_at", 0.0)
+    for key in ("admitted", "evicted_expired", "evicted_lru"):
+        out[key] = sum(int(life.get(key, 0)) for life in lives) if first_shard else 0
     return out

@@ -16,6 +16,7 @@ from torch import nn
 from ps_server.checkpoint.files import CheckpointStore
 from ps_server.checkpoint.reshard import ReshardError, reshard_states
 from ps_server.checkpoint.reshard_cli import checkpoint_files, main, read_set, reshard_directory
+from ps_server.tables.admission import AdmissionFilter
 from ps_worker import DistributedOptimizer, PSClient
 
 RPC_TIMEOUT = 20.0
@@ -140,6 +141,8 @@ def test_a_resharded_job_resumes_bitwise_as_one_run_on_the_new_shard_count(tmp_p
         for name in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(ta["state"][name][order_a], tb["state"][name][order_b])
         assert torch.equal(ta["values"][order_a], tb["values"][order_b])
+        for name in ("step_stamp", "time_stamp"):  # row lifetimes move with their rows
+            assert torch.equal(ta["life"][name][order_a], tb["life"][name][order_b])
 
 
 def test_bad_input_is_refused_and_changes_nothing(tmp_path, start_cluster) -> None:
@@ -226,3 +229,19 @@ def test_async_exactly_once_marks_move_with_the_job(tmp_path, start_cluster) -> 
             s.stop(grace=0.2)
     straight = job(3, range(K + M))
     assert all(torch.equal(resumed[k], straight[k]) for k in straight)
+
+
+def test_an_admission_filter_restores_onto_another_width_without_losing_counts() -> None:
+    """A count-min sketch of one width restored into a narrower one (more shards, or a smaller
+    budget) or a wider one: no id's estimate drops below its count."""
+    ids = torch.arange(0, 3000, 7)
+    saved = AdmissionFilter(budget=4 * 2048, generations=2)
+    for _ in range(3):
+        saved.add(ids)
+    want = saved.estimate(ids)
+    assert int(want.min()) >= 3
+    for budget in (4 * 2 * 256, 4 * 2 * 8192):
+        fitted = AdmissionFilter(budget=budget, generations=2)
+        assert fitted.width != saved.width
+        fitted.restore(saved.export())
+        assert bool((fitted.estimate(ids) >= want).all())
