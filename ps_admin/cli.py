@@ -6,13 +6,15 @@
 and mode parameters (``UpdateConfig``) on every shard; ``checkpoint`` has every shard write a
 checkpoint now (``Checkpoint``); ``evict RANK`` stops counting a rank (``EvictWorker``) on every
 shard; ``export --out model.pt`` writes the shards' model as a torch.save state_dict
-(``ps_admin.export``). Exit status: 0 when every shard answered (and accepted), 1 when one did not
-(one line per shard on stderr), 2 on bad flags.
+(``ps_admin.export``); ``reshard --from DIR --to N`` restores a stopped job's checkpoints onto N
+shards, offline (no ``--servers``: :func:`run_reshard`). Exit status: 0 when every shard answered
+(and accepted), 1 when one did not (one line per shard on stderr), 2 on bad flags.
 """
 
 from __future__ import annotations
 
 import shutil
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -194,7 +196,12 @@ def add_set_flags(p: FlagParser) -> None:
 
 def admin_parser(environ: Mapping[str, str] | None = None) -> FlagParser:
     """The ``ps-admin`` flags (docs/architecture.md#10-commands-and-metrics)."""
-    p = FlagParser(prog="ps-admin", description="Inspect and steer every shard of a grpc-ps cluster.", environ=environ)
+    p = FlagParser(
+        prog="ps-admin",
+        description="Inspect and steer every shard of a grpc-ps cluster. Offline: `ps-admin reshard --from DIR "
+        "--to N` restores a stopped job's checkpoints onto N shards (see `ps-admin reshard --help`).",
+        environ=environ,
+    )
     p.flag("--servers", required=True, help="HOST:PORT of every shard, comma-separated, in shard-index order")
     p.flag(
         "--admin-token",
@@ -249,8 +256,23 @@ COMMANDS: dict[str, Callable[[Any, IO[str], IO[str]], int]] = {
 }
 
 
+RESHARD_MODULE = "ps_server.checkpoint.reshard_cli"
+"""What ``ps-admin reshard`` runs: the checkpoint format is the server's (ps_admin imports no
+server code, nor torch), so the command runs that module in a child Python of this interpreter."""
+
+
+def run_reshard(argv: Sequence[str]) -> int:
+    """``ps-admin reshard --from DIR --to N [--out DIR2] [--version V]``: offline, on a stopped job's
+    checkpoint directory (docs/operations.md#reshard-restore-a-job-onto-another-shard-count).
+    Returns the child's exit status (0 done, 1 refused and nothing written, 2 bad flags)."""
+    return subprocess.run([sys.executable, "-m", RESHARD_MODULE, *argv], check=False).returncode
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["reshard"]:  # offline: no shard to talk to, so none of the flags below
+        return run_reshard(argv[1:])
     parser = admin_parser()
     args = parser.parse_args(argv)
     try:

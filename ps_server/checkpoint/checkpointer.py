@@ -22,6 +22,7 @@ from ps_server.checkpoint.failures import failure_reason
 from ps_server.checkpoint.files import CheckpointStore
 from ps_server.metrics import ServerMetrics
 from ps_server.shard.shard import Shard
+from ps_server.shard.state import shard_count_refusal
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +116,9 @@ class Checkpointer:
         if latest is None:
             return None
         version, state = latest
+        saved = state.get("plan", {}).get("num_shards")
+        if saved is not None and saved != self.shard.num_shards:  # the same refusal, naming the directory
+            raise CheckpointError(shard_count_refusal(saved, self.shard.num_shards, self.store.directory))
         self.shard.restore(state)
         with self._write_lock:
             self._newest = version

@@ -110,6 +110,16 @@ def export_state(
     }
 
 
+def shard_count_refusal(saved: int, running: int, directory: object = "CHECKPOINT_DIR") -> str:
+    """What a shard of ``running`` shards says of a checkpoint of ``saved`` shards in ``directory``."""
+    return (
+        f"The checkpoint is of a cluster with {saved} shards, but this shard runs with {running}; start with "
+        "the same --num-shards or another --checkpoint-dir, or stop the job and restore its checkpoints onto "
+        f"{running} shards with `ps-admin reshard --from {directory} --to {running}` "
+        "(docs/operations.md#reshard-restore-a-job-onto-another-shard-count)."
+    )
+
+
 def load_state(state: dict[str, Any], shard_index: int, num_shards: int) -> tuple[Plan, ParameterStore]:
     """The plan and the store (parameters and optimizer state) of :func:`export_state` output
     (the members are restored by the caller, onto any worker count).
@@ -119,11 +129,7 @@ def load_state(state: dict[str, Any], shard_index: int, num_shards: int) -> tupl
     """
     plan_info = state["plan"]
     if plan_info["num_shards"] != num_shards:
-        raise CheckpointError(
-            f"The checkpoint is of a cluster with {plan_info['num_shards']} shards, but this shard runs with "
-            f"{num_shards}; start with the same --num-shards or another --checkpoint-dir (the shard count "
-            "of a job is fixed; its worker count is not)."
-        )
+        raise CheckpointError(shard_count_refusal(plan_info["num_shards"], num_shards))
     specs = [ParameterSpec(k, tuple(shape), dtype) for k, shape, dtype in plan_info["specs"]]
     # a checkpoint of an earlier release holds its own cut of the plan (ps_common.plan.plan_for_digest)
     try:

@@ -111,11 +111,31 @@ class AdmissionFilter:
         return out
 
     def restore(self, saved: dict[str, torch.Tensor]) -> None:
-        """Load :meth:`export` output of a filter of the same shape (else keep this one's zeros)."""
-        current = saved.get("current")
-        if current is None or tuple(current.shape) != self.current.shape:
+        """Load :meth:`export` output of a filter of any power-of-two width (another shard count or
+        byte budget): folded onto this width when wider (cells that share their low bits summed),
+        repeated when narrower, so no id's estimate drops below what it was; another depth is
+        ignored (this one's zeros are kept)."""
+        current = _fit(saved.get("current"), self.width)
+        if current is None:
             return
-        self.current = current.numpy().astype(np.uint8).copy()
-        previous = saved.get("previous")
-        if self.previous is not None and previous is not None and tuple(previous.shape) == self.previous.shape:
-            self.previous = previous.numpy().astype(np.uint8).copy()
+        self.current = current
+        previous = _fit(saved.get("previous"), self.width)
+        if self.previous is not None and previous is not None:
+            self.previous = previous
+
+
+def _fit(saved: torch.Tensor | None, width: int) -> np.ndarray | None:
+    """Counters ``saved`` (uint8 [DEPTH, w], w a power of two) on ``width`` cells per row: an id's
+    cell is ``mix64(...) & (width - 1)``, so a wider sketch folds (sum of the cells with the same low
+    bits, saturating) and a narrower one repeats. None: not a sketch of this depth."""
+    if saved is None or saved.dim() != 2 or saved.shape[0] != DEPTH:
+        return None
+    w = int(saved.shape[1])
+    if w < 1 or w & (w - 1):
+        return None
+    counts = saved.numpy().astype(np.int64)
+    if w > width:
+        counts = counts.reshape(DEPTH, w // width, width).sum(axis=1)
+    elif w < width:
+        counts = np.tile(counts, (1, width // w))
+    return np.minimum(counts, 255).astype(np.uint8)

@@ -85,8 +85,9 @@ def test_a_checkpoint_restores_onto_another_worker_count_but_not_another_shard_c
     assert st.version == 2 and "restored onto --num-workers 3" in st.membership.reason
     again.stop(grace=0.5)
     config = ServerConfig(shard_index=0, num_shards=2, num_workers=3, port=0, checkpoint_dir=str(tmp_path))
-    with pytest.raises(CheckpointError, match="same --num-shards"):
+    with pytest.raises(CheckpointError, match="same --num-shards") as refused:
         start_cluster.start(config)
+    assert f"`ps-admin reshard --from {tmp_path} --to 2`" in str(refused.value)  # the way out, for this directory
 
 
 @pytest.mark.parametrize("final", [False, True], ids=["crash", "stop"])
