@@ -167,6 +167,9 @@ def save(state: Mapping[str, Any], path: str, fmt: str) -> None:
                 torch.save(dict(state), f)
             f.flush()
             os.fsync(f.fileno())
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # as open() would create it (mkstemp's is 0600)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
