@@ -1,5 +1,5 @@
 """The model file ``ps-admin export`` and ``ps-launch --save`` write: its format, its table tensors,
-and the atomic write (docs/operations.md#export-the-model).
+and the atomic write (docs/operations.md#export-the-model-in-one-file).
 
 A model file is a flat ``{key: tensor}`` mapping that torch (``torch.load(weights_only=True)``) or
 safetensors (``safetensors.torch.load_file``) reads without grpc-ps installed:
