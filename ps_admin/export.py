@@ -212,6 +212,14 @@ def assemble(exports: Sequence[ShardExport]) -> tuple[dict[str, Any], list[int]]
     return state, [e.head.version for e in exports]  # type: ignore[union-attr]
 
 
+class ShardsFailed(ModelFileError):
+    """Shards that did not answer an export: one ``error_line`` each, and a summary."""
+
+    def __init__(self, lines: list[str], summary: str) -> None:
+        super().__init__("; ".join([*lines, summary + "; nothing written."]))
+        self.lines, self.summary = lines, summary
+
+
 def write_model(
     addresses: Sequence[str],
     token: str,
@@ -239,8 +247,7 @@ def write_model(
     exports, rounds = fetch_consistent(addresses, token, deadline, creds, within)
     failed = [e for e in exports if not e.ok]
     if failed:
-        lines = "\n".join(e.error_line() for e in failed)
-        raise ModelFileError(f"{lines}\n{len(failed)} of {len(exports)} shards did not answer; nothing written.")
+        raise ShardsFailed([e.error_line() for e in failed], f"{len(failed)} of {len(exports)} shards did not answer")
     versions = [e.head.version for e in exports]  # type: ignore[union-attr]
     tables = [e.head.tables_version for e in exports]  # type: ignore[union-attr]
     mixed = len(set(versions)) > 1 or len(set(tables)) > 1
@@ -282,6 +289,10 @@ def cmd_export(args: Any, out: IO[str], err: IO[str]) -> int:
             args.allow_mixed,
             warn=lambda text: print(f"ps-admin: export: {text}", file=err),
         )
+    except ShardsFailed as exc:
+        print("\n".join(exc.lines), file=err)
+        print(f"ps-admin: export: {exc.summary}; nothing written.", file=err)
+        return 1
     except ModelFileError as exc:
         print(f"ps-admin: export: {exc}", file=err)
         return 1

@@ -36,7 +36,7 @@ from ps_launch.cluster import (
     tail,
 )
 from ps_launch.faults import Fault, parse_faults, parse_resizes
-from ps_launch.save import ModelFileError, save_model, save_target
+from ps_launch.save import ModelFileError, save_model, save_target, warm_up
 from ps_launch.status import MembershipWatch, resize_job, shard_statuses
 from ps_launch.summary import (
     RankRun,
@@ -102,6 +102,8 @@ def run(args: Any, target: Target | None = None) -> int:
     except ModelFileError as exc:
         print(f"ps-launch: --save: {exc}", file=sys.stderr)
         return 2
+    if save_to:
+        warm_up()
     saved = None
     environment = launch_environment(os.environ, args.shards + args.workers, available_cpus())
     if args.otel_endpoint:  # every shard and worker traces (ps_common.tracing)
