@@ -1,9 +1,10 @@
-"""``ps-admin export``: the model held by every shard, as one ``torch.save`` state_dict file.
+"""``ps-admin export``: the model held by every shard, as one model file (safetensors or torch.save).
 
-Each shard streams its plan and its partitions (``Admin/ExportParameters``, admin token, no rank:
-the workers may all have exited); the partitions are laid back into full tensors of the plan's
-shapes and written with ``torch.save``, a plain ``{key: tensor}`` dict that
-``model.load_state_dict(torch.load(path, weights_only=True))`` reads without grpc-ps installed.
+Each shard streams its plan, its partitions and its embedding tables' rows
+(``Admin/ExportParameters``, admin token, no rank: the workers may all have exited); the partitions
+are laid back into full tensors of the plan's shapes, each table into its full ``[num_rows, dim]``
+matrix (:mod:`ps_admin.model_file`), and written as a plain ``{key: tensor}`` file that
+``model.load_state_dict`` of the model the workers train reads without grpc-ps installed.
 torch is imported inside the command only: ``ps-admin`` stays torch-free at import.
 
 One model, one version: each shard's answer is of one version, but while training runs the shards
@@ -11,14 +12,13 @@ may answer from different ones. The shards behind the newest are asked again unt
 answered at the same version (:func:`fetch_consistent`; in sync mode a shard ahead cannot move on
 until every shard reached its version and the workers stepped, so the ones behind catch up within a
 round), for at most ``--consistency-deadline`` seconds; a model still mixed is not written (exit 1)
-unless ``--allow-mixed``.
+unless ``--allow-mixed``. The tables' version (``tables_version``) counts as well: a shard behind in
+either is asked again.
 """
 
 from __future__ import annotations
 
 import math
-import os
-import tempfile
 from collections.abc import Mapping, Sequence
 from concurrent import futures
 from dataclasses import dataclass, field
@@ -27,6 +27,7 @@ from typing import IO, Any
 import grpc
 
 from ps_admin.client import CHANNEL_OPTIONS, error_line, metadata_of
+from ps_admin.model_file import ModelFileError, check_target, format_of, save, table_tensors
 from ps_common.channels import secure_or_plain
 from ps_proto.v1 import ps_pb2, ps_pb2_grpc
 
@@ -44,6 +45,7 @@ class ShardExport:
     address: str
     head: ps_pb2.ExportParametersResponse | None = None
     partitions: list[ps_pb2.Partition] = field(default_factory=list)
+    rows: list[ps_pb2.RowBlock] = field(default_factory=list)
     code: grpc.StatusCode | None = None
     details: str = ""
 
@@ -77,6 +79,8 @@ def fetch_shard(
                     result.head = reply
                 elif reply.HasField("partition"):
                     result.partitions.append(reply.partition)
+                elif reply.HasField("rows"):
+                    result.rows.append(reply.rows)
         except grpc.RpcError as exc:
             result.code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
             result.details = (exc.details() if hasattr(exc, "details") else str(exc)) or ""
@@ -123,19 +127,19 @@ def fetch_consistent(
     exports = fetch_all(addresses, token, deadline, creds)
     rounds = 1
     while all(e.ok for e in exports) and now() < end:
-        versions = [e.head.version for e in exports]  # type: ignore[union-attr]
-        newest = max(versions)
-        behind = [k for k, v in enumerate(versions) if v < newest]
+        versions = [(e.head.version, e.head.tables_version) for e in exports]  # type: ignore[union-attr]
+        newest = tuple(max(v[i] for v in versions) for i in range(2))
+        behind = [k for k, v in enumerate(versions) if v[0] < newest[0] or v[1] < newest[1]]
         if not behind:
             break
         again = fetch_all([addresses[k] for k in behind], token, deadline, creds)
         for k, e in zip(behind, again, strict=True):
-            exports[k] = ShardExport(k, e.address, e.head, e.partitions, e.code, e.details)
+            exports[k] = ShardExport(k, e.address, e.head, e.partitions, e.rows, e.code, e.details)
         rounds += 1
     return exports, rounds
 
 
-class ExportError(ValueError):
+class ExportError(ModelFileError):
     """The shards' answers do not make one model (another cluster listed, a partition missing)."""
 
 
@@ -147,8 +151,8 @@ def assemble(exports: Sequence[ShardExport]) -> tuple[dict[str, Any], list[int]]
 
     Returns:
         (state_dict, versions): key -> CPU tensor of the plan's shape and dtype (float32, float16,
-        bfloat16 or float64; ``*.num_batches_tracked`` buffers int64), in plan order; and each
-        shard's version.
+        bfloat16 or float64; ``*.num_batches_tracked`` buffers int64), in plan order, then each
+        table's tensors (:func:`ps_admin.model_file.table_tensors`); and each shard's version.
 
     Raises:
         ExportError: the shards disagree on the plan, one is listed at the wrong position, or the
@@ -169,6 +173,8 @@ def assemble(exports: Sequence[ShardExport]) -> tuple[dict[str, Any], list[int]]
                 f"{e.address} holds another model (plan {e.head.plan.digest[:12]} vs {plan.digest[:12]}); "
                 "list the shards of one cluster."
             )
+        if [t.name for t in e.head.tables] != [t.name for t in exports[0].head.tables]:  # type: ignore[union-attr]
+            raise ExportError(f"{e.address} holds other embedding tables than {exports[0].address}; export again.")
         if e.head.shard_index != position or plan.num_shards != len(exports):
             raise ExportError(
                 f"{e.address} is shard {e.head.shard_index} of {plan.num_shards}, listed at position {position} "
@@ -198,84 +204,107 @@ def assemble(exports: Sequence[ShardExport]) -> tuple[dict[str, Any], list[int]]
         if s.key in buffers and s.key.endswith(INTEGER_BUFFER_SUFFIX):
             t = t.to(torch.int64)
         state[s.key] = t
+    rows: dict[str, list[tuple[bytes, bytes]]] = {}
+    for e in exports:
+        for block in e.rows:
+            rows.setdefault(block.table, []).append((block.ids, block.data))
+    state.update(table_tensors(exports[0].head.tables, rows))  # type: ignore[union-attr]
     return state, [e.head.version for e in exports]  # type: ignore[union-attr]
 
 
-def save(state: Mapping[str, Any], path: str) -> None:
-    """Write ``state`` to ``path`` atomically (a temp file in the same directory, then a rename):
-    ``torch.save``, or safetensors when ``path`` ends in ``.safetensors``.
+class ShardsFailed(ModelFileError):
+    """Shards that did not answer an export: one ``error_line`` each, and a summary."""
+
+    def __init__(self, lines: list[str], summary: str) -> None:
+        super().__init__("; ".join([*lines, summary + "; nothing written."]))
+        self.lines, self.summary = lines, summary
+
+
+def write_model(
+    addresses: Sequence[str],
+    token: str,
+    out: str,
+    fmt: str | None = None,
+    creds: grpc.ChannelCredentials | None = None,
+    deadline: float = 300.0,
+    within: float = 30.0,
+    allow_mixed: bool = False,
+    warn: Any = None,
+) -> str:
+    """Export the shards' model to ``out`` (format ``fmt``, or its suffix's) and return the line that
+    says what was written. The path and format are checked before any shard is asked.
+
+    Args:
+        warn: called with a warning line (``--allow-mixed`` wrote a mixed model); None: none.
 
     Raises:
-        ExportError: ``.safetensors`` asked for but the safetensors package is not installed.
-        OSError: the file cannot be written.
+        ModelFileError: a shard failed (its error lines in the message), the answers do not make
+            one model, the versions stayed mixed (without ``allow_mixed``), or the file cannot be
+            written; nothing is written then.
     """
-    import torch
-
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".ps-export-", dir=directory)
+    fmt = format_of(out, fmt)
+    check_target(out, fmt)
+    exports, rounds = fetch_consistent(addresses, token, deadline, creds, within)
+    failed = [e for e in exports if not e.ok]
+    if failed:
+        raise ShardsFailed([e.error_line() for e in failed], f"{len(failed)} of {len(exports)} shards did not answer")
+    versions = [e.head.version for e in exports]  # type: ignore[union-attr]
+    tables = [e.head.tables_version for e in exports]  # type: ignore[union-attr]
+    mixed = len(set(versions)) > 1 or len(set(tables)) > 1
+    if mixed and not allow_mixed:
+        raise ModelFileError(
+            f"the shards were at different versions {versions} (tables {tables}) after {rounds} reads in "
+            f"{within:g} s (training moving each shard on its own: async, ssp or easgd?); nothing written. "
+            "Export once training ended (or in sync mode, where the shards move together), or pass "
+            "--allow-mixed to write each shard's part of its own version."
+        )
+    state, versions = assemble(exports)
     try:
-        with os.fdopen(fd, "wb") as f:
-            if path.endswith(".safetensors"):
-                try:
-                    from safetensors.torch import save
-                except ImportError:
-                    missing = "Writing .safetensors needs `pip install safetensors`; or use a .pt path."
-                    raise ExportError(missing) from None
-                f.write(save({k: v.contiguous() for k, v in state.items()}))
-            else:
-                torch.save(dict(state), f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        save(state, out, fmt)
+    except OSError as exc:
+        raise ModelFileError(f"cannot write {out}: {exc.strerror or exc}; nothing written.") from None
+    if mixed and warn is not None:
+        warn(
+            f"--allow-mixed: the shards were at different versions {versions} (tables {tables}); "
+            "each shard's part is of its own version."
+        )
+    numel = sum(t.numel() for t in state.values())
+    return f"wrote {out}: {len(state)} tensors, {numel} elements, version {max(versions)} ({fmt})"
 
 
 def cmd_export(args: Any, out: IO[str], err: IO[str]) -> int:
     """``ps-admin export --out PATH``: exit 0 when the file is written, 1 when a shard failed, the
-    answers do not make one model, or (without ``--allow-mixed``) the shards could not be read at
-    one version within ``--consistency-deadline`` seconds."""
-    within = args.consistency_deadline
-    exports, rounds = fetch_consistent(args.servers, args.admin_token, args.deadline, args.creds, within)
-    failed = [e for e in exports if not e.ok]
-    for e in failed:
-        print(e.error_line(), file=err)
-    if failed:
-        print(f"ps-admin: export: {len(failed)} of {len(exports)} shards did not answer; nothing written.", file=err)
-        return 1
-    versions = [e.head.version for e in exports]  # type: ignore[union-attr]
-    mixed = len(set(versions)) > 1
-    if mixed and not args.allow_mixed:
-        print(
-            f"ps-admin: export: the shards were at different versions {versions} after {rounds} reads in "
-            f"{within:g} s (training moving each shard on its own: async, ssp or easgd?); nothing written. "
-            "Export once training ended (or in sync mode, where the shards move together), or pass "
-            "--allow-mixed to write each shard's part of its own version.",
-            file=err,
-        )
-        return 1
+    answers do not make one model, (without ``--allow-mixed``) the shards could not be read at one
+    version within ``--consistency-deadline`` seconds, or the file cannot be written (a bad suffix or
+    format, a missing directory or package)."""
     try:
-        state, versions = assemble(exports)
-        save(state, args.out)
-    except (ExportError, OSError) as exc:
+        line = write_model(
+            args.servers,
+            args.admin_token,
+            args.out,
+            args.format or None,
+            args.creds,
+            args.deadline,
+            args.consistency_deadline,
+            args.allow_mixed,
+            warn=lambda text: print(f"ps-admin: export: {text}", file=err),
+        )
+    except ShardsFailed as exc:
+        print("\n".join(exc.lines), file=err)
+        print(f"ps-admin: export: {exc.summary}; nothing written.", file=err)
+        return 1
+    except ModelFileError as exc:
         print(f"ps-admin: export: {exc}", file=err)
         return 1
-    if mixed:
-        print(
-            f"ps-admin: export: --allow-mixed: the shards were at different versions {versions}; "
-            "each shard's part is of its own version.",
-            file=err,
-        )
-    numel = sum(t.numel() for t in state.values())
-    print(f"wrote {args.out}: {len(state)} tensors, {numel} elements, version {max(versions)}", file=out)
+    print(line, file=out)
     return 0
 
 
 def add_export_parser(sub: Any, environ: Mapping[str, str]) -> None:
     """The ``export`` subcommand on ``ps-admin``'s subparsers (flags without PS_* twins)."""
-    export = sub.add_parser("export", help="write the shards' model as a torch.save state_dict file", environ=environ)
-    export.add_argument("--out", required=True, help="export: the file to write (.pt; .safetensors needs safetensors)")
+    export = sub.add_parser("export", help="write the shards' model and tables as one model file", environ=environ)
+    export.add_argument("--out", required=True, help="export: the file to write: .safetensors or .pt (torch.save)")
+    export.add_argument("--format", default="", choices=("", "safetensors", "pt"), help="export: default: the suffix's")
     export.add_argument(
         "--deadline", type=seconds, default=300.0, help="export: seconds each shard's stream may take in all"
     )

@@ -92,6 +92,12 @@ def launch_parser(environ: Mapping[str, str] | None = None) -> FlagParser:
     training_flags(p)
     p.flag("--timeout", type=float, default=60.0, help="per-RPC deadline of workers, seconds")
     p.flag("--log-dir", default="", help="directory for each process's log (default: a temporary directory)")
+    p.flag(
+        "--save",
+        default="",
+        help="after training, before the shards stop, write the model (dense and tables) to this .safetensors or .pt "
+        "file (default with --log-dir: LOG_DIR/model.safetensors, or model.pt without safetensors)",
+    )
     p.flag("--no-metrics", switch=True, help="serve no Prometheus /metrics from shards and workers")
     otel_flag(p)  # passed down to every shard and worker as PS_OTEL_ENDPOINT
     p.flag("--json", switch=True, help="print the summary as one JSON object on the last line of stdout")

@@ -36,6 +36,7 @@ from ps_launch.cluster import (
     tail,
 )
 from ps_launch.faults import Fault, parse_faults, parse_resizes
+from ps_launch.save import ModelFileError, save_model, save_target, warm_up
 from ps_launch.status import MembershipWatch, resize_job, shard_statuses
 from ps_launch.summary import (
     RankRun,
@@ -88,10 +89,22 @@ def run(args: Any, target: Target | None = None) -> int:
             print(f"ps-launch: {exc}", file=sys.stderr)
             return 2
     script = target is not None
+    if getattr(args, "init_from", "") and (script or not os.path.isfile(args.init_from)):
+        what = "a built-in workload's model; a script loads its own (ps_worker.model_file.init_from)"
+        print(f"ps-launch: --init-from {args.init_from}: " + (what if script else "no such file"), file=sys.stderr)
+        return 2
     if target is not None:
         args.workload = target.label
     log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="ps-launch-"))
     log_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        save_to = save_target(args, log_dir)  # checked now: a bad --save fails before the training
+    except ModelFileError as exc:
+        print(f"ps-launch: --save: {exc}", file=sys.stderr)
+        return 2
+    if save_to:
+        warm_up()
+    saved = None
     environment = launch_environment(os.environ, args.shards + args.workers, available_cpus())
     if args.otel_endpoint:  # every shard and worker traces (ps_common.tracing)
         environment["PS_OTEL_ENDPOINT"] = args.otel_endpoint
@@ -137,6 +150,8 @@ def run(args: Any, target: Target | None = None) -> int:
             finished = finished_version(shard_statuses(addresses), args.steps)
             if finished is not None:  # a finished job run again: say so, rather than train nothing
                 nothing_to_do(args, log_dir, finished, sys.stdout)
+                if save_to:
+                    print(f"ps-launch: model saved: {save_model(save_to, addresses)}", file=sys.stderr)
                 return 0
             start_workers(addresses)
         fired: list[dict[str, Any]] = []
@@ -301,6 +316,7 @@ def run(args: Any, target: Target | None = None) -> int:
         wall = time.perf_counter() - started
         train_seconds = last_step - first_step if first_step is not None else None
         statuses = shard_statuses(addresses)
+        saved = save_model(save_to, addresses) if save_to else None  # before the shards stop
     except (RuntimeError, grpc.RpcError) as exc:
         failed = True
         close_bars(bars)
@@ -327,6 +343,7 @@ def run(args: Any, target: Target | None = None) -> int:
     summary["faults"] = fired
     summary["restarted"] = restarts
     summary["not_needed"] = unneeded
+    summary["saved"] = saved
     (print_script_summary if script else print_summary)(summary, sys.stdout)
     if args.json:
         print(jsonout.dumps(summary), flush=True)

@@ -263,6 +263,7 @@ def print_summary(s: dict[str, Any], out: IO[str]) -> None:
         ),
         ("refused / dropped", f"{s['refused_pushes']} refused as too stale, {s['dropped_pushes']} dropped late"),
         ("params sha256", s["params_sha256"]),
+        *([("model saved", s["saved"])] if s.get("saved") else []),
     ]
     width = max(len(k) for k, _ in rows)
     print("grpc-ps run summary", file=out)
@@ -371,6 +372,7 @@ def print_script_summary(s: dict[str, Any], out: IO[str]) -> None:
     if s["accuracy"] is not None:
         rows.append(("held-out accuracy", f"{s['accuracy']:.4f} (rank 0's report)"))
     rows += [(f"rank {r['rank']} said", r["last_line"] or "-") for r in s["ranks"]]
+    rows += [("model saved", s["saved"])] if s.get("saved") else []
     width = max(len(k) for k, _ in rows)
     print("grpc-ps run summary", file=out)
     for k, v in rows:

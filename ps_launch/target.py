@@ -181,4 +181,6 @@ def worker_argv(args: Any, addresses: Sequence[str], rank: int) -> list[str]:
             "--tensorboard-every",
             tensorboard["PS_TENSORBOARD_EVERY"],
         ]
+    if getattr(args, "init_from", ""):
+        argv[-1:-1] = ["--init-from", str(Path(args.init_from).resolve())]
     return argv

@@ -868,18 +868,24 @@ class ExportParametersRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ExportParametersResponse(_message.Message):
-    __slots__ = ("version", "partition", "plan", "buffers", "shard_index")
+    __slots__ = ("version", "partition", "plan", "buffers", "shard_index", "tables", "tables_version", "rows")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PARTITION_FIELD_NUMBER: _ClassVar[int]
     PLAN_FIELD_NUMBER: _ClassVar[int]
     BUFFERS_FIELD_NUMBER: _ClassVar[int]
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    TABLES_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
     version: int
     partition: Partition
     plan: PlanInfo
     buffers: _containers.RepeatedScalarFieldContainer[str]
     shard_index: int
-    def __init__(self, version: _Optional[int] = ..., partition: _Optional[_Union[Partition, _Mapping]] = ..., plan: _Optional[_Union[PlanInfo, _Mapping]] = ..., buffers: _Optional[_Iterable[str]] = ..., shard_index: _Optional[int] = ...) -> None: ...
+    tables: _containers.RepeatedCompositeFieldContainer[TableSpec]
+    tables_version: int
+    rows: RowBlock
+    def __init__(self, version: _Optional[int] = ..., partition: _Optional[_Union[Partition, _Mapping]] = ..., plan: _Optional[_Union[PlanInfo, _Mapping]] = ..., buffers: _Optional[_Iterable[str]] = ..., shard_index: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableSpec, _Mapping]]] = ..., tables_version: _Optional[int] = ..., rows: _Optional[_Union[RowBlock, _Mapping]] = ...) -> None: ...
 
 class ClipNorm(_message.Message):
     __slots__ = ("round", "sum_squares")

@@ -217,6 +217,7 @@ def _run(parser: Any, args: Any) -> int:
             overlap=args.overlap,
             elastic_lr=args.elastic_lr,
             curves=curves,
+            init_from=args.init_from,
         )
     except Stopped as stop:
         progress.close()
@@ -230,7 +231,7 @@ def _run(parser: Any, args: Any) -> int:
         progress.close()
         print(f"{me}: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1
-    except (PSError, RuntimeError, TimeoutError, ValueError) as exc:
+    except (PSError, RuntimeError, TimeoutError, ValueError, OSError) as exc:
         progress.close()
         print(f"{me}: {exc}", file=sys.stderr)
         return 1

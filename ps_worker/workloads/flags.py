@@ -68,6 +68,12 @@ def training_flags(p: FlagParser) -> None:
     p.flag("--seed", type=int, default=0, help="seed of model initialization and data shuffling")
     p.flag("--slow-rank", type=int, default=-1, help="rank that sleeps --slow-ms before every push (straggler)")
     p.flag("--slow-ms", type=float, default=0.0, help="milliseconds the slow rank sleeps before each push")
+    p.flag(
+        "--init-from",
+        default="",
+        help="start the model from this .safetensors or .pt model file (ps-admin export, ps-launch --save): its "
+        "dense parameters before Init; embedding tables start at their initial rows",
+    )
     p.flag("--corpus", default="", help="charlm: text file to train on (default: the Python standard library's source)")
     p.flag(
         "--wire-dtype",

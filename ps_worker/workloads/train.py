@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from ps_common import tracing
 from ps_common.optimizer import OptimizerSpec
-from ps_worker import resume
+from ps_worker import model_file, resume
 from ps_worker.client import PSClient
 from ps_worker.metrics import WorkerMetrics
 from ps_worker.optimizer import DistributedOptimizer
@@ -92,6 +92,7 @@ def train(
     overlap: bool = False,
     elastic_lr: str = "none",
     curves: TrainingLog | None = None,
+    init_from: str = "",
 ) -> TrainSummary:
     """Initialize through ``client`` and train ``steps`` steps.
 
@@ -115,6 +116,8 @@ def train(
         curves: TensorBoard curves of this rank (:class:`~ps_worker.tensorboard.TrainingLog`): every
             step's loss, seconds, learning rate, staleness and bytes, and the held-out scores at the
             last step; the caller closes it. None records nothing.
+        init_from: a model file whose dense parameters the model starts from (rank 0's reach the
+            shards at Init; :func:`ps_worker.model_file.init_from`); "" starts from ``seed``.
 
     A resize (``ps-admin resize``) reaches the loop through the client: from the resize's round
     (sync; at once in the other modes) the data is re-sharded — a ``DistributedSampler`` with the
@@ -122,7 +125,10 @@ def train(
     skips the batches the others consumed since — and a rank the resize left out stops.
     """
     torch.manual_seed(seed)
-    model = workload.model().to(device)
+    model = workload.model()
+    if init_from:
+        model_file.init_from(model, init_from)
+    model = model.to(device)
     client.init(model, optimizer)  # first: a wrong or unreachable shard address is named before data loads
     train_set, held_out = workload.datasets()
     local = None

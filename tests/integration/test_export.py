@@ -7,6 +7,7 @@ tensors through a joined client's pull.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -14,13 +15,18 @@ import sys
 import textwrap
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
+from ps_admin.export import write_model
+from ps_common.tables import initial_rows
 from ps_server.server import ShardServer
 from ps_worker import DistributedOptimizer, PSClient
 from ps_worker.export import pull_into
+from ps_worker.model_file import init_from
+from ps_worker.tables.modules import ShardedEmbedding
 from ps_worker.workloads.digits import DigitsWorkload
 from tests.conftest import RPC_TIMEOUT
 
@@ -216,3 +222,116 @@ def test_exports_during_sync_training_are_of_one_version(start_cluster, start_tr
     assert all(t.steps > 5 for t in trainers) and all(t.error is None for t in trainers)
     for t in trainers:
         t.stop()
+
+
+class WithTables(torch.nn.Module):
+    """A sparse nn.Embedding (a dense [300, 4] table in the file), a table over a hashed id space
+    too large for a matrix (``big.weight.ids``/``.rows`` in the file) and a dense head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(300, 4, sparse=True)
+        self.big = ShardedEmbedding(2**40, 3, seed=7)
+        self.fc = torch.nn.Linear(7, 1)
+
+    def forward(self, ids: torch.Tensor, hashed: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.cat([self.emb(ids), self.big(hashed)], 1)).squeeze(1)
+
+
+# Loads both files in a process that cannot import grpc-ps: no site (-S: no .pth, so no editable
+# install), isolated (-I), sys.path only the directories torch and safetensors live in; prints each
+# tensor's dtype, shape and sha256 of its bytes.
+NO_GRPC_PS = textwrap.dedent(
+    """
+    import hashlib, json, sys
+    sys.path += sys.argv[3].split("|")  # -I -S: the standard library only, then these
+    try:
+        import ps_server
+    except ImportError:
+        pass
+    else:
+        raise SystemExit("grpc-ps is importable here: " + ps_server.__file__)
+    import torch
+    from safetensors.torch import load_file
+
+    def digest(state):
+        raw = {k: v.contiguous().view(torch.uint8).numpy().tobytes() for k, v in state.items()}
+        return {k: [str(v.dtype), list(v.shape), hashlib.sha256(raw[k]).hexdigest()] for k, v in state.items()}
+
+    print(json.dumps([digest(load_file(sys.argv[1])), digest(torch.load(sys.argv[2], weights_only=True))]))
+    """
+)
+
+
+def digest(state: dict[str, torch.Tensor]) -> dict[str, list[Any]]:
+    return {
+        k: [str(v.dtype), list(v.shape), hashlib.sha256(v.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()]
+        for k, v in state.items()
+    }
+
+
+def test_export_with_tables_loads_without_grpc_ps_and_imports_back(start_cluster, tmp_path: Path) -> None:
+    """Both formats hold the dense parameters and every table row bitwise as the shards serve them
+    (rows sent in one-row chunks: partition_bytes 512); a fresh job started from the file exports the
+    same dense parameters again (tables are not imported: they start at their initial rows)."""
+    from safetensors.torch import load_file
+
+    shards = start_cluster(2, num_workers=1)
+    torch.manual_seed(0)
+    model = WithTables()
+    hashed = torch.tensor([3, 2**39 + 11, 2**40 - 1, 123456789])
+    with PSClient(shards.addresses, rank=0, num_workers=1, timeout=RPC_TIMEOUT, partition_bytes=512) as c:
+        c.init(model, {"name": "sgd", "lr": 0.1, "sparse": {"name": "adagrad", "lr": 0.5}})
+        opt = DistributedOptimizer(model, c)
+        for step in range(3):
+            g = torch.Generator().manual_seed(step)
+            opt.zero_grad()
+            model(
+                torch.randint(0, 300, (8,), generator=g), hashed[torch.randint(0, 4, (8,), generator=g)]
+            ).sum().backward()
+            opt.step()
+        expected = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        expected["emb.weight"] = c.pull_rows("emb.weight", torch.arange(300))
+        expected["big.weight.ids"] = hashed.sort().values
+        expected["big.weight.rows"] = c.pull_rows("big.weight", hashed.sort().values)
+    assert not torch.equal(expected["big.weight.rows"], initial_rows("big.weight", 7, 1.0, hashed.sort().values, 3))
+
+    files = [tmp_path / "model.safetensors", tmp_path / "model.pt"]
+    assert write_model(shards.addresses, "", str(files[0])).endswith("version 3 (safetensors)")
+    assert write_model(shards.addresses, "", str(files[1])).startswith(f"wrote {files[1]}: 5 tensors")
+    exported = load_file(files[0])
+    assert exported["emb.weight"].shape == (300, 4) and exported["emb.weight"].dtype == torch.float32
+    assert digest(exported) == digest(expected)
+    dirs = sorted({str(Path(m.__file__).resolve().parents[1]) for m in (torch, sys.modules["safetensors"])})
+    fresh = subprocess.run(
+        [sys.executable, "-I", "-S", "-c", NO_GRPC_PS, *map(str, files), "|".join(dirs)],
+        capture_output=True,
+        text=True,
+        timeout=PROCESS_TIMEOUT,
+        cwd=tmp_path,
+    )
+    assert fresh.returncode == 0, fresh.stderr
+    assert json.loads(fresh.stdout) == [digest(expected), digest(expected)]
+
+    torch.manual_seed(1)
+    again = WithTables()
+    assert init_from(again, str(files[1])) == ["emb.weight", "big.weight.ids", "big.weight.rows"]
+    (second,) = start_cluster(1, num_workers=1)
+    with PSClient([second.address], rank=0, num_workers=1, timeout=RPC_TIMEOUT) as c:
+        c.init(again, {"name": "sgd", "lr": 0.1})
+    round_trip = tmp_path / "again.pt"
+    write_model([second.address], "", str(round_trip))
+    back = torch.load(round_trip, weights_only=True)
+    for key in ("fc.weight", "fc.bias"):
+        assert torch.equal(back[key], exported[key]), key
+    assert set(back) <= {"fc.weight", "fc.bias", "emb.weight", "big.weight.ids", "big.weight.rows"}
+
+
+def test_bad_model_files_are_refused_before_any_shard_is_asked(tmp_path: Path) -> None:
+    unknown = ps_admin("--servers", "127.0.0.1:1", "export", "--out", str(tmp_path / "model.bin"))
+    assert unknown.returncode == 1 and "suffix '.bin'" in unknown.stderr and "--format" in unknown.stderr
+    missing = ps_admin("--servers", "127.0.0.1:1", "export", "--out", str(tmp_path / "no" / "model.pt"))
+    assert missing.returncode == 1 and "does not exist" in missing.stderr
+    with pytest.raises(ValueError, match="is not a model file of this model"):
+        torch.save({"fc.weight": torch.zeros(1, 7)}, tmp_path / "wrong.pt")
+        init_from(WithTables(), str(tmp_path / "wrong.pt"))

@@ -12,9 +12,12 @@ import pytest
 import torch
 
 from ps_admin.export import ExportError, ShardExport, assemble, cmd_export, fetch_consistent
+from ps_admin.model_file import ModelFileError, table_tensors
 from ps_common import errors
 from ps_common.plan import ParameterSpec, make_plan
-from ps_server.checkpoint.export import export_messages
+from ps_common.tables import initial_rows
+from ps_server.checkpoint.export import export_messages, row_chunks
+from ps_server.core.limits import Limits
 
 SPECS = [
     ParameterSpec("fc.weight", (6, 8), "float32"),
@@ -32,10 +35,11 @@ FULL = {
 
 
 class FakeShard:
-    """The two things export_messages uses of a Shard: its index and export_state()."""
+    """What export_messages uses of a Shard: its index, its limits and export_state()."""
 
     def __init__(self, shard_index: int, initialized: bool = True) -> None:
         self.shard_index = shard_index
+        self.limits = Limits()
         self.initialized = initialized
 
     def export_state(self) -> dict[str, Any]:
@@ -146,6 +150,7 @@ def export_args(tmp_path: Path, allow_mixed: bool) -> SimpleNamespace:
         consistency_deadline=0.2,
         allow_mixed=allow_mixed,
         out=str(tmp_path / "model.pt"),
+        format="",
     )
 
 
@@ -160,3 +165,20 @@ def test_a_model_mixed_from_two_versions_is_not_written_unless_allowed(
     monkeypatch.setattr("ps_admin.export.fetch_all", Shards([[5, 7, 9, 11], [4, 6, 8, 10]]))
     assert cmd_export(export_args(tmp_path, allow_mixed=True), out, err) == 0
     assert (tmp_path / "model.pt").exists() and "--allow-mixed" in err.getvalue()
+
+
+def test_table_rows_travel_in_bounded_chunks_and_fill_a_matrix_of_initial_rows() -> None:
+    ids, values = torch.tensor([7, 2, 40]), torch.arange(15, dtype=torch.float32).view(3, 5)
+    blocks = list(row_chunks("emb.weight", ids, values, budget=1024 + 2 * (8 + 4 * 5)))
+    assert [len(b.ids) // 8 for b in blocks] == [2, 1] and all(len(b.data) == len(b.ids) // 8 * 20 for b in blocks)
+    spec = SimpleNamespace(name="emb.weight", num_rows=50, dim=5, seed=3, init_std=0.5)
+    sent = {"emb.weight": [(b.ids, b.data) for b in blocks]}
+    weight = table_tensors([spec], sent)["emb.weight"]
+    others = torch.tensor([i for i in range(50) if i not in (2, 7, 40)])
+    assert weight.shape == (50, 5) and torch.equal(weight[ids], values)
+    assert torch.equal(weight[others], initial_rows("emb.weight", 3, 0.5, others, 5))
+    sparse = table_tensors([spec], sent, dense_limit=50 * 5 * 4 - 1)
+    assert torch.equal(sparse["emb.weight.ids"], torch.tensor([2, 7, 40]))
+    assert torch.equal(sparse["emb.weight.rows"], values[[1, 0, 2]])
+    with pytest.raises(ModelFileError, match="out of range or twice"):
+        table_tensors([spec], {"emb.weight": sent["emb.weight"] * 2})
