@@ -11,7 +11,7 @@ from typing import Any
 import jsonschema
 import pytest
 import yaml
-from deployment import REPO, read_env_file, run_tool
+from deployment import REPO, compose_config, read_env_file, run_tool
 
 SCHEMA = Path(__file__).parent / "schemas" / "compose-spec.json"
 
@@ -120,3 +120,30 @@ def test_user_script_override_mounts_the_script_and_needs_it_named(docker_compos
         assert services[name]["volumes"] == [f"{REPO / 'examples/cnn_digits.py'}:/opt/grpc-ps-user/train.py:ro"]
         assert services[name]["read_only"] is True, "the override keeps the workers locked down"
     assert "volumes" not in services["worker-gpu-0"] and "PS_SCRIPT" not in services["ps-0"]["environment"]
+
+
+def test_three_shards_override_adds_ps_2_like_the_others(docker_compose: str, compose_model: dict[str, Any]) -> None:
+    """deploy/compose/three-shards.yml: 3 shards told PS_NUM_SHARDS=3, ps-2 the same service as ps-1
+    but for its index, volume and host port (docker-compose v1 merges both files the same way: it
+    drops pull_policy from every service), every worker lists and waits for the three."""
+    three = compose_config(docker_compose, REPO / ".env.example", (REPO / "deploy" / "compose" / "three-shards.yml",))
+    services, before = three["services"], compose_model["services"]
+    shards = ("ps-0", "ps-1", "ps-2")
+    assert {"ps-0-checkpoints", "ps-1-checkpoints", "ps-2-checkpoints"} <= set(three["volumes"])
+    for k, name in enumerate(shards):
+        env = services[name]["environment"]
+        assert (env["PS_NUM_SHARDS"], env["PS_SHARD_INDEX"]) == ("3", str(k))
+        assert services[name]["volumes"] == [f"ps-{k}-checkpoints:{env['PS_CHECKPOINT_DIR']}:rw"]
+    differ = ("environment", "volumes", "ports")
+    assert {k: v for k, v in services["ps-2"].items() if k not in differ} == {
+        k: v for k, v in services["ps-1"].items() if k not in differ
+    }
+    env_1 = {**before["ps-1"]["environment"], "PS_NUM_SHARDS": "3", "PS_SHARD_INDEX": "2"}
+    assert services["ps-2"]["environment"] == env_1
+    for name in ("worker-0", "worker-1", "worker-gpu-0", "worker-gpu-1"):
+        worker = services[name]
+        assert worker["environment"] == {
+            **before[name]["environment"],
+            "PS_SERVERS": ",".join(f"{s}:50051" for s in shards),
+        }
+        assert {d: c["condition"] for d, c in worker["depends_on"].items()} == dict.fromkeys(shards, "service_healthy")

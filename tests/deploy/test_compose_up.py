@@ -91,23 +91,28 @@ class Compose:
             "PS_ADMIN_TOKEN": secrets.token_urlsafe(24),
             "PS_0_PORT": str(_free_port()),
             "PS_1_PORT": str(_free_port()),
+            "PS_2_PORT": str(_free_port()),  # deploy/compose/three-shards.yml
             "PROMETHEUS_PORT": str(self.prometheus_port),
             "COMPOSE_HTTP_TIMEOUT": "300",
             **env,
         }
-        self.base = [
-            compose,
+        self.env_file, self.overrides, self.shards = env_file, overrides, SHARDS
+
+    @property
+    def base(self) -> list[str]:
+        return [
+            self.compose,
             "--project-name",
             self.project,
             "--project-directory",
             str(REPO),
             "--env-file",
-            str(env_file),
+            str(self.env_file),
             "-f",
             str(REPO / "docker-compose.yml"),
             "-f",
             str(REPO / ".ci" / "docker-compose.ci.yml"),
-            *(arg for path in overrides for arg in ("-f", str(path))),
+            *(arg for path in self.overrides for arg in ("-f", str(path))),
         ]
 
     def run(self, *args: str, timeout: float = COMMAND_TIMEOUT, check: bool = True) -> subprocess.CompletedProcess:
@@ -150,7 +155,7 @@ class Compose:
     def all_logs(self) -> str:
         """Every container's state and last lines: what a failure prints."""
         parts = [self.run("ps", check=False).stdout]
-        for service in (*SHARDS, *WORKERS, "prometheus"):
+        for service in (*self.shards, *WORKERS, "prometheus"):
             try:
                 state = self.inspect(service)["State"]
                 logs = self.logs(service).splitlines()[-40:]
@@ -314,6 +319,68 @@ def test_compose_up_survives_a_killed_shard(compose: Compose) -> None:
     )
     summaries = _check_trained(compose)
     print(f"killed ps-1 at version {version}; accuracies {[s['accuracy'] for s in summaries]}")
+
+
+RESHARD_FIRST_STEPS = 120
+
+
+def test_compose_job_resharded_from_two_shards_onto_three(compose: Compose, tmp_path: Path) -> None:
+    """A 2-shard job stops at step 120 (down, volumes kept); deploy/compose/reshard.sh moves its
+    checkpoints onto 3 volumes; up with deploy/compose/three-shards.yml: every shard resumes from the
+    resharded version, the workers resume at the cluster's clock and finish the 300 steps with
+    >= 0.95 accuracy, and the 3 shards end at version 300."""
+    started = time.monotonic()
+    short = tmp_path / "short-run.yml"
+    short.write_text(
+        "services:\n" + "".join(f"  {w}:\n    environment:\n      PS_STEPS: '{RESHARD_FIRST_STEPS}'\n" for w in WORKERS)
+    )
+    compose.overrides = (short,)
+    compose.run("up", "-d", "--no-build", timeout=UP_TIMEOUT)
+    _check_trained(compose)
+    versions = {s: compose.shard_version(s) for s in SHARDS}
+    assert versions == dict.fromkeys(SHARDS, RESHARD_FIRST_STEPS), versions  # sync: one version per step
+    script = [
+        "bash",
+        str(REPO / "deploy" / "compose" / "reshard.sh"),
+        "-p",
+        compose.project,
+        "--from",
+        "2",
+        "--to",
+        "3",
+    ]
+    env = {**compose.env, "DOCKER": compose.docker}
+    refused = subprocess.run(script, env=env, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    assert refused.returncode == 1 and "stop the job first" in refused.stderr, refused.stdout + refused.stderr
+    compose.run("down", "--timeout", "30", timeout=300)  # each shard writes its final checkpoint
+
+    compose.overrides, compose.shards = (REPO / "deploy" / "compose" / "three-shards.yml",), ("ps-0", "ps-1", "ps-2")
+    reshard = subprocess.run(script, env=env, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+    assert reshard.returncode == 0, reshard.stdout + reshard.stderr
+    version = RESHARD_FIRST_STEPS
+    assert f"reshard.sh: version {version} of 2 shards is now on 3 shards" in reshard.stdout, reshard.stdout
+    listing = compose.docker_cmd(
+        "run", "--rm", "--network", "none", "-v", f"{compose.project}_ps-0-checkpoints:/c:ro", "--entrypoint", "find",
+        "grpc-ps-server:0.1.0", "/c", "-name", "*.pt",
+    )  # fmt: skip
+    files = {path.removeprefix("/c/").split("-v")[0] for path in listing.stdout.split()}
+    assert files == {"shard-0", "before-reshard"}, listing.stdout + listing.stderr  # the 2-shard file kept aside
+    resharded = time.monotonic() - started
+
+    compose.run("up", "-d", "--no-build", timeout=UP_TIMEOUT)
+    summaries = _check_trained(compose)
+    for summary in summaries:
+        assert (summary["first_step"], summary["steps"]) == (RESHARD_FIRST_STEPS, STEPS), summary
+    for service in compose.shards:
+        compose.wait(f"{service} healthy", lambda s=service: _healthy(compose, s), 120.0)
+        line = f"ps-server: shard {service[-1]} resumed from its checkpoint at version {version}"
+        assert line in compose.logs(service), f"{service}\n{compose.all_logs()}"
+    final = {s: compose.shard_version(s) for s in compose.shards}
+    assert final == dict.fromkeys(compose.shards, STEPS), final
+    print(
+        f"reshard 2 -> 3 at version {version} after {resharded:.0f} s; versions {final}; "
+        f"accuracies {[s['accuracy'] for s in summaries]}; {time.monotonic() - started:.0f} s in all"
+    )
 
 
 def test_compose_user_script_override_trains_and_the_model_is_exported(

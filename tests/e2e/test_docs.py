@@ -47,6 +47,8 @@ SKIPPED: dict[str, str] = {
     r"^docker\b|\bdocker compose\b": "needs a Docker daemon; tests/deploy checks the compose file and runs its "
     "commands as local processes",
     r"^kubectl\b": "needs a Kubernetes cluster; tests/deploy validates the manifests",
+    r"^bash deploy/compose/reshard\.sh\b": "needs a Docker daemon and a stopped compose job's volumes: "
+    "tests/deploy/test_compose_up.py runs it",
     r"^torchrun\b": "DDP itself, for comparison: tests/e2e/test_ddp_port.py runs it under torchrun and the port "
     "under ps-launch, in a temporary directory, and compares their weights bitwise",
     r"examples/ddp_tutorial/multigpu_grpc_ps\.py": "writes snapshot.pt into the working directory and resumes "
