@@ -63,7 +63,7 @@ class TableRpcs:
         check_caller(context, request.rank, "InitTables", self.rank_tokens)
         specs = [table_spec_from_proto(t) for t in request.tables]
         applied, version, clock, tables = self.shard.init_tables(
-            request.rank, request.incarnation, specs, deadline(context)
+            request.rank, request.incarnation, specs, deadline(context), request.rows
         )
         return ps_pb2.InitTablesResponse(
             applied=applied, version=version, clock=clock, tables=[table_spec_to_proto(t) for t in tables]
