@@ -8,7 +8,8 @@ as (``--rank-tokens``) is refused first (WRONG_RANK). Every request is bounded b
 its ids (8 bytes each) and, for a pull, the rows it asks for must fit in one message of
 ``--max-message-bytes`` (RESOURCE_EXHAUSTED otherwise); every block is checked (table, ids in
 range and owned here, dim, dtype, finite values) before anything is held or applied,
-so a refused request changes nothing.
+so a refused request changes nothing. InitTables of rank 0 may carry rows to seed (a job started
+from a model file: ``ps_server.tables.seed``).
 """
 
 from __future__ import annotations

@@ -10,15 +10,12 @@ Pure torch: no grpc.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from ps_common.tables import TableSpec, initial_rows, shard_of
 from ps_proto.v1 import ps_pb2
-
-if TYPE_CHECKING:
-    from ps_worker.tables.client import TableClient
 
 Seeds = Mapping[str, tuple[torch.Tensor, torch.Tensor]]
 """Table name -> (row ids int64 [n], distinct; rows float32 [n, dim])."""
@@ -90,8 +87,20 @@ def seed_blocks(
     return out
 
 
-def send_seeds(tables: TableClient, request: ps_pb2.InitTablesRequest, call: Callable[[int, Any], Any]) -> int:
-    """Rank 0: send :attr:`TableClient.seeds` to every shard, one InitTables ``call(k, request)``
+class SeedHost(Protocol):
+    """What :func:`send_seeds` uses of the table client (``ps_worker.tables.client.TableClient``)."""
+
+    specs: dict[str, TableSpec]
+    seeds: Seeds
+    max_message_bytes: int
+    transport: Any
+
+    @property
+    def num_shards(self) -> int: ...
+
+
+def send_seeds(tables: SeedHost, request: ps_pb2.InitTablesRequest, call: Callable[[int, Any], Any]) -> int:
+    """Rank 0: send ``tables.seeds`` to every shard, one InitTables ``call(k, request)``
     per chunk (the declaration ``request`` with the chunk's rows), then forget them.
 
     Returns:
