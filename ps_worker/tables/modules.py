@@ -165,9 +165,10 @@ def attach_tables(client: TableHost, model: nn.Module, optimizer: Mapping[str, A
         m.forward = functools.partial(_forward, m, tables, spec.name)  # type: ignore[method-assign]
         object.__setattr__(m, "ps_table", spec.name)  # what ps_worker.tables.prefetch knows the module by
     for (_, m), spec in zip(found, specs, strict=True):
-        if getattr(m, "ps_seed_rows", None) is not None:  # a model file's rows (ps_worker.model_file.init_from)
-            tables.seeds = {**tables.seeds, spec.name: m.ps_seed_rows}
-            object.__setattr__(m, "ps_seed_rows", None)
+        seed = getattr(m, "ps_seed_rows", None)  # a model file's rows (ps_worker.model_file.init_from)
+        if seed is not None and client.session.rank == 0:  # the other ranks ignore them
+            tables.seeds = {**tables.seeds, spec.name: seed}
+        object.__setattr__(m, "ps_seed_rows", None)
     client.tables = tables
     client.on_close.append(tables.close)
     # the row optimizer derived from the dense one: a user may build a SparseAdam over the tables next,
