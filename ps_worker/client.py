@@ -33,7 +33,7 @@ from ps_worker.session import Session
 from ps_worker.session_view import SessionField
 from ps_worker.staging import HostStaging
 from ps_worker.tables.client import TableClient
-from ps_worker.tables.modules import attach_tables
+from ps_worker.tables.modules import attach_tables, join_then_seed
 from ps_worker.transport.calls import ShardCalls
 from ps_worker.transport.encoding import WIRE_DTYPES, WireCodec
 from ps_worker.transport.grpc_link import Transport
@@ -203,8 +203,8 @@ class PSClient:
         init_timeout: float = 120.0,
         buffers: bool = True,
     ) -> None:
-        """Join every shard; rank 0 writes the initial values and optimizer spec, every rank then
-        pulls them into ``model`` so all ranks start from identical weights.
+        """Join every shard; rank 0 writes the initial values, optimizer spec and any table rows to
+        import (``ps_worker.model_file``), every rank then pulls them so all start from identical weights.
 
         Args:
             model: its ``named_parameters()`` define the plan (float32/float16/bfloat16/float64).
@@ -216,9 +216,8 @@ class PSClient:
             init_timeout: seconds ranks other than 0 wait for rank 0's Init.
             buffers: the model's buffers (BatchNorm running statistics) join the plan, after the
                 parameters, as untrained entries the shards set to rank 0's values each step
-                (integer buffers travel as float64); :class:`DistributedOptimizer` loads them
-                before each forward (DDP's ``broadcast_buffers``). Pushes and pulls then include
-                them. False: parameters only.
+                (integer buffers travel as float64); :class:`DistributedOptimizer` loads them before
+                each forward (DDP's ``broadcast_buffers``); pushes and pulls include them. False: none.
 
         Raises:
             InvalidRequestError: a bad optimizer spec or unsupported parameter dtype.
@@ -230,7 +229,8 @@ class PSClient:
         self.translation, optimizer = optim_wrap.spec_of(model, optimizer)
         optimizer = attach_tables(self, model, optimizer)  # sparse embeddings become shard tables
         named, opt, plan = model_plan(model, optimizer, buffers, self.num_shards, self.partition_bytes)
-        self.path.initialize(named, WireCodec(plan, self.wire_dtype, self.compressor), opt, self.join, init_timeout)
+        codec, join = WireCodec(plan, self.wire_dtype, self.compressor), join_then_seed(self, self.join)
+        self.path.initialize(named, codec, opt, join, init_timeout)
         self.session.worker.after_init(self.session)
 
     # ------------------------------------------------------------------ embedding tables (ps_worker.tables.modules)

@@ -2,10 +2,12 @@
 --init-from PATH`` and scripts (docs/operations.md#start-a-job-from-a-model-file).
 
 The file's dense parameters and buffers are loaded into the model **before** ``client.init``, so
-rank 0 sends them to the shards as the job's initial values (the other ranks pull them). Embedding
-tables are not imported: the shards' ``InitTables`` declares a table without rows, and every row of
-a new job starts at its deterministic initial value (``ps_common.tables.initial_rows``); the file's
-table keys (``emb.weight``, or ``emb.weight.ids``/``.rows``) are skipped, and the caller is told which.
+rank 0 sends them to the shards as the job's initial values (the other ranks pull them). Its
+embedding tables are imported too: each table's rows (``emb.weight`` [num_rows, dim], or
+``emb.weight.ids``/``.rows`` for a hashed table) are kept on the table's module, and rank 0's
+``client.init`` seeds them on the shards (InitTables' rows, ``ps_worker.tables.seed``) before its
+dense Init; rows equal to their deterministic initial value (``ps_common.tables.initial_rows``)
+need not travel. Other ranks ignore them.
 """
 
 from __future__ import annotations
@@ -50,19 +52,32 @@ def table_names(model: torch.nn.Module) -> set[str]:
     return {f"{name}.weight" if name else "weight" for name, m in model.named_modules() if is_table(m)}
 
 
+def table_rows(state: dict[str, torch.Tensor], table: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(ids int64 [n], rows float32 [n, dim]) of ``table`` in a model file's ``state``: the full
+    matrix (ids 0..num_rows-1) or the ``.ids``/``.rows`` pair; None when the file has neither."""
+    if table in state:
+        rows = state[table]
+        return torch.arange(rows.shape[0], dtype=torch.int64), rows
+    if f"{table}.ids" in state and f"{table}.rows" in state:
+        return state[f"{table}.ids"].to(torch.int64), state[f"{table}.rows"]
+    return None
+
+
 def init_from(model: torch.nn.Module, path: str) -> list[str]:
-    """Load the dense parameters and buffers of model file ``path`` into ``model`` (before
-    ``client.init``); returns the file's table keys, which are skipped (tables start at their
-    initial rows).
+    """Load model file ``path`` into ``model`` (before ``client.init``): its dense parameters and
+    buffers at once, its tables' rows kept on their modules for rank 0's ``client.init`` to seed
+    (``TableClient.seeds``). Returns the file's table keys (imported).
 
     Raises:
         ValueError: the file lacks a dense key of the model or has one the model lacks (another
-            architecture); RuntimeError (torch): a shape differs. FileNotFoundError: no file.
+            architecture), or a table's rows are not float32 [n, dim] of the model's table.
+            RuntimeError (torch): a dense shape differs. FileNotFoundError: no file.
     """
     state = load_model_file(path)
-    tables = table_names(model)
-    skipped = [k for k in state if k in tables or k.rsplit(".", 1)[0] in tables]
-    dense = {k: v for k, v in state.items() if k not in skipped}
+    modules = {f"{name}.weight" if name else "weight": m for name, m in model.named_modules() if is_table(m)}
+    tables = set(modules)
+    imported = [k for k in state if k in tables or k.rsplit(".", 1)[0] in tables]
+    dense = {k: v for k, v in state.items() if k not in imported}
     expected = {k for k in model.state_dict() if k not in tables}
     if set(dense) != expected:
         missing, extra = sorted(expected - set(dense)), sorted(set(dense) - expected)
@@ -70,9 +85,23 @@ def init_from(model: torch.nn.Module, path: str) -> list[str]:
             f"{path} is not a model file of this model: it lacks {missing[:4]} and has {extra[:4]} that the "
             "model does not; start from a file of the same architecture."
         )
+    seeds = {}
+    for table, m in modules.items():
+        found = table_rows(state, table)
+        if found is None:
+            continue
+        ids, rows = found
+        num_rows, dim = int(m.num_embeddings), int(m.embedding_dim)
+        bad = rows.dtype != torch.float32 or tuple(rows.shape) != (ids.numel(), dim) or ids.dim() != 1
+        if bad or (table in state and ids.numel() != num_rows):
+            raise ValueError(
+                f"{path}: table {table!r} holds rows {tuple(rows.shape)} {rows.dtype}, but the model's table is "
+                f"[{num_rows}, {dim}] float32; start from a file of the same architecture."
+            )
+        seeds[table] = (m, ids, rows)
     model.load_state_dict(dense, strict=False)
-    if skipped:
-        log.warning(
-            "%s: embedding tables are not imported (%s); their rows start at their initial values", path, skipped[:4]
-        )
-    return skipped
+    for m, ids, rows in seeds.values():
+        object.__setattr__(m, "ps_seed_rows", (ids, rows))  # TableClient.seeds at client.init (rank 0 sends)
+    if imported:
+        log.info("%s: embedding table rows imported (%s), rank 0 seeds them at client.init", path, imported[:4])
+    return imported

@@ -538,14 +538,16 @@ class RowBlock(_message.Message):
     def __init__(self, table: _Optional[str] = ..., ids: _Optional[bytes] = ..., dtype: _Optional[_Union[Dtype, str]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class InitTablesRequest(_message.Message):
-    __slots__ = ("rank", "incarnation", "tables")
+    __slots__ = ("rank", "incarnation", "tables", "rows")
     RANK_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     TABLES_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
     rank: int
     incarnation: int
     tables: _containers.RepeatedCompositeFieldContainer[TableSpec]
-    def __init__(self, rank: _Optional[int] = ..., incarnation: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableSpec, _Mapping]]] = ...) -> None: ...
+    rows: _containers.RepeatedCompositeFieldContainer[RowBlock]
+    def __init__(self, rank: _Optional[int] = ..., incarnation: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableSpec, _Mapping]]] = ..., rows: _Optional[_Iterable[_Union[RowBlock, _Mapping]]] = ...) -> None: ...
 
 class InitTablesResponse(_message.Message):
     __slots__ = ("applied", "version", "clock", "tables")

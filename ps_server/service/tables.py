@@ -8,7 +8,8 @@ as (``--rank-tokens``) is refused first (WRONG_RANK). Every request is bounded b
 its ids (8 bytes each) and, for a pull, the rows it asks for must fit in one message of
 ``--max-message-bytes`` (RESOURCE_EXHAUSTED otherwise); every block is checked (table, ids in
 range and owned here, dim, dtype, finite values) before anything is held or applied,
-so a refused request changes nothing.
+so a refused request changes nothing. InitTables of rank 0 may carry rows to seed (a job started
+from a model file: ``ps_server.tables.seed``).
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ class TableRpcs:
         check_caller(context, request.rank, "InitTables", self.rank_tokens)
         specs = [table_spec_from_proto(t) for t in request.tables]
         applied, version, clock, tables = self.shard.init_tables(
-            request.rank, request.incarnation, specs, deadline(context)
+            request.rank, request.incarnation, specs, deadline(context), request.rows
         )
         return ps_pb2.InitTablesResponse(
             applied=applied, version=version, clock=clock, tables=[table_spec_to_proto(t) for t in tables]

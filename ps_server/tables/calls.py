@@ -29,6 +29,7 @@ from ps_server.membership.ranks import Membership
 from ps_server.policy.types import Awaited
 from ps_server.tables.metrics import TableRow, table_rows
 from ps_server.tables.row_read import RowRead, RowRequest
+from ps_server.tables.seed import seed_rows
 from ps_server.tables.store import TableStore
 from ps_server.tables.table import RowGrads
 
@@ -186,13 +187,21 @@ class TableCalls:
         self._host, self._cond = host, cond
 
     def init_tables(
-        self, rank: int, incarnation: int, specs: Sequence[TableSpec], remaining: float | None
+        self,
+        rank: int,
+        incarnation: int,
+        specs: Sequence[TableSpec],
+        remaining: float | None,
+        rows: Sequence[Block] = (),
     ) -> tuple[bool, int, int, list[TableSpec]]:
-        """InitTables (lock held): rank 0 (joined and live) declares the tables; another rank waits for
-        rank 0's declaration, then checks its own against it.
+        """InitTables (lock held): rank 0 (joined and live) declares the tables and stores the
+        ``rows`` it seeds (``ps_server.tables.seed``); another rank waits for rank 0's declaration,
+        then checks its own against it.
 
         Args:
             remaining: seconds the call may wait (None: no deadline).
+            rows: seed rows, one block per table, rank 0 only; a refused seed leaves the tables as
+                they were (undeclared when this call declared them).
 
         Returns:
             (applied: declared now, the table version, the clock the rank's next PushRows carries,
@@ -201,8 +210,12 @@ class TableCalls:
         Raises:
             NotJoinedError, SupersededError: rank 0 not live under ``incarnation``. As
             :meth:`TableStore.declare`; WaitTimeoutError, ShuttingDownError: rank 0 did not declare in time.
+            InvalidRequestError: ``rows`` from a rank other than 0. RequestTooLargeError, and as
+            :func:`~ps_server.tables.seed.seed_rows`: refused seed rows.
         """
         host = self._host
+        if rows and rank != 0:
+            raise InvalidRequestError(f"Only rank 0 seeds table rows; rank {rank} sent some. Send them from rank 0.")
         member = host.membership.get(rank, incarnation)
         if rank == 0:  # only the joined, live rank 0 declares (NOT_JOINED otherwise)
             Membership.check_live(member, incarnation)
@@ -215,6 +228,14 @@ class TableCalls:
                 lambda: f"Shard {host.shard_index}: rank 0 did not declare its tables in time; start rank 0.",
             )
         applied = store.declare(specs)
+        if rows:
+            try:
+                check_size(rows, host.limits.max_message_bytes, store, pull=False)
+                seed_rows(store, rows)
+            except Exception:
+                if applied:  # refused: nothing changed, not even the declaration
+                    store.tables = {}
+                raise
         if applied:
             host.notify()
         clock = store.clock_of(host.policy, rank, incarnation)

@@ -335,6 +335,17 @@ class Table:
         self.step = prepared.step
         self.life.rotate_if_due(self.step)
 
+    def seed(self, ids: torch.Tensor, rows: torch.Tensor, most: int | None = None) -> None:
+        """Store rows ``ids`` (int64 [n], distinct, checked, room checked) with exactly ``rows``
+        (float32 [n, dim]): admitted, optimizer state initial, step unchanged (``tables.seed``).
+        ``most``: as :meth:`commit`."""
+        for r in list(self.readers):  # an open chunked read answers what it started with
+            r.finish()
+        slots = self._lookup(ids)
+        slots = self._allocate(ids, slots, slots >= 0, most)
+        self.values[slots] = rows
+        self.life.touch(slots, self.step)
+
     def read_for_update(self, ids: torch.Tensor, slots: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
         out = torch.empty(ids.numel(), self.spec.dim, dtype=torch.float32)
         if bool(held.any()):

@@ -27,8 +27,9 @@ from ps_common.plan import DEFAULT_PARTITION_BYTES
 from ps_common.tables import TableSpec, shard_of
 from ps_common.wire import table_spec_from_proto, table_spec_to_proto
 from ps_proto.v1 import ps_pb2
-from ps_worker.errors import error_from_rpc
+from ps_worker.errors import ShardError, error_from_rpc
 from ps_worker.tables.prefetch import Ahead
+from ps_worker.tables.seed import Seeds, send_seeds
 from ps_worker.transport.retry import retry_call
 
 if TYPE_CHECKING:
@@ -110,6 +111,8 @@ class TableClient:
         self.weights: dict[str, weakref.ref[torch.Tensor]] = {}
         """Table name -> the weight its module held before ``attach_tables`` removed it (a user
         optimizer built before ``client.init`` still holds it: ``ps_worker.torch_optim``)."""
+        self.seeds: Seeds = {}
+        """Rows rank 0 stores at :meth:`declare` (a model file's: ``ps_worker.tables.seed``)."""
         self.hyperparameters: Callable[[], Mapping[str, float]] | None = None
         """What each PushRows carries when :meth:`push` is given none: the row optimizer's values
         an lr scheduler set (``DistributedOptimizer`` reads them from the user's optimizer)."""
@@ -144,8 +147,8 @@ class TableClient:
 
     # ------------------------------------------------------------------ declare
     def declare(self) -> None:
-        """InitTables on every shard: rank 0 declares, the others wait for it; adopt the tables in
-        force and the clock of this rank's next push (the largest any shard gives).
+        """InitTables on every shard: rank 0 declares (then sends :attr:`seeds`), the others wait for
+        it; adopt the tables in force and the clock of this rank's next push (the largest any shard gives).
 
         Raises:
             ShardError: a refusal (PlanMismatch: the shards hold other tables).
@@ -158,6 +161,20 @@ class TableClient:
         replies = self.transport.each_shard(lambda k: self._call(k, "InitTables", request))
         self.specs = {t.name: table_spec_from_proto(t) for t in replies[0].tables}
         self.clock = max(r.clock for r in replies)
+        if self.seeds and self.session.rank == 0:  # other ranks' seeds are ignored
+            names = ", ".join(self.seeds)
+            log.info("seeded %d rows of tables %s", send_seeds(self, request, self._seed_call), names)
+        self.seeds = {}
+
+    def _seed_call(self, k: int, request: ps_pb2.InitTablesRequest) -> ps_pb2.InitTablesResponse | None:
+        """One InitTables with seed rows; None where the shard's tables trained already (its rows stay)."""
+        try:
+            return self._call(k, "InitTables", request)
+        except ShardError as exc:
+            if exc.code() != grpc.StatusCode.FAILED_PRECONDITION:
+                raise
+            log.warning("%s: %s; its table rows stay as they are", self.transport.servers[k], exc.details())
+            return None
 
     def _ensure(self) -> int:
         if self.clock is None:

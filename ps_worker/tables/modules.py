@@ -164,6 +164,11 @@ def attach_tables(client: TableHost, model: nn.Module, optimizer: Mapping[str, A
             object.__setattr__(m, "weight", None)
         m.forward = functools.partial(_forward, m, tables, spec.name)  # type: ignore[method-assign]
         object.__setattr__(m, "ps_table", spec.name)  # what ps_worker.tables.prefetch knows the module by
+    for (_, m), spec in zip(found, specs, strict=True):
+        seed = getattr(m, "ps_seed_rows", None)  # a model file's rows (ps_worker.model_file.init_from)
+        if seed is not None and client.session.rank == 0:  # the other ranks ignore them
+            tables.seeds = {**tables.seeds, spec.name: seed}
+        object.__setattr__(m, "ps_seed_rows", None)
     client.tables = tables
     client.on_close.append(tables.close)
     # the row optimizer derived from the dense one: a user may build a SparseAdam over the tables next,
@@ -263,3 +268,19 @@ def push_step(tables: TableClient, scale: torch.Tensor | float | None = None, sk
     hyper = tables.hyperparameters() if tables.hyperparameters is not None else None  # read on this thread
     pushed = tables.ahead.push_then_pull(lambda each_shard: tables.push(grads, hyper, each_shard))
     return pushed.result
+
+
+def join_then_seed(client: TableHost, join: Callable[[], Any]) -> Callable[[], Any]:
+    """``join``, then, on rank 0 with seed rows (``TableClient.seeds``), the tables declared and
+    seeded at once, before rank 0's dense Init: the other ranks wait for that Init, so none reads a
+    row before it is seeded. Otherwise ``join`` itself (tables are declared at the first pull)."""
+    tables = client.tables
+    if tables is None or not tables.seeds or client.session.rank != 0:
+        return join
+
+    def joined() -> Any:
+        replies = join()
+        tables.declare()
+        return replies
+
+    return joined

@@ -72,7 +72,7 @@ def training_flags(p: FlagParser) -> None:
         "--init-from",
         default="",
         help="start the model from this .safetensors or .pt model file (ps-admin export, ps-launch --save): its "
-        "dense parameters before Init; embedding tables start at their initial rows",
+        "dense parameters before Init, its embedding tables' rows seeded by rank 0 at table init",
     )
     p.flag("--corpus", default="", help="charlm: text file to train on (default: the Python standard library's source)")
     p.flag(

@@ -116,8 +116,9 @@ def train(
         curves: TensorBoard curves of this rank (:class:`~ps_worker.tensorboard.TrainingLog`): every
             step's loss, seconds, learning rate, staleness and bytes, and the held-out scores at the
             last step; the caller closes it. None records nothing.
-        init_from: a model file whose dense parameters the model starts from (rank 0's reach the
-            shards at Init; :func:`ps_worker.model_file.init_from`); "" starts from ``seed``.
+        init_from: a model file whose dense parameters and table rows the model starts from (rank
+            0's reach the shards at Init and InitTables; :func:`ps_worker.model_file.init_from`); ""
+            starts from ``seed``.
 
     A resize (``ps-admin resize``) reaches the loop through the client: from the resize's round
     (sync; at once in the other modes) the data is re-sharded — a ``DistributedSampler`` with the

@@ -17,11 +17,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 import torch
 
 from ps_admin.export import write_model
-from ps_common.tables import initial_rows
+from ps_common.tables import initial_rows, shard_of
+from ps_common.wire import table_spec_to_proto
+from ps_proto.v1 import ps_pb2
 from ps_server.server import ShardServer
 from ps_worker import DistributedOptimizer, PSClient
 from ps_worker.export import pull_into
@@ -272,8 +275,8 @@ def digest(state: dict[str, torch.Tensor]) -> dict[str, list[Any]]:
 
 def test_export_with_tables_loads_without_grpc_ps_and_imports_back(start_cluster, tmp_path: Path) -> None:
     """Both formats hold the dense parameters and every table row bitwise as the shards serve them
-    (rows sent in one-row chunks: partition_bytes 512); a fresh job started from the file exports the
-    same dense parameters again (tables are not imported: they start at their initial rows)."""
+    (rows sent in one-row chunks: partition_bytes 512); a fresh job on 2 new shards started from the file
+    (``init_from``: rank 0 seeds the rows in InitTables chunks of 512 bytes) exports the same file again."""
     from safetensors.torch import load_file
 
     shards = start_cluster(2, num_workers=1)
@@ -316,15 +319,44 @@ def test_export_with_tables_loads_without_grpc_ps_and_imports_back(start_cluster
     torch.manual_seed(1)
     again = WithTables()
     assert init_from(again, str(files[1])) == ["emb.weight", "big.weight.ids", "big.weight.rows"]
-    (second,) = start_cluster(1, num_workers=1)
-    with PSClient([second.address], rank=0, num_workers=1, timeout=RPC_TIMEOUT) as c:
-        c.init(again, {"name": "sgd", "lr": 0.1})
-    round_trip = tmp_path / "again.pt"
-    write_model([second.address], "", str(round_trip))
-    back = torch.load(round_trip, weights_only=True)
-    for key in ("fc.weight", "fc.bias"):
-        assert torch.equal(back[key], exported[key]), key
-    assert set(back) <= {"fc.weight", "fc.bias", "emb.weight", "big.weight.ids", "big.weight.rows"}
+    second = start_cluster(2, num_workers=1)
+    with PSClient(second.addresses, rank=0, num_workers=1, timeout=RPC_TIMEOUT, partition_bytes=512) as c:
+        c.init(again, {"name": "sgd", "lr": 0.1, "sparse": {"name": "adagrad", "lr": 0.5}})
+        assert c.tables is not None and c.tables.calls["InitTables"] >= 4  # declare + >= 1 row chunk per shard
+        round_trip = tmp_path / "again.pt"
+        write_model(second.addresses, "", str(round_trip))
+        back = torch.load(round_trip, weights_only=True)
+        assert digest(back) == digest(expected)  # dense and table keys bitwise
+        check_seed_refusals(c, expected["emb.weight"])
+
+
+def check_seed_refusals(c: PSClient, emb: torch.Tensor) -> None:
+    """On a seeded job before its first push: a retried seed changes nothing, a seed of rank 1 or
+    of a row out of range is refused (INVALID_ARGUMENT); after a push, FAILED_PRECONDITION."""
+    assert c.tables is not None
+    specs = [table_spec_to_proto(s) for s in c.tables.specs.values()]
+    k, row = next((k, r) for r in range(300) if (k := int(shard_of(torch.tensor([r]), 2))) == 0)
+    stub = c.transport.stubs[k]
+
+    def seed(rank: int, ids: list[int], values: torch.Tensor) -> ps_pb2.InitTablesResponse:
+        block = ps_pb2.RowBlock(
+            table="emb.weight", ids=torch.tensor(ids).numpy().astype("<i8").tobytes(), dtype=ps_pb2.DTYPE_FLOAT32
+        )
+        block.data = values.numpy().astype("<f4").tobytes()
+        request = ps_pb2.InitTablesRequest(rank=rank, incarnation=c.session.incarnation, tables=specs, rows=[block])
+        return stub.InitTables(request, timeout=RPC_TIMEOUT)
+
+    assert not seed(0, [row], emb[row : row + 1]).applied  # the same row again: a no-op
+    assert torch.equal(c.pull_rows("emb.weight", torch.tensor([row])), emb[row : row + 1])
+    for rank, ids in ((1, [row]), (0, [300])):
+        with pytest.raises(grpc.RpcError) as refused:
+            seed(rank, ids, torch.zeros(1, 4))
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, refused.value.details()
+    c.push_rows({"emb.weight": (torch.tensor([row]), torch.ones(1, 4))})
+    with pytest.raises(grpc.RpcError) as started:
+        seed(0, [row], torch.zeros(1, 4))
+    assert started.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "before training" in started.value.details()
+    assert not torch.equal(c.pull_rows("emb.weight", torch.tensor([row])), torch.zeros(1, 4))
 
 
 def test_bad_model_files_are_refused_before_any_shard_is_asked(tmp_path: Path) -> None:
