@@ -4,11 +4,10 @@ every shard and end with every remaining rank holding theta_global."""
 
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
 from pathlib import Path
 
+from tests.e2e import test_elastic as elastic
 from tests.e2e.test_launch import assert_all_gone
 
 H = 10
@@ -19,19 +18,15 @@ JOB = [
 
 
 def launch(log_dir: Path, workers: int, steps: int, *extra: str) -> tuple[dict, str]:
-    out = subprocess.run(
-        [*JOB, "--workers", str(workers), "--steps", str(steps), "--log-dir", str(log_dir), *extra, "digits"],
-        capture_output=True,
-        text=True,
-        timeout=420,
-    )
-    assert out.returncode == 0, out.stderr[-4000:]
-    return json.loads(out.stdout.strip().splitlines()[-1]), out.stderr
+    return elastic.launch(log_dir, workers, steps, *extra, job=JOB)
 
 
 def test_a_diloco_job_grows_and_shrinks_at_outer_rounds(tmp_path) -> None:
     steps = 120  # 12 outer rounds of H = 10 inner steps
-    summary, stderr = launch(tmp_path, 2, steps, "--resize", "3@step=30;1@step=70")
+    # rank 0 paces every round (30 ms an inner step), so the resizes land near the steps they name
+    summary, stderr = launch(
+        tmp_path, 2, steps, "--resize", "3@step=30;1@step=70", "--slow-rank", "0", "--slow-ms", "30"
+    )
     resizes = [f for f in summary["faults"] if "resize" in f]
     assert [r["resize"] for r in resizes] == [3, 1], summary["faults"]
     grow_at, shrink_at = (r["at_version"] for r in resizes)  # outer rounds

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from tests.e2e.test_launch import assert_all_gone
@@ -18,9 +19,10 @@ JOB = [
 ]
 
 
-def launch(log_dir: Path, workers: int, steps: int, *extra: str) -> tuple[dict, str]:
+def launch(log_dir: Path, workers: int, steps: int, *extra: str, job: Sequence[str] = JOB) -> tuple[dict, str]:
+    """ps-launch ``job`` of digits with ``workers`` and ``steps``; its JSON summary and stderr."""
     out = subprocess.run(
-        [*JOB, "--workers", str(workers), "--steps", str(steps), "--log-dir", str(log_dir), *extra, "digits"],
+        [*job, "--workers", str(workers), "--steps", str(steps), "--log-dir", str(log_dir), *extra, "digits"],
         capture_output=True,
         text=True,
         timeout=420,
