@@ -55,14 +55,22 @@ class StartedStream:
             self.cond.notify_all()
 
     def messages(self) -> Iterator[bytes]:
-        # The stream ends only at finish() (the step), even when every frame went out during
+        # The last message goes out only at finish() (the step), even when it was built during
         # backward: until then the push can still be abandoned (abort) and the shard applies nothing.
+        # Ending the stream there is not enough: a gRPC server may read a cancelled request stream
+        # as one that ended (its last receive completes empty before the cancellation is seen), and
+        # a shard takes a push whose partitions all arrived. Without the last message it has not.
+        def sendable() -> bool:
+            return self.aborted or self.finished or len(self.built) > 1 or bool(self.built and self.unbuilt)
+
         while True:
             with self.cond:
-                self.cond.wait_for(lambda: self.built or self.finished or self.aborted, timeout=self.timeout)
+                in_time = self.cond.wait_for(sendable, timeout=self.timeout)
                 if self.aborted:
-                    raise RuntimeError("push abandoned before step()")
+                    raise RuntimeError("push abandoned before step()")  # gRPC cancels the call
+                if not in_time:
+                    raise RuntimeError(f"step() did not come within {self.timeout} s of the last gradient")
                 if not self.built:
-                    return  # finished; or finish() never came in time: end the stream (the call fails)
+                    return  # finished: every message went out
                 m = self.built.pop(0)
             yield m
