@@ -28,6 +28,8 @@ from ps_common.errors import CheckpointError
 from ps_server.checkpoint import format as checkpoint_format
 from ps_server.checkpoint.files import CheckpointStore
 from ps_server.checkpoint.reshard import ReshardError, reshard_states
+from ps_server.tables.table import table_row_bytes
+from ps_server.tables.table_io import spec_from_export
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +99,19 @@ def _read(path: Path, shard_index: int, version: int) -> dict[str, Any]:
     return state
 
 
+def table_sizes(states: Sequence[dict[str, Any]]) -> str:
+    """What each new shard must be allowed to hold of the tables (its ``--max-table-rows`` and
+    ``--max-table-bytes``: a shard refuses to start from a checkpoint beyond them); '' without tables."""
+    rows, held = 0, 0
+    for state in states:
+        saved = (state.get("tables") or {}).get("tables", [])
+        rows = max([rows, *(int(t["ids"].numel()) for t in saved)])
+        held = max(held, sum(int(t["ids"].numel()) * table_row_bytes(spec_from_export(t)) for t in saved))
+    if not held:
+        return ""
+    return f"; each shard holds at most {rows} rows of a table and {held} bytes of tables"
+
+
 def reshard_directory(source: Path, num_shards: int, out: Path | None = None, version: int | None = None) -> str:
     """Reshard the checkpoint set in ``source`` onto ``num_shards`` shards, into ``out`` (None: in
     place, the old files kept in a ``before-reshard-…`` folder of ``source``).
@@ -117,7 +132,10 @@ def reshard_directory(source: Path, num_shards: int, out: Path | None = None, ve
     if out is not None and out.resolve() != source.resolve():
         for k, state in enumerate(new_states):
             CheckpointStore(out, k, keep=1).save(state, v)
-        return f"resharded version {v} of {old_count} shards in {source} onto {num_shards} shards in {out}"
+        return (
+            f"resharded version {v} of {old_count} shards in {source} onto {num_shards} shards in {out}"
+            + table_sizes(new_states)
+        )
     backup = source / f"before-reshard-v{v}-{old_count}-shards"
     if backup.exists():
         raise ReshardError(f"{backup} exists already (an earlier reshard of this set): move it away first.")
@@ -140,7 +158,7 @@ def reshard_directory(source: Path, num_shards: int, out: Path | None = None, ve
     _fsync(source)
     return (
         f"resharded version {v} of {old_count} shards in {source} onto {num_shards} shards in place; "
-        f"the {old_count}-shard files are in {backup}"
+        f"the {old_count}-shard files are in {backup}" + table_sizes(new_states)
     )
 
 

@@ -70,9 +70,9 @@ class StateCodec:
     def restore(state: dict[str, Any], membership: Membership, epochs: Epochs, tables: TableStore) -> None:
         """Put the members, membership epochs and tables of :meth:`export` output back. Caller
         holds the shard's lock."""
+        tables.restore(state.get("tables"))  # first: CheckpointError when they exceed the shard's bounds
         membership.restore(state["members"])
         epochs.restore(state.get("epochs"))
-        tables.restore(state.get("tables"))
 
 
 def export_state(

@@ -46,7 +46,7 @@ from ps_server.tables.lifetime import EXPIRE_SCAN_ROWS
 from ps_server.tables.row_read import RowRead, RowRequest
 from ps_server.tables.sparse_optim import state_names
 from ps_server.tables.table import DEFAULT_MAX_TABLE_BYTES, RowGrads, Table, coalesce, table_row_bytes
-from ps_server.tables.table_io import export_table, restore_table, spec_from_export
+from ps_server.tables.table_io import check_restored, export_table, restore_table, spec_from_export
 
 log = logging.getLogger(__name__)
 
@@ -396,15 +396,18 @@ class TableStore:
         }
 
     def restore(self, saved: dict[str, Any] | None) -> None:
-        """Load :meth:`export` output (None: a checkpoint without tables, nothing to load)."""
+        """Load :meth:`export` output (None: a checkpoint without tables, nothing to load).
+
+        Raises:
+            CheckpointError: the tables exceed this shard's row or byte bounds (nothing loaded)."""
         if not saved:
             return
-        self.tables = {}
+        tables = {}
         for item in saved["tables"]:
-            spec = spec_from_export(item)
-            table = self._new_table(spec)
+            table = tables[spec.name] = self._new_table(spec := spec_from_export(item))
             restore_table(table, item)
-            self.tables[spec.name] = table
+        check_restored(tables, self.shard_index, self.max_rows, self.max_bytes)  # CheckpointError: too many
+        self.tables = tables
         self.version = int(saved["version"])
         self.high_water = {int(r): (int(inc), int(clock)) for r, inc, clock in saved.get("high_water", [])}
         self.held, self.held_keys, self.held_hyper = {}, {}, None

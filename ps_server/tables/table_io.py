@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from ps_common.errors import CheckpointError
 from ps_common.tables import RowOptimizerSpec, TableSpec
 from ps_server.tables.row_index import RowIndex
 from ps_server.tables.table import LIFETIME_FIELDS, Table
@@ -54,3 +55,26 @@ def restore_table(table: Table, saved: dict[str, Any]) -> None:
     table.used = table.ids.numel()
     table.free = torch.empty(0, dtype=torch.int64)
     table.life.restore(saved.get("life"), table.used, table.step)
+
+
+def check_restored(tables: dict[str, Table], shard_index: int, max_rows: int, max_bytes: int) -> None:
+    """Refuse restored ``tables`` that exceed this shard's bounds: a checkpoint resharded onto fewer
+    shards (``ps-admin reshard``), or a shard started with smaller limits than it wrote it with.
+
+    Raises:
+        CheckpointError: a table holds more than ``max_rows`` rows (``--max-table-rows``), or all of
+            them more than ``max_bytes`` bytes (``--max-table-bytes``); nothing is loaded.
+    """
+    fix = "start the shard with higher limits, or reshard the checkpoints onto more shards (ps-admin reshard --to)"
+    for name, t in tables.items():
+        if t.rows > max_rows:
+            raise CheckpointError(
+                f"Shard {shard_index}'s checkpoint holds {t.rows} rows of table {name!r}, more than "
+                f"--max-table-rows={max_rows}; {fix}."
+            )
+    held = sum(t.num_bytes for t in tables.values())
+    if held > max_bytes:
+        raise CheckpointError(
+            f"Shard {shard_index}'s checkpoint holds {held} bytes of tables (values, optimizer state, ids and "
+            f"index), more than --max-table-bytes={max_bytes}; {fix}."
+        )

@@ -4,6 +4,7 @@ too. Bad input is refused and changes nothing."""
 
 from __future__ import annotations
 
+import re
 import threading
 from pathlib import Path
 from typing import Any
@@ -13,10 +14,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ps_common.errors import CheckpointError
 from ps_server.checkpoint.files import CheckpointStore
 from ps_server.checkpoint.reshard import ReshardError, reshard_states
 from ps_server.checkpoint.reshard_cli import checkpoint_files, main, read_set, reshard_directory
 from ps_server.tables.admission import AdmissionFilter
+from ps_server.tables.table import table_row_bytes
+from ps_server.tables.table_io import spec_from_export
 from ps_worker import DistributedOptimizer, PSClient
 
 RPC_TIMEOUT = 20.0
@@ -245,3 +249,24 @@ def test_an_admission_filter_restores_onto_another_width_without_losing_counts()
         assert fitted.width != saved.width
         fitted.restore(saved.export())
         assert bool((fitted.estimate(ids) >= want).all())
+
+
+def test_a_shard_refuses_tables_beyond_its_bounds_after_a_reshard_onto_fewer_shards(tmp_path, start_cluster) -> None:
+    """2 shards' table rows merged onto 1: the line says what the shard must hold; a shard started
+    with lower --max-table-rows or --max-table-bytes refuses the checkpoint (CheckpointError, what
+    to do) instead of holding more than its bound; with room it resumes."""
+    old, one = tmp_path / "two", tmp_path / "one"
+    run(start_cluster, 2, range(K), True, old)
+    line = reshard_directory(old, 1, one)
+    found = re.search(r"holds at most (\d+) rows of a table and (\d+) bytes of tables", line)
+    assert found, line
+    rows, held = int(found[1]), int(found[2])
+    (saved,) = CheckpointStore(one, 0).load(K)["tables"]["tables"]
+    assert rows == saved["ids"].numel() > 0 and held == rows * table_row_bytes(spec_from_export(saved))
+    shard = {"num_shards": 1, "num_workers": WORKERS, "mode": "sync", "checkpoint_dir": str(one)}
+    with pytest.raises(CheckpointError, match=rf"holds {rows} rows of table 'emb.weight', more than --max-table-rows"):
+        start_cluster(**shard, max_table_rows=rows - 1)
+    with pytest.raises(CheckpointError, match=rf"holds {held} bytes of tables .* more than --max-table-bytes"):
+        start_cluster(**shard, max_table_bytes=held - 1)
+    (cluster,) = start_cluster(**shard, max_table_rows=rows, max_table_bytes=held)
+    assert cluster.shard.version == K and cluster.shard.tables.tables["emb.weight"].rows == rows
