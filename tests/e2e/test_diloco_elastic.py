@@ -1,11 +1,14 @@
-"""diloco through ps-launch when ranks come and go: a resize at an outer round (2 -> 3 -> 1 workers)
-and a worker killed mid-round and restarted. Both keep the outer rounds one per H inner steps on
-every shard and end with every remaining rank holding theta_global."""
+"""diloco through ps-launch when ranks come and go: a resize at an outer round (2 -> 3 -> 1 workers,
+also with Streaming DiLoCo's fragments) and a worker killed mid-round and restarted. Both keep the
+outer rounds one per H inner steps (H/F with fragments) on every shard and end with every remaining
+rank holding theta_global."""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
+
+import pytest
 
 from tests.e2e import test_elastic as elastic
 from tests.e2e.test_launch import assert_all_gone
@@ -21,23 +24,27 @@ def launch(log_dir: Path, workers: int, steps: int, *extra: str) -> tuple[dict, 
     return elastic.launch(log_dir, workers, steps, *extra, job=JOB)
 
 
-def test_a_diloco_job_grows_and_shrinks_at_outer_rounds(tmp_path) -> None:
-    steps = 120  # 12 outer rounds of H = 10 inner steps
+@pytest.mark.parametrize("fragments", [1, 2])
+def test_a_diloco_job_grows_and_shrinks_at_outer_rounds(tmp_path, fragments: int) -> None:
+    steps = 120  # 12 outer rounds of H = 10 inner steps; Streaming DiLoCo (F = 2): 24 of H/F = 5
+    every = H // fragments  # inner steps between outer rounds (one fragment a round)
     # rank 0 paces every round (30 ms an inner step), so the resizes land near the steps they name
     summary, stderr = launch(
-        tmp_path, 2, steps, "--resize", "3@step=30;1@step=70", "--slow-rank", "0", "--slow-ms", "30"
-    )
+        tmp_path, 2, steps, "--resize", "3@step=30;1@step=70", "--slow-rank", "0", "--slow-ms", "30",
+        "--fragments", str(fragments),
+    )  # fmt: skip
     resizes = [f for f in summary["faults"] if "resize" in f]
     assert [r["resize"] for r in resizes] == [3, 1], summary["faults"]
     grow_at, shrink_at = (r["at_version"] for r in resizes)  # outer rounds
-    assert 30 // H < grow_at < shrink_at and shrink_at > 70 // H
-    assert summary["num_workers_at_end"] == 1 and summary["shards_view"]["versions"] == [steps // H] * 2
+    assert 30 // every < grow_at < shrink_at and shrink_at > 70 // every
+    assert summary["num_workers_at_end"] == 1 and summary["shards_view"]["versions"] == [steps // every] * 2
     # ranks 1 and 2 pushed their last outer round before the shrink's and stopped at its first inner step
-    assert summary["resized_out_at_per_rank"] == [None, shrink_at * H, shrink_at * H], summary[
+    assert summary["resized_out_at_per_rank"] == [None, shrink_at * every, shrink_at * every], summary[
         "resized_out_at_per_rank"
     ]
     first = {row["rank"]: row["first_step"] for row in summary["ranks"]}
-    assert first[0] == first[1] == 0 and first[2] >= grow_at * H and first[2] % H == 0  # from an outer round's start
+    # rank 2 starts from theta_global (every fragment) at an outer round's first inner step
+    assert first[0] == first[1] == 0 and first[2] >= grow_at * every and first[2] % every == 0
     assert summary["accuracy_per_rank"][0] >= 0.7, summary["accuracy_per_rank"]  # it trained (120 steps: 0.9 here)
     assert_all_gone(stderr, expected=5)
 
