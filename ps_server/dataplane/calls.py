@@ -137,9 +137,9 @@ class CallServer:
         active = lambda: not conn.error and conn.peer_open()  # noqa: E731
         context = CallContext(timeout_ms / 1000 if timeout_ms else None, active, conn.rank)
         code, body = run_call(self._handler, request, context, f"call {sequence} of rank {conn.rank}")
-        self._answer(conn, sequence, code, body, context.time_remaining())
-        with self._lock:
+        with self._lock:  # before the answer: a worker that has it sees the call counted
             self.calls += 1
+        self._answer(conn, sequence, code, body, context.time_remaining())
 
     @staticmethod
     def _answer(conn: Connection, sequence: int, code: int, body: dataconn.Body, timeout: float | None) -> None:
