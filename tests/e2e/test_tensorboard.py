@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+ROOT = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("render_watch", ROOT / "scripts" / "render_watch.py")
+assert _spec is not None and _spec.loader is not None
+render_watch = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(render_watch)
 LAUNCH = [sys.executable, "-m", "ps_launch.cli", "--shards", "1", "--no-progress", "--no-metrics"]
 
 
@@ -45,6 +52,10 @@ def test_a_built_in_workload_writes_each_rank_s_curves_and_held_out_scores(tmp_p
         pushed = [v for _, v in s["comm/pushed_bytes"]]
         assert pushed == sorted(pushed) and pushed[0] > 0
         assert s["eval/accuracy"] == [(20, pytest.approx(summary["accuracy_per_rank"][rank]))] and "eval/loss" in s
+    # README's TensorBoard picture is drawn from such a directory (scripts/render_watch.py)
+    drawn = render_watch.render_tensorboard(tb, tmp_path / "tensorboard.png")
+    assert drawn == dict.fromkeys(["train/loss", "train/step_seconds", "train/staleness", "comm/pushed_bytes"], 2)
+    assert (tmp_path / "tensorboard.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 SCRIPT = """

@@ -3,6 +3,7 @@ Prometheus and returns data from a running 2-shard x 2-worker job (ps-launch) th
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import re
@@ -20,32 +21,17 @@ from typing import Any
 
 import pytest
 
-DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "grpc-ps.json"
+ROOT = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("render_watch", ROOT / "scripts" / "render_watch.py")
+assert _spec is not None and _spec.loader is not None
+render_watch = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(render_watch)
+DASHBOARD = render_watch.DASHBOARD
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
-SUBSTITUTIONS = {"$__rate_interval": "30s", "$job": ".*", "$instance": ".*", "$worker_job": ".*"}
-"""What Grafana puts in place of each variable: "All" of a variable is its ``allValue`` (``.*``)."""
 LABEL_VALUES = re.compile(r"label_values\((?:(?P<metric>.+), )?(?P<label>\w+)\)")
 JOB_DEADLINE = 120.0
 """Seconds for ps-launch to start and every query to return data (about 40 s on a loaded 2-core machine)."""
-
-
-def dashboard() -> dict[str, Any]:
-    return json.loads(DASHBOARD.read_text())
-
-
-def all_panels(d: dict[str, Any]) -> Iterator[dict[str, Any]]:
-    """Every panel, rows and the panels of collapsed rows included."""
-    for p in d["panels"]:
-        yield p
-        yield from p.get("panels", [])
-
-
-def promql(text: str) -> str:
-    """``text`` with Grafana's variables replaced by what Grafana sends for "All" and a 1 s scrape interval."""
-    for name, value in sorted(SUBSTITUTIONS.items(), key=lambda kv: -len(kv[0])):
-        text = text.replace(name, value)
-    assert "$" not in text, f"an unknown Grafana variable in {text!r}"
-    return text
+dashboard, all_panels, promql = render_watch.dashboard, render_watch.all_panels, render_watch.promql
 
 
 def queries(d: dict[str, Any]) -> list[tuple[str, str]]:
@@ -74,7 +60,7 @@ def test_the_dashboard_is_well_formed() -> None:
     for v in variables.values():
         if v["type"] == "query":
             assert v["datasource"] == DATASOURCE, v["name"]
-            assert v["includeAll"] and v["allValue"] == ".*", v["name"]  # what SUBSTITUTIONS assume
+            assert v["includeAll"] and v["allValue"] == ".*", v["name"]  # what render_watch.SUBSTITUTIONS assume
     panels = list(all_panels(d))
     ids = [p["id"] for p in panels]
     assert len(ids) == len(set(ids)), f"panel ids repeat: {sorted(ids)}"
@@ -184,7 +170,7 @@ def test_every_query_returns_data_from_a_running_2x2_job(prometheus, tmp_path: P
     """A sync ``ctr`` job (dense layers and embedding tables, checkpoints every 20 versions) of 2 shards and
     2 workers, long enough to outlast the test, stopped with SIGINT at the end. The step rate has a line per
     rank and the bytes a line per shard."""
-    started = time.monotonic()
+    started, started_at = time.monotonic(), time.time()
     base = prometheus(["ps", "worker"])
     argv = [sys.executable, "-m", "ps_launch.cli", "--shards", "2", "--workers", "2", "--mode", "sync"]
     argv += ["--optimizer", "adagrad", "--lr", "0.05", "--batch-size", "64", "--steps", "1000000"]
@@ -213,6 +199,10 @@ def test_every_query_returns_data_from_a_running_2x2_job(prometheus, tmp_path: P
                     del pending[query]
             time.sleep(0.5)  # polling interval, with a deadline above
         assert job.poll() is None, f"ps-launch exited {job.returncode}:\n{stderr.read_text()[-3000:]}"
+        if not pending:  # README's dashboard picture is drawn so (scripts/render_watch.py): every panel has lines
+            drawn = render_watch.render_dashboard(base, started_at, time.time(), tmp_path / "dashboard.png")
+            assert drawn.keys() == {p["title"] for p in all_panels(dashboard()) if p["type"] != "row"}
+            assert all(drawn.values()), f"panels drawn without data: {[t for t, n in drawn.items() if not n]}"
     finally:
         job.send_signal(signal.SIGINT)
         try:
