@@ -44,6 +44,8 @@ SKIPPED: dict[str, str] = {
     "a temporary directory and compares",
     r"^python scripts/flags_table\.py --write$": "rewrites docs/flags.md in the checkout; tests/test_readme.py "
     "checks it is current",
+    r"^python scripts/render_watch\.py$": "rewrites docs/img/ from a 90 s job; test_grafana_dashboard.py and "
+    "e2e/test_tensorboard.py draw both pictures from their own jobs",
     r"^docker\b|\bdocker compose\b": "needs a Docker daemon; tests/deploy checks the compose file and runs its "
     "commands as local processes",
     r"^kubectl\b": "needs a Kubernetes cluster; tests/deploy validates the manifests",
