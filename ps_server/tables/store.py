@@ -402,9 +402,8 @@ class TableStore:
             CheckpointError: the tables exceed this shard's row or byte bounds (nothing loaded)."""
         if not saved:
             return
-        tables = {}
-        for item in saved["tables"]:
-            table = tables[spec.name] = self._new_table(spec := spec_from_export(item))
+        tables = {s.name: self._new_table(s) for s in map(spec_from_export, saved["tables"])}
+        for item, table in zip(saved["tables"], tables.values(), strict=True):  # names are unique
             restore_table(table, item)
         check_restored(tables, self.shard_index, self.max_rows, self.max_bytes)  # CheckpointError: too many
         self.tables = tables
