@@ -119,7 +119,12 @@ def render_dashboard(base: str, start: float, end: float, out: Path, d: dict[str
 
     d = d or dashboard()
     panels = list(all_panels(d))
-    rows = max(p["gridPos"]["y"] + p["gridPos"]["h"] for p in panels)
+    headers = sorted(p["gridPos"]["y"] for p in panels if p["type"] == "row")
+
+    def at(y: int) -> int:  # the figure's grid row of the dashboard's row y: a blank one above each header
+        return y + sum(1 for h in headers if h <= y)
+
+    rows = max(at(p["gridPos"]["y"]) + p["gridPos"]["h"] for p in panels)
     step = max(1.0, (end - start) / 300)
     fig = plt.figure(figsize=(18, rows * 0.2), facecolor="#111217")
     grid = fig.add_gridspec(rows, 24, hspace=2.5, wspace=1.2, left=0.04, right=0.99, top=0.985, bottom=0.01)
@@ -127,11 +132,12 @@ def render_dashboard(base: str, start: float, end: float, out: Path, d: dict[str
     for p in panels:
         g = p["gridPos"]
         if p["type"] == "row":
-            header = fig.add_subplot(grid[g["y"], :])
+            header = fig.add_subplot(grid[at(g["y"]), :])
             header.axis("off")
             header.text(0, 0, p["title"], color="#d8d9da", fontsize=13, weight="bold", transform=header.transAxes)
             continue
-        ax = fig.add_subplot(grid[g["y"] + 1 : g["y"] + g["h"], g["x"] : g["x"] + g["w"]], facecolor="#181b1f")
+        top = at(g["y"]) + 1  # a grid row for the title
+        ax = fig.add_subplot(grid[top : at(g["y"]) + g["h"], g["x"] : g["x"] + g["w"]], facecolor="#181b1f")
         count = 0
         for t in p.get("targets", []):
             for series in query_range(base, promql(t["expr"]), start, end, step):
