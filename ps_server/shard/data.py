@@ -196,12 +196,14 @@ class DataPath:
             NotJoinedError, PreconditionError: not joined, counted out, easgd mode.
             StalePushError: sync round closed (no quorum), async staleness above the bound, or a
             replayed clock. UpdateRefusedError: the update (or the round it completed) was refused.
+            ShuttingDownError: the shard is closing (a new push is not taken).
         """
         host = self._host
         host.membership.check_live(member, stamp.incarnation)
         seen = member.history.get((stamp.incarnation, stamp.clock))
         if seen is not None:
             return PushResult(seen.version, seen.staleness, True, seen.dropped, host.mode), False
+        host.waits.check_open()  # ShuttingDownError: nothing is applied after the final checkpoint
         self.check_replay(member, stamp)
         self.check_counted(member, stamp)
         policy = host.policy
@@ -395,12 +397,14 @@ class DataPath:
 
         Raises:
             WaitTimeoutError: sync period not complete by ``deadline``. UpdateRefusedError.
+            ShuttingDownError: the shard is closing.
         """
         host = self._host
         host.membership.check_live(member, stamp.incarnation)
         answer = self._repeated_exchange(member, stamp, encode)
         if answer is not None:
             return answer
+        host.waits.check_open()  # ShuttingDownError: nothing is applied after the final checkpoint
         self.check_replay(member, stamp, "Exchange")
         version, d = host.policy.exchange(host, member, stamp, x, deadline)
         host.notify()

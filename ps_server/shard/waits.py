@@ -102,6 +102,17 @@ class Waits:
         self.closed = True
         self._cond.notify_all()
 
+    def check_open(self) -> None:
+        """Refuse an update once the shard is closing: its final checkpoint may be taken already,
+        and an update applied after it (a push completing a round) would be answered and then lost
+        with the restart.
+
+        Raises:
+            ShuttingDownError: the shard is closing (UNAVAILABLE: the worker retries against its restart).
+        """
+        if self.closed:
+            raise ShuttingDownError(f"Shard {self.shard_index} is shutting down; retry against its restart.")
+
     def until(self, ready: Callable[[], bool], deadline: float | None, describe: Callable[[], str]) -> None:
         """Wait until ``ready()``, at most until ``deadline`` and while the call served (see
         :func:`serving`) is active and within its own deadline.
@@ -121,8 +132,7 @@ class Waits:
                 end = self._now() + left
                 deadline = end if deadline is None else min(deadline, end)
         while not ready():
-            if self.closed:
-                raise ShuttingDownError(f"Shard {self.shard_index} is shutting down; retry against its restart.")
+            self.check_open()
             remaining = None if deadline is None else deadline - self._now()
             if remaining is not None and remaining <= 0:
                 raise WaitTimeoutError(describe())

@@ -354,11 +354,13 @@ class TableCalls:
             NotJoinedError, SupersededError, InvalidRequestError: not live under ``incarnation``.
             RequestTooLargeError, InvalidRequestError, PreconditionError, TableFullError,
             FutureRoundError, UpdateRefusedError: as :func:`check_size`, :func:`grads_of`, :meth:`TableStore.push`.
+            ShuttingDownError: the shard is closing.
         """
         host = self._host
         store, policy = host.tables, host.policy
         member = host.membership.get(rank, incarnation)
         Membership.check_live(member, incarnation)
+        host.waits.check_open()  # ShuttingDownError: nothing is applied after the final checkpoint
         check_size(blocks, host.limits.max_message_bytes, store, pull=False)
         grads: dict[str, RowGrads] = {}
         for b, i in zip(blocks, ids, strict=True):

@@ -216,6 +216,21 @@ def test_close_wakes_waiters(shard: Shard) -> None:
     assert len(errors) == 1
 
 
+def test_a_closed_shard_takes_no_push_even_one_that_completes_a_round(shard: Shard) -> None:
+    """Once closing, the final checkpoint may be written: a push that would complete the open round
+    is refused (UNAVAILABLE, retried against the restart) and applies nothing, rather than being
+    answered and then lost with the restart."""
+    from ps_common.errors import ShuttingDownError
+
+    shard.push(PushStamp(0, 1, 0), 0, PLAN.digest, wire(1.0))  # round 0 waits for rank 1
+    before = values(shard).clone()
+    shard.close()
+    with pytest.raises(ShuttingDownError, match="shutting down"):
+        shard.push(PushStamp(1, 1, 0), 0, PLAN.digest, wire(3.0))
+    assert shard.version == 0 and torch.equal(values(shard), before)
+    assert 1 not in shard.rounds.pending  # not held either
+
+
 def test_the_shards_own_pause_evicts_nobody(shard: Shard, clock: FakeClock) -> None:
     assert tick(shard, clock, 5) == []
     clock.t += 30  # SIGSTOP, CPU starvation: the reaper wakes 30 s late, having heard nobody
