@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import secrets
 import signal
 import socket
@@ -301,16 +300,14 @@ def test_compose_up_trains_digits_in_containers(compose: Compose) -> None:
 
 
 def test_compose_up_survives_a_killed_shard(compose: Compose) -> None:
-    """up, then SIGKILL ps-1's process mid-run, after its first periodic checkpoint (PS_CHECKPOINT_EVERY):
-    restart: unless-stopped brings it back, it loads that checkpoint, and the job completes."""
+    """up, then SIGKILL ps-1's process mid-run: restart: unless-stopped brings it back and the job completes."""
     compose.run("up", "-d", "--no-build", timeout=UP_TIMEOUT)
-    compose.wait(
-        "ps-1's first periodic checkpoint",
-        lambda: "shard 1: checkpoint at version" in compose.logs("ps-1"),
+    version = compose.wait(
+        "ps-1 to reach version 20",
+        lambda: (v := compose.shard_version("ps-1")) >= 20 and v,
         TRAIN_TIMEOUT,
         interval=0.5,
     )
-    version = compose.shard_version("ps-1")
     assert version < STEPS, f"training ended (version {version}) before ps-1 could be killed mid-run"
     pid = compose.inspect("ps-1")["State"]["Pid"]
     assert pid > 0
@@ -321,9 +318,7 @@ def test_compose_up_survives_a_killed_shard(compose: Compose) -> None:
         120.0,
     )
     summaries = _check_trained(compose)
-    loaded = re.findall(r"Loaded checkpoint of shard 1 at version (\d+)", compose.logs("ps-1"))
-    assert loaded and 0 < int(loaded[-1]) <= version, f"ps-1 did not resume from a checkpoint\n{compose.all_logs()}"
-    print(f"killed ps-1 at version {version}, resumed at {loaded[-1]}; accuracies {[s['accuracy'] for s in summaries]}")
+    print(f"killed ps-1 at version {version}; accuracies {[s['accuracy'] for s in summaries]}")
 
 
 RESHARD_FIRST_STEPS = 120
