@@ -31,6 +31,9 @@ from deployment import REPO
 
 ENGINE_HINT = "run `deploy/local-engine.sh up` and export its engine.env (.ci/run does both)"
 MIN_ACCURACY = 0.95
+MIN_ACCURACY_AFTER_A_CRASH = 0.93
+"""A shard killed with no checkpoint comes back empty; rank 0 writes its current values again and the
+shard's momentum starts over (docs/faults.md): the chaos soak's bar for runs through shard crashes."""
 STEPS = 300
 SHARDS = ("ps-0", "ps-1")
 WORKERS = ("worker-0", "worker-1")
@@ -235,8 +238,8 @@ def _workers_exited(project: Compose) -> dict[str, int] | None:
     return codes
 
 
-def _check_trained(project: Compose) -> list[dict[str, Any]]:
-    """Both workers exited 0, each with a strict-JSON summary and held-out accuracy >= 0.95."""
+def _check_trained(project: Compose, min_accuracy: float = MIN_ACCURACY) -> list[dict[str, Any]]:
+    """Both workers exited 0, each with a strict-JSON summary and held-out accuracy >= ``min_accuracy``."""
     codes = project.wait("both workers to exit", lambda: _workers_exited(project), TRAIN_TIMEOUT, interval=2.0)
     assert codes == {w: 0 for w in WORKERS}, f"worker exit codes {codes}\n{project.all_logs()}"
     summaries = []
@@ -246,7 +249,7 @@ def _check_trained(project: Compose) -> list[dict[str, Any]]:
         summary = _strict_json(lines[-1])
         assert summary.get("event") == "done", f"{service}: last JSON line is not the summary: {summary}"
         assert isinstance(summary["accuracy"], float) and math.isfinite(summary["accuracy"])
-        assert summary["accuracy"] >= MIN_ACCURACY, f"{service}: {summary}"
+        assert summary["accuracy"] >= min_accuracy, f"{service}: {summary}"
         summaries.append(summary)
     for service in SHARDS:  # a restarted shard may still be in its start period
         project.wait(f"{service} healthy after training", lambda s=service: _healthy(project, s), 120.0)
@@ -317,7 +320,7 @@ def test_compose_up_survives_a_killed_shard(compose: Compose) -> None:
         lambda: (s := compose.inspect("ps-1"))["RestartCount"] >= 1 and s["State"]["Status"] == "running",
         120.0,
     )
-    summaries = _check_trained(compose)
+    summaries = _check_trained(compose, MIN_ACCURACY_AFTER_A_CRASH)
     print(f"killed ps-1 at version {version}; accuracies {[s['accuracy'] for s in summaries]}")
 
 
