@@ -63,14 +63,13 @@ def all_panels(d: dict[str, Any]) -> Iterator[dict[str, Any]]:
         yield from p.get("panels", [])
 
 
-def promql(text: str, rate_interval: str = "30s") -> str:
+def promql(text: str) -> str:
     """``text`` with Grafana's variables replaced by what Grafana sends for "All".
 
     Raises:
         ValueError: a variable this file does not know.
     """
-    values = {**SUBSTITUTIONS, "$__rate_interval": rate_interval}
-    for name, value in sorted(values.items(), key=lambda kv: -len(kv[0])):
+    for name, value in sorted(SUBSTITUTIONS.items(), key=lambda kv: -len(kv[0])):
         text = text.replace(name, value)
     if "$" in text:
         raise ValueError(f"an unknown Grafana variable in {text!r}")

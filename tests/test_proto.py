@@ -3,21 +3,19 @@
 from __future__ import annotations
 
 import filecmp
-import importlib.util
 import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 
+from tests.helpers.scripts import load_script
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_generated_code_matches_the_proto(tmp_path: Path) -> None:
-    spec = importlib.util.spec_from_file_location("gen_proto", ROOT / "scripts" / "gen_proto.py")
-    assert spec and spec.loader
-    gen = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gen)
+    gen = load_script("gen_proto")
     gen.generate(tmp_path)
     fresh = sorted(p.relative_to(tmp_path) for p in (tmp_path / "ps_proto").rglob("*") if p.is_file())
     committed = sorted(

@@ -3,17 +3,15 @@ README's quickstart keeps its two commands."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
+
+from tests.helpers.scripts import load_script
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_flags_table_is_current() -> None:
-    spec = importlib.util.spec_from_file_location("flags_table", ROOT / "scripts" / "flags_table.py")
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script("flags_table")
     page = (ROOT / "docs" / "flags.md").read_text()
     current = page.split("<!-- flags:begin -->\n", 1)[1].split("\n<!-- flags:end -->", 1)[0]
     assert current == module.table(), "regenerate the table with `python scripts/flags_table.py --write`"

@@ -2,21 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-ROOT = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("render_watch", ROOT / "scripts" / "render_watch.py")
-assert _spec is not None and _spec.loader is not None
-render_watch = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(render_watch)
+from tests.helpers.scripts import load_script
+
+render_watch = load_script("render_watch")
 LAUNCH = [sys.executable, "-m", "ps_launch.cli", "--shards", "1", "--no-progress", "--no-metrics"]
 
 

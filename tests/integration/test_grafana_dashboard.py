@@ -3,7 +3,6 @@ Prometheus and returns data from a running 2-shard x 2-worker job (ps-launch) th
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import re
@@ -21,11 +20,9 @@ from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("render_watch", ROOT / "scripts" / "render_watch.py")
-assert _spec is not None and _spec.loader is not None
-render_watch = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(render_watch)
+from tests.helpers.scripts import load_script
+
+render_watch = load_script("render_watch")
 DASHBOARD = render_watch.DASHBOARD
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
 LABEL_VALUES = re.compile(r"label_values\((?:(?P<metric>.+), )?(?P<label>\w+)\)")
