@@ -31,6 +31,9 @@ class Member(Protocol):
     transport: Transport
     epochs: EpochRelay
 
+    def checkpointed(self, k: int, answer: ps_pb2.HeartbeatResponse) -> None:
+        """Shard ``k``'s newest checkpoint, as its answer says (the redo log's floor)."""
+
 
 class Heartbeat:
     """The heartbeat thread of one worker session (started once, stopped once).
@@ -83,6 +86,7 @@ class Heartbeat:
                 try:
                     answer = stub.Heartbeat(req, timeout=max(1.0, period), metadata=t.metadata)
                     epochs.learn(k, answer)
+                    m.checkpointed(k, answer)
                     t.offer_data_port(k, answer.data_port, joined=False)
                 except grpc.RpcError as exc:
                     log.debug("heartbeat to %s failed: %s", t.servers[k], exc.code())

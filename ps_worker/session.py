@@ -27,6 +27,7 @@ from ps_worker.awaiting import PeerWaits
 from ps_worker.consistency import WorkerMode, settings_from_config, worker_mode
 from ps_worker.errors import HINT_UNREACHABLE, ShardUnreachableError, error_from_rpc
 from ps_worker.heartbeat import Heartbeat
+from ps_worker.redo import DEFAULT_REDO_BYTES, RedoLog
 from ps_worker.relay import EpochRelay
 from ps_worker.transport.encoding import Stamp
 from ps_worker.transport.grpc_link import Transport
@@ -63,12 +64,21 @@ class Session:
         staleness: histogram of the staleness of this rank's applied pushes (async, ssp).
         reinit: rank 0's way to write shard ``k``'s values again (set by the client).
         repush: pushes the last gradient to shard ``k`` again (set by the client).
+        redo_log: sync, this rank's pushes of the rounds a shard could lose (:mod:`ps_worker.redo`).
+        redo: pushes the rounds a restarted shard lost again (set by the client; see :meth:`recover`).
         epochs: the membership records as this worker knows them (:class:`~ps_worker.relay.EpochRelay`).
         on_resize: called with a membership record that changes the worker count.
         waits: calls waiting for other ranks, called again while those are alive.
     """
 
-    def __init__(self, transport: Transport, rank: int, num_workers: int, incarnation: int) -> None:
+    def __init__(
+        self,
+        transport: Transport,
+        rank: int,
+        num_workers: int,
+        incarnation: int,
+        redo_bytes: int = DEFAULT_REDO_BYTES,
+    ) -> None:
         self.transport = transport
         self.rank = rank
         self.num_workers = num_workers
@@ -96,6 +106,8 @@ class Session:
         self.plan_digest = ""
         self.reinit: Callable[[int], None] | None = None
         self.repush: Callable[[int], None] | None = None
+        self.redo_log = RedoLog(n, redo_bytes)
+        self.redo: Callable[[int, ps_pb2.JoinResponse, int | None, bool], bool] | None = None
         self.epochs = EpochRelay(n, self._resized)
         self.on_resize: Callable[[ps_pb2.MembershipEpoch], None] | None = None
         self.heartbeat = Heartbeat(self)
@@ -124,6 +136,12 @@ class Session:
     def learn(self, k: int, answer: object) -> None:
         """Adopt the membership record of shard ``k``'s answer (:meth:`EpochRelay.learn`)."""
         self.epochs.learn(k, answer)
+
+    def checkpointed(self, k: int, answer: ps_pb2.JoinResponse | ps_pb2.HeartbeatResponse) -> None:
+        """Shard ``k``'s Join or Heartbeat answer says from which round it could lose answered
+        rounds (its newest checkpoint): the redo log keeps this rank's pushes from there on."""
+        version = int(answer.checkpointed_version) if answer.HasField("checkpointed_version") else None
+        self.redo_log.checkpointed(k, version)
 
     def in_cluster(self, clock: int) -> bool:
         """Whether this rank pushes step ``clock`` (:meth:`EpochRelay.in_cluster`, at the mode's ``resize_clock``)."""
@@ -264,6 +282,7 @@ class Session:
         reply = t.stubs[k].Join(req, timeout=t.timeout if timeout is None else timeout, metadata=t.metadata)
         self.sessions[k] = reply.session
         self.learn(k, reply)
+        self.checkpointed(k, reply)
         t.offer_data_port(k, reply.data_port)
         return reply
 
@@ -334,8 +353,11 @@ class Session:
             reply = self.join_shard(k)
         self.versions[k] = reply.version
         self.pushed[k] = False
+        lost = isinstance(err, errors.PushLost)
+        if self.redo is not None and self.worker.pushes_in_rounds and self.redo(k, reply, round, lost):
+            return True  # the rounds the shard lost are pushed again: it is where this call left it
         self.worker.after_rejoin(self, k, reply, round, address)
-        if isinstance(err, errors.PushLost) and repush and self.repush is not None:
+        if lost and repush and self.repush is not None:
             self.repush(k)
         return True
 

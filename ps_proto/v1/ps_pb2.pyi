@@ -228,7 +228,7 @@ class JoinRequest(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., num_workers: _Optional[int] = ..., incarnation: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., membership: _Optional[_Union[MembershipEpoch, _Mapping]] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
-    __slots__ = ("shard_index", "num_shards", "config", "initialized", "version", "plan_digest", "clock", "optimizer", "membership", "data_port", "session")
+    __slots__ = ("shard_index", "num_shards", "config", "initialized", "version", "plan_digest", "clock", "optimizer", "membership", "data_port", "session", "checkpointed_version")
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FIELD_NUMBER: _ClassVar[int]
@@ -240,6 +240,7 @@ class JoinResponse(_message.Message):
     MEMBERSHIP_FIELD_NUMBER: _ClassVar[int]
     DATA_PORT_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINTED_VERSION_FIELD_NUMBER: _ClassVar[int]
     shard_index: int
     num_shards: int
     config: ClusterConfig
@@ -251,7 +252,8 @@ class JoinResponse(_message.Message):
     membership: MembershipEpoch
     data_port: int
     session: int
-    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., config: _Optional[_Union[ClusterConfig, _Mapping]] = ..., initialized: _Optional[bool] = ..., version: _Optional[int] = ..., plan_digest: _Optional[str] = ..., clock: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., membership: _Optional[_Union[MembershipEpoch, _Mapping]] = ..., data_port: _Optional[int] = ..., session: _Optional[int] = ...) -> None: ...
+    checkpointed_version: int
+    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., config: _Optional[_Union[ClusterConfig, _Mapping]] = ..., initialized: _Optional[bool] = ..., version: _Optional[int] = ..., plan_digest: _Optional[str] = ..., clock: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., membership: _Optional[_Union[MembershipEpoch, _Mapping]] = ..., data_port: _Optional[int] = ..., session: _Optional[int] = ..., checkpointed_version: _Optional[int] = ...) -> None: ...
 
 class InitHeader(_message.Message):
     __slots__ = ("rank", "incarnation", "plan", "optimizer", "membership_epoch")
@@ -460,18 +462,20 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., incarnation: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., membership: _Optional[_Union[MembershipEpoch, _Mapping]] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("version", "state", "membership_epoch", "membership", "data_port")
+    __slots__ = ("version", "state", "membership_epoch", "membership", "data_port", "checkpointed_version")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     MEMBERSHIP_EPOCH_FIELD_NUMBER: _ClassVar[int]
     MEMBERSHIP_FIELD_NUMBER: _ClassVar[int]
     DATA_PORT_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINTED_VERSION_FIELD_NUMBER: _ClassVar[int]
     version: int
     state: WorkerState
     membership_epoch: int
     membership: MembershipEpoch
     data_port: int
-    def __init__(self, version: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., membership_epoch: _Optional[int] = ..., membership: _Optional[_Union[MembershipEpoch, _Mapping]] = ..., data_port: _Optional[int] = ...) -> None: ...
+    checkpointed_version: int
+    def __init__(self, version: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., membership_epoch: _Optional[int] = ..., membership: _Optional[_Union[MembershipEpoch, _Mapping]] = ..., data_port: _Optional[int] = ..., checkpointed_version: _Optional[int] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("rank", "incarnation", "membership_epoch", "membership", "session")

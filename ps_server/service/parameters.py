@@ -154,6 +154,7 @@ class ParameterServicer:
             optimizer=optimizer_to_proto(info.optimizer) if info.optimizer else None,
             data_port=self.data.port if self.data is not None else 0,
             session=info.session,
+            checkpointed_version=self.shard.redo_from,
         )
 
     def _read(
@@ -339,7 +340,10 @@ class ParameterServicer:
             request.rank, request.incarnation, _relayed(request), request.membership_epoch
         )
         answer = ps_pb2.HeartbeatResponse(
-            version=version, state=WORKER_STATES[state], data_port=self.data.port if self.data is not None else 0
+            version=version,
+            state=WORKER_STATES[state],
+            data_port=self.data.port if self.data is not None else 0,
+            checkpointed_version=self.shard.redo_from,
         )
         return _with_epoch(answer, epoch, record)
 

@@ -174,6 +174,17 @@ class Shard:
     last_checkpoint_version: int | None = part_property("data", "last_checkpoint_version", "The newest on disk.")
 
     @property
+    def redo_from(self) -> int | None:
+        """The version a kill -9 of this shard could take it back to, when it could lose answered
+        sync rounds: periodic checkpoints without ``durable_acks``. Workers keep their pushes of the
+        rounds from there on, to push them again after such a restart (``ps_worker/redo.py``);
+        None: a restart loses no answered round (durable answers, or no periodic checkpoint: a
+        killed shard comes back empty and rank 0 writes it again)."""
+        if not self.checkpoint_every or self.durable_acks:
+            return None
+        return self.last_checkpoint_version or 0
+
+    @property
     def num_workers(self) -> int:
         """The cluster's worker count in force (``--num-workers`` until a resize)."""
         return self.cluster.membership.num_workers

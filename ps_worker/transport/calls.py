@@ -8,7 +8,9 @@ and records times and bytes (:mod:`ps_worker.metrics`).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
@@ -17,6 +19,7 @@ import grpc
 import torch
 
 from ps_common import frames, tracing
+from ps_common.codec import torch_dtype
 from ps_common.errors import InvalidRequestError
 from ps_common.optimizer import OptimizerSpec
 from ps_common.plan import Plan, plan_for_digest
@@ -71,6 +74,7 @@ class ShardCalls:
         self.holding = False
         """The last push held its round for clipping (a repush carries it too)."""
         session.repush = self._repush
+        session.redo = self.redo
 
     def initialize(
         self,
@@ -208,6 +212,8 @@ class ShardCalls:
         finally:
             self.session.pushed_bytes += sum(sent)
         self.observe("push_duration", start)
+        if round_ is not None and not hold:  # a round held for its clip coefficient is not redone
+            self.session.redo_log.record(round_, outs, hyper, skip)
         self.session.account_push(replies)
         return replies
 
@@ -219,15 +225,19 @@ class ShardCalls:
         hyperparameters: Sequence[Mapping[str, float]] = (),
         skip: bool = False,
         hold: bool = False,
+        samples: int = 0,
     ) -> tuple[ps_pb2.PushResponse, int]:
         """Push ``outs`` to shard ``k`` (a header message, then one frame per partition); returns its
         answer and the bytes sent. ``round``: sync, the round the gradient is for (every attempt is
         stamped with it; None: the session's clock). ``hyperparameters``, ``skip``: as
-        :meth:`ps_worker.client.PSClient.push`; ``hold``: as :meth:`push`."""
+        :meth:`ps_worker.client.PSClient.push`; ``hold``: as :meth:`push`; ``samples``: diloco's
+        sample count."""
         t, s, codec = self.transport, self.session, self.require_codec()
 
         def head() -> bytes:
             stamp = s.stamp(k, round, hyperparameters, skip)
+            if samples:
+                stamp = dataclasses.replace(stamp, samples=samples)
             if not hold:
                 return codec.push_head(stamp)
             header = ps_pb2.PushHeader.FromString(codec.push_header(stamp))
@@ -267,6 +277,64 @@ class ShardCalls:
             )
             return
         self.push_shard(k, self.last_push[k], round_, self.last_hyperparameters, self.skipping, self.holding)
+
+    def redo(self, k: int, reply: ps_pb2.JoinResponse, round: int | None, lost: bool) -> bool:
+        """After shard ``k`` restarted from an older checkpoint (``reply``: its Join answer), push it
+        the rounds it lost again from the redo log (:mod:`ps_worker.redo`), each answered before the
+        next, so that it is where this call found it: at ``round`` (the round the call being
+        recovered pushes), or, for a push it lost (``lost``, a pull), past the last round pushed.
+
+        Returns:
+            True when rounds were pushed again (the call goes on as if the shard had not restarted);
+            False when the shard lost none of this rank's rounds (or keeps none).
+
+        Raises:
+            LostRoundsError: a lost round is no longer in the log (named, with what to do).
+            ShardError: a refusal while pushing them again.
+        """
+        s = self.session
+        start = int(reply.clock)
+        if start > reply.version or not s.redo_log.active:
+            return False  # counted again from a later round (an eviction): none of its rounds are lost there
+        last = s.redo_log.last_round()
+        end = round if round is not None else (last + 1 if lost and last is not None else None)
+        if end is None or start >= end:
+            return False
+        entries = s.redo_log.rounds(k, start, end)
+        log.warning(
+            "rank %d: shard %s restarted from its checkpoint at version %d and lost rounds %d..%d; pushing them again",
+            s.rank,
+            self.transport.servers[k],
+            reply.version,
+            start,
+            end - 1,
+        )
+        for e in entries:
+            self.push_shard(k, e.outs[k], e.round, e.hyperparameters, e.skip, samples=e.samples)
+            self.wait_version(k, e.round + 1)
+            s.versions[k], s.pushed[k] = e.round + 1, False
+        s.recoveries["REDONE_ROUNDS"] += len(entries)
+        return True
+
+    def wait_version(self, k: int, version: int) -> None:
+        """Wait until shard ``k`` holds ``version`` (a round pushed again closed there); the values
+        it answers with are read into scratch tensors and dropped."""
+        t, s, codec = self.transport, self.session, self.require_codec()
+        keys = {p.key for p in codec.owned[k]}
+        scratch = {}
+        for spec in codec.plan.specs:
+            if spec.key in keys:
+                dtype = torch_dtype(spec.dtype)  # integer buffers travel as float64
+                scratch[spec.key] = torch.empty(
+                    math.prod(spec.shape), dtype=dtype if dtype.is_floating_point else torch.float64
+                )
+
+        def attempt() -> int:
+            req = codec.pull_request(s.rank, s.incarnation, version, s.relayed(k)[0])
+            replies = t.pull_calls[k](req, timeout=t.timeout, metadata=t.call_metadata())
+            return codec.decode(k, replies, scratch, t.servers[k], t.received)[0]
+
+        s.with_recovery(k, attempt, f"Pull {t.servers[k]}")
 
     # ------------------------------------------------------------------ pull
     def pull(

@@ -256,6 +256,8 @@ class PendingPushPull:
             # push as it went on the wire, for a repush after a PushLost
             self.path.last_push = [_LastPush(self)[k] for k in range(t.num_shards)]
         self.path.observe("push_pull_duration", start)
+        if self.round is not None:  # sync: kept until every shard has the round on disk
+            s.redo_log.record(self.round, self.path.last_push, self.hyperparameters, self.skip, self.samples)
         s.pushed_bytes += sum(r[2] for r in results)
         s.pulled_bytes += sum(r[3] for r in results)
         s.account_push([r[0] for r in results])

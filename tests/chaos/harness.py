@@ -477,6 +477,8 @@ class ClusterSpec:
     checkpoint_every: int = 1
     slow_ms: float = 0.0
     """Milliseconds every worker sleeps before each push (0: :data:`SLOW_MS`)."""
+    data_path: str = "tcp"
+    """The workers' ``--data-path``: ``tcp`` (data connections) or ``grpc``."""
 
 
 class Cluster:
@@ -582,6 +584,7 @@ class Cluster:
         argv += ["--num-workers", str(self.spec.num_workers), "--steps", str(self.spec.steps)]
         argv += ["--incarnation", str(inc), "--events", "--json", "--no-progress", "--metrics-port", "-1"]
         argv += ["--retry-deadline", str(self.spec.retry_deadline), "--timeout", str(self.spec.worker_timeout)]
+        argv += ["--data-path", self.spec.data_path]
         argv += ["--slow-rank", str(r), "--slow-ms", str(self.spec.slow_ms or SLOW_MS), "--log-level", "INFO", "digits"]
         ns = self.net.worker_ns[r] if self.net.enabled else None
         p = self._spawn(f"worker-{r}", ns, argv, on_line)

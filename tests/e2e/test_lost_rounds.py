@@ -1,0 +1,98 @@
+"""A shard ``kill -9``ed a few rounds after a periodic checkpoint and restarted from it: the ranks
+push the rounds it lost again, from the gradients they kept, and the job ends bitwise where an
+uninterrupted run ends, on every rank and every shard; never a wait without end.
+
+Real ``ps-server`` and ``ps-worker digits`` processes (:mod:`tests.chaos.harness`), ended by PID.
+Before the redo log, the same fault hung 3 runs of 10 for good (the shards one round apart) and
+forked the model in others: a rank dropped the step the restarted shard had lost and pushed fresh
+gradients, computed on a model half of one version and half of another, for the lost rounds.
+"""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import pytest
+
+from tests.chaos.harness import Cluster, ClusterSpec, Network, poll
+
+STEPS = 60
+EVERY = 10
+LEASE = 3.0
+
+
+def shard_status(cluster: Cluster) -> list[dict]:
+    return [s for s in (cluster.status() or []) if "version" in s]
+
+
+def run(tmp_path: Path, fault: str, transport: str = "tcp") -> list[dict]:
+    """One 2 x 2 sync job of :data:`STEPS` steps with checkpoints every :data:`EVERY` versions; ``fault``:
+    ``none``, ``kill`` (shard 1 killed 3 or more rounds after a checkpoint, restarted at
+    once) or ``kill-pause`` (the same while rank 1 is paused past its lease). Returns the ranks'
+    ``done`` summaries, checked: both exit 0, both shards at :data:`STEPS`."""
+    spec = ClusterSpec(
+        num_shards=2,
+        num_workers=2,
+        steps=STEPS,
+        lease=LEASE,
+        checkpoint_every=EVERY,
+        slow_ms=40,
+        worker_timeout=30,
+        retry_deadline=300,
+        data_path=transport,
+    )
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    net = Network(2, want=False)
+    cluster = Cluster(spec, tmp_path, net)
+    try:
+        cluster.start()
+        if fault != "none":
+
+            def after_checkpoint() -> bool:
+                st = shard_status(cluster)
+                if len(st) < 2 or st[1]["last_checkpoint"] is None:
+                    return False
+                return st[1]["last_checkpoint"] >= EVERY and st[1]["version"] >= st[1]["last_checkpoint"] + 3
+
+            assert poll(after_checkpoint, 120), "shard 1 did not checkpoint"
+            paused = cluster.workers[1]
+            assert paused is not None
+            if fault == "kill-pause":
+                paused.signal(signal.SIGSTOP)
+            shard = cluster.shards[1]
+            assert shard is not None
+            shard.kill()
+            cluster.start_shard(1)  # resumes from its newest checkpoint, rounds behind shard 0
+            if fault == "kill-pause":
+                evicted = lambda: any(w["state"] == "EVICTED" for s in shard_status(cluster) for w in s["workers"])  # noqa: E731
+                assert poll(evicted, 60), "rank 1 was not evicted while paused"
+                paused.signal(signal.SIGCONT)
+        assert poll(cluster.workers_done, 240), "the job did not finish (a hang)"
+        cluster.closing = True
+        cluster.reap()
+        finals = cluster.finals()
+        assert [f.returncode for f in finals] == [0, 0], [p.files[1].name for p in cluster.workers if p]
+        at = [int(s["version"]) for s in shard_status(cluster)]
+        assert at == [STEPS, STEPS], f"shards at versions {at}"
+        return [f.done or {} for f in finals]
+    finally:
+        cluster.close()
+        net.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("transport", ["tcp", "grpc"])
+def test_a_shard_restarted_from_an_older_checkpoint_gets_its_lost_rounds_pushed_again(
+    tmp_path: Path, transport: str
+) -> None:
+    reference = {d["params_sha256"] for d in run(tmp_path / "reference", "none", transport)}
+    faulted = {d["params_sha256"] for d in run(tmp_path / "kill", "kill", transport)}
+    assert len(reference) == 1 and len(faulted) == 1, (reference, faulted)
+    assert faulted == reference, "the redone rounds did not end where the uninterrupted run ends"
+
+
+@pytest.mark.slow
+def test_a_rank_paused_past_its_lease_while_a_shard_restarts_ends_on_one_model(tmp_path: Path) -> None:
+    shas = {d["params_sha256"] for d in run(tmp_path, "kill-pause")}
+    assert len(shas) == 1 and None not in shas, f"ranks finished on different models: {shas}"
