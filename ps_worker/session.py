@@ -137,8 +137,10 @@ class Session:
         """Adopt the membership record of shard ``k``'s answer (:meth:`EpochRelay.learn`)."""
         self.epochs.learn(k, answer)
 
-    def checkpointed(self, k: int, answer: ps_pb2.JoinResponse | ps_pb2.HeartbeatResponse) -> None:
-        """Shard ``k``'s Join or Heartbeat answer says from which round it could lose answered
+    def checkpointed(
+        self, k: int, answer: ps_pb2.JoinResponse | ps_pb2.HeartbeatResponse | ps_pb2.PushResponse
+    ) -> None:
+        """Shard ``k``'s Join, Heartbeat or push answer says from which round it could lose answered
         rounds (its newest checkpoint): the redo log keeps this rank's pushes from there on."""
         version = int(answer.checkpointed_version) if answer.HasField("checkpointed_version") else None
         self.redo_log.checkpointed(k, version)
@@ -400,8 +402,11 @@ class Session:
         self.clock += 1
 
     def account_push(self, replies: Sequence[ps_pb2.PushResponse]) -> None:
-        """Clock, dropped and staleness counters, and a live mode switch, after a push."""
+        """Clock, dropped and staleness counters, a live mode switch and the shards' newest
+        checkpoints (the redo log's floor), after a push."""
         self.clock += 1
+        for k, r in enumerate(replies):
+            self.checkpointed(k, r)
         self.last_step_skipped = any(r.skipped for r in replies)
         first = replies[0]
         if first.dropped:

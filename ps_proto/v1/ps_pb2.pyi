@@ -328,7 +328,7 @@ class PushRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., partition: _Optional[_Union[Partition, _Mapping]] = ...) -> None: ...
 
 class PushResponse(_message.Message):
-    __slots__ = ("version", "duplicate", "staleness", "dropped", "mode", "skipped", "membership_epoch", "membership", "clip")
+    __slots__ = ("version", "duplicate", "staleness", "dropped", "mode", "skipped", "membership_epoch", "membership", "clip", "checkpointed_version")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     DUPLICATE_FIELD_NUMBER: _ClassVar[int]
     STALENESS_FIELD_NUMBER: _ClassVar[int]
@@ -338,6 +338,7 @@ class PushResponse(_message.Message):
     MEMBERSHIP_EPOCH_FIELD_NUMBER: _ClassVar[int]
     MEMBERSHIP_FIELD_NUMBER: _ClassVar[int]
     CLIP_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINTED_VERSION_FIELD_NUMBER: _ClassVar[int]
     version: int
     duplicate: bool
     staleness: int
@@ -347,7 +348,8 @@ class PushResponse(_message.Message):
     membership_epoch: int
     membership: MembershipEpoch
     clip: ClipNorm
-    def __init__(self, version: _Optional[int] = ..., duplicate: _Optional[bool] = ..., staleness: _Optional[int] = ..., dropped: _Optional[bool] = ..., mode: _Optional[_Union[Mode, str]] = ..., skipped: _Optional[bool] = ..., membership_epoch: _Optional[int] = ..., membership: _Optional[_Union[MembershipEpoch, _Mapping]] = ..., clip: _Optional[_Union[ClipNorm, _Mapping]] = ...) -> None: ...
+    checkpointed_version: int
+    def __init__(self, version: _Optional[int] = ..., duplicate: _Optional[bool] = ..., staleness: _Optional[int] = ..., dropped: _Optional[bool] = ..., mode: _Optional[_Union[Mode, str]] = ..., skipped: _Optional[bool] = ..., membership_epoch: _Optional[int] = ..., membership: _Optional[_Union[MembershipEpoch, _Mapping]] = ..., clip: _Optional[_Union[ClipNorm, _Mapping]] = ..., checkpointed_version: _Optional[int] = ...) -> None: ...
 
 class PullRequest(_message.Message):
     __slots__ = ("rank", "incarnation", "min_version", "plan_digest", "wire_dtype", "membership_epoch", "clip")

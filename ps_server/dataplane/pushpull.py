@@ -141,7 +141,7 @@ class DataPushPull:
             # quorum round, an eviction): the values may mix two versions. The call fails and the
             # worker pushes the same stamp again on gRPC, answered as a duplicate with one version.
             raise DataPathError(f"Version {version} moved on while it was sent; pull it again.")
-        answer = self._told(push_response(result), header.membership_epoch)
+        answer = self._told(push_response(result, self.shard.redo_from), header.membership_epoch)
         yield (
             frames.bytes_field(fields.PUSH_ANSWER, answer.SerializeToString())
             + frames.uint_field(fields.VERSION, version)

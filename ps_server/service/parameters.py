@@ -227,7 +227,7 @@ class ParameterServicer:
             h.skip,
         )
         self.observer.pushed(r)
-        answer = push_response(r)
+        answer = push_response(r, self.shard.redo_from)
         if h.hold_for_clip and not r.dropped:
             round_, sum_squares = self.shard.wait_clip_norm(h.rank, h.clock, deadline(context))
             if sum_squares is None:
@@ -283,7 +283,7 @@ class ParameterServicer:
             skip=header.skip,
         )
         self.observer.pushed(result)
-        answer = self._told(push_response(result), header.membership_epoch)
+        answer = self._told(push_response(result, self.shard.redo_from), header.membership_epoch)
         # A response of one message stays one; otherwise a large first frame is not copied to
         # prepend the answer: the answer goes alone, with the version
         lead = frames.bytes_field(fields.PUSH_ANSWER, answer.SerializeToString())

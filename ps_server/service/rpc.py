@@ -119,8 +119,8 @@ def parse(cls: type[Any], raw: bytes) -> Any:
         raise errors.InvalidRequestError(f"Malformed {cls.__name__}; send a valid ps.v1 message.") from None
 
 
-def push_response(r: PushResult) -> ps_pb2.PushResponse:
-    """The PushResponse of a push result."""
+def push_response(r: PushResult, checkpointed: int | None = None) -> ps_pb2.PushResponse:
+    """The PushResponse of a push result; ``checkpointed``: the shard's ``redo_from``."""
     return ps_pb2.PushResponse(
         version=r.version,
         duplicate=r.duplicate,
@@ -128,4 +128,5 @@ def push_response(r: PushResult) -> ps_pb2.PushResponse:
         dropped=r.dropped,
         mode=NAME_TO_MODE[r.mode],
         skipped=r.skipped,
+        checkpointed_version=checkpointed,
     )

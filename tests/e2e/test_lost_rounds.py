@@ -65,7 +65,7 @@ def run(tmp_path: Path, fault: str, transport: str = "tcp") -> list[dict]:
             shard.kill()
             cluster.start_shard(1)  # resumes from its newest checkpoint, rounds behind shard 0
             if fault == "kill-pause":
-                evicted = lambda: any(w["state"] == "EVICTED" for s in shard_status(cluster) for w in s["workers"])  # noqa: E731
+                evicted = lambda: any(w["state"] == "WORKER_STATE_EVICTED" for s in shard_status(cluster) for w in s["workers"])  # noqa: E731
                 assert poll(evicted, 60), "rank 1 was not evicted while paused"
                 paused.signal(signal.SIGCONT)
         assert poll(cluster.workers_done, 240), "the job did not finish (a hang)"
