@@ -29,6 +29,7 @@ from ps_worker.compression import TopK
 from ps_worker.consistency import WorkerMode
 from ps_worker.errors import reason_of
 from ps_worker.planning import model_plan, model_specs
+from ps_worker.redo import DEFAULT_REDO_BYTES
 from ps_worker.session import Session
 from ps_worker.session_view import SessionField
 from ps_worker.staging import HostStaging
@@ -71,6 +72,9 @@ class PSClient:
         data_path: ``"tcp"`` (default): the shard's data connection when Join offers one (no TLS): dense
             pushes of several messages stream there, received into the weights; a one-message push goes as a
             whole PushPullOnce call (one round trip); ``"grpc"``: always gRPC (``ps_common.dataconn.DATA_PATHS``).
+        redo_bytes: sync, the bound in bytes of the redo log (:mod:`ps_worker.redo`): copies of this rank's
+            pushes of the rounds a shard with periodic checkpoints could lose in a kill -9, pushed again
+            after its restart (kept only while a shard reports that it can lose rounds); 0: keep none.
 
     The session's state (``mode``, ``clock``, ``version``, ``versions``, counters...) reads through
     the client: each is a :class:`~ps_worker.session_view.SessionField` of ``client.session``.
@@ -123,6 +127,7 @@ class PSClient:
         wire_dtype: str | None = None,
         topk: float = 0.0,
         data_path: str = "tcp",
+        redo_bytes: int = DEFAULT_REDO_BYTES,
     ) -> None:
         servers = parse_servers(servers, "servers")
         if not 0 <= rank < num_workers:
@@ -151,7 +156,11 @@ class PSClient:
             data_path=data_path,
         )
         self.session = Session(
-            self.transport, rank, num_workers, time.time_ns() // 1000 if incarnation is None else incarnation
+            self.transport,
+            rank,
+            num_workers,
+            time.time_ns() // 1000 if incarnation is None else incarnation,
+            redo_bytes,
         )
         self.session.waits = waits
         self.staging = HostStaging()

@@ -896,12 +896,6 @@ def poll(check: Callable[[], bool], timeout: float, every: float = 0.3) -> bool:
     return False
 
 
-def server_has_flag(flag: str) -> bool:
-    """``ps-server --help`` lists ``flag`` (answers before torch is imported)."""
-    out = subprocess.run([PY, "-m", "ps_server.cli", "--help"], capture_output=True, text=True, timeout=60, cwd=ROOT)
-    return flag in out.stdout
-
-
 def report(
     seed: int,
     spec: ClusterSpec,
