@@ -65,7 +65,7 @@ def test_rank_0_seeds_the_weights_it_holds_and_the_rest_start_from_the_declared_
 @pytest.mark.parametrize(("module", "value", "match"), [("meta", "weight", "meta device"), ("emb", "zeros", "one of")])
 def test_a_bad_ps_init_is_refused_before_the_model_changes(module: str, value: str, match: str) -> None:
     model = Model()
-    setattr(getattr(model, module), "ps_init", value)
+    getattr(model, module).ps_init = value
     with pytest.raises(ValueError, match=match):
         attach_tables(_client(), model, {"name": "adam", "lr": 0.01})
     assert {"emb.weight", "bag.weight", "meta.weight"} <= set(dict(model.named_parameters()))
