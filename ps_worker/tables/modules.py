@@ -16,7 +16,8 @@ module's own weight when it holds one (not on the meta device) and the table has
 expiry or byte bound: rank 0 seeds them (InitTables rows, ``ps_worker.tables.seed``), so a model's
 own initializer (DLRM's U(+-1/sqrt(rows)), a ``load_state_dict`` before ``client.init``) holds as
 under DDP. Otherwise they start from the declared initializer, N(0, init_std**2) of (name, seed, id)
-(``ps_common.tables.initial_rows``); ``module.ps_init = "weight" | "declared"`` chooses (docs/tables.md).
+(``ps_common.tables.initial_rows``), or U(low, high) with ``module.ps_init = ("uniform", low, high)``;
+``module.ps_init = "weight" | "declared"`` chooses (docs/tables.md).
 A module may set ``ps_seed``/``ps_init_std`` attributes, and ``ps_table_options`` (a dict of
 ``TableSpec``'s ``admit_after``, ``expire_after_rounds``, ``expire_after_seconds``, ``max_bytes``,
 ``on_full``: docs/tables.md). ``model.state_dict()`` holds the tables' rows (``ps_worker.tables.state``). The row
@@ -71,18 +72,28 @@ class ShardedEmbedding(nn.Module):
         dim: elements per row.
         mode: None (one row per id, output ``[*input.shape, dim]``) or a bag reduction.
         seed, init_std: initial rows N(0, init_std**2), a function of (name, seed, id).
+        init: ``("uniform", low, high)`` for rows U(low, high) instead (``ps_init``).
 
     Forward (after ``client.init``): ``input`` int64 ids; bags take ``offsets`` and
     ``per_sample_weights`` as ``nn.EmbeddingBag``. Output float32.
     """
 
-    def __init__(self, num_rows: int, dim: int, mode: str | None = None, *, seed: int = 0, init_std: float = 1.0):
+    def __init__(
+        self,
+        num_rows: int,
+        dim: int,
+        mode: str | None = None,
+        *,
+        seed: int = 0,
+        init_std: float = 1.0,
+        init: tuple[str, float, float] | None = None,
+    ):
         super().__init__()
         if mode not in (None, "sum", "mean", "max"):
             raise ValueError(f"mode must be None, 'sum', 'mean' or 'max', got {mode!r}.")
         self.num_embeddings, self.embedding_dim, self.mode = num_rows, dim, mode
         self.include_last_offset = False
-        self.ps_seed, self.ps_init_std = seed, init_std
+        self.ps_seed, self.ps_init_std, self.ps_init = seed, init_std, init
 
     def forward(self, input: torch.Tensor, offsets: torch.Tensor | None = None, per_sample_weights: Any = None):
         raise RuntimeError("ShardedEmbedding serves rows from the shards: call client.init(model, ...) first.")
@@ -133,6 +144,23 @@ INITIAL_ROWS = ("weight", "declared")
 declared initializer the shards compute per row (``ps_common.tables.initial_rows``)."""
 
 
+def declared_initializer(name: str, module: nn.Module) -> dict[str, Any]:
+    """The ``TableSpec`` fields of a module's declared initializer: ``ps_init = ("uniform", low, high)``
+    (rows U(low, high)), ``("normal", std)``, or else N(0, ``ps_init_std``**2) (1.0 by default).
+
+    Raises:
+        ValueError: a ``ps_init`` tuple of another form.
+    """
+    init, std = getattr(module, "ps_init", None), float(getattr(module, "ps_init_std", 1.0))
+    if not isinstance(init, (tuple, list)):
+        return {"init_std": std}
+    if len(init) == 3 and init[0] == "uniform":
+        return {"init_std": std, "initializer": "uniform", "init_low": float(init[1]), "init_high": float(init[2])}
+    if len(init) == 2 and init[0] == "normal":
+        return {"init_std": float(init[1])}
+    raise ValueError(f"{name}: ps_init takes ('normal', std) or ('uniform', low, high), got {tuple(init)!r}.")
+
+
 def initial_rows_from(name: str, module: nn.Module, spec: TableSpec) -> str:
     """``"weight"`` or ``"declared"``: where table ``spec``'s rows start (the module docstring).
 
@@ -145,8 +173,13 @@ def initial_rows_from(name: str, module: nn.Module, spec: TableSpec) -> str:
     choice = getattr(module, "ps_init", None)
     if choice is None:  # a table that drops rows reads them back at the declared value: declared
         return "weight" if held and not (spec.admits or spec.expires or spec.max_bytes) else "declared"
+    if isinstance(choice, (tuple, list)):  # ("uniform", low, high) or ("normal", std): declared_initializer
+        return "declared"
     if choice not in INITIAL_ROWS:
-        raise ValueError(f"{name}: ps_init must be one of {', '.join(INITIAL_ROWS)}, got {choice!r}.")
+        raise ValueError(
+            f"{name}: ps_init must be one of {', '.join(INITIAL_ROWS)}, ('normal', std) or ('uniform', low, high), "
+            f"got {choice!r}."
+        )
     if choice == "weight" and not held:
         raise ValueError(
             f"{name}: ps_init='weight' needs a module holding its weight (not on the meta device, not a "
@@ -181,11 +214,10 @@ def attach_tables(client: TableHost, model: nn.Module, optimizer: Mapping[str, A
                 )
         table = f"{name}.weight" if name else "weight"
         seed = int(getattr(m, "ps_seed", 0))
-        init_std = float(getattr(m, "ps_init_std", 1.0))
         options = dict(getattr(m, "ps_table_options", {}))  # admit_after, expire_after_*, max_bytes, on_full
         try:
             rows, dim = int(m.num_embeddings), int(m.embedding_dim)
-            specs.append(TableSpec(table, rows, dim, row_opt, seed, init_std, **options))
+            specs.append(TableSpec(table, rows, dim, row_opt, seed, **declared_initializer(name, m), **options))
         except TypeError as exc:
             raise ValueError(f"{name}: ps_table_options takes TableSpec's lifetime fields; {exc}") from exc
         origins.append(initial_rows_from(name, m, specs[-1]))  # ValueError before any module changes

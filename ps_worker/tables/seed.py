@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 import torch
 
-from ps_common.tables import TableSpec, initial_rows, shard_of
+from ps_common.tables import TableSpec, shard_of
 from ps_proto.v1 import ps_pb2
 
 Seeds = Mapping[str, tuple[torch.Tensor, torch.Tensor]]
@@ -41,12 +41,12 @@ def changed(spec: TableSpec, ids: torch.Tensor, rows: torch.Tensor) -> torch.Ten
     out = torch.empty(ids.numel(), dtype=torch.bool)
     for start in range(0, ids.numel(), INITIAL_CHECK_ROWS):
         part = slice(start, start + INITIAL_CHECK_ROWS)
-        first = initial_rows(spec.name, spec.seed, spec.init_std, ids[part], 1)
+        first = spec.initial(ids[part], 1)
         same = (rows[part, :1].view(torch.int32) == first.view(torch.int32)).reshape(-1)
         out[part] = ~same
         if bool(same.any()):
             at = same.nonzero().reshape(-1) + start
-            initial = initial_rows(spec.name, spec.seed, spec.init_std, ids[at], spec.dim)
+            initial = spec.initial(ids[at])
             out[at] = (rows[at].view(torch.int32) != initial.view(torch.int32)).any(1)
     return out
 

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ps_common.tables import RowOptimizerSpec, TableSpec
 from ps_worker import DistributedOptimizer, PSClient
 from ps_worker.workloads.clicklog import ClickLogConfig
 from ps_worker.workloads.ctr import CTRWorkload
@@ -176,3 +177,32 @@ def test_dlrm_with_its_own_initializer_trains_as_one_process(start_cluster) -> N
     for key in want:
         assert (saved[key] - want[key]).abs().max().item() <= 1e-5, key
     assert abs(metrics["auc"] - workload.evaluate(ref, held_out)["auc"]) <= 1e-4
+
+
+def test_a_table_too_large_to_hold_starts_from_a_declared_uniform_initializer_the_shards_compute(
+    start_cluster,
+) -> None:
+    """DLRM's U(-1/sqrt(rows), 1/sqrt(rows)) on a meta-device table: no row sent, none stored until pushed,
+    every shard count reads the same rows."""
+    rows, bound = 2**40, 2**-20
+    ids = torch.tensor([0, 7, 2**39 + 3, rows - 1])
+    answers = []
+    for num_shards in (1, 3):
+        cluster = start_cluster(num_shards=num_shards, num_workers=1, mode="sync")
+        model = nn.Sequential(nn.EmbeddingBag(rows, 4, mode="sum", sparse=True, device="meta"), nn.Linear(4, 1))
+        model[0].ps_init = ("uniform", -bound, bound)
+
+        def work(rank: int, c: PSClient, model: nn.Module = model, cluster: Any = cluster) -> torch.Tensor:
+            c.init(model, {"name": "adagrad", "lr": 0.1})
+            got = c.pull_rows("0.weight", ids)
+            assert c.tables.calls["InitTables"] == len(cluster.addresses)  # declared at the first pull: no row sent
+            assert {s.shard.tables.tables["0.weight"].rows for s in cluster} == {0}  # none stored
+            return got
+
+        answers.append(run_ranks(cluster.addresses, 1, work)[0])
+        for s in cluster:
+            s.stop(grace=0.2)
+    uniform = {"initializer": "uniform", "init_low": -bound, "init_high": bound}
+    spec = TableSpec("0.weight", rows, 4, RowOptimizerSpec("adagrad", {"lr": 0.1}), **uniform)
+    assert torch.equal(answers[0], answers[1]) and torch.equal(answers[0], spec.initial(ids))
+    assert bool((answers[0].abs() <= bound).all()) and answers[0].abs().max() > bound / 4

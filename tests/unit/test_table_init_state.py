@@ -5,14 +5,23 @@ the meta device or with admission/expiry starts from the declared initializer, a
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
 import torch
 from torch import nn
 
+from ps_admin.model_file import table_tensors
+from ps_common.errors import InvalidRequestError
+from ps_common.tables import RowOptimizerSpec, TableSpec
+from ps_common.wire import table_spec_from_proto, table_spec_to_proto
+from ps_server.tables.store import TableStore
+from ps_server.tables.table_io import export_table, spec_from_export
 from ps_worker.tables import state
 from ps_worker.tables.modules import ShardedEmbedding, attach_tables
+
+UNIFORM = {"initializer": "uniform", "init_low": -0.25, "init_high": 0.25}
 
 
 def _client(rank: int = 0) -> SimpleNamespace:
@@ -128,3 +137,65 @@ def test_a_table_beyond_the_gather_bound_is_refused_with_the_export_to_use() -> 
     attach_tables(client, model, {"name": "adam", "lr": 0.01})
     with pytest.raises(ValueError, match="ps-admin export"):
         state.gather(client.tables, "meta.weight")
+
+
+def test_a_declared_uniform_initializer_is_a_function_of_the_id_in_its_bounds_everywhere() -> None:
+    spec = TableSpec("emb.weight", 2**40, 8, RowOptimizerSpec("adagrad", {"lr": 0.1}), 3, **UNIFORM)
+    ids = torch.tensor([0, 5, 2**39 + 1, 2**40 - 1])
+    rows = spec.initial(ids)
+    assert rows.dtype == torch.float32 and rows.shape == (4, 8)
+    assert bool((rows >= -0.25).all() and (rows < 0.25).all())
+    assert torch.equal(rows[1:2], spec.initial(torch.tensor([5])))  # per id, whatever else is asked
+    assert torch.equal(rows[:, :1], spec.initial(ids, 1))  # per element: the first column alone
+    many = spec.initial(torch.arange(20_000), 1)
+    assert abs(float(many.mean())) < 0.01 and abs(float(many.var()) - 0.5**2 / 12) < 0.001  # U(-0.25, 0.25)
+    assert not torch.equal(rows, replace(spec, initializer="normal", init_low=0.0, init_high=0.0).initial(ids))
+
+    # on the wire and in a checkpoint, and what a shard reads for a row it never stored
+    assert table_spec_from_proto(table_spec_to_proto(spec)) == spec
+    store = TableStore(0, 1, max_rows=100)
+    store.declare([spec])
+    assert torch.equal(store.pull([("emb.weight", ids)])[0], rows)
+    saved = export_table(store.tables["emb.weight"])
+    assert spec_from_export(saved) == spec
+    old = {
+        **saved,
+        "spec": {k: v for k, v in saved["spec"].items() if k not in ("initializer", "init_low", "init_high")},
+    }
+    assert spec_from_export(old).initializer == "normal"  # a checkpoint from before the field
+    message = table_spec_to_proto(spec)
+    exported = table_tensors([message], {}, dense_limit=0)  # ps-admin export: held rows only past the limit
+    assert exported["emb.weight.ids"].numel() == 0
+    small = table_spec_to_proto(replace(spec, num_rows=6))
+    assert torch.equal(table_tensors([small], {})["emb.weight"][[0, 5]], rows[:2])  # the matrix: as pulls read
+
+
+@pytest.mark.parametrize(
+    ("fields", "match"),
+    [
+        ({"initializer": "xavier"}, "one of normal, uniform"),
+        ({"initializer": "uniform", "init_low": 0.5, "init_high": 0.5}, "init_low < init_high"),
+        ({"initializer": "uniform", "init_low": float("-inf"), "init_high": 0.5}, "finite"),
+        ({"init_low": -1.0, "init_high": 1.0}, "uniform' only"),
+    ],
+)
+def test_bad_initializers_are_refused(fields: dict, match: str) -> None:
+    with pytest.raises(InvalidRequestError, match=match):
+        TableSpec("t", 10, 2, RowOptimizerSpec("sgd", {"lr": 0.1}), **fields)
+
+
+def test_modules_declare_a_uniform_initializer_with_ps_init() -> None:
+    model = Model()
+    model.meta.ps_init = ("uniform", -0.25, 0.25)  # DLRM's U(-1/sqrt(rows), 1/sqrt(rows)) for a table too big to hold
+    model.sharded = ShardedEmbedding(2**40, 3, init=("uniform", -1.0, 2.0))
+    model.emb.ps_init = ("normal", 0.1)
+    client = _client()
+    attach_tables(client, model, {"name": "adam", "lr": 0.01})
+    specs = client.tables.specs
+    assert specs["meta.weight"].uniform == (-0.25, 0.25) and specs["sharded.weight"].uniform == (-1.0, 2.0)
+    assert specs["emb.weight"].uniform is None and specs["emb.weight"].init_std == 0.1
+    assert sorted(client.tables.seeds) == ["bag.weight"]  # a declared initializer: nothing seeded
+    bad = Model()
+    bad.meta.ps_init = ("uniform", 1.0)
+    with pytest.raises(ValueError, match="'uniform', low, high"):
+        attach_tables(_client(), bad, {"name": "adam", "lr": 0.01})
