@@ -99,7 +99,8 @@ def shard_requests(
             mine = shard_of(ids, num_shards) == k
             ids, rows = ids[mine], all_rows[start : start + WINDOW_ROWS][mine]
             keep = changed(spec, ids, rows)
-            ids, rows = ids[keep], rows[keep]
+            if not bool(keep.all()):  # a module's own weights: none equal, nothing to drop
+                ids, rows = ids[keep], rows[keep]
             while ids.numel():
                 room = (budget - used) // per_row
                 if room <= 0:
