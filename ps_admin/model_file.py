@@ -101,7 +101,7 @@ def table_tensors(
     """Each table's tensors of the model file (see the module's docstring).
 
     Args:
-        specs: the tables (``TableSpec`` messages: name, num_rows, dim, seed, init_std).
+        specs: the tables (``TableSpec`` messages: name, num_rows, dim, seed, init_std, initializer).
         rows: table name -> the (ids bytes, values bytes) blocks every shard sent (int64 and float32,
             little-endian); each id at most once over all blocks.
         dense_limit: bytes of the largest table written as a full matrix.
@@ -136,7 +136,9 @@ def table_tensors(
         step = max(1, INIT_CHUNK_ELEMENTS // spec.dim)
         for start in range(0, spec.num_rows, step):
             chunk = torch.arange(start, min(start + step, spec.num_rows), dtype=torch.int64)
-            weight[start : start + chunk.numel()] = initial_rows(spec.name, spec.seed, spec.init_std, chunk, spec.dim)
+            uniform = (spec.init_low, spec.init_high) if getattr(spec, "initializer", "") == "uniform" else None
+            initial = initial_rows(spec.name, spec.seed, spec.init_std, chunk, spec.dim, uniform)
+            weight[start : start + chunk.numel()] = initial
         weight[ids] = values
         out[spec.name] = weight
     return out

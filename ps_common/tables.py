@@ -6,8 +6,8 @@ A table is ``num_rows`` rows of ``dim`` float32 elements; row ids are int64 in `
 ``mix64(r ^ SHARD_SALT) % num_shards`` (:func:`shard_of`), where ``mix64`` is the SplitMix64
 finalizer (Steele, Lea, Flood, "Fast splittable pseudorandom number generators", OOPSLA 2014), a
 fixed function of the id (never Python's salted ``hash``). A row never updated reads as
-:func:`initial_rows`, a function of (table name, seed, row id) only, so any shard count gives the
-same values. Pure numpy/torch: no grpc.
+:func:`initial_rows` (the spec's declared initializer), a function of (table name, seed, row id)
+only, so any shard count gives the same values. Pure numpy/torch: no grpc.
 """
 
 from __future__ import annotations
@@ -101,14 +101,23 @@ def table_key(name: str, seed: int) -> int:
     return int.from_bytes(digest[:8], "little")
 
 
-def initial_rows(name: str, seed: int, init_std: float, ids: torch.Tensor, dim: int) -> torch.Tensor:
+INITIALIZERS = ("normal", "uniform")
+"""The declared initializers of a table's rows: N(0, init_std**2), or U(init_low, init_high)."""
+
+
+def initial_rows(
+    name: str, seed: int, init_std: float, ids: torch.Tensor, dim: int, uniform: tuple[float, float] | None = None
+) -> torch.Tensor:
     """The initial values of rows ``ids`` of a table: N(0, init_std**2) per element, from a
     counter-based generator (SplitMix64 of (table key ^ id) plus the element's counter; two
-    uniforms per element, Box-Muller). A function of (name, seed, id, element) only.
+    uniforms per element, Box-Muller), or, with ``uniform=(low, high)``, ``low + (high - low) * u``
+    of the element's first uniform ``u`` in [0, 1). A function of (name, seed, id, element) only:
+    element j of a row does not depend on ``dim`` (``dim=1`` gives the first column).
 
     Args:
         ids: int64 tensor [n] of row ids.
         dim: elements per row.
+        uniform: None (normal) or the bounds of a uniform initializer.
 
     Returns:
         float32 tensor [n, dim].
@@ -116,10 +125,14 @@ def initial_rows(name: str, seed: int, init_std: float, ids: torch.Tensor, dim: 
     raw = ids.detach().cpu().contiguous().numpy().astype(np.int64, copy=False).view(np.uint64)
     base = mix64(raw ^ np.uint64(table_key(name, seed)))[:, None]
     counter = np.arange(dim, dtype=np.uint64)[None, :] * np.uint64(2)
+    scale = 1.0 / float(2**53)
     with np.errstate(over="ignore"):
         h1 = mix64(base + counter)
+        if uniform is not None:
+            low, high = uniform
+            u = (h1 >> np.uint64(11)).astype(np.float64) * scale
+            return torch.from_numpy((low + (high - low) * u).astype(np.float32))
         h2 = mix64(base + counter + np.uint64(1))
-    scale = 1.0 / float(2**53)
     u1 = ((h1 >> np.uint64(11)).astype(np.float64) + 0.5) * scale
     u2 = (h2 >> np.uint64(11)).astype(np.float64) * scale
     z = np.sqrt(-2.0 * np.log(u1)) * np.cos(2.0 * math.pi * u2)
@@ -177,6 +190,9 @@ class TableSpec:
         num_rows: ids are int64 in ``[0, num_rows)``, ``1 <= num_rows <= 2**63 - 1``.
         dim: elements per row, ``1 <= dim <= 65536``.
         seed, init_std: initial rows are N(0, init_std**2) (:func:`initial_rows`).
+        initializer, init_low, init_high: ``"normal"`` (N(0, init_std**2), the default) or
+            ``"uniform"``: rows U(init_low, init_high) (finite, ``init_low < init_high``; DLRM's
+            U(-1/sqrt(rows), 1/sqrt(rows))). The bounds are 0 for ``"normal"``.
         optimizer: the row-wise optimizer the shards run.
         dtype: "float32" (the only one).
         admit_after: a row is stored only from its ``admit_after``-th push on (0 or 1: at its first;
@@ -205,6 +221,9 @@ class TableSpec:
     expire_after_seconds: float = 0.0
     max_bytes: int = 0
     on_full: str = "refuse"
+    initializer: str = "normal"
+    init_low: float = 0.0
+    init_high: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.name or len(self.name) > MAX_NAME_CHARS:
@@ -219,7 +238,24 @@ class TableSpec:
             raise InvalidRequestError(f"Table {self.name!r}: init_std must be a finite number >= 0.")
         if self.dtype != "float32":
             raise InvalidRequestError(f"Table {self.name!r}: rows must be float32, got {self.dtype}.")
+        self._check_initializer()
         self._check_lifetime()
+
+    def _check_initializer(self) -> None:
+        """Refuse an unknown initializer or bounds that are not finite float32 ``low < high`` (InvalidRequestError)."""
+        low, high, big = self.init_low, self.init_high, 3.0e38
+        if self.initializer not in INITIALIZERS:
+            raise InvalidRequestError(
+                f"Table {self.name!r}: initializer must be one of {', '.join(INITIALIZERS)}, "
+                f"got {self.initializer[:32]!r}."
+            )
+        if self.initializer == "normal" and (low, high) != (0.0, 0.0):
+            raise InvalidRequestError(f"Table {self.name!r}: init_low/init_high apply to initializer='uniform' only.")
+        finite = math.isfinite(low) and math.isfinite(high)
+        if self.initializer == "uniform" and not (finite and -big < low < high < big):
+            raise InvalidRequestError(
+                f"Table {self.name!r}: a uniform initializer needs finite init_low < init_high, got {low}, {high}."
+            )
 
     def _check_lifetime(self) -> None:
         """Refuse admission, expiry and bound settings out of range (InvalidRequestError)."""
@@ -257,6 +293,15 @@ class TableSpec:
     def expires(self) -> bool:
         """True when untouched rows expire."""
         return self.expire_after_rounds > 0 or self.expire_after_seconds > 0
+
+    @property
+    def uniform(self) -> tuple[float, float] | None:
+        """The uniform initializer's bounds, or None (normal)."""
+        return (self.init_low, self.init_high) if self.initializer == "uniform" else None
+
+    def initial(self, ids: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+        """:func:`initial_rows` of ``ids`` (int64 [n]) under this spec: float32 [n, dim or self.dim]."""
+        return initial_rows(self.name, self.seed, self.init_std, ids, dim or self.dim, self.uniform)
 
     @property
     def row_bytes(self) -> int:

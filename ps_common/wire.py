@@ -157,6 +157,9 @@ def table_spec_from_proto(msg: ps_pb2.TableSpec) -> TableSpec:
         expire_after_seconds=msg.expire_after_seconds,
         max_bytes=msg.max_bytes,
         on_full=msg.on_full or "refuse",
+        initializer=msg.initializer or "normal",
+        init_low=msg.init_low,
+        init_high=msg.init_high,
     )
 
 
@@ -175,4 +178,7 @@ def table_spec_to_proto(spec: TableSpec) -> ps_pb2.TableSpec:
         expire_after_seconds=spec.expire_after_seconds,
         max_bytes=spec.max_bytes,
         on_full=spec.on_full,
+        initializer=spec.initializer,
+        init_low=spec.init_low,
+        init_high=spec.init_high,
     )

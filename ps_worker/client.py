@@ -35,6 +35,7 @@ from ps_worker.session_view import SessionField
 from ps_worker.staging import HostStaging
 from ps_worker.tables.client import TableClient
 from ps_worker.tables.modules import attach_tables, join_then_seed
+from ps_worker.tables.state import table_state
 from ps_worker.transport.calls import ShardCalls
 from ps_worker.transport.encoding import WIRE_DTYPES, WireCodec
 from ps_worker.transport.grpc_link import Transport
@@ -387,13 +388,12 @@ class PSClient:
     def state_dict(
         self, like: Mapping[str, torch.Tensor] | None = None, min_version: int | None = None
     ) -> dict[str, torch.Tensor]:
-        """Every parameter and buffer of the job as full CPU tensors, for ``torch.save`` and
-        ``model.load_state_dict`` (see :func:`ps_worker.export.state_dict`).
+        """Every parameter, buffer and table (a sparse embedding's ``weight``, ``ps_worker.tables.state``) of
+        the job as full CPU tensors, for ``torch.save`` and ``model.load_state_dict`` (``ps_worker.export``).
 
         Raises:
-            RuntimeError: not initialized yet. grpc.RpcError: a shard refused the pull.
-        """
-        return export.state_dict(self, like, min_version)
+            RuntimeError: not initialized. grpc.RpcError: a refused pull. ValueError: a table too large."""
+        return {**export.state_dict(self, like, min_version), **table_state(self.tables, min_version)}
 
     def pull_into(self, model: torch.nn.Module, min_version: int | None = None) -> int:
         """Copy the shards' parameters and buffers into ``model`` in place; returns the version read

@@ -504,7 +504,7 @@ class LeaveResponse(_message.Message):
     def __init__(self, version: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., membership: _Optional[_Union[MembershipEpoch, _Mapping]] = ...) -> None: ...
 
 class TableSpec(_message.Message):
-    __slots__ = ("name", "num_rows", "dim", "dtype", "seed", "init_std", "optimizer", "admit_after", "expire_after_rounds", "expire_after_seconds", "max_bytes", "on_full")
+    __slots__ = ("name", "num_rows", "dim", "dtype", "seed", "init_std", "optimizer", "admit_after", "expire_after_rounds", "expire_after_seconds", "max_bytes", "on_full", "initializer", "init_low", "init_high")
     NAME_FIELD_NUMBER: _ClassVar[int]
     NUM_ROWS_FIELD_NUMBER: _ClassVar[int]
     DIM_FIELD_NUMBER: _ClassVar[int]
@@ -517,6 +517,9 @@ class TableSpec(_message.Message):
     EXPIRE_AFTER_SECONDS_FIELD_NUMBER: _ClassVar[int]
     MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
     ON_FULL_FIELD_NUMBER: _ClassVar[int]
+    INITIALIZER_FIELD_NUMBER: _ClassVar[int]
+    INIT_LOW_FIELD_NUMBER: _ClassVar[int]
+    INIT_HIGH_FIELD_NUMBER: _ClassVar[int]
     name: str
     num_rows: int
     dim: int
@@ -529,7 +532,10 @@ class TableSpec(_message.Message):
     expire_after_seconds: float
     max_bytes: int
     on_full: str
-    def __init__(self, name: _Optional[str] = ..., num_rows: _Optional[int] = ..., dim: _Optional[int] = ..., dtype: _Optional[_Union[Dtype, str]] = ..., seed: _Optional[int] = ..., init_std: _Optional[float] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., admit_after: _Optional[int] = ..., expire_after_rounds: _Optional[int] = ..., expire_after_seconds: _Optional[float] = ..., max_bytes: _Optional[int] = ..., on_full: _Optional[str] = ...) -> None: ...
+    initializer: str
+    init_low: float
+    init_high: float
+    def __init__(self, name: _Optional[str] = ..., num_rows: _Optional[int] = ..., dim: _Optional[int] = ..., dtype: _Optional[_Union[Dtype, str]] = ..., seed: _Optional[int] = ..., init_std: _Optional[float] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., admit_after: _Optional[int] = ..., expire_after_rounds: _Optional[int] = ..., expire_after_seconds: _Optional[float] = ..., max_bytes: _Optional[int] = ..., on_full: _Optional[str] = ..., initializer: _Optional[str] = ..., init_low: _Optional[float] = ..., init_high: _Optional[float] = ...) -> None: ...
 
 class RowBlock(_message.Message):
     __slots__ = ("table", "ids", "dtype", "data")

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ps_common.tables import initial_rows, shard_of
+from ps_common.tables import shard_of
 from ps_server.tables.table import READ_CHUNK_BYTES, READ_CHUNK_IDS, Table
 
 
@@ -164,7 +164,7 @@ class RowRead:
             missing = slots < 0
             if bool(missing.any()):
                 ids = part.request.sorted_ids[missing]
-                rows[missing] = initial_rows(spec.name, spec.seed, spec.init_std, ids, spec.dim)
+                rows[missing] = spec.initial(ids)
             order = part.request.order
             if order is not None:
                 unsorted = torch.empty_like(rows)

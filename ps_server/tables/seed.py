@@ -1,5 +1,6 @@
 """Rows rank 0 seeds at table init (``InitTablesRequest.rows``: a job started from a model file,
-docs/operations.md#start-a-job-from-a-model-file): checked in full, then stored exactly.
+docs/operations.md#start-a-job-from-a-model-file, or the table modules' own weights,
+docs/tables.md#initial-rows-and-state_dict): checked in full, then stored exactly.
 
 Pure state under the shard's lock, as :mod:`ps_server.tables.store`. Seeding is an import, not an
 update: each row of a block is stored with the block's float32 values as they are (no optimizer
@@ -92,8 +93,8 @@ def seed_rows(store: TableStore, blocks: Sequence[SeedBlock]) -> int:
         if t.rows + count > t.max_rows:
             raise TableFullError(
                 f"Seeding table {name!r} on shard {store.shard_index} would hold {t.rows + count} rows, beyond its "
-                f"{t.max_rows} (--max-table-rows or the table's max_bytes); nothing was stored. Raise the limit or "
-                "add shards."
+                f"{t.max_rows} (--max-table-rows or the table's max_bytes); nothing was stored. Raise the limit, "
+                "add shards, or declare the table's initializer (a meta-device module: rows stored as pushed)."
             )
     store.check_bytes(new)  # TableFullError: beyond --max-table-bytes
     floors = {name: t.bytes_with(new.get(name, 0)) for name, t in store.tables.items()}

@@ -30,7 +30,7 @@ from typing import Protocol
 import torch
 
 from ps_common.errors import InvalidRequestError, NonFiniteUpdateError, TableFullError
-from ps_common.tables import RowOptimizerSpec, TableSpec, initial_rows, shard_of
+from ps_common.tables import RowOptimizerSpec, TableSpec, shard_of
 from ps_server.tables.lifetime import LRU_HEADROOM, RowLife
 from ps_server.tables.row_index import INDEX_BYTES_PER_ROW, RowIndex
 from ps_server.tables.rows import RowGrads as RowGrads
@@ -219,7 +219,7 @@ class Table:
             out[held] = self.values[slots[held]]
         if not bool(held.all()):
             missing = ~held
-            out[missing] = initial_rows(self.spec.name, self.spec.seed, self.spec.init_std, ids[missing], self.spec.dim)
+            out[missing] = self.spec.initial(ids[missing])
         self.rows_pulled += ids.numel()
         return out
 
@@ -351,7 +351,7 @@ class Table:
         if bool(held.any()):
             out[held] = self.values[slots[held]]
         if not bool(held.all()):
-            out[~held] = initial_rows(self.spec.name, self.spec.seed, self.spec.init_std, ids[~held], self.spec.dim)
+            out[~held] = self.spec.initial(ids[~held])
         return out
 
     def _allocate(self, ids: torch.Tensor, slots: torch.Tensor, held: torch.Tensor, most: int | None) -> torch.Tensor:

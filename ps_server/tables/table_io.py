@@ -11,6 +11,9 @@ from ps_common.tables import RowOptimizerSpec, TableSpec
 from ps_server.tables.row_index import RowIndex
 from ps_server.tables.table import LIFETIME_FIELDS, Table
 
+INIT_FIELDS = ("initializer", "init_low", "init_high")
+"""TableSpec fields of the declared initializer (checkpoints before them: normal)."""
+
 
 def export_table(table: Table) -> dict[str, Any]:
     """Plain data for ``torch.load(weights_only=True)``: spec fields, ids [n], values [n, dim], state."""
@@ -23,6 +26,7 @@ def export_table(table: Table) -> dict[str, Any]:
             "dim": s.dim,
             "seed": s.seed,
             "init_std": s.init_std,
+            **{k: getattr(s, k) for k in INIT_FIELDS},
             "optimizer": s.optimizer.name,
             "optimizer_kwargs": dict(s.optimizer.kwargs),
             **{k: getattr(s, k) for k in LIFETIME_FIELDS},
@@ -36,10 +40,11 @@ def export_table(table: Table) -> dict[str, Any]:
 
 
 def spec_from_export(saved: dict[str, Any]) -> TableSpec:
-    """The validated spec of :func:`export_table` output (checkpoints before admission and expiry: off)."""
+    """The validated spec of :func:`export_table` output (checkpoints before admission and expiry: off;
+    before the uniform initializer: normal)."""
     s = saved["spec"]
     opt = RowOptimizerSpec(str(s["optimizer"]), {k: float(v) for k, v in s["optimizer_kwargs"].items()})
-    life = {k: type(getattr(TableSpec, k))(s[k]) for k in LIFETIME_FIELDS if k in s}
+    life = {k: type(getattr(TableSpec, k))(s[k]) for k in (*LIFETIME_FIELDS, *INIT_FIELDS) if k in s}
     return TableSpec(
         str(s["name"]), int(s["num_rows"]), int(s["dim"]), opt, int(s["seed"]), float(s["init_std"]), **life
     )

@@ -111,6 +111,11 @@ class TableClient:
         self.weights: dict[str, weakref.ref[torch.Tensor]] = {}
         """Table name -> the weight its module held before ``attach_tables`` removed it (a user
         optimizer built before ``client.init`` still holds it: ``ps_worker.torch_optim``)."""
+        self.closed = False
+        """True once :meth:`close` ran (the client's channels are closed)."""
+        self.matrices: list[str] = []
+        """Tables whose module held a weight: ``model.state_dict()`` and ``client.state_dict()`` hold
+        them (``ps_worker.tables.state``)."""
         self.seeds: Seeds = {}
         """Rows rank 0 stores at :meth:`declare` (a model file's: ``ps_worker.tables.seed``)."""
         self.hyperparameters: Callable[[], Mapping[str, float]] | None = None
@@ -119,6 +124,7 @@ class TableClient:
 
     def close(self) -> None:
         """Stop the prefetch threads, if any (``PSClient.close`` calls it)."""
+        self.closed = True
         self.ahead.close()
 
     def _call(self, k: int, method: str, request: Any) -> Any:

@@ -11,11 +11,16 @@ remembers them; ``DistributedOptimizer.step()`` pushes their gradients (:func:`p
 the dense step. Build a large table on the meta device (``nn.Embedding(10**7, 64, sparse=True,
 device="meta")``) or as ``ShardedEmbedding(10**7, 64)`` so it is never allocated at all.
 
-The table's name is the module's parameter name (``"emb.weight"``); its rows start as
-N(0, init_std**2) (``init_std`` 1.0: nn.Embedding's own initialization) from (name, seed, id),
-never from the module's weight; a module may set ``ps_seed``/``ps_init_std`` attributes, and
-``ps_table_options`` (a dict of ``TableSpec``'s ``admit_after``, ``expire_after_rounds``,
-``expire_after_seconds``, ``max_bytes``, ``on_full``: docs/tables.md). The row
+The table's name is the module's parameter name (``"emb.weight"``). Its rows start from the
+module's own weight when it holds one (not on the meta device) and the table has no admission,
+expiry or byte bound: rank 0 seeds them (InitTables rows, ``ps_worker.tables.seed``), so a model's
+own initializer (DLRM's U(+-1/sqrt(rows)), a ``load_state_dict`` before ``client.init``) holds as
+under DDP. Otherwise they start from the declared initializer, N(0, init_std**2) of (name, seed, id)
+(``ps_common.tables.initial_rows``), or U(low, high) with ``module.ps_init = ("uniform", low, high)``;
+``module.ps_init = "weight" | "declared"`` chooses (docs/tables.md).
+A module may set ``ps_seed``/``ps_init_std`` attributes, and ``ps_table_options`` (a dict of
+``TableSpec``'s ``admit_after``, ``expire_after_rounds``, ``expire_after_seconds``, ``max_bytes``,
+``on_full``: docs/tables.md). ``model.state_dict()`` holds the tables' rows (``ps_worker.tables.state``). The row
 optimizer is ``optimizer["sparse"]`` (``{"name": "adagrad", "lr": 0.05}``) or, without it, the dense
 optimizer's name and the arguments a row optimizer takes (sgd, adagrad, adam/adamw -> lazy adam).
 """
@@ -36,6 +41,7 @@ from torch import nn
 from ps_common.frames import MESSAGE_OVERHEAD_BYTES
 from ps_common.tables import DENSE_TO_ROW, ROW_OPTIMIZERS, RowOptimizerSpec, TableSpec
 from ps_worker.tables.client import TableClient
+from ps_worker.tables.state import attach_state
 
 if TYPE_CHECKING:
     from ps_worker.metrics import WorkerMetrics
@@ -66,18 +72,28 @@ class ShardedEmbedding(nn.Module):
         dim: elements per row.
         mode: None (one row per id, output ``[*input.shape, dim]``) or a bag reduction.
         seed, init_std: initial rows N(0, init_std**2), a function of (name, seed, id).
+        init: ``("uniform", low, high)`` for rows U(low, high) instead (``ps_init``).
 
     Forward (after ``client.init``): ``input`` int64 ids; bags take ``offsets`` and
     ``per_sample_weights`` as ``nn.EmbeddingBag``. Output float32.
     """
 
-    def __init__(self, num_rows: int, dim: int, mode: str | None = None, *, seed: int = 0, init_std: float = 1.0):
+    def __init__(
+        self,
+        num_rows: int,
+        dim: int,
+        mode: str | None = None,
+        *,
+        seed: int = 0,
+        init_std: float = 1.0,
+        init: tuple[str, float, float] | None = None,
+    ):
         super().__init__()
         if mode not in (None, "sum", "mean", "max"):
             raise ValueError(f"mode must be None, 'sum', 'mean' or 'max', got {mode!r}.")
         self.num_embeddings, self.embedding_dim, self.mode = num_rows, dim, mode
         self.include_last_offset = False
-        self.ps_seed, self.ps_init_std = seed, init_std
+        self.ps_seed, self.ps_init_std, self.ps_init = seed, init_std, init
 
     def forward(self, input: torch.Tensor, offsets: torch.Tensor | None = None, per_sample_weights: Any = None):
         raise RuntimeError("ShardedEmbedding serves rows from the shards: call client.init(model, ...) first.")
@@ -123,6 +139,55 @@ def row_optimizer(optimizer: Mapping[str, Any] | None) -> tuple[dict[str, Any], 
     return dense, RowOptimizerSpec(row_name, {k: float(v) for k, v in dense.items() if k in allowed})
 
 
+INITIAL_ROWS = ("weight", "declared")
+"""Where a table's rows start (``module.ps_init``): the module's weight, seeded by rank 0, or the
+declared initializer the shards compute per row (``ps_common.tables.initial_rows``)."""
+
+
+def declared_initializer(name: str, module: nn.Module) -> dict[str, Any]:
+    """The ``TableSpec`` fields of a module's declared initializer: ``ps_init = ("uniform", low, high)``
+    (rows U(low, high)), ``("normal", std)``, or else N(0, ``ps_init_std``**2) (1.0 by default).
+
+    Raises:
+        ValueError: a ``ps_init`` tuple of another form.
+    """
+    init, std = getattr(module, "ps_init", None), float(getattr(module, "ps_init_std", 1.0))
+    if not isinstance(init, (tuple, list)):
+        return {"init_std": std}
+    if len(init) == 3 and init[0] == "uniform":
+        return {"init_std": std, "initializer": "uniform", "init_low": float(init[1]), "init_high": float(init[2])}
+    if len(init) == 2 and init[0] == "normal":
+        return {"init_std": float(init[1])}
+    raise ValueError(f"{name}: ps_init takes ('normal', std) or ('uniform', low, high), got {tuple(init)!r}.")
+
+
+def initial_rows_from(name: str, module: nn.Module, spec: TableSpec) -> str:
+    """``"weight"`` or ``"declared"``: where table ``spec``'s rows start (the module docstring).
+
+    Raises:
+        ValueError: ``module.ps_init`` is neither, or ``"weight"`` for a module without a weight
+            (on the meta device, or a :class:`ShardedEmbedding`).
+    """
+    weight = module._parameters.get("weight")
+    held = weight is not None and not weight.is_meta
+    choice = getattr(module, "ps_init", None)
+    if choice is None:  # a table that drops rows reads them back at the declared value: declared
+        return "weight" if held and not (spec.admits or spec.expires or spec.max_bytes) else "declared"
+    if isinstance(choice, (tuple, list)):  # ("uniform", low, high) or ("normal", std): declared_initializer
+        return "declared"
+    if choice not in INITIAL_ROWS:
+        raise ValueError(
+            f"{name}: ps_init must be one of {', '.join(INITIAL_ROWS)}, ('normal', std) or ('uniform', low, high), "
+            f"got {choice!r}."
+        )
+    if choice == "weight" and not held:
+        raise ValueError(
+            f"{name}: ps_init='weight' needs a module holding its weight (not on the meta device, not a "
+            "ShardedEmbedding); use ps_init='declared' (rows N(0, ps_init_std**2) computed by the shards)."
+        )
+    return str(choice)
+
+
 def attach_tables(client: TableHost, model: nn.Module, optimizer: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
     """Make the model's sparse embeddings shard-served tables (see the module docstring).
 
@@ -131,7 +196,8 @@ def attach_tables(client: TableHost, model: nn.Module, optimizer: Mapping[str, A
 
     Raises:
         ValueError: an embedding option tables do not support (max_norm, padding_idx,
-            scale_grad_by_freq), or no row optimizer (see :func:`row_optimizer`).
+            scale_grad_by_freq), no row optimizer (see :func:`row_optimizer`), a bad ``ps_init``
+            (:func:`initial_rows_from`); the model is left as it was.
     """
     found = [(name, m) for name, m in model.named_modules() if is_table(m)]
     if not found:
@@ -139,7 +205,7 @@ def attach_tables(client: TableHost, model: nn.Module, optimizer: Mapping[str, A
             return {k: v for k, v in optimizer.items() if k != "sparse"}
         return optimizer
     dense, row_opt = row_optimizer(optimizer)
-    specs = []
+    specs, origins = [], []
     for name, m in found:
         for option, off in (("max_norm", None), ("padding_idx", None), ("scale_grad_by_freq", False)):
             if getattr(m, option, off) != off:
@@ -148,27 +214,30 @@ def attach_tables(client: TableHost, model: nn.Module, optimizer: Mapping[str, A
                 )
         table = f"{name}.weight" if name else "weight"
         seed = int(getattr(m, "ps_seed", 0))
-        init_std = float(getattr(m, "ps_init_std", 1.0))
         options = dict(getattr(m, "ps_table_options", {}))  # admit_after, expire_after_*, max_bytes, on_full
         try:
             rows, dim = int(m.num_embeddings), int(m.embedding_dim)
-            specs.append(TableSpec(table, rows, dim, row_opt, seed, init_std, **options))
+            specs.append(TableSpec(table, rows, dim, row_opt, seed, **declared_initializer(name, m), **options))
         except TypeError as exc:
             raise ValueError(f"{name}: ps_table_options takes TableSpec's lifetime fields; {exc}") from exc
+        origins.append(initial_rows_from(name, m, specs[-1]))  # ValueError before any module changes
     limit = client.partition_bytes + MESSAGE_OVERHEAD_BYTES  # what the client's channels carry
     tables = TableClient(client.transport, client.session, specs, client.metrics, limit)
-    for (_, m), spec in zip(found, specs, strict=True):
+    for (_, m), spec, origin in zip(found, specs, origins, strict=True):
+        seed = getattr(m, "ps_seed_rows", None)  # a model file's rows (ps_worker.model_file.init_from) win
+        if seed is None and origin == "weight" and client.session.rank == 0:  # DDP broadcasts rank 0's too
+            weight = m._parameters["weight"].detach()  # on the CPU in float32 already: not copied
+            seed = (torch.arange(spec.num_rows, dtype=torch.int64), weight.to("cpu", torch.float32))
+        if seed is not None and client.session.rank == 0:  # the other ranks drop theirs
+            tables.seeds = {**tables.seeds, spec.name: seed}
+        object.__setattr__(m, "ps_seed_rows", None)
         if "weight" in m._parameters:
+            attach_state(m, tables, spec.name)  # model.state_dict() gathers its rows (ps_worker.tables.state)
             tables.weights[spec.name] = weakref.ref(m._parameters["weight"])  # a user optimizer's, by identity
             del m._parameters["weight"]  # the table is the shards'; nothing of it stays here
             object.__setattr__(m, "weight", None)
         m.forward = functools.partial(_forward, m, tables, spec.name)  # type: ignore[method-assign]
         object.__setattr__(m, "ps_table", spec.name)  # what ps_worker.tables.prefetch knows the module by
-    for (_, m), spec in zip(found, specs, strict=True):
-        seed = getattr(m, "ps_seed_rows", None)  # a model file's rows (ps_worker.model_file.init_from)
-        if seed is not None and client.session.rank == 0:  # the other ranks ignore them
-            tables.seeds = {**tables.seeds, spec.name: seed}
-        object.__setattr__(m, "ps_seed_rows", None)
     client.tables = tables
     client.on_close.append(tables.close)
     # the row optimizer derived from the dense one: a user may build a SparseAdam over the tables next,

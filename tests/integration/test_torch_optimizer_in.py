@@ -12,7 +12,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ps_common.tables import initial_rows
 from ps_worker import DistributedOptimizer, PSClient
 from tests.conftest import RPC_TIMEOUT, small_model
 from tests.integration.test_ddp_semantics import BATCH, assert_close, data, run_ranks, warmup_cosine
@@ -181,7 +180,7 @@ def test_sparse_adam_and_adam_rows_take_the_scheduled_lr(start_cluster) -> None:
         fc = {k: v.clone() for k, v in model.state_dict().items()}
 
     ref = Ctr(rows)  # one process: torch's SparseAdam on the table, Adam on the head, same schedule
-    ref.load_state_dict({**start, "bag.weight": initial_rows("bag.weight", 0, 1.0, torch.arange(rows), 4)})
+    ref.load_state_dict(start)  # the table's rows too: rank 0 seeded them from the module's weight
     optimizers = ctr_optimizers(ref)
     schedulers = [torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5) for o in optimizers]
     for t in range(steps):

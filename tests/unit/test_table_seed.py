@@ -73,6 +73,8 @@ def test_chunks_fit_the_budget_route_by_shard_and_leave_initial_rows_out() -> No
     rows = initial_rows(SPEC.name, SPEC.seed, SPEC.init_std, ids, 4)
     changed = ids[::3]
     rows[changed] += 1.0
+    rows[[1, 2], 3] += 1.0  # equal in the first element (compared first), not in the last
+    changed = torch.cat([torch.tensor([1, 2]), changed]).sort().values
     hashed = torch.tensor([5, 2**39, 2**40 - 1])
     seeds = {"emb.weight": (ids, rows), "big.weight": (hashed, torch.randn(3, 3))}
     budget = 24 * 10 + 5  # ten rows of dim 4 (8 + 16 bytes each)

@@ -17,7 +17,12 @@ from ps_worker.tables.modules import ShardedEmbedding, attach_tables, row_optimi
 
 def _client() -> SimpleNamespace:
     return SimpleNamespace(
-        transport=None, session=None, metrics=None, tables=None, partition_bytes=4 * 2**20, on_close=[]
+        transport=None,
+        session=SimpleNamespace(rank=0),
+        metrics=None,
+        tables=None,
+        partition_bytes=4 * 2**20,
+        on_close=[],
     )
 
 
