@@ -20,13 +20,15 @@ from tests.chaos.harness import Cluster, ClusterSpec, Network, poll
 STEPS = 60
 EVERY = 10
 LEASE = 3.0
+"""Seconds: short, so that the paused rank is evicted soon (the bitwise runs take 4 leases, so that a
+loaded machine evicts nobody there: an eviction changes the rounds, and the run is no reference)."""
 
 
 def shard_status(cluster: Cluster) -> list[dict]:
     return [s for s in (cluster.status() or []) if "version" in s]
 
 
-def run(tmp_path: Path, fault: str, transport: str = "tcp") -> list[dict]:
+def run(tmp_path: Path, fault: str, transport: str = "tcp", lease: float = 4 * LEASE) -> list[dict]:
     """One 2 x 2 sync job of :data:`STEPS` steps with checkpoints every :data:`EVERY` versions; ``fault``:
     ``none``, ``kill`` (shard 1 killed 3 or more rounds after a checkpoint, restarted at
     once) or ``kill-pause`` (the same while rank 1 is paused past its lease). Returns the ranks'
@@ -35,7 +37,7 @@ def run(tmp_path: Path, fault: str, transport: str = "tcp") -> list[dict]:
         num_shards=2,
         num_workers=2,
         steps=STEPS,
-        lease=LEASE,
+        lease=lease,
         checkpoint_every=EVERY,
         slow_ms=40,
         worker_timeout=30,
@@ -94,5 +96,5 @@ def test_a_shard_restarted_from_an_older_checkpoint_gets_its_lost_rounds_pushed_
 
 @pytest.mark.slow
 def test_a_rank_paused_past_its_lease_while_a_shard_restarts_ends_on_one_model(tmp_path: Path) -> None:
-    shas = {d["params_sha256"] for d in run(tmp_path, "kill-pause")}
+    shas = {d["params_sha256"] for d in run(tmp_path, "kill-pause", lease=LEASE)}
     assert len(shas) == 1 and None not in shas, f"ranks finished on different models: {shas}"
