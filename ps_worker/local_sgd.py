@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from ps_common.fragments import fragment_keys, round_fragment
+from ps_common.outer_rounds import in_force
 from ps_worker.client import PSClient
 from ps_worker.transport.encoding import WireCodec
 from ps_worker.transport.pushpull import PendingPushPull
@@ -71,6 +72,15 @@ class LocalSteps:
         """diloco with F > 1: (plan digest, F, fragment) -> the client's codec restricted to the fragment."""
         rounds = client.worker_mode.pushes_in_rounds  # diloco; easgd's exchanges need no copy of theta_global
         self.anchor = {k: p.detach().clone() for k, p in self.params.items()} if rounds else {}
+        if rounds:  # rank 0 writes theta_global, not this rank's inner steps, to a shard that restarted empty
+            client.path.rewrite_source = self.global_values
+
+    def global_values(self) -> tuple[dict[str, torch.Tensor], int]:
+        """diloco: theta_global (:attr:`anchor`) and the version it is of (the outer round this rank
+        is in): what rank 0 writes to a shard that restarted with no checkpoint, so that the shard
+        goes on with that round (pushed again to it) and no outer round is lost or redone. The
+        outer optimizer's state of that shard's partitions starts over (a checkpoint keeps it)."""
+        return self.anchor, self.client.version
 
     def period(self) -> int:
         """tau (easgd) or H (diloco) in force: ``--communication-period`` as the Join told it, or a
@@ -87,11 +97,8 @@ class LocalSteps:
     def _in_force(self, field: str) -> int:
         """ClusterConfig's ``field`` in force at the model's version (Join's, or the newest change due), >= 1."""
         settings = self.client.settings
-        value = getattr(settings, field) if settings is not None else 1
-        for change in self.client.session.membership.config_changes:  # in the order they were scheduled
-            if change.version <= self.client.version and change.update.HasField(field):
-                value = getattr(change.update, field)
-        return max(1, value)
+        changes = self.client.session.membership.config_changes  # in the order they were scheduled
+        return 1 if settings is None else in_force(settings, changes, self.client.version, field)
 
     def round_period(self) -> int:
         """Inner steps between outer rounds: H, or H // F with F > 1 fragments (at least 1)."""

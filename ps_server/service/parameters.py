@@ -206,7 +206,7 @@ class ParameterServicer:
         req = read_request(request_iterator, "Init", ps_pb2.InitHeader, open_, False, _ignore)
         (specs, plan, optimizer), info = opened[0], req.header.plan
         applied, version, digest = self.shard.init(
-            specs, info.num_shards, info.partition_bytes, info.digest, optimizer, req.parts, plan=plan
+            specs, info.num_shards, info.partition_bytes, info.digest, optimizer, req.parts, plan, req.header.version
         )
         return ps_pb2.InitResponse(applied=applied, version=version, plan_digest=digest)
 
