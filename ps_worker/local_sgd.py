@@ -67,6 +67,8 @@ class LocalSteps:
         self.buffers, self.buffer_values = dict(buffers), buffer_values
         self.pull_targets, self.buffers_pulled = pull_targets, buffers_pulled
         self.steps = self.in_round = self.samples = 0
+        self.counting = False
+        """count_samples was called: every outer round sends its count, 0 too (FedAvg)."""
         self.fragment_samples: list[int] = []
         self._codecs: dict[tuple[str, int, int], WireCodec] = {}
         """diloco with F > 1: (plan digest, F, fragment) -> the client's codec restricted to the fragment."""
@@ -113,7 +115,13 @@ class LocalSteps:
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ValueError(f"count_samples takes the number of samples of a batch, an integer >= 0; got {n!r}.")
         self.samples += n
+        self.counting = True
         self.fragment_samples = [c + n for c in self.fragment_samples]
+
+    def counted(self, n: int) -> int | None:
+        """The count an outer round sends: ``n`` once this rank counts samples (0: the round weighs
+        nothing), None (the field unset: a plain mean) while it never called :meth:`count_samples`."""
+        return n if self.counting else None
 
     def stepped(self) -> None:
         """Count a local step (``ps_worker_local_steps`` too)."""
@@ -176,7 +184,7 @@ class LocalSteps:
         deltas.update(self.buffer_values())
         client = self.client
         moved = client.pushed_bytes + client.pulled_bytes
-        version = client.push_pull(deltas, self.pull_targets(), hyperparameters=[], samples=self.samples)
+        version = client.push_pull(deltas, self.pull_targets(), hyperparameters=[], samples=self.counted(self.samples))
         for k, p in self.params.items():
             self.anchor[k].copy_(p.detach())
         self.in_round = self.samples = 0
@@ -217,7 +225,8 @@ class LocalSteps:
             if k not in keys:
                 targets[k].copy_(v)  # loaded back as it is
         moved = client.pushed_bytes + client.pulled_bytes
-        step = PendingPushPull(client.path, targets, False, [], False, self.fragment_samples[p], codec=codec)
+        samples = self.counted(self.fragment_samples[p])
+        step = PendingPushPull(client.path, targets, False, [], False, samples, codec=codec)
         for key, t in client.staging.stage(base.plan, deltas, keys).items():
             step.ready(key, t)
         version = step.finish()
@@ -240,6 +249,7 @@ class LocalSteps:
             "steps_in_round": self.in_round,
             "samples_in_round": self.samples,
             "fragment_samples": list(self.fragment_samples),
+            "counts_samples": self.counting,
             "local_optimizer": self.optimizer.state_dict(),
         }
 
@@ -249,5 +259,6 @@ class LocalSteps:
         self.in_round = int(extra.get("steps_in_round", self.in_round))
         self.samples = int(extra.get("samples_in_round", self.samples))
         self.fragment_samples = [int(n) for n in extra.get("fragment_samples", self.fragment_samples)]
+        self.counting = bool(extra.get("counts_samples", self.counting))
         if extra.get("local_optimizer") is not None:
             self.optimizer.load_state_dict(extra["local_optimizer"])

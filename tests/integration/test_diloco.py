@@ -86,12 +86,13 @@ def train(
     addresses: list[str],
     data: list[list[tuple[torch.Tensor, torch.Tensor]]],
     inner: str,
-    count: bool,
+    count: bool | Callable[[int, torch.Tensor], int],
     after_step: Callable[[int, DistributedOptimizer], None] | None = None,
     metrics: list[WorkerMetrics] | None = None,
 ) -> list[list[torch.Tensor]]:
     """Every rank in a thread: ``DistributedOptimizer`` around the inner optimizer; returns each rank's
-    parameters after its last step (an outer round's result)."""
+    parameters after its last step (an outer round's result). ``count``: each rank counts its batches'
+    samples (``count(rank, x)`` of them when it is a function)."""
     out: list[list[torch.Tensor]] = [[] for _ in data]
     errors: list[BaseException] = []
 
@@ -108,7 +109,7 @@ def train(
                     opt.zero_grad()
                     F.mse_loss(model(x), y).backward()
                     if count:
-                        opt.count_samples(len(x))
+                        opt.count_samples(len(x) if count is True else count(rank, x))
                     opt.step()
                     if after_step is not None:
                         after_step(step, opt)
@@ -165,6 +166,21 @@ def test_fedavg_weights_each_rank_by_its_sample_count(start_cluster) -> None:
     for g, w in zip(got[0], want, strict=True):
         torch.testing.assert_close(g, w, rtol=0, atol=1e-6)
     assert max(float((w - u).abs().max()) for w, u in zip(want, unweighted, strict=True)) > 1e-3  # weights matter
+
+
+def test_a_rank_that_counts_0_samples_weighs_nothing(start_cluster) -> None:
+    """count_samples(0) is a count, not "not counting": rank 1's outer gradients weigh 0, so FedAvg's
+    theta_global is rank 0's alone, as one worker training rank 0's data would make it."""
+    period, rounds = 3, 3
+    shards = diloco_cluster(start_cluster, period, FEDAVG_OUTER)
+    data = [batches(0, period * rounds, 8), batches(1, period * rounds, 8)]
+    got = train([s.address for s in shards], data, "sgd", count=lambda rank, x: len(x) if rank == 0 else 0)
+    want = reference(data[:1], period, "sgd", FEDAVG_OUTER, weighted=False)
+    for a, b, w in zip(got[0], got[1], want, strict=True):
+        assert torch.equal(a, b)
+        torch.testing.assert_close(a, w, rtol=0, atol=1e-6)
+    both = reference(data, period, "sgd", FEDAVG_OUTER, weighted=False)
+    assert max(float((w - u).abs().max()) for w, u in zip(want, both, strict=True)) > 1e-3  # rank 1 would move it
 
 
 def test_a_round_where_only_some_ranks_count_samples_is_refused_whole(start_cluster) -> None:

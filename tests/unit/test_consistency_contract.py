@@ -350,3 +350,19 @@ def test_only_a_resizable_mode_resizes(mode: str) -> None:
     else:
         with pytest.raises(PreconditionError, match="an easgd job keeps its workers"):
             shard.resize(3)
+
+
+def test_diloco_weighs_a_zero_count_as_nothing_and_a_round_of_zero_counts_as_no_update() -> None:
+    """FedAvg (McMahan et al. 2017): ``sum_k n_k / n * delta_k`` over the ranks that counted; a count
+    of 0 is a weight of 0, distinct from no count at all (the field unset: the plain mean)."""
+    shard = make_shard("diloco")  # w = 0, SGD lr 1: w -= the round's outer gradient
+    w = lambda: shard.store.tensors[0].clone()  # noqa: E731
+    shard.push(PushStamp(0, 1, 0, 3), 0, PLAN.digest, wire(1.0))
+    shard.push(PushStamp(1, 1, 0, 0), 0, PLAN.digest, wire(5.0))
+    assert torch.equal(w(), torch.full((3,), -1.0))  # rank 1 weighs 0
+    shard.push(PushStamp(0, 1, 1, 0), 1, PLAN.digest, wire(1.0))
+    shard.push(PushStamp(1, 1, 1, 0), 1, PLAN.digest, wire(5.0))
+    assert shard.version == 2 and torch.equal(w(), torch.full((3,), -1.0))  # no samples anywhere: no update
+    shard.push(PushStamp(0, 1, 2), 2, PLAN.digest, wire(1.0))
+    shard.push(PushStamp(1, 1, 2), 2, PLAN.digest, wire(5.0))
+    assert torch.equal(w(), torch.full((3,), -4.0))  # nobody counts: the plain mean, 3
