@@ -267,6 +267,40 @@ def test_a_shard_restart_between_outer_rounds_changes_nothing(tmp_path, start_cl
     assert all(s.shard.version == rounds for s in restarted)
 
 
+def test_a_shard_restarted_empty_mid_round_gets_theta_global_and_loses_no_round(start_cluster) -> None:
+    """Shard 1 (no checkpoint) stops two inner steps into round 3 and comes back empty: rank 0
+    writes it theta_global of version 2 (not its local parameters, two inner steps on) at version 2,
+    the ranks push round 2 to it, and with FedAvg's momentum-free outer SGD the run ends exactly
+    where an uninterrupted one does (before, it came back at version 0 with rank 0's local values)."""
+    period, rounds = 4, 4
+    shards = diloco_cluster(start_cluster, period, FEDAVG_OUTER)
+    data = [batches(r, period * rounds, 16) for r in range(2)]
+    paused, resumed = threading.Barrier(3, timeout=60), threading.Barrier(3, timeout=60)
+
+    def after_step(step: int, opt: DistributedOptimizer) -> None:
+        if step == 2 * period + 1:  # two inner steps into round 3 (version 2)
+            paused.wait()
+            resumed.wait()
+
+    results: list[list[list[torch.Tensor]]] = []
+    runner = threading.Thread(
+        target=lambda: results.append(train([s.address for s in shards], data, "sgd", False, after_step))
+    )
+    runner.start()
+    paused.wait()
+    shards[1].stop(grace=0.5)  # no checkpoint directory: its state is gone
+    restarted = start_cluster.restart(shards[1], same_port=True)
+    assert restarted.shard.status().initialized is False
+    resumed.wait()
+    runner.join(timeout=120)
+    assert not runner.is_alive() and results
+    want = reference(data, period, "sgd", FEDAVG_OUTER, weighted=False)
+    for a, b, w in zip(results[0][0], results[0][1], want, strict=True):
+        assert torch.equal(a, b)
+        torch.testing.assert_close(a, w, rtol=0, atol=1e-6)
+    assert shards[0].shard.version == restarted.shard.version == rounds
+
+
 def test_a_live_change_of_h_applies_from_the_outer_round_it_is_scheduled_at(start_cluster) -> None:
     shards = diloco_cluster(start_cluster, 5)
     with grpc.insecure_channel(shards[0].address) as ch:  # ps-admin set --communication-period 2 --at-version 2
