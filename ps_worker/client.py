@@ -319,8 +319,7 @@ class PSClient:
             out: key -> parameter tensor written in place (any device); may be the parameters
                 the gradients belong to.
             hyperparameters, skip: as in :meth:`push`.
-            samples: diloco: the samples an outer gradient stands for (FedAvg's weight; 0: it
-                weighs nothing); None: this rank does not count them.
+            samples: diloco: the samples an outer gradient stands for (FedAvg's weight); None: uncounted.
 
         Returns:
             The lowest version among the shards.
