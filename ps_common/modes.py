@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from ps_common.errors import InvalidRequestError
-from ps_common.optimizer_args import KWARGS, OPTIMIZER_NAMES
+from ps_common.optimizer_args import DILOCO_OUTER_OPTIMIZER, outer_optimizer_json
 from ps_common.text import quote
 
 MODES = ("async", "diloco", "easgd", "ssp", "sync")
@@ -87,35 +86,6 @@ def _check_staleness_lr(value: str, num_workers: int) -> None:
 def _check_moving_rate(value: float | None, num_workers: int) -> None:
     if value is not None and not (0 < value <= 1):
         raise InvalidRequestError(f"--moving-rate must be in (0, 1], got {value}.")
-
-
-DILOCO_OUTER_OPTIMIZER = '{"name": "sgd", "lr": 0.7, "momentum": 0.9, "nesterov": true}'
-"""DiLoCo's outer optimizer (Douillard et al. 2023, section 3: Nesterov momentum, lr 0.7, momentum 0.9)."""
-
-
-def outer_optimizer_json(text: str) -> dict[str, Any]:
-    """``--outer-optimizer`` as a spec dict (``name`` and numeric arguments of :mod:`ps_common.optimizer_args`'s
-    table; torch's range checks come when the shards build it).
-
-    Raises:
-        InvalidRequestError: not a JSON object with a known name and known numeric arguments, or no lr.
-    """
-    try:
-        spec = json.loads(text)
-    except ValueError:
-        spec = None
-    if not isinstance(spec, dict) or spec.get("name") not in KWARGS:
-        raise InvalidRequestError(
-            f"--outer-optimizer must be a JSON object naming one of {', '.join(OPTIMIZER_NAMES)}, e.g. "
-            f"{DILOCO_OUTER_OPTIMIZER}; got {quote(text)}."
-        )
-    kwargs = {k: v for k, v in spec.items() if k != "name"}
-    allowed = KWARGS[spec["name"]]
-    bad = sorted(k for k, v in kwargs.items() if k not in allowed or not isinstance(v, int | float))
-    if bad or "lr" not in kwargs:
-        what = f"has no argument {quote(bad[0])} (or it is not a number)" if bad else "needs an lr"
-        raise InvalidRequestError(f"--outer-optimizer: {spec['name']} {what}; it takes {', '.join(allowed)}.")
-    return spec
 
 
 def _check_outer_optimizer(value: str, num_workers: int) -> None:

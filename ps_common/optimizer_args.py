@@ -8,9 +8,14 @@ of a parameter on its own equals stepping the whole parameter (``docs/architectu
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import MutableMapping
 from dataclasses import dataclass
+from typing import Any
+
+from ps_common.errors import InvalidRequestError
+from ps_common.text import quote
 
 TORCH_CLASSES: dict[str, str] = {
     "sgd": "SGD",
@@ -129,3 +134,50 @@ def set_group_value(group: MutableMapping[str, object], name: str, value: float)
         group[tuple_name] = tuple(pair)
     else:
         group[name] = float(value)
+
+
+DILOCO_OUTER_OPTIMIZER = '{"name": "sgd", "lr": 0.7, "momentum": 0.9, "nesterov": true}'
+"""DiLoCo's outer optimizer (Douillard et al. 2023, section 3: Nesterov momentum, lr 0.7, momentum 0.9)."""
+
+
+def argument_problem(name: str, key: str, value: object) -> str:
+    """What is wrong with argument ``key`` = ``value`` of optimizer ``name`` ("" if nothing): a flag
+    takes true, false, 0 or 1; a number is finite, >= 0 (a JSON ``true`` is no number) and in
+    torch's :data:`RANGES`. The checks ``ps_common.optimizer.OptimizerSpec`` makes, without torch."""
+    allowed = KWARGS[name]
+    if key not in allowed:
+        return f"has no argument {quote(key)}; it takes {', '.join(allowed)}"
+    if allowed[key] is bool:
+        flag = isinstance(value, int | float) and value in (0, 1)
+        return "" if flag else f"takes {key} true or false, not {quote(json.dumps(value)[:40])}"
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+        return f"takes {key} as a finite number >= 0, not {quote(json.dumps(value)[:40])}"
+    interval = RANGES.get(key)
+    if interval is not None and value not in interval:
+        return f"takes {key} in {interval} (torch.optim.{TORCH_CLASSES[name]} refuses {value!r})"
+    return ""
+
+
+def outer_optimizer_json(text: str) -> dict[str, Any]:
+    """diloco's ``--outer-optimizer`` as a spec dict: a JSON object with a ``name`` of :data:`KWARGS`,
+    an ``lr``, and arguments that pass :func:`argument_problem` (what the workers' Init checks, so
+    a shard refuses at its start what no worker could send).
+
+    Raises:
+        InvalidRequestError: in one sentence: not such an object (nested deeper than the parser
+            goes, too), an unknown name or argument, a value out of range, or no lr.
+    """
+    try:
+        spec = json.loads(text)
+    except (ValueError, RecursionError):  # RecursionError: nested deeper than Python's stack
+        spec = None
+    if not isinstance(spec, dict) or spec.get("name") not in KWARGS:
+        raise InvalidRequestError(
+            f"--outer-optimizer must be a JSON object naming one of {', '.join(OPTIMIZER_NAMES)}, e.g. "
+            f"{DILOCO_OUTER_OPTIMIZER}; got {quote(text)}."
+        )
+    problems = [argument_problem(spec["name"], k, v) for k, v in spec.items() if k != "name"]
+    problem = next((p for p in problems if p), "" if "lr" in spec else "needs an lr")
+    if problem:
+        raise InvalidRequestError(f"--outer-optimizer: {spec['name']} {problem}.")
+    return spec

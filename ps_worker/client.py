@@ -316,7 +316,7 @@ class PSClient:
         out: Mapping[str, torch.Tensor],
         hyperparameters: Sequence[Mapping[str, float]] | None = None,
         skip: bool = False,
-        samples: int = 0,
+        samples: int | None = None,
     ) -> int:
         """One training step's communication in one call per shard (PushPull): push ``grads`` as
         :meth:`push` does, then copy the parameters of the version the push lands in into ``out``
@@ -329,7 +329,7 @@ class PSClient:
             out: key -> parameter tensor written in place (any device); may be the parameters
                 the gradients belong to.
             hyperparameters, skip: as in :meth:`push`.
-            samples: diloco: the samples an outer gradient stands for (FedAvg's weight; 0: none).
+            samples: diloco: the samples an outer gradient stands for (FedAvg's weight); None: uncounted.
 
         Returns:
             The lowest version among the shards.

@@ -35,6 +35,7 @@ import torch
 from ps_common import modes
 from ps_common.modes import ModeSettings
 from ps_common.optimizer import OptimizerSpec
+from ps_common.outer_rounds import inner_step
 from ps_common.wire import MODE_TO_NAME
 from ps_proto.v1 import ps_pb2
 from ps_worker.errors import StalePush
@@ -54,6 +55,11 @@ class Progress(Protocol):
     """Per shard, the version this rank last pulled (sync: the round it pushes next)."""
     pushed: list[bool]
     """Per shard, a push of this rank waits in the shard's open round."""
+
+    @property
+    def membership(self) -> ps_pb2.MembershipEpoch:
+        """The newest membership record this rank knows (its ``config_changes``: the live changes)."""
+        ...
 
 
 class Stepper(Protocol):
@@ -135,8 +141,9 @@ class WorkerMode:
         step itself (sync: the round the rank holds)."""
         return step
 
-    def round_start(self, round: int, settings: ModeSettings) -> int:
-        """The loop's step at which round (version) ``round`` starts: the round itself."""
+    def round_start(self, round: int, settings: ModeSettings, changes: Sequence[ps_pb2.ConfigChange]) -> int:
+        """The loop's step at which round (version) ``round`` starts (``changes``: the live ones a
+        membership record carries): the round itself."""
         return round
 
     def after_rejoin(
@@ -292,9 +299,11 @@ class LocalSgd(Synchronous):
         return OptimizerSpec(str(spec["name"]), kwargs, (), given.buffers)
 
     def progress(self, session: Progress, settings: ModeSettings) -> int:
-        """The outer rounds done times H (H // F with ``--fragments F``; a restarted rank resumes at
-        the start of the open round)."""
-        return session.version * max(1, settings.communication_period // max(1, settings.fragments))
+        """The inner step the open outer round starts at, where a restarted rank resumes: the rounds
+        done counted in H // F inner steps each, with the H and F in force at each round
+        (:func:`ps_common.outer_rounds.inner_step`, from the changes the membership record carries),
+        not today's."""
+        return inner_step(settings, session.membership.config_changes, session.version)
 
     def next_step(self, step: int, version: int) -> int:
         """The next inner step (a loop counts inner steps, not rounds)."""
@@ -305,11 +314,10 @@ class LocalSgd(Synchronous):
         from round V holds from the inner steps whose push is for round V on, on every rank."""
         return self.push_clock(session, 0)
 
-    def round_start(self, round: int, settings: ModeSettings) -> int:
-        """The inner step outer round ``round`` starts at: ``round * H`` (``H // F`` with ``--fragments
-        F``; with today's H and F: a live change moves later rounds' starts, which only the data order
-        of a resized job follows)."""
-        return round * max(1, settings.communication_period // max(1, settings.fragments))
+    def round_start(self, round: int, settings: ModeSettings, changes: Sequence[ps_pb2.ConfigChange]) -> int:
+        """The inner step outer round ``round`` starts at (:func:`ps_common.outer_rounds.inner_step`:
+        ``round * H // F`` until a live change of H or F, counted round by round after it)."""
+        return inner_step(settings, changes, round)
 
     def step(self, opt: Stepper, skip: bool) -> int:
         return opt.outer_step(skip)

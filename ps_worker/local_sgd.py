@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from ps_common.fragments import fragment_keys, round_fragment
+from ps_common.outer_rounds import in_force
 from ps_worker.client import PSClient
 from ps_worker.transport.encoding import WireCodec
 from ps_worker.transport.pushpull import PendingPushPull
@@ -66,11 +67,22 @@ class LocalSteps:
         self.buffers, self.buffer_values = dict(buffers), buffer_values
         self.pull_targets, self.buffers_pulled = pull_targets, buffers_pulled
         self.steps = self.in_round = self.samples = 0
+        self.counting = False
+        """count_samples was called: every outer round sends its count, 0 too (FedAvg)."""
         self.fragment_samples: list[int] = []
         self._codecs: dict[tuple[str, int, int], WireCodec] = {}
         """diloco with F > 1: (plan digest, F, fragment) -> the client's codec restricted to the fragment."""
         rounds = client.worker_mode.pushes_in_rounds  # diloco; easgd's exchanges need no copy of theta_global
         self.anchor = {k: p.detach().clone() for k, p in self.params.items()} if rounds else {}
+        if rounds:  # rank 0 writes theta_global, not this rank's inner steps, to a shard that restarted empty
+            client.path.rewrite_source = self.global_values
+
+    def global_values(self) -> tuple[dict[str, torch.Tensor], int]:
+        """diloco: theta_global (:attr:`anchor`) and the version it is of (the outer round this rank
+        is in): what rank 0 writes to a shard that restarted with no checkpoint, so that the shard
+        goes on with that round (pushed again to it) and no outer round is lost or redone. The
+        outer optimizer's state of that shard's partitions starts over (a checkpoint keeps it)."""
+        return self.anchor, self.client.version
 
     def period(self) -> int:
         """tau (easgd) or H (diloco) in force: ``--communication-period`` as the Join told it, or a
@@ -87,11 +99,8 @@ class LocalSteps:
     def _in_force(self, field: str) -> int:
         """ClusterConfig's ``field`` in force at the model's version (Join's, or the newest change due), >= 1."""
         settings = self.client.settings
-        value = getattr(settings, field) if settings is not None else 1
-        for change in self.client.session.membership.config_changes:  # in the order they were scheduled
-            if change.version <= self.client.version and change.update.HasField(field):
-                value = getattr(change.update, field)
-        return max(1, value)
+        changes = self.client.session.membership.config_changes  # in the order they were scheduled
+        return 1 if settings is None else in_force(settings, changes, self.client.version, field)
 
     def round_period(self) -> int:
         """Inner steps between outer rounds: H, or H // F with F > 1 fragments (at least 1)."""
@@ -106,7 +115,13 @@ class LocalSteps:
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ValueError(f"count_samples takes the number of samples of a batch, an integer >= 0; got {n!r}.")
         self.samples += n
+        self.counting = True
         self.fragment_samples = [c + n for c in self.fragment_samples]
+
+    def counted(self, n: int) -> int | None:
+        """The count an outer round sends: ``n`` once this rank counts samples (0: the round weighs
+        nothing), None (the field unset: a plain mean) while it never called :meth:`count_samples`."""
+        return n if self.counting else None
 
     def stepped(self) -> None:
         """Count a local step (``ps_worker_local_steps`` too)."""
@@ -169,7 +184,7 @@ class LocalSteps:
         deltas.update(self.buffer_values())
         client = self.client
         moved = client.pushed_bytes + client.pulled_bytes
-        version = client.push_pull(deltas, self.pull_targets(), hyperparameters=[], samples=self.samples)
+        version = client.push_pull(deltas, self.pull_targets(), hyperparameters=[], samples=self.counted(self.samples))
         for k, p in self.params.items():
             self.anchor[k].copy_(p.detach())
         self.in_round = self.samples = 0
@@ -210,7 +225,8 @@ class LocalSteps:
             if k not in keys:
                 targets[k].copy_(v)  # loaded back as it is
         moved = client.pushed_bytes + client.pulled_bytes
-        step = PendingPushPull(client.path, targets, False, [], False, self.fragment_samples[p], codec=codec)
+        samples = self.counted(self.fragment_samples[p])
+        step = PendingPushPull(client.path, targets, False, [], False, samples, codec=codec)
         for key, t in client.staging.stage(base.plan, deltas, keys).items():
             step.ready(key, t)
         version = step.finish()
@@ -233,6 +249,7 @@ class LocalSteps:
             "steps_in_round": self.in_round,
             "samples_in_round": self.samples,
             "fragment_samples": list(self.fragment_samples),
+            "counts_samples": self.counting,
             "local_optimizer": self.optimizer.state_dict(),
         }
 
@@ -242,5 +259,6 @@ class LocalSteps:
         self.in_round = int(extra.get("steps_in_round", self.in_round))
         self.samples = int(extra.get("samples_in_round", self.samples))
         self.fragment_samples = [int(n) for n in extra.get("fragment_samples", self.fragment_samples)]
+        self.counting = bool(extra.get("counts_samples", self.counting))
         if extra.get("local_optimizer") is not None:
             self.optimizer.load_state_dict(extra["local_optimizer"])

@@ -365,7 +365,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def count_samples(self, n: int) -> None:
         """diloco: add ``n`` (the batch's size) to this rank's samples of the outer round, its FedAvg
-        weight (every rank counts, or none: a plain mean). Raises:
+        weight (every rank counts, or none: a plain mean; once called, each outer round sends its
+        count, and 0 weighs nothing). Raises:
             ValueError: not an integer >= 0. RuntimeError: not a local-optimizer mode."""
         if self.local is None:
             raise RuntimeError(f"count_samples weights diloco's outer rounds; this cluster runs {self.client.mode}.")

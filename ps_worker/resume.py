@@ -51,7 +51,9 @@ def resume_position(clock: int, batches_per_epoch: int) -> tuple[int, int]:
 
 def resume_step(client: Any) -> int:
     """The step a rank resumes at after ``client.init`` (0 on a fresh job), as its mode counts steps
-    (``ps_worker.consistency``): its clock; EASGD, its exchanges times the communication period."""
+    (``ps_worker.consistency``): its clock; EASGD, its exchanges times the communication period;
+    diloco, the inner step the open outer round starts at, counted with each round's own H // F
+    across live changes (:mod:`ps_common.outer_rounds`)."""
     return int(client.worker_mode.progress(client.session, client.settings))
 
 

@@ -204,14 +204,16 @@ class EpochMember(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., incarnation: _Optional[int] = ..., since_version: _Optional[int] = ...) -> None: ...
 
 class ConfigChange(_message.Message):
-    __slots__ = ("version", "update", "epoch")
+    __slots__ = ("version", "update", "epoch", "inner_step")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     UPDATE_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    INNER_STEP_FIELD_NUMBER: _ClassVar[int]
     version: int
     update: UpdateConfigRequest
     epoch: int
-    def __init__(self, version: _Optional[int] = ..., update: _Optional[_Union[UpdateConfigRequest, _Mapping]] = ..., epoch: _Optional[int] = ...) -> None: ...
+    inner_step: int
+    def __init__(self, version: _Optional[int] = ..., update: _Optional[_Union[UpdateConfigRequest, _Mapping]] = ..., epoch: _Optional[int] = ..., inner_step: _Optional[int] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
     __slots__ = ("rank", "num_workers", "incarnation", "membership_epoch", "membership")
@@ -256,18 +258,20 @@ class JoinResponse(_message.Message):
     def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., config: _Optional[_Union[ClusterConfig, _Mapping]] = ..., initialized: _Optional[bool] = ..., version: _Optional[int] = ..., plan_digest: _Optional[str] = ..., clock: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., membership: _Optional[_Union[MembershipEpoch, _Mapping]] = ..., data_port: _Optional[int] = ..., session: _Optional[int] = ..., checkpointed_version: _Optional[int] = ...) -> None: ...
 
 class InitHeader(_message.Message):
-    __slots__ = ("rank", "incarnation", "plan", "optimizer", "membership_epoch")
+    __slots__ = ("rank", "incarnation", "plan", "optimizer", "membership_epoch", "version")
     RANK_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     PLAN_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
     MEMBERSHIP_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
     rank: int
     incarnation: int
     plan: PlanInfo
     optimizer: OptimizerSpec
     membership_epoch: int
-    def __init__(self, rank: _Optional[int] = ..., incarnation: _Optional[int] = ..., plan: _Optional[_Union[PlanInfo, _Mapping]] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., membership_epoch: _Optional[int] = ...) -> None: ...
+    version: int
+    def __init__(self, rank: _Optional[int] = ..., incarnation: _Optional[int] = ..., plan: _Optional[_Union[PlanInfo, _Mapping]] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., membership_epoch: _Optional[int] = ..., version: _Optional[int] = ...) -> None: ...
 
 class InitRequest(_message.Message):
     __slots__ = ("header", "partition")

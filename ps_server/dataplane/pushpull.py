@@ -28,7 +28,7 @@ from ps_server.core.partitions import Intake
 from ps_server.dataplane.connections import POLL_SECONDS, DataPlane, wire_slots
 from ps_server.membership.ranks import PushStamp
 from ps_server.service.request_streams import Request
-from ps_server.service.rpc import deadline, push_response, wire_dtype
+from ps_server.service.rpc import deadline, push_response, push_stamp, wire_dtype
 from ps_server.shard import round_stream
 from ps_server.shard.views import Snapshot
 
@@ -91,7 +91,7 @@ class DataPushPull:
         dtype = wire_dtype(first.ints.get(fields.WIRE_DTYPE, 0))
         plan = self.shard.check_plan(header.plan_digest)
         rank, incarnation, sequence = header.rank, header.incarnation, header.data_sequence
-        stamp = PushStamp(rank, incarnation, header.clock, header.sample_count)
+        stamp = push_stamp(header)
         hyper = hyperparameters_from_proto(header)
         told = False  # the worker has the answer's end (values, or an ABORT) on its connection
         stream: round_stream.RoundStream | None = None

@@ -37,8 +37,9 @@ class PushStamp:
     rank: int
     incarnation: int
     clock: int
-    samples: int = 0
-    """diloco: the samples the push's outer gradient stands for (its FedAvg weight); 0: unweighted."""
+    samples: int | None = None
+    """diloco: the samples the push's outer gradient stands for (its FedAvg weight; 0: it weighs
+    nothing); None: the rank does not count them (a plain mean when no rank does)."""
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ rejoin) holds for it.
 
 FedAvg (McMahan et al. 2017, "Communication-Efficient Learning of Deep Networks from Decentralized
 Data", Algorithm 1, ``w <- sum_k n_k / n * w_k``) is the same round with outer SGD at lr 1.0 and
-every rank's delta weighted by the samples it trained on (``PushHeader.sample_count``): with
+every rank's delta weighted by the samples it trained on (``PushHeader.sample_count``; 0 weighs nothing): with
 weights w_k = theta - delta_k, ``theta - sum_k n_k/n * delta_k`` is exactly that average.
 """
 
@@ -24,6 +24,7 @@ import torch
 from ps_common.errors import HyperparametersDisagreeError, PreconditionError
 from ps_common.fragments import fragments_in_force, owned_slots
 from ps_common.modes import ModeSettings
+from ps_server.core.partitions import Bounded
 from ps_server.policy.base import ShardCore
 from ps_server.policy.rounds import aggregate, weighted_aggregate
 from ps_server.policy.sync import SyncPolicy
@@ -49,15 +50,16 @@ class DilocoPolicy(SyncPolicy):
     resizable = True
 
     def mean(self, shard: ShardCore, held: dict[int, Gradients]) -> list[torch.Tensor]:
-        """The outer gradient: FedAvg's weighted mean when every rank sent a sample count, the plain
-        rank-ordered mean when none did.
+        """The outer gradient: FedAvg's weighted mean when every rank sent a sample count (a rank
+        that counted 0 weighs nothing; when every rank counted 0 the outer gradient is zero: FedAvg's
+        outer SGD leaves theta_global as it is), the plain rank-ordered mean when none did.
 
         Raises:
             HyperparametersDisagreeError: some ranks sent a count and others did not (the round is
                 refused whole; every rank must count its samples, or none).
         """
-        samples = {r: shard.rounds.taken_samples.get(r, 0) for r in held}
-        counted = {r for r, n in samples.items() if n > 0}
+        samples = {r: shard.rounds.taken_samples.get(r) for r in held}
+        counted = {r for r, n in samples.items() if n is not None}
         if not counted:
             return aggregate(held)
         if counted != set(held):
@@ -65,7 +67,10 @@ class DilocoPolicy(SyncPolicy):
                 f"ranks {sorted(counted)} sent sample counts and ranks {sorted(set(held) - counted)} did not; every "
                 "rank must call DistributedOptimizer.count_samples (FedAvg weights), or none."
             )
-        return weighted_aggregate(held, samples)
+        weights = {r: int(n) for r, n in samples.items() if n}
+        if not weights:
+            return Bounded([torch.zeros_like(t) for t in held[min(held)]], 0.0)
+        return weighted_aggregate({r: held[r] for r in weights}, weights)
 
     def expand(self, shard: ShardCore, tensors: Sequence[torch.Tensor]) -> Sequence[torch.Tensor | None]:
         """With F > 1 fragments: the closed round's tensors (its fragment's partitions, plan order) put

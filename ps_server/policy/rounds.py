@@ -100,8 +100,8 @@ class SyncRounds:
         """The hyperparameters of the round :meth:`take_if_complete` last closed, by rank."""
         self.taken_skips: set[int] = set()
         """The ranks of that round that asked to skip its step (AMP overflow)."""
-        self.samples: dict[int, int] = {}
-        self.taken_samples: dict[int, int] = {}
+        self.samples: dict[int, int | None] = {}
+        self.taken_samples: dict[int, int | None] = {}
         """The sample counts of that round's pushes, by rank (diloco's FedAvg weights)."""
 
     def add(
@@ -111,7 +111,7 @@ class SyncRounds:
         grads: Gradients,
         hyper: Hyperparameters = (),
         skip: bool = False,
-        samples: int = 0,
+        samples: int | None = None,
     ) -> None:
         """Hold ``rank``'s gradients, hyperparameters, skip request and sample count for the round ``clock``.
 

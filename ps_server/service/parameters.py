@@ -39,6 +39,7 @@ from ps_server.service.rpc import (
     maps_stream_errors,
     parse,
     push_response,
+    push_stamp,
     wire_dtype,
 )
 from ps_server.service.tables import TableRpcs
@@ -207,7 +208,7 @@ class ParameterServicer:
         req = read_request(request_iterator, "Init", ps_pb2.InitHeader, open_, False, _ignore)
         (specs, plan, optimizer), info = opened[0], req.header.plan
         applied, version, digest = self.shard.init(
-            specs, info.num_shards, info.partition_bytes, info.digest, optimizer, req.parts, plan=plan
+            specs, info.num_shards, info.partition_bytes, info.digest, optimizer, req.parts, plan, req.header.version
         )
         return ps_pb2.InitResponse(applied=applied, version=version, plan_digest=digest)
 
@@ -219,7 +220,7 @@ class ParameterServicer:
         if h.hold_for_clip:  # sync: the round waits for its clipping coefficient (ps_server.shard.clipping)
             self.shard.request_clip(h.rank, h.clock)
         r = self.shard.push(
-            PushStamp(h.rank, h.incarnation, h.clock, h.sample_count),
+            push_stamp(h),
             h.version,
             h.plan_digest,
             req.parts,
@@ -271,7 +272,7 @@ class ParameterServicer:
         index = self.shard.shard_index
         fragment = (fragments_in_force(self.shard.settings), header.clock)  # diloco: the round's fragment
         result, version, out = self.shard.push_pull(
-            PushStamp(header.rank, header.incarnation, header.clock, header.sample_count),
+            push_stamp(header),
             header.version,
             header.plan_digest,
             parts,

@@ -17,7 +17,7 @@ from ps_common.modes import ModeSettings
 from ps_common.text import shown
 from ps_common.wire import NAME_TO_MODE
 from ps_proto.v1 import ps_pb2
-from ps_server.membership.ranks import PushResult, WorkerState
+from ps_server.membership.ranks import PushResult, PushStamp, WorkerState
 from ps_server.shard.waits import serving
 
 log = logging.getLogger("ps_server.service.parameters")
@@ -130,3 +130,10 @@ def push_response(r: PushResult, checkpointed: int | None = None) -> ps_pb2.Push
         skipped=r.skipped,
         checkpointed_version=checkpointed,
     )
+
+
+def push_stamp(header: ps_pb2.PushHeader) -> PushStamp:
+    """The stamp of a push's header: (rank, incarnation, clock) and diloco's sample count — None
+    when the field is unset (the rank does not count samples), 0 when it counted none."""
+    samples = header.sample_count if header.HasField("sample_count") else None
+    return PushStamp(header.rank, header.incarnation, header.clock, samples)

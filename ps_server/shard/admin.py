@@ -12,6 +12,7 @@ from ps_common.errors import InvalidRequestError, NotInitializedError, Precondit
 from ps_common.fragments import check_fragments, fragments_in_force
 from ps_common.modes import ModeSettings, changes_from_request, request_fields
 from ps_common.optimizer import check_in_range
+from ps_common.outer_rounds import inner_step
 from ps_common.wire import MODE_TO_NAME, NAME_TO_MODE
 from ps_proto.v1 import ps_pb2
 from ps_server.membership.epochs import KEPT_CHANGES
@@ -101,7 +102,10 @@ class ConfigChanges:
             update.mode = NAME_TO_MODE[mode]
         if learning_rate is not None:
             update.learning_rate = learning_rate
-        self._members.decide_change(ps_pb2.ConfigChange(version=at, update=update))
+        change = ps_pb2.ConfigChange(version=at, update=update)
+        if shard.settings.mode == "diloco":  # the inner step its round starts at (ps_common.outer_rounds)
+            change.inner_step = inner_step(shard.settings, self._members.epochs.record.config_changes, at)
+        self._members.decide_change(change)
         self.apply_due()
         shard.advance()
         return settings

@@ -251,9 +251,11 @@ class Shard:
         optimizer: OptimizerSpec,
         partitions: Sequence[WirePartition],
         plan: Plan | None = None,
+        version: int = 0,
     ) -> tuple[bool, int, str]:
         """First writer wins: set the plan, initial values and optimizer (``plan``: :meth:`init_plan`
-        of the other arguments, when the caller has it). Returns (applied, version, plan digest):
+        of the other arguments, when the caller has it) at ``version`` (diloco: a shard that restarted
+        empty takes theta_global at the ranks' outer round). Returns (applied, version, plan digest):
         not applied when already initialized with the same plan.
 
         Raises:
@@ -270,9 +272,14 @@ class Shard:
             if self.plan is not None:  # lost a race with another Init
                 return self.data.initialized(digest)
             self._install(plan, store)
-            what = (len(store.partitions), store.num_bytes, plan.digest[:12], optimizer.name)
+            if version:
+                self.rounds = SyncRounds(round=version)
+                self.set_version(version)  # and the config changes due there
+            what = (len(store.partitions), store.num_bytes, plan.digest[:12], optimizer.name, self.version)
             log.info(
-                "shard %d: initialized with %d partitions (%d bytes), plan %s, optimizer %s", self.shard_index, *what
+                "shard %d: initialized with %d partitions (%d bytes), plan %s, optimizer %s, at version %d",
+                self.shard_index,
+                *what,
             )
             self._cond.notify_all()
             return True, self.version, plan.digest

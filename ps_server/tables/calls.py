@@ -208,12 +208,14 @@ class TableCalls:
             the tables in force).
 
         Raises:
-            NotJoinedError, SupersededError: rank 0 not live under ``incarnation``. As
+            PreconditionError: the mode serves no tables (``policy.check_rows``: easgd, diloco), before
+                anything is declared. NotJoinedError, SupersededError: rank 0 not live under ``incarnation``. As
             :meth:`TableStore.declare`; WaitTimeoutError, ShuttingDownError: rank 0 did not declare in time.
             InvalidRequestError: ``rows`` from a rank other than 0. RequestTooLargeError, and as
             :func:`~ps_server.tables.seed.seed_rows`: refused seed rows.
         """
         host = self._host
+        host.policy.check_rows()
         if rows and rank != 0:
             raise InvalidRequestError(f"Only rank 0 seeds table rows; rank {rank} sent some. Send them from rank 0.")
         member = host.membership.get(rank, incarnation)

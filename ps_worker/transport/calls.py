@@ -63,6 +63,11 @@ class ShardCalls:
         self.codec: WireCodec | None = None
         self.params: dict[str, torch.Tensor] = {}
         """The model's tensors, for rank 0 to write again to a shard that lost them."""
+        self.rewrite_source: Callable[[], tuple[Mapping[str, torch.Tensor], int]] | None = None
+        """What rank 0 writes to a shard that restarted empty instead: (values of some of
+        :attr:`params`' keys, the version they are of) — diloco: theta_global at the outer round
+        the ranks are in (:meth:`~ps_worker.local_sgd.LocalSteps.global_values`); None: the model's
+        values at version 0 (sync redoes the rounds the shard lost)."""
         self.last_push: Sequence[list[frames.OutPartition]] | None = None
         """Per shard, the last push as it went on the wire (pushed again after a PushLost)."""
         self.last_round: int | None = None
@@ -105,12 +110,17 @@ class ShardCalls:
         self.params = dict(named)
         self.session.optimizer = optimizer
 
-        def write(k: int) -> None:  # rank 0: (again) the model's current values, with the spec in force
+        def write(k: int) -> None:  # rank 0: the model's values, with the spec in force
             assert self.session.optimizer is not None
             self.init_shard(k, self.params, self.session.optimizer)
 
+        def rewrite(k: int) -> None:  # rank 0, to a shard that restarted empty
+            values, version = self.rewrite_source() if self.rewrite_source is not None else ({}, 0)
+            assert self.session.optimizer is not None
+            self.init_shard(k, {**self.params, **values}, self.session.optimizer, version)
+
         if self.session.rank == 0:
-            self.session.reinit = write
+            self.session.reinit = rewrite
             self.transport.each_shard(write)
             startup.debug("start-up: written the initial values to %d shards", self.transport.num_shards)
         else:
@@ -159,14 +169,14 @@ class ShardCalls:
             getattr(self.metrics, histogram).observe(time.perf_counter() - start)
 
     # ------------------------------------------------------------------ init
-    def init_shard(self, k: int, values: Mapping[str, torch.Tensor], opt: OptimizerSpec) -> None:
-        """Init shard ``k`` with ``values`` (any device) and the optimizer spec ``opt``.
+    def init_shard(self, k: int, values: Mapping[str, torch.Tensor], opt: OptimizerSpec, version: int = 0) -> None:
+        """Init shard ``k`` with ``values`` (any device) and the optimizer spec ``opt`` at ``version``.
 
         Raises:
             ShardError: a refusal (PlanMismatch: the shard holds another plan).
         """
         t, s = self.transport, self.session
-        msgs = self.require_codec().init_messages(k, s.rank, s.incarnation, opt, values, s.relayed(k)[0])
+        msgs = self.require_codec().init_messages(k, s.rank, s.incarnation, opt, values, s.relayed(k)[0], version)
         try:
             reply = t.call(
                 lambda: t.init_calls[k]((t.sent(m) for m in msgs), timeout=t.timeout, metadata=t.call_metadata()),
@@ -174,7 +184,8 @@ class ShardCalls:
             )
         except grpc.RpcError as exc:
             raise error_from_rpc(t.servers[k], exc) from exc
-        log.info("rank %d: shard %d init %s", s.rank, k, "applied" if reply.applied else "already done")
+        what = "applied" if reply.applied else "already done"
+        log.info("rank %d: shard %d init at version %d %s", s.rank, k, reply.version, what)
 
     # ------------------------------------------------------------------ push
     def push(

@@ -49,8 +49,9 @@ class Stamp:
     """The record itself, for a shard that reported an older epoch (relayed)."""
     session: int = 0
     """The rank's session on the shard pushed to (``JoinResponse.session``)."""
-    samples: int = 0
-    """diloco: the samples the outer gradient stands for (``PushHeader.sample_count``)."""
+    samples: int | None = None
+    """diloco: the samples the outer gradient stands for (``PushHeader.sample_count``; None: the
+    rank does not count them, unset on the wire; 0: it weighs nothing)."""
     traceparent: str = ""
     """The push's trace context (``PushHeader.traceparent``; "" with tracing off)."""
 
@@ -213,8 +214,9 @@ class WireCodec:
         optimizer: OptimizerSpec,
         values: Mapping[str, torch.Tensor],
         membership_epoch: int = 0,
+        version: int = 0,
     ) -> list[bytes]:
-        """An Init stream to shard ``k``: ``InitRequest(header=...)``, then one
+        """An Init stream to shard ``k`` at ``version``: ``InitRequest(header=...)``, then one
         ``InitRequest(partition=...)`` per partition with the exact values (each cast to the plan's
         dtype; ``values``: key -> tensor of any shape and device). The bytes equal the protobuf messages'
         ``SerializeToString(deterministic=True)`` (map entries sorted by key) (``tests/unit/test_encoding.py``)."""
@@ -224,6 +226,7 @@ class WireCodec:
             plan=plan_to_proto(self.plan),
             optimizer=optimizer_to_proto(optimizer),
             membership_epoch=membership_epoch,
+            version=version,
         )
         msgs = [_message_field(fields.HEADER, header.SerializeToString(deterministic=True))]
         dtypes = self.plan.dtypes

@@ -44,7 +44,8 @@ class PendingPushPull:
         hyperparameters: per parameter group, the step's values (an lr scheduler's), sent in
             every attempt's header; None: the last push's (none before the first).
         skip: AMP found inf: the shard skips the step.
-        samples: diloco: the samples the pushed outer gradient stands for (``PushHeader.sample_count``).
+        samples: diloco: the samples the pushed outer gradient stands for (``PushHeader.sample_count``;
+            None: not counted, the field unset).
         codec: the client's codec restricted to some parameters (``WireCodec(keys=...)``: a diloco
             round of one fragment; those go and come, on gRPC only); None: the client's.
     """
@@ -56,7 +57,7 @@ class PendingPushPull:
         stream: bool,
         hyperparameters: Sequence[Mapping[str, float]] | None = None,
         skip: bool = False,
-        samples: int = 0,
+        samples: int | None = None,
         codec: WireCodec | None = None,
     ) -> None:
         self.codec = codec = codec or path.require_codec()
@@ -102,7 +103,7 @@ class PendingPushPull:
         stamp = self.session.stamp(k, self.round, self.hyperparameters, self.skip)
         if self.span is not None:  # a call on a data connection has no metadata: the header carries it
             stamp = dataclasses.replace(stamp, traceparent=tracing.traceparent(self.span))
-        return dataclasses.replace(stamp, samples=self.samples) if self.samples else stamp
+        return dataclasses.replace(stamp, samples=self.samples) if self.samples is not None else stamp
 
     def out(self, k: int, i: int) -> frames.OutPartition:
         """Shard ``k``'s partition ``i`` as it goes on the wire, made once (top-k updates its

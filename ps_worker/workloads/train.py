@@ -249,7 +249,8 @@ def shard_data(
     )
     loader = DataLoader(train_set, batch_size=batch_size, sampler=sampler, drop_last=True)
     since = int(client.session.membership.resize_version)
-    start = client.worker_mode.round_start(since, client.settings)  # diloco: the round's first inner step
+    changes = client.session.membership.config_changes  # diloco: the round's first inner step
+    start = client.worker_mode.round_start(since, client.settings, changes)
     if since and step >= start:
         return sampler, prefetched(client, model, resume.batches(loader, sampler, step - start, first_epoch=since))
     return sampler, prefetched(client, model, resume.batches(loader, sampler, step))

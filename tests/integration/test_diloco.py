@@ -86,12 +86,13 @@ def train(
     addresses: list[str],
     data: list[list[tuple[torch.Tensor, torch.Tensor]]],
     inner: str,
-    count: bool,
+    count: bool | Callable[[int, torch.Tensor], int],
     after_step: Callable[[int, DistributedOptimizer], None] | None = None,
     metrics: list[WorkerMetrics] | None = None,
 ) -> list[list[torch.Tensor]]:
     """Every rank in a thread: ``DistributedOptimizer`` around the inner optimizer; returns each rank's
-    parameters after its last step (an outer round's result)."""
+    parameters after its last step (an outer round's result). ``count``: each rank counts its batches'
+    samples (``count(rank, x)`` of them when it is a function)."""
     out: list[list[torch.Tensor]] = [[] for _ in data]
     errors: list[BaseException] = []
 
@@ -108,7 +109,7 @@ def train(
                     opt.zero_grad()
                     F.mse_loss(model(x), y).backward()
                     if count:
-                        opt.count_samples(len(x))
+                        opt.count_samples(len(x) if count is True else count(rank, x))
                     opt.step()
                     if after_step is not None:
                         after_step(step, opt)
@@ -165,6 +166,21 @@ def test_fedavg_weights_each_rank_by_its_sample_count(start_cluster) -> None:
     for g, w in zip(got[0], want, strict=True):
         torch.testing.assert_close(g, w, rtol=0, atol=1e-6)
     assert max(float((w - u).abs().max()) for w, u in zip(want, unweighted, strict=True)) > 1e-3  # weights matter
+
+
+def test_a_rank_that_counts_0_samples_weighs_nothing(start_cluster) -> None:
+    """count_samples(0) is a count, not "not counting": rank 1's outer gradients weigh 0, so FedAvg's
+    theta_global is rank 0's alone, as one worker training rank 0's data would make it."""
+    period, rounds = 3, 3
+    shards = diloco_cluster(start_cluster, period, FEDAVG_OUTER)
+    data = [batches(0, period * rounds, 8), batches(1, period * rounds, 8)]
+    got = train([s.address for s in shards], data, "sgd", count=lambda rank, x: len(x) if rank == 0 else 0)
+    want = reference(data[:1], period, "sgd", FEDAVG_OUTER, weighted=False)
+    for a, b, w in zip(got[0], got[1], want, strict=True):
+        assert torch.equal(a, b)
+        torch.testing.assert_close(a, w, rtol=0, atol=1e-6)
+    both = reference(data, period, "sgd", FEDAVG_OUTER, weighted=False)
+    assert max(float((w - u).abs().max()) for w, u in zip(want, both, strict=True)) > 1e-3  # rank 1 would move it
 
 
 def test_a_round_where_only_some_ranks_count_samples_is_refused_whole(start_cluster) -> None:
@@ -249,6 +265,40 @@ def test_a_shard_restart_between_outer_rounds_changes_nothing(tmp_path, start_cl
     for g, w in zip(results[0][0], want, strict=True):
         torch.testing.assert_close(g, w, rtol=0, atol=1e-6)
     assert all(s.shard.version == rounds for s in restarted)
+
+
+def test_a_shard_restarted_empty_mid_round_gets_theta_global_and_loses_no_round(start_cluster) -> None:
+    """Shard 1 (no checkpoint) stops two inner steps into round 3 and comes back empty: rank 0
+    writes it theta_global of version 2 (not its local parameters, two inner steps on) at version 2,
+    the ranks push round 2 to it, and with FedAvg's momentum-free outer SGD the run ends exactly
+    where an uninterrupted one does (before, it came back at version 0 with rank 0's local values)."""
+    period, rounds = 4, 4
+    shards = diloco_cluster(start_cluster, period, FEDAVG_OUTER)
+    data = [batches(r, period * rounds, 16) for r in range(2)]
+    paused, resumed = threading.Barrier(3, timeout=60), threading.Barrier(3, timeout=60)
+
+    def after_step(step: int, opt: DistributedOptimizer) -> None:
+        if step == 2 * period + 1:  # two inner steps into round 3 (version 2)
+            paused.wait()
+            resumed.wait()
+
+    results: list[list[list[torch.Tensor]]] = []
+    runner = threading.Thread(
+        target=lambda: results.append(train([s.address for s in shards], data, "sgd", False, after_step))
+    )
+    runner.start()
+    paused.wait()
+    shards[1].stop(grace=0.5)  # no checkpoint directory: its state is gone
+    restarted = start_cluster.restart(shards[1], same_port=True)
+    assert restarted.shard.status().initialized is False
+    resumed.wait()
+    runner.join(timeout=120)
+    assert not runner.is_alive() and results
+    want = reference(data, period, "sgd", FEDAVG_OUTER, weighted=False)
+    for a, b, w in zip(results[0][0], results[0][1], want, strict=True):
+        assert torch.equal(a, b)
+        torch.testing.assert_close(a, w, rtol=0, atol=1e-6)
+    assert shards[0].shard.version == restarted.shard.version == rounds
 
 
 def test_a_live_change_of_h_applies_from_the_outer_round_it_is_scheduled_at(start_cluster) -> None:

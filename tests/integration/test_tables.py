@@ -199,12 +199,14 @@ def test_bad_rows_are_refused_with_contract_codes_and_change_nothing(start_clust
         assert shard.shard.tables.tables["t"].rows == 2
 
 
-def test_easgd_refuses_tables(start_cluster) -> None:
-    (shard,) = start_cluster(num_shards=1, num_workers=1, mode="easgd")
-    with _joined([shard.address]) as c:
-        assert "easgd" in _refused(
-            lambda: c.push_rows({"t": (torch.tensor([1]), torch.ones(1, 4))}), grpc.StatusCode.FAILED_PRECONDITION
-        )
+@pytest.mark.parametrize("mode", ["easgd", "diloco"])
+def test_local_optimizer_modes_refuse_tables_at_init_tables(start_cluster, mode: str) -> None:
+    (shard,) = start_cluster(num_shards=1, num_workers=1, mode=mode)
+    with PSClient([shard.address], rank=0, num_workers=1, timeout=RPC_TIMEOUT, retry_deadline=5) as c:
+        c.join()
+        spec = TableSpec("t", 100, 4, RowOptimizerSpec("sgd", {"lr": 1.0}), seed=7)
+        assert f"not served in {mode}" in _refused(lambda: c.init_tables([spec]), grpc.StatusCode.FAILED_PRECONDITION)
+        assert not shard.shard.tables.tables  # nothing declared
 
 
 def scrape(url: str) -> str:

@@ -282,6 +282,11 @@ def test_the_policy_says_what_a_mode_does_with_rows_and_ranks(mode: str) -> None
     else:
         with pytest.raises(PreconditionError, match=f"not served in {mode}"):
             policy.check_rows()
+        shard = Shard(0, 1, ModeSettings(mode, num_workers=2))
+        shard.join(0, 2, 1)
+        with pytest.raises(PreconditionError, match=f"not served in {mode}"):  # InitTables too: nothing declared
+            shard.init_tables(0, 1, [TABLE], 1.0)
+        assert not shard.tables.tables
 
 
 def test_the_row_clock_is_the_open_table_round_or_one_past_the_high_water_mark(mode: str) -> None:
@@ -293,13 +298,15 @@ def test_the_row_clock_is_the_open_table_round_or_one_past_the_high_water_mark(m
 
 
 def test_a_row_push_is_held_for_its_round_applied_at_once_or_refused(mode: str) -> None:
+    if not TABLES[mode][0]:  # InitTables is refused too (above): a row push without tables
+        shard = Shard(0, 1, ModeSettings(mode, num_workers=2))
+        session = shard.join(0, 2, 1).session
+        with pytest.raises(PreconditionError, match="no tables yet"):
+            shard.push_rows(0, 1, session, 0, rows([3], 1.0))
+        assert shard.tables.version == 0 and not shard.tables.tables
+        return
     shard, sessions = table_shard(mode)
     before = read(shard, [3])[1]
-    if not TABLES[mode][0]:
-        with pytest.raises(PreconditionError, match=f"not served in {mode}"):
-            shard.push_rows(0, 1, sessions[0], 0, rows([3], 1.0))
-        assert shard.tables.version == 0 and torch.equal(read(shard, [3])[1], before)
-        return
     assert shard.push_rows(0, 1, sessions[0], 0, rows([3], 1.0)) == (0 if TABLES[mode][1] else 1, False)
     if TABLES[mode][1]:  # held: the table round closes once rank 1 pushed it too
         assert shard.tables.version == 0 and list(shard.tables.held) == [0]
@@ -343,3 +350,19 @@ def test_only_a_resizable_mode_resizes(mode: str) -> None:
     else:
         with pytest.raises(PreconditionError, match="an easgd job keeps its workers"):
             shard.resize(3)
+
+
+def test_diloco_weighs_a_zero_count_as_nothing_and_a_round_of_zero_counts_as_no_update() -> None:
+    """FedAvg (McMahan et al. 2017): ``sum_k n_k / n * delta_k`` over the ranks that counted; a count
+    of 0 is a weight of 0, distinct from no count at all (the field unset: the plain mean)."""
+    shard = make_shard("diloco")  # w = 0, SGD lr 1: w -= the round's outer gradient
+    w = lambda: shard.store.tensors[0].clone()  # noqa: E731
+    shard.push(PushStamp(0, 1, 0, 3), 0, PLAN.digest, wire(1.0))
+    shard.push(PushStamp(1, 1, 0, 0), 0, PLAN.digest, wire(5.0))
+    assert torch.equal(w(), torch.full((3,), -1.0))  # rank 1 weighs 0
+    shard.push(PushStamp(0, 1, 1, 0), 1, PLAN.digest, wire(1.0))
+    shard.push(PushStamp(1, 1, 1, 0), 1, PLAN.digest, wire(5.0))
+    assert shard.version == 2 and torch.equal(w(), torch.full((3,), -1.0))  # no samples anywhere: no update
+    shard.push(PushStamp(0, 1, 2), 2, PLAN.digest, wire(1.0))
+    shard.push(PushStamp(1, 1, 2), 2, PLAN.digest, wire(5.0))
+    assert torch.equal(w(), torch.full((3,), -4.0))  # nobody counts: the plain mean, 3

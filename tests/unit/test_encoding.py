@@ -56,6 +56,12 @@ def test_init_requests_of_a_real_model_are_the_bytes_protobuf_writes_both_ways(n
         ]
 
 
+def test_an_init_at_a_version_says_it_in_its_header() -> None:
+    _, named, opt, plan = digits(1)
+    head = WireCodec(plan).init_messages(0, 0, 1, opt, dict(named), 0, version=9)[0]
+    assert ps_pb2.InitRequest.FromString(head).header.version == 9
+
+
 def test_push_exchange_and_pull_requests_are_protobuf() -> None:
     _, named, _, plan = digits(2)
     codec = WireCodec(plan, "bfloat16")

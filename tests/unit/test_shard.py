@@ -129,6 +129,17 @@ def test_init_is_first_writer_wins(shard: Shard) -> None:
     assert torch.equal(values(shard), torch.ones(8))
 
 
+def test_a_shard_initialized_at_a_version_takes_that_round_next(clock: FakeClock) -> None:
+    """diloco's rank 0 writes a shard that restarted empty theta_global at the ranks' outer round."""
+    s = Shard(0, 1, ModeSettings("diloco", num_workers=2), now=clock)
+    s.join(0, 2, 1)
+    s.join(1, 2, 1)
+    assert s.init(SPECS, 1, 16, PLAN.digest, SGD, wire(1.0), version=9) == (True, 9, PLAN.digest)
+    s.push(PushStamp(0, 1, 9), 9, PLAN.digest, wire(1.0))
+    s.push(PushStamp(1, 1, 9), 9, PLAN.digest, wire(1.0))
+    assert s.version == 10 and s.join(0, 2, 1).clock == 10
+
+
 def test_stale_round_push_is_aborted(shard: Shard) -> None:
     shard.push(PushStamp(0, 1, 0), 0, PLAN.digest, wire(1.0))
     shard.push(PushStamp(1, 1, 0), 0, PLAN.digest, wire(1.0))

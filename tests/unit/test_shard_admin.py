@@ -74,3 +74,17 @@ def test_the_status_shows_the_host_and_the_members() -> None:
     view = config.status()
     assert view.shard_index == 0 and view.mode == "sync" and view.membership_authority
     assert [w.state for w in view.workers][1].value == "live" and not view.initialized
+
+
+def test_a_diloco_change_is_stamped_with_the_inner_step_its_round_starts_at() -> None:
+    """H 10 -> 4 at version 5, then F 2 at version 8: rounds 0-4 take 10 inner steps, 5-7 take 4."""
+    host = AdminHost(settings=ModeSettings("diloco", 2, communication_period=10))
+    config, members = config_of(host)
+    config.update_config(communication_period=4, at_version=5)
+    config.update_config(fragments=2, at_version=8)
+    stamped = members.epochs.record.config_changes
+    assert [(c.version, c.inner_step) for c in stamped] == [(5, 50), (8, 62)]
+    sync = AdminHost()
+    config, members = config_of(sync)
+    config.update_config(round_timeout=3.0, at_version=2)
+    assert not members.epochs.record.config_changes[-1].HasField("inner_step")  # counted only in diloco
