@@ -43,7 +43,7 @@ class Entry:
         round: the sync round (clock) it was stamped for.
         outs: per shard, its partitions (``values`` copied: 1-D CPU tensors in the wire dtype).
         hyperparameters: per parameter group, the step's values. skip: AMP asked to skip.
-        samples: diloco's sample count (0: not counted).
+        samples: diloco's sample count (None: not counted).
         nbytes: bytes of the copied values and indices.
     """
 
@@ -51,7 +51,7 @@ class Entry:
     outs: Sequence[Sequence[frames.OutPartition]]
     hyperparameters: Sequence[Mapping[str, float]]
     skip: bool
-    samples: int
+    samples: int | None
     nbytes: int
 
 
@@ -99,7 +99,7 @@ class RedoLog:
         outs: Sequence[Sequence[frames.OutPartition]],
         hyperparameters: Sequence[Mapping[str, float]],
         skip: bool,
-        samples: int = 0,
+        samples: int | None = None,
     ) -> None:
         """Keep this rank's push of ``round`` (copies of ``outs``, one list per shard); the oldest
         rounds leave once the log passes ``max_bytes``. Nothing is kept while no shard can lose a

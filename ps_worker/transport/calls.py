@@ -236,18 +236,18 @@ class ShardCalls:
         hyperparameters: Sequence[Mapping[str, float]] = (),
         skip: bool = False,
         hold: bool = False,
-        samples: int = 0,
+        samples: int | None = None,
     ) -> tuple[ps_pb2.PushResponse, int]:
         """Push ``outs`` to shard ``k`` (a header message, then one frame per partition); returns its
         answer and the bytes sent. ``round``: sync, the round the gradient is for (every attempt is
         stamped with it; None: the session's clock). ``hyperparameters``, ``skip``: as
         :meth:`ps_worker.client.PSClient.push`; ``hold``: as :meth:`push`; ``samples``: diloco's
-        sample count."""
+        sample count (None: not counted)."""
         t, s, codec = self.transport, self.session, self.require_codec()
 
         def head() -> bytes:
             stamp = s.stamp(k, round, hyperparameters, skip)
-            if samples:
+            if samples is not None:
                 stamp = dataclasses.replace(stamp, samples=samples)
             if not hold:
                 return codec.push_head(stamp)
