@@ -2,7 +2,8 @@
 with ``optimizer.load_state_dict(checkpoint["optimizer"])`` before it builds the client (imagenet's,
 nanoGPT's order) or after; either way the moments reach the shards, as
 ``DistributedOptimizer.load_state_dict`` sends them (:mod:`ps_worker.optimizer_state`), and the
-group dicts that pushes read stay the ones in use (:func:`ps_worker.optim_wrap.keep_groups`).
+group dicts that pushes read stay the ones in use (:func:`ps_worker.optim_wrap.keep_groups`). Its
+``state_dict()`` then holds the shards' state, as the DistributedOptimizer's does.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 
 from ps_proto.v1 import ps_pb2
 from ps_worker.optim_wrap import keep_groups
-from ps_worker.optimizer_state import cut, parameter_keys, push
+from ps_worker.optimizer_state import cut, gather, parameter_keys, push
 from ps_worker.torch_optim import as_list
 
 if TYPE_CHECKING:
@@ -42,7 +43,7 @@ def send_torch_state(
             (:func:`~ps_worker.optimizer_state.cut`).
         ShardError: a shard refused it (INVALID_ARGUMENT); nothing was loaded.
     """
-    held = [o for o in optimizers if o.state]
+    held = [o for o in optimizers if any(o.state.values())]
     if not held or client.plan is None:
         return
     names = {id(p): k for k, p in named}
@@ -74,7 +75,8 @@ def adopt(opt: Any, wrapped: Any) -> None:
     ``client.init`` was given to the shards across loads: state they hold (a DDP script's
     ``optimizer.load_state_dict(checkpoint["optimizer"])`` before the client) goes to the shards
     now, and so does the state of any later load into them (:func:`send_torch_state`, rank 0);
-    every ``load_state_dict`` keeps the group dicts the pushes read (:func:`~ps_worker.optim_wrap.keep_groups`).
+    every ``load_state_dict`` keeps the group dicts the pushes read (:func:`~ps_worker.optim_wrap.keep_groups`),
+    and their ``state_dict()`` holds the shards' state (:func:`shards_state`).
     easgd, diloco: the wrapped optimizer steps locally and keeps its state.
 
     Raises:
@@ -96,3 +98,15 @@ def adopt(opt: Any, wrapped: Any) -> None:
             o.register_load_state_dict_post_hook(
                 lambda o: send_torch_state(opt.client, named, [o], f"{type(o).__name__}.load_state_dict")
             )
+            o.register_state_dict_post_hook(lambda o, saved: shards_state(opt.client, named, o, saved))
+
+
+def shards_state(client: PSClient, named: Sequence[tuple[str, torch.Tensor]], o: Any, saved: dict) -> dict:
+    """``o.state_dict()`` of a wrapped torch optimizer: its ``state`` is the shards' (read from every
+    shard, in ``o``'s numbering, as ``DistributedOptimizer.state_dict`` reads it), so a script that
+    saves ``optimizer.state_dict()`` of its own optimizer saves the moments. While ``o`` holds state
+    of its own (a load being sent), that state."""
+    if any(o.state.values()):
+        return saved
+    names = {id(p): k for k, p in named}
+    return {**saved, "state": gather(client, parameter_keys(o.param_groups, names))}

@@ -19,7 +19,15 @@ import torch.nn.functional as F
 from ps_worker import DistributedOptimizer, PSClient
 from tests.conftest import RPC_TIMEOUT, small_model
 from tests.integration.test_ddp_semantics import run_ranks
-from tests.integration.test_optimizer_state import BATCH, NO_DECAY, PARTITION_BYTES, WORKERS, batches, reference_step
+from tests.integration.test_optimizer_state import (
+    BATCH,
+    NO_DECAY,
+    PARTITION_BYTES,
+    WORKERS,
+    assert_state_equal,
+    batches,
+    reference_step,
+)
 
 N, M = 3, 3
 TOLERANCE = 1e-5
@@ -114,6 +122,7 @@ def train(addresses: list[str], case: str, steps: range, order: str, ckpt: dict[
                 if sched is not None:
                     sched.step()
             state = opt.state_dict()
+            assert_state_equal(own.state_dict()["state"], state["state"])  # what a script saving its own holds
             return {
                 "model": copy.deepcopy(model.state_dict()),
                 "optimizer": state,
