@@ -197,8 +197,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output, or a torch optimizer's of the same class, model and
-        groups (a DDP or single-process run): its ``state`` goes to the shards, all or nothing
-        (rank 0 sends it; see :func:`ps_worker.optimizer_state.load`), its groups' values here.
+        groups (a DDP or single-process run): its ``state`` goes to the shards, all or nothing (rank 0
+        sends it; :func:`ps_worker.optimizer_state.load`), its groups' values into the group dicts in use.
 
         Raises:
             ValueError: the state_dict does not fit this optimizer's groups or the model's shapes.
