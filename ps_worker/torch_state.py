@@ -9,6 +9,7 @@ group dicts that pushes read stay the ones in use (:func:`ps_worker.optim_wrap.k
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +24,9 @@ if TYPE_CHECKING:
     from ps_worker.client import PSClient
 
 log = logging.getLogger(__name__)
+
+ADOPTED: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+"""Torch optimizer -> the client whose shards hold its state (its hooks are registered once)."""
 
 
 def send_torch_state(
@@ -90,9 +94,9 @@ def adopt(opt: Any, wrapped: Any) -> None:
     if not local:
         send_torch_state(opt.client, named, list(optimizers), "the torch optimizer given to client.init")
     for o in optimizers:
-        if getattr(o, "_ps_client", None) is opt.client:
+        if ADOPTED.get(o) is opt.client:
             continue  # a second DistributedOptimizer over it: hooked once
-        o._ps_client = opt.client
+        ADOPTED[o] = opt.client
         keep_groups(o)
         if not local:
             o.register_load_state_dict_post_hook(
