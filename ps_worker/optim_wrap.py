@@ -6,7 +6,7 @@ Horovod's pattern: ``DistributedOptimizer(model, client, opt)`` is built on ``op
 themselves, so an lr scheduler stepping either object changes the values the next push carries
 (and, in easgd, the local optimizer's: it is ``opt``). torch's ``load_state_dict`` puts new group
 dicts in place; :func:`keep_groups` writes their values back into the shared ones, so the groups stay
-shared after any load (:func:`ps_worker.optimizer_state.adopt` also sends the torch state a load
+shared after any load (:func:`ps_worker.torch_state.adopt` also sends the torch state a load
 puts in ``opt`` to the shards).
 """
 
