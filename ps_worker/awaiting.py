@@ -7,8 +7,10 @@ ranks it waits for are alive (heartbeating within their leases), the shard answe
 ``DEADLINE_EXCEEDED`` with reason ``AWAITING_RANKS`` (:class:`~ps_common.errors.AwaitingRanksError`)
 and :class:`PeerWaits` calls again. A Pull is idempotent; a PushPull or Exchange called again
 carries the same stamp, so the shard answers its push as a duplicate (applied once) and waits again.
-Meanwhile a progress line names the awaited ranks at most every :data:`PROGRESS_SECONDS`, e.g.
-``rank 1: waiting for round 42: ranks [0] are alive but have not pushed (75 s)``.
+Meanwhile a progress line comes every :data:`PROGRESS_SECONDS` of a wait, written by one daemon
+thread per process (:class:`Ticker`), since the shard answers only at the call's deadline (60 s by
+default): ``rank 1: waiting for round 42: ranks [0] are alive but have not pushed (75 s)`` once the
+shard named the ranks, ``rank 1: waiting for shard HOST:PORT (30 s); it names ...`` before.
 
 A rank that goes silent is evicted when its lease lapses; the round then closes without it and the
 wait ends as any round does. A rank alive but stuck (its heartbeat thread runs, its main thread is
@@ -23,6 +25,7 @@ import logging
 import math
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -61,7 +64,8 @@ class PeerWaits:
         rank: this worker's rank (for the progress lines).
         wait_timeout: seconds one wait may last in all; None or 0: no bound while the ranks are alive.
         progress_seconds: least seconds between two progress lines.
-        now: monotonic clock, seconds.
+        now: monotonic clock, seconds. With another clock than ``time.monotonic`` no thread writes the
+            progress lines: the caller calls :meth:`progress`.
 
     Attributes:
         reissued: calls made again because the ranks they waited for were alive.
@@ -83,6 +87,8 @@ class PeerWaits:
         self._now = now
         self._lock = threading.Lock()  # one call per shard runs in parallel
         self._logged = -math.inf
+        self._waiting: dict[int, _Wait] = {}  # the calls in flight
+        self._ticked = now is time.monotonic
         self.reissued = 0
 
     def call(self, fn: Callable[[], T], address: str) -> T:
@@ -96,19 +102,55 @@ class PeerWaits:
             AwaitingRanks: still waiting for alive ranks after ``wait_timeout`` (names them).
             grpc.RpcError: any other failure of ``fn``, as it raised it.
         """
-        start = self._now()
-        while True:
-            try:
-                return fn()
-            except grpc.RpcError as exc:
-                if reason_of(exc) != Reason.AWAITING_RANKS:
-                    raise
-                self._awaiting(exc, address, self._now() - start)
+        wait = _Wait(address, self._now())
+        with self._lock:
+            self._waiting[id(wait)] = wait
+        if self._ticked:
+            TICKER.watch(self)
+        try:
+            while True:
+                try:
+                    return fn()
+                except grpc.RpcError as exc:
+                    if reason_of(exc) != Reason.AWAITING_RANKS:
+                        raise
+                    self._awaiting(exc, wait)
+        finally:
+            with self._lock:
+                del self._waiting[id(wait)]
 
-    def _awaiting(self, exc: grpc.RpcError, address: str, elapsed: float) -> None:
+    def progress(self) -> float:
+        """Log a progress line when a call has waited :attr:`progress_seconds`, and as long as it
+        waits, one every :attr:`progress_seconds` (the ranks named once the shard named them).
+
+        Returns:
+            Seconds until a line may be due next.
+        """
+        with self._lock:
+            if not self._waiting:
+                return self.progress_seconds
+            wait = min(self._waiting.values(), key=lambda w: w.start)
+            now = self._now()
+            due = max(wait.start, self._logged) + self.progress_seconds
+            if now < due:
+                return due - now
+            self._logged = now
+        if wait.named is None:
+            log.warning(
+                "rank %d: waiting for shard %s (%.0f s); it names the ranks it waits for at the call's deadline",
+                self.rank,
+                wait.address,
+                now - wait.start,
+            )
+        else:
+            log.warning("rank %d: waiting for %s: ranks %s %s (%.0f s)", self.rank, *wait.named, now - wait.start)
+        return self.progress_seconds
+
+    def _awaiting(self, exc: grpc.RpcError, wait: _Wait) -> None:
         """Log progress and return (call again), or raise AwaitingRanks past the bound."""
+        address, elapsed = wait.address, self._now() - wait.start
         err = error_from_rpc(address, exc, waits=True)
-        what, ranks, state = parse_awaiting(err.details()) or ("other ranks", [], "are alive")
+        what, ranks, state = wait.named = parse_awaiting(err.details()) or ("other ranks", [], "are alive")
         bound = self.wait_timeout
         if bound is not None and elapsed >= bound:
             raise AwaitingRanks(
@@ -130,3 +172,47 @@ class PeerWaits:
                 return
             self._logged = now
         log.warning("rank %d: waiting for %s: ranks %s %s (%.0f s)", self.rank, what, ranks, state, elapsed)
+
+
+class _Wait:
+    """One call of :meth:`PeerWaits.call` in flight: its shard, start (seconds) and, once the
+    shard answered AWAITING_RANKS, what it waits for (what, ranks, state)."""
+
+    __slots__ = ("address", "start", "named")
+
+    def __init__(self, address: str, start: float) -> None:
+        self.address, self.start = address, start
+        self.named: tuple[str, list[int], str] | None = None
+
+
+class Ticker:
+    """The daemon thread that writes every :class:`PeerWaits`' progress lines on time (one per
+    process, started by the first wait; it holds the waits weakly)."""
+
+    def __init__(self) -> None:
+        self._changed = threading.Condition()
+        self._watched: weakref.WeakSet[PeerWaits] = weakref.WeakSet()
+        self._thread: threading.Thread | None = None
+
+    def watch(self, waits: PeerWaits) -> None:
+        """Write ``waits``' progress lines from now on (a no-op once it is watched)."""
+        if waits in self._watched:
+            return
+        with self._changed:
+            self._watched.add(waits)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="ps-wait-progress", daemon=True)
+                self._thread.start()
+            self._changed.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._changed:
+                watched = list(self._watched)
+            delay = min((w.progress() for w in watched), default=PROGRESS_SECONDS)
+            with self._changed:
+                self._changed.wait(max(delay, 0.05))
+
+
+TICKER = Ticker()
+"""The process's progress thread."""

@@ -4,7 +4,10 @@ shared with the user's, that each push reads its values from (docs/architecture.
 
 Horovod's pattern: ``DistributedOptimizer(model, client, opt)`` is built on ``opt.param_groups``
 themselves, so an lr scheduler stepping either object changes the values the next push carries
-(and, in easgd, the local optimizer's: it is ``opt``).
+(and, in easgd, the local optimizer's: it is ``opt``). torch's ``load_state_dict`` puts new group
+dicts in place; :func:`keep_groups` writes their values back into the shared ones, so the groups stay
+shared after any load (:func:`ps_worker.torch_state.adopt` also sends the torch state a load
+puts in ``opt`` to the shards).
 """
 
 from __future__ import annotations
@@ -97,3 +100,22 @@ def mark_stepped(optimizer: Any) -> None:
     or in easgd locally), so torch does not warn that ``scheduler.step()`` came first."""
     for o in as_list(optimizer):
         o._opt_called = True  # the flag torch's LRScheduler patches optimizer.step to set
+
+
+def keep_groups(optimizer: torch.optim.Optimizer) -> None:
+    """Keep ``optimizer.param_groups`` the same dicts across its ``load_state_dict``: torch's puts
+    new dicts (the saved groups) in their place; a post hook moves their values into the dicts in
+    use before, which ``DistributedOptimizer``, the wrapped optimizer and each push share."""
+    groups = optimizer.param_groups
+    dicts = list(groups)
+
+    def restore(o: torch.optim.Optimizer) -> None:
+        for old, new in zip(dicts, o.param_groups, strict=True):
+            if old is not new:  # torch's values, whole: keys the saved group lacks go, as in torch
+                values = dict(new)
+                old.clear()
+                old.update(values)
+        groups[:] = dicts
+        o.param_groups = groups
+
+    optimizer.register_load_state_dict_post_hook(restore)

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from ps_common.codec import torch_dtype
-from ps_worker import optim_wrap, optimizer_state
+from ps_worker import optim_wrap, optimizer_state, torch_state
 from ps_worker.client import PSClient
 from ps_worker.clipping import RoundClipper, amp_skip, check_clip_args
 from ps_worker.local_sgd import LocalSteps
@@ -167,6 +167,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             param_groups, defaults = optim_wrap.shared_groups(wrapped)
         super().__init__(param_groups, {} if wrapped is not None else defaults)
         self.defaults = defaults
+        torch_state.adopt(self, wrapped)  # torch state loaded before (or after) this: to the shards
         if wrapped is not None:
             self.register_step_post_hook(lambda *_: optim_wrap.mark_stepped(wrapped))
         args = (self.buffers, self._buffer_values, self._out, self._buffers_pulled)  # easgd, diloco's steps
@@ -196,8 +197,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output, or a torch optimizer's of the same class, model and
-        groups (a DDP or single-process run): its ``state`` goes to the shards, all or nothing
-        (rank 0 sends it; see :func:`ps_worker.optimizer_state.load`), its groups' values here.
+        groups (a DDP or single-process run): its ``state`` goes to the shards, all or nothing (rank 0
+        sends it; :func:`ps_worker.optimizer_state.load`), its groups' values into the group dicts in use.
 
         Raises:
             ValueError: the state_dict does not fit this optimizer's groups or the model's shapes.

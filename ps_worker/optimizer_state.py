@@ -216,6 +216,8 @@ def cut(
         if not isinstance(entry, Mapping):
             raise ValueError(f"The state of parameter {number} ({key}) must be a dict, got {type(entry).__name__}.")
         for name, value in entry.items():
+            if value is None:  # torch's SGD without momentum keeps momentum_buffer None: no state
+                continue
             if not isinstance(value, torch.Tensor) or not value.is_floating_point():
                 raise ValueError(
                     f"State {name!r} of parameter {number} ({key}) is {type(value).__name__}, not a float tensor; "

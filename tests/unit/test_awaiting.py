@@ -4,12 +4,13 @@ bounded by wait_timeout. No sleeping, no sockets: a fake clock that moves with e
 from __future__ import annotations
 
 import logging
+import threading
 
 import grpc
 import pytest
 
 from ps_common.errors import awaiting_message
-from ps_worker.awaiting import PeerWaits, wait_bound
+from ps_worker.awaiting import TICKER, PeerWaits, wait_bound
 from ps_worker.errors import AwaitingRanks, RoundTimeoutError, WaitTimeout
 from ps_worker.transport.retry import is_transient
 from tests.unit.test_worker_errors import FakeRpcError
@@ -56,6 +57,54 @@ def test_a_wait_for_alive_ranks_is_called_again_and_logged_every_progress_second
         "rank 1: waiting for round 42: ranks [0, 2] are alive but have not pushed (40 s)",
         "rank 1: waiting for round 42: ranks [0, 2] are alive but have not pushed (70 s)",
     ]
+
+
+def test_a_wait_is_logged_every_progress_seconds_before_the_shard_answers(caplog) -> None:
+    """The shard answers AWAITING_RANKS only at the call's deadline (60 s by default): the progress
+    lines come every 30 s all the same (issue 44 saw the first at 59 s), naming the ranks once known."""
+    clock = Clock()
+    waits = PeerWaits(1, wait_timeout=None, progress_seconds=30.0, now=clock)
+    seen = []
+
+    ticks = [[29.0, 30.0, 45.0, 59.5], [60.0, 90.0]]  # the progress thread's, while each call is in flight
+
+    def fn() -> str:
+        for t in ticks.pop(0):
+            clock.t = t
+            seen.append(waits.progress())
+        if ticks:
+            raise AWAITING  # at the first call's deadline
+        return "answer"
+
+    with caplog.at_level(logging.WARNING, logger="ps_worker.awaiting"):
+        assert waits.call(fn, "h:1") == "answer"
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == [
+        "rank 1: waiting for shard h:1 (30 s); it names the ranks it waits for at the call's deadline",
+        "rank 1: waiting for round 42: ranks [0, 2] are alive but have not pushed (60 s)",
+        "rank 1: waiting for round 42: ranks [0, 2] are alive but have not pushed (90 s)",
+    ]
+    assert seen == [1.0, 30.0, 15.0, 0.5, 30.0, 30.0]
+    assert waits.progress() == 30.0  # nothing in flight: nothing to say
+
+
+def test_the_progress_thread_writes_the_line_of_a_call_still_in_flight(caplog) -> None:
+    """With the real clock, one daemon thread writes the line while the call is still blocked."""
+    waits = PeerWaits(1, wait_timeout=None, progress_seconds=0.2)
+    written = threading.Event()
+
+    class Seen(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            written.set()
+
+    handler = Seen(logging.WARNING)
+    logger = logging.getLogger("ps_worker.awaiting")
+    logger.addHandler(handler)
+    try:
+        assert waits.call(lambda: written.wait(timeout=10.0), "h:2") is True  # blocks until the line
+    finally:
+        logger.removeHandler(handler)
+    assert TICKER._thread is not None and TICKER._thread.daemon
 
 
 def test_the_wait_gives_up_after_wait_timeout_naming_the_ranks() -> None:

@@ -3,6 +3,7 @@ parameter identity, pairs, defaults against group overrides, tables' row optimiz
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 from torch import nn
 
 from ps_common.optimizer import OPTIMIZERS, OptimizerSpec
-from ps_worker.optim_wrap import shared_groups, spec_of
+from ps_worker.optim_wrap import keep_groups, shared_groups, spec_of
 from ps_worker.torch_optim import CLASSES, translate
 
 
@@ -213,3 +214,20 @@ def test_one_sgd_over_dense_and_tables() -> None:
     assert s["sparse"] == {"name": "sgd", "lr": 0.1, "momentum": 0.0, "weight_decay": 0.0}
     with pytest.raises(ValueError, match="nesterov"):
         spec_of(m, torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, nesterov=True))
+
+
+def test_keep_groups_keeps_the_group_dicts_across_load_state_dict() -> None:
+    """torch's load_state_dict puts new group dicts in place; keep_groups writes their values back
+    into the dicts in use (which pushes and DistributedOptimizer share), keys the saved group lacks
+    going as in torch."""
+    m = Net()
+    opt = torch.optim.AdamW([{"params": [m.fc.weight]}, {"params": [m.fc.bias], "weight_decay": 0.0}], lr=0.1)
+    saved = copy.deepcopy(opt.state_dict())
+    groups, dicts = opt.param_groups, list(opt.param_groups)
+    keep_groups(opt)
+    torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5)  # adds initial_lr, which the saved groups lack
+    saved["param_groups"][0]["lr"] = 0.02
+    opt.load_state_dict(saved)
+    assert opt.param_groups is groups and all(a is b for a, b in zip(opt.param_groups, dicts, strict=True))
+    assert opt.param_groups[0]["lr"] == 0.02 and "initial_lr" not in opt.param_groups[0]
+    assert opt.param_groups[0]["params"] == [m.fc.weight] and opt.param_groups[1]["weight_decay"] == 0.0
