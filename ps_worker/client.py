@@ -73,9 +73,8 @@ class PSClient:
         data_path: ``"tcp"`` (default): the shard's data connection when Join offers one (no TLS): dense
             pushes of several messages stream there, received into the weights; a one-message push goes as a
             whole PushPullOnce call (one round trip); ``"grpc"``: always gRPC (``ps_common.dataconn.DATA_PATHS``).
-        redo_bytes: sync, the bound in bytes of the redo log (:mod:`ps_worker.redo`): copies of this rank's
-            pushes of the rounds a shard with periodic checkpoints could lose in a kill -9, pushed again
-            after its restart (kept only while a shard reports that it can lose rounds); 0: keep none.
+        redo_bytes: sync, the bound of the redo log in bytes: this rank's pushes of the rounds a shard with
+            periodic checkpoints could lose, pushed again after its restart (:mod:`ps_worker.redo`).
 
     The session's state (``mode``, ``clock``, ``version``, ``versions``, counters...) reads through
     the client: each is a :class:`~ps_worker.session_view.SessionField` of ``client.session``.
@@ -156,13 +155,8 @@ class PSClient:
             metrics=metrics,
             data_path=data_path,
         )
-        self.session = Session(
-            self.transport,
-            rank,
-            num_workers,
-            time.time_ns() // 1000 if incarnation is None else incarnation,
-            redo_bytes,
-        )
+        incarnation = time.time_ns() // 1000 if incarnation is None else incarnation
+        self.session = Session(self.transport, rank, num_workers, incarnation, redo_bytes)
         self.session.waits = waits
         self.staging = HostStaging()
         self.path = ShardCalls(self.transport, self.session, self.staging, metrics)
@@ -206,12 +200,7 @@ class PSClient:
         return self.session.join()
 
     def init(
-        self,
-        model: torch.nn.Module,
-        optimizer: Any = None,
-        *,
-        init_timeout: float = 120.0,
-        buffers: bool = True,
+        self, model: torch.nn.Module, optimizer: Any = None, *, init_timeout: float = 120.0, buffers: bool = True
     ) -> None:
         """Join every shard; rank 0 writes the initial values, optimizer spec and any table rows to
         import (``ps_worker.model_file``), every rank then pulls them so all start from identical weights.

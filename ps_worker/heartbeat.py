@@ -15,6 +15,7 @@ from typing import Protocol
 import grpc
 
 from ps_proto.v1 import ps_pb2
+from ps_worker.redo import RedoLog
 from ps_worker.relay import EpochRelay
 from ps_worker.transport.grpc_link import LEAVE_SECONDS, Transport
 
@@ -30,9 +31,8 @@ class Member(Protocol):
     """Seconds; read when the thread starts."""
     transport: Transport
     epochs: EpochRelay
-
-    def checkpointed(self, k: int, answer: ps_pb2.HeartbeatResponse) -> None:
-        """Shard ``k``'s newest checkpoint, as its answer says (the redo log's floor)."""
+    redo_log: RedoLog
+    """Learns each shard's newest checkpoint from its answer."""
 
 
 class Heartbeat:
@@ -86,7 +86,7 @@ class Heartbeat:
                 try:
                     answer = stub.Heartbeat(req, timeout=max(1.0, period), metadata=t.metadata)
                     epochs.learn(k, answer)
-                    m.checkpointed(k, answer)
+                    m.redo_log.learn(k, answer)
                     t.offer_data_port(k, answer.data_port, joined=False)
                 except grpc.RpcError as exc:
                     log.debug("heartbeat to %s failed: %s", t.servers[k], exc.code())

@@ -7,7 +7,7 @@ the rounds from that shard's newest checkpoint on (``JoinResponse``/``HeartbeatR
 ``checkpointed_version``), exactly as they went on the wire (values copied, hyperparameters, skip,
 sample count). When the restarted shard takes this rank's push in an earlier round than the one
 its current push is for, the rank pushes the lost rounds again, in order, each one answered before
-the next (:meth:`ps_worker.transport.calls.ShardCalls.redo`): every rank does the same, so each lost
+the next (:meth:`ps_worker.transport.calls.ShardCalls.push_again`): every rank does the same, so each lost
 round closes with the same gradients, hyperparameters and ranks as before, and the shard ends
 bitwise where it was (``docs/faults.md``). The log is bounded in bytes (``redo_bytes``): a round
 pushed out of it cannot be redone, and the rank says so by name (:class:`LostRoundsError`).
@@ -16,14 +16,12 @@ pushed out of it cannot be redone, and the rank says so by name (:class:`LostRou
 from __future__ import annotations
 
 import dataclasses
-import logging
 import threading
 from collections.abc import Mapping, Sequence
 
 from ps_common import frames
 from ps_common.errors import PreconditionError
-
-log = logging.getLogger(__name__)
+from ps_proto.v1 import ps_pb2
 
 DEFAULT_REDO_BYTES = 256 << 20
 """The default bound of a rank's redo log (``PS_REDO_BYTES``, ``--redo-bytes``), in bytes."""
@@ -92,6 +90,11 @@ class RedoLog:
         with self._lock:
             self.keep_from[k] = version
             self._prune()
+
+    def learn(self, k: int, answer: ps_pb2.JoinResponse | ps_pb2.HeartbeatResponse | ps_pb2.PushResponse) -> None:
+        """:meth:`checkpointed` as shard ``k``'s Join, Heartbeat or push answer says."""
+        has = answer.HasField("checkpointed_version")
+        self.checkpointed(k, int(answer.checkpointed_version) if has else None)
 
     def record(
         self,

@@ -53,7 +53,7 @@ class Session:
         transport: the channels to the shards.
         rank: this worker's rank, ``0 <= rank < num_workers``.
         num_workers: ranks in the cluster.
-        incarnation: grows each time this rank restarts.
+        incarnation: grows each time this rank restarts. redo_bytes: the bound of :attr:`redo_log`.
 
     Attributes:
         clock: completed steps (pushes) of this rank; exchanges: completed EASGD exchanges.
@@ -64,25 +64,18 @@ class Session:
         staleness: histogram of the staleness of this rank's applied pushes (async, ssp).
         reinit: rank 0's way to write shard ``k``'s values again (set by the client).
         repush: pushes the last gradient to shard ``k`` again (set by the client).
-        redo_log: sync, this rank's pushes of the rounds a shard could lose (:mod:`ps_worker.redo`).
-        redo: pushes the rounds a restarted shard lost again (set by the client; see :meth:`recover`).
+        redo_log, redo: sync, this rank's pushes of the rounds a shard could lose (:mod:`ps_worker.redo`),
+            and what pushes them again after its restart (set by the client; see :meth:`recover`).
         epochs: the membership records as this worker knows them (:class:`~ps_worker.relay.EpochRelay`).
         on_resize: called with a membership record that changes the worker count.
         waits: calls waiting for other ranks, called again while those are alive.
     """
 
     def __init__(
-        self,
-        transport: Transport,
-        rank: int,
-        num_workers: int,
-        incarnation: int,
-        redo_bytes: int = DEFAULT_REDO_BYTES,
+        self, transport: Transport, rank: int, num_workers: int, incarnation: int, redo_bytes: int = DEFAULT_REDO_BYTES
     ) -> None:
         self.transport = transport
-        self.rank = rank
-        self.num_workers = num_workers
-        self.incarnation = incarnation
+        self.rank, self.num_workers, self.incarnation = rank, num_workers, incarnation
         n = transport.num_shards
         self.worker: WorkerMode = worker_mode("")
         self._mode = ""
@@ -136,14 +129,6 @@ class Session:
     def learn(self, k: int, answer: object) -> None:
         """Adopt the membership record of shard ``k``'s answer (:meth:`EpochRelay.learn`)."""
         self.epochs.learn(k, answer)
-
-    def checkpointed(
-        self, k: int, answer: ps_pb2.JoinResponse | ps_pb2.HeartbeatResponse | ps_pb2.PushResponse
-    ) -> None:
-        """Shard ``k``'s Join, Heartbeat or push answer says from which round it could lose answered
-        rounds (its newest checkpoint): the redo log keeps this rank's pushes from there on."""
-        version = int(answer.checkpointed_version) if answer.HasField("checkpointed_version") else None
-        self.redo_log.checkpointed(k, version)
 
     def in_cluster(self, clock: int) -> bool:
         """Whether this rank pushes step ``clock`` (:meth:`EpochRelay.in_cluster`, at the mode's ``resize_clock``)."""
@@ -205,12 +190,7 @@ class Session:
                     warned = True
                     log.warning(
                         "rank %d: shard %s not reachable yet (%s: %s); %s. Retrying for up to %g s (--retry-deadline).",
-                        self.rank,
-                        address,
-                        code.name,
-                        exc.details(),
-                        HINT_UNREACHABLE,
-                        t.retry_deadline,
+                        *(self.rank, address, code.name, exc.details(), HINT_UNREACHABLE, t.retry_deadline),
                     )
                 time.sleep(max(0.0, min(next(delays), stop - now)))
 
@@ -242,7 +222,7 @@ class Session:
         self.mode = self.settings.mode
         self.lease_timeout = self.config.lease_timeout_seconds or 10.0
         self.worker.adopt_join(self, replies)
-        self.start_heartbeat()
+        self.heartbeat.start()
         logging.getLogger("ps_worker.startup").debug("start-up: joined %d shards (rank %d)", t.num_shards, self.rank)
         return replies
 
@@ -284,19 +264,11 @@ class Session:
         reply = t.stubs[k].Join(req, timeout=t.timeout if timeout is None else timeout, metadata=t.metadata)
         self.sessions[k] = reply.session
         self.learn(k, reply)
-        self.checkpointed(k, reply)
+        self.redo_log.learn(k, reply)
         t.offer_data_port(k, reply.data_port)
         return reply
 
     # ------------------------------------------------------------------ heartbeats
-    def start_heartbeat(self) -> None:
-        """Start the heartbeat thread (once; :class:`~ps_worker.heartbeat.Heartbeat`)."""
-        self.heartbeat.start()
-
-    def stop_heartbeat(self, wait: bool = True) -> None:
-        """Stop the heartbeat thread; ``wait``: join it (at most ``LEAVE_SECONDS``)."""
-        self.heartbeat.stop(wait)
-
     # ------------------------------------------------------------------ recovery
     def with_recovery(self, k: int, fn: Callable[[], T], what: str, repush: bool = True, round: int | None = None) -> T:
         """``fn`` with retries of transient errors, again while the ranks it waits for are alive
@@ -327,6 +299,8 @@ class Session:
         - :class:`~ps_worker.errors.FutureRound` (the shard restarted from an older checkpoint): adopt its round.
         - :class:`~ps_worker.errors.PushLost` (the shard restarted and lost an acknowledged push of an
           open round): adopt its round and push the last gradient again.
+        - sync, after any of these: a shard restarted from an older checkpoint gets the rounds it lost
+          pushed again from the redo log (:attr:`redo`, :func:`ps_worker.redo.push_again`).
 
         Args:
             round: sync, the round the call being recovered pushes (its gradient was computed for
@@ -402,11 +376,10 @@ class Session:
         self.clock += 1
 
     def account_push(self, replies: Sequence[ps_pb2.PushResponse]) -> None:
-        """Clock, dropped and staleness counters, a live mode switch and the shards' newest
-        checkpoints (the redo log's floor), after a push."""
+        """Clock, counters, a live mode switch and the shards' newest checkpoints, after a push."""
         self.clock += 1
         for k, r in enumerate(replies):
-            self.checkpointed(k, r)
+            self.redo_log.learn(k, r)
         self.last_step_skipped = any(r.skipped for r in replies)
         first = replies[0]
         if first.dropped:
@@ -431,7 +404,7 @@ class Session:
     def close(self) -> None:
         """Stop the heartbeat, leave every shard (best effort), close the transport and join the
         heartbeat thread. Idempotent."""
-        self.stop_heartbeat(wait=False)
+        self.heartbeat.stop(wait=False)
 
         def leave(k: int) -> ps_pb2.LeaveRequest:  # shard 0 first: the others get its record
             epoch, record = self.relayed(k)
@@ -444,4 +417,4 @@ class Session:
             )
 
         self.transport.close(leave, self.learn)
-        self.stop_heartbeat(wait=True)
+        self.heartbeat.stop(wait=True)

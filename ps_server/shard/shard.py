@@ -16,8 +16,7 @@ phases, leaving out of it the work that needs no shared state (matching partitio
 The shard's consistency model (:data:`ps_server.policy.POLICIES`, by ``settings.mode``) decides
 what a push does, when a round closes and when a read is served; the shard is the
 :class:`~ps_server.policy.base.ShardCore` it is given, and keeps the round state it reads. Reads
-hand a :class:`Snapshot` to the caller's ``encode`` under the lock (the service layer encodes and
-caches the response messages: ``ps_server.service.frame_cache``).
+hand a :class:`Snapshot` to the caller's ``encode`` under the lock (``service/frame_cache``).
 """
 
 from __future__ import annotations
@@ -175,14 +174,9 @@ class Shard:
 
     @property
     def redo_from(self) -> int | None:
-        """The version a kill -9 of this shard could take it back to, when it could lose answered
-        sync rounds: periodic checkpoints without ``durable_acks``. Workers keep their pushes of the
-        rounds from there on, to push them again after such a restart (``ps_worker/redo.py``);
-        None: a restart loses no answered round (durable answers, or no periodic checkpoint: a
-        killed shard comes back empty and rank 0 writes it again)."""
-        if not self.checkpoint_every or self.durable_acks:
-            return None
-        return self.last_checkpoint_version or 0
+        """The newest checkpoint, when a kill -9 can lose answered rounds (periodic checkpoints without
+        durable acks): workers keep their pushes from there on (``ps_worker/redo.py``); else None."""
+        return None if not self.checkpoint_every or self.durable_acks else self.last_checkpoint_version or 0
 
     @property
     def num_workers(self) -> int:
@@ -275,12 +269,8 @@ class Shard:
             if version:
                 self.rounds = SyncRounds(round=version)
                 self.set_version(version)  # and the config changes due there
-            what = (len(store.partitions), store.num_bytes, plan.digest[:12], optimizer.name, self.version)
-            log.info(
-                "shard %d: initialized with %d partitions (%d bytes), plan %s, optimizer %s, at version %d",
-                self.shard_index,
-                *what,
-            )
+            what = (self.shard_index, len(store.partitions), store.num_bytes, plan.digest[:12], optimizer.name, version)
+            log.info("shard %d: initialized with %d partitions (%d B), plan %s, optimizer %s, at version %d", *what)
             self._cond.notify_all()
             return True, self.version, plan.digest
 

@@ -168,7 +168,7 @@ def initial_rows_from(name: str, module: nn.Module, spec: TableSpec) -> str:
         ValueError: ``module.ps_init`` is neither, or ``"weight"`` for a module without a weight
             (on the meta device, or a :class:`ShardedEmbedding`).
     """
-    weight = module._parameters.get("weight")
+    weight = dict(module.named_parameters(recurse=False)).get("weight")
     held = weight is not None and not weight.is_meta
     choice = getattr(module, "ps_init", None)
     if choice is None:  # a table that drops rows reads them back at the declared value: declared

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
@@ -79,7 +78,7 @@ class ShardCalls:
         self.holding = False
         """The last push held its round for clipping (a repush carries it too)."""
         session.repush = self._repush
-        session.redo = self.redo
+        session.redo = self.push_again
 
     def initialize(
         self,
@@ -289,63 +288,37 @@ class ShardCalls:
             return
         self.push_shard(k, self.last_push[k], round_, self.last_hyperparameters, self.skipping, self.holding)
 
-    def redo(self, k: int, reply: ps_pb2.JoinResponse, round: int | None, lost: bool) -> bool:
-        """After shard ``k`` restarted from an older checkpoint (``reply``: its Join answer), push it
-        the rounds it lost again from the redo log (:mod:`ps_worker.redo`), each answered before the
-        next, so that it is where this call found it: at ``round`` (the round the call being
-        recovered pushes), or, for a push it lost (``lost``, a pull), past the last round pushed.
+    def push_again(self, k: int, reply: ps_pb2.JoinResponse, round: int | None, lost: bool) -> bool:
+        """After shard ``k`` restarted from an older checkpoint (``reply``: its Join answer), push it the
+        rounds it lost again from the redo log (:mod:`ps_worker.redo`), each answered before the next,
+        so that it is where the call being recovered found it: at ``round`` (the round that call
+        pushes), or, for a push it lost (``lost``: a pull), past the last round kept.
 
         Returns:
-            True when rounds were pushed again (the call goes on as if the shard had not restarted);
-            False when the shard lost none of this rank's rounds (or keeps none).
+            True when rounds were pushed again; False when the shard lost none of this rank's rounds,
+            keeps none, or counts this rank again from a later round (a rejoin after an eviction).
 
         Raises:
-            LostRoundsError: a lost round is no longer in the log (named, with what to do).
-            ShardError: a refusal while pushing them again.
+            LostRoundsError: a lost round is no longer in the log. ShardError: a refusal meanwhile.
         """
-        s = self.session
-        start = int(reply.clock)
-        if start > reply.version or not s.redo_log.active:
-            return False  # counted again from a later round (an eviction): none of its rounds are lost there
-        last = s.redo_log.last_round()
+        s, t = self.session, self.transport
+        start, last = int(reply.clock), s.redo_log.last_round()
         end = round if round is not None else (last + 1 if lost and last is not None else None)
-        if end is None or start >= end:
+        if start > reply.version or not s.redo_log.active or end is None or start >= end:
             return False
         entries = s.redo_log.rounds(k, start, end)
         log.warning(
             "rank %d: shard %s restarted from its checkpoint at version %d and lost rounds %d..%d; pushing them again",
-            s.rank,
-            self.transport.servers[k],
-            reply.version,
-            start,
-            end - 1,
+            *(s.rank, t.servers[k], reply.version, start, end - 1),
         )
+        keys = {p.key for p in self.require_codec().owned[k]}  # each answer's values are read and dropped
+        scratch = {p.key: torch.empty(p.numel, dtype=torch_dtype(p.dtype)) for p in self.plan.specs if p.key in keys}
         for e in entries:
             self.push_shard(k, e.outs[k], e.round, e.hyperparameters, e.skip, samples=e.samples)
-            self.wait_version(k, e.round + 1)
+            self.pull_shard(k, scratch, e.round + 1)
             s.versions[k], s.pushed[k] = e.round + 1, False
         s.recoveries["REDONE_ROUNDS"] += len(entries)
         return True
-
-    def wait_version(self, k: int, version: int) -> None:
-        """Wait until shard ``k`` holds ``version`` (a round pushed again closed there); the values
-        it answers with are read into scratch tensors and dropped."""
-        t, s, codec = self.transport, self.session, self.require_codec()
-        keys = {p.key for p in codec.owned[k]}
-        scratch = {}
-        for spec in codec.plan.specs:
-            if spec.key in keys:
-                dtype = torch_dtype(spec.dtype)  # integer buffers travel as float64
-                scratch[spec.key] = torch.empty(
-                    math.prod(spec.shape), dtype=dtype if dtype.is_floating_point else torch.float64
-                )
-
-        def attempt() -> int:
-            req = codec.pull_request(s.rank, s.incarnation, version, s.relayed(k)[0])
-            replies = t.pull_calls[k](req, timeout=t.timeout, metadata=t.call_metadata())
-            return codec.decode(k, replies, scratch, t.servers[k], t.received)[0]
-
-        s.with_recovery(k, attempt, f"Pull {t.servers[k]}")
 
     # ------------------------------------------------------------------ pull
     def pull(
@@ -356,31 +329,40 @@ class ShardCalls:
     ) -> int:
         """See :meth:`ps_worker.client.PSClient.pull`. ``clip``: step the round held for clipping
         with this coefficient before reading (``ps_worker.clipping``)."""
-        t, s, codec = self.transport, self.session, self.require_codec()
-        flats, device_out = self.staging.pull_targets(codec.plan, out)
-
-        def one(k: int) -> tuple[int, int]:
-            def attempt() -> tuple[int, int]:  # the floor per attempt: a recovery may move this shard's round
-                req = codec.pull_request(s.rank, s.incarnation, s.pull_floor(k, min_version), s.relayed(k)[0])
-                if clip is not None:
-                    req.clip.CopyFrom(clip)
-                replies = t.pull_calls[k](req, timeout=t.timeout, metadata=t.call_metadata())
-                version, received, _ = codec.decode(k, replies, flats, t.servers[k], t.received)
-                return version, received
-
-            try:
-                return s.with_recovery(k, attempt, f"Pull {t.servers[k]}")
-            except grpc.RpcError as exc:
-                if is_stale(exc):  # the round awaited was refused: no push of ours is held
-                    s.pushed[k] = False
-                raise
-
+        t, s = self.transport, self.session
+        flats, device_out = self.staging.pull_targets(self.require_codec().plan, out)
         start = time.perf_counter()
         with tracing.span("pull", rank=s.rank, min_version=min_version, shards=t.num_shards):
-            results = t.each_shard(one)
+            results = t.each_shard(lambda k: self.pull_shard(k, flats, min_version, clip))
         self.observe("pull_duration", start)
         s.pulled_bytes += sum(r[1] for r in results)
         return self.finish_pull([r[0] for r in results], device_out, flats)
+
+    def pull_shard(
+        self,
+        k: int,
+        flats: Mapping[str, torch.Tensor],
+        min_version: int | None = None,
+        clip: ps_pb2.ClipCoefficient | None = None,
+    ) -> tuple[int, int]:
+        """Pull shard ``k``'s partitions into ``flats`` (1-D tensors by key) at ``min_version`` or the
+        mode's floor, recovering; returns (version, bytes received)."""
+        t, s, codec = self.transport, self.session, self.require_codec()
+
+        def attempt() -> tuple[int, int]:  # the floor per attempt: a recovery may move this shard's round
+            req = codec.pull_request(s.rank, s.incarnation, s.pull_floor(k, min_version), s.relayed(k)[0])
+            if clip is not None:
+                req.clip.CopyFrom(clip)
+            replies = t.pull_calls[k](req, timeout=t.timeout, metadata=t.call_metadata())
+            version, received, _ = codec.decode(k, replies, flats, t.servers[k], t.received)
+            return version, received
+
+        try:
+            return s.with_recovery(k, attempt, f"Pull {t.servers[k]}")
+        except grpc.RpcError as exc:
+            if is_stale(exc):  # the round awaited was refused: no push of ours is held
+                s.pushed[k] = False
+            raise
 
     def finish_pull(
         self, versions: list[int], device_out: Mapping[str, torch.Tensor], flats: Mapping[str, torch.Tensor]

@@ -343,7 +343,7 @@ def records(start_module_cluster) -> Iterator[tuple]:
         shards.addresses, rank=0, num_workers=2, incarnation=MEMBER_INCARNATION, timeout=RPC_TIMEOUT, token="w-token"
     )
     client.init(small_model(), {"name": "sgd", "lr": 0.1})
-    client.session.stop_heartbeat()
+    client.session.heartbeat.stop()
     genuine = [shards[1].shard.epochs.record]
     assert genuine[0].epoch > 0 and genuine[0].cluster_id  # shard 1 follows shard 0's cluster
     with grpc.insecure_channel(shards[0].address) as ch:

@@ -67,7 +67,8 @@ def run(tmp_path: Path, fault: str, transport: str = "tcp", lease: float = 4 * L
             shard.kill()
             cluster.start_shard(1)  # resumes from its newest checkpoint, rounds behind shard 0
             if fault == "kill-pause":
-                evicted = lambda: any(w["state"] == "WORKER_STATE_EVICTED" for s in shard_status(cluster) for w in s["workers"])  # noqa: E731
+                states = lambda: [w["state"] for s in shard_status(cluster) for w in s["workers"]]  # noqa: E731
+                evicted = lambda: "WORKER_STATE_EVICTED" in states()  # noqa: E731
                 assert poll(evicted, 60), "rank 1 was not evicted while paused"
                 paused.signal(signal.SIGCONT)
         assert poll(cluster.workers_done, 240), "the job did not finish (a hang)"

@@ -76,7 +76,7 @@ def _train(
                 time.sleep(PAUSE)  # this rank evaluates alone; the behaviour under test, bounded
             if step == silent_after:
                 assert released is not None
-                client.session.stop_heartbeat()
+                client.session.heartbeat.stop()
                 assert released.wait(60), "the other rank did not finish without this one"
                 return {}, client.session.waits.reissued, step, dict(client.recoveries)
             opt.zero_grad()

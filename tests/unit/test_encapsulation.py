@@ -21,6 +21,10 @@ ALLOWED = {
     ("ps_worker/optimizer.py", "self.grad_scaler._per_optimizer_states"),
     # a sparse embedding's weight leaves the module's parameters (the shards hold it)
     ("ps_worker/tables/modules.py", "m._parameters"),
+    # a table's module.state_dict() gathers its rows, and load_state_dict() refuses them: torch's public
+    # state-dict hooks do not see keep_vars (a keep_vars state_dict must not pull the whole table)
+    ("ps_worker/tables/state.py", "module._save_to_state_dict"),
+    ("ps_worker/tables/state.py", "module._load_from_state_dict"),
     # a step of DistributedOptimizer counts as the wrapped torch optimizer's for its lr schedulers
     ("ps_worker/optim_wrap.py", "o._opt_called"),
     # ps-worker exits without the interpreter's teardown racing gRPC's threads

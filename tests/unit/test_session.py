@@ -82,7 +82,7 @@ def joined(version: int = 4) -> tuple[Session, FakeTransport]:
     t = FakeTransport(version=version)
     s = Session(t, rank=1, num_workers=2, incarnation=9)  # type: ignore[arg-type]
     s.plan_digest = "d"
-    s.start_heartbeat = lambda: None  # type: ignore[method-assign]  # no thread here
+    s.heartbeat.start = lambda: None  # type: ignore[method-assign]  # no thread here
     s.join()
     return s, t
 
@@ -166,7 +166,7 @@ def test_close_leaves_and_joins_the_heartbeat() -> None:
     t = FakeTransport()
     s = Session(t, rank=0, num_workers=2, incarnation=1)  # type: ignore[arg-type]
     s.lease_timeout = 1e-3
-    s.start_heartbeat()
+    s.heartbeat.start()
     s.close()
     assert t.closed and s.heartbeat.thread is not None and not s.heartbeat.thread.is_alive()
 
