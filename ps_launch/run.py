@@ -48,7 +48,7 @@ from ps_launch.summary import (
     summarize,
     summarize_script,
 )
-from ps_launch.target import Target, script_environment, worker_argv
+from ps_launch.target import Target, free_port, script_environment, worker_argv
 from ps_proto.v1 import ps_pb2
 from ps_worker.tensorboard import prepare
 
@@ -95,6 +95,7 @@ def run(args: Any, target: Target | None = None) -> int:
         return 2
     if target is not None:
         args.workload = target.label
+        args.master_port = free_port()  # MASTER_PORT of every rank: a gloo process group may form beside grpc-ps
     log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="ps-launch-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     try:

@@ -46,8 +46,6 @@ class Client(Protocol):
 
 C = TypeVar("C", bound=Client)
 
-log = logging.getLogger(__name__)
-
 WIRE_DTYPES = ("native", "bfloat16", "float16")
 OPTIMIZERS = OPTIMIZER_NAMES
 
@@ -193,6 +191,26 @@ def tensorboard_settings(environ: Mapping[str, str]) -> tuple[str, int]:
         EnvError: ``PS_TENSORBOARD_EVERY`` is not an integer >= 1.
     """
     return _get(environ, "PS_TENSORBOARD"), _number(environ, "PS_TENSORBOARD_EVERY", int, 1)
+
+
+_ddp_warned: list[bool] = []
+
+
+def warn_if_ddp(model: torch.nn.Module) -> torch.nn.Module:
+    """Log a WARNING, once per process, when ``model`` is (or holds) a ``DistributedDataParallel``: its
+    gradients would be all-reduced by the process group and then pushed to the shards, paying twice
+    for one average. A process group beside grpc-ps is for metrics and barriers; gradients go through
+    the shards. Returns ``model``."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not _ddp_warned and any(isinstance(m, DistributedDataParallel) for m in model.modules()):
+        _ddp_warned.append(True)
+        log.warning(
+            "The model is wrapped in DistributedDataParallel: grpc-ps already averages the gradients on the "
+            "shards, so DDP's all-reduce doubles the traffic for nothing. Pass the bare model (ddp.module); keep the "
+            "process group for metrics and barriers (dist.all_reduce, dist.barrier)."
+        )
+    return model
 
 
 def single_process(environ: Mapping[str, str]) -> bool:
