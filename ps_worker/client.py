@@ -113,7 +113,7 @@ class PSClient:
         incarnation: int | None = None,
         token: str | None = None,
         timeout: float = 60.0,
-        retry_deadline: float = 30.0,
+        retry_deadline: float = 120.0,
         wait_timeout: float | None = DEFAULT_WAIT_TIMEOUT,
         partition_bytes: int = DEFAULT_PARTITION_BYTES,
         tls_ca: str | None = None,

@@ -77,7 +77,9 @@ CONTRACT: tuple[Variable, ...] = (
         "PushPull's partitions and small PushPullOnce calls: tcp (the shards' data connections when offered) or grpc",
     ),
     Variable("PS_TIMEOUT", "60", "per-RPC deadline, seconds (bounds a call, not a slow peer)"),
-    Variable("PS_RETRY_DEADLINE", "30", "seconds to keep retrying an unreachable shard"),
+    Variable(
+        "PS_RETRY_DEADLINE", "120", "seconds to keep retrying an unreachable shard (a shard restarting under load)"
+    ),
     Variable("PS_WAIT_TIMEOUT", "1800", "seconds a wait for other ranks alive may last (0: no bound)"),
     Variable("PS_INCARNATION", "", "restart counter of this rank (default: wall-clock microseconds)"),
     Variable("PS_STEPS", "300", "total optimizer steps of the job per rank (a resumed job counts from 0)"),
@@ -242,7 +244,7 @@ class Settings:
     topk: float = 0.0
     data_path: str = "tcp"
     timeout: float = 60.0
-    retry_deadline: float = 30.0
+    retry_deadline: float = 120.0
     wait_timeout: float = 1800.0
     incarnation: int | None = None
     steps: int = 300

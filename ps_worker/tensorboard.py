@@ -30,8 +30,10 @@ raise :class:`TensorBoardMissing`, which says ``pip install 'grpc-ps[tensorboard
 from __future__ import annotations
 
 import importlib.util
+import logging
 import math
 import os
+import threading
 import time
 from collections import Counter
 from collections.abc import Mapping
@@ -39,6 +41,8 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["INSTALL", "TensorBoardMissing", "TrainingLog", "prepare", "require", "run_dir"]
+
+log = logging.getLogger(__name__)
 
 INSTALL = "pip install 'grpc-ps[tensorboard]'"
 """The command that installs what ``--tensorboard`` needs."""
@@ -103,6 +107,9 @@ class TrainingLog:
             reaches or passes (``every`` 10: steps 1, 10, 20...; :meth:`close` adds the last step); the
             loss and step time are means over the steps since the previous point, so none is dropped.
         writer: a ``SummaryWriter``-like object to write to instead of one made here (tests).
+
+    Best effort: a write that fails (the directory removed or replaced by a file, a full disk) logs
+    one WARNING and turns this log off; the training goes on and every later call returns at once.
 
     Cost: between points :meth:`log_step` appends two floats; a point writes up to 8 scalars, about
     0.2 ms of CPU each (tensorboard's event writer computes its checksums in pure Python; measured on
@@ -180,7 +187,7 @@ class TrainingLog:
         if step_seconds is not None:
             self._seconds.append(step_seconds)
         if self._last_point is None or step // self.every != self._last_point // self.every:
-            self._write_point(step)
+            self._guarded(self._write_point, step)
 
     def log_eval(self, scores: Mapping[str, float | None], step: int) -> None:
         """Write held-out scores as ``eval/NAME`` at ``step`` (None and non-finite values are left out).
@@ -192,17 +199,38 @@ class TrainingLog:
         if self.writer is None:
             return
         for name, value in sorted(scores.items()):
-            if value is not None and math.isfinite(float(value)):
-                self.writer.add_scalar(f"eval/{name}", float(value), step)
+            if value is not None and math.isfinite(float(value)) and self.writer is not None:
+                self._guarded(self.writer.add_scalar, f"eval/{name}", float(value), step)
 
     def close(self) -> None:
         """Write the steps since the last point, flush, and close the writer (idempotent)."""
         if self.writer is None:
             return
         if self._last_step is not None and self._last_step != self._last_point:
-            self._write_point(self._last_step)
-        self.writer.close()
+            self._guarded(self._write_point, self._last_step)
+        if self.writer is not None:
+            self._guarded(self.writer.close)
         self.writer = None
+
+    def _guarded(self, write: Any, *args: Any) -> None:
+        """``write(*args)``; a failure turns the log off with one WARNING instead of reaching the step."""
+        try:
+            write(*args)
+        except Exception as exc:  # the writer's thread's OSError, re-raised here; anything it does: best effort
+            writer, self.writer = self.writer, None
+            log.warning(
+                "TensorBoard: writing rank %d's curves to %s failed (%s: %s); no more curves from this rank, and "
+                "training goes on",
+                self.rank,
+                self.path,
+                type(exc).__name__,
+                exc,
+            )
+            try:
+                if writer is not None:
+                    writer.close()
+            except Exception:  # noqa: S110 - the same failure again; said once above
+                pass
 
     def __enter__(self) -> TrainingLog:
         return self
@@ -243,4 +271,20 @@ def _summary_writer(path: Path) -> Any:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError as exc:  # tensorboard present but unusable (too old, a missing dependency)
         raise TensorBoardMissing(f"torch.utils.tensorboard cannot load tensorboard ({exc}): {INSTALL}") from exc
+    _quiet_writer_threads()
     return SummaryWriter(log_dir=str(path), flush_secs=FLUSH_SECONDS)
+
+
+def _quiet_writer_threads() -> None:
+    """tensorboard's writer thread dies on a failed write and ``threading`` prints its traceback; the
+    :class:`TrainingLog`'s WARNING says it instead (other threads' errors go to the hook as before)."""
+    previous = threading.excepthook
+    if getattr(previous, "quiet_tensorboard", False):
+        return
+
+    def hook(args: Any) -> None:
+        if args.thread is None or not type(args.thread).__module__.startswith("tensorboard."):
+            previous(args)
+
+    hook.quiet_tensorboard = True  # type: ignore[attr-defined]
+    threading.excepthook = hook

@@ -126,3 +126,33 @@ def test_the_commands_load_neither_torch_nor_tensorboard_to_parse_their_flags() 
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.split() == ["False", "False"], out.stdout + out.stderr
+
+
+class FailingWriter:
+    """A SummaryWriter whose disk went away after ``good`` scalars: every later call raises."""
+
+    def __init__(self, good: int) -> None:
+        self.good, self.written, self.closes = good, 0, 0
+
+    def add_scalar(self, tag: str, value: float, step: int) -> None:
+        if self.written >= self.good:
+            raise NotADirectoryError(20, "Not a directory", "rank-0/events.out.tfevents")
+        self.written += 1
+
+    def close(self) -> None:
+        self.closes += 1
+        raise NotADirectoryError(20, "Not a directory")
+
+
+def test_a_failing_writer_turns_the_log_off_with_one_warning(caplog) -> None:
+    writer = FailingWriter(good=2)
+    log = TrainingLog("unused", rank=3, every=1, writer=writer)
+    caplog.set_level("WARNING", logger="ps_worker.tensorboard")
+    for step in range(1, 20):
+        log.log_step(loss=1.0, step=step, step_seconds=0.01)  # never raises
+    log.log_eval({"accuracy": 0.9}, step=19)
+    log.close()
+    assert not log.enabled and writer.written == 2 and writer.closes == 1
+    (warned,) = [r for r in caplog.records if r.name == "ps_worker.tensorboard"]
+    assert "rank 3's curves" in warned.getMessage() and "NotADirectoryError" in warned.getMessage()
+    assert "training goes on" in warned.getMessage()
