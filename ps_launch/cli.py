@@ -99,6 +99,13 @@ def launch_parser(environ: Mapping[str, str] | None = None) -> FlagParser:
         "file (default with --log-dir: LOG_DIR/model.safetensors, or model.pt without safetensors)",
     )
     p.flag("--no-metrics", switch=True, help="serve no Prometheus /metrics from shards and workers")
+    p.flag(
+        "--rank-tokens",
+        switch=True,
+        help="a token per rank: shards get LOG_DIR/rank-tokens (0600), each worker only its own token as PS_TOKEN "
+        "(no shared or admin token), so a worker cannot act as another rank (PERMISSION_DENIED WRONG_RANK); "
+        "an admin token is drawn too unless PS_ADMIN_TOKEN is set",
+    )
     otel_flag(p)  # passed down to every shard and worker as PS_OTEL_ENDPOINT
     p.flag("--json", switch=True, help="print the summary as one JSON object on the last line of stdout")
     p.flag("--no-progress", switch=True, help="no progress bars")

@@ -98,7 +98,8 @@ def _script(path: str, args: Sequence[str]) -> Target:
 def script_environment(args: Any, addresses: Sequence[str], rank: int) -> dict[str, str]:
     """The environment contract (:data:`ps_worker.env.CONTRACT`) of rank ``rank``'s copy of the user's
     script: the shards' addresses, rank, workers and the training flags ps-launch was given. Tokens and
-    TLS files pass through from ps-launch's own environment.
+    TLS files pass through from ps-launch's own environment (with ``--rank-tokens``, the rank's own
+    token instead: :func:`ps_launch.tokens.worker_environment`).
 
     torchrun's whole environment is set too: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and
     ``LOCAL_WORLD_SIZE`` (every rank of ps-launch runs on this host, so the local ones equal the global
