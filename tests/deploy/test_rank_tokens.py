@@ -10,13 +10,18 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 import yaml
 from deploy_tools import require_tool
-from deployment import REPO, compose_config, run_tool
+from deployment import REPO, compose_config, compose_processes, read_env_file, run_tool
 from test_checkov import run_checkov
+from test_parity import DEADLINE_SECONDS, run_cluster
 
+from ps_launch.tokens import write_deployment_files
+from ps_proto.v1 import ps_pb2, ps_pb2_grpc
 from ps_server.service.rank_tokens import load_rank_tokens, parse_rank_tokens
+from ps_worker.errors import reason_of
 
 OVERLAY = REPO / "deploy" / "k8s-overlays" / "rank-tokens"
 OVERRIDE = REPO / "deploy" / "compose" / "rank-tokens.yml"
@@ -140,3 +145,38 @@ def test_compose_secrets_come_from_the_files_ps_launch_tokens_writes(docker_comp
     shards = load_rank_tokens(model["secrets"]["rank-tokens"]["file"])
     for rank in (0, 1):
         assert Path(model["secrets"][f"rank-{rank}-token"]["file"]).read_text().strip() == shards.token_of(rank)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(DEADLINE_SECONDS + 120)
+def test_compose_with_rank_tokens_trains_and_refuses_a_worker_acting_as_another_rank(
+    docker_compose: str, tmp_path: Path
+) -> None:
+    """docker-compose.yml with the override, its services run as local processes on 127.0.0.1 with their
+    secrets' files where the containers mount them: the job trains, and rank 1's token file cannot join
+    or push as rank 0 on any shard."""
+    secrets_dir = tmp_path / "secrets"
+    write_deployment_files(2, secrets_dir)
+    env = {"PATH": os.environ["PATH"], "PS_SECRETS_DIR": str(secrets_dir)}
+    model = compose_config(docker_compose, REPO / ".env.example", (OVERRIDE,), env=env)
+    profiles = set(read_env_file(REPO / ".env.example").get("COMPOSE_PROFILES", "").split(","))
+    processes = compose_processes(model, profiles)
+    worker_1 = next(p for p in processes if p.name == "worker-1")
+    token_1 = Path(worker_1.files[worker_1.env["PS_TOKEN_FILE"]]).read_text().strip()
+    refused: dict[str, str] = {}
+
+    def act_as_rank_0(addresses: dict[str, str]) -> None:
+        as_one = (("authorization", f"Bearer {token_1}"),)
+        join = ps_pb2.JoinRequest(rank=0, num_workers=2, incarnation=2**40)
+        once = ps_pb2.PushPullOnceRequest(header=ps_pb2.PushHeader(rank=0, incarnation=1, clock=300))
+        for shard in ("ps-0", "ps-1"):
+            with grpc.insecure_channel(addresses[shard]) as channel:
+                stub = ps_pb2_grpc.ParameterServiceStub(channel)
+                for name, method, request in (("Join", stub.Join, join), ("PushPullOnce", stub.PushPullOnce, once)):
+                    with pytest.raises(grpc.RpcError) as err:
+                        method(request, timeout=30, metadata=as_one)
+                    refused[f"{shard} {name}"] = f"{err.value.code().name} {reason_of(err.value)}"
+
+    summaries = run_cluster(processes, tmp_path, workers_idle_after_training=False, after_training=act_as_rank_0)
+    assert sorted(s["rank"] for s in summaries) == [0, 1]
+    assert len(refused) == 4 and set(refused.values()) == {"PERMISSION_DENIED WRONG_RANK"}, refused
