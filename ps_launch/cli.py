@@ -81,7 +81,8 @@ def launch_parser(environ: Mapping[str, str] | None = None) -> FlagParser:
             "ps-launch's environment wins (an empty GLIBC_TUNABLES turns the tuning off). Tokens: set PS_TOKEN "
             "and PS_ADMIN_TOKEN (or PS_TOKEN_FILE and PS_ADMIN_TOKEN_FILE) in ps-launch's environment; every "
             "shard and worker gets them through its environment, never on its command line, where every user "
-            "of this machine could read them (/proc/PID/cmdline, ps)."
+            "of this machine could read them (/proc/PID/cmdline, ps); with --rank-tokens a worker gets its own "
+            "rank's token instead, and no other."
         ),
         environ=environ,
     )
