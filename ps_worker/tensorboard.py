@@ -33,6 +33,7 @@ import importlib.util
 import logging
 import math
 import os
+import queue
 import threading
 import time
 from collections import Counter
@@ -50,6 +51,12 @@ INSTALL = "pip install 'grpc-ps[tensorboard]'"
 
 FLUSH_SECONDS = 10
 """Seconds between the writer's flushes to disk (torch's default, 120, hides a live run's curves for minutes)."""
+
+
+QUEUE_SCALARS = 1000
+"""Scalars waiting for the writer's thread at most (about 125 points); past it a stalled disk drops points."""
+CLOSE_SECONDS = 5.0
+"""Longest :meth:`TrainingLog.close` waits for the points still queued to reach the disk."""
 
 
 class TensorBoardMissing(ImportError):
@@ -108,8 +115,11 @@ class TrainingLog:
             loss and step time are means over the steps since the previous point, so none is dropped.
         writer: a ``SummaryWriter``-like object to write to instead of one made here (tests).
 
-    Best effort: a write that fails (the directory removed or replaced by a file, a full disk) logs
-    one WARNING and turns this log off; the training goes on and every later call returns at once.
+    Best effort: the writer's calls run on a thread of their own behind a bounded queue, so a step
+    never waits for the disk. A write that fails (the directory removed or replaced by a file, a full
+    disk) logs one WARNING and turns this log off; a disk that stalls fills the queue, and the points
+    past it are dropped with one WARNING; :meth:`close` waits at most :data:`CLOSE_SECONDS`. The
+    training goes on in every case.
 
     Cost: between points :meth:`log_step` appends two floats; a point writes up to 8 scalars, about
     0.2 ms of CPU each (tensorboard's event writer computes its checksums in pure Python; measured on
@@ -132,7 +142,8 @@ class TrainingLog:
         self.path = None if log_dir is None else run_dir(log_dir, rank)
         if writer is None and self.path is not None:
             writer = _summary_writer(self.path)
-        self.writer = writer
+        self._broken = False
+        self.writer = None if writer is None else _Background(writer, self)
         self._last_point: int | None = None  # step of the previous point
         self._last_step: int | None = None
         self._last_time: float | None = None
@@ -176,6 +187,8 @@ class TrainingLog:
             step_seconds: the step's seconds when the caller timed it; None: the wall time since
                 the previous call (the first call's is unknown and left out).
         """
+        if self._broken:
+            self.writer = None  # its thread said why, once
         if self.writer is None:
             return
         now = time.perf_counter()
@@ -208,29 +221,42 @@ class TrainingLog:
             return
         if self._last_step is not None and self._last_step != self._last_point:
             self._guarded(self._write_point, self._last_step)
-        if self.writer is not None:
-            self._guarded(self.writer.close)
-        self.writer = None
+        writer, self.writer = self.writer, None
+        if isinstance(writer, _Background) and not writer.close(CLOSE_SECONDS) and not self._broken:
+            log.warning(
+                "TensorBoard: rank %d's last curves did not reach %s within %.0f s; left behind", self.rank, self.path,
+                CLOSE_SECONDS,
+            )  # fmt: skip
 
     def _guarded(self, write: Any, *args: Any) -> None:
         """``write(*args)``; a failure turns the log off with one WARNING instead of reaching the step."""
         try:
             write(*args)
-        except Exception as exc:  # the writer's thread's OSError, re-raised here; anything it does: best effort
-            writer, self.writer = self.writer, None
-            log.warning(
-                "TensorBoard: writing rank %d's curves to %s failed (%s: %s); no more curves from this rank, and "
-                "training goes on",
-                self.rank,
-                self.path,
-                type(exc).__name__,
-                exc,
-            )
-            try:
-                if writer is not None:
-                    writer.close()
-            except Exception:  # noqa: S110 - the same failure again; said once above
-                pass
+        except Exception as exc:  # a source's attribute gone, a bad value: best effort
+            self._failed(exc)
+
+    def _failed(self, exc: BaseException) -> None:
+        """Turn the log off after ``exc`` (from the step's thread or the writer's), saying so once."""
+        if self._broken:
+            return
+        self._broken = True
+        log.warning(
+            "TensorBoard: writing rank %d's curves to %s failed (%s: %s); no more curves from this rank, and "
+            "training goes on",
+            self.rank,
+            self.path,
+            type(exc).__name__,
+            exc,
+        )
+
+    def _stalled(self) -> None:
+        log.warning(
+            "TensorBoard: rank %d's curves wait for %s (%d scalars queued): points are dropped until it catches "
+            "up, and training goes on",
+            self.rank,
+            self.path,
+            QUEUE_SCALARS,
+        )
 
     def __enter__(self) -> TrainingLog:
         return self
@@ -263,6 +289,59 @@ class TrainingLog:
             if new:
                 add("train/staleness", sum(v * n for v, n in new.items()) / sum(new.values()), step)
                 add("train/staleness_max", max(new), step)
+
+
+class _Background:
+    """A writer's calls (``add_scalar``, ``flush``, ``close``) on a thread of their own, behind a queue
+    of :data:`QUEUE_SCALARS`: a full queue drops the call (``log._stalled`` says so once); a
+    failing call turns ``log`` off (``log._failed``), closes the writer and drops the rest."""
+
+    def __init__(self, writer: Any, owner: TrainingLog) -> None:
+        self.writer, self.owner = writer, owner
+        self._queue: queue.Queue[tuple[str, tuple[Any, ...]]] = queue.Queue(maxsize=QUEUE_SCALARS)
+        self._said_stalled = False
+        self._thread = threading.Thread(target=self._run, name=f"tensorboard-rank-{owner.rank}", daemon=True)
+        self._thread.start()
+
+    def add_scalar(self, tag: str, value: float, step: int) -> None:
+        self._put("add_scalar", (tag, value, step))
+
+    def flush(self) -> None:
+        self._put("flush", ())
+
+    def close(self, within: float) -> bool:
+        """Queue the writer's close and wait up to ``within`` seconds; whether it was done in time."""
+        try:
+            self._queue.put(("close", ()), timeout=within)
+        except queue.Full:
+            return False
+        self._thread.join(within)
+        return not self._thread.is_alive()
+
+    def _put(self, name: str, args: tuple[Any, ...]) -> None:
+        try:
+            self._queue.put_nowait((name, args))
+        except queue.Full:
+            if not self._said_stalled and not self.owner._broken:
+                self._said_stalled = True
+                self.owner._stalled()
+
+    def _run(self) -> None:
+        broken = False
+        while True:
+            name, args = self._queue.get()
+            if not broken:
+                try:
+                    getattr(self.writer, name)(*args)
+                except Exception as exc:  # tensorboard's OSError of a gone directory, a full disk...
+                    broken = True
+                    self.owner._failed(exc)
+                    try:
+                        self.writer.close()
+                    except Exception:  # noqa: S110 - the same failure again; said once above
+                        pass
+            if name == "close":
+                return
 
 
 def _summary_writer(path: Path) -> Any:
