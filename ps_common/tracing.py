@@ -15,9 +15,13 @@ data connection, which has no metadata.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import inspect
 import logging
 import os
+import threading
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -30,6 +34,15 @@ _NULL = contextlib.nullcontext()
 _tracer: Any = None
 """The SDK's tracer once :func:`configure` turned tracing on; None: off (the no-op path)."""
 _provider: Any = None
+
+EXPORT_TIMEOUT_SECONDS = 2.0
+"""Longest one export may take, retries included, unless ``OTEL_EXPORTER_OTLP_TIMEOUT`` (or its
+``_TRACES_`` twin) says otherwise: a collector that accepts connections and never answers holds the
+exporter's own thread this long, never a step."""
+PAUSE_SECONDS = 30.0
+"""After a failed export, batches are dropped this long without a try (a dead collector costs nothing)."""
+SHUTDOWN_SECONDS = 3.0
+"""Longest the end-of-process flush (:func:`shutdown`) waits for the spans still queued."""
 
 
 class TracingUnavailableError(RuntimeError):
@@ -104,10 +117,13 @@ def configure(endpoint: str, service: str, attributes: Mapping[str, Any] | None 
             f"install it with: {INSTALL_HINT}"
         ) from exc
     resource = Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME") or service, **(attributes or {})})
-    provider = TracerProvider(resource=resource)  # the sampler: OTEL_TRACES_SAMPLER, OTEL_TRACES_SAMPLER_ARG
-    provider.add_span_processor(BatchSpanProcessor(_exporter(endpoint)))
+    # the sampler: OTEL_TRACES_SAMPLER, OTEL_TRACES_SAMPLER_ARG; the exit's flush is ours, bounded
+    provider = TracerProvider(resource=resource, shutdown_on_exit=False)
+    exporter = BestEffortExporter(_exporter(endpoint), endpoint or "the OTEL_* collector")
+    provider.add_span_processor(BatchSpanProcessor(exporter))
     _provider, _tracer = provider, provider.get_tracer("grpc-ps")
     trace.set_tracer_provider(provider)
+    atexit.register(shutdown)
     log.info("tracing on: %s, service %s", endpoint or "OTEL_* settings", resource.attributes.get("service.name"))
     return True
 
@@ -126,23 +142,105 @@ def _exporter(endpoint: str) -> Any:
         if (protocol or "grpc").strip() == "http/protobuf":
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpExporter
 
-            return HttpExporter(endpoint=endpoint or None)
+            return HttpExporter(endpoint=endpoint or None, timeout=_export_timeout())
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 
         insecure = True if endpoint.startswith("http://") else None
-        return OTLPSpanExporter(endpoint=endpoint or None, insecure=insecure)
+        return OTLPSpanExporter(endpoint=endpoint or None, insecure=insecure, timeout=_export_timeout())
     except ImportError as exc:
         raise TracingUnavailableError(
             f"The {kind} span exporter is not installed ({exc}); install it with: {INSTALL_HINT}"
         ) from exc
 
 
-def shutdown() -> None:
-    """Export the spans still queued and stop (at the process's end; bounded by the SDK's timeouts)."""
+def _export_timeout() -> float | None:
+    """:data:`EXPORT_TIMEOUT_SECONDS`, or None where ``OTEL_*`` sets the exporter's timeout (the SDK reads it)."""
+    named = ("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "OTEL_EXPORTER_OTLP_TIMEOUT")
+    return None if any(os.environ.get(n, "").strip() for n in named) else EXPORT_TIMEOUT_SECONDS
+
+
+class BestEffortExporter:
+    """A span exporter that never makes tracing anyone's problem but its own thread's.
+
+    A failed export (an error, a refusal, a deadline) logs one WARNING per process, naming the
+    collector and why; then batches are dropped for :data:`PAUSE_SECONDS` without a try, so the batch
+    processor's queue never fills (the SDK would log every span it drops) and the end-of-process flush
+    drops what is left at once. The wrapped exporter's own log lines are kept out (the WARNING says it).
+
+    Args:
+        inner: the SDK's exporter (OTLP gRPC or HTTP, console).
+        where: the collector, for the message.
+    """
+
+    def __init__(self, inner: Any, where: str) -> None:
+        self.inner, self.where = inner, where
+        self.paused_until = 0.0
+        self.warned = False
+        self.dropped = 0
+        self._said: list[str] = []
+        for cls in type(inner).__mro__:  # the exporter's modules log each failure; the WARNING says it once
+            if cls.__module__.startswith("opentelemetry.exporter"):
+                logging.getLogger(cls.__module__).addFilter(self._keep_out)
+        logging.getLogger("opentelemetry.sdk._shared_internal").addFilter(self._keep_out)
+
+    def _keep_out(self, record: logging.LogRecord) -> bool:
+        if len(self._said) < 4:
+            self._said.append(record.getMessage().split("\n", 1)[0][:300])
+        return False
+
+    def export(self, spans: Any) -> Any:
+        """Export ``spans`` unless paused; a failure pauses exports and warns once."""
+        from opentelemetry.sdk.trace.export import SpanExportResult
+
+        if time.monotonic() < self.paused_until:
+            self.dropped += len(spans)
+            return SpanExportResult.FAILURE
+        self._said.clear()
+        try:
+            result = self.inner.export(spans)
+            why = "" if result == SpanExportResult.SUCCESS else "; ".join(self._said) or "refused"
+        except Exception as exc:  # an exporter's bug must not reach the batch processor's thread either
+            result, why = SpanExportResult.FAILURE, f"{type(exc).__name__}: {exc}"
+        if why:
+            self.paused_until = time.monotonic() + PAUSE_SECONDS
+            self.dropped += len(spans)
+            if not self.warned:
+                self.warned = True
+                log.warning(
+                    "tracing: spans could not be exported to %s (%s); they are dropped while it fails (tried again "
+                    "every %.0f s), and training goes on",
+                    self.where,
+                    why,
+                    PAUSE_SECONDS,
+                )
+        return result
+
+    def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:
+        if "timeout_millis" in inspect.getfullargspec(self.inner.shutdown).args:
+            self.inner.shutdown(timeout_millis=timeout_millis)
+        else:
+            self.inner.shutdown()
+
+    def force_flush(self, timeout_millis: int = 30_000) -> bool:
+        return bool(self.inner.force_flush(timeout_millis))
+
+
+def shutdown(within: float = SHUTDOWN_SECONDS) -> None:
+    """Export the spans still queued and stop (at the process's end), waiting at most ``within``
+    seconds: what is not out by then is dropped, with a WARNING. Idempotent."""
     global _tracer, _provider
     provider, _provider, _tracer = _provider, None, None
-    if provider is not None:
+    if provider is None:
+        return
+    flush = threading.Thread(target=provider.shutdown, name="tracing-shutdown", daemon=True)
+    try:
+        flush.start()
+    except RuntimeError:  # no new thread while the interpreter finalizes (an atexit call on 3.12+)
         provider.shutdown()
+        return
+    flush.join(within)
+    if flush.is_alive():
+        log.warning("tracing: the spans still queued were not exported within %.0f s; dropped", within)
 
 
 def span(name: str, **attributes: Any) -> contextlib.AbstractContextManager[Any]:

@@ -81,7 +81,8 @@ def launch_parser(environ: Mapping[str, str] | None = None) -> FlagParser:
             "ps-launch's environment wins (an empty GLIBC_TUNABLES turns the tuning off). Tokens: set PS_TOKEN "
             "and PS_ADMIN_TOKEN (or PS_TOKEN_FILE and PS_ADMIN_TOKEN_FILE) in ps-launch's environment; every "
             "shard and worker gets them through its environment, never on its command line, where every user "
-            "of this machine could read them (/proc/PID/cmdline, ps)."
+            "of this machine could read them (/proc/PID/cmdline, ps); with --rank-tokens a worker gets its own "
+            "rank's token instead, and no other."
         ),
         environ=environ,
     )
@@ -99,6 +100,13 @@ def launch_parser(environ: Mapping[str, str] | None = None) -> FlagParser:
         "file (default with --log-dir: LOG_DIR/model.safetensors, or model.pt without safetensors)",
     )
     p.flag("--no-metrics", switch=True, help="serve no Prometheus /metrics from shards and workers")
+    p.flag(
+        "--rank-tokens",
+        switch=True,
+        help="a token per rank: shards get LOG_DIR/rank-tokens (0600), each worker only its own token as PS_TOKEN "
+        "(no shared or admin token), so a worker cannot act as another rank (PERMISSION_DENIED WRONG_RANK); "
+        "an admin token is drawn too unless PS_ADMIN_TOKEN is set",
+    )
     otel_flag(p)  # passed down to every shard and worker as PS_OTEL_ENDPOINT
     p.flag("--json", switch=True, help="print the summary as one JSON object on the last line of stdout")
     p.flag("--no-progress", switch=True, help="no progress bars")

@@ -48,20 +48,29 @@ from ps_launch.summary import (
     summarize,
     summarize_script,
 )
-from ps_launch.target import Target, script_environment, worker_argv
+from ps_launch.target import Target, free_port, script_environment, worker_argv
+from ps_launch.tokens import admin_token, rank_tokens_file, worker_environment
 from ps_proto.v1 import ps_pb2
 from ps_worker.tensorboard import prepare
 
 Events = queue.Queue[tuple[str, dict[str, Any]]]
 
 
-def start_worker(cluster: Cluster, args: Any, target: Target | None, addresses: list[str], rank: int) -> Child:
+def start_worker(
+    cluster: Cluster,
+    args: Any,
+    target: Target | None,
+    addresses: list[str],
+    rank: int,
+    tokens: dict[int, str] | None = None,
+) -> Child:
     """Start rank ``rank``'s worker: ``ps-worker`` (built-in workload) or the user's script with the
-    environment contract."""
+    environment contract; with ``tokens`` (``--rank-tokens``), its own token and no other credential."""
+    own = worker_environment(tokens, rank)
     if target is None:
-        return cluster.spawn(f"worker-{rank}", worker_argv(args, addresses, rank))
+        return cluster.spawn(f"worker-{rank}", worker_argv(args, addresses, rank), own)
     argv, python_args = target.command()
-    return cluster.spawn(f"worker-{rank}", argv, script_environment(args, addresses, rank), python_args)
+    return cluster.spawn(f"worker-{rank}", argv, {**script_environment(args, addresses, rank), **own}, python_args)
 
 
 def follow(child: Child, events: Events, script: bool) -> None:
@@ -95,6 +104,7 @@ def run(args: Any, target: Target | None = None) -> int:
         return 2
     if target is not None:
         args.workload = target.label
+        args.master_port = free_port()  # MASTER_PORT of every rank: a gloo process group may form beside grpc-ps
     log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="ps-launch-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     try:
@@ -105,6 +115,18 @@ def run(args: Any, target: Target | None = None) -> int:
     if save_to:
         warm_up()
     saved = None
+    tokens, token_flags = None, []
+    if getattr(args, "rank_tokens", False):
+        try:
+            path, tokens = rank_tokens_file(log_dir, max([args.workers, *(n for _, n in resizes)]))
+            drawn = admin_token(log_dir, os.environ)
+        except (ValueError, OSError) as exc:
+            print(f"ps-launch: --rank-tokens: {exc}", file=sys.stderr)
+            return 2
+        if drawn:  # the shards' admin token, and ps-launch's own for its Admin calls; never a worker's
+            os.environ["PS_ADMIN_TOKEN"] = drawn
+        token_flags = ["--rank-tokens", str(path)]
+        print(f"ps-launch: a token per rank in {path}; each worker holds only its own", file=sys.stderr)
     environment = launch_environment(os.environ, args.shards + args.workers, available_cpus())
     if args.otel_endpoint:  # every shard and worker traces (ps_common.tracing)
         environment["PS_OTEL_ENDPOINT"] = args.otel_endpoint
@@ -122,7 +144,7 @@ def run(args: Any, target: Target | None = None) -> int:
 
     def start_workers(addresses: list[str]) -> None:
         for r in range(args.workers):
-            workers.append(start_worker(cluster, args, target, addresses, r))
+            workers.append(start_worker(cluster, args, target, addresses, r, tokens))
             follow(workers[-1], events, script)
 
     # A fresh job (no checkpoint to resume, so not finished either) starts its workers while its shards
@@ -134,7 +156,7 @@ def run(args: Any, target: Target | None = None) -> int:
             args.shards,
             args.workers,
             args.mode,
-            server_flags(args, log_dir),
+            server_flags(args, log_dir) + token_flags,
             metrics=not args.no_metrics,
             reserved=reserved,
             meanwhile=start_workers if reserved else None,
@@ -214,7 +236,7 @@ def run(args: Any, target: Target | None = None) -> int:
             )
             grown = argparse.Namespace(**{**vars(args), "workers": n})
             for r in range(len(workers), n):
-                child = start_worker(cluster, grown, target, addresses, r)
+                child = start_worker(cluster, grown, target, addresses, r, tokens)
                 workers.append(child)
                 runs[r] = []
                 bars.append(tqdm(total=args.steps, desc=f"rank {r}", position=r, unit="step", file=sys.stderr,

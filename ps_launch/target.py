@@ -4,13 +4,14 @@
 ``ps-launch [flags] -m package.module [args]`` (torchrun-style) run ``python train.py ...`` once per
 rank with the environment contract of :mod:`ps_worker.env` set (``PS_SERVERS``, ``PS_RANK``,
 ``PS_NUM_WORKERS``, ``PS_STEPS``...) and torchrun's ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
-``LOCAL_WORLD_SIZE``. Everything after the script or module goes to it.
+``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``. Everything after the script or module goes to it.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -97,13 +98,19 @@ def _script(path: str, args: Sequence[str]) -> Target:
 def script_environment(args: Any, addresses: Sequence[str], rank: int) -> dict[str, str]:
     """The environment contract (:data:`ps_worker.env.CONTRACT`) of rank ``rank``'s copy of the user's
     script: the shards' addresses, rank, workers and the training flags ps-launch was given. Tokens and
-    TLS files pass through from ps-launch's own environment.
+    TLS files pass through from ps-launch's own environment (with ``--rank-tokens``, the rank's own
+    token instead: :func:`ps_launch.tokens.worker_environment`).
 
-    torchrun's ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` are set too (every rank of
-    ps-launch runs on this host, so the local ones equal the global ones), for scripts that read them.
-    ``MASTER_ADDR``/``MASTER_PORT`` are not: no process group is meant to form, and a script calling
-    ``torch.distributed.init_process_group`` fails at once saying so, instead of waiting for peers."""
+    torchrun's whole environment is set too: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and
+    ``LOCAL_WORLD_SIZE`` (every rank of ps-launch runs on this host, so the local ones equal the global
+    ones), and ``MASTER_ADDR``/``MASTER_PORT`` (127.0.0.1 and ``args.master_port``, a free port ps-launch
+    drew for the job), so ``torch.distributed.init_process_group("gloo")`` forms a process group beside
+    grpc-ps for metrics and barriers (gradients still go through the shards)."""
+    master = (
+        {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(args.master_port)} if getattr(args, "master_port", 0) else {}
+    )
     return {
+        **master,
         "PS_SERVERS": ",".join(addresses),
         "PS_RANK": str(rank),
         "PS_NUM_WORKERS": str(args.workers),
@@ -122,6 +129,14 @@ def script_environment(args: Any, addresses: Sequence[str], rank: int) -> dict[s
         "PS_TOPK": str(args.topk),
         **tensorboard_environment(args),
     }
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port of ``host`` that was free a moment ago (the job's ``MASTER_PORT``: rank 0's
+    ``init_process_group`` binds it, as ``torchrun --standalone`` picks its own)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 def tensorboard_environment(args: Any) -> dict[str, str]:

@@ -117,7 +117,7 @@ class PSClient:
         incarnation: int | None = None,
         token: str | None = None,
         timeout: float = 60.0,
-        retry_deadline: float = 30.0,
+        retry_deadline: float = 120.0,
         wait_timeout: float | None = DEFAULT_WAIT_TIMEOUT,
         partition_bytes: int = DEFAULT_PARTITION_BYTES,
         tls_ca: str | None = None,
@@ -225,7 +225,7 @@ class PSClient:
             ShardError: a refusal (PlanMismatch: the shards hold another model's plan).
             TimeoutError: rank 0 did not initialize the shards in time.
         """
-        self.translation, optimizer = optim_wrap.spec_of(model, optimizer)
+        self.translation, optimizer = optim_wrap.spec_of(env.warn_if_ddp(model), optimizer)
         optimizer = attach_tables(self, model, optimizer)  # sparse embeddings become shard tables
         named, opt, plan = model_plan(model, optimizer, buffers, self.num_shards, self.partition_bytes)
         codec, join = WireCodec(plan, self.wire_dtype, self.compressor), join_then_seed(self, self.join)

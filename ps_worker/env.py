@@ -46,8 +46,6 @@ class Client(Protocol):
 
 C = TypeVar("C", bound=Client)
 
-log = logging.getLogger(__name__)
-
 WIRE_DTYPES = ("native", "bfloat16", "float16")
 OPTIMIZERS = OPTIMIZER_NAMES
 
@@ -79,7 +77,9 @@ CONTRACT: tuple[Variable, ...] = (
         "PushPull's partitions and small PushPullOnce calls: tcp (the shards' data connections when offered) or grpc",
     ),
     Variable("PS_TIMEOUT", "60", "per-RPC deadline, seconds (bounds a call, not a slow peer)"),
-    Variable("PS_RETRY_DEADLINE", "30", "seconds to keep retrying an unreachable shard"),
+    Variable(
+        "PS_RETRY_DEADLINE", "120", "seconds to keep retrying an unreachable shard (a shard restarting under load)"
+    ),
     Variable("PS_WAIT_TIMEOUT", "1800", "seconds a wait for other ranks alive may last (0: no bound)"),
     Variable("PS_INCARNATION", "", "restart counter of this rank (default: wall-clock microseconds)"),
     Variable("PS_STEPS", "300", "total optimizer steps of the job per rank (a resumed job counts from 0)"),
@@ -195,6 +195,26 @@ def tensorboard_settings(environ: Mapping[str, str]) -> tuple[str, int]:
     return _get(environ, "PS_TENSORBOARD"), _number(environ, "PS_TENSORBOARD_EVERY", int, 1)
 
 
+_ddp_warned: list[bool] = []
+
+
+def warn_if_ddp(model: torch.nn.Module) -> torch.nn.Module:
+    """Log a WARNING, once per process, when ``model`` is (or holds) a ``DistributedDataParallel``: its
+    gradients would be all-reduced by the process group and then pushed to the shards, paying twice
+    for one average. A process group beside grpc-ps is for metrics and barriers; gradients go through
+    the shards. Returns ``model``."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not _ddp_warned and any(isinstance(m, DistributedDataParallel) for m in model.modules()):
+        _ddp_warned.append(True)
+        log.warning(
+            "The model is wrapped in DistributedDataParallel: grpc-ps already averages the gradients on the "
+            "shards, so DDP's all-reduce doubles the traffic for nothing. Pass the bare model (ddp.module); keep the "
+            "process group for metrics and barriers (dist.all_reduce, dist.barrier)."
+        )
+    return model
+
+
 def single_process(environ: Mapping[str, str]) -> bool:
     """True when ``environ`` names no cluster: no ``PS_SERVERS``, and no job of more than one worker
     (``PS_NUM_WORKERS``/``WORLD_SIZE`` unset or 1). :func:`init_from_env` then starts a shard in this
@@ -224,7 +244,7 @@ class Settings:
     topk: float = 0.0
     data_path: str = "tcp"
     timeout: float = 60.0
-    retry_deadline: float = 30.0
+    retry_deadline: float = 120.0
     wait_timeout: float = 1800.0
     incarnation: int | None = None
     steps: int = 300

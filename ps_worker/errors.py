@@ -180,7 +180,8 @@ class ShardUnreachableError(ShardError):
             code,
             details,
             message=(
-                f"Shard {address} not reachable within {seconds:g} s ({code.name}: {details}); {HINT_UNREACHABLE}."
+                f"Shard {address} not reachable within {seconds:g} s ({code.name}: {details}); {HINT_UNREACHABLE}; "
+                "a shard that is restarting needs a --retry-deadline (PS_RETRY_DEADLINE) longer than its restart."
             ),
         )
 

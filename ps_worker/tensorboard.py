@@ -30,8 +30,11 @@ raise :class:`TensorBoardMissing`, which says ``pip install 'grpc-ps[tensorboard
 from __future__ import annotations
 
 import importlib.util
+import logging
 import math
 import os
+import queue
+import threading
 import time
 from collections import Counter
 from collections.abc import Mapping
@@ -40,12 +43,20 @@ from typing import Any
 
 __all__ = ["INSTALL", "TensorBoardMissing", "TrainingLog", "prepare", "require", "run_dir"]
 
+log = logging.getLogger(__name__)
+
 INSTALL = "pip install 'grpc-ps[tensorboard]'"
 """The command that installs what ``--tensorboard`` needs."""
 
 
 FLUSH_SECONDS = 10
 """Seconds between the writer's flushes to disk (torch's default, 120, hides a live run's curves for minutes)."""
+
+
+QUEUE_SCALARS = 1000
+"""Scalars waiting for the writer's thread at most (about 125 points); past it a stalled disk drops points."""
+CLOSE_SECONDS = 5.0
+"""Longest :meth:`TrainingLog.close` waits for the points still queued to reach the disk."""
 
 
 class TensorBoardMissing(ImportError):
@@ -104,6 +115,12 @@ class TrainingLog:
             loss and step time are means over the steps since the previous point, so none is dropped.
         writer: a ``SummaryWriter``-like object to write to instead of one made here (tests).
 
+    Best effort: the writer's calls run on a thread of their own behind a bounded queue, so a step
+    never waits for the disk. A write that fails (the directory removed or replaced by a file, a full
+    disk) logs one WARNING and turns this log off; a disk that stalls fills the queue, and the points
+    past it are dropped with one WARNING; :meth:`close` waits at most :data:`CLOSE_SECONDS`. The
+    training goes on in every case.
+
     Cost: between points :meth:`log_step` appends two floats; a point writes up to 8 scalars, about
     0.2 ms of CPU each (tensorboard's event writer computes its checksums in pure Python; measured on
     a loaded 2-core machine), hence a point every 10 steps by default: 0.1-0.2 ms per step, against
@@ -125,7 +142,8 @@ class TrainingLog:
         self.path = None if log_dir is None else run_dir(log_dir, rank)
         if writer is None and self.path is not None:
             writer = _summary_writer(self.path)
-        self.writer = writer
+        self._broken = False
+        self.writer = None if writer is None else _Background(writer, self)
         self._last_point: int | None = None  # step of the previous point
         self._last_step: int | None = None
         self._last_time: float | None = None
@@ -169,6 +187,8 @@ class TrainingLog:
             step_seconds: the step's seconds when the caller timed it; None: the wall time since
                 the previous call (the first call's is unknown and left out).
         """
+        if self._broken:
+            self.writer = None  # its thread said why, once
         if self.writer is None:
             return
         now = time.perf_counter()
@@ -180,7 +200,7 @@ class TrainingLog:
         if step_seconds is not None:
             self._seconds.append(step_seconds)
         if self._last_point is None or step // self.every != self._last_point // self.every:
-            self._write_point(step)
+            self._guarded(self._write_point, step)
 
     def log_eval(self, scores: Mapping[str, float | None], step: int) -> None:
         """Write held-out scores as ``eval/NAME`` at ``step`` (None and non-finite values are left out).
@@ -192,17 +212,51 @@ class TrainingLog:
         if self.writer is None:
             return
         for name, value in sorted(scores.items()):
-            if value is not None and math.isfinite(float(value)):
-                self.writer.add_scalar(f"eval/{name}", float(value), step)
+            if value is not None and math.isfinite(float(value)) and self.writer is not None:
+                self._guarded(self.writer.add_scalar, f"eval/{name}", float(value), step)
 
     def close(self) -> None:
         """Write the steps since the last point, flush, and close the writer (idempotent)."""
         if self.writer is None:
             return
         if self._last_step is not None and self._last_step != self._last_point:
-            self._write_point(self._last_step)
-        self.writer.close()
-        self.writer = None
+            self._guarded(self._write_point, self._last_step)
+        writer, self.writer = self.writer, None
+        if isinstance(writer, _Background) and not writer.close(CLOSE_SECONDS) and not self._broken:
+            log.warning(
+                "TensorBoard: rank %d's last curves did not reach %s within %.0f s; left behind", self.rank, self.path,
+                CLOSE_SECONDS,
+            )  # fmt: skip
+
+    def _guarded(self, write: Any, *args: Any) -> None:
+        """``write(*args)``; a failure turns the log off with one WARNING instead of reaching the step."""
+        try:
+            write(*args)
+        except Exception as exc:  # a source's attribute gone, a bad value: best effort
+            self._failed(exc)
+
+    def _failed(self, exc: BaseException) -> None:
+        """Turn the log off after ``exc`` (from the step's thread or the writer's), saying so once."""
+        if self._broken:
+            return
+        self._broken = True
+        log.warning(
+            "TensorBoard: writing rank %d's curves to %s failed (%s: %s); no more curves from this rank, and "
+            "training goes on",
+            self.rank,
+            self.path,
+            type(exc).__name__,
+            exc,
+        )
+
+    def _stalled(self) -> None:
+        log.warning(
+            "TensorBoard: rank %d's curves wait for %s (%d scalars queued): points are dropped until it catches "
+            "up, and training goes on",
+            self.rank,
+            self.path,
+            QUEUE_SCALARS,
+        )
 
     def __enter__(self) -> TrainingLog:
         return self
@@ -237,10 +291,79 @@ class TrainingLog:
                 add("train/staleness_max", max(new), step)
 
 
+class _Background:
+    """A writer's calls (``add_scalar``, ``flush``, ``close``) on a thread of their own, behind a queue
+    of :data:`QUEUE_SCALARS`: a full queue drops the call (``log._stalled`` says so once); a
+    failing call turns ``log`` off (``log._failed``), closes the writer and drops the rest."""
+
+    def __init__(self, writer: Any, owner: TrainingLog) -> None:
+        self.writer, self.owner = writer, owner
+        self._queue: queue.Queue[tuple[str, tuple[Any, ...]]] = queue.Queue(maxsize=QUEUE_SCALARS)
+        self._said_stalled = False
+        self._thread = threading.Thread(target=self._run, name=f"tensorboard-rank-{owner.rank}", daemon=True)
+        self._thread.start()
+
+    def add_scalar(self, tag: str, value: float, step: int) -> None:
+        self._put("add_scalar", (tag, value, step))
+
+    def flush(self) -> None:
+        self._put("flush", ())
+
+    def close(self, within: float) -> bool:
+        """Queue the writer's close and wait up to ``within`` seconds; whether it was done in time."""
+        try:
+            self._queue.put(("close", ()), timeout=within)
+        except queue.Full:
+            return False
+        self._thread.join(within)
+        return not self._thread.is_alive()
+
+    def _put(self, name: str, args: tuple[Any, ...]) -> None:
+        try:
+            self._queue.put_nowait((name, args))
+        except queue.Full:
+            if not self._said_stalled and not self.owner._broken:
+                self._said_stalled = True
+                self.owner._stalled()
+
+    def _run(self) -> None:
+        broken = False
+        while True:
+            name, args = self._queue.get()
+            if not broken:
+                try:
+                    getattr(self.writer, name)(*args)
+                except Exception as exc:  # tensorboard's OSError of a gone directory, a full disk...
+                    broken = True
+                    self.owner._failed(exc)
+                    try:
+                        self.writer.close()
+                    except Exception:  # noqa: S110 - the same failure again; said once above
+                        pass
+            if name == "close":
+                return
+
+
 def _summary_writer(path: Path) -> Any:
     require()
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError as exc:  # tensorboard present but unusable (too old, a missing dependency)
         raise TensorBoardMissing(f"torch.utils.tensorboard cannot load tensorboard ({exc}): {INSTALL}") from exc
+    _quiet_writer_threads()
     return SummaryWriter(log_dir=str(path), flush_secs=FLUSH_SECONDS)
+
+
+def _quiet_writer_threads() -> None:
+    """tensorboard's writer thread dies on a failed write and ``threading`` prints its traceback; the
+    :class:`TrainingLog`'s WARNING says it instead (other threads' errors go to the hook as before)."""
+    previous = threading.excepthook
+    if getattr(previous, "quiet_tensorboard", False):
+        return
+
+    def hook(args: Any) -> None:
+        if args.thread is None or not type(args.thread).__module__.startswith("tensorboard."):
+            previous(args)
+
+    hook.quiet_tensorboard = True  # type: ignore[attr-defined]
+    threading.excepthook = hook

@@ -65,7 +65,7 @@ class Transport:
         *,
         token: str | None = None,
         timeout: float = 60.0,
-        retry_deadline: float = 30.0,
+        retry_deadline: float = 120.0,
         tls_ca: str | None = None,
         tls_cert: str | None = None,
         tls_key: str | None = None,

@@ -58,6 +58,7 @@ class Process:
         env: the environment, image ENV overridden by the deployment's.
         health_argv: compose healthcheck test (exec form), if any.
         stop_grace_seconds: how long the deployment waits after SIGTERM before SIGKILL.
+        files: a path inside the container -> the file of this host mounted there (compose secrets).
     """
 
     name: str
@@ -67,6 +68,7 @@ class Process:
     env: dict[str, str]
     health_argv: list[str] = field(default_factory=list)
     stop_grace_seconds: float = 10.0
+    files: dict[str, str] = field(default_factory=dict)
 
 
 def _instructions(text: str) -> list[tuple[str, str]]:
@@ -209,9 +211,20 @@ def compose_processes(config: dict[str, Any], profiles: set[str]) -> list[Proces
                 env={**image.env, **{k: str(v) for k, v in environment.items()}},
                 health_argv=list(test[1:]) if test[:1] == ["CMD"] else [],
                 stop_grace_seconds=_seconds(service.get("stop_grace_period"), 10.0),
+                files=_compose_secrets(service, config.get("secrets", {})),
             )
         )
     return processes
+
+
+def _compose_secrets(service: dict[str, Any], secrets: dict[str, Any]) -> dict[str, str]:
+    """Where compose mounts a service's secrets (``/run/secrets/TARGET``) -> their files on this host."""
+    files = {}
+    for entry in service.get("secrets", []):
+        source = entry if isinstance(entry, str) else entry["source"]
+        target = source if isinstance(entry, str) else entry.get("target") or source
+        files[target if target.startswith("/") else f"/run/secrets/{target}"] = secrets[source]["file"]
+    return files
 
 
 def _k8s_expand(text: str, env: dict[str, str]) -> str:

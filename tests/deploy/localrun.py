@@ -55,7 +55,7 @@ def localize(
         AssertionError: a PS_* variable no command reads (a typo), or PS_SERVERS names a host or
             port no shard has.
     """
-    env = dict(process.env)
+    env = {k: process.files.get(v, v) for k, v in process.env.items()}  # a mounted secret's path: its file here
     if "PS_HOST" in env:
         assert env["PS_HOST"] in ("0.0.0.0", "::"), f"{process.name}: PS_HOST={env['PS_HOST']}: bind all interfaces"
         env["PS_HOST"] = LOOPBACK  # never bind anything but loopback here

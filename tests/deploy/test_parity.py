@@ -15,6 +15,7 @@ import re
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +47,12 @@ def _deadline_left(deadline: float, what: str) -> float:
     return left
 
 
-def run_cluster(processes: list[Process], workdir: Path, workers_idle_after_training: bool) -> list[dict[str, Any]]:
+def run_cluster(
+    processes: list[Process],
+    workdir: Path,
+    workers_idle_after_training: bool,
+    after_training: Callable[[dict[str, str]], None] | None = None,
+) -> list[dict[str, Any]]:
     """Start the shards, wait for their health checks, run the workers to the end, stop the shards.
 
     Args:
@@ -54,6 +60,8 @@ def run_cluster(processes: list[Process], workdir: Path, workers_idle_after_trai
         workdir: a private directory for logs, HOME and checkpoints.
         workers_idle_after_training: Kubernetes workers stay up after training (see
             deploy/k8s/worker-statefulset.yaml); compose workers exit.
+        after_training: called with every shard's names -> its local address once the workers are
+            done, before the shards stop.
 
     Returns:
         Each worker's JSON summary.
@@ -109,6 +117,8 @@ def run_cluster(processes: list[Process], workdir: Path, workers_idle_after_trai
         same = "params_sha256" if all("params_sha256" in s for s in summaries) else "accuracy"
         assert len({s[same] for s in summaries}) == 1, f"sync workers ended with different {same}: {summaries}"
         (steps,) = {int(p.env["PS_STEPS"]) for p in workers}
+        if after_training is not None:
+            after_training(addresses)
         for process in servers:
             check_admin_status(process, addresses[min(process.names)], steps)
         for process, run in started[: len(servers)]:

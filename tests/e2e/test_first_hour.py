@@ -82,7 +82,7 @@ def test_ps_worker_names_the_unreachable_address(shards, which) -> None:
 
 
 def test_with_default_flags_the_address_is_named_within_seconds(shards) -> None:
-    """Default --retry-deadline (30 s): the worker keeps trying (a shard may still be starting), but
+    """Default --retry-deadline (120 s): the worker keeps trying (a shard may still be starting), but
     within a few seconds of its first attempt a warning names the unreachable address, with the hint."""
     import signal
     import threading

@@ -91,3 +91,51 @@ def test_a_user_script_writes_the_same_curves_through_training_log(tmp_path) -> 
     assert [step for step, _ in s["train/loss"]] == [1, 2, 4, 6]
     assert [step for step, _ in s["comm/pulled_bytes"]] == [1, 2, 4, 6] and "train/lr_pushed" in s
     assert [step for step, _ in s["eval/loss"]] == [6]
+
+
+BREAKING_SCRIPT = """
+import os, shutil
+import torch
+from ps_worker import DistributedOptimizer, PSClient
+from ps_worker.tensorboard import TrainingLog
+
+steps = int(os.environ["PS_STEPS"])
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 1)
+client = PSClient.from_env(model)
+opt = DistributedOptimizer(model, client)
+with TrainingLog.from_env() as curves:
+    for step in range(1, steps + 1):
+        if step == 6:  # the run's directory is replaced by a file mid-run (a cleanup job, a full disk...)
+            curves.writer.flush()
+            shutil.rmtree(curves.path)
+            curves.path.write_text("not a directory")
+        opt.zero_grad()
+        loss = model(torch.ones(8, 4)).pow(2).mean()
+        loss.backward()
+        opt.step()
+        curves.log_step(opt, loss=loss, step=step)
+    curves.log_eval({"loss": float(loss)}, step=steps)
+client.close()
+print(f"rank {client.rank} trained to step {steps}")
+"""
+
+
+def test_a_tensorboard_directory_that_breaks_mid_run_costs_one_warning_not_the_worker(tmp_path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(BREAKING_SCRIPT)
+    tb, logs = tmp_path / "tb", tmp_path / "logs"
+    argv = ["--workers", "2", "--steps", "30", "--json", "--log-dir", str(logs), "--tensorboard", str(tb)]
+    out = subprocess.run(
+        [*LAUNCH, *argv, "--tensorboard-every", "2", str(script)], capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert summary["steps_run_per_rank"] == [30, 30]
+    for rank in (0, 1):
+        log = (logs / f"worker-{rank}.log").read_text()
+        assert f"rank {rank} trained to step 30" in log
+        warned = [line for line in log.splitlines() if "TensorBoard: writing" in line]
+        assert len(warned) == 1 and "no more curves from this rank, and training goes on" in warned[0], log[-3000:]
+        assert "Traceback" not in log, log[-3000:]
+        assert (tb / f"rank-{rank}").read_text() == "not a directory"

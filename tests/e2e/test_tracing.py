@@ -4,6 +4,7 @@ OTLP/gRPC collector, and with tracing off nothing of opentelemetry is imported."
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -93,6 +94,25 @@ def test_a_step_is_one_trace_from_the_worker_to_both_shards(tmp_path, collector,
 
     for rpc in rpcs:  # sync, one worker: every push closes the round on its shard
         assert {"push", "optimizer_step", "pull", "round_wait"} <= descendants(rpc), descendants(rpc)
+
+
+def test_a_collector_that_never_answers_costs_each_process_one_warning(tmp_path) -> None:
+    """--otel-endpoint at a black hole (a socket that listens and never accepts): the job trains to
+    the end; every shard and the worker say so once, and none logs a line per failed export or span.
+    The bound on the exit's flush: tests/integration/test_tracing_black_hole.py."""
+    with socket.socket() as hole:
+        hole.bind(("127.0.0.1", 0))
+        hole.listen(64)
+        began = time.monotonic()
+        out = launch(tmp_path, "--otel-endpoint", f"http://127.0.0.1:{hole.getsockname()[1]}")
+        took = time.monotonic() - began
+    assert out.returncode == 0, out.stderr[-3000:]
+    for name in ("worker-0", "shard-0", "shard-1"):
+        log = (tmp_path / f"{name}.log").read_text()
+        (said,) = [line for line in log.splitlines() if "could not be exported" in line]  # the exit's flush, at last
+        assert "training goes on" in said
+        assert "Queue full" not in log and "Failed to export" not in log.replace(said, ""), log[-3000:]
+    assert took < 150, f"took {took:.0f} s"  # an unbounded flush added 16-30 s per process
 
 
 def test_off_by_default_imports_nothing_of_opentelemetry(tmp_path) -> None:

@@ -62,6 +62,7 @@ def test_the_script_s_environment_is_the_contract() -> None:
         timeout=30.0,
         wire_dtype="bfloat16",
         topk=0.0,
+        master_port=29512,
     )
     env = script_environment(args, ["127.0.0.1:1", "127.0.0.1:2"], 1)
     s = read_env(env)
@@ -69,4 +70,5 @@ def test_the_script_s_environment_is_the_contract() -> None:
     assert (s.batch_size, s.optimizer, s.lr, s.seed, s.timeout, s.wire_dtype) == (16, "adam", 0.01, 3, 30.0, "bfloat16")
     torchrun = {k: env[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
     assert torchrun == {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
-    assert "MASTER_ADDR" not in env and "MASTER_PORT" not in env  # no process group is meant to form
+    # the whole torchrun environment: a gloo process group may form beside grpc-ps (metrics, barriers)
+    assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("127.0.0.1", "29512")

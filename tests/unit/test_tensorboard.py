@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
+import time
 from collections import Counter
 from types import SimpleNamespace
 
@@ -15,7 +17,7 @@ from ps_launch.cli import launch_parser
 from ps_launch.run import run
 from ps_launch.target import script_environment, worker_argv
 from ps_worker.env import EnvError
-from ps_worker.tensorboard import INSTALL, TensorBoardMissing, TrainingLog, require
+from ps_worker.tensorboard import INSTALL, QUEUE_SCALARS, TensorBoardMissing, TrainingLog, require
 from ps_worker.workloads.cli import main as worker_main
 from ps_worker.workloads.flags import worker_parser
 
@@ -126,3 +128,64 @@ def test_the_commands_load_neither_torch_nor_tensorboard_to_parse_their_flags() 
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.split() == ["False", "False"], out.stdout + out.stderr
+
+
+class FailingWriter:
+    """A SummaryWriter whose disk went away after ``good`` scalars: every later call raises."""
+
+    def __init__(self, good: int) -> None:
+        self.good, self.written, self.closes = good, 0, 0
+
+    def add_scalar(self, tag: str, value: float, step: int) -> None:
+        if self.written >= self.good:
+            raise NotADirectoryError(20, "Not a directory", "rank-0/events.out.tfevents")
+        self.written += 1
+
+    def close(self) -> None:
+        self.closes += 1
+        raise NotADirectoryError(20, "Not a directory")
+
+
+def test_a_failing_writer_turns_the_log_off_with_one_warning(caplog) -> None:
+    writer = FailingWriter(good=2)
+    log = TrainingLog("unused", rank=3, every=1, writer=writer)
+    caplog.set_level("WARNING", logger="ps_worker.tensorboard")
+    for step in range(1, 20):
+        log.log_step(loss=1.0, step=step, step_seconds=0.01)  # never raises
+    log.log_eval({"accuracy": 0.9}, step=19)
+    log.close()
+    assert not log.enabled and writer.written == 2 and writer.closes == 1
+    (warned,) = [r for r in caplog.records if r.name == "ps_worker.tensorboard"]
+    assert "rank 3's curves" in warned.getMessage() and "NotADirectoryError" in warned.getMessage()
+    assert "training goes on" in warned.getMessage()
+
+
+class StalledWriter:
+    """A SummaryWriter whose disk hangs until ``release`` is set (an NFS server gone quiet)."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.written = 0
+
+    def add_scalar(self, tag: str, value: float, step: int) -> None:
+        assert self.release.wait(60), "never released"
+        self.written += 1
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_stalled_disk_never_blocks_a_step_and_drops_points_with_one_warning(caplog) -> None:
+    writer = StalledWriter()
+    log = TrainingLog("unused", rank=0, every=1, writer=writer)
+    caplog.set_level("WARNING", logger="ps_worker.tensorboard")
+    began = time.perf_counter()
+    steps = 2 * QUEUE_SCALARS  # 2 scalars a point: the queue fills halfway through
+    for step in range(1, steps + 1):
+        log.log_step(loss=1.0, step=step, step_seconds=0.01)
+    assert time.perf_counter() - began < 10  # no step waited for the disk (each point: microseconds)
+    (stalled,) = [r.getMessage() for r in caplog.records]
+    assert "points are dropped until it catches up, and training goes on" in stalled
+    writer.release.set()
+    log.close()
+    assert QUEUE_SCALARS <= writer.written < 2 * steps  # what was queued reached the disk; the rest was dropped

@@ -55,6 +55,18 @@ def test_unreachable_names_address_and_hint() -> None:
     err = ShardUnreachableError("127.0.0.1:9", grpc.StatusCode.UNAVAILABLE, "Connection refused", 5.0)
     assert str(err).startswith("Shard 127.0.0.1:9 not reachable within 5 s (UNAVAILABLE: Connection refused)")
     assert "is the shard running? check --servers" in str(err)
+    # a shard restarting under load can outlast the deadline: the message names the flag to raise (issue 43)
+    assert "--retry-deadline (PS_RETRY_DEADLINE)" in str(err)
+
+
+def test_the_default_retry_deadline_covers_a_shard_restart() -> None:
+    """26 s were seen for a shard's restart at a load of 16: the default leaves room for 4 of them."""
+    from ps_worker.env import read_env
+    from ps_worker.workloads.flags import worker_parser
+
+    assert read_env({"PS_SERVERS": "h:1", "PS_RANK": "0", "PS_NUM_WORKERS": "1"}).retry_deadline == 120.0
+    argv = ["--servers", "h:1", "--rank", "0", "--num-workers", "1", "digits"]
+    assert worker_parser({}).parse_args(argv).retry_deadline == 120.0
 
 
 def _server_classes(cls: type[common.PSError] = common.PSError) -> list[type[common.PSError]]:
