@@ -27,6 +27,7 @@ from ps_common.codec import torch_dtype
 from ps_common.errors import CheckpointError, InvalidRequestError
 from ps_common.plan import PartitionSlice, Plan
 from ps_common.tables import shard_of
+from ps_server.membership.ranks import WorkerState
 
 _FIELDS: dict[str, type | tuple[type, ...]] = {
     "plan": dict,
@@ -38,6 +39,9 @@ _FIELDS: dict[str, type | tuple[type, ...]] = {
     "members": (list, tuple),
 }
 """The fields every shard checkpoint state holds, and their types."""
+
+_MEMBER_INTS = ("rank", "incarnation", "clock", "pushes")
+_WORKER_STATES = frozenset(s.value for s in WorkerState)
 
 _PLAN_FIELDS: dict[str, type | tuple[type, ...]] = {
     "specs": (list, tuple),
@@ -72,6 +76,8 @@ def check_layout(state: Any, shard_index: int) -> None:
             torch_dtype(spec[2])
         except InvalidRequestError:
             raise CheckpointError(f"{where}'s parameter {spec[0][:80]!r} has unknown dtype {spec[2][:20]!r}.") from None
+    for r, member in enumerate(state["members"]):
+        _check_member(member, r, where)
     tables = state.get("tables")
     if tables is not None and not (isinstance(tables, Mapping) and isinstance(tables.get("tables"), (list, tuple))):
         raise CheckpointError(f"{where}'s tables are not a table export (a dict with a list of tables).")
@@ -176,6 +182,16 @@ def _check_table(table: Any, i: int, shard_index: int, num_shards: int) -> None:
         stamp = life.get(key)
         if stamp is not None and (not isinstance(stamp, torch.Tensor) or stamp.numel() != n):
             raise CheckpointError(f"{where}: its row {key}s are not one per row ({n}).")
+
+
+def _check_member(member: Any, r: int, where: str) -> None:
+    if not isinstance(member, Mapping) or not all(_is_int(member.get(f)) for f in _MEMBER_INTS):
+        raise CheckpointError(f"{where}'s members[{r}] lacks an int {', '.join(_MEMBER_INTS)}.")
+    if member.get("state") not in _WORKER_STATES:
+        raise CheckpointError(f"{where}'s members[{r}] has state {str(member.get('state'))[:20]!r}.")
+    history = member.get("history", [])
+    if not isinstance(history, (list, tuple)) or not all(isinstance(h, (list, tuple)) and len(h) == 7 for h in history):
+        raise CheckpointError(f"{where}'s members[{r}] has a history that is not a list of 7-item answers.")
 
 
 def _name(p: PartitionSlice) -> str:

@@ -44,7 +44,16 @@ def job_states(num_shards: int, version: int = VERSION) -> list[dict[str, Any]]:
                 "optimizer_state": store.optimizer.state_dict(),
                 "version": version,
                 "mode": "sync",
-                "members": [{"rank": 0, "incarnation": 1, "clock": version, "high_water": version, "state": "live"}],
+                "members": [
+                    {
+                        "rank": 0,
+                        "incarnation": 1,
+                        "clock": version,
+                        "pushes": version,
+                        "high_water": version,
+                        "state": "live",
+                    }
+                ],
             }
         )
     return states
