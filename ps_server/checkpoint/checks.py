@@ -12,22 +12,25 @@ refused by name with :class:`~ps_common.errors.CheckpointError`:
 - :func:`check_tensors`: one 1-D tensor per partition the plan gives the shard, of the partition's
   length and the parameter's dtype, finite; each table's ids (int64, distinct, in range, owned by
   the shard), rows (float32 ``[n, dim]``, finite), row-optimizer state and lifetime stamps;
-- :func:`check_optimizer_state`: once torch.optim loaded the state, each element-wise tensor is of
-  its partition's length and finite (scalars such as Adam's ``step`` are left as they are).
+- :func:`load_optimizer_state`: torch.optim loads the state (its refusal is one line), then
+  :func:`check_optimizer_state`: each element-wise tensor is of its partition's length and finite
+  (scalars such as Adam's ``step`` are left as they are).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from ps_common.codec import torch_dtype
-from ps_common.errors import CheckpointError, InvalidRequestError
+from ps_common.errors import CheckpointError, InvalidRequestError, PSError
+from ps_common.optimizer import OptimizerSpec
 from ps_common.plan import PartitionSlice, Plan
 from ps_common.tables import shard_of
 from ps_server.membership.ranks import WorkerState
+from ps_server.tables.table_io import spec_from_export
 
 _FIELDS: dict[str, type | tuple[type, ...]] = {
     "plan": dict,
@@ -66,6 +69,9 @@ def check_layout(state: Any, shard_index: int) -> None:
             if not isinstance(value, kind) or isinstance(value, bool):
                 got = "nothing" if value is None else type(value).__name__
                 raise CheckpointError(f"{where}'s {prefix}{name} is {got}; a shard writes a {_kind(kind)}.")
+    optimizer = state["optimizer"]
+    if not isinstance(optimizer.get("name"), str) or not isinstance(optimizer.get("kwargs"), Mapping):
+        raise CheckpointError(f"{where}'s optimizer has no name and kwargs.")
     for i, spec in enumerate(state["plan"]["specs"]):
         ok = isinstance(spec, (list, tuple)) and len(spec) == 3 and isinstance(spec[0], str)
         if not ok or not isinstance(spec[1], (list, tuple)) or not all(_is_int(d) for d in spec[1]):
@@ -102,10 +108,29 @@ def check_tensors(state: Mapping[str, Any], plan: Plan, shard_index: int) -> Non
             f"{len(owned)} partitions."
         )
     dtypes = {s.key: torch_dtype(s.dtype) for s in plan.specs}
+    _check_optimizer(state["optimizer"], dtypes.values(), shard_index)
     for p, t in zip(owned, tensors, strict=True):
         _check_partition(f"Shard {shard_index}'s checkpoint", p, t, dtypes[p.key])
     for i, table in enumerate((state.get("tables") or {}).get("tables", [])):
         _check_table(table, i, shard_index, plan.num_shards)
+
+
+def load_optimizer_state(store: Any, saved: Mapping[str, Any]) -> None:
+    """Load ``saved`` (torch.optim's ``state_dict``) into ``store``'s optimizer
+    (a :class:`~ps_server.shard.store.ParameterStore`), then :func:`check_optimizer_state`.
+
+    Raises:
+        CheckpointError: torch.optim refuses ``saved`` (other groups or parameters), or a tensor of
+            it does not fit its partition.
+    """
+    try:
+        store.optimizer.load_state_dict(saved)
+    except (KeyError, TypeError, ValueError, RuntimeError, IndexError) as exc:
+        text = str(exc).strip()
+        detail = text.splitlines()[0][:160] if text else type(exc).__name__
+        shard = f"Shard {store.partitions[0].shard}'s" if store.partitions else "The"
+        raise CheckpointError(f"{shard} checkpoint's optimizer state does not load ({detail}).") from None
+    check_optimizer_state(store.optimizer.state, store.tensors, store.partitions)
 
 
 def check_optimizer_state(
@@ -133,6 +158,18 @@ def check_optimizer_state(
                 raise CheckpointError(f"{where} holds NaN or infinite values.")
 
 
+def _check_optimizer(saved: Mapping[str, Any], dtypes: Iterable[torch.dtype], shard_index: int) -> None:
+    """The optimizer spec a shard builds from ``saved`` (as ``load_state``), in range of ``dtypes``."""
+    try:
+        groups = tuple((tuple(keys), dict(kw)) for keys, kw in saved.get("groups", []))
+        spec = OptimizerSpec(str(saved["name"]), dict(saved["kwargs"]), groups, tuple(saved.get("buffers", [])))
+        spec.check_range(dtypes)
+    except (PSError, KeyError, TypeError, ValueError) as exc:
+        text = str(exc).strip()
+        detail = text.splitlines()[0][:200] if text else type(exc).__name__
+        raise CheckpointError(f"Shard {shard_index}'s checkpoint's optimizer is refused: {detail}") from None
+
+
 def _check_partition(where: str, p: PartitionSlice, t: Any, dtype: torch.dtype) -> None:
     if not isinstance(t, torch.Tensor):
         raise CheckpointError(f"{where}: {_name(p)} is a {type(t).__name__}, not a tensor.")
@@ -155,6 +192,10 @@ def _check_table(table: Any, i: int, shard_index: int, num_shards: int) -> None:
     except (KeyError, TypeError, ValueError):
         raise CheckpointError(f"{where} has no spec (name, num_rows, dim).") from None
     where = f"Shard {shard_index}'s checkpoint: table {name!r}"
+    try:
+        spec_from_export(table)
+    except (PSError, KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"{where}: its spec is refused ({type(exc).__name__}: {str(exc)[:160]}).") from None
     ids, values, state = table.get("ids"), table.get("values"), table.get("state")
     if not isinstance(ids, torch.Tensor) or ids.dim() != 1 or ids.dtype != torch.int64:
         raise CheckpointError(f"{where}: its ids are not a 1-D int64 tensor.")

@@ -11,7 +11,7 @@ from typing import Any
 from ps_common.errors import CheckpointError, InvalidRequestError, NotInitializedError
 from ps_common.optimizer import OptimizerSpec
 from ps_common.plan import ParameterSpec, Plan, plan_for_digest
-from ps_server.checkpoint.checks import check_layout, check_optimizer_state, check_tensors
+from ps_server.checkpoint.checks import check_layout, check_tensors, load_optimizer_state
 from ps_server.membership.epochs import Epochs
 from ps_server.membership.ranks import Membership
 from ps_server.shard.hosts import StateHost
@@ -152,6 +152,5 @@ def load_state(state: dict[str, Any], shard_index: int, num_shards: int) -> tupl
             tuple(state["optimizer"].get("buffers", [])),
         ),
     )
-    store.optimizer.load_state_dict(state["optimizer_state"])
-    check_optimizer_state(store.optimizer.state, store.tensors, store.partitions)
+    load_optimizer_state(store, state["optimizer_state"])  # then each tensor checked against its partition
     return plan, store

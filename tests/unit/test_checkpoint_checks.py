@@ -65,6 +65,14 @@ def bad_member(states: list[dict]) -> None:
     states[0]["members"][0]["clock"] = "five"
 
 
+def unknown_optimizer(states: list[dict]) -> None:
+    states[0]["optimizer"]["name"] = "nope"
+
+
+def other_groups(states: list[dict]) -> None:
+    states[1]["optimizer_state"]["param_groups"] = []
+
+
 @pytest.mark.parametrize(
     ("change", "says"),
     [
@@ -79,6 +87,8 @@ def bad_member(states: list[dict]) -> None:
         (one_tensor_less, r"Shard 1's checkpoint holds \d+ parameter tensors, but the plan gives it \d+ partitions"),
         (no_mode, r"Shard 1's checkpoint's mode is nothing; a shard writes a str"),
         (bad_member, r"Shard 0's checkpoint's members\[0\] lacks an int rank, incarnation, clock, pushes"),
+        (unknown_optimizer, r"Shard 0's checkpoint's optimizer is refused: Unknown optimizer 'nope'"),
+        (other_groups, r"Shard 1's checkpoint's optimizer state does not load \(loaded state dict has a different"),
     ],
 )
 def test_a_crafted_state_is_refused_by_name_by_reshard_and_by_restore(change, says) -> None:
@@ -86,7 +96,7 @@ def test_a_crafted_state_is_refused_by_name_by_reshard_and_by_restore(change, sa
     with pytest.raises(ReshardError, match=says):
         reshard_states(states, 3)
     if change is not no_mode:  # restore reads each shard's own state
-        k = 0 if change in (other_dtype, short_moment, bad_member) else 1
+        k = 0 if change in (other_dtype, short_moment, bad_member, unknown_optimizer) else 1
         with pytest.raises(CheckpointError, match=says):
             load_state(states[k], k, 2)
 
@@ -101,14 +111,24 @@ def test_a_valid_set_passes_every_check() -> None:
 def test_a_crafted_table_is_refused_by_name() -> None:
     states = job_states(1)
     table = {
-        "spec": {"name": "emb.weight", "num_rows": 10, "dim": 4},
+        "spec": {
+            "name": "emb.weight",
+            "num_rows": 10,
+            "dim": 4,
+            "seed": 0,
+            "init_std": 0.01,
+            "optimizer": "adagrad",
+            "optimizer_kwargs": {"lr": 0.1},
+        },
         "ids": torch.tensor([1, 3]),
         "values": torch.zeros(2, 4),
         "state": {"sum": torch.zeros(2, 4)},
         "step": 0,
     }
     states[0]["tables"] = {"version": 0, "tables": [table], "high_water": [], "hyperparameters": {}}
+    load_state(states[0], 0, 1)  # as it is: valid
     for key, value, says in [
+        ("spec", {"name": "emb.weight", "num_rows": 10, "dim": 4}, r"its spec is refused \(KeyError: 'optimizer'\)"),
         ("values", torch.zeros(2, 3), r"its rows are \[2, 3\] torch.float32, not float32 \[2, 4\]"),
         ("ids", torch.tensor([1, 10]), r"a row id is out of \[0, 10\)"),
         ("ids", torch.tensor([3, 3]), "a row id appears twice"),
