@@ -65,7 +65,8 @@ def hold(directory: Path | str, shard_index: int, wait: float = HOLD_WAIT_SECOND
 
     Returns:
         The lock (release it when the shard stops), or None when another process still held it
-        after ``wait`` seconds (logged at WARNING; the shard runs without it, as before locks).
+        after ``wait`` seconds, or the file system has no ``flock`` (logged at WARNING; the shard
+        runs without it, as before locks).
 
     Raises:
         CheckpointError: the lock file cannot be created.
@@ -81,9 +82,11 @@ def hold(directory: Path | str, shard_index: int, wait: float = HOLD_WAIT_SECOND
         except OSError as exc:
             raise CheckpointError(f"Cannot create the lock file {path}: {exc.strerror}.") from exc
         deadline = time.monotonic() + wait
-        while not _try_lock(fd):
-            if time.monotonic() >= deadline:
+        while not (locked := _try_lock(fd, path)):
+            if locked is None or time.monotonic() >= deadline:
                 os.close(fd)
+                if locked is None:
+                    return None
                 log.warning(
                     "%s is held by %s: another shard %d runs on this checkpoint directory; running without the lock "
                     "(ps-admin reshard cannot see this shard).",
@@ -123,7 +126,7 @@ def take_all(directory: Path, shard_indices: Iterable[int]) -> Iterator[None]:
             if fd is None:  # no lock file and none can be made (a read-only --from): no shard holds it
                 continue
             taken.append(fd)
-            if not _try_lock(fd):
+            if _try_lock(fd, path) is False:  # None: no flock on this file system, nothing to tell
                 raise CheckpointError(_live(path, k, _holder(path)))
         yield
     finally:
@@ -151,11 +154,15 @@ def _open(path: Path) -> int | None:
         raise CheckpointError(f"Cannot open the lock file {path}: {exc.strerror}.") from exc
 
 
-def _try_lock(fd: int) -> bool:
+def _try_lock(fd: int, path: Path) -> bool | None:
+    """True: locked; False: another holds it; None: the file system has no flock (ENOLCK, EINVAL)."""
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         return False
+    except OSError as exc:
+        log.warning("Cannot lock %s (%s): the shard locks are not used on this file system.", path, exc.strerror)
+        return None
     return True
 
 

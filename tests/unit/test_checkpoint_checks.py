@@ -249,3 +249,13 @@ def test_a_safetensors_header_is_read_alone_and_checked(tmp_path: Path) -> None:
     (tmp_path / "junk.safetensors").write_bytes(os.urandom(64))
     with pytest.raises(ValueError, match="declares a header of .* not a safetensors file"):
         safetensors_header(tmp_path / "junk.safetensors")
+
+
+def test_without_flock_a_shard_runs_unlocked_and_reshard_is_not_stopped(tmp_path: Path, monkeypatch) -> None:
+    def no_locks(fd: int, op: int) -> None:
+        raise OSError(37, "No locks available")  # ENOLCK: a network file system without flock
+
+    monkeypatch.setattr(dirlock.fcntl, "flock", no_locks)
+    assert dirlock.hold(tmp_path, 0) is None
+    with dirlock.take_all(tmp_path, [0, 1]):
+        pass
