@@ -8,8 +8,13 @@ Reads the newest version at which every shard of the checkpoint set in DIR has a
 in the normal format (:class:`~ps_server.checkpoint.files.CheckpointStore`). With ``--out`` they go
 to DIR2, which must hold no checkpoint; without it they replace the set in DIR: they are written to
 a staging folder first, then every old checkpoint file of DIR moves into
-``DIR/before-reshard-v{v}-{S}-shards/`` (kept for a rollback), then the new files move in. Any
-refusal happens before anything is written. Exit status: 0 done, 1 refused, 2 bad flags.
+``DIR/before-reshard-v{v}-{S}-shards/`` (kept for a rollback), then the new files move in. In
+place, every shard's lock (``DIR/shard-K.lock``, :mod:`ps_server.checkpoint.dirlock`) is taken
+without waiting and held throughout: a running shard of the job is a refusal. Every tensor is
+checked against the plan (:mod:`ps_server.checkpoint.checks`) and ``--to`` is bounded
+(:data:`~ps_server.checkpoint.reshard.MAX_SHARDS`, and the job's elements and rows) before any
+planning. Any refusal happens before anything is written, in one line. Exit status: 0 done, 1
+refused, 2 bad flags.
 """
 
 from __future__ import annotations
@@ -142,8 +147,9 @@ def reshard_directory(source: Path, num_shards: int, out: Path | None = None, ve
         One line saying what was done.
 
     Raises:
-        ReshardError: bad input (see :func:`read_set` and :func:`reshard_states`), or ``out`` holds
-            checkpoints already; nothing was written.
+        ReshardError: bad input (see :func:`read_set` and :func:`reshard_states`), ``out`` holds
+            checkpoints already, or a shard holds its lock on ``source`` (in place) or ``out``;
+            nothing was written.
         CheckpointError: a file could not be written (the old set is untouched, or moved whole).
     """
     if isinstance(num_shards, int) and num_shards > MAX_SHARDS:
