@@ -16,6 +16,7 @@ from ps_common import tracing
 from ps_common.codec import DTYPES
 from ps_common.metrics_endpoint import MetricsEndpoint, serve_metrics
 from ps_proto.v1 import ps_pb2, ps_pb2_grpc
+from ps_server.checkpoint import dirlock
 from ps_server.checkpoint.checkpointer import Checkpointer
 from ps_server.checkpoint.files import CheckpointStore
 from ps_server.config import ServerConfig
@@ -99,6 +100,8 @@ class ShardServer:
         self.threads = threads or OwnedThreads()
         """The threads this server started (joined by :meth:`stop`)."""
         self._started = False
+        self.checkpoint_lock: dirlock.ShardLock | None = None
+        """The shard's lock on its checkpoint directory (``ps_server.checkpoint.dirlock``), released by :meth:`stop`."""
 
     def start(self) -> None:
         """Start the lease reaper ``lease-reaper-{k}`` (the gRPC server is started by
@@ -143,6 +146,8 @@ class ShardServer:
         if self.checkpointer is not None:
             self.checkpointer.close(final=True)
         self.server.stop(grace).wait(grace + 1)
+        if self.checkpoint_lock is not None:  # after the final checkpoint
+            self.checkpoint_lock.release()
         if self._pool is not None:
             self._pool.shutdown(wait=False)
         if self.streams is not None:
@@ -200,10 +205,11 @@ def start_server(config: ServerConfig, shard: Shard | None = None) -> ShardServe
     served: Shard | None = shard
     counters = shard.counters if shard is not None else ShardCounters()  # one set: GetStatus and Prometheus
     metrics = ServerMetrics(CollectorRegistry(), lambda: _status(served), counters)
-    checkpointer = None
+    checkpointer, lock = None, None
     if config.checkpoint_dir:
         store = CheckpointStore(config.checkpoint_dir, config.shard_index, keep=config.checkpoint_keep)
         store.ensure_writable()
+        lock = dirlock.hold(config.checkpoint_dir, config.shard_index)  # held until stop: ps-admin reshard sees it
         checkpointer = Checkpointer(store, metrics)
     if shard is None:
         shard = Shard(
@@ -227,7 +233,12 @@ def start_server(config: ServerConfig, shard: Shard | None = None) -> ShardServe
     shard.stream_rounds = config.stream_rounds
     if checkpointer is not None:
         checkpointer.attach(shard)
-        checkpointer.resume()
+        try:
+            checkpointer.resume()
+        except BaseException:
+            if lock is not None:
+                lock.release()
+            raise
     threads = OwnedThreads()
     options = [
         ("grpc.max_receive_message_length", config.max_message_bytes),
@@ -370,6 +381,7 @@ def start_server(config: ServerConfig, shard: Shard | None = None) -> ShardServe
         waiting=waiting,
         reads=reads,
     )
+    running.checkpoint_lock = lock
     running.start()
     return running
 

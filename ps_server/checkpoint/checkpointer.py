@@ -116,7 +116,8 @@ class Checkpointer:
         if latest is None:
             return None
         version, state = latest
-        saved = state.get("plan", {}).get("num_shards")
+        plan = state.get("plan")  # not a dict: the shard's restore names what is wrong (checkpoint.checks)
+        saved = plan.get("num_shards") if isinstance(plan, dict) else None
         if saved is not None and saved != self.shard.num_shards:  # the same refusal, naming the directory
             raise CheckpointError(shard_count_refusal(saved, self.shard.num_shards, self.store.directory))
         self.shard.restore(state)

@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from ps_common import bounded_load
+
 FORMAT = "grpc-ps.checkpoint"
 """Value of the envelope's ``format`` field."""
 
@@ -52,8 +54,10 @@ def envelope(state: dict[str, Any], shard_index: int, version: int) -> dict[str,
 def read(path: Path, shard_index: int, version: int) -> tuple[dict[str, Any], str | None]:
     """Load and validate the file ``path``, expected to hold shard ``shard_index`` at ``version``.
 
-    Loads with ``torch.load(path, weights_only=True, map_location="cpu")`` (tensors come back on the
-    CPU) and checks the format, its version, the shard index, the version and the digest.
+    Refuses an archive that declares more than twice its size uncompressed (``torch.save`` stores
+    its entries: a deflate bomb, :func:`ps_common.bounded_load.check_zip`) before loading; loads
+    with ``torch.load(path, weights_only=True, map_location="cpu")`` (tensors come back on the CPU)
+    and checks the format, its version, the shard index, the version and the digest.
 
     Returns:
         ``(state, None)`` for a valid file, else ``({}, why it is not valid)``: a phrase that follows
@@ -62,6 +66,12 @@ def read(path: Path, shard_index: int, version: int) -> tuple[dict[str, Any], st
     Raises:
         MemoryError: the file is too big to load (every other failure to load is returned).
     """
+    try:  # what the archive declares, before anything inflates (a deflate bomb: ps_common.bounded_load)
+        problem = bounded_load.check_zip(path)
+    except OSError as exc:
+        return {}, f"cannot be read ({exc.strerror})"
+    if problem:
+        return {}, problem
     try:
         env = torch.load(path, weights_only=True, map_location="cpu")
     except MemoryError:

@@ -35,8 +35,13 @@ from ps_common.codec import torch_dtype
 from ps_common.errors import CheckpointError, PSError
 from ps_common.plan import Plan, make_plan
 from ps_common.tables import shard_of
+from ps_server.checkpoint.checks import check_layout
 from ps_server.shard.state import load_state
 from ps_server.shard.store import ParameterStore
+
+MAX_SHARDS = 4096
+"""Most shards ``ps-admin reshard --to`` plans for: a bound on what one plan, and one set of
+checkpoint files, holds (the plan of 10^9 shards took 5.3 GB before it was refused)."""
 
 MEMBER_MARKS = ("incarnation", "clock", "high_water")
 """A member's fields every old shard must agree on: what makes a push exactly-once."""
@@ -68,6 +73,10 @@ def reshard_states(states: Sequence[dict[str, Any]], num_shards: int) -> list[di
     old_count = len(states)
     first = states[0]
     for k, st in enumerate(states):
+        try:
+            check_layout(st, k)
+        except CheckpointError as exc:
+            raise ReshardError(f"{exc} Nothing was written.") from None
         for field in ("version", "mode"):
             if st[field] != first[field]:
                 raise ReshardError(f"Shard {k} has {field} {st[field]!r} but shard 0 has {first[field]!r}.")
@@ -76,11 +85,15 @@ def reshard_states(states: Sequence[dict[str, Any]], num_shards: int) -> list[di
         ours, theirs = _cluster_id(first), _cluster_id(st)
         if ours and theirs and ours != theirs:
             raise ReshardError(f"Shard {k}'s checkpoint is of another job (cluster id {theirs}, shard 0's {ours}).")
-    try:
+    try:  # every tensor checked against the plan (ps_server.checkpoint.checks)
         loaded = [load_state(st, k, old_count) for k, st in enumerate(states)]
     except PSError as exc:
         raise ReshardError(f"The checkpoint set does not load: {exc}") from exc
+    except (KeyError, TypeError, ValueError, RuntimeError, IndexError) as exc:  # torch.optim's load_state_dict
+        detail = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else ""
+        raise ReshardError(f"The checkpoint set does not load: {type(exc).__name__}: {detail}") from None
     old_plan = loaded[0][0]
+    check_shard_count(old_plan, num_shards, states)
     stores = [store for _, store in loaded]
     members = _members(states)
     new_plan = make_plan(old_plan.specs, num_shards, old_plan.partition_bytes)
@@ -106,6 +119,26 @@ def reshard_states(states: Sequence[dict[str, Any]], num_shards: int) -> list[di
             state["tables"] = tables[k]
         out.append(state)
     return out
+
+
+def check_shard_count(plan: Plan, num_shards: int, states: Sequence[dict[str, Any]] = ()) -> None:
+    """Refuse, before any planning, a shard count no cluster of this job can use: above
+    :data:`MAX_SHARDS`, or above what the job holds (each new shard needs a parameter element or a
+    table row of its own: one of more shards would hold nothing).
+
+    Raises:
+        ReshardError: ``num_shards`` is too large, naming the bound.
+    """
+    elements = sum(s.numel for s in plan.specs)
+    rows = sum(int(t["ids"].numel()) for st in states for t in (st.get("tables") or {}).get("tables", []))
+    most = min(MAX_SHARDS, max(elements, rows))
+    if num_shards > most:
+        why = (
+            f"this job holds {elements} parameter elements and {rows} table rows"
+            if most < MAX_SHARDS
+            else (f"a plan holds at most {MAX_SHARDS} shards")
+        )
+        raise ReshardError(f"Cannot reshard onto {num_shards} shards: {why}; give --to at most {most}.")
 
 
 def _cluster_id(state: dict[str, Any]) -> str:

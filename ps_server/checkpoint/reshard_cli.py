@@ -8,13 +8,19 @@ Reads the newest version at which every shard of the checkpoint set in DIR has a
 in the normal format (:class:`~ps_server.checkpoint.files.CheckpointStore`). With ``--out`` they go
 to DIR2, which must hold no checkpoint; without it they replace the set in DIR: they are written to
 a staging folder first, then every old checkpoint file of DIR moves into
-``DIR/before-reshard-v{v}-{S}-shards/`` (kept for a rollback), then the new files move in. Any
-refusal happens before anything is written. Exit status: 0 done, 1 refused, 2 bad flags.
+``DIR/before-reshard-v{v}-{S}-shards/`` (kept for a rollback), then the new files move in. In
+place, every shard's lock (``DIR/shard-K.lock``, :mod:`ps_server.checkpoint.dirlock`) is taken
+without waiting and held throughout: a running shard of the job is a refusal. Every tensor is
+checked against the plan (:mod:`ps_server.checkpoint.checks`) and ``--to`` is bounded
+(:data:`~ps_server.checkpoint.reshard.MAX_SHARDS`, and the job's elements and rows) before any
+planning. Any refusal happens before anything is written, in one line. Exit status: 0 done, 1
+refused, 2 bad flags.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import re
@@ -26,8 +32,10 @@ from typing import Any
 
 from ps_common.errors import CheckpointError
 from ps_server.checkpoint import format as checkpoint_format
+from ps_server.checkpoint.checks import check_layout
+from ps_server.checkpoint.dirlock import take_all
 from ps_server.checkpoint.files import CheckpointStore
-from ps_server.checkpoint.reshard import ReshardError, reshard_states
+from ps_server.checkpoint.reshard import MAX_SHARDS, ReshardError, reshard_states
 from ps_server.tables.table import table_row_bytes
 from ps_server.tables.table_io import spec_from_export
 
@@ -76,9 +84,16 @@ def read_set(directory: Path, version: int | None = None) -> tuple[int, list[dic
         if 0 not in files:
             continue
         head = _read(files[0], 0, v)
-        count = int(head["plan"]["num_shards"])
+        count = _shard_count(head, files[0])
         if any(k not in files for k in range(count)):
             continue
+        newer = {u: sorted(found[u]) for u in found if u > v}
+        if newer:
+            log.warning(
+                "Resharding version %d, the newest every shard has; newer versions with only some shards' files are "
+                "set aside (%s): shards that ran past the others (async or ssp), or a set cut short.",
+                *(v, "; ".join(f"v{u}: shards {ks}" for u, ks in sorted(newer.items()))),
+            )
         return v, [head, *(_read(files[k], k, v) for k in range(1, count))]
     by_shard: dict[int, list[int]] = {}
     for v, files in sorted(found.items()):
@@ -90,6 +105,18 @@ def read_set(directory: Path, version: int | None = None) -> tuple[int, list[dic
         f"({have}). Shards of an async or ssp job checkpoint their own versions: stop the job so that every "
         "shard writes its final checkpoint at the same version (its workers finished), then reshard."
     )
+
+
+def _shard_count(head: dict[str, Any], path: Path) -> int:
+    """The shard count shard 0's checkpoint names (its layout checked first)."""
+    try:
+        check_layout(head, 0)
+    except CheckpointError as exc:
+        raise ReshardError(f"Checkpoint {path}: {exc} Nothing was written.") from None
+    count = head["plan"]["num_shards"]
+    if not 1 <= count <= MAX_SHARDS:
+        raise ReshardError(f"Checkpoint {path} names {count} shards; a plan holds 1 to {MAX_SHARDS}.")
+    return count
 
 
 def _read(path: Path, shard_index: int, version: int) -> dict[str, Any]:
@@ -120,10 +147,26 @@ def reshard_directory(source: Path, num_shards: int, out: Path | None = None, ve
         One line saying what was done.
 
     Raises:
-        ReshardError: bad input (see :func:`read_set` and :func:`reshard_states`), or ``out`` holds
-            checkpoints already; nothing was written.
+        ReshardError: bad input (see :func:`read_set` and :func:`reshard_states`), ``out`` holds
+            checkpoints already, or a shard holds its lock on ``source`` (in place) or ``out``;
+            nothing was written.
         CheckpointError: a file could not be written (the old set is untouched, or moved whole).
     """
+    if isinstance(num_shards, int) and num_shards > MAX_SHARDS:
+        raise ReshardError(f"Cannot reshard onto {num_shards} shards: a plan holds at most {MAX_SHARDS}.")
+    in_place = out is None or out.resolve() == source.resolve()
+    shards = {k for files in checkpoint_files(source).values() for k in files} if in_place else set()
+    try:  # in place, the set is rewritten: no shard may run on it (ps_server.checkpoint.dirlock)
+        with take_all(source, shards) if in_place else contextlib.nullcontext():
+            with take_all(out, range(num_shards)) if out is not None and not in_place else contextlib.nullcontext():
+                return _reshard(source, num_shards, out, version)
+    except ReshardError:
+        raise
+    except CheckpointError as exc:
+        raise ReshardError(f"{exc} Nothing was written.") from None
+
+
+def _reshard(source: Path, num_shards: int, out: Path | None, version: int | None) -> str:
     v, states = read_set(source, version)
     old_count = len(states)
     if out is not None and out.resolve() != source.resolve() and out.is_dir() and checkpoint_files(out):
@@ -189,8 +232,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``ps-admin reshard``."""
     p = parser()
     args = p.parse_args(argv)
-    if args.num_shards < 1:
-        p.error(f"--to must be >= 1, got {args.num_shards}.")
+    if not 1 <= args.num_shards <= MAX_SHARDS:
+        p.error(f"--to must be in 1..{MAX_SHARDS}, got {args.num_shards}.")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         line = reshard_directory(Path(args.source), args.num_shards, Path(args.out) if args.out else None, args.version)

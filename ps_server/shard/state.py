@@ -11,6 +11,7 @@ from typing import Any
 from ps_common.errors import CheckpointError, InvalidRequestError, NotInitializedError
 from ps_common.optimizer import OptimizerSpec
 from ps_common.plan import ParameterSpec, Plan, plan_for_digest
+from ps_server.checkpoint.checks import check_layout, check_tensors, load_optimizer_state
 from ps_server.membership.epochs import Epochs
 from ps_server.membership.ranks import Membership
 from ps_server.shard.hosts import StateHost
@@ -127,6 +128,7 @@ def load_state(state: dict[str, Any], shard_index: int, num_shards: int) -> tupl
     Raises:
         CheckpointError: the checkpoint belongs to another cluster shape or plan.
     """
+    check_layout(state, shard_index)  # every field of the types a shard writes (ps_server.checkpoint.checks)
     plan_info = state["plan"]
     if plan_info["num_shards"] != num_shards:
         raise CheckpointError(shard_count_refusal(plan_info["num_shards"], num_shards))
@@ -138,6 +140,7 @@ def load_state(state: dict[str, Any], shard_index: int, num_shards: int) -> tupl
         raise CheckpointError(
             "The checkpoint's plan digest does not match its specs; it was written by another release of grpc-ps."
         ) from None
+    check_tensors(state, plan, shard_index)  # each tensor of the plan's length, dtype, finite
     store = ParameterStore(
         plan,
         shard_index,
@@ -149,5 +152,5 @@ def load_state(state: dict[str, Any], shard_index: int, num_shards: int) -> tupl
             tuple(state["optimizer"].get("buffers", [])),
         ),
     )
-    store.optimizer.load_state_dict(state["optimizer_state"])
+    load_optimizer_state(store, state["optimizer_state"])  # then each tensor checked against its partition
     return plan, store

@@ -7,7 +7,8 @@ update: each row of a block is stored with the block's float32 values as they ar
 step, optimizer state initial, admission bypassed), counts toward the table's ``max_rows`` and the
 shard's ``--max-table-bytes`` like any stored row (checkpoints and exports then hold it as one),
 and is accepted only while the tables have taken no update (table version 0, no row pushed or held
-for a round). The same rows again (a retried call) store the same values: nothing changes.
+for a round). The same rows again (a retried call) store the same values: nothing changes; a row
+seeded before with other values is refused (two model files, or two rank 0s, seeding one job).
 """
 
 from __future__ import annotations
@@ -74,8 +75,9 @@ def seed_rows(store: TableStore, blocks: Sequence[SeedBlock]) -> int:
     Raises:
         PreconditionError: no tables, or the tables have taken an update (training started: the
             shards' rows win; FAILED_PRECONDITION). InvalidRequestError: an unknown table, a
-            table twice, as :func:`_decode`. TableFullError: the rows exceed a table's
-            ``max_rows`` or the shard's byte budget (RESOURCE_EXHAUSTED). Nothing changes on any.
+            table twice, a row seeded before with other values, as :func:`_decode`.
+            TableFullError: the rows exceed a table's ``max_rows`` or the shard's byte budget
+            (RESOURCE_EXHAUSTED). Nothing changes on any.
     """
     if store.version or store.held or any(t.step for t in store.tables.values()):
         raise PreconditionError(
@@ -87,6 +89,15 @@ def seed_rows(store: TableStore, blocks: Sequence[SeedBlock]) -> int:
         if b.table in decoded:
             raise InvalidRequestError(f"Seed rows name table {b.table[:80]!r} twice; send one block per table.")
         decoded[b.table] = _decode(store.table(b.table), b)
+    for name, (ids, rows) in decoded.items():  # a row seeded before keeps its values: a retry, or refused
+        t = store.tables[name]
+        slots = t.index.lookup(ids)
+        held = slots >= 0
+        if bool(held.any()) and not torch.equal(t.values[slots[held]].view(torch.int32), rows[held].view(torch.int32)):
+            raise InvalidRequestError(
+                f"Seed rows of table {name[:80]!r} give {int(held.sum())} rows seeded before other values; a job "
+                "seeds its rows once, from one model file (start a new job to import another)."
+            )
     new = {name: int((store.tables[name].index.lookup(ids) < 0).sum()) for name, (ids, _) in decoded.items()}
     for name, count in new.items():
         t = store.tables[name]

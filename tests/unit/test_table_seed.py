@@ -49,6 +49,11 @@ def test_seeded_rows_are_stored_exactly_once_and_refused_when_bad_full_or_traine
     assert seed_rows(store, [block([7, 2, 9], rows)]) == 3
     assert seed_rows(store, [block([9, 7], rows[[2, 0]])]) == 2  # a retried chunk: nothing changes
     assert table.rows == 3 and table.step == 0 and store.version == 0
+    other = rows[[2, 0]].clone()
+    other[1, 3] += 1.0
+    with pytest.raises(InvalidRequestError, match="2 rows seeded before other values"):  # another file's rows
+        seed_rows(store, [block([9, 7], other)])
+    assert table.rows == 3
     assert torch.equal(store.pull([("emb.weight", torch.tensor([2, 7, 9, 5]))])[0][:3], rows[[1, 0, 2]])
     assert torch.equal(table.state["sum"][: table.used], torch.zeros(3, 4))  # no optimizer state
 
