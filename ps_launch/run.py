@@ -149,7 +149,7 @@ def run(args: Any, target: Target | None = None) -> int:
 
     # A fresh job (no checkpoint to resume, so not finished either) starts its workers while its shards
     # start, on ports held for them: the workers' imports overlap the shards' (bench/first_step.py).
-    fresh = not any(log_dir.glob("checkpoints/*"))
+    fresh = not any(log_dir.glob("checkpoints/shard-*-v*.pt"))  # lock files are no checkpoint
     reserved = reserve_ports(args.shards) if fresh else []
     try:
         addresses = cluster.start_shards(
