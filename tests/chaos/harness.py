@@ -911,7 +911,8 @@ def report(
     lines = [
         f"chaos soak: seed {seed} (PS_SOAK_SEED={seed} reproduces the fault sequence)",
         f"  job: sync, {spec.num_shards} shards x {spec.num_workers} workers, digits, {spec.steps} steps, "
-        f"lease {spec.lease:g} s, durable acks " + ("on" if spec.durable_acks else "off (no ps-server --durable-acks)"),
+        f"lease {spec.lease:g} s, checkpoint every {spec.checkpoint_every} versions, durable acks "
+        + ("on" if spec.durable_acks else "off (a killed shard loses rounds: the ranks push them again)"),
         "  network: " + (f"namespaces {net.tag}*" if net.enabled else f"127.0.0.1 ({net.why_not}; no partitions)"),
         f"  fault window: {window:.0f} s, {len(faults)} faults:",
         *(f"    {f}" for f in faults),
