@@ -142,7 +142,7 @@ class TrainingLog:
         self.path = None if log_dir is None else run_dir(log_dir, rank)
         if writer is None and self.path is not None:
             writer = _summary_writer(self.path)
-        self._broken = False
+        self.broken = False
         self.writer = None if writer is None else _Background(writer, self)
         self._last_point: int | None = None  # step of the previous point
         self._last_step: int | None = None
@@ -187,7 +187,7 @@ class TrainingLog:
             step_seconds: the step's seconds when the caller timed it; None: the wall time since
                 the previous call (the first call's is unknown and left out).
         """
-        if self._broken:
+        if self.broken:
             self.writer = None  # its thread said why, once
         if self.writer is None:
             return
@@ -222,7 +222,7 @@ class TrainingLog:
         if self._last_step is not None and self._last_step != self._last_point:
             self._guarded(self._write_point, self._last_step)
         writer, self.writer = self.writer, None
-        if isinstance(writer, _Background) and not writer.close(CLOSE_SECONDS) and not self._broken:
+        if isinstance(writer, _Background) and not writer.close(CLOSE_SECONDS) and not self.broken:
             log.warning(
                 "TensorBoard: rank %d's last curves did not reach %s within %.0f s; left behind", self.rank, self.path,
                 CLOSE_SECONDS,
@@ -233,13 +233,13 @@ class TrainingLog:
         try:
             write(*args)
         except Exception as exc:  # a source's attribute gone, a bad value: best effort
-            self._failed(exc)
+            self.failed(exc)
 
-    def _failed(self, exc: BaseException) -> None:
+    def failed(self, exc: BaseException) -> None:
         """Turn the log off after ``exc`` (from the step's thread or the writer's), saying so once."""
-        if self._broken:
+        if self.broken:
             return
-        self._broken = True
+        self.broken = True
         log.warning(
             "TensorBoard: writing rank %d's curves to %s failed (%s: %s); no more curves from this rank, and "
             "training goes on",
@@ -249,7 +249,7 @@ class TrainingLog:
             exc,
         )
 
-    def _stalled(self) -> None:
+    def stalled(self) -> None:
         log.warning(
             "TensorBoard: rank %d's curves wait for %s (%d scalars queued): points are dropped until it catches "
             "up, and training goes on",
@@ -293,8 +293,8 @@ class TrainingLog:
 
 class _Background:
     """A writer's calls (``add_scalar``, ``flush``, ``close``) on a thread of their own, behind a queue
-    of :data:`QUEUE_SCALARS`: a full queue drops the call (``log._stalled`` says so once); a
-    failing call turns ``log`` off (``log._failed``), closes the writer and drops the rest."""
+    of :data:`QUEUE_SCALARS`: a full queue drops the call (``log.stalled`` says so once); a
+    failing call turns ``log`` off (``log.failed``), closes the writer and drops the rest."""
 
     def __init__(self, writer: Any, owner: TrainingLog) -> None:
         self.writer, self.owner = writer, owner
@@ -322,9 +322,9 @@ class _Background:
         try:
             self._queue.put_nowait((name, args))
         except queue.Full:
-            if not self._said_stalled and not self.owner._broken:
+            if not self._said_stalled and not self.owner.broken:
                 self._said_stalled = True
-                self.owner._stalled()
+                self.owner.stalled()
 
     def _run(self) -> None:
         broken = False
@@ -335,7 +335,7 @@ class _Background:
                     getattr(self.writer, name)(*args)
                 except Exception as exc:  # tensorboard's OSError of a gone directory, a full disk...
                     broken = True
-                    self.owner._failed(exc)
+                    self.owner.failed(exc)
                     try:
                         self.writer.close()
                     except Exception:  # noqa: S110 - the same failure again; said once above
