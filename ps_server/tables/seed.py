@@ -1,6 +1,6 @@
 """Rows rank 0 seeds at table init (``InitTablesRequest.rows``: a job started from a model file,
 docs/operations.md#start-a-job-from-a-model-file, or the table modules' own weights,
-docs/tables.md#initial-rows-and-state_dict): checked in full, then stored exactly.
+docs/tables.md#initial-rows-and-the-state-dict): checked in full, then stored exactly.
 
 Pure state under the shard's lock, as :mod:`ps_server.tables.store`. Seeding is an import, not an
 update: each row of a block is stored with the block's float32 values as they are (no optimizer

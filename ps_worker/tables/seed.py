@@ -1,6 +1,6 @@
 """Table rows a job starts from (a model file's, ``ps_worker.model_file.init_from``, or the table
 modules' own weights: ``ps_worker.tables.modules``), cut into the InitTables row chunks rank 0 sends
-each shard (docs/tables.md#initial-rows-and-state_dict, docs/operations.md#start-a-job-from-a-model-file).
+each shard (docs/tables.md#initial-rows-and-the-state-dict, docs/operations.md#start-a-job-from-a-model-file).
 
 Rows are routed as pushes are (``ps_common.tables.shard_of``). A row equal, bitwise, to its
 deterministic initial value (``ps_common.tables.initial_rows``) is left out: the shard reads it so

@@ -1,4 +1,4 @@
-"""Embedding tables as a DDP user sees them (docs/tables.md#initial-rows-and-state_dict): rows start from the
+"""Embedding tables as a DDP user sees them (docs/tables.md#initial-rows-and-the-state-dict): rows start from the
 module's own weights (rank 0 seeds them), and ``model.state_dict()``/``client.state_dict()`` hold the trained
 rows, which load into the plain model (strict). Sync, 2 workers (threads) over 2 shards, compared with one
 process running torch's own optimizers on the summed batch: tables under ``SparseAdam``, the rest under
