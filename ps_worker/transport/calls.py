@@ -296,7 +296,8 @@ class ShardCalls:
 
         Returns:
             True when rounds were pushed again; False when the shard lost none of this rank's rounds,
-            keeps none, or counts this rank again from a later round (a rejoin after an eviction).
+            keeps none, came back empty (rank 0 wrote it the current values: nothing to redo), or
+            counts this rank again from a later round (a rejoin after an eviction).
 
         Raises:
             LostRoundsError: a lost round is no longer in the log. ShardError: a refusal meanwhile.
@@ -304,8 +305,8 @@ class ShardCalls:
         s, t = self.session, self.transport
         start, last = int(reply.clock), s.redo_log.last_round()
         end = round if round is not None else (last + 1 if lost and last is not None else None)
-        if start > reply.version or not s.redo_log.active or end is None or start >= end:
-            return False
+        if start > reply.version or not reply.version or not s.redo_log.active or end is None or start >= end:
+            return False  # a shard at version 0 came back empty and was written the current values: none lost
         entries = s.redo_log.rounds(k, start, end)
         log.warning(
             "rank %d: shard %s restarted from its checkpoint at version %d and lost rounds %d..%d; pushing them again",
