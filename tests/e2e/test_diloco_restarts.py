@@ -55,7 +55,13 @@ def test_a_worker_killed_after_a_live_change_of_h_resumes_at_the_clusters_inner_
         setting = [*admin, "set", "--communication-period", str(NEW_H), "--at-version", str(AT)]
         done = subprocess.run(setting, capture_output=True, text=True, timeout=60)
         assert done.returncode == 0, done.stderr  # the workers are still importing torch: shard 0 is at version 0
-        out, _ = proc.communicate(timeout=240)
+        # stdout in a thread of its own: communicate() would also read stderr, racing the drain thread
+        outs: list[str] = []
+        writer = threading.Thread(target=lambda: outs.append(proc.stdout.read() if proc.stdout else ""), daemon=True)
+        writer.start()
+        proc.wait(timeout=240)
+        writer.join(timeout=30)
+        out = "".join(outs)
     finally:
         if proc.poll() is None:
             proc.kill()
