@@ -192,16 +192,18 @@ class MembershipEpoch(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., decided_at_version: _Optional[int] = ..., num_workers: _Optional[int] = ..., members: _Optional[_Iterable[_Union[EpochMember, _Mapping]]] = ..., config_changes: _Optional[_Iterable[_Union[ConfigChange, _Mapping]]] = ..., reason: _Optional[str] = ..., resize_version: _Optional[int] = ..., previous_num_workers: _Optional[int] = ..., configured_num_workers: _Optional[int] = ..., signature: _Optional[bytes] = ..., cluster_id: _Optional[str] = ...) -> None: ...
 
 class EpochMember(_message.Message):
-    __slots__ = ("rank", "state", "incarnation", "since_version")
+    __slots__ = ("rank", "state", "incarnation", "since_version", "until_version")
     RANK_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     SINCE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    UNTIL_VERSION_FIELD_NUMBER: _ClassVar[int]
     rank: int
     state: WorkerState
     incarnation: int
     since_version: int
-    def __init__(self, rank: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., incarnation: _Optional[int] = ..., since_version: _Optional[int] = ...) -> None: ...
+    until_version: int
+    def __init__(self, rank: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., incarnation: _Optional[int] = ..., since_version: _Optional[int] = ..., until_version: _Optional[int] = ...) -> None: ...
 
 class ConfigChange(_message.Message):
     __slots__ = ("version", "update", "epoch", "inner_step")

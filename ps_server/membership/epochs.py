@@ -149,7 +149,11 @@ class Epochs:
             reason=reason[:200],
             members=[
                 ps_pb2.EpochMember(
-                    rank=m.rank, state=_STATE_TO_PROTO[_decided(m)], incarnation=m.incarnation, since_version=m.since
+                    rank=m.rank,
+                    state=_STATE_TO_PROTO[_decided(m)],
+                    incarnation=m.incarnation,
+                    since_version=m.since,
+                    until_version=m.until,
                 )
                 for m in membership.members
             ],
@@ -239,6 +243,8 @@ class Epochs:
                 m.state = state
             m.counted = counted
             m.since = int(entry.since_version)
+            if entry.until_version != m.until:
+                m.until, m.until_incarnation = int(entry.until_version), m.incarnation
         self.record = record
         return True
 

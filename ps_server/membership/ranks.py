@@ -78,6 +78,10 @@ class Member:
     # sync: the first round the cluster counts it in (a rejoin after an eviction starts at shard 0's
     # next round, on every shard); earlier rounds neither wait for it nor take its pushes.
     since: int = 0
+    # sync: its pushes count in the rounds below this one (those that reached shard 0 before it
+    # was evicted or left: shard 0's decision), on every shard; 0: none before ``since``.
+    until: int = 0
+    until_incarnation: int = 0  # the incarnation whose pushes those are (a new process pushes none of them)
     # Restored from a checkpoint and not joined since: its first Join resumes the job, it is no restart.
     restored: bool = False
     # The session of the rank's newest Join here (random 64-bit, nonzero; 0: not joined since this
@@ -142,8 +146,17 @@ class Membership:
         return member
 
     @staticmethod
-    def check_live(member: Member, incarnation: int) -> None:
-        """Raise NotJoinedError unless ``member`` is live under ``incarnation``."""
+    def counts_old_push(member: Member, incarnation: int, round: int) -> bool:
+        """sync: whether ``round`` is one the cluster counts the incarnation's push in although it
+        no longer counts the rank (below its ``until``, pushed by the incarnation it was decided for)."""
+        return round < member.until and incarnation == member.until_incarnation == member.incarnation
+
+    @staticmethod
+    def check_live(member: Member, incarnation: int, round: int | None = None) -> None:
+        """Raise NotJoinedError unless ``member`` is live under ``incarnation`` (or, sync, pushes
+        ``round`` below its ``until``: a round its evicted incarnation still counts in)."""
+        if round is not None and Membership.counts_old_push(member, incarnation, round):
+            return
         if member.state is not WorkerState.LIVE or incarnation != member.incarnation:
             raise NotJoinedError(
                 f"Rank {member.rank} incarnation {incarnation} is not joined here "
@@ -162,6 +175,14 @@ class Membership:
         within the worker count in force for ``round`` (None: the newest)."""
         n = self.size(round)
         return [m.rank for m in self.members[:n] if m.counted and (round is None or m.since <= round)]
+
+    def counted_in(self, round: int) -> list[int]:
+        """sync: the ranks whose pushes sync round ``round`` takes, by shard 0's decisions: those
+        counted from ``since`` on, and an evicted (or left) rank's pushes of the rounds below its
+        ``until`` (they reached shard 0 before the decision; docs/faults.md#rounds-atomic-across-shards).
+        A round closes when each of them pushed it: on every shard the same ranks."""
+        n = self.size(round)
+        return [m.rank for m in self.members[:n] if round < m.until or (m.counted and m.since <= round)]
 
     def clocks(self) -> list[int]:
         """Clocks of the :meth:`expected` ranks."""
@@ -310,6 +331,8 @@ class Membership:
                 "high_water": m.high_water,
                 "counted": int(m.counted),
                 "since": m.since,
+                "until": m.until,
+                "until_incarnation": m.until_incarnation,
                 "history": kept(m),
             }
             for m in self.members
@@ -335,6 +358,8 @@ class Membership:
             m.last_seen = now if m.state is WorkerState.LIVE else None
             m.high_water = int(s.get("high_water", -1))
             m.since = int(s.get("since", 0))
+            m.until = int(s.get("until", 0))
+            m.until_incarnation = int(s.get("until_incarnation", 0))
             m.restored = True
             m.session = 0
             m.history.clear()

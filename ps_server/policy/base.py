@@ -40,6 +40,7 @@ class ShardCore(Protocol):
     round_reported: bool
     max_clock_gap: int
     refusals: dict[int, UpdateRefusedError]
+    lost_round: str
     skipped_rounds: dict[int, None]
     exchange_results: dict[int, tuple[int, list[torch.Tensor]]]
     membership: Membership
@@ -172,7 +173,7 @@ class ConsistencyPolicy(ABC):
 
     def blocked(self, shard: ShardCore, member: Member, min_version: int, timeout: float | None) -> str:
         """Why the read is blocked, for the timeout's message (what to check)."""
-        waiting = shard.rounds.waiting_for(shard.membership.expected(shard.rounds.round))
+        waiting = shard.rounds.waiting_for(shard.membership.counted_in(shard.rounds.round))
         return (
             f"Version {min_version} not reached {'in time' if timeout is None else f'in {timeout:.1f} s'} "
             f"(shard {shard.shard_index} is at "
@@ -184,7 +185,7 @@ class ConsistencyPolicy(ABC):
         """Whom a blocked read of ``member`` waits for (the ranks that have not pushed the open
         round, here), or None when it waits for no rank."""
         round_ = shard.rounds.round
-        return Awaited(f"round {round_}", shard.rounds.waiting_for(shard.membership.expected(round_)), "pushed")
+        return Awaited(f"round {round_}", shard.rounds.waiting_for(shard.membership.counted_in(round_)), "pushed")
 
     def after_read(self, shard: ShardCore, member: Member, joined: bool, min_version: int) -> None:
         """After the wait, before the parameters are copied: raise a refusal the wait ended on, or

@@ -169,6 +169,13 @@ class SyncRounds:
         self.round += 1
         return held
 
+    def drop(self, rank: int) -> None:
+        """Forget ``rank``'s push of the open round (the cluster does not count the rank in it)."""
+        self.pending.pop(rank, None)
+        self.hyper.pop(rank, None)
+        self.samples.pop(rank, None)
+        self.skips.discard(rank)
+
     def waiting_for(self, expected: Iterable[int]) -> list[int]:
         """Expected ranks that have not pushed the open round, ascending."""
         return sorted(set(expected) - self.pending.keys())

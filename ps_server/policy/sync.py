@@ -16,13 +16,14 @@ import torch
 
 from ps_common.errors import (
     HyperparametersDisagreeError,
+    PreconditionError,
     PushLostError,
     StalePushError,
     UpdateRefusedError,
     VersionAheadError,
 )
 from ps_common.modes import ModeSettings
-from ps_server.membership.ranks import Member, PushResult, PushStamp
+from ps_server.membership.ranks import Member, Membership, PushResult, PushStamp
 from ps_server.policy.base import ConsistencyPolicy, ShardCore
 from ps_server.policy.rounds import SyncRounds, aggregate, agreed_hyperparameters
 from ps_server.policy.types import Gradients, Hyperparameters
@@ -101,7 +102,9 @@ class SyncPolicy(ConsistencyPolicy):
         """Close the open round once complete (every expected rank, or the quorum, pushed)."""
         if shard.store is None:
             return
-        held = shard.rounds.take_if_complete(shard.membership.expected(shard.rounds.round), shard.settings.sync_quorum)
+        held = shard.rounds.take_if_complete(
+            shard.membership.counted_in(shard.rounds.round), shard.settings.sync_quorum
+        )
         if held is not None:
             self._close_round(shard, held)
             shard.round_opened = None
@@ -178,8 +181,12 @@ class SyncPolicy(ConsistencyPolicy):
             m.clock = max(m.clock, shard.version)
 
     def join_clock(self, shard: ShardCore, member: Member, restarted: bool) -> int:
-        """A joining rank pushes the open round next (a rejoined rank: its first counted round)."""
-        return max(shard.rounds.round, member.since)
+        """A joining rank pushes the open round next (a rejoined rank: its first counted round, unless
+        the open round still counts its process's push: ps_server.shard.atomic_rounds)."""
+        round_ = shard.rounds.round
+        if not restarted and Membership.counts_old_push(member, member.incarnation, round_):
+            return round_  # a shard behind (restarted) still needs its pushes of the rounds shard 0 took
+        return max(round_, member.since)
 
     def check_read(self, shard: ShardCore, member: Member, joined: bool, min_version: int) -> None:
         """Tell a rank whose round was refused at once; refuse a wait for a round that holds no push
@@ -191,7 +198,9 @@ class SyncPolicy(ConsistencyPolicy):
             VersionAheadError: ``min_version`` > the open round + 1.
         """
         rank = member.rank
-        if joined and min_version > shard.version and rank in shard.refusals:
+        if shard.lost_round and min_version > shard.version:
+            raise PreconditionError(shard.lost_round)
+        if min_version > shard.version and rank in shard.refusals:
             refusal = shard.refusals.pop(rank)  # the round it waits for was refused
             raise type(refusal)(str(refusal))
         round_ = shard.rounds.round
@@ -200,7 +209,7 @@ class SyncPolicy(ConsistencyPolicy):
             and (rank not in shard.rounds.pending or min_version > round_ + 1)
             and shard.clips.held_round != min_version - 1  # a held round is stepped by its coefficient
         )
-        if joined and waits_without_its_push and rank in shard.membership.expected(round_):
+        if joined and waits_without_its_push and rank in shard.membership.counted_in(round_):
             raise PushLostError(
                 f"Rank {rank} waits for version {min_version} of shard {shard.shard_index}, whose open round "
                 f"{round_} holds no push from it (the shard restarted from an older checkpoint since); "
@@ -216,10 +225,13 @@ class SyncPolicy(ConsistencyPolicy):
 
     def can_read(self, shard: ShardCore, member: Member, joined: bool, min_version: int) -> bool:
         """Version ``min_version`` is there, or the round it waits for was refused."""
-        return shard.version >= min_version or (joined and member.rank in shard.refusals)
+        return shard.version >= min_version or member.rank in shard.refusals or bool(shard.lost_round)
 
     def after_read(self, shard: ShardCore, member: Member, joined: bool, min_version: int) -> None:
-        """Raises the refusal of the round the wait ended on (UpdateRefusedError)."""
+        """Raises the refusal of the round the wait ended on (UpdateRefusedError), or the shard's
+        lost round (PreconditionError: ps_server.shard.atomic_rounds)."""
+        if shard.lost_round and shard.version < min_version:
+            raise PreconditionError(shard.lost_round)
         if shard.version < min_version and member.rank in shard.refusals:
             refusal = shard.refusals.pop(member.rank)
             raise type(refusal)(str(refusal))

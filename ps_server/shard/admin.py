@@ -148,7 +148,7 @@ class ConfigChanges:
         shard = self._host
         now = shard.now()
         store = shard.store
-        expected = self._members.membership.expected(shard.rounds.round)
+        expected = self._members.membership.counted_in(shard.rounds.round)
         counted = shard.counters.view()
         return StatusView(
             shard_index=shard.shard_index,

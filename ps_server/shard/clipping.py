@@ -171,7 +171,7 @@ class RoundClips:
             deadline,
             lambda: (
                 f"Round {round_} held for clipping not complete in time (shard {host.shard_index}; round waits for "
-                f"ranks {host.rounds.waiting_for(host.membership.expected(host.rounds.round))}); check those workers."
+                f"ranks {host.rounds.waiting_for(host.membership.counted_in(host.rounds.round))}); check those workers."
             ),
         )
         if host.version <= round_ and rank in host.refusals:

@@ -27,13 +27,14 @@ from ps_common.errors import (
     InvalidRequestError,
     NotInitializedError,
     PlanMismatchError,
+    PreconditionError,
     StalePushError,
     UpdateRefusedError,
 )
 from ps_common.fragments import check_fragments, fragments_in_force
 from ps_common.plan import ParameterSpec, Plan, make_plan, plan_digest
 from ps_common.text import quote
-from ps_server.membership.ranks import Member, PushResult, PushStamp, WorkerState
+from ps_server.membership.ranks import Member, Membership, PushResult, PushStamp, WorkerState
 from ps_server.shard.hosts import DataHost
 from ps_server.shard.views import Snapshot
 
@@ -143,9 +144,8 @@ class DataPath:
 
     # ----------------------------------------------------------------- pushes
     def admit_push(self, stamp: PushStamp, digest: str, hyper: Any) -> tuple[Plan, Member, PushResult | None]:
-        """A push's checks before its gradients are decoded: (plan, member, the original answer
-        when ``stamp`` was pushed already, else None). A push the policy applies at once (async,
-        ssp), holds for round ``stamp.clock`` (sync) or refuses (easgd: workers call Exchange).
+        """A push's checks before its gradients are decoded: (plan, member, the original answer when
+        ``stamp`` was pushed already, else None). The policy applies (async, ssp), holds (sync) or refuses it.
 
         Raises:
             InvalidRequestError, NotInitializedError, PlanMismatchError, PreconditionError,
@@ -157,7 +157,7 @@ class DataPath:
         seen = member.history.get((stamp.incarnation, stamp.clock))
         if seen is not None:
             return plan, member, PushResult(seen.version, seen.staleness, True, seen.dropped, host.mode)
-        host.membership.check_live(member, stamp.incarnation)
+        host.membership.check_live(member, stamp.incarnation, stamp.clock)
         self.check_replay(member, stamp)
         if hyper:
             assert host.store is not None
@@ -174,8 +174,7 @@ class DataPath:
         skip: bool,
         stream: Any,
     ) -> tuple[PushResult, bool]:
-        """Check the push again (the lock was released while it was decoded) and hand it to the
-        policy.
+        """Check the push again (the lock was released while it was decoded); hand it to the policy.
 
         Args:
             grad_version: the version the gradients were computed on (async staleness).
@@ -193,13 +192,12 @@ class DataPath:
             not a held one nor a repeat).
 
         Raises:
-            NotJoinedError, PreconditionError: not joined, counted out, easgd mode.
-            StalePushError: sync round closed (no quorum), async staleness above the bound, or a
-            replayed clock. UpdateRefusedError: the update (or the round it completed) was refused.
-            ShuttingDownError: the shard is closing (a new push is not taken).
+            NotJoinedError, PreconditionError: not joined, counted out, easgd mode, a lost round.
+            StalePushError: sync round closed (no quorum), async staleness above the bound, or a replayed
+            clock. UpdateRefusedError: the update (or its round) was refused. ShuttingDownError: closing.
         """
         host = self._host
-        host.membership.check_live(member, stamp.incarnation)
+        host.membership.check_live(member, stamp.incarnation, stamp.clock)
         seen = member.history.get((stamp.incarnation, stamp.clock))
         if seen is not None:
             return PushResult(seen.version, seen.staleness, True, seen.dropped, host.mode), False
@@ -208,13 +206,13 @@ class DataPath:
         self.check_counted(member, stamp)
         policy = host.policy
         result = policy.accept(host, member, stamp, grad_version, grads, hyper, skip)
-        if policy.holds_pushes and not result.dropped:
+        held = policy.holds_pushes and not result.dropped
+        if held:
             host.stream_held(stamp.rank, stream)
         host.advance()
-        if policy.holds_pushes and not result.dropped:
-            refusal = host.refusals.pop(stamp.rank, None)
-            if refusal is not None:  # this push completed its round, and the round was refused
-                raise type(refusal)(str(refusal))
+        refusal = host.refusals.pop(stamp.rank, None) if held else None
+        if refusal is not None:  # this push completed its round, and the round was refused
+            raise type(refusal)(str(refusal))
         return result, not policy.holds_pushes
 
     def record(self, member: Member, stamp: PushStamp, result: PushResult) -> None:
@@ -274,19 +272,22 @@ class DataPath:
         )
 
     def check_counted(self, member: Member, stamp: PushStamp) -> None:
-        """Refuse a push of a round the cluster does not count the rank in (shard 0's decision:
-        a resize left it out, or, sync, it rejoined from a later round).
+        """Refuse a push of a round the cluster does not count the rank in (shard 0's decision: a
+        resize left it out; sync: it rejoined from a later round), or any push once a round is lost.
 
         Raises:
-            NotJoinedError: a resize left the rank out. StalePushError: sync, a round before the
-                rank's first counted one.
+            NotJoinedError: a resize left the rank out. StalePushError: sync, a round before the rank's
+            first counted one. PreconditionError: ``lost_round`` (ps_server.shard.atomic_rounds).
         """
-        sync = self._host.policy.holds_pushes
-        self._host.membership.check_in_cluster(member.rank, stamp.clock if sync else None)
-        if sync and stamp.clock < member.since:
+        host, clock = self._host, stamp.clock
+        if host.lost_round:
+            raise PreconditionError(host.lost_round)
+        sync = host.policy.holds_pushes
+        host.membership.check_in_cluster(member.rank, clock if sync else None)
+        if sync and clock < member.since and not Membership.counts_old_push(member, stamp.incarnation, clock):
             raise StalePushError(
                 f"Rank {member.rank} counts from round {member.since} (it rejoined; shard 0 decided): round "
-                f"{stamp.clock} goes on without it. Pull version {member.since} and push clock {member.since}."
+                f"{clock} goes on without it. Pull version {member.since} and push clock {member.since}."
             )
 
     def check_replay(self, member: Member, stamp: PushStamp, what: str = "Push") -> None:

@@ -33,6 +33,7 @@ class OpenRound(Protocol):
     """Rank -> the push the round holds."""
 
     def waiting_for(self, expected: Any) -> list[int]: ...
+    def drop(self, rank: int) -> None: ...
 
 
 class Policy(Protocol):
@@ -78,6 +79,7 @@ class MembersHost(ShardState, Protocol):
     refused_at: int | None
     round_opened: float | None
     round_reported: bool
+    lost_round: str
 
     @property
     def policy(self) -> Policy: ...
@@ -115,6 +117,7 @@ class DataHost(ShardState, Protocol):
     limits: Limits
     refused_at: int | None
     refusals: dict[int, UpdateRefusedError]
+    lost_round: str
     waits: Waits
 
     @property

@@ -19,7 +19,8 @@ from ps_common.errors import InvalidRequestError, NotJoinedError, PreconditionEr
 from ps_common.modes import ModeSettings
 from ps_proto.v1 import ps_pb2
 from ps_server.membership.epochs import MAX_WORKERS, Epochs
-from ps_server.membership.ranks import Membership, WorkerState
+from ps_server.membership.ranks import Member, Membership, WorkerState
+from ps_server.shard import atomic_rounds
 from ps_server.shard.hosts import MembersHost
 from ps_server.shard.views import JoinInfo
 
@@ -114,6 +115,8 @@ class ShardMembers:
                 )
             # counted from the next round on every shard: no shard can have closed it yet
             how = "restarted" if member.counted else "counted again"
+            if member.counted:  # the old process's pushes that reached this shard count, no later one
+                self.stop_counting(member)
             member.counted, member.since = True, self.next_version()
             self.decide(f"rank {rank} {how} (incarnation {incarnation}) from version {member.since}")
             shard.advance()  # the open round may no longer wait for it
@@ -126,6 +129,7 @@ class ShardMembers:
         if restarted:  # a new process: its clocks start over
             member.high_water = -1
             shard.refusals.pop(rank, None)
+            atomic_rounds.check_replaced(shard, member)
         if restarted or member.state is not WorkerState.LIVE:
             log.info("shard %d: rank %d joined (incarnation %d)", shard.shard_index, rank, incarnation)
         member.clock = shard.policy.join_clock(shard, member, restarted)
@@ -211,7 +215,7 @@ class ShardMembers:
             member.state = WorkerState.LEFT
             log.info("shard %d: rank %d left", shard.shard_index, rank)
             if self.epochs.authority:
-                member.counted = False
+                self.stop_counting(member)
                 self.decide(f"rank {rank} left")
             shard.advance()
         return shard.version
@@ -229,11 +233,17 @@ class ShardMembers:
         member = self.membership.get(rank)
         previous = member.state
         if previous in (WorkerState.LIVE, WorkerState.PENDING) or member.counted:
-            member.state, member.counted = WorkerState.EVICTED, False
+            member.state = WorkerState.EVICTED
+            self.stop_counting(member)
             log.warning("shard %d: rank %d evicted by an operator", shard.shard_index, rank)
             self.decide(f"rank {rank} evicted by an operator")
             shard.advance()
         return previous, shard.version
+
+    def stop_counting(self, member: Member) -> None:
+        """Shard 0: the cluster stops counting ``member`` (evicted, left); see
+        :func:`~ps_server.shard.atomic_rounds.stop_counting`. Caller holds the lock."""
+        atomic_rounds.stop_counting(member, self._host.rounds, self._host.policy.holds_pushes)
 
     def decide(self, reason: str) -> None:
         """Shard 0: stamp the membership as it is now with the next epoch. Caller holds the lock."""
@@ -259,6 +269,7 @@ class ShardMembers:
         self.epochs.adopt(record, self.membership)
         self.sync_count()
         log.info("shard %d: follows membership epoch %d (%s)", shard.shard_index, record.epoch, record.reason)
+        atomic_rounds.follow(self._host, self.membership, self.epochs.record.reason)
         shard.apply_due()
         shard.advance()
         return True
@@ -346,7 +357,7 @@ class ShardMembers:
         # only shard 0 evicts: other shards keep leases for their status, and follow its decisions
         for rank, silent in self.membership.expire() if self.epochs.authority else ():
             evicted.append(rank)
-            self.membership.members[rank].counted = False
+            self.stop_counting(self.membership.members[rank])
             log.warning("shard %d: rank %d evicted after %.1f s without a heartbeat", shard.shard_index, rank, silent)
             self.decide(f"rank {rank} evicted after {silent:.1f} s without a heartbeat")
         timeout = shard.settings.round_timeout
@@ -359,7 +370,7 @@ class ShardMembers:
                     shard.shard_index,
                     shard.rounds.round,
                     now - shard.round_opened,
-                    shard.rounds.waiting_for(self.membership.expected(shard.rounds.round)),
+                    shard.rounds.waiting_for(self.membership.counted_in(shard.rounds.round)),
                 )
         if evicted:
             shard.advance()

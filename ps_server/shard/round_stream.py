@@ -133,7 +133,7 @@ def join(shard: Shard, stamp: PushStamp, hyper: Hyperparameters, skip: bool, set
     member = shard.membership.members[stamp.rank] if stamp.rank < len(shard.membership.members) else None
     if member is None or member.incarnation != stamp.incarnation or (stamp.incarnation, stamp.clock) in member.history:
         return None
-    expected = frozenset(shard.membership.expected(rounds.round))
+    expected = frozenset(shard.membership.counted_in(rounds.round))
     if stamp.rank not in expected or (setting == "auto" and len(expected) < 2):
         return None
     stream = shard.stream
@@ -174,7 +174,7 @@ def step_ready(shard: Shard, stream: RoundStream) -> None:
     with and each has said its hyperparameters. Holds the lock; wakes the waiting calls."""
     if not stream.live or shard.stream is not stream:
         return
-    if frozenset(shard.membership.expected(stream.round)) != stream.ranks:
+    if frozenset(shard.membership.counted_in(stream.round)) != stream.ranks:
         end(shard, "the round's ranks changed")
         return
     if stream.hyper.keys() != stream.ranks:

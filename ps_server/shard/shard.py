@@ -134,6 +134,7 @@ class Shard:
         self.refusals: dict[int, UpdateRefusedError] = {}
         self.skipped_rounds: dict[int, None] = {}  # the last sync rounds whose step was skipped (ordered)
         self.refused_at: int | None = None  # the round last refused as a whole (reopened)
+        self.lost_round = ""  # sync: why it takes no push any more (ps_server.shard.atomic_rounds.lose)
         # streamed sync rounds (ps_server.shard.round_stream)
         self.stream_rounds = "auto"  # --stream-rounds
         self.stream: RoundStream | None = None  # the sync round being streamed

@@ -876,12 +876,12 @@ class FaultInjector:
         self.faults.append(Fault("partition", f"rank {r}", at, seconds))
 
 
-def evicted(status: list[dict[str, Any]] | None, rank: int) -> bool:
-    """Every shard reports rank ``rank`` evicted."""
+def evicted(status: list[dict[str, Any]] | None, rank: int, shards: list[int] | None = None) -> bool:
+    """Every shard (or each of ``shards``) reports rank ``rank`` evicted."""
     if not status:
         return False
     try:
-        return all(s["workers"][rank]["state"] == "WORKER_STATE_EVICTED" for s in status)
+        return all(status[k]["workers"][rank]["state"] == "WORKER_STATE_EVICTED" for k in shards or range(len(status)))
     except (KeyError, IndexError):
         return False
 

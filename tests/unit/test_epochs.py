@@ -231,8 +231,36 @@ def test_a_process_restarted_mid_round_starts_at_the_same_round_on_every_shard()
     assert [s.version for s in shards] == [1, 2]  # shard 0 waits for rank 1's round 1
     first = shards[0].join(1, 2, 2)  # the new process: shard 0 decides it counts from round 2
     assert first.clock == 2 and shards[0].version == 2  # round 1 went on without it
+    assert shards[0].members[1].until == 1  # its old process's pushes count in rounds < 1 only
     relay(shards)
-    assert shards[1].join(1, 2, 2).clock == 2  # the same round on shard 1
+    # shard 1 closed round 1 with rank 1's push, which shard 0 never took: it says so and takes no push
+    assert "cannot close round 1" in shards[1].lost_round
+    with pytest.raises(PreconditionError, match="cannot close round 1 with the ranks shard 0 closed it with"):
+        shards[1].push(PushStamp(0, 1, 2), 2, PLAN.digest, wire(1, 1.0))
+
+
+def test_a_process_restarted_mid_push_counts_where_shard_0_took_it_on_every_shard() -> None:
+    shards = cluster(num_workers=2)
+    push_round(shards, [0, 1], 0)
+    push_round(shards[:1], [1], 1)  # rank 1's old process pushed round 1 to shard 0 only, then died
+    first = shards[0].join(1, 2, 2)  # the new process: shard 0 counts the old one's push of round 1
+    assert first.clock == 2 and shards[0].members[1].until == 2
+    relay(shards)
+    push_round(shards, [0], 1)  # shard 0 closes round 1 with ranks 0 and 1; shard 1 still waits for 1
+    assert [s.version for s in shards] == [2, 1]
+    assert shards[1].join(1, 2, 2).clock == 2  # the new process cannot push round 1 to shard 1 ...
+    assert "cannot close round 1" in shards[1].lost_round  # ... which says so rather than close it without
+    assert shards[0].lost_round == ""
+
+
+def test_a_process_restarted_between_rounds_goes_on_at_the_same_round_on_every_shard() -> None:
+    shards = cluster(num_workers=2)
+    push_round(shards, [0, 1], 0)
+    push_round(shards, [0], 1)  # rank 1's old process died before pushing round 1 anywhere
+    first = shards[0].join(1, 2, 2)  # the new process: shard 0 decides it counts from round 2
+    assert first.clock == 2 and shards[0].version == 2  # round 1 went on without it
+    relay(shards)
+    assert shards[1].version == 2 and shards[1].join(1, 2, 2).clock == 2  # the same round on shard 1
     push_round(shards, [0], 2)
     for s in shards:
         s.push(PushStamp(1, 2, 2), 2, PLAN.digest, wire(s.shard_index, 1.0))
@@ -322,3 +350,73 @@ def test_a_shrink_superseded_by_a_grow_keeps_the_rank_it_had() -> None:
     push_round(shards, [0, 1, 2], 2)
     assert [s.version for s in shards] == [3, 3]
     assert [s.members[2].state for s in shards] == [WorkerState.LIVE] * 2
+
+
+def lapse(shards: list[Shard], clock: FakeClock, silent: int) -> list[int]:
+    """Let rank ``silent``'s lease lapse while the others heartbeat; returns shard 0's evictions."""
+    evicted: list[int] = []
+    for _ in range(6):
+        clock.t += 1.0
+        for r in range(len(shards[0].members)):
+            if r != silent:
+                shards[0].heartbeat(r, 1)
+        evicted += shards[0].expire_leases()
+    return evicted
+
+
+def first_value(shard: Shard) -> float:
+    assert shard.store is not None
+    return float(shard.store.tensors[0][0])
+
+
+def test_a_rank_evicted_after_its_push_reached_shard_0_only_counts_in_that_round_on_every_shard() -> None:
+    """docs/faults.md#rounds-atomic-across-shards: a paused rank's push held by shard 0 counts in its round
+    on every shard; the other shards wait for it there (the rank resumes and delivers it) and drop
+    none of it."""
+    clock = FakeClock()
+    shards = cluster(clock=clock)
+    push_round(shards, [0, 1, 2], 0)
+    shards[0].push(PushStamp(2, 1, 1), 1, PLAN.digest, wire(0, 4.0))  # reached shard 0, then SIGSTOP
+    push_round(shards, [0, 1], 1)
+    assert lapse(shards, clock, silent=2) == [2]
+    assert shards[0].version == 2 and shards[0].members[2].until == 2  # shard 0 closed round 1 with rank 2
+    relay(shards)
+    assert shards[1].version == 1 and shards[1].status().round_waiting_for == (2,)  # the same ranks here
+    shards[1].push(PushStamp(2, 1, 1), 1, PLAN.digest, wire(1, 4.0))  # resumed: its push lands, evicted
+    assert [s.version for s in shards] == [2, 2]
+    assert first_value(shards[0]) == first_value(shards[1]) == 1.0 - 0.5 - 0.5 * (1 + 1 + 4) / 3
+    for s in shards:  # its next round is no longer counted: it rejoins (shard 0 first)
+        with pytest.raises(NotJoinedError):
+            s.push(PushStamp(2, 1, 2), 2, PLAN.digest, wire(s.shard_index, 1.0))
+
+
+def test_a_rank_evicted_before_its_push_reached_shard_0_counts_in_that_round_on_no_shard() -> None:
+    clock = FakeClock()
+    shards = cluster(clock=clock)
+    push_round(shards, [0, 1, 2], 0)
+    shards[1].push(PushStamp(2, 1, 1), 1, PLAN.digest, wire(1, 4.0))  # reached shard 1 only, then SIGSTOP
+    push_round(shards[:1], [0, 1], 1)
+    assert lapse(shards, clock, silent=2) == [2]
+    assert shards[0].version == 2 and shards[0].members[2].until == 1  # round 1 closed without rank 2
+    relay(shards)  # shard 1 drops its push of round 1 ...
+    with pytest.raises(NotJoinedError, match="push of round 1 is not counted"):  # its waiting read is told
+        shards[1].pull(2, 1, 2, PLAN.digest, timeout=1.0)
+    push_round(shards[1:], [0, 1], 1)
+    assert [s.version for s in shards] == [2, 2]
+    assert first_value(shards[0]) == first_value(shards[1]) == 1.0 - 0.5 - 0.5  # ... and closes it without
+    assert shards[0].lost_round == shards[1].lost_round == ""
+
+
+def test_a_round_a_follower_closed_with_a_push_shard_0_never_took_is_named_not_applied_on() -> None:
+    clock = FakeClock()
+    shards = cluster(clock=clock)
+    push_round(shards, [0, 1, 2], 0)
+    push_round(shards[1:], [0, 1, 2], 1)  # rank 2 pushed round 1 to shard 1, then stopped before shard 0
+    push_round(shards[:1], [0, 1], 1)
+    assert lapse(shards, clock, silent=2) == [2]
+    relay(shards)  # shard 1 closed round 1 with rank 2, shard 0 without: it says so, never silently
+    assert "cannot close round 1" in shards[1].lost_round
+    with pytest.raises(PreconditionError, match="restart the job from its newest checkpoints"):
+        shards[1].push(PushStamp(0, 1, 2), 2, PLAN.digest, wire(1, 1.0))
+    with pytest.raises(PreconditionError, match="cannot close round 1"):
+        shards[1].pull(0, 1, 3, PLAN.digest, timeout=1.0)
