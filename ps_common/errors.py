@@ -413,7 +413,6 @@ class TooManyWaitsError(PSError):
     status = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
-BY_REASON: dict[str, type[PSError]] = {
-    c.reason: c for c in list(globals().values()) if isinstance(c, type) and "reason" in vars(c)
-}
+_CLASSES = [c for c in list(globals().values()) if isinstance(c, type) and issubclass(c, PSError)]
+BY_REASON: dict[str, type[PSError]] = {c.reason: c for c in _CLASSES if "reason" in vars(c)}
 """Reason -> the class that stands for it (each class that names a reason of its own)."""
