@@ -1,16 +1,52 @@
-"""Domain errors of grpc-ps, their reasons and their gRPC status codes: one table for both sides.
+"""The errors of grpc-ps, their reasons and their gRPC status codes: one hierarchy for both sides.
 
-Each class has a ``reason`` (a :class:`Reason`) that travels in the trailing metadata
-:data:`REASON_KEY` of the refused call, so clients can tell apart refusals that share a status code
-(an evicted rank rejoins, a restarted shard is re-synchronized) without parsing messages, and a
-``code``: the name of its ``grpc.StatusCode`` (a subclass inherits its parent's). The servicer
-aborts with ``code`` and ``reason``; the worker's exceptions (``ps_worker.errors``) map back.
+A shard raises one of these with a message that says what to do; its servicer aborts the call with
+the class's ``status`` and its ``reason`` in the trailing metadata :data:`REASON_KEY`, so clients tell
+apart refusals that share a status code (an evicted rank rejoins, a restarted shard is re-synchronized)
+without parsing messages. The worker raises the same class again, carrying the shard's ``address``
+(:func:`ps_worker.errors.error_from_rpc`, picked by the reason). Each is a ``grpc.RpcError``
+(``.code()``, ``.details()``, ``.trailing_metadata()``), so code that branches on ``.code()`` keeps
+working; a subclass inherits its parent's ``status``. ``ps_worker.errors`` adds
+:class:`~ps_worker.errors.ShardUnreachableError` and keeps the names the worker gave these classes
+(in brackets) as aliases::
+
+    PSError [ShardError]                       INTERNAL            ERROR: .address, .reason
+    ├── RoundTimeoutError                      DEADLINE_EXCEEDED   (none: the client's deadline on a wait); .ranks
+    │   └── WaitTimeoutError [WaitTimeout]                         WAIT_TIMEOUT: the shard's wait ran out
+    │       └── AwaitingRanksError [AwaitingRanks]                 AWAITING_RANKS: the awaited ranks are alive
+    ├── InvalidRequestError [InvalidRequest]   INVALID_ARGUMENT    INVALID
+    │   └── UnknownKeyError [UnknownKey]                           UNKNOWN_KEY
+    ├── PreconditionError [PreconditionFailed] FAILED_PRECONDITION PRECONDITION
+    │   ├── NotInitializedError [NotInitialized]                   NOT_INITIALIZED (the client re-inits/waits)
+    │   ├── PlanMismatchError [PlanMismatch]                       PLAN_MISMATCH
+    │   ├── NotJoinedError [NotJoined]                             NOT_JOINED (the client rejoins)
+    │   ├── SupersededError [Superseded]                           SUPERSEDED
+    │   ├── FutureRoundError [FutureRound]                         FUTURE_ROUND (the client adopts its round)
+    │   ├── PushLostError [PushLost]                               PUSH_LOST (the client pushes again)
+    │   └── RanksMissingError [JoinTimeout]                        JOIN_TIMEOUT
+    ├── StalePushError [StalePush]             ABORTED             STALE
+    │   └── ReplayedPushError [Replayed]                           REPLAYED
+    ├── UpdateRefusedError [UpdateRefused]     ABORTED             UPDATE_FAILED
+    │   ├── NonFiniteUpdateError [NonFiniteUpdate]                 NON_FINITE_UPDATE
+    │   └── HyperparametersDisagreeError [HyperparametersDisagree]  FAILED_PRECONDITION HYPERPARAMETERS_DISAGREE
+    ├── ShuttingDownError [ShuttingDown]       UNAVAILABLE         SHUTTING_DOWN
+    ├── CheckpointError [CheckpointFailed]     INTERNAL            CHECKPOINT
+    ├── TooManyStreamsError [TooManyStreams]   RESOURCE_EXHAUSTED  TOO_MANY_STREAMS
+    ├── TooManyWaitsError [TooManyWaits]       RESOURCE_EXHAUSTED  TOO_MANY_WAITS (retried)
+    ├── VersionAheadError [VersionAhead]       OUT_OF_RANGE        VERSION_AHEAD
+    ├── TableFullError [TableFull]             RESOURCE_EXHAUSTED  TABLE_FULL
+    ├── RequestTooLargeError [RequestTooLarge] RESOURCE_EXHAUSTED  TOO_LARGE
+    ├── WrongRankError [WrongRank]             PERMISSION_DENIED   WRONG_RANK
+    └── DataPathError                          UNAVAILABLE         (ERROR) the worker calls again over gRPC
 """
 
 from __future__ import annotations
 
 import enum
 import re
+from collections.abc import Sequence
+
+import grpc
 
 REASON_KEY = "ps-reason"
 """Trailing metadata key of a refused call's :class:`Reason`."""
@@ -47,11 +83,116 @@ class Reason(enum.StrEnum):
     WRONG_RANK = "WRONG_RANK"
 
 
-class PSError(Exception):
-    """Base class. The message is shown to the caller and says what to do."""
+def reason_of(exc: BaseException) -> str:
+    """The ``ps-reason`` a shard attached to a refusal: a :class:`Reason` when it is one grpc-ps
+    knows, the raw string otherwise, "" when none (or ``exc`` has no trailing metadata)."""
+    try:
+        metadata = exc.trailing_metadata() or ()  # type: ignore[attr-defined]
+    except (AttributeError, ValueError):
+        return ""
+    value = next((str(v) for key, v in metadata if key == REASON_KEY), "")
+    try:
+        return Reason(value) if value else ""
+    except ValueError:
+        return value
 
-    reason: Reason = Reason.ERROR
-    code = "INTERNAL"
+
+class StatusError(grpc.RpcError):
+    """A gRPC status as an exception: ``code()``, ``details()`` and ``trailing_metadata()``, as
+    grpcio's own call errors answer them (what the retry and recovery logic reads)."""
+
+    def __init__(
+        self,
+        code: grpc.StatusCode,
+        details: str,
+        metadata: Sequence[tuple[str, str]] = (),
+        message: str | None = None,
+    ) -> None:
+        self._code = code
+        self._details = details
+        self._metadata = tuple(metadata)
+        super().__init__(f"{code.name}: {details}" if message is None else message)
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+        return self._metadata
+
+
+class PSError(StatusError):
+    """Base class. The message is shown to the caller and says what to do.
+
+    Raised by the shard, ``code()`` is the class's ``status`` and ``details()`` the message. Raised
+    by the worker for a shard's answer (:meth:`answered`), it carries that answer: ``code()``,
+    ``details()``, ``trailing_metadata()``, and ``str()`` reads ``HOST:PORT: CODE: details``.
+
+    Attributes:
+        address: ``host:port`` of the shard that refused the call ("" where it was raised).
+        reason: the class's :class:`Reason`; for a shard's answer the ``ps-reason`` it gave ("" when none).
+    """
+
+    reason: str = Reason.ERROR
+    status = grpc.StatusCode.INTERNAL
+
+    def __init__(
+        self,
+        message: str = "",
+        *,
+        address: str = "",
+        code: grpc.StatusCode | None = None,
+        details: str | None = None,
+        metadata: Sequence[tuple[str, str]] | None = None,
+    ) -> None:
+        super().__init__(code or self.status, message if details is None else details, metadata or (), message)
+        self.address = address
+        if metadata is not None:  # a shard's answer: the reason it gave
+            self.reason = reason_of(self)
+
+    @classmethod
+    def answered(
+        cls, address: str, code: grpc.StatusCode, details: str, metadata: Sequence[tuple[str, str]] = ()
+    ) -> PSError:
+        """The error the shard at ``address`` answered a call with (its code, details, trailing metadata)."""
+        return cls(cls.text(address, code, details), address=address, code=code, details=details, metadata=metadata)
+
+    @classmethod
+    def text(cls, address: str, code: grpc.StatusCode, details: str) -> str:
+        """``str()`` of :meth:`answered`'s error."""
+        return f"{address}: {code.name}: {details}"
+
+
+_RANKS = re.compile(r"(?:waits for ranks|: ranks) \[([0-9, ]*)\]")
+
+
+def _ranks(details: str) -> list[int] | None:
+    found = _RANKS.search(details or "")
+    return [int(r) for r in found.group(1).replace(" ", "").split(",") if r] if found else None
+
+
+class RoundTimeoutError(PSError, TimeoutError):
+    """A wait ran past the call's deadline (DEADLINE_EXCEEDED): a sync round (or an SSP read) waits
+    for ranks that did not push. ``ranks`` lists them when the shard said which (else None); check
+    those workers, or ``ps-admin evict RANK`` one that is gone. Without the shard's reason, it is the
+    worker's own deadline on a call that may wait (the shard answers before it when a round waits)."""
+
+    status = grpc.StatusCode.DEADLINE_EXCEEDED
+
+    @property
+    def ranks(self) -> list[int] | None:
+        return _ranks(self.details())
+
+    @classmethod
+    def text(cls, address: str, code: grpc.StatusCode, details: str) -> str:
+        if _ranks(details) is not None:
+            return f"Shard {address}: {details}"
+        return (
+            f"Shard {address} did not answer in time ({details or code.name}); a sync round or SSP read may "
+            "wait for a worker that is gone (ps-admin status shows which), or raise the timeout."
+        )
 
 
 class InvalidRequestError(PSError):
@@ -59,7 +200,7 @@ class InvalidRequestError(PSError):
     (INVALID_ARGUMENT)."""
 
     reason: Reason = Reason.INVALID
-    code = "INVALID_ARGUMENT"
+    status = grpc.StatusCode.INVALID_ARGUMENT
 
 
 class UnknownKeyError(InvalidRequestError):
@@ -72,7 +213,7 @@ class PreconditionError(PSError):
     """The shard is not in a state to serve the request (FAILED_PRECONDITION)."""
 
     reason: Reason = Reason.PRECONDITION
-    code = "FAILED_PRECONDITION"
+    status = grpc.StatusCode.FAILED_PRECONDITION
 
 
 class NotInitializedError(PreconditionError):
@@ -124,7 +265,7 @@ class StalePushError(PSError):
     """A push is too old to apply: pull the current parameters and retry (ABORTED)."""
 
     reason: Reason = Reason.STALE
-    code = "ABORTED"
+    status = grpc.StatusCode.ABORTED
 
 
 class ReplayedPushError(StalePushError):
@@ -141,7 +282,7 @@ class UpdateRefusedError(PSError):
     it is told. Pull and push the next gradient."""
 
     reason: Reason = Reason.UPDATE_FAILED
-    code = "ABORTED"
+    status = grpc.StatusCode.ABORTED
 
 
 class NonFiniteUpdateError(UpdateRefusedError):
@@ -158,21 +299,20 @@ class HyperparametersDisagreeError(UpdateRefusedError):
     same lr scheduler the same number of times."""
 
     reason: Reason = Reason.HYPERPARAMETERS_DISAGREE
-    code = "FAILED_PRECONDITION"
+    status = grpc.StatusCode.FAILED_PRECONDITION
 
 
 class ShuttingDownError(PSError):
     """The shard is stopping (UNAVAILABLE)."""
 
     reason: Reason = Reason.SHUTTING_DOWN
-    code = "UNAVAILABLE"
+    status = grpc.StatusCode.UNAVAILABLE
 
 
-class WaitTimeoutError(PSError):
-    """A wait for a version ran past its deadline (DEADLINE_EXCEEDED)."""
+class WaitTimeoutError(RoundTimeoutError):
+    """A wait for a version ran past its deadline, and the shard said so, naming the ranks it waits for."""
 
     reason: Reason = Reason.WAIT_TIMEOUT
-    code = "DEADLINE_EXCEEDED"
 
 
 class AwaitingRanksError(WaitTimeoutError):
@@ -213,7 +353,7 @@ class VersionAheadError(PSError):
     the worker, which then pulls what it holds."""
 
     reason: Reason = Reason.VERSION_AHEAD
-    code = "OUT_OF_RANGE"
+    status = grpc.StatusCode.OUT_OF_RANGE
 
 
 class CheckpointError(PSError):
@@ -221,7 +361,7 @@ class CheckpointError(PSError):
     exist but none of them loads (INTERNAL). The message names the file or directory."""
 
     reason: Reason = Reason.CHECKPOINT
-    code = "INTERNAL"
+    status = grpc.StatusCode.INTERNAL
 
 
 class TableFullError(PSError):
@@ -229,7 +369,7 @@ class TableFullError(PSError):
     whole, nothing changed (RESOURCE_EXHAUSTED). Raise the cap, add shards, or shrink the id space."""
 
     reason: Reason = Reason.TABLE_FULL
-    code = "RESOURCE_EXHAUSTED"
+    status = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
 class RequestTooLargeError(PSError):
@@ -237,7 +377,7 @@ class RequestTooLargeError(PSError):
     before any work (RESOURCE_EXHAUSTED): split it into smaller requests."""
 
     reason: Reason = Reason.TOO_LARGE
-    code = "RESOURCE_EXHAUSTED"
+    status = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
 class WrongRankError(PSError):
@@ -246,7 +386,7 @@ class WrongRankError(PSError):
     a worker pushes only as the rank it joined as."""
 
     reason: Reason = Reason.WRONG_RANK
-    code = "PERMISSION_DENIED"
+    status = grpc.StatusCode.PERMISSION_DENIED
 
 
 class DataPathError(PSError):
@@ -254,4 +394,25 @@ class DataPathError(PSError):
     connection broke or carried a frame outside the plan): UNAVAILABLE, so the worker calls again
     with the partitions on the gRPC stream. Nothing of the push was applied."""
 
-    code = "UNAVAILABLE"
+    status = grpc.StatusCode.UNAVAILABLE
+
+
+class TooManyStreamsError(PSError):
+    """The shard's cap on open streams of this kind is reached (RESOURCE_EXHAUSTED): not worth
+    retrying until another stream closes (the message names the flag that sets the cap)."""
+
+    reason: Reason = Reason.TOO_MANY_STREAMS
+    status = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class TooManyWaitsError(PSError):
+    """The shard holds ``--max-waiting-calls`` calls that wait (pushes, pulls, table reads) and
+    refused one more at once (RESOURCE_EXHAUSTED): transient, so the worker retries it with backoff."""
+
+    reason: Reason = Reason.TOO_MANY_WAITS
+    status = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+_CLASSES = [c for c in list(globals().values()) if isinstance(c, type) and issubclass(c, PSError)]
+BY_REASON: dict[str, type[PSError]] = {c.reason: c for c in _CLASSES if "reason" in vars(c)}
+"""Reason -> the class that stands for it (each class that names a reason of its own)."""

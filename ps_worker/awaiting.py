@@ -15,7 +15,7 @@ shard named the ranks, ``rank 1: waiting for shard HOST:PORT (30 s); it names ..
 A rank that goes silent is evicted when its lease lapses; the round then closes without it and the
 wait ends as any round does. A rank alive but stuck (its heartbeat thread runs, its main thread is
 deadlocked) is bounded by ``wait_timeout`` (``PS_WAIT_TIMEOUT``, default :data:`DEFAULT_WAIT_TIMEOUT`
-seconds, as gloo's default timeout): after it, :class:`~ps_worker.errors.AwaitingRanks` names the
+seconds, as gloo's default timeout): after it, :class:`~ps_common.errors.AwaitingRanksError` names the
 ranks. It is checked when the shard answers, so the wait ends within one per-RPC deadline after it.
 """
 
@@ -31,8 +31,8 @@ from typing import TypeVar
 
 import grpc
 
-from ps_common.errors import Reason, parse_awaiting
-from ps_worker.errors import AwaitingRanks, error_from_rpc, reason_of
+from ps_common.errors import AwaitingRanksError, Reason, parse_awaiting, reason_of
+from ps_worker.errors import error_from_rpc
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -153,17 +153,15 @@ class PeerWaits:
         what, ranks, state = wait.named = parse_awaiting(err.details()) or ("other ranks", [], "are alive")
         bound = self.wait_timeout
         if bound is not None and elapsed >= bound:
-            raise AwaitingRanks(
-                address,
-                err.code(),
-                err.details(),
-                err.trailing_metadata(),
-                message=(
-                    f"rank {self.rank}: gave up waiting for {what} after {elapsed:.0f} s (wait_timeout "
-                    f"{bound:g} s, PS_WAIT_TIMEOUT): ranks {ranks} {state} (shard {address}). A rank alive but "
-                    "not stepping may be stuck (its heartbeat runs, its training loop does not): check it, or "
-                    "raise wait_timeout (0: wait while it is alive)."
-                ),
+            raise AwaitingRanksError(
+                f"rank {self.rank}: gave up waiting for {what} after {elapsed:.0f} s (wait_timeout "
+                f"{bound:g} s, PS_WAIT_TIMEOUT): ranks {ranks} {state} (shard {address}). A rank alive but "
+                "not stepping may be stuck (its heartbeat runs, its training loop does not): check it, or "
+                "raise wait_timeout (0: wait while it is alive).",
+                address=address,
+                code=err.code(),
+                details=err.details(),
+                metadata=err.trailing_metadata(),
             ) from exc
         with self._lock:
             self.reissued += 1

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ps_common.channels import parse_servers
+from ps_common.errors import reason_of
 from ps_common.frames import MESSAGE_OVERHEAD_BYTES
 from ps_common.modes import ModeSettings
 from ps_common.optimizer import OptimizerSpec
@@ -27,7 +28,6 @@ from ps_worker import env, export, optim_wrap
 from ps_worker.awaiting import DEFAULT_WAIT_TIMEOUT, PeerWaits
 from ps_worker.compression import TopK
 from ps_worker.consistency import WorkerMode
-from ps_worker.errors import reason_of
 from ps_worker.planning import model_plan, model_specs
 from ps_worker.redo import DEFAULT_REDO_BYTES
 from ps_worker.session import Session
@@ -60,7 +60,7 @@ class PSClient:
         token: bearer token for ParameterService (``PS_TOKEN``), or None.
         timeout: per-RPC deadline in seconds: it bounds a call, not a slow peer (:mod:`ps_worker.awaiting`).
         wait_timeout: seconds a wait for other ranks alive may last (default 1800; None or 0: no
-            bound); then :class:`~ps_worker.errors.AwaitingRanks`. A silent rank is evicted anyway.
+            bound); then :class:`~ps_common.errors.AwaitingRanksError`. A silent rank is evicted anyway.
         retry_deadline: seconds to keep retrying UNAVAILABLE (backoff with jitter).
         partition_bytes: largest partition payload in bytes (all workers must agree).
         tls_ca: PEM file of the CA of the shards' certificates: use TLS (``docs/architecture.md#8-security``).

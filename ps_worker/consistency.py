@@ -33,12 +33,12 @@ import grpc
 import torch
 
 from ps_common import modes
+from ps_common.errors import StalePushError
 from ps_common.modes import ModeSettings
 from ps_common.optimizer import OptimizerSpec
 from ps_common.outer_rounds import inner_step
 from ps_common.wire import MODE_TO_NAME
 from ps_proto.v1 import ps_pb2
-from ps_worker.errors import StalePush
 
 
 class Progress(Protocol):
@@ -234,7 +234,7 @@ class Synchronous(WorkerMode):
         """A push stamped for one round is never sent again for another.
 
         Raises:
-            StalePush: the rank was counted again from a later round than the shard's (a rejoin
+            StalePushError: the rank was counted again from a later round than the shard's (a rejoin
                 after an eviction: ``versions[k]`` becomes that round, the pull waits for it), or
                 the shard takes this rank's push in another round than ``round`` now (it restarted
                 from an older checkpoint): the step's gradient is dropped.
@@ -243,7 +243,7 @@ class Synchronous(WorkerMode):
             # counted again from a later round, on every shard (shard 0 decided): this step's
             # gradient is for a round that goes on without this rank; wait for that round's result
             session.versions[k] = int(reply.clock)
-            raise StalePush(
+            raise StalePushError.answered(
                 address,
                 grpc.StatusCode.ABORTED,
                 f"rank {session.rank} rejoined and counts from round {reply.clock}: this step's gradient is dropped",
@@ -251,7 +251,7 @@ class Synchronous(WorkerMode):
         if round is not None and int(reply.clock) != round:
             # the gradient was computed for ``round``; pushed again, it would be stamped for another
             # round on this shard than on the others (the shards would close rounds differently)
-            raise StalePush(
+            raise StalePushError.answered(
                 address,
                 grpc.StatusCode.ABORTED,
                 f"rank {session.rank}'s push for round {round} cannot be taken by shard {address} any more: "

@@ -26,9 +26,10 @@ import grpc
 import torch
 
 from ps_common.codec import dtype_from_proto, dtype_name, dtype_to_proto, torch_dtype
+from ps_common.errors import PSError
 from ps_common.frames import PARTITION_OVERHEAD_BYTES
 from ps_proto.v1 import ps_pb2
-from ps_worker.errors import ShardError, error_from_rpc
+from ps_worker.errors import error_from_rpc
 from ps_worker.transport.retry import retry_call
 
 if TYPE_CHECKING:
@@ -255,12 +256,12 @@ def push(client: PSClient, values: list[list[ps_pb2.OptimizerStateValue]]) -> No
     """
     stages = client.transport.each_shard(lambda k: _stage(client, k, values[k]))
     done: list[int] = []
-    failed: list[tuple[int, ShardError]] = []
+    failed: list[tuple[int, PSError]] = []
     for k, stage in enumerate(stages):
         try:
             _commit(client, k, stage)
             done.append(k)
-        except ShardError as exc:
+        except PSError as exc:
             failed.append((k, exc))
     if failed:
         k, exc = failed[0]

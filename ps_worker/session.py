@@ -18,14 +18,14 @@ from typing import TypeVar
 
 import grpc
 
+from ps_common.errors import NotInitializedError, NotJoinedError, PSError, PushLostError
 from ps_common.modes import ModeSettings
 from ps_common.optimizer import OptimizerSpec
 from ps_common.wire import MODE_TO_NAME, optimizer_from_proto
 from ps_proto.v1 import ps_pb2
-from ps_worker import errors
 from ps_worker.awaiting import PeerWaits
 from ps_worker.consistency import WorkerMode, settings_from_config, worker_mode
-from ps_worker.errors import HINT_UNREACHABLE, ShardUnreachableError, error_from_rpc
+from ps_worker.errors import HINT_UNREACHABLE, RECOVERABLE, ShardUnreachableError, error_from_rpc
 from ps_worker.heartbeat import Heartbeat
 from ps_worker.redo import DEFAULT_REDO_BYTES, RedoLog
 from ps_worker.relay import EpochRelay
@@ -289,15 +289,15 @@ class Session:
                     raise err from exc
         raise AssertionError("unreachable")  # pragma: no cover
 
-    def recover(self, k: int, err: errors.ShardError, repush: bool = True, round: int | None = None) -> bool:
+    def recover(self, k: int, err: PSError, repush: bool = True, round: int | None = None) -> bool:
         """Bring shard ``k`` and this session back in step after a refusal; True when the call
         should be made again.
 
-        - :class:`~ps_worker.errors.NotJoined` (evicted after a partition, or the shard restarted): Join again.
-        - :class:`~ps_worker.errors.NotInitialized` (the shard restarted with no checkpoint): rank 0
+        - :class:`~ps_common.errors.NotJoinedError` (evicted after a partition, or the shard restarted): Join again.
+        - :class:`~ps_common.errors.NotInitializedError` (the shard restarted with no checkpoint): rank 0
           writes its current values again (first writer wins); other ranks wait for that. Then Join.
-        - :class:`~ps_worker.errors.FutureRound` (the shard restarted from an older checkpoint): adopt its round.
-        - :class:`~ps_worker.errors.PushLost` (the shard restarted and lost an acknowledged push of an
+        - :class:`~ps_common.errors.FutureRoundError` (the shard restarted from an older checkpoint): adopt its round.
+        - :class:`~ps_common.errors.PushLostError` (the shard restarted and lost an acknowledged push of an
           open round): adopt its round and push the last gradient again.
         - sync, after any of these: a shard restarted from an older checkpoint gets the rounds it lost
           pushed again from the redo log (:attr:`redo`, :func:`ps_worker.redo.push_again`).
@@ -310,26 +310,26 @@ class Session:
             StalePush: the mode refuses the rejoin's round (sync: the step's gradient is dropped; see
                 :meth:`WorkerMode.after_rejoin <ps_worker.consistency.WorkerMode.after_rejoin>`).
         """
-        if not isinstance(err, errors.RECOVERABLE):
+        if not isinstance(err, RECOVERABLE):
             return False
         address = self.transport.servers[k]
         log.warning("rank %d: shard %s refused (%s: %s); recovering", self.rank, address, err.reason, err.details())
         self.recoveries[str(err.reason)] += 1
-        if isinstance(err, errors.NotInitialized):
+        if isinstance(err, NotInitializedError):
             if self.rank == 0 and self.reinit is not None:
                 self.reinit(k)
             else:
                 self.wait_initialized({k: self.join_shard(k)}, self.transport.retry_deadline)
         try:
             reply = self.join_shard(k)
-        except errors.NotJoined:
+        except NotJoinedError:
             if k == 0:
                 raise
             self.join_shard(0)  # shard 0 stopped counting this rank: it decides the rejoin
             reply = self.join_shard(k)
         self.versions[k] = reply.version
         self.pushed[k] = False
-        lost = isinstance(err, errors.PushLost)
+        lost = isinstance(err, PushLostError)
         if self.redo is not None and self.worker.pushes_in_rounds and self.redo(k, reply, round, lost):
             return True  # the rounds the shard lost are pushed again: it is where this call left it
         self.worker.after_rejoin(self, k, reply, round, address)

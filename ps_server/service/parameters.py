@@ -3,7 +3,7 @@
 :class:`~ps_server.service.frame_cache.FrameCache`; every accepted push is told to the push observer
 (the shard's counters by default), the numbers GetStatus and Prometheus report.
 
-Domain errors become status codes through their class's ``code`` (``ps_common.errors``, one table
+Domain errors become status codes through their class's ``status`` (``ps_common.errors``, one table
 for both sides; :mod:`ps_server.service.rpc`).
 """
 

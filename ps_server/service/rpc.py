@@ -1,5 +1,5 @@
 """What both servicers of a shard share: a domain error becomes ``context.abort`` with its status
-code (its class's ``code``, ``ps_common.errors``: one table for both sides) and its ``ps-reason``;
+code (its class's ``status``, ``ps_common.errors``: one table for both sides) and its ``ps-reason``;
 request deadlines, wire dtypes, raw requests and the ClusterConfig message."""
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def status_code(exc: errors.PSError) -> grpc.StatusCode:
-    """The status code of a domain error (its class's ``code``, ``ps_common.errors``)."""
-    return grpc.StatusCode[exc.code]
+    """The status code of a domain error (its class's ``status``, ``ps_common.errors``)."""
+    return exc.status
 
 
 def refuse(servicer: Any, name: str, exc: errors.PSError, context: grpc.ServicerContext) -> None:

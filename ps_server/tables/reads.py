@@ -81,7 +81,8 @@ class TableReads:
             try:
                 return future.result(timeout=step)
             except futures.TimeoutError:
-                pass
+                if future.done():  # the read's own error (a WaitTimeoutError is a TimeoutError too)
+                    raise
             if call is not None and not call.active():
                 future.cancel()
                 raise ShuttingDownError(f"Shard {self.shard_index}: the PullRows was cancelled before it was read.")

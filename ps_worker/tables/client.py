@@ -22,12 +22,13 @@ import grpc
 import numpy as np
 import torch
 
+from ps_common.errors import PSError
 from ps_common.frames import MESSAGE_OVERHEAD_BYTES
 from ps_common.plan import DEFAULT_PARTITION_BYTES
 from ps_common.tables import TableSpec, shard_of
 from ps_common.wire import table_spec_from_proto, table_spec_to_proto
 from ps_proto.v1 import ps_pb2
-from ps_worker.errors import ShardError, error_from_rpc
+from ps_worker.errors import error_from_rpc
 from ps_worker.tables.prefetch import Ahead
 from ps_worker.tables.seed import Seeds, send_seeds
 from ps_worker.transport.retry import retry_call
@@ -176,7 +177,7 @@ class TableClient:
         """One InitTables with seed rows; None where the shard's tables trained already (its rows stay)."""
         try:
             return self._call(k, "InitTables", request)
-        except ShardError as exc:
+        except PSError as exc:
             if exc.code() != grpc.StatusCode.FAILED_PRECONDITION:
                 raise
             log.warning("%s: %s; its table rows stay as they are", self.transport.servers[k], exc.details())

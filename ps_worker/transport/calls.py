@@ -39,8 +39,8 @@ startup = logging.getLogger("ps_worker.startup")
 
 def is_stale(exc: BaseException) -> bool:
     """A push refused with ABORTED (docs/architecture.md#4-idempotence-and-errors: pull and push the next clock):
-    :class:`~ps_worker.errors.StalePush`, :class:`~ps_worker.errors.Replayed`,
-    :class:`~ps_worker.errors.UpdateRefused` or :class:`~ps_worker.errors.NonFiniteUpdate`."""
+    :class:`~ps_common.errors.StalePushError`, :class:`~ps_common.errors.ReplayedPushError`,
+    :class:`~ps_common.errors.UpdateRefusedError` or :class:`~ps_common.errors.NonFiniteUpdateError`."""
     return isinstance(exc, grpc.RpcError) and exc.code() == grpc.StatusCode.ABORTED
 
 

@@ -26,8 +26,7 @@ import torch
 
 from ps_common import dataconn
 from ps_common.codec import dtype_name, dtype_to_proto
-from ps_common.errors import REASON_KEY
-from ps_worker.errors import StatusError
+from ps_common.errors import REASON_KEY, StatusError
 
 log = logging.getLogger(__name__)
 

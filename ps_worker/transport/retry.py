@@ -10,8 +10,7 @@ from typing import TypeVar
 
 import grpc
 
-from ps_common.errors import REASON_KEY, Reason  # noqa: F401 - REASON_KEY re-exported
-from ps_worker.errors import reason_of
+from ps_common.errors import REASON_KEY, Reason, reason_of  # noqa: F401 - REASON_KEY re-exported
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

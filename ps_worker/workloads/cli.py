@@ -146,7 +146,6 @@ def _run(parser: Any, args: Any) -> int:
     from ps_common.flags import secret
     from ps_common.metrics_endpoint import serve_metrics
     from ps_worker.client import PSClient
-    from ps_worker.errors import ShardError
     from ps_worker.metrics import WorkerMetrics
     from ps_worker.tensorboard import TrainingLog
     from ps_worker.workloads.registry import get_workload
@@ -223,7 +222,7 @@ def _run(parser: Any, args: Any) -> int:
         progress.close()
         print(f"{me}: {stop} at step {step_at[0]}; leaving the shards", file=sys.stderr, flush=True)
         raise
-    except ShardError as exc:  # names the shard, and what to do
+    except PSError as exc:  # a shard's refusal names the shard; each says what to do
         progress.close()
         print(f"{me}: {exc}", file=sys.stderr)
         return 1
@@ -231,7 +230,7 @@ def _run(parser: Any, args: Any) -> int:
         progress.close()
         print(f"{me}: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1
-    except (PSError, RuntimeError, TimeoutError, ValueError, OSError) as exc:
+    except (RuntimeError, TimeoutError, ValueError, OSError) as exc:
         progress.close()
         print(f"{me}: {exc}", file=sys.stderr)
         return 1

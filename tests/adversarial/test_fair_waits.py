@@ -15,13 +15,13 @@ import grpc
 import pytest
 import torch
 
+from ps_common.errors import reason_of
 from ps_common.tables import RowOptimizerSpec, TableSpec
 from ps_common.wire import table_spec_to_proto
 from ps_proto.v1 import ps_pb2, ps_pb2_grpc
 from ps_server.service.rank_tokens import RankTokens
 from ps_server.service.waiting_calls import rank_share
 from ps_worker import PSClient
-from ps_worker.errors import reason_of
 from tests.conftest import small_model
 
 TOKEN = "worker-secret"

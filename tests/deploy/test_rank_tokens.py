@@ -18,10 +18,10 @@ from deployment import REPO, compose_config, compose_processes, read_env_file, r
 from test_checkov import run_checkov
 from test_parity import DEADLINE_SECONDS, run_cluster
 
+from ps_common.errors import reason_of
 from ps_launch.tokens import write_deployment_files
 from ps_proto.v1 import ps_pb2, ps_pb2_grpc
 from ps_server.service.rank_tokens import load_rank_tokens, parse_rank_tokens
-from ps_worker.errors import reason_of
 
 OVERLAY = REPO / "deploy" / "k8s-overlays" / "rank-tokens"
 OVERRIDE = REPO / "deploy" / "compose" / "rank-tokens.yml"

@@ -18,7 +18,7 @@ import hashlib, json, os
 import grpc, torch
 from ps_proto.v1 import ps_pb2, ps_pb2_grpc
 from ps_worker import DistributedOptimizer, PSClient
-from ps_worker.errors import reason_of
+from ps_common.errors import reason_of
 
 def digest(value):
     return hashlib.sha256(value.encode()).hexdigest()

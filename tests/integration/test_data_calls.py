@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from ps_common import dataconn
+from ps_common.errors import reason_of
 from ps_worker import PSClient
-from ps_worker.errors import reason_of
 from ps_worker.transport.data_link import CODES, DataCallError
 from ps_worker.workloads.train import params_sha256
 from tests.conftest import RPC_TIMEOUT

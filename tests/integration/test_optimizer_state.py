@@ -15,8 +15,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from ps_common.errors import PSError
 from ps_worker import DistributedOptimizer, PSClient
-from ps_worker.errors import ShardError
 from tests.conftest import RPC_TIMEOUT, small_model
 from tests.helpers.ranks import problem
 from tests.integration.test_ddp_semantics import run_ranks
@@ -192,7 +192,7 @@ def refusals(opt: DistributedOptimizer) -> None:
     def refused(sd: dict[str, Any], error: type[BaseException], match: str) -> None:
         with pytest.raises(error, match=match) as info:
             opt.load_state_dict(sd)
-        if isinstance(info.value, ShardError):
+        if isinstance(info.value, PSError):
             assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert_state_equal(opt.state_dict()["state"], before["state"])
         assert opt.param_groups[1]["lr"] == before["param_groups"][1]["lr"]
@@ -208,14 +208,14 @@ def refusals(opt: DistributedOptimizer) -> None:
     for p in model.parameters():
         p.grad = torch.ones_like(p)
     sgd.step()
-    refused(sgd.state_dict(), ShardError, "keeps")
+    refused(sgd.state_dict(), PSError, "keeps")
     partial = copy.deepcopy(good)  # one shard accepts, one refuses: neither applies
     partial["state"][3]["bogus"] = torch.zeros(3)
     partial["state"][0]["exp_avg"].add_(1.0)
-    refused(partial, ShardError, "bogus")
+    refused(partial, PSError, "bogus")
     missing = copy.deepcopy(good)
     del missing["state"][1]["exp_avg_sq"]
-    refused(missing, ShardError, "exp_avg_sq")
+    refused(missing, PSError, "exp_avg_sq")
     opt.load_state_dict(before)  # the state itself loads again, changing nothing
     assert_state_equal(opt.state_dict()["state"], before["state"])
 

@@ -17,8 +17,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from ps_common.errors import AwaitingRanksError, RoundTimeoutError
 from ps_worker import DistributedOptimizer, PSClient
-from ps_worker.errors import AwaitingRanks, RoundTimeoutError
 from tests.conftest import small_model
 
 TIMEOUT = 1.0
@@ -149,7 +149,7 @@ def test_a_rank_alive_that_never_pushes_ends_the_wait_after_wait_timeout(start_c
             x, y = _data(1)
             F.cross_entropy(model(x), y).backward()
             start = time.monotonic()
-            with pytest.raises(AwaitingRanks) as caught:
+            with pytest.raises(AwaitingRanksError) as caught:
                 opt.step()
             waited = time.monotonic() - start
     finally:

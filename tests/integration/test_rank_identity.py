@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from ps_common import dataconn
+from ps_common.errors import reason_of
 from ps_proto.v1 import ps_pb2, ps_pb2_grpc
 from ps_server.membership.ranks import WorkerState
 from ps_worker import PSClient
-from ps_worker.errors import reason_of
 from ps_worker.transport.data_link import CODES
 from tests.conftest import RPC_TIMEOUT, small_model
 from tests.helpers.data_connections import closed_by_peer, raw_connection

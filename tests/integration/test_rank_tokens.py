@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from ps_common import dataconn
+from ps_common.errors import reason_of
 from ps_proto.v1 import ps_pb2, ps_pb2_grpc
 from ps_server.service.rank_tokens import RankTokens
 from ps_worker import PSClient
-from ps_worker.errors import reason_of
 from tests.conftest import RPC_TIMEOUT, small_model
 from tests.helpers.data_connections import closed_by_peer, raw_connection
 from tests.helpers.requests import once_request

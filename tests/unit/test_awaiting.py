@@ -9,9 +9,8 @@ import threading
 import grpc
 import pytest
 
-from ps_common.errors import awaiting_message
+from ps_common.errors import AwaitingRanksError, RoundTimeoutError, WaitTimeoutError, awaiting_message
 from ps_worker.awaiting import TICKER, PeerWaits, wait_bound
-from ps_worker.errors import AwaitingRanks, RoundTimeoutError, WaitTimeout
 from ps_worker.transport.retry import is_transient
 from tests.unit.test_worker_errors import FakeRpcError
 
@@ -111,11 +110,11 @@ def test_the_wait_gives_up_after_wait_timeout_naming_the_ranks() -> None:
     clock = Clock()
     waits = PeerWaits(1, wait_timeout=25.0, now=clock)
     fn, made = calls(clock, failures=100)
-    with pytest.raises(AwaitingRanks) as caught:
+    with pytest.raises(AwaitingRanksError) as caught:
         waits.call(fn, "h:1")
     err = caught.value
     assert len(made) == 3 and clock.t == 30.0  # ends at the first answer past the bound
-    assert isinstance(err, WaitTimeout) and isinstance(err, RoundTimeoutError) and isinstance(err, TimeoutError)
+    assert isinstance(err, WaitTimeoutError) and isinstance(err, RoundTimeoutError) and isinstance(err, TimeoutError)
     assert err.ranks == [0, 2] and err.code() == grpc.StatusCode.DEADLINE_EXCEEDED and err.address == "h:1"
     assert str(err).startswith("rank 1: gave up waiting for round 42 after 30 s (wait_timeout 25 s, PS_WAIT_TIMEOUT)")
 

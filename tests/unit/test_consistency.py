@@ -6,10 +6,10 @@ from types import SimpleNamespace
 
 import pytest
 
+from ps_common.errors import StalePushError
 from ps_common.modes import MODES, ModeSettings
 from ps_proto.v1 import ps_pb2
 from ps_worker.consistency import WORKER_MODES, settings_from_config, worker_mode
-from ps_worker.errors import StalePush
 
 
 def session(**kw):
@@ -82,9 +82,9 @@ def test_sync_steps_and_table_pulls_follow_the_round_other_modes_the_count() -> 
 def test_sync_rejoin_drops_a_gradient_stamped_for_another_round() -> None:
     sync, s = worker_mode("sync"), session(rank=1)
     sync.after_rejoin(s, 0, ps_pb2.JoinResponse(clock=9, version=9), 9, "a:1")  # the same round: repush
-    with pytest.raises(StalePush, match="round 9 cannot be taken"):
+    with pytest.raises(StalePushError, match="round 9 cannot be taken"):
         sync.after_rejoin(s, 0, ps_pb2.JoinResponse(clock=8, version=8), 9, "a:1")
-    with pytest.raises(StalePush, match="rejoined and counts from round 12"):
+    with pytest.raises(StalePushError, match="rejoined and counts from round 12"):
         sync.after_rejoin(s, 1, ps_pb2.JoinResponse(clock=12, version=10), None, "a:2")
     assert s.versions[1] == 12  # the pull waits for the round the rank counts from
     worker_mode("async").after_rejoin(s, 0, ps_pb2.JoinResponse(clock=12, version=10), 3, "a:1")  # no rounds

@@ -6,7 +6,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from ps_worker.errors import StatusError
+from ps_common.errors import StatusError
 from ps_worker.transport.retry import backoff_delays, is_transient, retry_call
 
 

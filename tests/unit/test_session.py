@@ -8,9 +8,9 @@ from typing import Any
 import grpc
 import pytest
 
+from ps_common import errors
 from ps_common.errors import Reason
 from ps_proto.v1 import ps_pb2
-from ps_worker import errors
 from ps_worker.session import Session
 
 
@@ -140,13 +140,13 @@ def test_rank_0_writes_a_shard_that_lost_its_values_again() -> None:
 
 def test_other_refusals_raise_typed_at_once_and_recoveries_are_bounded() -> None:
     s, _ = joined()
-    with pytest.raises(errors.StalePush) as stale:
+    with pytest.raises(errors.StalePushError) as stale:
         s.with_recovery(0, failing(Refusal(grpc.StatusCode.ABORTED, "STALE")), "Push h:0")
     assert stale.value.address == "h:0" and not s.recoveries
     with pytest.raises(errors.RoundTimeoutError):  # a wait without the shard's reason: the client's deadline
         s.with_recovery(0, failing(Refusal(grpc.StatusCode.DEADLINE_EXCEEDED)), "Pull h:0")
     evicted = [Refusal(grpc.StatusCode.FAILED_PRECONDITION, "NOT_JOINED") for _ in range(5)]
-    with pytest.raises(errors.NotJoined):
+    with pytest.raises(errors.NotJoinedError):
         s.with_recovery(0, failing(*evicted), "Pull h:0")
     assert s.recoveries["NOT_JOINED"] == 3
 
@@ -209,6 +209,6 @@ def test_a_rank_counted_again_from_a_later_round_drops_the_step_and_waits_for_th
         return reply
 
     t.stubs[0].Join = later  # type: ignore[method-assign]
-    with pytest.raises(errors.StalePush, match="counts from round 5"):
+    with pytest.raises(errors.StalePushError, match="counts from round 5"):
         s.with_recovery(0, failing(Refusal(grpc.StatusCode.FAILED_PRECONDITION, Reason.NOT_JOINED.value)), "Push h:0")
     assert s.versions[0] == 5 and not s.pushed[0]

@@ -1,4 +1,4 @@
-"""ps_worker.errors: typed client errors from gRPC failures (no sockets)."""
+"""ps_worker.errors: the shard's own error classes (ps_common.errors) raised again from gRPC failures (no sockets)."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import grpc
 import pytest
 
 from ps_common import errors as common
-from ps_common.errors import Reason
+from ps_common.errors import PSError, Reason, RoundTimeoutError, reason_of
 from ps_worker import errors
-from ps_worker.errors import RoundTimeoutError, ShardError, ShardUnreachableError, error_from_rpc, reason_of
+from ps_worker.errors import ShardUnreachableError, error_from_rpc
 
 
 class FakeRpcError(grpc.RpcError):
@@ -31,7 +31,7 @@ def test_wait_timeout_becomes_round_timeout_with_ranks() -> None:
         "Version 3 not reached in 2.7 s (shard 0 is at 2; round waits for ranks [1, 3]); check those workers.",
         "WAIT_TIMEOUT",
     )
-    err = ShardError.from_rpc("127.0.0.1:50051", exc)
+    err = error_from_rpc("127.0.0.1:50051", exc)
     assert isinstance(err, RoundTimeoutError) and isinstance(err, TimeoutError) and isinstance(err, grpc.RpcError)
     assert err.ranks == [1, 3] and err.reason == "WAIT_TIMEOUT"
     assert str(err).startswith("Shard 127.0.0.1:50051: Version 3")
@@ -39,16 +39,17 @@ def test_wait_timeout_becomes_round_timeout_with_ranks() -> None:
 
 def test_client_deadline_on_a_wait_is_a_round_timeout_without_ranks() -> None:
     exc = FakeRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
-    err = ShardError.from_rpc("h:1", exc, waits=True)
+    err = error_from_rpc("h:1", exc, waits=True)
     assert isinstance(err, RoundTimeoutError) and err.ranks is None
     assert "ps-admin status" in str(err)
-    assert type(ShardError.from_rpc("h:1", exc)) is ShardError  # not a wait: no guess
+    assert type(error_from_rpc("h:1", exc)) is PSError  # not a wait: no guess
 
 
 def test_other_refusals_keep_code_and_reason_and_name_the_shard() -> None:
-    err = ShardError.from_rpc("h:1", FakeRpcError(grpc.StatusCode.ABORTED, "too stale", "STALE"))
+    err = error_from_rpc("h:1", FakeRpcError(grpc.StatusCode.ABORTED, "too stale", "STALE"))
     assert err.code() == grpc.StatusCode.ABORTED and err.reason == "STALE" and str(err) == "h:1: ABORTED: too stale"
-    assert ShardError.from_rpc("h:2", err) is err
+    assert error_from_rpc("h:2", err) is err
+    assert isinstance(err, common.StalePushError) and err.address == "h:1" and err.details() == "too stale"
 
 
 def test_unreachable_names_address_and_hint() -> None:
@@ -69,38 +70,49 @@ def test_the_default_retry_deadline_covers_a_shard_restart() -> None:
     assert worker_parser({}).parse_args(argv).retry_deadline == 120.0
 
 
-def _server_classes(cls: type[common.PSError] = common.PSError) -> list[type[common.PSError]]:
-    return [cls, *(c for sub in cls.__subclasses__() for c in _server_classes(sub))]
+def _classes(cls: type[PSError] = PSError) -> list[type[PSError]]:
+    return [cls, *(c for sub in cls.__subclasses__() for c in _classes(sub))]
 
 
 @pytest.mark.parametrize("reason", list(Reason))
-def test_every_reason_maps_to_its_own_class(reason: Reason) -> None:
-    server = {c.reason: c for c in _server_classes()}.get(reason)
-    code = grpc.StatusCode[server.code] if server is not None else grpc.StatusCode.RESOURCE_EXHAUSTED
-    err = error_from_rpc("h:1", FakeRpcError(code, "refused", reason.value))
-    assert isinstance(err, ShardError) and isinstance(err, grpc.RpcError)
-    assert err.reason == reason and err.code() == code and err.address == "h:1"
-    if reason == Reason.ERROR:  # the base reason: no more specific class
-        assert type(err) is ShardError
-    else:
-        assert type(err).reason == reason and type(err).status == code
+def test_every_reason_is_raised_as_the_shard_s_own_class(reason: Reason) -> None:
+    server = {c.reason: c for c in _classes() if c.__module__ == common.__name__ and "reason" in vars(c)}[reason]
+    err = error_from_rpc("h:1", FakeRpcError(server.status, "refused", reason.value))
+    assert type(err) is server and isinstance(err, grpc.RpcError)  # one class for both sides
+    assert err.reason == reason and err.code() == server.status and err.address == "h:1"
+    text = f"h:1: {server.status.name}: refused"
+    assert err.details() == "refused" and (str(err) == text or issubclass(server, RoundTimeoutError))
 
 
-def test_the_client_classes_mirror_the_server_hierarchy() -> None:
-    for server in _server_classes()[1:]:
-        client = type(error_from_rpc("h:1", FakeRpcError(grpc.StatusCode[server.code], "x", server.reason)))
-        parent = type(error_from_rpc("h:1", FakeRpcError(grpc.StatusCode.UNKNOWN, "x", server.__base__.reason)))
-        assert issubclass(client, parent), (client, parent)
-    assert issubclass(errors.WaitTimeout, RoundTimeoutError)  # still caught as before
-    assert issubclass(errors.Replayed, errors.StalePush) and issubclass(errors.JoinTimeout, errors.PreconditionFailed)
+def test_raised_by_the_shard_a_class_answers_as_a_call_does() -> None:
+    err = common.NotJoinedError("rank 1 is not joined: Join again")
+    assert isinstance(err, grpc.RpcError) and err.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert err.reason == Reason.NOT_JOINED and err.details() == str(err) == "rank 1 is not joined: Join again"
+    assert err.address == "" and err.trailing_metadata() == () and reason_of(err) == ""
+    assert issubclass(common.WaitTimeoutError, RoundTimeoutError) and issubclass(RoundTimeoutError, TimeoutError)
+
+
+def test_the_old_worker_names_are_aliases_of_the_shared_classes() -> None:
+    assert errors.ShardError is PSError and errors.NotJoined is common.NotJoinedError
+    assert errors.WaitTimeout is common.WaitTimeoutError and errors.AwaitingRanks is common.AwaitingRanksError
+    assert errors.JoinTimeout is common.RanksMissingError and errors.TableFull is common.TableFullError
+    assert errors.RoundTimeoutError is RoundTimeoutError
+    for name in errors.__all__:
+        value = getattr(errors, name)
+        assert not isinstance(value, type) or value.__module__ in (common.__name__, errors.__name__), name
 
 
 def test_unknown_reasons_and_plain_failures_stay_shard_errors() -> None:
     err = error_from_rpc("h:1", FakeRpcError(grpc.StatusCode.INTERNAL, "new", "SOMETHING_NEW"))
-    assert type(err) is ShardError and err.reason == "SOMETHING_NEW"
-    assert type(error_from_rpc("h:1", FakeRpcError(grpc.StatusCode.UNAVAILABLE, "down"))) is ShardError
+    assert type(err) is PSError and err.reason == "SOMETHING_NEW"
+    assert type(error_from_rpc("h:1", FakeRpcError(grpc.StatusCode.UNAVAILABLE, "down"))) is PSError
     assert reason_of(ValueError("no metadata")) == ""
 
 
 def test_recoverable_refusals_are_the_session_s() -> None:
-    assert set(errors.RECOVERABLE) == {errors.NotJoined, errors.NotInitialized, errors.FutureRound, errors.PushLost}
+    assert set(errors.RECOVERABLE) == {
+        common.NotJoinedError,
+        common.NotInitializedError,
+        common.FutureRoundError,
+        common.PushLostError,
+    }
