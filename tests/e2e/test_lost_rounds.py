@@ -28,21 +28,25 @@ def shard_status(cluster: Cluster) -> list[dict]:
     return [s for s in (cluster.status() or []) if "version" in s]
 
 
-def run(tmp_path: Path, fault: str, transport: str = "tcp", lease: float = 4 * LEASE) -> list[dict]:
+def run(
+    tmp_path: Path, fault: str, transport: str = "tcp", lease: float = 4 * LEASE, durable: bool = False
+) -> list[dict]:
     """One 2 x 2 sync job of :data:`STEPS` steps with checkpoints every :data:`EVERY` versions; ``fault``:
     ``none``, ``kill`` (shard 1 killed 3 or more rounds after a checkpoint, restarted at
-    once) or ``kill-pause`` (the same while rank 1 is paused past its lease). Returns the ranks'
-    ``done`` summaries, checked: both exit 0, both shards at :data:`STEPS`."""
+    once) or ``kill-pause`` (the same while rank 1 is paused past its lease); ``durable``: the shards
+    run with ``--durable-acks`` (nothing acknowledged is lost; the redo log is off). Returns the
+    ranks' ``done`` summaries, checked: both exit 0, both shards at :data:`STEPS`."""
     spec = ClusterSpec(
         num_shards=2,
         num_workers=2,
         steps=STEPS,
         lease=lease,
-        checkpoint_every=EVERY,
+        checkpoint_every=1 if durable else EVERY,
         slow_ms=40,
         worker_timeout=30,
         retry_deadline=300,
         data_path=transport,
+        durable_acks=durable,
     )
     tmp_path.mkdir(parents=True, exist_ok=True)
     net = Network(2, want=False)
@@ -55,6 +59,8 @@ def run(tmp_path: Path, fault: str, transport: str = "tcp", lease: float = 4 * L
                 st = shard_status(cluster)
                 if len(st) < 2 or st[1]["last_checkpoint"] is None:
                     return False
+                if durable:  # every acknowledged version is on disk: kill it mid-run
+                    return st[1]["version"] >= EVERY + 3
                 return st[1]["last_checkpoint"] >= EVERY and st[1]["version"] >= st[1]["last_checkpoint"] + 3
 
             assert poll(after_checkpoint, 120), "shard 1 did not checkpoint"
@@ -85,12 +91,12 @@ def run(tmp_path: Path, fault: str, transport: str = "tcp", lease: float = 4 * L
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("transport", ["tcp", "grpc"])
+@pytest.mark.parametrize(("transport", "durable"), [("tcp", False), ("grpc", False), ("tcp", True)])
 def test_a_shard_restarted_from_an_older_checkpoint_gets_its_lost_rounds_pushed_again(
-    tmp_path: Path, transport: str
+    tmp_path: Path, transport: str, durable: bool
 ) -> None:
     reference = {d["params_sha256"] for d in run(tmp_path / "reference", "none", transport)}
-    faulted = {d["params_sha256"] for d in run(tmp_path / "kill", "kill", transport)}
+    faulted = {d["params_sha256"] for d in run(tmp_path / "kill", "kill", transport, durable=durable)}
     assert len(reference) == 1 and len(faulted) == 1, (reference, faulted)
     assert faulted == reference, "the redone rounds did not end where the uninterrupted run ends"
 
