@@ -465,7 +465,7 @@ class Process:
 
 @dataclass
 class ClusterSpec:
-    """The job: a sync cluster of ``num_shards`` x ``num_workers`` on ``digits``."""
+    """The job: a cluster of ``num_shards`` x ``num_workers`` on ``digits`` (sync by default)."""
 
     num_shards: int = 2
     num_workers: int = 3
@@ -479,6 +479,8 @@ class ClusterSpec:
     """Milliseconds every worker sleeps before each push (0: :data:`SLOW_MS`)."""
     data_path: str = "tcp"
     """The workers' ``--data-path``: ``tcp`` (data connections) or ``grpc``."""
+    mode: str = "sync"
+    """The shards' ``--mode`` (the workers follow it)."""
 
 
 class Cluster:
@@ -541,7 +543,7 @@ class Cluster:
         Raises:
             RuntimeError: it did not listen within ``timeout`` s.
         """
-        argv = [PY, "-m", "ps_server.cli", "--mode", "sync", "--num-workers", str(self.spec.num_workers)]
+        argv = [PY, "-m", "ps_server.cli", "--mode", self.spec.mode, "--num-workers", str(self.spec.num_workers)]
         argv += ["--num-shards", str(self.spec.num_shards), "--shard-index", str(k), "--host", self.net.host]
         argv += ["--port", str(self.ports[k]), "--metrics-port", "-1", "--lease-timeout", str(self.spec.lease)]
         argv += ["--checkpoint-dir", str(self.logs / f"ckpt-{k}")]
@@ -910,7 +912,7 @@ def report(
     """The soak's report: seed, set-up, faults with times, findings, push counts."""
     lines = [
         f"chaos soak: seed {seed} (PS_SOAK_SEED={seed} reproduces the fault sequence)",
-        f"  job: sync, {spec.num_shards} shards x {spec.num_workers} workers, digits, {spec.steps} steps, "
+        f"  job: {spec.mode}, {spec.num_shards} shards x {spec.num_workers} workers, digits, {spec.steps} steps, "
         f"lease {spec.lease:g} s, checkpoint every {spec.checkpoint_every} versions, durable acks "
         + ("on" if spec.durable_acks else "off (a killed shard loses rounds: the ranks push them again)"),
         "  network: " + (f"namespaces {net.tag}*" if net.enabled else f"127.0.0.1 ({net.why_not}; no partitions)"),
