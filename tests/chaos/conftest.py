@@ -12,7 +12,8 @@ import os
 import pytest
 
 DEFAULT_SOAK_SECONDS = 70.0
-"""Fault window of a default (CI) run (the periodic and async runs take half); the three runs then take about 6 minutes."""
+"""Fault window of a default (CI) run (the periodic and async runs take half); the three runs then
+take about 6 minutes."""
 
 OVERHEAD_SECONDS = 150.0
 """Start-up, the fault-free end of the job and teardown, on top of the window (pytest timeout)."""

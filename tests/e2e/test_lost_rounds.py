@@ -33,7 +33,8 @@ def run(
 ) -> list[dict]:
     """One 2 x 2 sync job of :data:`STEPS` steps with checkpoints every :data:`EVERY` versions; ``fault``:
     ``none``, ``kill`` (shard 1 killed 3 or more rounds after a checkpoint, restarted at
-    once) or ``kill-pause`` (the same while rank 1 is paused past its lease); ``durable``: the shards
+    once), ``kill-twice`` (killed again while the ranks push it the lost rounds, restarted again) or
+    ``kill-pause`` (the same as ``kill`` while rank 1 is paused past its lease); ``durable``: the shards
     run with ``--durable-acks`` (nothing acknowledged is lost; the redo log is off). Returns the
     ranks' ``done`` summaries, checked: both exit 0, both shards at :data:`STEPS`."""
     spec = ClusterSpec(
@@ -72,6 +73,17 @@ def run(
             assert shard is not None
             shard.kill()
             cluster.start_shard(1)  # resumes from its newest checkpoint, rounds behind shard 0
+            if fault == "kill-twice":  # a second crash while the ranks push it the lost rounds again
+
+                def redoing() -> bool:
+                    st = shard_status(cluster)
+                    return len(st) == 2 and (st[1]["restored_from"] or 0) < st[1]["version"] < st[0]["version"]
+
+                assert poll(redoing, 60, every=0.05), "shard 1 took no lost round again"
+                again = cluster.shards[1]
+                assert again is not None
+                again.kill()
+                cluster.start_shard(1)
             if fault == "kill-pause":
                 states = lambda: [w["state"] for s in shard_status(cluster) for w in s["workers"]]  # noqa: E731
                 evicted = lambda: "WORKER_STATE_EVICTED" in states()  # noqa: E731
@@ -99,6 +111,13 @@ def test_a_shard_restarted_from_an_older_checkpoint_gets_its_lost_rounds_pushed_
     faulted = {d["params_sha256"] for d in run(tmp_path / "kill", "kill", transport, durable=durable)}
     assert len(reference) == 1 and len(faulted) == 1, (reference, faulted)
     assert faulted == reference, "the redone rounds did not end where the uninterrupted run ends"
+
+
+@pytest.mark.slow
+def test_a_shard_killed_again_while_its_lost_rounds_are_pushed_again_ends_bitwise(tmp_path: Path) -> None:
+    reference = {d["params_sha256"] for d in run(tmp_path / "reference", "none")}
+    faulted = {d["params_sha256"] for d in run(tmp_path / "kill", "kill-twice")}
+    assert len(faulted) == 1 and faulted == reference, (reference, faulted)
 
 
 @pytest.mark.slow
