@@ -46,6 +46,7 @@ REFUSAL_REASONS = (
     "hyperparameters_disagree",
     "round_timeout",
     "join_timeout",
+    "lost_round",
 )
 """The shard's own values of the ``reason`` label of ``ps_rejected_pushes_total``: every one is exported from
 the start, zeros included, so a dashboard shows them and a first refusal shows in ``increase()``; the status-code
