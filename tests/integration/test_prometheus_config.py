@@ -26,7 +26,7 @@ def test_alert_rules_pass_their_unit_tests(tool) -> None:
 def test_alert_rules_are_valid(tool) -> None:
     result = promtool(tool, "check", "rules", str(DEPLOY / "alerts.yml"))
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "5 rules found" in result.stdout
+    assert "6 rules found" in result.stdout
 
 
 def test_compose_config_is_valid(tool) -> None:
