@@ -62,25 +62,6 @@ def behavior_of(handler: grpc.RpcMethodHandler) -> Behavior:
     return handler.unary_stream if handler.response_streaming else handler.unary_unary
 
 
-def rebuilt(
-    handler: grpc.RpcMethodHandler,
-    behavior: Behavior,
-    request_deserializer: Deserializer | None = None,
-    serializers: bool = True,
-) -> grpc.RpcMethodHandler:
-    """A handler of ``handler``'s kind running ``behavior``; ``request_deserializer`` replaces its
-    deserializer when given; ``serializers=False`` builds it with none (one that answers before it
-    reads, e.g. a refusal)."""
-    make = HANDLER_MAKERS[(bool(handler.request_streaming), bool(handler.response_streaming))]
-    if not serializers:
-        return make(behavior)
-    return make(
-        behavior,
-        request_deserializer=request_deserializer or handler.request_deserializer,
-        response_serializer=handler.response_serializer,
-    )
-
-
 def carry(behavior: Behavior, wrapper: Behavior) -> Behavior:
     """``wrapper`` with the thread pool that grpc's sync server picks for ``behavior``
     (``experimental_thread_pool``, see :mod:`ps_server.service.streams`): wrapping must not move a
@@ -128,7 +109,7 @@ class Chain(grpc.ServerInterceptor):
         method = details.method
         outcome = self.admit(method, details.invocation_metadata) if self.admit is not None else None
         built = self._built.get((method, outcome))
-        if built is None or built[0] is not handler:  # a method's handler is fixed once the server runs
+        if built is None or built[0] is not handler:  # built anew only if the method's handler changed
             built = (handler, self._build(method, handler, outcome))
             self._built[(method, outcome)] = built
         return built[1]
@@ -140,7 +121,10 @@ class Chain(grpc.ServerInterceptor):
         if outcome is not None:
             behavior = outcome.wrap(behavior)
         behavior = self.record(method, handler, behavior)
+        make = HANDLER_MAKERS[(bool(handler.request_streaming), bool(handler.response_streaming))]
+        if outcome is not None and not outcome.reads:
+            return make(behavior)
         deserializer = handler.request_deserializer
         if deserializer is not None and self.deserializer is not None:
             deserializer = self.deserializer(deserializer)
-        return rebuilt(handler, behavior, deserializer, serializers=outcome is None or outcome.reads)
+        return make(behavior, request_deserializer=deserializer, response_serializer=handler.response_serializer)

@@ -19,7 +19,7 @@ the streaming methods of services that need no token, Health and reflection
 limited here (those that may wait run in a capped pool of their own: :mod:`ps_server.service.waiting_calls`).
 
 Why this design: a second server would need a second port (grpcurl and Kubernetes probes dial the
-shard's one port), and a ``grpc.aio`` server would mean rewriting the servicers and interceptors
+shard's one port), and a ``grpc.aio`` server would mean rewriting the servicers and the interceptor's stages
 around blocking waits. The two hooks used here are grpcio's own (``grpc_health`` relies on both);
 were a later grpcio to drop them, the caps would still hold and ``tests/adversarial/test_threads.py``
 would show the streams back in the data plane's pool.
