@@ -271,20 +271,11 @@ def start_server(config: ServerConfig, shard: Shard | None = None) -> ShardServe
     )
     pool = threads.pool(config.threads, f"shard{config.shard_index}")
     recorder = CallMetrics(metrics)
-    tokens = TokenCheck(
-        config.token,
-        config.admin_token,
-        on_refused=lambda code: counters.add(rejected=1),
-        rank_tokens=config.rank_tokens,
-    )
+    tokens = TokenCheck(config.token, config.admin_token, lambda code: counters.add(rejected=1), config.rank_tokens)
     # One interceptor, its order fixed (ps_server.service.chain): metrics, the token check, the stream
     # caps, the waiting calls, tracing (only while on), decoding (innermost: see its docstring).
-    stages = [
-        streams.wrap,
-        waiting.wrap,
-        *([traced] if tracing.enabled() else []),
-        Decoding(on_refused=lambda: counters.add(rejected=1)).wrap,
-    ]
+    stages = [streams.wrap, waiting.wrap, *([traced] if tracing.enabled() else [])]
+    stages.append(Decoding(on_refused=lambda: counters.add(rejected=1)).wrap)
     server = grpc.server(
         pool,
         interceptors=[Chain(recorder.wrap, stages, admit=tokens.admit, deserializer=lenient)],
