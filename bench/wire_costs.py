@@ -3,7 +3,7 @@
     python bench/wire_costs.py [--sizes 262144,1048576,4194304] [--repeats 30]
 
 Times, for one float32 partition, every copy and pass the data path makes today (the calls of
-``ps_worker/client.py``, ``ps_server/service/parameters.py``, ``ps_server/service/interceptors.py`` and the codec),
+``ps_worker/client.py``, ``ps_server/service/parameters.py``, ``ps_server/service/call_metrics.py`` and the codec),
 and prints each as microseconds and as multiples of one plain memcpy of the same bytes. Stages
 are timed in alternation, repeat after repeat; medians are printed.
 """

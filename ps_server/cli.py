@@ -38,7 +38,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     config, log_level = config_from_args(argv)
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:  # before the server starts: it installs its tracing interceptor only when tracing is on
+    try:  # before the server starts: its interceptor has a tracing stage only when tracing is on
         tracing.configure(config.otel_endpoint, "ps-server", {"ps.shard_index": config.shard_index})
         running = start_server(config)
     except (RuntimeError, CheckpointError) as exc:  # TracingUnavailableError: pip install 'grpc-ps[otel]'

@@ -1,7 +1,7 @@
 """Prometheus metrics of a shard (docs/architecture.md#10-commands-and-metrics), built against an injected registry.
 
 Every name here is contract. RPC durations and barrier waits are recorded by
-:class:`ps_server.service.interceptors.MetricsInterceptor`; pushes, refused pushes, push staleness and bytes
+:class:`ps_server.service.call_metrics.CallMetrics`; pushes, refused pushes, push staleness and bytes
 are read at scrape time from the shard's :class:`~ps_server.shard.counters.ShardCounters` (the numbers
 Admin/GetStatus reports) by :class:`CountersCollector`; the gauges that mirror shard state
 (``ps_model_version``, ``ps_workers``) are read from ``Shard.status()`` at scrape time by

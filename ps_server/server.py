@@ -23,12 +23,13 @@ from ps_server.config import ServerConfig
 from ps_server.dataplane.connections import DataPlane
 from ps_server.metrics import ServerMetrics
 from ps_server.service.admin import AdminServicer
-from ps_server.service.auth import TokenInterceptor
-from ps_server.service.decoding import DecodingInterceptor
-from ps_server.service.interceptors import PUSH_PULL, PUSH_PULL_ONCE, MetricsInterceptor
+from ps_server.service.auth import TokenCheck
+from ps_server.service.call_metrics import PUSH_PULL, PUSH_PULL_ONCE, CallMetrics
+from ps_server.service.chain import Chain
+from ps_server.service.decoding import Decoding, lenient
 from ps_server.service.parameters import ParameterServicer, parameter_service_handler
-from ps_server.service.streams import PUBLIC, WATCH, StreamLimit, StreamLimitInterceptor
-from ps_server.service.tracing import TracingInterceptor
+from ps_server.service.streams import PUBLIC, WATCH, StreamLimit, StreamLimits
+from ps_server.service.tracing import traced
 from ps_server.service.waiting_calls import Alarms, WaitingCalls
 from ps_server.shard.counters import ShardCounters
 from ps_server.shard.shard import Shard
@@ -71,7 +72,7 @@ class ShardServer:
         metrics: ServerMetrics | None = None,
         metrics_endpoint: MetricsEndpoint | None = None,
         checkpointer: Checkpointer | None = None,
-        streams: StreamLimitInterceptor | None = None,
+        streams: StreamLimits | None = None,
         pool: futures.ThreadPoolExecutor | None = None,
         threads: OwnedThreads | None = None,
         data: DataPlane | None = None,
@@ -247,7 +248,7 @@ def start_server(config: ServerConfig, shard: Shard | None = None) -> ShardServe
     ]
     # Long-lived streams run in a pool of their own, capped per group (ps_server.service.streams): however
     # many a client opens, the data plane keeps all of its threads and its share of concurrent RPCs.
-    streams = StreamLimitInterceptor(
+    streams = StreamLimits(
         {
             WATCH: StreamLimit(
                 config.max_watch_streams, "Admin/WatchStatus streams (ps-admin top)", "--max-watch-streams"
@@ -269,22 +270,15 @@ def start_server(config: ServerConfig, shard: Shard | None = None) -> ShardServe
         alarms=Alarms(lambda run: threads.start(run, f"shard{config.shard_index}-first-messages")),
     )
     pool = threads.pool(config.threads, f"shard{config.shard_index}")
-    recorder = MetricsInterceptor(metrics)
+    recorder = CallMetrics(metrics)
+    tokens = TokenCheck(config.token, config.admin_token, lambda code: counters.add(rejected=1), config.rank_tokens)
+    # One interceptor, its order fixed (ps_server.service.chain): metrics, the token check, the stream
+    # caps, the waiting calls, tracing (only while on), decoding (innermost: see its docstring).
+    stages = [streams.wrap, waiting.wrap, *([traced] if tracing.enabled() else [])]
+    stages.append(Decoding(on_refused=lambda: counters.add(rejected=1)).wrap)
     server = grpc.server(
         pool,
-        interceptors=[
-            recorder,
-            TokenInterceptor(
-                config.token,
-                config.admin_token,
-                on_refused=lambda code: counters.add(rejected=1),
-                rank_tokens=config.rank_tokens,
-            ),
-            streams,
-            waiting,
-            *([TracingInterceptor()] if tracing.enabled() else []),  # off: none (ps_server.service.tracing)
-            DecodingInterceptor(on_refused=lambda: counters.add(rejected=1)),  # innermost: see its docstring
-        ],
+        interceptors=[Chain(recorder.wrap, stages, admit=tokens.admit, deserializer=lenient)],
         options=options,
         maximum_concurrent_rpcs=config.threads * 4 + config.stream_threads + config.wait_threads,
     )

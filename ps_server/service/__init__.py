@@ -1,2 +1,2 @@
 """The shard's gRPC services: servicers that decode a request and make one shard call, and the
-interceptors, credentials and bounded pools around them."""
+one interceptor around them (its stages: metrics, credentials, bounded pools, decoding)."""

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import hmac
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
 
-from ps_server.service.handlers import behavior_of, rebuilt
+from ps_server.service.chain import Behavior, carry
 from ps_server.service.rank_tokens import ADMIN, RANK, SHARED, Caller, RankTokens
 
 PARAMETER_PREFIX = "/ps.v1.ParameterService/"
@@ -37,13 +38,20 @@ def _matches(given: str, expected: str) -> bool:
     return bool(expected) and hmac.compare_digest(given.encode(), expected.encode())
 
 
-def _refusal(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
-    """A handler of the same streaming kind as ``handler`` that aborts with ``code``."""
+@dataclass(frozen=True)
+class Refusal:
+    """A refused call (an :class:`~ps_server.service.chain.Outcome`): its handler aborts with
+    ``code`` and ``message`` before it reads the request."""
 
-    def abort(request: Any, context: grpc.ServicerContext) -> Any:
-        context.abort(code, message)
+    code: grpc.StatusCode
+    message: str
+    reads = False
 
-    return rebuilt(handler, abort, serializers=False)
+    def abort(self, request: Any, context: grpc.ServicerContext) -> Any:
+        context.abort(self.code, self.message)
+
+    def wrap(self, behavior: Behavior) -> Behavior:
+        return self.abort
 
 
 class CallerContext:
@@ -57,24 +65,28 @@ class CallerContext:
         return getattr(self._context, name)
 
 
-def _identified(handler: grpc.RpcMethodHandler, caller: Caller) -> grpc.RpcMethodHandler:
-    """``handler`` whose behavior gets a :class:`CallerContext` of ``caller``; the thread pool grpc
-    picks for it (``experimental_thread_pool``) is kept."""
-    behavior = behavior_of(handler)
+@dataclass(frozen=True)
+class Identified:
+    """A rank's call (an :class:`~ps_server.service.chain.Outcome`): its behavior gets a
+    :class:`CallerContext` of ``caller``."""
 
-    def handle(request: Any, context: grpc.ServicerContext) -> Any:
-        return behavior(request, CallerContext(context, caller))
+    caller: Caller
+    reads = True
 
-    pool = getattr(behavior, "experimental_thread_pool", None)
-    if pool is not None:
-        handle.experimental_thread_pool = pool  # type: ignore[attr-defined]
-    return rebuilt(handler, handle)
+    def wrap(self, behavior: Behavior) -> Behavior:
+        caller = self.caller
+
+        def handle(request: Any, context: grpc.ServicerContext) -> Any:
+            return behavior(request, CallerContext(context, caller))
+
+        return carry(behavior, handle)
 
 
-class TokenInterceptor(grpc.ServerInterceptor):
+class TokenCheck:
     """Refuse ParameterService and Admin calls without the right bearer token.
 
-    Put it before the interceptors that need to know the caller (:mod:`ps_server.service.waiting_calls`).
+    The per-call check of the shard's interceptor (:mod:`ps_server.service.chain`): outside the stages
+    that need to know the caller (:mod:`ps_server.service.waiting_calls`) or that do work.
 
     Args:
         token: worker token; empty (and no ``rank_tokens``) disables the check on ParameterService.
@@ -109,37 +121,31 @@ class TokenInterceptor(grpc.ServerInterceptor):
             return Caller(SHARED)
         return None
 
-    def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
-        details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler | None:
-        handler = continuation(details)
-        method = details.method
-        if handler is None:
-            return handler
+    def admit(self, method: str, metadata: tuple[tuple[str, Any], ...] | None) -> Identified | Refusal | None:
+        """The outcome of a call to ``method`` (``"/ps.v1.Admin/GetStatus"``) with ``metadata``:
+        None (it goes on), :class:`Identified` (a rank's own token) or :class:`Refusal`."""
         if method.startswith(PARAMETER_PREFIX):
             if self.rank_tokens is not None:
-                caller = self._caller(_bearer(details.invocation_metadata))
+                caller = self._caller(_bearer(metadata))
                 if caller is not None:
-                    return _identified(handler, caller)
+                    return Identified(caller)
                 accepted = []
                 what = "the rank's own token (--rank-tokens) as PS_TOKEN"
             elif not self.token:
-                return handler
+                return None
             else:
                 accepted = [t for t in (self.token, self.admin_token) if t]
                 what = "the worker token (PS_TOKEN)"
         elif method.startswith(ADMIN_PREFIX):
-            accepted = [self.admin_token] if self.admin_token else []
             if not self.admin_token:
-                return handler
+                return None
+            accepted = [self.admin_token]
             what = "the admin token (PS_ADMIN_TOKEN)"
         else:
-            return handler
-        given = _bearer(details.invocation_metadata)
+            return None
+        given = _bearer(metadata)
         if given is not None and any(_matches(given, t) for t in accepted):
-            return handler
+            return None
         ranks = self.rank_tokens
         a_rank = given is not None and ranks is not None and ranks.rank_of(given) is not None
         worker = given is not None and (_matches(given, self.token) or a_rank)
@@ -154,4 +160,4 @@ class TokenInterceptor(grpc.ServerInterceptor):
             code, msg = grpc.StatusCode.UNAUTHENTICATED, f"The bearer token sent to {method} is wrong; send {what}."
         if self.on_refused:
             self.on_refused(code)
-        return _refusal(handler, code, msg)
+        return Refusal(code, msg)

@@ -1,8 +1,9 @@
 """Requests that do not decode get INVALID_ARGUMENT with a short message, on every service.
 
 gRPC answers a request its deserializer cannot parse with INTERNAL and logs the traceback at ERROR.
-:class:`DecodingInterceptor` gives every handler a deserializer that never raises: undecodable
-bytes become an :class:`Undecodable` marker, and the call is refused with INVALID_ARGUMENT (and the
+The shard's interceptor (:mod:`ps_server.service.chain`) gives every handler a deserializer that
+never raises (:func:`lenient`): undecodable bytes become an :class:`Undecodable` marker, and
+:class:`Decoding`, its innermost stage, refuses the call with INVALID_ARGUMENT (and the
 ``ps-reason`` INVALID) before the servicer sees it. Methods that read their own bytes
 (``ps_common.frames``) already refuse malformed ones with INVALID_ARGUMENT and are left as they are.
 """
@@ -16,7 +17,7 @@ from typing import Any
 import grpc
 
 from ps_common.errors import REASON_KEY, InvalidRequestError
-from ps_server.service.handlers import behavior_of, rebuilt
+from ps_server.service.chain import Behavior
 
 log = logging.getLogger(__name__)
 
@@ -42,10 +43,11 @@ def lenient(deserializer: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
     return deserialize
 
 
-class DecodingInterceptor(grpc.ServerInterceptor):
+class Decoding:
     """Refuse undecodable requests with INVALID_ARGUMENT on every method that has a deserializer.
 
-    Place it last (innermost): interceptors outside it keep its deserializer.
+    The innermost stage (:mod:`ps_server.service.chain`): the chain gives the handler the
+    :func:`lenient` deserializer, whose :class:`Undecodable` only this stage may see.
 
     Args:
         on_refused: called once per refused call (the shard's refusal counter).
@@ -71,27 +73,21 @@ class DecodingInterceptor(grpc.ServerInterceptor):
                 self._refuse(method, request, context)
             yield request
 
-    def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
-        details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler | None:
-        handler = continuation(details)
-        if handler is None or handler.request_deserializer is None:
-            return handler
-        method = details.method.lstrip("/")
-        inner = behavior_of(handler)
-        deserializer = lenient(handler.request_deserializer)
+    def wrap(self, method: str, handler: grpc.RpcMethodHandler, behavior: Behavior) -> Behavior:
+        """The stage (:data:`ps_server.service.chain.Stage`): an undecodable request refused."""
+        if handler.request_deserializer is None:
+            return behavior
+        name = method.lstrip("/")
         if handler.request_streaming:
 
             def streaming(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
-                return inner(self._checked(method, requests, context), context)
+                return behavior(self._checked(name, requests, context), context)
 
-            return rebuilt(handler, streaming, request_deserializer=deserializer)
+            return streaming
 
         def unary(request: Any, context: grpc.ServicerContext) -> Any:
             if isinstance(request, Undecodable):
-                self._refuse(method, request, context)
-            return inner(request, context)
+                self._refuse(name, request, context)
+            return behavior(request, context)
 
-        return rebuilt(handler, unary, request_deserializer=deserializer)
+        return unary

@@ -26,8 +26,8 @@ from ps_server.core.partitions import Intake
 from ps_server.dataplane.connections import DataPlane
 from ps_server.dataplane.pushpull import DataPushPull
 from ps_server.membership.ranks import PushStamp
+from ps_server.service.chain import HANDLER_MAKERS
 from ps_server.service.frame_cache import FrameCache, encode_exchange
-from ps_server.service.handlers import HANDLER_MAKERS
 from ps_server.service.optimizer_state import OptimizerStateRpcs
 from ps_server.service.rank_tokens import RankTokens, check_caller
 from ps_server.service.request_streams import Request, read_request
@@ -76,7 +76,7 @@ def parameter_service_handler(servicer: ParameterServicer) -> grpc.GenericRpcHan
         request_cls = getattr(ps_pb2, method.input_type.name)
         response_cls = getattr(ps_pb2, method.output_type.name)
         # parsed in the servicer, so a malformed request is INVALID_ARGUMENT, not gRPC's INTERNAL (the
-        # others' undecodable bytes are refused by ps_server.service.decoding.DecodingInterceptor)
+        # others' undecodable bytes are refused by ps_server.service.decoding.Decoding)
         deserializer = None if method.name in RAW_METHODS else request_cls.FromString
         serializer = None if method.name in RAW_RESPONSES else response_cls.SerializeToString
         make = HANDLER_MAKERS[(method.client_streaming, method.server_streaming)]

@@ -19,7 +19,7 @@ the streaming methods of services that need no token, Health and reflection
 limited here (those that may wait run in a capped pool of their own: :mod:`ps_server.service.waiting_calls`).
 
 Why this design: a second server would need a second port (grpcurl and Kubernetes probes dial the
-shard's one port), and a ``grpc.aio`` server would mean rewriting the servicers and interceptors
+shard's one port), and a ``grpc.aio`` server would mean rewriting the servicers and the interceptor's stages
 around blocking waits. The two hooks used here are grpcio's own (``grpc_health`` relies on both);
 were a later grpcio to drop them, the caps would still hold and ``tests/adversarial/test_threads.py``
 would show the streams back in the data plane's pool.
@@ -36,7 +36,7 @@ from typing import Any
 import grpc
 
 from ps_common.errors import REASON_KEY, Reason
-from ps_server.service.handlers import behavior_of, rebuilt
+from ps_server.service.chain import Behavior
 
 DATA_SERVICE = "/ps.v1.ParameterService/"
 WATCH_SERVICE = "/ps.v1.Admin/"
@@ -94,10 +94,11 @@ def _refuse(limit: StreamLimit, context: grpc.ServicerContext) -> None:
     context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, limit.refusal())
 
 
-class StreamLimitInterceptor(grpc.ServerInterceptor):
+class StreamLimits:
     """Cap the long-lived streams per group and run the blocking ones in ``pool``.
 
-    Put it after the token interceptor, so that a refused token never takes a slot.
+    A stage of the shard's interceptor (:mod:`ps_server.service.chain`), inside the token check, so
+    that a refused token never takes a slot.
 
     Args:
         limits: group name (:data:`WATCH`, :data:`PUBLIC`) -> its cap.
@@ -147,21 +148,14 @@ class StreamLimitInterceptor(grpc.ServerInterceptor):
         handle.experimental_thread_pool = self.pool  # type: ignore[attr-defined]
         return handle
 
-    def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
-        details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler | None:
-        handler = continuation(details)
-        if handler is None:
-            return None
-        group = stream_group(details.method, handler)
+    def wrap(self, method: str, handler: grpc.RpcMethodHandler, behavior: Behavior) -> Behavior:
+        """The stage (:data:`ps_server.service.chain.Stage`): a long-lived stream capped, in its pool."""
+        group = stream_group(method, handler)
         limit = self.limits.get(group) if group else None
         if limit is None:
-            return handler
+            return behavior
         if not handler.response_streaming:
-            return handler  # a client stream outside the data plane: none exists; it ends with its requests
-        behavior = behavior_of(handler)
+            return behavior  # a client stream outside the data plane: none exists; it ends with its requests
         if getattr(behavior, "experimental_non_blocking", False):
-            return rebuilt(handler, self._non_blocking(behavior, limit))
-        return rebuilt(handler, self._blocking(behavior, limit))
+            return self._non_blocking(behavior, limit)
+        return self._blocking(behavior, limit)

@@ -39,7 +39,7 @@ from typing import Any
 import grpc
 
 from ps_common.errors import REASON_KEY, Reason
-from ps_server.service.handlers import behavior_of, rebuilt
+from ps_server.service.chain import Behavior
 from ps_server.service.rank_tokens import RANK, caller_of
 
 SERVICE = "/ps.v1.ParameterService/"
@@ -123,12 +123,13 @@ class Alarms:
                 callback()
 
 
-class WaitingCalls(grpc.ServerInterceptor):
+class WaitingCalls:
     """Run :data:`WAITING_METHODS` in ``pool``, at most ``limit`` at once (and ``rank_share`` per
     rank with its own token).
 
-    Put it after the token interceptor, so that a refused token never takes a slot and a rank's
-    token is known (:func:`ps_server.service.rank_tokens.caller_of`).
+    A stage of the shard's interceptor (:mod:`ps_server.service.chain`), inside the token check, so
+    that a refused token never takes a slot and a rank's token is known
+    (:func:`ps_server.service.rank_tokens.caller_of`).
 
     Args:
         limit: waiting calls admitted at once (>= 1) of callers that are no rank of their own (the
@@ -274,14 +275,10 @@ class WaitingCalls(grpc.ServerInterceptor):
         handle.experimental_thread_pool = self.pool  # type: ignore[attr-defined]
         return handle
 
-    def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
-        details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler | None:
-        handler = continuation(details)
-        method = details.method
-        if handler is None or not method.startswith(SERVICE) or method[len(SERVICE) :] not in WAITING_METHODS:
-            return handler
+    def wrap(self, method: str, handler: grpc.RpcMethodHandler, behavior: Behavior) -> Behavior:
+        """The stage (:data:`ps_server.service.chain.Stage`): a call of :data:`WAITING_METHODS`
+        admitted under its cap, in ``pool``; the others as they are."""
+        if not method.startswith(SERVICE) or method[len(SERVICE) :] not in WAITING_METHODS:
+            return behavior
         wrap = self._stream_response if handler.response_streaming else self._unary_response
-        return rebuilt(handler, wrap(behavior_of(handler), bool(handler.request_streaming)))
+        return wrap(behavior, bool(handler.request_streaming))

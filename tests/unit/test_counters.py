@@ -16,7 +16,8 @@ from ps_common.plan import ParameterSpec, make_plan
 from ps_server.membership.ranks import PushResult
 from ps_server.metrics import REFUSAL_REASONS, STALENESS_BUCKETS, ServerMetrics
 from ps_server.service.admin import status_to_proto
-from ps_server.service.interceptors import MetricsInterceptor
+from ps_server.service.call_metrics import CallMetrics
+from ps_server.service.chain import Chain
 from ps_server.shard.counters import RECEIVED_METHODS, SENT_METHODS, ShardCounters
 from ps_server.shard.shard import PushStamp, Shard
 from tests.helpers.tensors import encode
@@ -97,7 +98,7 @@ def test_getstatus_and_prometheus_read_the_same_numbers_after_a_mix_of_refusals(
             pass
         context.abort(grpc.StatusCode.INVALID_ARGUMENT, "bad")
 
-    handler = MetricsInterceptor(metrics).intercept_service(
+    handler = Chain(CallMetrics(metrics).wrap).intercept_service(
         lambda d: grpc.stream_unary_rpc_method_handler(bad), Details(f"/{PUSH}")
     )
     assert handler is not None

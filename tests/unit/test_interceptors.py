@@ -1,4 +1,5 @@
-"""MetricsInterceptor on all four handler kinds, with a fake context: no sockets."""
+"""The shard's interceptor (ps_server.service.chain) with its metrics stage on all four handler kinds,
+with a fake context: no sockets."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from prometheus_client import CollectorRegistry
 from ps_proto.v1 import ps_pb2
 from ps_server.membership.ranks import PushResult
 from ps_server.metrics import ServerMetrics
-from ps_server.service.interceptors import MetricsInterceptor
+from ps_server.service.call_metrics import CallMetrics
+from ps_server.service.chain import Chain
 from ps_server.service.rpc import push_response
 
 
@@ -44,7 +46,7 @@ def wrap(
     handler: grpc.RpcMethodHandler, method: str, metrics: ServerMetrics | None = None
 ) -> tuple[grpc.RpcMethodHandler, ServerMetrics]:
     metrics = metrics or ServerMetrics(CollectorRegistry())
-    wrapped = MetricsInterceptor(metrics).intercept_service(lambda d: handler, Details(method))
+    wrapped = Chain(CallMetrics(metrics).wrap).intercept_service(lambda d: handler, Details(method))
     assert wrapped is not None
     return wrapped, metrics
 
@@ -161,7 +163,7 @@ def test_client_gone_during_an_upload_is_cancelled_not_a_refusal() -> None:
 
 def test_unknown_methods_are_not_labelled() -> None:
     m = ServerMetrics(CollectorRegistry())
-    assert MetricsInterceptor(m).intercept_service(lambda d: None, Details("/x.Y/Z")) is None
+    assert Chain(CallMetrics(m).wrap).intercept_service(lambda d: None, Details("/x.Y/Z")) is None
 
 
 def test_a_non_blocking_stream_stays_non_blocking_and_is_recorded_when_it_ends() -> None:

@@ -11,6 +11,7 @@ import grpc
 import pytest
 
 from ps_common.errors import REASON_KEY
+from ps_server.service.chain import Chain
 from ps_server.service.waiting_calls import WAITING_METHODS, WaitingCalls
 
 
@@ -59,7 +60,9 @@ def pool() -> Iterator[futures.ThreadPoolExecutor]:
 
 
 def intercept(waiting: WaitingCalls, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    result = waiting.intercept_service(lambda details: handler, Details(method))
+    """``handler`` in a chain of the waiting calls' stage alone."""
+    chain = Chain(lambda method, handler, behavior: behavior, [waiting.wrap])
+    result = chain.intercept_service(lambda details: handler, Details(method))
     assert result is not None
     return result
 
@@ -67,13 +70,14 @@ def intercept(waiting: WaitingCalls, method: str, handler: grpc.RpcMethodHandler
 def test_calls_that_may_wait_run_in_their_pool_and_the_others_are_left_alone(pool) -> None:
     waiting = WaitingCalls(2, pool)
     unary = grpc.unary_unary_rpc_method_handler(lambda request, context: request)
+    behavior = unary.unary_unary
     for name in ("Join", "Heartbeat", "Leave", "PushRows"):
-        assert intercept(waiting, f"/ps.v1.ParameterService/{name}", unary) is unary
-    assert intercept(waiting, "/ps.v1.Admin/GetStatus", unary) is unary
-    assert intercept(waiting, "/grpc.health.v1.Health/Check", unary) is unary
+        assert waiting.wrap(f"/ps.v1.ParameterService/{name}", unary, behavior) is behavior
+    assert waiting.wrap("/ps.v1.Admin/GetStatus", unary, behavior) is behavior
+    assert waiting.wrap("/grpc.health.v1.Health/Check", unary, behavior) is behavior
     for name in WAITING_METHODS:
         wrapped = intercept(waiting, f"/ps.v1.ParameterService/{name}", unary)
-        assert wrapped is not unary and wrapped.unary_unary.experimental_thread_pool is pool
+        assert wrapped.unary_unary is not behavior and wrapped.unary_unary.experimental_thread_pool is pool
 
 
 def test_one_call_more_than_the_limit_is_refused_at_once_and_a_slot_comes_back(pool) -> None:

@@ -1,6 +1,7 @@
-"""A gRPC server interceptor that records every RPC in :class:`~ps_server.metrics.ServerMetrics`.
+"""The outermost stage of the shard's interceptor (:mod:`ps_server.service.chain`): every RPC recorded
+in :class:`~ps_server.metrics.ServerMetrics`.
 
-It wraps the handler of every method (all four streaming kinds) and records the duration and
+It wraps the behavior of every method (all four streaming kinds) and records the duration and
 final status code (``OK`` unless the handler aborted; the code ``context.abort`` set otherwise,
 ``UNKNOWN`` for an unexpected exception, ``CANCELLED`` when the client went away mid-stream),
 and the serialized size of every request and response message (into the shard's
@@ -10,11 +11,10 @@ calls the shard did not count itself (any ``ps-reason`` outside
 code, and from ``Pull`` it records the time to the first partition (the wait for its version).
 Accepted pushes reach the counters from the servicer (its push observer), not through here.
 
-Put it first in the server's interceptor list, so that it also sees the refusals of the token
-interceptor (``UNAUTHENTICATED``, ``PERMISSION_DENIED``) and of the stream limits
-(``RESOURCE_EXHAUSTED``). Its wrappers keep what grpc's sync server reads off a handler: a
-callback-style stream (Health/Watch) stays non-blocking, and a stream with a thread pool of its own
-(:mod:`ps_server.service.streams`) stays in that pool.
+Outermost, it also sees the refusals of the token check (``UNAUTHENTICATED``,
+``PERMISSION_DENIED``) and of the stream limits (``RESOURCE_EXHAUSTED``). Its wrappers keep what
+grpc's sync server reads off a behavior: a callback-style stream stays non-blocking, and a stream
+with a thread pool of its own (:mod:`ps_server.service.streams`) stays in that pool.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import grpc
 from ps_common.errors import REASON_KEY
 from ps_common.wire import message_size
 from ps_server.metrics import ServerMetrics
-from ps_server.service.handlers import behavior_of, rebuilt
+from ps_server.service.chain import Behavior, carry
 from ps_server.shard.counters import SHARD_REASONS
 
 PUSH_METHOD = "ps.v1.ParameterService/Push"
@@ -78,10 +78,10 @@ def _final_code(context: grpc.ServicerContext, failed: bool) -> grpc.StatusCode:
 class _Call:
     """Bookkeeping of one RPC: bytes as they pass, then one :meth:`finish`."""
 
-    __slots__ = ("interceptor", "method", "start", "first_sent", "received", "sent", "reason")
+    __slots__ = ("recorder", "method", "start", "first_sent", "received", "sent", "reason")
 
-    def __init__(self, interceptor: MetricsInterceptor, method: str) -> None:
-        self.interceptor = interceptor
+    def __init__(self, recorder: CallMetrics, method: str) -> None:
+        self.recorder = recorder
         self.method = method
         self.start = time.perf_counter()
         self.first_sent: float | None = None
@@ -103,10 +103,10 @@ class _Call:
 
     def finish(self, code: grpc.StatusCode, reason: str = "") -> None:
         self.reason = reason
-        self.interceptor.record(self, code, time.perf_counter())
+        self.recorder.record(self, code, time.perf_counter())
 
 
-class MetricsInterceptor(grpc.ServerInterceptor):
+class CallMetrics:
     """Record duration, status code and message bytes of every RPC.
 
     Args:
@@ -209,31 +209,14 @@ class MetricsInterceptor(grpc.ServerInterceptor):
         handle.experimental_non_blocking = True  # type: ignore[attr-defined]
         return handle
 
-    def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
-        details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler | None:
-        handler = continuation(details)
-        if handler is None:  # unknown method: gRPC answers UNIMPLEMENTED; no label for arbitrary names
-            return None
-        method = details.method.lstrip("/")
-        behavior = behavior_of(handler)
+    def wrap(self, method: str, handler: grpc.RpcMethodHandler, behavior: Behavior) -> Behavior:
+        """The stage (:data:`ps_server.service.chain.Stage`): ``behavior`` of ``method`` recorded."""
+        name = method.lstrip("/")
         streaming = bool(handler.request_streaming)
         if not handler.response_streaming:
-            wrapped = self._unary_response(behavior, method, streaming)
+            wrapped = self._unary_response(behavior, name, streaming)
         elif not streaming and getattr(behavior, "experimental_non_blocking", False):
-            wrapped = self._non_blocking(behavior, method)
+            wrapped = self._non_blocking(behavior, name)
         else:
-            wrapped = self._stream_response(behavior, method, streaming)
-        return rebuilt(handler, _carry(behavior, wrapped))
-
-
-def _carry(behavior: Callable[..., Any], wrapper: Callable[..., Any]) -> Callable[..., Any]:
-    """Give ``wrapper`` the thread pool that grpc's sync server picks for ``behavior``
-    (``experimental_thread_pool``, see :mod:`ps_server.service.streams`): wrapping must not move a
-    long-lived stream into the data plane's pool."""
-    pool = getattr(behavior, "experimental_thread_pool", None)
-    if pool is not None:
-        wrapper.experimental_thread_pool = pool  # type: ignore[attr-defined]
-    return wrapper
+            wrapped = self._stream_response(behavior, name, streaming)
+        return carry(behavior, wrapped)
