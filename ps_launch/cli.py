@@ -125,6 +125,12 @@ def launch_parser(environ: Mapping[str, str] | None = None) -> FlagParser:
         help="shards checkpoint every V versions into LOG_DIR/checkpoints (0: only when they stop)",
     )
     p.flag(
+        "--durable-acks",
+        switch=True,
+        help="shards answer a push once its version is on disk (checkpoint every version): a killed shard "
+        "loses nothing acknowledged, embedding-table rounds included",
+    )
+    p.flag(
         "--fault",
         default="",
         help="inject faults: kill-worker:R@step=N[,restart] or kill-shard:K@step=N[,restart], ';'-separated",

@@ -22,7 +22,7 @@ import grpc
 import numpy as np
 import torch
 
-from ps_common.errors import PSError
+from ps_common.errors import FutureRoundError, NotJoinedError, PSError, VersionAheadError
 from ps_common.frames import MESSAGE_OVERHEAD_BYTES
 from ps_common.plan import DEFAULT_PARTITION_BYTES
 from ps_common.tables import TableSpec, shard_of
@@ -30,6 +30,7 @@ from ps_common.wire import table_spec_from_proto, table_spec_to_proto
 from ps_proto.v1 import ps_pb2
 from ps_worker.errors import error_from_rpc
 from ps_worker.tables.prefetch import Ahead
+from ps_worker.tables.redo import TableRedo
 from ps_worker.tables.seed import Seeds, send_seeds
 from ps_worker.transport.retry import retry_call
 
@@ -107,6 +108,8 @@ class TableClient:
         """table -> (distinct ids, rows) pulled ahead by ``ps_worker.tables.modules.prefetch`` for the next forward."""
         self.ahead = Ahead(self)
         """The next batch's rows pulled while this step runs (``ps_worker.tables.prefetch``)."""
+        self.redo = TableRedo(transport.num_shards, session.redo_log.max_bytes)
+        """sync: this rank's PushRows of the last table rounds, pushed again to a shard that lost them."""
         self.calls: Counter[str] = Counter()
         """Calls made, by method (InitTables, PullRows, PushRows)."""
         self.weights: dict[str, weakref.ref[torch.Tensor]] = {}
@@ -128,29 +131,75 @@ class TableClient:
         self.closed = True
         self.ahead.close()
 
-    def _call(self, k: int, method: str, request: Any) -> Any:
-        stub = self.transport.stubs[k]
+    def _send(self, k: int, method: str, request: Any) -> Any:
+        """``method`` to shard ``k``: retried while transient, called again while the ranks a sync
+        table round waits for are alive (``session.waits``)."""
+        stub, address = self.transport.stubs[k], self.transport.servers[k]
 
         def once() -> Any:
             try:
                 return getattr(stub, method)(request, timeout=self.transport.timeout, metadata=self.transport.metadata)
             except grpc.RpcError as exc:
-                raise error_from_rpc(self.transport.servers[k], exc, waits=method == "PullRows") from None
+                raise error_from_rpc(address, exc, waits=method == "PullRows") from None
 
+        return self.session.waits.call(
+            lambda: retry_call(once, self.transport.retry_deadline, f"{method} to shard {k}", codes=RETRY), address
+        )
+
+    def _call(self, k: int, method: str, request: Any) -> Any:
+        """:meth:`_send`, counted, after bringing a restarted shard back in step: Join again on
+        NOT_JOINED; sync, a shard behind the table rounds it answered (FUTURE_ROUND on a PushRows,
+        VERSION_AHEAD on a PullRows) gets them pushed again from :attr:`redo`, then the call is made again.
+
+        Raises:
+            LostRoundsError: such a round is no longer in :attr:`redo`. ShardError: any other refusal.
+        """
         self.calls[method] += 1
         sent = request.ByteSize()
         self.sent_bytes += sent
         if self.metrics is not None:
             self.metrics.sent_bytes.inc(sent)
-        what = f"{method} to shard {k}"
-        reply = self.session.waits.call(
-            lambda: retry_call(once, self.transport.retry_deadline, what, codes=RETRY), self.transport.servers[k]
-        )  # a sync table round's PullRows again while the ranks it waits for are alive
+        for attempt in range(3):
+            try:
+                reply = self._send(k, method, request)
+                break
+            except (NotJoinedError, FutureRoundError, VersionAheadError) as exc:
+                if attempt == 2:
+                    raise
+                if isinstance(exc, NotJoinedError):
+                    self._rejoin(k, exc)
+                else:
+                    self._push_again(k, request.clock if method == "PushRows" else (self.clock or 0))
+                if method == "PushRows":
+                    request.session = self.session.sessions[k]
         got = reply.ByteSize()
         self.received_bytes += got
         if self.metrics is not None:
             self.metrics.received_bytes.inc(got)
         return reply
+
+    def _rejoin(self, k: int, exc: PSError) -> None:
+        """Join shard ``k`` again, its lost dense rounds pushed again first (up to the round this rank
+        pushes next), as every rank does: none waits for a table round while another waits for a
+        dense one (``ps_worker.transport.calls.ShardCalls.push_again``)."""
+        self.session.recover(k, exc, False, self.session.push_round())
+
+    def _push_again(self, k: int, end: int) -> None:
+        """Push shard ``k`` this rank's table rounds from its table version up to ``end`` again, each
+        read back closed before the next (a sync table round takes only its own round's pushes)."""
+        address, s = self.transport.servers[k], self.session
+        self._rejoin(k, NotJoinedError(f"shard {k} restarted behind this rank's table rounds"))
+        probe = ps_pb2.PullRowsRequest(rank=s.rank, incarnation=s.incarnation)
+        start = int(self._send(k, "PullRows", probe).version)  # no ids: the shard's table version
+        entries = self.redo.rounds(k, start, end, address)
+        log.warning(
+            "rank %d: shard %s lost table rounds %d..%d; pushing them again", self.session.rank, address, start, end - 1
+        )
+        for request in entries:  # each round closed (every rank pushes it again) before the next is taken
+            request.session = self.session.sessions[k]
+            self._send(k, "PushRows", request)
+            probe.min_version = request.clock + 1
+            self._send(k, "PullRows", probe)
 
     # ------------------------------------------------------------------ declare
     def declare(self) -> None:
@@ -359,7 +408,10 @@ class TableClient:
                 session=self.session.sessions[k],
                 hyperparameters=hyper,
             )
-            return self._call(k, "PushRows", request)
+            reply = self._call(k, "PushRows", request)
+            if every_shard:
+                self.redo.record(k, request)
+            return reply
 
         replies = (each_shard or self.transport.each_shard)(push_shard)
         self.clock = clock + 1
