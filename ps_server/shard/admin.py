@@ -21,7 +21,7 @@ from ps_server.shard.members import ShardMembers, not_authority
 from ps_server.shard.views import StatusView
 from ps_server.tables.metrics import table_status
 
-log = logging.getLogger("ps_server.shard.shard")
+log = logging.getLogger(__name__)
 
 
 class ConfigChanges:

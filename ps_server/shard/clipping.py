@@ -31,7 +31,7 @@ from ps_server.policy.rounds import SyncRounds, aggregate
 from ps_server.policy.types import Gradients, Hyperparameters, StreamHook
 from ps_server.shard.store import ParameterStore
 
-log = logging.getLogger("ps_server.shard.shard")
+log = logging.getLogger(__name__)
 
 CLIP_ROUNDS = 64
 """Rounds whose coefficient a shard remembers, so a late rank's coefficient is still compared."""

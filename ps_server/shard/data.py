@@ -40,7 +40,7 @@ from ps_server.shard.views import Snapshot
 
 T = TypeVar("T")
 
-log = logging.getLogger("ps_server.shard.shard")
+log = logging.getLogger(__name__)
 
 
 class DataPath:

@@ -24,7 +24,7 @@ from ps_server.shard import atomic_rounds
 from ps_server.shard.hosts import MembersHost
 from ps_server.shard.views import JoinInfo
 
-log = logging.getLogger("ps_server.shard.shard")
+log = logging.getLogger(__name__)
 
 
 NOT_AUTHORITY = (

@@ -18,7 +18,7 @@ from ps_server.shard.hosts import StateHost
 from ps_server.shard.store import ParameterStore
 from ps_server.tables.store import TableStore
 
-log = logging.getLogger("ps_server.shard.shard")
+log = logging.getLogger(__name__)
 
 
 class StateCodec:
