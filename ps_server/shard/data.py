@@ -45,8 +45,7 @@ log = logging.getLogger(__name__)
 
 class DataPath:
     """Push, Pull, PushPull and Exchange of one shard, and what they keep: the store's epoch (new
-    at every Init and restore), durable answers (``durable_acks``: a push is answered once its
-    version is in a checkpoint on disk) and the newest checkpoint's version.
+    at every Init and restore).
 
     Every method assumes the caller (``ps_server.shard.shard.Shard``) holds the shard's lock (the
     waits release it while they wait); none takes it.
@@ -58,8 +57,6 @@ class DataPath:
     def __init__(self, host: DataHost) -> None:
         self._host = host
         self.store_epoch = 0
-        self.durable_acks = False
-        self.last_checkpoint_version: int | None = None
 
     # ----------------------------------------------------------------- plans
     def check_plan(self, digest: str) -> Plan:
@@ -208,7 +205,7 @@ class DataPath:
         result = policy.accept(host, member, stamp, grad_version, grads, hyper, skip)
         held = policy.holds_pushes and not result.dropped
         if held:
-            host.stream_held(stamp.rank, stream)
+            host.streams.held(stamp.rank, stream)
         host.advance()
         refusal = host.refusals.pop(stamp.rank, None) if held else None
         if refusal is not None:  # this push completed its round, and the round was refused
@@ -262,12 +259,13 @@ class DataPath:
         Raises:
             WaitTimeoutError: not durable by ``deadline``. ShuttingDownError: closing.
         """
-        self._host.waits.until(
-            lambda: (self.last_checkpoint_version or 0) >= version,
+        host = self._host
+        host.waits.until(
+            lambda: (host.last_checkpoint_version or 0) >= version,
             deadline,
             lambda: (
                 f"version {version} was not checkpointed in time (--durable-acks); newest on disk: "
-                f"{self.last_checkpoint_version}"
+                f"{host.last_checkpoint_version}"
             ),
         )
 
@@ -352,7 +350,7 @@ class DataPath:
         host.policy.after_read(host, member, joined, min_version)
         assert host.store is not None
         if host.store.stepped_slots:  # a streamed round's speculative slots are not a version
-            host.end_stream("a read needed the parameters mid-round")
+            host.streams.end("a read needed the parameters mid-round")
         return host.version, encode(self.snapshot(host.version, host.store.tensors))
 
     def snapshot(self, version: int, tensors: Sequence[torch.Tensor]) -> Snapshot:

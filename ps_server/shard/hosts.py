@@ -16,10 +16,10 @@ from ps_common.errors import UpdateRefusedError
 from ps_common.modes import ModeSettings
 from ps_common.plan import Plan
 from ps_server.core.limits import Limits
-from ps_server.membership.epochs import Epochs
 from ps_server.membership.ranks import Member, Membership, PushResult, PushStamp
 from ps_server.policy.types import Awaited
 from ps_server.shard.counters import ShardCounters
+from ps_server.shard.round_stream import RoundStreams
 from ps_server.shard.store import ParameterStore
 from ps_server.shard.waits import Waits
 from ps_server.tables.store import TableStore
@@ -100,11 +100,8 @@ class AdminHost(ShardState, Protocol):
     restored_from_version: int | None
     tables: TableStore
 
-    @property
-    def durable_acks(self) -> bool: ...
-
-    @property
-    def last_checkpoint_version(self) -> int | None: ...
+    durable_acks: bool
+    last_checkpoint_version: int | None
 
     def now(self) -> float: ...
     def learning_rate(self) -> float: ...
@@ -119,6 +116,8 @@ class DataHost(ShardState, Protocol):
     refusals: dict[int, UpdateRefusedError]
     lost_round: str
     waits: Waits
+    streams: RoundStreams
+    last_checkpoint_version: int | None
 
     @property
     def membership(self) -> Membership: ...
@@ -134,20 +133,3 @@ class DataHost(ShardState, Protocol):
         describe: Callable[[], str],
         awaited: Callable[[], Awaited | None] | None = None,
     ) -> None: ...
-    def stream_held(self, rank: int, stream: Any) -> None: ...
-    def end_stream(self, why: str) -> None: ...
-
-
-class StateHost(ShardState, Protocol):
-    """What :meth:`~ps_server.shard.state.StateCodec.export` reads."""
-
-    tables: TableStore
-
-    @property
-    def membership(self) -> Membership: ...
-
-    @property
-    def epochs(self) -> Epochs: ...
-
-    @property
-    def configured_num_workers(self) -> int: ...

@@ -267,9 +267,9 @@ def wire_values(shard: Shard, stream: RoundStream, slot: int, wire: str) -> torc
 
 
 class RoundStreams:
-    """The streamed rounds of one shard, as its facade (:class:`~ps_server.shard.shard.Shard`)
-    calls them. Every method assumes the caller holds the shard's lock, the condition ``cond``;
-    :meth:`slots` waits on it (which releases it while it waits).
+    """The streamed rounds of one shard: :meth:`join`, :meth:`leave` and :meth:`slots` (the data
+    plane's calls) take the shard's lock, the condition ``cond``; :meth:`slots` waits on it (which
+    releases it while it waits). :meth:`held` and :meth:`end` run under it (the caller holds it).
 
     Args:
         shard: the shard whose stream (``shard.stream``) these are, as :class:`Shard` says.
@@ -281,12 +281,14 @@ class RoundStreams:
 
     def join(self, stamp: PushStamp, hyper: Hyperparameters, skip: bool, setting: str) -> RoundStream | None:
         """The stream of round ``stamp.clock`` this push takes part in; see :func:`join`."""
-        return join(self._shard, stamp, hyper, skip, setting)
+        with self._cond:
+            return join(self._shard, stamp, hyper, skip, setting)
 
     def leave(self, stream: RoundStream, rank: int, why: str) -> None:
         """A streamed call failed: end ``stream`` (``why``) unless ``rank``'s push is in it."""
-        if stream.live and rank not in stream.pushed:
-            end(self._shard, why)
+        with self._cond:
+            if stream.live and rank not in stream.pushed:
+                end(self._shard, why)
 
     def slots(
         self,
@@ -303,19 +305,20 @@ class RoundStreams:
         complete, and wait until a slot not in ``sent`` is stepped or the stream ends; returns the
         slots ready and their values on the wire (``wire`` dtype). Ends the stream when ``until``
         (time.monotonic seconds) passes or ``active()`` is False; re-checks every ``poll`` seconds."""
-        shard = self._shard
-        while True:
-            for slot, grad in landed():
-                offer(shard, stream, rank, slot, grad)
-            step_ready(shard, stream)
-            ready = sorted(stream.stepped - sent)
-            if ready or not stream.live:
-                return ready, [wire_values(shard, stream, slot, wire) for slot in ready]
-            left = None if until is None else until - time.monotonic()
-            if (left is not None and left <= 0) or not active():
-                end(shard, f"rank {rank}'s call ended waiting for the round's slots")
-                return [], []
-            self._cond.wait(poll if left is None else min(poll, left))
+        with self._cond:
+            shard = self._shard
+            while True:
+                for slot, grad in landed():
+                    offer(shard, stream, rank, slot, grad)
+                step_ready(shard, stream)
+                ready = sorted(stream.stepped - sent)
+                if ready or not stream.live:
+                    return ready, [wire_values(shard, stream, slot, wire) for slot in ready]
+                left = None if until is None else until - time.monotonic()
+                if (left is not None and left <= 0) or not active():
+                    end(shard, f"rank {rank}'s call ended waiting for the round's slots")
+                    return [], []
+                self._cond.wait(poll if left is None else min(poll, left))
 
     def held(self, rank: int, stream: RoundStream | None) -> None:
         """Rank's whole push joined the open round; see :func:`held`."""
