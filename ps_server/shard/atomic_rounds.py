@@ -22,12 +22,13 @@ import logging
 
 from ps_common.errors import NotJoinedError
 from ps_server.membership.ranks import Member, Membership
-from ps_server.shard.hosts import MembersHost, OpenRound
+from ps_server.policy.rounds import SyncRounds
+from ps_server.shard.hosts import MembersHost
 
 log = logging.getLogger(__name__)
 
 
-def stop_counting(member: Member, rounds: OpenRound, sync: bool) -> None:
+def stop_counting(member: Member, rounds: SyncRounds, sync: bool) -> None:
     """Shard 0: the cluster stops counting ``member``; with ``sync`` rounds, its pushes count in the
     rounds below ``member.until``: shard 0's open round, plus one when ``rounds`` holds its push."""
     member.counted = False

@@ -46,7 +46,10 @@ class ClipHost(Protocol):
     version: int
     store: ParameterStore | None
     rounds: SyncRounds
-    membership: Membership
+
+    @property
+    def membership(self) -> Membership: ...
+
     refusals: dict[int, UpdateRefusedError]
     skipped_rounds: dict[int, None]
     data: DataPath

@@ -9,7 +9,7 @@ attribute and method here is read or called under the shard's lock, which the fa
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from ps_common.errors import UpdateRefusedError
@@ -17,23 +17,13 @@ from ps_common.modes import ModeSettings
 from ps_common.plan import Plan
 from ps_server.core.limits import Limits
 from ps_server.membership.ranks import Member, Membership, PushResult, PushStamp
+from ps_server.policy.rounds import SyncRounds
 from ps_server.policy.types import Awaited
 from ps_server.shard.counters import ShardCounters
 from ps_server.shard.round_stream import RoundStreams
 from ps_server.shard.store import ParameterStore
 from ps_server.shard.waits import Waits
 from ps_server.tables.store import TableStore
-
-
-class OpenRound(Protocol):
-    """The shard's open round (:class:`~ps_server.policy.sync.SyncRounds`)."""
-
-    round: int
-    pending: Mapping[int, Any]
-    """Rank -> the push the round holds."""
-
-    def waiting_for(self, expected: Any) -> list[int]: ...
-    def drop(self, rank: int) -> None: ...
 
 
 class Policy(Protocol):
@@ -62,7 +52,7 @@ class ShardState(Protocol):
     version: int
     plan: Plan | None
     store: ParameterStore | None
-    rounds: OpenRound
+    rounds: SyncRounds
     counters: ShardCounters
 
     @property

@@ -51,7 +51,10 @@ class TableHost(Protocol):
     shard_index: int
     num_shards: int
     tables: TableStore
-    membership: Membership
+
+    @property
+    def membership(self) -> Membership: ...
+
     waits: Waits
     limits: Limits
 
