@@ -20,56 +20,21 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from ps_common.errors import InvalidRequestError, PreconditionError, UpdateRefusedError
 from ps_server.core.partitions import Bounded, max_abs_of
-from ps_server.membership.ranks import Membership
-from ps_server.policy.rounds import SyncRounds, aggregate
-from ps_server.policy.types import Gradients, Hyperparameters, StreamHook
-from ps_server.shard.data import DataPath
-from ps_server.shard.store import ParameterStore
+from ps_server.policy.base import ShardCore
+from ps_server.policy.rounds import aggregate
+from ps_server.policy.types import Gradients, Hyperparameters
 
 log = logging.getLogger(__name__)
 
 CLIP_ROUNDS = 64
 """Rounds whose coefficient a shard remembers, so a late rank's coefficient is still compared."""
-
-
-class ClipHost(Protocol):
-    """What :class:`RoundClips` uses of its shard (``ps_server.shard.shard.Shard``)."""
-
-    shard_index: int
-    version: int
-    store: ParameterStore | None
-    rounds: SyncRounds
-
-    @property
-    def membership(self) -> Membership: ...
-
-    refusals: dict[int, UpdateRefusedError]
-    skipped_rounds: dict[int, None]
-    data: DataPath
-
-    @property
-    def policy(self) -> Any:
-        """The consistency policy in force (``holds_pushes``, ``mode``)."""
-
-    @property
-    def stream(self) -> StreamHook | None: ...
-
-    def now(self) -> float: ...
-
-    def set_version(self, version: int) -> None: ...
-
-    def advance(self) -> None: ...
-
-    def wait_for_ranks(
-        self, ready: Callable[[], bool], deadline: float | None, describe: Callable[[], str]
-    ) -> None: ...
 
 
 @dataclasses.dataclass
@@ -91,11 +56,11 @@ class RoundClips:
     coefficients of the last :data:`CLIP_ROUNDS` clipped rounds.
 
     Args:
-        host: the shard, as :class:`ClipHost` says.
+        host: the shard, as its policy sees it (:class:`~ps_server.policy.base.ShardCore`).
         cond: the shard's condition (its lock).
     """
 
-    def __init__(self, host: ClipHost, cond: threading.Condition) -> None:
+    def __init__(self, host: ShardCore, cond: threading.Condition) -> None:
         self._host, self._cond = host, cond
         self.requests: dict[int, set[int]] = {}
         """Round -> ranks that pushed it with ``hold_for_clip``."""
@@ -232,7 +197,7 @@ class RoundClips:
                 host.store.apply(scaled, hyper=held.hyper, buffers=held.buffers)
             except UpdateRefusedError as exc:
                 del self.coefficients[round_], self.norms[round_]
-                host.data.refuse_round(held.held, exc)
+                host.refuse_round(held.held, exc)
             else:
                 host.set_version(round_ + 1)
                 log.debug("shard %d: round %d applied, clipped by %r", host.shard_index, round_, coefficient)

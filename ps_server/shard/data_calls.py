@@ -18,7 +18,6 @@ from typing import Any, Protocol
 
 from ps_common import tracing
 from ps_common.fragments import fragments_in_force, owned_slots
-from ps_common.modes import ModeSettings
 from ps_common.optimizer import OptimizerSpec
 from ps_common.partition import WirePartition
 from ps_common.plan import ParameterSpec, Plan
@@ -27,6 +26,7 @@ from ps_server.membership.ranks import PushResult, PushStamp
 from ps_server.policy import POLICIES
 from ps_server.policy.sync import Hyperparameters, SyncRounds
 from ps_server.shard.data import DataPath
+from ps_server.shard.hosts import DataHost
 from ps_server.shard.round_stream import RoundStream
 from ps_server.shard.store import ParameterStore
 from ps_server.shard.views import Snapshot, clone_tensors
@@ -34,26 +34,14 @@ from ps_server.shard.views import Snapshot, clone_tensors
 log = logging.getLogger(__name__)
 
 
-class DataHost(Protocol):
-    """What the data calls use of their shard (``ps_server.shard.shard.Shard``)."""
+class CallsHost(DataHost, Protocol):
+    """What the data calls use of their shard besides what :class:`DataPath` does."""
 
-    shard_index: int
-    settings: ModeSettings
-    version: int
-    plan: Plan | None
-    rounds: SyncRounds
-    skipped_rounds: dict[int, None]
     durable_acks: bool
     data: DataPath
 
-    def now(self) -> float:
-        """Monotonic seconds."""
-
     def install(self, plan: Plan, store: ParameterStore) -> None:
         """Take ``plan`` and ``store`` (lock held)."""
-
-    def set_version(self, version: int) -> None:
-        """Advance the version, with what is due there (lock held)."""
 
 
 class DataCalls:
@@ -61,11 +49,11 @@ class DataCalls:
     phases its docstring says, and calls :class:`DataPath` (``host.data``) under it.
 
     Args:
-        host: the shard, as :class:`DataHost` says.
+        host: the shard, as :class:`CallsHost` says.
         cond: the shard's condition (its lock).
     """
 
-    def __init__(self, host: DataHost, cond: threading.Condition) -> None:
+    def __init__(self, host: CallsHost, cond: threading.Condition) -> None:
         self._host, self._cond = host, cond
 
     def init(

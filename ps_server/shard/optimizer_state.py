@@ -18,14 +18,14 @@ import functools
 import secrets
 import threading
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
 from ps_common.codec import check_finite, decode, dtype_from_proto
 from ps_common.errors import InvalidRequestError, NotInitializedError, PreconditionError
 from ps_common.plan import Plan
-from ps_server.shard.round_stream import RoundStreams
+from ps_server.shard.hosts import DataHost
 from ps_server.shard.store import ParameterStore
 
 
@@ -167,17 +167,6 @@ class StateIntake:
         return self.staged
 
 
-class StateHost(Protocol):
-    """What the optimizer-state calls use of their shard (``ps_server.shard.shard.Shard``)."""
-
-    shard_index: int
-    version: int
-    plan: Plan | None
-    store: ParameterStore | None
-    streams: RoundStreams
-    """Its streamed rounds (a stepped slot is put back before the state is read or replaced)."""
-
-
 @dataclass
 class Stage:
     """A checked state waiting for its commit: for ``store`` (a re-init or restore voids it)."""
@@ -191,7 +180,7 @@ class OptimizerStates:
     """Reads, stages and commits the server optimizer's state of one shard; every method takes the
     shard's lock ``cond``. One stage is kept at a time: a later push replaces it."""
 
-    def __init__(self, host: StateHost, cond: threading.Condition) -> None:
+    def __init__(self, host: DataHost, cond: threading.Condition) -> None:
         self._host, self._cond = host, cond
         self._stage: Stage | None = None
 

@@ -30,49 +30,35 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from ps_common.codec import decode, torch_dtype
 from ps_common.errors import UpdateRefusedError
 from ps_common.partition import WirePartition
+from ps_server.policy.base import ShardCore
 from ps_server.policy.rounds import aggregate
 from ps_server.policy.types import Hyperparameters, hyper_key
 
 if TYPE_CHECKING:
     import threading
 
-    from ps_common.modes import ModeSettings
-    from ps_server.membership.ranks import Membership, PushStamp
-    from ps_server.policy.base import ConsistencyPolicy
-    from ps_server.policy.rounds import SyncRounds
-    from ps_server.shard.counters import ShardCounters
-    from ps_server.shard.store import ParameterStore
+    from ps_server.membership.ranks import PushStamp
 
 log = logging.getLogger(__name__)
 
 
-class Shard(Protocol):
+class Shard(ShardCore, Protocol):
     """What a streamed round reads and writes of its shard (the facade,
-    :class:`~ps_server.shard.shard.Shard`), under the shard's lock."""
+    :class:`~ps_server.shard.shard.Shard`) besides what its policy does, under the shard's lock."""
 
-    shard_index: int
-    settings: ModeSettings
-    pending_mode: str
-    store: ParameterStore
-    counters: ShardCounters
-    stream: RoundStream | None
+    stream: RoundStream | None  # type: ignore[assignment]
     streamed_rounds: int
     unstreamed_rounds: int
 
     @property
-    def policy(self) -> ConsistencyPolicy: ...
-    @property
-    def membership(self) -> Membership: ...
-    @property
-    def rounds(self) -> SyncRounds | Any: ...
-    def notify(self) -> None: ...
+    def pending_mode(self) -> str: ...
 
 
 @dataclass
