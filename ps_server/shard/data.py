@@ -248,10 +248,6 @@ class DataPath:
             member.clock = min(member.clock, host.rounds.round)
             host.refusals[rank] = error
 
-    def values_key(self) -> tuple[int, int]:
-        """(version, store epoch) now: the parameters' values are the same while both are."""
-        return self._host.version, self.store_epoch
-
     def wait_durable(self, version: int, deadline: float | None) -> None:
         """With ``durable_acks``: wait until ``version`` is in a checkpoint on disk (the checkpointer
         writes every version), so the answer about to be sent survives a kill -9 of the shard.

@@ -131,7 +131,8 @@ class Shard:
         self.durable_acks = False  # answer pushes once their version is durable (--durable-acks)
         self.last_checkpoint_version: int | None = None  # the newest on disk
         self.tables = TableStore(shard_index, num_shards, DEFAULT_MAX_TABLE_ROWS)  # embedding tables
-        # the collaborators: each owns its state; their methods run under this shard's lock
+        # the collaborators: each owns its part of the state; those a servicer calls through the methods
+        # below take the lock themselves, the others assume it held (this shard's methods take it)
         self.cluster = ShardMembers(
             self, shard_index, settings, lease_timeout, now, join_timeout, record_key, cluster_id
         )
@@ -155,12 +156,8 @@ class Shard:
         self.join_relaying, self.heartbeat_relaying = relay.join_relaying, relay.heartbeat_relaying
         self.leave_relaying, self.resize_request, self.told = relay.leave_relaying, relay.resize_request, relay.told
         self.join_stream, self.leave_stream, self.stream_slots = streams.join, streams.leave, streams.slots
-        self.request_clip, self.wait_clip_norm, self.apply_clip = (
-            self.clips.request,
-            self.clips.wait_norm,
-            self.clips.apply,
-        )
-        states = self.optimizer_states
+        clips, states = self.clips, self.optimizer_states
+        self.request_clip, self.wait_clip_norm, self.apply_clip = clips.request, clips.wait_norm, clips.apply
         self.optimizer_state_layout, self.read_optimizer_state = states.layout, states.read
         self.stage_optimizer_state, self.commit_optimizer_state = states.stage, states.commit
 
@@ -227,7 +224,7 @@ class Shard:
             self.cluster.check_session(rank, incarnation, session, what)
             return plan
 
-    # ----------------------------------------------------------------- membership (ShardMembers, MembershipRelay)
+    # ----------------------------------------------------------------- membership (ShardMembers)
     def join(self, rank: int, num_workers: int, incarnation: int, epoch: int = 0) -> JoinInfo:
         with self._cond:
             return self.cluster.join(rank, num_workers, incarnation, epoch)
@@ -276,7 +273,7 @@ class Shard:
         self.clips.forget()
         self.data.store_epoch += 1
 
-    # ----------------------------------------------------------------- the data path (DataCalls, RoundClips)
+    # ----------------------------------------------------------------- the data path
     def values_key(self) -> tuple[int, int]:
         """(version, store epoch) now: the parameters' values are the same while both are."""
         with self._cond:
