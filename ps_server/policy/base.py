@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
 class ShardCore(Protocol):
     """The state of a shard that its policy reads and changes (the caller holds the shard's lock);
-    the shard's collaborators see it so too (``ps_server.shard.hosts``), with the policy in force."""
+    the shard's collaborators see it so too (``ps_server.shard``), with the policy in force."""
 
     shard_index: int
     settings: ModeSettings

@@ -8,7 +8,7 @@ push does (:meth:`~ps_server.policy.base.ConsistencyPolicy.accept`), when a read
 the caller's ``encode`` a :class:`~ps_server.shard.views.Snapshot` under the lock.
 
 A push or an exchange runs in two steps under the lock, with the decoding of its tensors between
-them (``ps_server.shard.shard.Shard`` takes the lock for each): ``admit_*`` checks and finds a
+them (:class:`~ps_server.shard.data_calls.DataCalls` takes the lock for each): ``admit_*`` checks and finds a
 repeated stamp's answer, ``apply_*`` checks again and applies.
 """
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 
@@ -34,25 +34,33 @@ from ps_common.errors import (
 from ps_common.fragments import check_fragments, fragments_in_force
 from ps_common.plan import ParameterSpec, Plan, make_plan, plan_digest
 from ps_common.text import quote
+from ps_server.core.limits import Limits
 from ps_server.membership.ranks import Member, Membership, PushResult, PushStamp, WorkerState
-from ps_server.shard.hosts import DataHost
+from ps_server.policy.base import ShardCore
+from ps_server.shard.round_stream import RoundStreams
 from ps_server.shard.views import Snapshot
+from ps_server.shard.waits import Waits
 
 T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
 
+class DataHost(ShardCore, Protocol):
+    """What :class:`DataPath` uses of the shard besides what its policy does (``ShardCore``)."""
+
+    num_shards: int
+    limits: Limits
+    refused_at: int | None
+    waits: Waits
+    streams: RoundStreams
+    last_checkpoint_version: int | None
+
+
 class DataPath:
-    """Push, Pull, PushPull and Exchange of one shard, and what they keep: the store's epoch (new
-    at every Init and restore).
-
-    Every method assumes the caller (``ps_server.shard.shard.Shard``) holds the shard's lock (the
-    waits release it while they wait); none takes it.
-
-    Args:
-        host: the shard (read and changed as :class:`DataHost` says).
-    """
+    """Push, Pull, PushPull and Exchange of one shard, and the store's epoch (new at every Init and
+    restore). Every method assumes the caller holds the shard's lock (the waits release it while
+    they wait); none takes it. ``host``: the shard, read and changed as :class:`DataHost` says."""
 
     def __init__(self, host: DataHost) -> None:
         self._host = host
@@ -131,11 +139,8 @@ class DataPath:
         return plan
 
     def initialized(self, digest: str) -> tuple[bool, int, str]:
-        """An Init of an initialized shard: (False, version, plan digest) when ``digest`` is its plan's.
-
-        Raises:
-            PlanMismatchError: another plan. InvalidRequestError: an empty digest.
-        """
+        """An Init of an initialized shard: (False, version, plan digest) when ``digest`` is its plan's;
+        else PlanMismatchError (another plan) or InvalidRequestError (an empty digest)."""
         plan = self.check_plan(digest)
         return False, self._host.version, plan.digest
 

@@ -25,8 +25,7 @@ from ps_server.core.partitions import match_partitions
 from ps_server.membership.ranks import PushResult, PushStamp
 from ps_server.policy import POLICIES
 from ps_server.policy.sync import Hyperparameters, SyncRounds
-from ps_server.shard.data import DataPath
-from ps_server.shard.hosts import DataHost
+from ps_server.shard.data import DataHost, DataPath
 from ps_server.shard.round_stream import RoundStream
 from ps_server.shard.store import ParameterStore
 from ps_server.shard.views import Snapshot, clone_tensors

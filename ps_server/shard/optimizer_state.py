@@ -25,7 +25,7 @@ import torch
 from ps_common.codec import check_finite, decode, dtype_from_proto
 from ps_common.errors import InvalidRequestError, NotInitializedError, PreconditionError
 from ps_common.plan import Plan
-from ps_server.shard.hosts import DataHost
+from ps_server.shard.data import DataHost
 from ps_server.shard.store import ParameterStore
 
 

@@ -13,8 +13,7 @@ import threading
 
 from ps_proto.v1 import ps_pb2
 from ps_server.membership.ranks import WorkerState
-from ps_server.shard.hosts import MembersHost
-from ps_server.shard.members import ShardMembers
+from ps_server.shard.members import MembersHost, ShardMembers
 from ps_server.shard.views import JoinInfo
 
 
