@@ -23,17 +23,20 @@ from ps_server.membership.ranks import Member, Membership, PushResult, PushStamp
 from ps_server.policy.types import Awaited, ClipHook, Hyperparameters, StreamHook
 
 if TYPE_CHECKING:
+    from ps_common.plan import Plan
     from ps_server.policy.rounds import SyncRounds
     from ps_server.shard.counters import ShardCounters
     from ps_server.shard.store import ParameterStore
 
 
 class ShardCore(Protocol):
-    """The state of a shard that its policy reads and changes (the caller holds the shard's lock)."""
+    """The state of a shard that its policy reads and changes (the caller holds the shard's lock);
+    the shard's collaborators see it so too (``ps_server.shard``), with the policy in force."""
 
     shard_index: int
     settings: ModeSettings
     version: int
+    plan: Plan | None
     store: ParameterStore | None
     rounds: SyncRounds
     round_opened: float | None
@@ -43,10 +46,14 @@ class ShardCore(Protocol):
     lost_round: str
     skipped_rounds: dict[int, None]
     exchange_results: dict[int, tuple[int, list[torch.Tensor]]]
-    membership: Membership
     counters: ShardCounters
-    clips: ClipHook
-    """Rounds held for clipping (``ps_server.shard.clipping``)."""
+
+    @property
+    def membership(self) -> Membership: ...
+
+    @property
+    def clips(self) -> ClipHook:
+        """Rounds held for clipping (``ps_server.shard.clipping``)."""
 
     @property
     def members(self) -> list[Member]: ...
@@ -55,8 +62,18 @@ class ShardCore(Protocol):
     def stream(self) -> StreamHook | None:
         """The sync round being streamed slot by slot, if any (``ps_server.shard.round_stream``)."""
 
+    @property
+    def mode(self) -> str: ...
+
+    @property
+    def policy(self) -> ConsistencyPolicy:
+        """The consistency model in force."""
+
     def now(self) -> float:
         """Monotonic seconds."""
+
+    def notify(self) -> None:
+        """Wake every wait on the shard's lock."""
 
     def record(self, member: Member, stamp: PushStamp, result: PushResult) -> None:
         """Account an accepted push: clock, pushes, lease, the answer to its repeats."""

@@ -60,5 +60,5 @@ class ClipHook(Protocol):
     def wanted(self, round_: int, ranks: Sequence[int]) -> bool:
         """At the close of ``round_`` (pushes of ``ranks``): whether one of them asked to hold it."""
 
-    def hold(self, round_: int, held: Mapping[int, Gradients], hyper: Hyperparameters, buffers: Any) -> None:
+    def hold(self, round_: int, held: dict[int, Gradients], hyper: Hyperparameters, buffers: Any) -> None:
         """Keep the complete round unapplied until its coefficient comes (a stream of it is put back)."""

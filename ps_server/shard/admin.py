@@ -5,7 +5,7 @@ snapshot for GetStatus."""
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Protocol
 
 from ps_common.codec import torch_dtype
 from ps_common.errors import InvalidRequestError, NotInitializedError, PreconditionError
@@ -16,12 +16,27 @@ from ps_common.outer_rounds import inner_step
 from ps_common.wire import MODE_TO_NAME, NAME_TO_MODE
 from ps_proto.v1 import ps_pb2
 from ps_server.membership.epochs import KEPT_CHANGES
-from ps_server.shard.hosts import AdminHost
+from ps_server.policy.base import ShardCore
 from ps_server.shard.members import ShardMembers, not_authority
 from ps_server.shard.views import StatusView
 from ps_server.tables.metrics import table_status
+from ps_server.tables.store import TableStore
 
-log = logging.getLogger("ps_server.shard.shard")
+log = logging.getLogger(__name__)
+
+
+class AdminHost(ShardCore, Protocol):
+    """What :class:`ConfigChanges` reads and changes of the shard besides what its policy does
+    (:class:`~ps_server.policy.base.ShardCore`): a status shows it all."""
+
+    num_shards: int
+    lease_timeout: float
+    restored_from_version: int | None
+    tables: TableStore
+    durable_acks: bool
+    last_checkpoint_version: int | None
+
+    def learning_rate(self) -> float: ...
 
 
 class ConfigChanges:

@@ -22,12 +22,13 @@ import logging
 
 from ps_common.errors import NotJoinedError
 from ps_server.membership.ranks import Member, Membership
-from ps_server.shard.hosts import MembersHost, OpenRound
+from ps_server.policy.base import ShardCore
+from ps_server.policy.rounds import SyncRounds
 
 log = logging.getLogger(__name__)
 
 
-def stop_counting(member: Member, rounds: OpenRound, sync: bool) -> None:
+def stop_counting(member: Member, rounds: SyncRounds, sync: bool) -> None:
     """Shard 0: the cluster stops counting ``member``; with ``sync`` rounds, its pushes count in the
     rounds below ``member.until``: shard 0's open round, plus one when ``rounds`` holds its push."""
     member.counted = False
@@ -36,7 +37,7 @@ def stop_counting(member: Member, rounds: OpenRound, sync: bool) -> None:
         member.until_incarnation = member.incarnation
 
 
-def follow(host: MembersHost, membership: Membership, reason: str) -> None:
+def follow(host: ShardCore, membership: Membership, reason: str) -> None:
     """A follower, after adopting shard 0's record (``reason``: its words): drop the open round's
     held push of a rank the record does not count in it (the rank's waiting call is told
     NOT_JOINED), and lose the round when a closed round took a push the record does not count."""
@@ -68,7 +69,7 @@ def follow(host: MembersHost, membership: Membership, reason: str) -> None:
             lose(host, min(closed), why)
 
 
-def check_replaced(host: MembersHost, member: Member) -> None:
+def check_replaced(host: ShardCore, member: Member) -> None:
     """A new process joined as ``member``'s rank: a round below its ``until`` still waiting for the
     old process's push here is lost (shard 0 took that push; no process can bring it now)."""
     rounds = host.rounds
@@ -80,7 +81,7 @@ def check_replaced(host: MembersHost, member: Member) -> None:
         lose(host, rounds.round, why)
 
 
-def lose(host: MembersHost, round_: int, why: str) -> None:
+def lose(host: ShardCore, round_: int, why: str) -> None:
     """Round ``round_`` cannot close here with the ranks shard 0 closed it with: every push and
     every read that needs it is refused from now on (FAILED_PRECONDITION, ``host.lost_round``)."""
     host.lost_round = (

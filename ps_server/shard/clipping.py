@@ -11,61 +11,30 @@ scales the mean and steps the round as usual; every later one for that round mus
 number, bitwise (FAILED_PRECONDITION otherwise). While a round is held, the shard's version stays
 and the next round is open but receives no push (no rank has the held round's result yet).
 
-Every method assumes the caller (``ps_server.shard.shard.Shard``) holds the shard's lock; the
-waits release it while they wait.
+The calls a servicer makes (:meth:`RoundClips.request`, ``wait_norm``, ``apply``) take the shard's
+lock; the sync policy's hooks run under it (the waits release it while they wait).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+import threading
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from ps_common.errors import InvalidRequestError, PreconditionError, UpdateRefusedError
 from ps_server.core.partitions import Bounded, max_abs_of
-from ps_server.membership.ranks import Membership
-from ps_server.policy.rounds import SyncRounds, aggregate
-from ps_server.policy.types import Gradients, Hyperparameters, StreamHook
-from ps_server.shard.store import ParameterStore
+from ps_server.policy.base import ShardCore
+from ps_server.policy.rounds import aggregate
+from ps_server.policy.types import Gradients, Hyperparameters
 
-log = logging.getLogger("ps_server.shard.shard")
+log = logging.getLogger(__name__)
 
 CLIP_ROUNDS = 64
 """Rounds whose coefficient a shard remembers, so a late rank's coefficient is still compared."""
-
-
-class ClipHost(Protocol):
-    """What :class:`RoundClips` uses of its shard (``ps_server.shard.shard.Shard``)."""
-
-    shard_index: int
-    version: int
-    store: ParameterStore | None
-    rounds: SyncRounds
-    membership: Membership
-    refusals: dict[int, UpdateRefusedError]
-    skipped_rounds: dict[int, None]
-
-    @property
-    def policy(self) -> Any:
-        """The consistency policy in force (``holds_pushes``, ``mode``)."""
-
-    @property
-    def stream(self) -> StreamHook | None: ...
-
-    def now(self) -> float: ...
-
-    def set_version(self, version: int) -> None: ...
-
-    def refuse_round(self, held: dict[int, Sequence[torch.Tensor]], exc: UpdateRefusedError) -> None: ...
-
-    def advance(self) -> None: ...
-
-    def wait_for_ranks(
-        self, ready: Callable[[], bool], deadline: float | None, describe: Callable[[], str]
-    ) -> None: ...
 
 
 @dataclasses.dataclass
@@ -87,11 +56,12 @@ class RoundClips:
     coefficients of the last :data:`CLIP_ROUNDS` clipped rounds.
 
     Args:
-        host: the shard, as :class:`ClipHost` says.
+        host: the shard, as its policy sees it (:class:`~ps_server.policy.base.ShardCore`).
+        cond: the shard's condition (its lock).
     """
 
-    def __init__(self, host: ClipHost) -> None:
-        self._host = host
+    def __init__(self, host: ShardCore, cond: threading.Condition) -> None:
+        self._host, self._cond = host, cond
         self.requests: dict[int, set[int]] = {}
         """Round -> ranks that pushed it with ``hold_for_clip``."""
         self.held: HeldRound | None = None
@@ -112,14 +82,15 @@ class RoundClips:
         Raises:
             PreconditionError: the mode has no rounds (only sync averages a round's gradients).
         """
-        host = self._host
-        if not host.policy.holds_pushes:
-            raise PreconditionError(
-                f"hold_for_clip is for sync rounds; this cluster runs {host.policy.mode}, where no round's average "
-                "exists to clip. Nothing was applied."
-            )
-        if round_ == host.rounds.round and self.held is None:
-            self.requests.setdefault(round_, set()).add(rank)
+        with self._cond:
+            host = self._host
+            if not host.policy.holds_pushes:
+                raise PreconditionError(
+                    f"hold_for_clip is for sync rounds; this cluster runs {host.policy.mode}, where no round's average "
+                    "exists to clip. Nothing was applied."
+                )
+            if round_ == host.rounds.round and self.held is None:
+                self.requests.setdefault(round_, set()).add(rank)
 
     # ----------------------------------------------------------------- the sync policy's hook
     def wanted(self, round_: int, ranks: Sequence[int]) -> bool:
@@ -160,31 +131,33 @@ class RoundClips:
             PreconditionError: the round was stepped without being held.
             WaitTimeoutError: not complete in ``timeout`` seconds. ShuttingDownError.
         """
-        host = self._host
-        deadline = None if timeout is None else host.now() + timeout
+        with self._cond:
+            host = self._host
+            deadline = None if timeout is None else host.now() + timeout
 
-        def ready() -> bool:
-            return self.held_round == round_ or host.version > round_ or rank in host.refusals
+            def ready() -> bool:
+                return self.held_round == round_ or host.version > round_ or rank in host.refusals
 
-        host.wait_for_ranks(
-            ready,
-            deadline,
-            lambda: (
-                f"Round {round_} held for clipping not complete in time (shard {host.shard_index}; round waits for "
-                f"ranks {host.rounds.waiting_for(host.membership.counted_in(host.rounds.round))}); check those workers."
-            ),
-        )
-        if host.version <= round_ and rank in host.refusals:
-            refusal = host.refusals.pop(rank)
-            raise type(refusal)(str(refusal))
-        if round_ in self.norms:
-            return round_, self.norms[round_]
-        if round_ in host.skipped_rounds:
-            return round_, None
-        raise PreconditionError(
-            f"Round {round_} of shard {host.shard_index} was stepped without being held for clipping; "
-            "every rank must call clip_grad_norm_ before step() in the same rounds."
-        )
+            host.wait_for_ranks(
+                ready,
+                deadline,
+                lambda: (
+                    f"Round {round_} held for clipping not complete in time (shard {host.shard_index}; round waits "
+                    f"for ranks {host.rounds.waiting_for(host.membership.counted_in(host.rounds.round))}); check those "
+                    "workers."
+                ),
+            )
+            if host.version <= round_ and rank in host.refusals:
+                refusal = host.refusals.pop(rank)
+                raise type(refusal)(str(refusal))
+            if round_ in self.norms:
+                return round_, self.norms[round_]
+            if round_ in host.skipped_rounds:
+                return round_, None
+            raise PreconditionError(
+                f"Round {round_} of shard {host.shard_index} was stepped without being held for clipping; "
+                "every rank must call clip_grad_norm_ before step() in the same rounds."
+            )
 
     def apply(self, rank: int, incarnation: int, round_: int, coefficient: float) -> None:
         """Step the held round ``round_`` with its mean times ``coefficient`` (the first rank's);
@@ -196,38 +169,39 @@ class RoundClips:
             PreconditionError: another coefficient than the one ``round_`` was stepped with.
             NotJoinedError, SupersededError: ``rank`` is not live under ``incarnation``.
         """
-        host = self._host
-        host.membership.check_live(host.membership.get(rank, incarnation), incarnation)
-        if not (0.0 < coefficient <= 1.0):  # NaN fails too
-            raise InvalidRequestError(
-                f"Clip coefficient {coefficient!r} for round {round_} is not in (0, 1]; it is "
-                "min(1, max_norm / (total_norm + 1e-6)) with max_norm > 0. Nothing was applied."
-            )
-        seen = self.coefficients.get(round_)
-        if seen is not None:
-            if seen != coefficient:
-                raise PreconditionError(
-                    f"Rank {rank} clips round {round_} by {coefficient!r}, but shard {host.shard_index} stepped it "
-                    f"by {seen!r}, another rank's: every rank must call clip_grad_norm_ with the same max_norm "
-                    "(the shards' norms are the same for every rank)."
+        with self._cond:
+            host = self._host
+            host.membership.check_live(host.membership.get(rank, incarnation), incarnation)
+            if not (0.0 < coefficient <= 1.0):  # NaN fails too
+                raise InvalidRequestError(
+                    f"Clip coefficient {coefficient!r} for round {round_} is not in (0, 1]; it is "
+                    "min(1, max_norm / (total_norm + 1e-6)) with max_norm > 0. Nothing was applied."
                 )
-            return
-        held = self.held
-        if held is None or held.round != round_ or rank not in held.held:
-            return
-        assert host.store is not None
-        scaled = Bounded([g * coefficient for g in held.mean], max_abs_of(held.mean))
-        self.held = None
-        _remember(self.coefficients, round_, coefficient)
-        try:
-            host.store.apply(scaled, hyper=held.hyper, buffers=held.buffers)
-        except UpdateRefusedError as exc:
-            del self.coefficients[round_], self.norms[round_]
-            host.refuse_round(held.held, exc)
-        else:
-            host.set_version(round_ + 1)
-            log.debug("shard %d: round %d applied, clipped by %r", host.shard_index, round_, coefficient)
-        host.advance()
+            seen = self.coefficients.get(round_)
+            if seen is not None:
+                if seen != coefficient:
+                    raise PreconditionError(
+                        f"Rank {rank} clips round {round_} by {coefficient!r}, but shard {host.shard_index} stepped it "
+                        f"by {seen!r}, another rank's: every rank must call clip_grad_norm_ with the same max_norm "
+                        "(the shards' norms are the same for every rank)."
+                    )
+                return
+            held = self.held
+            if held is None or held.round != round_ or rank not in held.held:
+                return
+            assert host.store is not None
+            scaled = Bounded([g * coefficient for g in held.mean], max_abs_of(held.mean))
+            self.held = None
+            _remember(self.coefficients, round_, coefficient)
+            try:
+                host.store.apply(scaled, hyper=held.hyper, buffers=held.buffers)
+            except UpdateRefusedError as exc:
+                del self.coefficients[round_], self.norms[round_]
+                host.refuse_round(held.held, exc)
+            else:
+                host.set_version(round_ + 1)
+                log.debug("shard %d: round %d applied, clipped by %r", host.shard_index, round_, coefficient)
+            host.advance()
 
     def forget(self) -> None:
         """The parameters were replaced (Init, restore): nothing is held or remembered."""

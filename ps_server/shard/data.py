@@ -8,7 +8,7 @@ push does (:meth:`~ps_server.policy.base.ConsistencyPolicy.accept`), when a read
 the caller's ``encode`` a :class:`~ps_server.shard.views.Snapshot` under the lock.
 
 A push or an exchange runs in two steps under the lock, with the decoding of its tensors between
-them (``ps_server.shard.shard.Shard`` takes the lock for each): ``admit_*`` checks and finds a
+them (:class:`~ps_server.shard.data_calls.DataCalls` takes the lock for each): ``admit_*`` checks and finds a
 repeated stamp's answer, ``apply_*`` checks again and applies.
 """
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 
@@ -34,32 +34,37 @@ from ps_common.errors import (
 from ps_common.fragments import check_fragments, fragments_in_force
 from ps_common.plan import ParameterSpec, Plan, make_plan, plan_digest
 from ps_common.text import quote
+from ps_server.core.limits import Limits
 from ps_server.membership.ranks import Member, Membership, PushResult, PushStamp, WorkerState
-from ps_server.shard.hosts import DataHost
+from ps_server.policy.base import ShardCore
+from ps_server.shard.round_stream import RoundStreams
 from ps_server.shard.views import Snapshot
+from ps_server.shard.waits import Waits
 
 T = TypeVar("T")
 
-log = logging.getLogger("ps_server.shard.shard")
+log = logging.getLogger(__name__)
+
+
+class DataHost(ShardCore, Protocol):
+    """What :class:`DataPath` uses of the shard besides what its policy does (``ShardCore``)."""
+
+    num_shards: int
+    limits: Limits
+    refused_at: int | None
+    waits: Waits
+    streams: RoundStreams
+    last_checkpoint_version: int | None
 
 
 class DataPath:
-    """Push, Pull, PushPull and Exchange of one shard, and what they keep: the store's epoch (new
-    at every Init and restore), durable answers (``durable_acks``: a push is answered once its
-    version is in a checkpoint on disk) and the newest checkpoint's version.
-
-    Every method assumes the caller (``ps_server.shard.shard.Shard``) holds the shard's lock (the
-    waits release it while they wait); none takes it.
-
-    Args:
-        host: the shard (read and changed as :class:`DataHost` says).
-    """
+    """Push, Pull, PushPull and Exchange of one shard, and the store's epoch (new at every Init and
+    restore). Every method assumes the caller holds the shard's lock (the waits release it while
+    they wait); none takes it. ``host``: the shard, read and changed as :class:`DataHost` says."""
 
     def __init__(self, host: DataHost) -> None:
         self._host = host
         self.store_epoch = 0
-        self.durable_acks = False
-        self.last_checkpoint_version: int | None = None
 
     # ----------------------------------------------------------------- plans
     def check_plan(self, digest: str) -> Plan:
@@ -134,11 +139,8 @@ class DataPath:
         return plan
 
     def initialized(self, digest: str) -> tuple[bool, int, str]:
-        """An Init of an initialized shard: (False, version, plan digest) when ``digest`` is its plan's.
-
-        Raises:
-            PlanMismatchError: another plan. InvalidRequestError: an empty digest.
-        """
+        """An Init of an initialized shard: (False, version, plan digest) when ``digest`` is its plan's;
+        else PlanMismatchError (another plan) or InvalidRequestError (an empty digest)."""
         plan = self.check_plan(digest)
         return False, self._host.version, plan.digest
 
@@ -208,7 +210,7 @@ class DataPath:
         result = policy.accept(host, member, stamp, grad_version, grads, hyper, skip)
         held = policy.holds_pushes and not result.dropped
         if held:
-            host.stream_held(stamp.rank, stream)
+            host.streams.held(stamp.rank, stream)
         host.advance()
         refusal = host.refusals.pop(stamp.rank, None) if held else None
         if refusal is not None:  # this push completed its round, and the round was refused
@@ -251,10 +253,6 @@ class DataPath:
             member.clock = min(member.clock, host.rounds.round)
             host.refusals[rank] = error
 
-    def values_key(self) -> tuple[int, int]:
-        """(version, store epoch) now: the parameters' values are the same while both are."""
-        return self._host.version, self.store_epoch
-
     def wait_durable(self, version: int, deadline: float | None) -> None:
         """With ``durable_acks``: wait until ``version`` is in a checkpoint on disk (the checkpointer
         writes every version), so the answer about to be sent survives a kill -9 of the shard.
@@ -262,12 +260,13 @@ class DataPath:
         Raises:
             WaitTimeoutError: not durable by ``deadline``. ShuttingDownError: closing.
         """
-        self._host.waits.until(
-            lambda: (self.last_checkpoint_version or 0) >= version,
+        host = self._host
+        host.waits.until(
+            lambda: (host.last_checkpoint_version or 0) >= version,
             deadline,
             lambda: (
                 f"version {version} was not checkpointed in time (--durable-acks); newest on disk: "
-                f"{self.last_checkpoint_version}"
+                f"{host.last_checkpoint_version}"
             ),
         )
 
@@ -352,7 +351,7 @@ class DataPath:
         host.policy.after_read(host, member, joined, min_version)
         assert host.store is not None
         if host.store.stepped_slots:  # a streamed round's speculative slots are not a version
-            host.end_stream("a read needed the parameters mid-round")
+            host.streams.end("a read needed the parameters mid-round")
         return host.version, encode(self.snapshot(host.version, host.store.tensors))
 
     def snapshot(self, version: int, tensors: Sequence[torch.Tensor]) -> Snapshot:

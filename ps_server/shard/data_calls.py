@@ -1,58 +1,98 @@
-"""A shard's Push, Pull, PushPull and Exchange as calls: the phases in which each takes the shard's
+"""A shard's Init, Push, Pull, PushPull and Exchange as calls: the phases in which each takes the shard's
 lock around :class:`~ps_server.shard.data.DataPath`, whose methods assume it held.
 
 Each call checks under the lock, matches the request's partitions to the plan without it (the
 work that needs no shared state: :func:`~ps_server.core.partitions.match_partitions`), then applies
 under it; an answer with ``durable_acks`` waits for its checkpoint under the lock
-(:meth:`DataPath.wait_durable`). The shard's facade (``ps_server.shard.shard.Shard``) delegates to
-:class:`DataCalls`.
+(:meth:`DataPath.wait_durable`). The shard (``ps_server.shard.shard.Shard``) serves them as its own
+``init``, ``push``, ``pull``, ``push_pull`` and ``exchange``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from ps_common import tracing
 from ps_common.fragments import fragments_in_force, owned_slots
-from ps_common.modes import ModeSettings
+from ps_common.optimizer import OptimizerSpec
 from ps_common.partition import WirePartition
-from ps_common.plan import Plan
+from ps_common.plan import ParameterSpec, Plan
 from ps_server.core.partitions import match_partitions
 from ps_server.membership.ranks import PushResult, PushStamp
 from ps_server.policy import POLICIES
-from ps_server.policy.sync import Hyperparameters
-from ps_server.shard.data import DataPath
+from ps_server.policy.sync import Hyperparameters, SyncRounds
+from ps_server.shard.data import DataHost, DataPath
 from ps_server.shard.round_stream import RoundStream
+from ps_server.shard.store import ParameterStore
 from ps_server.shard.views import Snapshot, clone_tensors
 
+log = logging.getLogger(__name__)
 
-class DataHost(Protocol):
-    """What the data calls use of their shard (``ps_server.shard.shard.Shard``)."""
 
-    shard_index: int
-    settings: ModeSettings
-    version: int
-    skipped_rounds: dict[int, None]
+class CallsHost(DataHost, Protocol):
+    """What the data calls use of their shard besides what :class:`DataPath` does."""
+
+    durable_acks: bool
     data: DataPath
 
-    def now(self) -> float:
-        """Monotonic seconds."""
+    def install(self, plan: Plan, store: ParameterStore) -> None:
+        """Take ``plan`` and ``store`` (lock held)."""
 
 
 class DataCalls:
-    """Push, Pull, PushPull and Exchange of one shard: each takes the shard's lock ``cond`` in the
+    """Init, Push, Pull, PushPull and Exchange of one shard: each takes the shard's lock ``cond`` in the
     phases its docstring says, and calls :class:`DataPath` (``host.data``) under it.
 
     Args:
-        host: the shard, as :class:`DataHost` says.
+        host: the shard, as :class:`CallsHost` says.
         cond: the shard's condition (its lock).
     """
 
-    def __init__(self, host: DataHost, cond: threading.Condition) -> None:
+    def __init__(self, host: CallsHost, cond: threading.Condition) -> None:
         self._host, self._cond = host, cond
+
+    def init(
+        self,
+        specs: Sequence[ParameterSpec],
+        num_shards: int,
+        partition_bytes: int,
+        digest: str,
+        optimizer: OptimizerSpec,
+        partitions: Sequence[WirePartition],
+        plan: Plan | None = None,
+        version: int = 0,
+    ) -> tuple[bool, int, str]:
+        """First writer wins: set the plan, initial values and optimizer (``plan``: :meth:`DataPath.init_plan`
+        of the other arguments, when the caller has it) at ``version`` (diloco: a shard that restarted
+        empty takes theta_global at the ranks' outer round). Returns (applied, version, plan digest):
+        not applied when already initialized with the same plan.
+
+        Raises:
+            InvalidRequestError: as :meth:`DataPath.init_plan`, a bad partition or optimizer spec.
+            PlanMismatchError: already initialized with another plan.
+        """
+        host = self._host
+        plan = plan or host.data.init_plan(specs, num_shards, partition_bytes, digest)
+        with self._cond:
+            if host.plan is not None:
+                return host.data.initialized(digest)
+        values = match_partitions(plan, host.shard_index, partitions, "value")
+        store = ParameterStore(plan, host.shard_index, values, optimizer)
+        with self._cond:
+            if host.plan is not None:  # lost a race with another Init
+                return host.data.initialized(digest)
+            host.install(plan, store)
+            if version:
+                host.rounds = SyncRounds(round=version)
+                host.set_version(version)  # and the config changes due there
+            what = (host.shard_index, len(store.partitions), store.num_bytes, plan.digest[:12], optimizer.name, version)
+            log.info("shard %d: initialized with %d partitions (%d B), plan %s, optimizer %s, at version %d", *what)
+            self._cond.notify_all()
+            return True, host.version, plan.digest
 
     def push(
         self,
@@ -86,7 +126,7 @@ class DataCalls:
 
     def wait_durable(self, version: int, deadline: float | None) -> None:
         """With ``durable_acks``: wait until ``version`` is checkpointed; see :meth:`DataPath.wait_durable`."""
-        if self._host.data.durable_acks:
+        if self._host.durable_acks:
             with self._cond:
                 self._host.data.wait_durable(version, deadline)
 

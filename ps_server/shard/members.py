@@ -13,18 +13,18 @@ import dataclasses
 import logging
 import secrets
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from ps_common.errors import InvalidRequestError, NotJoinedError, PreconditionError, WrongRankError
 from ps_common.modes import ModeSettings
 from ps_proto.v1 import ps_pb2
 from ps_server.membership.epochs import MAX_WORKERS, Epochs
 from ps_server.membership.ranks import Member, Membership, WorkerState
+from ps_server.policy.base import ShardCore
 from ps_server.shard import atomic_rounds
-from ps_server.shard.hosts import MembersHost
 from ps_server.shard.views import JoinInfo
 
-log = logging.getLogger("ps_server.shard.shard")
+log = logging.getLogger(__name__)
 
 
 NOT_AUTHORITY = (
@@ -36,6 +36,16 @@ NOT_AUTHORITY = (
 def not_authority(shard_index: int, what: str) -> PreconditionError:
     """The refusal of a membership or configuration call made to a shard other than shard 0."""
     return PreconditionError(NOT_AUTHORITY.format(k=shard_index, what=what))
+
+
+class MembersHost(ShardCore, Protocol):
+    """What :class:`ShardMembers` (and :class:`~ps_server.shard.relay.MembershipRelay`) read and
+    change of the shard besides what its policy does (:class:`~ps_server.policy.base.ShardCore`)."""
+
+    refused_at: int | None
+
+    def learning_rate(self) -> float: ...
+    def apply_due(self) -> None: ...
 
 
 class ShardMembers:

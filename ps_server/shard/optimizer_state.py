@@ -16,14 +16,16 @@ from __future__ import annotations
 
 import functools
 import secrets
+import threading
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
 from ps_common.codec import check_finite, decode, dtype_from_proto
 from ps_common.errors import InvalidRequestError, NotInitializedError, PreconditionError
 from ps_common.plan import Plan
+from ps_server.shard.data import DataHost
 from ps_server.shard.store import ParameterStore
 
 
@@ -165,18 +167,6 @@ class StateIntake:
         return self.staged
 
 
-class StateHost(Protocol):
-    """What the optimizer-state calls use of their shard (``ps_server.shard.shard.Shard``)."""
-
-    shard_index: int
-    version: int
-    plan: Plan | None
-    store: ParameterStore | None
-
-    def end_stream(self, why: str) -> None:
-        """Put a streamed round's stepped slots back (lock held)."""
-
-
 @dataclass
 class Stage:
     """A checked state waiting for its commit: for ``store`` (a re-init or restore voids it)."""
@@ -187,12 +177,11 @@ class Stage:
 
 
 class OptimizerStates:
-    """Reads, stages and commits the server optimizer's state of one shard; every method assumes
-    the shard's lock is held (the facade takes it). One stage is kept at a time: a later push
-    replaces it."""
+    """Reads, stages and commits the server optimizer's state of one shard; every method takes the
+    shard's lock ``cond``. One stage is kept at a time: a later push replaces it."""
 
-    def __init__(self, host: StateHost) -> None:
-        self._host = host
+    def __init__(self, host: DataHost, cond: threading.Condition) -> None:
+        self._host, self._cond = host, cond
         self._stage: Stage | None = None
 
     def _store(self) -> tuple[Plan, ParameterStore]:
@@ -207,8 +196,9 @@ class OptimizerStates:
         Raises:
             NotInitializedError: before Init.
         """
-        plan, store = self._store()
-        return Layout(plan, self._host.shard_index, store)
+        with self._cond:
+            plan, store = self._store()
+            return Layout(plan, self._host.shard_index, store)
 
     def read(self) -> tuple[int, list[StateValue]]:
         """(version, copies of every trained partition's state values, plan order). A streamed
@@ -218,15 +208,16 @@ class OptimizerStates:
         Raises:
             NotInitializedError: before Init.
         """
-        _, store = self._store()
-        self._host.end_stream("the optimizer state was read mid-round")
-        out = []
-        for i in store.trained_index:
-            part = store.partitions[i]
-            for name, v in store.optimizer.state.get(store.tensors[i], {}).items():
-                if isinstance(v, torch.Tensor):
-                    out.append(StateValue(part.key, part.offset, name, v.detach().clone()))
-        return self._host.version, out
+        with self._cond:
+            _, store = self._store()
+            self._host.streams.end("the optimizer state was read mid-round")
+            out = []
+            for i in store.trained_index:
+                part = store.partitions[i]
+                for name, v in store.optimizer.state.get(store.tensors[i], {}).items():
+                    if isinstance(v, torch.Tensor):
+                        out.append(StateValue(part.key, part.offset, name, v.detach().clone()))
+            return self._host.version, out
 
     def stage(self, layout: Layout, state: dict[int, dict[str, torch.Tensor]]) -> int:
         """Keep ``state`` (:meth:`StateIntake.finish`) until :meth:`commit`; returns its stage id.
@@ -234,13 +225,14 @@ class OptimizerStates:
         Raises:
             PreconditionError: the shard was initialized or restored again since ``layout`` was read.
         """
-        _, store = self._store()
-        if store is not layout.store:
-            raise PreconditionError(
-                "The shard's parameters were replaced while the optimizer state arrived; push again."
-            )
-        self._stage = Stage(secrets.randbits(63) + 1, store, state)
-        return self._stage.stage
+        with self._cond:
+            _, store = self._store()
+            if store is not layout.store:
+                raise PreconditionError(
+                    "The shard's parameters were replaced while the optimizer state arrived; push again."
+                )
+            self._stage = Stage(secrets.randbits(63) + 1, store, state)
+            return self._stage.stage
 
     def commit(self, stage: int) -> int:
         """Put the staged state in force: every trained partition's state becomes the stage's (none
@@ -251,14 +243,15 @@ class OptimizerStates:
             PreconditionError: no stage of that id (another push replaced it, or the shard restarted
                 or was initialized again since): push the state again.
         """
-        _, store = self._store()
-        staged = self._stage
-        if staged is None or staged.stage != stage or staged.store is not store:
-            raise PreconditionError(
-                f"Shard {self._host.shard_index} holds no staged optimizer state {stage} (replaced by a later push, "
-                "or the shard restarted); push the state again, then commit it."
-            )
-        self._host.end_stream("the optimizer state was replaced mid-round")
-        store.replace_state(staged.state)
-        self._stage = None
-        return self._host.version
+        with self._cond:
+            _, store = self._store()
+            staged = self._stage
+            if staged is None or staged.stage != stage or staged.store is not store:
+                raise PreconditionError(
+                    f"Shard {self._host.shard_index} holds no staged optimizer state {stage} (replaced by a later "
+                    "push, or the shard restarted); push the state again, then commit it."
+                )
+            self._host.streams.end("the optimizer state was replaced mid-round")
+            store.replace_state(staged.state)
+            self._stage = None
+            return self._host.version

@@ -30,49 +30,35 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from ps_common.codec import decode, torch_dtype
 from ps_common.errors import UpdateRefusedError
 from ps_common.partition import WirePartition
+from ps_server.policy.base import ShardCore
 from ps_server.policy.rounds import aggregate
 from ps_server.policy.types import Hyperparameters, hyper_key
 
 if TYPE_CHECKING:
     import threading
 
-    from ps_common.modes import ModeSettings
-    from ps_server.membership.ranks import Membership, PushStamp
-    from ps_server.policy.base import ConsistencyPolicy
-    from ps_server.policy.rounds import SyncRounds
-    from ps_server.shard.counters import ShardCounters
-    from ps_server.shard.store import ParameterStore
+    from ps_server.membership.ranks import PushStamp
 
 log = logging.getLogger(__name__)
 
 
-class Shard(Protocol):
+class Shard(ShardCore, Protocol):
     """What a streamed round reads and writes of its shard (the facade,
-    :class:`~ps_server.shard.shard.Shard`), under the shard's lock."""
+    :class:`~ps_server.shard.shard.Shard`) besides what its policy does, under the shard's lock."""
 
-    shard_index: int
-    settings: ModeSettings
-    pending_mode: str
-    store: ParameterStore
-    counters: ShardCounters
-    stream: RoundStream | None
+    stream: RoundStream | None  # type: ignore[assignment]
     streamed_rounds: int
     unstreamed_rounds: int
 
     @property
-    def policy(self) -> ConsistencyPolicy: ...
-    @property
-    def membership(self) -> Membership: ...
-    @property
-    def rounds(self) -> SyncRounds | Any: ...
-    def notify(self) -> None: ...
+    def pending_mode(self) -> str: ...
 
 
 @dataclass
@@ -267,9 +253,9 @@ def wire_values(shard: Shard, stream: RoundStream, slot: int, wire: str) -> torc
 
 
 class RoundStreams:
-    """The streamed rounds of one shard, as its facade (:class:`~ps_server.shard.shard.Shard`)
-    calls them. Every method assumes the caller holds the shard's lock, the condition ``cond``;
-    :meth:`slots` waits on it (which releases it while it waits).
+    """The streamed rounds of one shard: :meth:`join`, :meth:`leave` and :meth:`slots` (the data
+    plane's calls) take the shard's lock, the condition ``cond``; :meth:`slots` waits on it (which
+    releases it while it waits). :meth:`held` and :meth:`end` run under it (the caller holds it).
 
     Args:
         shard: the shard whose stream (``shard.stream``) these are, as :class:`Shard` says.
@@ -281,12 +267,14 @@ class RoundStreams:
 
     def join(self, stamp: PushStamp, hyper: Hyperparameters, skip: bool, setting: str) -> RoundStream | None:
         """The stream of round ``stamp.clock`` this push takes part in; see :func:`join`."""
-        return join(self._shard, stamp, hyper, skip, setting)
+        with self._cond:
+            return join(self._shard, stamp, hyper, skip, setting)
 
     def leave(self, stream: RoundStream, rank: int, why: str) -> None:
         """A streamed call failed: end ``stream`` (``why``) unless ``rank``'s push is in it."""
-        if stream.live and rank not in stream.pushed:
-            end(self._shard, why)
+        with self._cond:
+            if stream.live and rank not in stream.pushed:
+                end(self._shard, why)
 
     def slots(
         self,
@@ -303,19 +291,20 @@ class RoundStreams:
         complete, and wait until a slot not in ``sent`` is stepped or the stream ends; returns the
         slots ready and their values on the wire (``wire`` dtype). Ends the stream when ``until``
         (time.monotonic seconds) passes or ``active()`` is False; re-checks every ``poll`` seconds."""
-        shard = self._shard
-        while True:
-            for slot, grad in landed():
-                offer(shard, stream, rank, slot, grad)
-            step_ready(shard, stream)
-            ready = sorted(stream.stepped - sent)
-            if ready or not stream.live:
-                return ready, [wire_values(shard, stream, slot, wire) for slot in ready]
-            left = None if until is None else until - time.monotonic()
-            if (left is not None and left <= 0) or not active():
-                end(shard, f"rank {rank}'s call ended waiting for the round's slots")
-                return [], []
-            self._cond.wait(poll if left is None else min(poll, left))
+        with self._cond:
+            shard = self._shard
+            while True:
+                for slot, grad in landed():
+                    offer(shard, stream, rank, slot, grad)
+                step_ready(shard, stream)
+                ready = sorted(stream.stepped - sent)
+                if ready or not stream.live:
+                    return ready, [wire_values(shard, stream, slot, wire) for slot in ready]
+                left = None if until is None else until - time.monotonic()
+                if (left is not None and left <= 0) or not active():
+                    end(shard, f"rank {rank}'s call ended waiting for the round's slots")
+                    return [], []
+                self._cond.wait(poll if left is None else min(poll, left))
 
     def held(self, rank: int, stream: RoundStream | None) -> None:
         """Rank's whole push joined the open round; see :func:`held`."""

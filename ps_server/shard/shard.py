@@ -1,22 +1,22 @@
-"""One shard's state behind one condition: the facade that alone takes the shard's lock.
+"""One shard's state behind one condition: :class:`Shard` keeps the round state and its collaborators.
 
-The servicer decodes a request and calls one method here; each takes the lock and calls the
-collaborators that own the state, whose methods assume the lock is held and never take it:
-:class:`~ps_server.shard.members.ShardMembers` (ranks, membership epochs),
-:class:`~ps_server.shard.relay.MembershipRelay` (membership requests and the records they relay),
-:class:`~ps_server.shard.admin.ConfigChanges` (configuration changes, status),
+Each collaborator owns one part of the state: :class:`~ps_server.shard.members.ShardMembers` (ranks,
+membership epochs), :class:`~ps_server.shard.admin.ConfigChanges` (configuration changes, status),
 :class:`~ps_server.shard.data.DataPath` (push, pull, exchange, their bookkeeping),
-:class:`~ps_server.shard.state.StateCodec` (checkpoint state),
+:class:`~ps_server.shard.state.StateCodec` (checkpoint state), the
+:class:`~ps_server.shard.store.ParameterStore` and the :class:`~ps_server.tables.store.TableStore`;
+their methods assume the shard's lock is held. The classes a servicer calls take the lock themselves:
+:class:`~ps_server.shard.data_calls.DataCalls` (Init, Push, Pull, PushPull, Exchange) and
+:class:`~ps_server.tables.calls.TableCalls` (InitTables, PullRows, PushRows) in phases, leaving out of
+it the work that needs no shared state (matching partitions, decoding ids);
+:class:`~ps_server.shard.relay.MembershipRelay` (membership requests and the records they relay),
 :class:`~ps_server.shard.round_stream.RoundStreams` (streamed sync rounds),
-:class:`~ps_server.shard.optimizer_state.OptimizerStates` (the optimizer state in torch's layout), the
-:class:`~ps_server.shard.store.ParameterStore` and the :class:`~ps_server.tables.store.TableStore`.
-:class:`~ps_server.shard.data_calls.DataCalls` (Push, Pull, PushPull, Exchange) and
-:class:`~ps_server.tables.calls.TableCalls` (InitTables, PullRows, PushRows) take the lock in
-phases, leaving out of it the work that needs no shared state (matching partitions, decoding ids).
-The shard's consistency model (:data:`ps_server.policy.POLICIES`, by ``settings.mode``) decides
-what a push does, when a round closes and when a read is served; the shard is the
-:class:`~ps_server.policy.base.ShardCore` it is given, and keeps the round state it reads. Reads
-hand a :class:`Snapshot` to the caller's ``encode`` under the lock (``service/frame_cache``).
+:class:`~ps_server.shard.clipping.RoundClips` (clipped rounds) and
+:class:`~ps_server.shard.optimizer_state.OptimizerStates` (the optimizer state in torch's layout).
+The shard's own methods take the lock for the other calls. Its consistency model
+(:data:`ps_server.policy.POLICIES`, by ``settings.mode``) decides what a push does, when a round
+closes and when a read is served; the shard is the :class:`~ps_server.policy.base.ShardCore` it is
+given. Reads hand a :class:`Snapshot` to the caller's ``encode`` under the lock (``service/frame_cache``).
 """
 
 from __future__ import annotations
@@ -24,18 +24,16 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
-from typing import Any, Concatenate
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from ps_common.errors import UpdateRefusedError
 from ps_common.modes import MODES, ModeSettings
-from ps_common.optimizer import OptimizerSpec
-from ps_common.partition import WirePartition
-from ps_common.plan import ParameterSpec, Plan
+from ps_common.plan import Plan
+from ps_proto.v1 import ps_pb2
 from ps_server.core.limits import Limits
-from ps_server.core.partitions import match_partitions
 from ps_server.membership.epochs import Epochs
 from ps_server.membership.ranks import Member, Membership, MemberView, PushResult, PushStamp, WorkerState
 from ps_server.policy import POLICIES, ConsistencyPolicy
@@ -46,14 +44,13 @@ from ps_server.shard.clipping import RoundClips
 from ps_server.shard.counters import ShardCounters
 from ps_server.shard.data import DataPath
 from ps_server.shard.data_calls import DataCalls
-from ps_server.shard.delegation import C, P, R, delegated, locked, part_property
 from ps_server.shard.members import ShardMembers
 from ps_server.shard.optimizer_state import OptimizerStates
 from ps_server.shard.relay import MembershipRelay
 from ps_server.shard.round_stream import RoundStream, RoundStreams
 from ps_server.shard.state import StateCodec
 from ps_server.shard.store import ParameterStore
-from ps_server.shard.views import Snapshot, StatusView
+from ps_server.shard.views import JoinInfo, Snapshot, StatusView
 from ps_server.shard.waits import Waits
 from ps_server.tables.calls import TableCalls
 from ps_server.tables.store import TableStore
@@ -65,16 +62,6 @@ __all__ = ["MODES", "Shard", "WorkerState", "PushResult", "PushStamp", "StatusVi
 
 SnapshotHook = Callable[[int, dict[str, Any]], None]
 """Called with (version, :meth:`Shard.export_state` output) under the shard's lock."""
-
-
-def _lock(self: Shard) -> threading.Condition:
-    """The shard's lock (for :func:`_locked`; nothing outside this module takes it)."""
-    return self._cond
-
-
-def _locked(part: str, method: Callable[Concatenate[C, P], R]) -> Callable[Concatenate[Shard, P], R]:
-    """``method`` of the shard's collaborator ``part``, called under the shard's lock."""
-    return locked(_lock, part, method)
 
 
 class Shard:
@@ -141,20 +128,38 @@ class Shard:
         self.streamed_rounds = 0  # sync rounds stepped slot by slot and closed as streamed
         self.unstreamed_rounds = 0  # streams that ended before their round closed (then applied whole)
         self.restored_from_version: int | None = None
+        self.durable_acks = False  # answer pushes once their version is durable (--durable-acks)
+        self.last_checkpoint_version: int | None = None  # the newest on disk
         self.tables = TableStore(shard_index, num_shards, DEFAULT_MAX_TABLE_ROWS)  # embedding tables
-        # the collaborators: each owns its state; their methods run under this shard's lock
+        # the collaborators: each owns its part of the state; those a servicer calls through the methods
+        # below take the lock themselves, the others assume it held (this shard's methods take it)
         self.cluster = ShardMembers(
             self, shard_index, settings, lease_timeout, now, join_timeout, record_key, cluster_id
         )
-        self.relay = MembershipRelay(self, self.cluster)
+        self.relay = MembershipRelay(self, self.cluster, self._cond)
         self.config = ConfigChanges(self, self.cluster)
         self.data = DataPath(self)
         self.codec = StateCodec(shard_index, num_shards)
         self.streams = RoundStreams(self, self._cond)
         self.table_calls = TableCalls(self, self._cond)
         self.data_calls = DataCalls(self, self._cond)
-        self.clips = RoundClips(self)
-        self.optimizer_states = OptimizerStates(self)
+        self.clips = RoundClips(self, self._cond)
+        self.optimizer_states = OptimizerStates(self, self._cond)
+        # the calls a servicer makes by these names that need no lock or take it themselves, and the
+        # policy's bookkeeping hooks (its caller holds the lock): the collaborators' own methods
+        data, calls, tables, relay, streams = self.data, self.data_calls, self.table_calls, self.relay, self.streams
+        self.check_plan, self.init_plan, self.init = data.check_plan, data.init_plan, calls.init
+        self.record, self.refusal, self.refuse_round = data.record, data.refusal, data.refuse_round
+        self.push, self.pull, self.push_pull, self.exchange = calls.push, calls.pull, calls.push_pull, calls.exchange
+        self.init_tables, self.pull_rows, self.push_rows = tables.init_tables, tables.pull_rows, tables.push_rows
+        self.table_metrics = tables.metrics
+        self.join_relaying, self.heartbeat_relaying = relay.join_relaying, relay.heartbeat_relaying
+        self.leave_relaying, self.resize_request, self.told = relay.leave_relaying, relay.resize_request, relay.told
+        self.join_stream, self.leave_stream, self.stream_slots = streams.join, streams.leave, streams.slots
+        clips, states = self.clips, self.optimizer_states
+        self.request_clip, self.wait_clip_norm, self.apply_clip = clips.request, clips.wait_norm, clips.apply
+        self.optimizer_state_layout, self.read_optimizer_state = states.layout, states.read
+        self.stage_optimizer_state, self.commit_optimizer_state = states.stage, states.commit
 
     # ----------------------------------------------------------------- views of the collaborators' state
     @property
@@ -166,12 +171,20 @@ class Shard:
         """The consistency model in force (a mode switch swaps it at a round boundary)."""
         return POLICIES[self.settings.mode]
 
-    membership: Membership = part_property("cluster", "membership", "The shard's ranks (:class:`ShardMembers`).")
-    epochs: Epochs = part_property("cluster", "epochs", "Shard 0's membership records (:class:`ShardMembers`).")
-    configured_num_workers: int = part_property("cluster", "configured_num_workers", "``--num-workers``.")
-    pending_mode: str = part_property("config", "pending_mode", "The mode switched to at the next round boundary.")
-    durable_acks: bool = part_property("data", "durable_acks", "Answer pushes once their version is durable.", True)
-    last_checkpoint_version: int | None = part_property("data", "last_checkpoint_version", "The newest on disk.")
+    @property
+    def membership(self) -> Membership:
+        """The shard's ranks (:class:`ShardMembers`)."""
+        return self.cluster.membership
+
+    @property
+    def epochs(self) -> Epochs:
+        """Shard 0's membership records (:class:`ShardMembers`)."""
+        return self.cluster.epochs
+
+    @property
+    def pending_mode(self) -> str:
+        """The mode switched to at the next round boundary (:class:`ConfigChanges`)."""
+        return self.config.pending_mode
 
     @property
     def redo_from(self) -> int | None:
@@ -203,9 +216,6 @@ class Shard:
         with self._cond:
             self.membership.check_live(self.membership.get(rank, incarnation), incarnation)
 
-    check_plan = delegated("data", DataPath.check_plan)
-    check_wire_dtype = staticmethod(DataPath.check_wire_dtype)
-
     def check_request(self, digest: str, rank: int, incarnation: int, session: int, what: str) -> Plan:
         """A push-type request's header (``what``): :meth:`DataPath.check_plan` of ``digest``, then
         ``rank``'s session (:meth:`ShardMembers.check_session`). Returns the plan."""
@@ -215,95 +225,61 @@ class Shard:
             return plan
 
     # ----------------------------------------------------------------- membership (ShardMembers)
-    join = _locked("cluster", ShardMembers.join)
-    check_session = _locked("cluster", ShardMembers.check_session)
-    check_member = _locked("cluster", ShardMembers.check_member)
-    heartbeat = _locked("cluster", ShardMembers.heartbeat)
-    leave = _locked("cluster", ShardMembers.leave)
-    evict = _locked("cluster", ShardMembers.evict)
-    adopt = _locked("cluster", ShardMembers.adopt)
-    resize = _locked("cluster", ShardMembers.resize)
-    expire_leases = _locked("cluster", ShardMembers.expire_leases)
-    report_missing = _locked("cluster", ShardMembers.report_missing)
-
-    session_is = _locked("cluster", ShardMembers.session_is)
-    is_live = _locked("cluster", ShardMembers.is_live)
-    join_relaying = _locked("relay", MembershipRelay.join_relaying)
-    heartbeat_relaying = _locked("relay", MembershipRelay.heartbeat_relaying)
-    leave_relaying = _locked("relay", MembershipRelay.leave_relaying)
-    resize_request = _locked("relay", MembershipRelay.resize_request)
-    told = _locked("relay", MembershipRelay.told)
-
-    # ----------------------------------------------------------------- init
-    init_plan = delegated("data", DataPath.init_plan)
-
-    def init(
-        self,
-        specs: Sequence[ParameterSpec],
-        num_shards: int,
-        partition_bytes: int,
-        digest: str,
-        optimizer: OptimizerSpec,
-        partitions: Sequence[WirePartition],
-        plan: Plan | None = None,
-        version: int = 0,
-    ) -> tuple[bool, int, str]:
-        """First writer wins: set the plan, initial values and optimizer (``plan``: :meth:`init_plan`
-        of the other arguments, when the caller has it) at ``version`` (diloco: a shard that restarted
-        empty takes theta_global at the ranks' outer round). Returns (applied, version, plan digest):
-        not applied when already initialized with the same plan.
-
-        Raises:
-            InvalidRequestError: as :meth:`DataPath.init_plan`, a bad partition or optimizer spec.
-            PlanMismatchError: already initialized with another plan.
-        """
-        plan = plan or self.init_plan(specs, num_shards, partition_bytes, digest)
+    def join(self, rank: int, num_workers: int, incarnation: int, epoch: int = 0) -> JoinInfo:
         with self._cond:
-            if self.plan is not None:
-                return self.data.initialized(digest)
-        values = match_partitions(plan, self.shard_index, partitions, "value")
-        store = ParameterStore(plan, self.shard_index, values, optimizer)
-        with self._cond:
-            if self.plan is not None:  # lost a race with another Init
-                return self.data.initialized(digest)
-            self._install(plan, store)
-            if version:
-                self.rounds = SyncRounds(round=version)
-                self.set_version(version)  # and the config changes due there
-            what = (self.shard_index, len(store.partitions), store.num_bytes, plan.digest[:12], optimizer.name, version)
-            log.info("shard %d: initialized with %d partitions (%d B), plan %s, optimizer %s, at version %d", *what)
-            self._cond.notify_all()
-            return True, self.version, plan.digest
+            return self.cluster.join(rank, num_workers, incarnation, epoch)
 
-    def _install(self, plan: Plan, store: ParameterStore) -> None:
+    def check_session(self, rank: int, incarnation: int, session: int, what: str) -> None:
+        with self._cond:
+            self.cluster.check_session(rank, incarnation, session, what)
+
+    def session_is(self, rank: int, incarnation: int, session: int) -> bool:
+        with self._cond:
+            return self.cluster.session_is(rank, incarnation, session)
+
+    def heartbeat(self, rank: int, incarnation: int) -> tuple[int, WorkerState]:
+        with self._cond:
+            return self.cluster.heartbeat(rank, incarnation)
+
+    def leave(self, rank: int, incarnation: int) -> int:
+        with self._cond:
+            return self.cluster.leave(rank, incarnation)
+
+    def evict(self, rank: int) -> tuple[WorkerState, int]:
+        with self._cond:
+            return self.cluster.evict(rank)
+
+    def adopt(self, record: ps_pb2.MembershipEpoch) -> bool:
+        with self._cond:
+            return self.cluster.adopt(record)
+
+    def resize(self, num_workers: int, at_version: int | None = None) -> tuple[int, int]:
+        with self._cond:
+            return self.cluster.resize(num_workers, at_version)
+
+    def expire_leases(self) -> list[int]:
+        with self._cond:
+            return self.cluster.expire_leases()
+
+    def report_missing(self) -> list[int]:
+        with self._cond:
+            return self.cluster.report_missing()
+
+    # ----------------------------------------------------------------- init and restore
+    def install(self, plan: Plan, store: ParameterStore) -> None:
+        """Take ``plan`` and ``store`` (an Init, a restore): a new store epoch. Caller holds the lock."""
         self.plan, self.store = plan, store
         self.stream = None
         self.clips.forget()
         self.data.store_epoch += 1
 
-    # ----------------------------------------------------------------- the data path (DataPath)
-    push = delegated("data_calls", DataCalls.push)  # takes the lock in phases
-    wait_durable = delegated("data_calls", DataCalls.wait_durable)  # takes the lock with durable_acks
-    pull = delegated("data_calls", DataCalls.pull)
-    push_pull = delegated("data_calls", DataCalls.push_pull)
-    exchange = delegated("data_calls", DataCalls.exchange)  # takes the lock in phases
-    values_key = _locked("data", DataPath.values_key)
-    request_clip = _locked("clips", RoundClips.request)
-    wait_clip_norm = _locked("clips", RoundClips.wait_norm)
-    apply_clip = _locked("clips", RoundClips.apply)
-
-    # ----------------------------------------------------------------- streamed rounds (RoundStreams)
-    join_stream = _locked("streams", RoundStreams.join)
-    leave_stream = _locked("streams", RoundStreams.leave)
-    stream_slots = _locked("streams", RoundStreams.slots)
-    stream_held = delegated("streams", RoundStreams.held)  # the caller holds the lock
-    end_stream = delegated("streams", RoundStreams.end)  # the caller holds the lock
+    # ----------------------------------------------------------------- the data path
+    def values_key(self) -> tuple[int, int]:
+        """(version, store epoch) now: the parameters' values are the same while both are."""
+        with self._cond:
+            return self.version, self.data.store_epoch
 
     # ----------------------------------------------------------------- the policy's shard (ShardCore)
-    record = delegated("data", DataPath.record)
-    refusal = delegated("data", DataPath.refusal)
-    refuse_round = delegated("data", DataPath.refuse_round)
-
     def set_version(self, version: int) -> None:
         """Advance the version; at every ``checkpoint_every``-th version hand a snapshot to
         ``on_snapshot`` (taken under the lock, so every sync shard snapshots the same rounds)."""
@@ -313,7 +289,9 @@ class Shard:
         if self.checkpoint_every and self.on_snapshot and version % self.checkpoint_every == 0:
             self.on_snapshot(version, self.export_state())
 
-    apply_due = delegated("config", ConfigChanges.apply_due)
+    def apply_due(self) -> None:
+        """Apply the configuration changes the version has reached (caller holds the lock)."""
+        self.config.apply_due()
 
     def notify(self) -> None:
         """Wake every wait on the shard's lock (caller holds it)."""
@@ -356,13 +334,13 @@ class Shard:
             ShuttingDownError: closing. WaitTimeoutError: ``deadline`` passed.
         """
         quorum = lambda: self.policy.quorum(self.settings)  # noqa: E731
-        self.waits.for_ranks(ready, deadline, describe, self.membership, self.report_missing, quorum, awaited)
+        self.waits.for_ranks(ready, deadline, describe, self.membership, self.cluster.report_missing, quorum, awaited)
 
     # ----------------------------------------------------------------- checkpoints (StateCodec)
     def checkpointed(self, version: int) -> None:
         """The newest checkpoint on disk is at ``version``: wake the answers waiting for it (``durable_acks``)."""
         with self._cond:
-            self.data.last_checkpoint_version = version
+            self.last_checkpoint_version = version
             self._cond.notify_all()
 
     def export_state(self) -> dict[str, Any]:
@@ -374,7 +352,9 @@ class Shard:
         """
         with self._cond:
             self.streams.end("a checkpoint needed the parameters mid-round")
-            return self.codec.export(self)
+            return self.codec.export(
+                self.plan, self.store, self.version, self.mode, self.rounds, self.cluster, self.tables
+            )
 
     def restore(self, state: dict[str, Any]) -> None:
         """Resume from :meth:`export_state` output: parameters, optimizer state, version and
@@ -385,36 +365,41 @@ class Shard:
         """
         plan, store = self.codec.load(state)
         with self._cond:
-            self._install(plan, store)
+            self.install(plan, store)
             self.version = int(state["version"])
             self.rounds = SyncRounds(round=self.version)
             self.codec.restore(state, self.membership, self.epochs, self.tables)
             self.cluster.restored(state)
-            self.restored_from_version = self.data.last_checkpoint_version = self.version
+            self.restored_from_version = self.last_checkpoint_version = self.version
             log.info("shard %d: resumed from its checkpoint at version %d", self.shard_index, self.version)
             self._cond.notify_all()
 
     # ----------------------------------------------------------------- admin (ConfigChanges)
-    update_config = _locked("config", ConfigChanges.update_config)
-    status = _locked("config", ConfigChanges.status)
-    change_config = _locked("config", ConfigChanges.change_config)
+    def update_config(self, mode: str = "", learning_rate: float | None = None, **changes: Any) -> ModeSettings:
+        with self._cond:
+            return self.config.update_config(mode, learning_rate, **changes)
 
-    learning_rate = delegated("config", ConfigChanges.learning_rate)  # needs no lock
-    table_metrics = _locked("table_calls", TableCalls.metrics)
-    expire_table_rows = _locked("tables", TableStore.expire)  # a bounded sweep per timer tick
+    def change_config(
+        self, mode: str = "", learning_rate: float | None = None, **changes: Any
+    ) -> tuple[ModeSettings, StatusView]:
+        with self._cond:
+            return self.config.change_config(mode, learning_rate, **changes)
+
+    def status(self) -> StatusView:
+        with self._cond:
+            return self.config.status()
+
+    def learning_rate(self) -> float:
+        """The optimizer's learning rate in force (0 before Init); needs no lock."""
+        store = self.store
+        return float(store.optimizer.param_groups[0]["lr"]) if store else 0.0
+
+    def expire_table_rows(self) -> int:
+        """Evict expired rows, a bounded sweep per timer tick."""
+        with self._cond:
+            return self.tables.expire()
 
     def close(self) -> None:
         """Wake every waiter with ShuttingDownError."""
         with self._cond:
             self.waits.close()
-
-    # ----------------------------------------------------------------- embedding tables (TableCalls)
-    init_tables = _locked("table_calls", TableCalls.init_tables)
-    pull_rows = delegated("table_calls", TableCalls.pull_rows)  # takes the lock in phases
-    push_rows = delegated("table_calls", TableCalls.push_rows)  # takes the lock in phases
-
-    # ----------------------------------------------------------------- optimizer state (OptimizerStates)
-    optimizer_state_layout = _locked("optimizer_states", OptimizerStates.layout)
-    read_optimizer_state = _locked("optimizer_states", OptimizerStates.read)
-    stage_optimizer_state = _locked("optimizer_states", OptimizerStates.stage)
-    commit_optimizer_state = _locked("optimizer_states", OptimizerStates.commit)

@@ -14,11 +14,12 @@ from ps_common.plan import ParameterSpec, Plan, plan_for_digest
 from ps_server.checkpoint.checks import check_layout, check_tensors, load_optimizer_state
 from ps_server.membership.epochs import Epochs
 from ps_server.membership.ranks import Membership
-from ps_server.shard.hosts import StateHost
+from ps_server.policy.rounds import SyncRounds
+from ps_server.shard.members import ShardMembers
 from ps_server.shard.store import ParameterStore
 from ps_server.tables.store import TableStore
 
-log = logging.getLogger("ps_server.shard.shard")
+log = logging.getLogger(__name__)
 
 
 class StateCodec:
@@ -32,31 +33,39 @@ class StateCodec:
         self.shard_index = shard_index
         self.num_shards = num_shards
 
-    def export(self, shard: StateHost) -> dict[str, Any]:
-        """Everything a restarted ``shard`` needs, as plain data: :func:`export_state` of its plan,
-        parameters (copies), optimizer, version, mode and members, its membership epochs, the
-        ``--num-workers`` it was started with, and its tables (when any). The open round's held
-        pushes are left out, and so are their traces in the members (a remembered answer would
-        make the rank's push again a duplicate after a restart). Caller holds the shard's lock.
+    def export(
+        self,
+        plan: Plan | None,
+        store: ParameterStore | None,
+        version: int,
+        mode: str,
+        rounds: SyncRounds,
+        members: ShardMembers,
+        tables: TableStore,
+    ) -> dict[str, Any]:
+        """Everything a restarted shard needs, as plain data: :func:`export_state` of its ``plan``,
+        parameters (copies), optimizer, ``version``, ``mode`` and members, its membership epochs, the
+        ``--num-workers`` it was started with, and its ``tables`` (when any). The open round's held
+        pushes (``rounds``) are left out, and so are their traces in the members (a remembered answer
+        would make the rank's push again a duplicate after a restart). Caller holds the shard's lock.
 
         Raises:
             NotInitializedError: nothing to save yet.
         """
-        if shard.plan is None or shard.store is None:
+        if plan is None or store is None:
             raise NotInitializedError(f"Shard {self.shard_index} has nothing to checkpoint before Init.")
-        rounds = shard.rounds
         if rounds.pending:
             log.info(
                 "shard %d: snapshot at version %d leaves out the open round's pushes from ranks %s",
-                *(self.shard_index, shard.version, sorted(rounds.pending)),
+                *(self.shard_index, version, sorted(rounds.pending)),
             )
         held = dict.fromkeys(rounds.pending, rounds.round)
-        state = export_state(shard.plan, shard.store, shard.version, shard.mode, shard.membership, held)
-        state["epochs"] = shard.epochs.export()
-        state["configured_num_workers"] = shard.configured_num_workers
-        if shard.tables.tables:
-            shard.tables.expire(None)  # expired rows leave at checkpoint time (docs/tables.md)
-            state["tables"] = shard.tables.export()
+        state = export_state(plan, store, version, mode, members.membership, held)
+        state["epochs"] = members.epochs.export()
+        state["configured_num_workers"] = members.configured_num_workers
+        if tables.tables:
+            tables.expire(None)  # expired rows leave at checkpoint time (docs/tables.md)
+            state["tables"] = tables.export()
         return state
 
     def load(self, state: dict[str, Any]) -> tuple[Plan, ParameterStore]:

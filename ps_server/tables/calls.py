@@ -51,7 +51,10 @@ class TableHost(Protocol):
     shard_index: int
     num_shards: int
     tables: TableStore
-    membership: Membership
+
+    @property
+    def membership(self) -> Membership: ...
+
     waits: Waits
     limits: Limits
 
@@ -194,7 +197,7 @@ class TableCalls:
         remaining: float | None,
         rows: Sequence[Block] = (),
     ) -> tuple[bool, int, int, list[TableSpec]]:
-        """InitTables (lock held): rank 0 (joined and live) declares the tables and stores the
+        """InitTables (takes the lock): rank 0 (joined and live) declares the tables and stores the
         ``rows`` it seeds (``ps_server.tables.seed``); another rank waits for rank 0's declaration,
         then checks its own against it.
 
@@ -214,34 +217,37 @@ class TableCalls:
             InvalidRequestError: ``rows`` from a rank other than 0. RequestTooLargeError, and as
             :func:`~ps_server.tables.seed.seed_rows`: refused seed rows.
         """
-        host = self._host
-        host.policy.check_rows()
-        if rows and rank != 0:
-            raise InvalidRequestError(f"Only rank 0 seeds table rows; rank {rank} sent some. Send them from rank 0.")
-        member = host.membership.get(rank, incarnation)
-        if rank == 0:  # only the joined, live rank 0 declares (NOT_JOINED otherwise)
-            Membership.check_live(member, incarnation)
-        store = host.tables
-        if rank != 0 and not store.tables:  # rank 0 declares, the others wait for it
-            until = None if remaining is None else host.now() + remaining
-            host.waits.until(
-                lambda: bool(store.tables),
-                until,
-                lambda: f"Shard {host.shard_index}: rank 0 did not declare its tables in time; start rank 0.",
-            )
-        applied = store.declare(specs)
-        if rows:
-            try:
-                check_size(rows, host.limits.max_message_bytes, store, pull=False)
-                seed_rows(store, rows)
-            except Exception:
-                if applied:  # refused: nothing changed, not even the declaration
-                    store.tables = {}
-                raise
-        if applied:
-            host.notify()
-        clock = store.clock_of(host.policy, rank, incarnation)
-        return applied, store.version, clock, [t.spec for t in store.tables.values()]
+        with self._cond:
+            host = self._host
+            host.policy.check_rows()
+            if rows and rank != 0:
+                raise InvalidRequestError(
+                    f"Only rank 0 seeds table rows; rank {rank} sent some. Send them from rank 0."
+                )
+            member = host.membership.get(rank, incarnation)
+            if rank == 0:  # only the joined, live rank 0 declares (NOT_JOINED otherwise)
+                Membership.check_live(member, incarnation)
+            store = host.tables
+            if rank != 0 and not store.tables:  # rank 0 declares, the others wait for it
+                until = None if remaining is None else host.now() + remaining
+                host.waits.until(
+                    lambda: bool(store.tables),
+                    until,
+                    lambda: f"Shard {host.shard_index}: rank 0 did not declare its tables in time; start rank 0.",
+                )
+            applied = store.declare(specs)
+            if rows:
+                try:
+                    check_size(rows, host.limits.max_message_bytes, store, pull=False)
+                    seed_rows(store, rows)
+                except Exception:
+                    if applied:  # refused: nothing changed, not even the declaration
+                        store.tables = {}
+                    raise
+            if applied:
+                host.notify()
+            clock = store.clock_of(host.policy, rank, incarnation)
+            return applied, store.version, clock, [t.spec for t in store.tables.values()]
 
     def pull_rows(
         self,
@@ -379,5 +385,6 @@ class TableCalls:
         return version, duplicate
 
     def metrics(self) -> tuple[list[TableRow], int]:
-        """:func:`~ps_server.tables.metrics.table_rows` (lock held; ``TableCollector`` reads it)."""
-        return table_rows(self._host.tables)
+        """:func:`~ps_server.tables.metrics.table_rows` under the lock (``TableCollector`` reads it)."""
+        with self._cond:
+            return table_rows(self._host.tables)

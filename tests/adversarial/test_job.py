@@ -43,7 +43,7 @@ def test_join_timeout_names_the_ranks_that_never_joined(start_cluster, caplog, m
     (shard,) = start_cluster(1, num_workers=3, mode=mode, join_timeout=JOIN_TIMEOUT, lease_timeout=30.0)
     m = model()
     params = {k: p.data for k, p in m.named_parameters()}
-    caplog.set_level(logging.ERROR, logger="ps_server.shard.shard")
+    caplog.set_level(logging.ERROR, logger="ps_server.shard.members")
     # a generous RPC deadline: before the fix this pull waited all of it (and was retried)
     with PSClient([shard.address], rank=0, num_workers=3, timeout=30, retry_deadline=5) as client:
         joined = time.monotonic()  # just before the first Join (in init)

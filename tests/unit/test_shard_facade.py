@@ -7,6 +7,7 @@ import pytest
 from ps_common.errors import InvalidRequestError
 from ps_common.modes import ModeSettings
 from ps_common.plan import ParameterSpec, make_plan
+from ps_server.shard.data import DataPath
 from ps_server.shard.shard import Shard
 
 
@@ -27,20 +28,20 @@ def test_calls_through_the_facade_run_their_collaborator_under_the_lock() -> Non
     assert owned and all(owned)
 
 
-def test_the_facade_keeps_the_checks_servicers_call() -> None:
+def test_the_calls_servicers_make_are_the_collaborators_own() -> None:
     shard = Shard(0, 1, ModeSettings("sync", 1))
     plan = make_plan([ParameterSpec("w", (4,), "float32")], 1, 16)
-    shard.check_wire_dtype(plan, "float16")
+    DataPath.check_wire_dtype(plan, "float16")
     with pytest.raises(InvalidRequestError, match="not narrower"):
-        Shard.check_wire_dtype(plan, "float64")
+        DataPath.check_wire_dtype(plan, "float64")
+    assert shard.push == shard.data_calls.push and shard.join_relaying == shard.relay.join_relaying
     assert shard.values_key() == (0, 0) and shard.table_metrics() == ([], 0)
 
 
 def test_the_collaborators_state_shows_through_the_facade() -> None:
     shard = Shard(1, 2, ModeSettings("sync", 3))
     assert shard.membership is shard.cluster.membership and shard.epochs is shard.cluster.epochs
-    assert shard.configured_num_workers == 3 and shard.num_workers == 3 and shard.pending_mode == ""
-    shard.durable_acks = True
-    assert shard.data.durable_acks and shard.last_checkpoint_version is None
+    assert shard.cluster.configured_num_workers == 3 and shard.num_workers == 3 and shard.pending_mode == ""
+    assert shard.last_checkpoint_version is None
     shard.checkpointed(7)
     assert shard.last_checkpoint_version == 7

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -20,7 +22,7 @@ PLAN = make_plan([ParameterSpec("w", (4,), "float32")], 1, 16)
 
 
 class Held:
-    """What StateCodec.export reads of a shard (StateHost)."""
+    """What StateCodec.export reads of a shard (``Held.export``)."""
 
     def __init__(self, initialized: bool = True) -> None:
         values = [torch.arange(4, dtype=torch.float32)]
@@ -32,12 +34,16 @@ class Held:
         self.mode = ModeSettings("sync", 2).mode
         self.membership = Membership(2, 5.0, lambda: 0.0, 0.0)
         self.epochs = Epochs(authority=True, num_workers=2, key="", cluster_id="c1")
-        self.configured_num_workers = 2
+        self.cluster = SimpleNamespace(configured_num_workers=2, membership=self.membership, epochs=self.epochs)
+
+    def export(self, codec: StateCodec) -> dict:
+        what = (self.plan, self.store, self.version, self.mode, self.rounds, self.cluster, self.tables)
+        return codec.export(*what)  # type: ignore[arg-type]
 
 
 def test_the_state_goes_out_as_plain_data_and_comes_back() -> None:
     codec = StateCodec(0, 1)
-    state = codec.export(Held())
+    state = Held().export(codec)
     assert state["version"] == 3 and state["mode"] == "sync" and state["configured_num_workers"] == 2
     assert "tables" not in state  # none were declared
     plan, store = codec.load(state)
@@ -49,10 +55,10 @@ def test_the_state_goes_out_as_plain_data_and_comes_back() -> None:
 
 def test_nothing_to_export_before_init() -> None:
     with pytest.raises(NotInitializedError, match="before Init"):
-        StateCodec(0, 1).export(Held(initialized=False))
+        Held(initialized=False).export(StateCodec(0, 1))
 
 
 def test_a_checkpoint_of_another_shard_count_is_refused() -> None:
-    state = StateCodec(0, 1).export(Held())
+    state = Held().export(StateCodec(0, 1))
     with pytest.raises(CheckpointError, match="same --num-shards"):
         StateCodec(0, 2).load(state)
