@@ -36,6 +36,7 @@ from ps_worker.staging import HostStaging
 from ps_worker.tables.client import TableClient
 from ps_worker.tables.modules import attach_tables, join_then_seed
 from ps_worker.tables.state import table_state
+from ps_worker.transport import exchange
 from ps_worker.transport.calls import ShardCalls
 from ps_worker.transport.encoding import WIRE_DTYPES, WireCodec
 from ps_worker.transport.grpc_link import Transport
@@ -371,7 +372,7 @@ class PSClient:
         Raises:
             ShardError: PreconditionFailed when the cluster is not in easgd mode, and others.
         """
-        return self.path.exchange(params)
+        return exchange.exchange(self.path, params)
 
     # ------------------------------------------------------------------ the whole model
     def state_dict(
