@@ -77,8 +77,10 @@ class PSClient:
         redo_bytes: sync, the bound of the redo log in bytes: this rank's pushes of the rounds a shard with
             periodic checkpoints could lose, pushed again after its restart (:mod:`ps_worker.redo`).
 
-    The session's state (``mode``, ``clock``, ``version``, ``versions``, counters...) reads through
-    the client: each is a :class:`~ps_worker.session_view.SessionField` of ``client.session``.
+    The session's state scripts and tools read (``mode``, ``clock``, ``version``, counters...) reads
+    through the client, each a :class:`~ps_worker.session_view.SessionField` of ``client.session``;
+    ``ps_worker``'s own modules use the parts directly: ``client.session``, ``client.transport``
+    (its ``policy``: the one retry policy) and ``client.path`` (``ShardCalls``: the one push path).
 
     Raises:
         ValueError: bad arguments.
@@ -95,7 +97,6 @@ class PSClient:
     """The cluster's worker count: the one given, until shard 0 resizes the job."""
     config: SessionField[ps_pb2.ClusterConfig] = SessionField()
     settings: SessionField[ModeSettings | None] = SessionField()
-    lease_timeout: SessionField[float] = SessionField()
     incarnation: SessionField[int] = SessionField()
     clock: SessionField[int] = SessionField()
     exchanges: SessionField[int] = SessionField()

@@ -31,7 +31,6 @@ from ps_proto.v1 import ps_pb2
 from ps_worker.errors import error_from_rpc
 from ps_worker.tables.prefetch import Ahead
 from ps_worker.tables.seed import Seeds, send_seeds
-from ps_worker.transport.retry import retry_call
 
 if TYPE_CHECKING:
     from ps_worker.session import Session
@@ -143,9 +142,8 @@ class TableClient:
         if self.metrics is not None:
             self.metrics.sent_bytes.inc(sent)
         what = f"{method} to shard {k}"
-        reply = self.session.waits.call(
-            lambda: retry_call(once, self.transport.retry_deadline, what, codes=RETRY), self.transport.servers[k]
-        )  # a sync table round's PullRows again while the ranks it waits for are alive
+        address = self.transport.servers[k]  # a sync table round's PullRows again while its ranks are alive
+        reply = self.transport.policy.call(once, what, address=address, codes=RETRY, waits=self.session.waits)
         got = reply.ByteSize()
         self.received_bytes += got
         if self.metrics is not None:
