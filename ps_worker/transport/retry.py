@@ -177,11 +177,8 @@ class CallPolicy:
 
 
 def _ended(exc: E, deadline: str | None) -> E:
-    """``exc``, its ``deadline`` set (where it takes attributes)."""
-    try:
-        exc.deadline = deadline  # type: ignore[attr-defined]
-    except AttributeError:  # pragma: no cover - an error class with slots
-        pass
+    """``exc``, its ``deadline`` set."""
+    exc.deadline = deadline  # type: ignore[attr-defined]
     return exc
 
 
