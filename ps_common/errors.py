@@ -133,9 +133,11 @@ class PSError(StatusError):
     Attributes:
         address: ``host:port`` of the shard that refused the call ("" where it was raised).
         reason: the class's :class:`Reason`; for a shard's answer the ``ps-reason`` it gave ("" when none).
+        deadline: the worker's deadline that ended the call (``ps_worker.transport.retry``), or None.
     """
 
     reason: str = Reason.ERROR
+    deadline: str | None = None
     status = grpc.StatusCode.INTERNAL
 
     def __init__(

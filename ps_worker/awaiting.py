@@ -31,8 +31,9 @@ from typing import TypeVar
 
 import grpc
 
-from ps_common.errors import AwaitingRanksError, Reason, parse_awaiting, reason_of
+from ps_common.errors import AwaitingRanksError, parse_awaiting
 from ps_worker.errors import error_from_rpc
+from ps_worker.transport.retry import CallPolicy
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -102,22 +103,21 @@ class PeerWaits:
             AwaitingRanks: still waiting for alive ranks after ``wait_timeout`` (names them).
             grpc.RpcError: any other failure of ``fn``, as it raised it.
         """
+        return CallPolicy(0.0).call(fn, address, address=address, codes=(), waits=self)
+
+    def begin(self, address: str) -> _Wait:
+        """A call to the shard at ``address`` that may wait begins (its progress lines from now on)."""
         wait = _Wait(address, self._now())
         with self._lock:
             self._waiting[id(wait)] = wait
         if self._ticked:
             TICKER.watch(self)
-        try:
-            while True:
-                try:
-                    return fn()
-                except grpc.RpcError as exc:
-                    if reason_of(exc) != Reason.AWAITING_RANKS:
-                        raise
-                    self._awaiting(exc, wait)
-        finally:
-            with self._lock:
-                del self._waiting[id(wait)]
+        return wait
+
+    def end(self, wait: _Wait) -> None:
+        """The call of ``wait`` is over."""
+        with self._lock:
+            self._waiting.pop(id(wait), None)
 
     def progress(self) -> float:
         """Log a progress line when a call has waited :attr:`progress_seconds`, and as long as it
@@ -146,8 +146,12 @@ class PeerWaits:
             log.warning("rank %d: waiting for %s: ranks %s %s (%.0f s)", self.rank, *wait.named, now - wait.start)
         return self.progress_seconds
 
-    def _awaiting(self, exc: grpc.RpcError, wait: _Wait) -> None:
-        """Log progress and return (call again), or raise AwaitingRanks past the bound."""
+    def awaiting(self, exc: grpc.RpcError, wait: _Wait) -> None:
+        """The shard answered ``exc`` (AWAITING_RANKS) to the call of ``wait``: log progress and return
+        (call again), or raise AwaitingRanks past the bound.
+
+        Raises:
+            AwaitingRanks: still waiting for alive ranks after ``wait_timeout`` (names them)."""
         address, elapsed = wait.address, self._now() - wait.start
         err = error_from_rpc(address, exc, waits=True)
         what, ranks, state = wait.named = parse_awaiting(err.details()) or ("other ranks", [], "are alive")

@@ -36,6 +36,7 @@ from ps_worker.staging import HostStaging
 from ps_worker.tables.client import TableClient
 from ps_worker.tables.modules import attach_tables, join_then_seed
 from ps_worker.tables.state import table_state
+from ps_worker.transport import exchange
 from ps_worker.transport.calls import ShardCalls
 from ps_worker.transport.encoding import WIRE_DTYPES, WireCodec
 from ps_worker.transport.grpc_link import Transport
@@ -76,8 +77,10 @@ class PSClient:
         redo_bytes: sync, the bound of the redo log in bytes: this rank's pushes of the rounds a shard with
             periodic checkpoints could lose, pushed again after its restart (:mod:`ps_worker.redo`).
 
-    The session's state (``mode``, ``clock``, ``version``, ``versions``, counters...) reads through
-    the client: each is a :class:`~ps_worker.session_view.SessionField` of ``client.session``.
+    The session's state scripts and tools read (``mode``, ``clock``, ``version``, counters...) reads
+    through the client, each a :class:`~ps_worker.session_view.SessionField` of ``client.session``;
+    ``ps_worker``'s own modules use the parts directly: ``client.session``, ``client.transport``
+    (its ``policy``: the one retry policy) and ``client.path`` (``ShardCalls``: the one push path).
 
     Raises:
         ValueError: bad arguments.
@@ -94,7 +97,6 @@ class PSClient:
     """The cluster's worker count: the one given, until shard 0 resizes the job."""
     config: SessionField[ps_pb2.ClusterConfig] = SessionField()
     settings: SessionField[ModeSettings | None] = SessionField()
-    lease_timeout: SessionField[float] = SessionField()
     incarnation: SessionField[int] = SessionField()
     clock: SessionField[int] = SessionField()
     exchanges: SessionField[int] = SessionField()
@@ -371,7 +373,7 @@ class PSClient:
         Raises:
             ShardError: PreconditionFailed when the cluster is not in easgd mode, and others.
         """
-        return self.path.exchange(params)
+        return exchange.exchange(self.path, params)
 
     # ------------------------------------------------------------------ the whole model
     def state_dict(

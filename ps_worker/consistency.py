@@ -62,16 +62,6 @@ class Progress(Protocol):
         ...
 
 
-class Stepper(Protocol):
-    """The two kinds of step of a :class:`~ps_worker.optimizer.DistributedOptimizer`."""
-
-    def push_pull_step(self, skip: bool) -> int: ...
-
-    def local_step(self, skip: bool) -> int: ...
-
-    def outer_step(self, skip: bool) -> int: ...
-
-
 class Puller(Protocol):
     """What reads the shards' parameters (:meth:`~ps_worker.client.PSClient.pull`)."""
 
@@ -159,15 +149,6 @@ class WorkerMode:
     def progress(self, session: Progress, settings: ModeSettings) -> int:
         """The training step this rank is at (where a restarted rank resumes)."""
         return session.clock
-
-    def step(self, opt: Stepper, skip: bool) -> int:
-        """One ``DistributedOptimizer.step()``'s communication; returns the version the model holds.
-
-        Args:
-            opt: the optimizer (its gradients are final, and unscaled).
-            skip: AMP found inf on this rank: push a skip (zeros) instead of the gradients.
-        """
-        return opt.push_pull_step(skip)
 
     def finish(self, client: Puller, model: torch.nn.Module) -> None:
         """After the last step: make ``model`` the model the job trained (nothing to do but in easgd)."""
@@ -276,9 +257,6 @@ class ElasticAveraging(WorkerMode):
     def progress(self, session: Progress, settings: ModeSettings) -> int:
         return session.exchanges * settings.communication_period
 
-    def step(self, opt: Stepper, skip: bool) -> int:
-        return opt.local_step(skip)
-
     def finish(self, client: Puller, model: torch.nn.Module) -> None:
         """The center is EASGD's model; local x only explores around it: pull it into ``model``."""
         client.pull({k: p.data for k, p in model.named_parameters()})
@@ -318,9 +296,6 @@ class LocalSgd(Synchronous):
         """The inner step outer round ``round`` starts at (:func:`ps_common.outer_rounds.inner_step`:
         ``round * H // F`` until a live change of H or F, counted round by round after it)."""
         return inner_step(settings, changes, round)
-
-    def step(self, opt: Stepper, skip: bool) -> int:
-        return opt.outer_step(skip)
 
     def finish(self, client: Puller, model: torch.nn.Module) -> None:
         """theta_global is the model (the inner steps after the last outer round are dropped, so

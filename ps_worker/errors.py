@@ -58,6 +58,8 @@ class ShardUnreachableError(PSError):
     """No answer from the shard at ``address`` within ``seconds`` (``--retry-deadline``): nothing
     listens there, the address is wrong, or a firewall drops the connection."""
 
+    deadline = "retry_deadline"
+
     def __init__(self, address: str, code: grpc.StatusCode, details: str, seconds: float) -> None:
         self.seconds = seconds
         super().__init__(
@@ -122,7 +124,7 @@ def error_from_rpc(address: str, exc: grpc.RpcError, waits: bool = False) -> PSE
         waits: the call may wait for a round.
 
     Returns:
-        A :class:`PSError` (or subclass) with ``exc``'s code, details and trailing metadata.
+        A :class:`PSError` (or subclass) with ``exc``'s code, details, trailing metadata and ``deadline``.
     """
     if isinstance(exc, PSError):
         return exc
@@ -137,4 +139,6 @@ def error_from_rpc(address: str, exc: grpc.RpcError, waits: bool = False) -> PSE
         cls = BY_REASON.get(reason, PSError)
     else:
         cls = RoundTimeoutError if waits and code == grpc.StatusCode.DEADLINE_EXCEEDED else PSError
-    return cls.answered(address, code, details, metadata)
+    err = cls.answered(address, code, details, metadata)
+    err.deadline = getattr(exc, "deadline", None)  # set by the retry policy (ps_worker.transport.retry)
+    return err

@@ -129,6 +129,11 @@ class LocalSteps:
         if self.client.metrics is not None:
             self.client.metrics.local_steps.inc()
 
+    def step(self, skip: bool) -> int:
+        """One ``DistributedOptimizer.step()`` of a local-optimizer mode: diloco's outer rounds are
+        sync rounds (:meth:`outer_step`), easgd's exchanges are not (:meth:`easgd_step`)."""
+        return self.outer_step(skip) if self.client.worker_mode.pushes_in_rounds else self.easgd_step(skip)
+
     # ------------------------------------------------------------------ easgd
     def easgd_step(self, skip: bool) -> int:
         """A local step, and every tau steps an exchange with the center (the float buffers are

@@ -349,20 +349,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     p.grad.mul_(inv.to(p.grad.device))
         tables = self.client.tables  # row gradients before the dense step, or beside it (ps_worker.tables.prefetch)
         pushed = push_step(tables, inv if grad_scale is not None and not skip else None, skip) if tables else None
-        version = self.client.worker_mode.step(self, skip)
+        version = self.local.step(skip) if self.local is not None else self._push_pull_step(skip)
         if pushed is not None:
             pushed()  # the row push's errors are the step's
         return version
-
-    def local_step(self, skip: bool) -> int:
-        """EASGD's step (:meth:`ps_worker.local_sgd.LocalSteps.easgd_step`)."""
-        assert self.local is not None
-        return self.local.easgd_step(skip)
-
-    def outer_step(self, skip: bool) -> int:
-        """DiLoCo's step (:meth:`ps_worker.local_sgd.LocalSteps.outer_step`)."""
-        assert self.local is not None
-        return self.local.outer_step(skip)
 
     def count_samples(self, n: int) -> None:
         """diloco: add ``n`` (the batch's size) to this rank's samples of the outer round, its FedAvg
@@ -373,8 +363,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise RuntimeError(f"count_samples weights diloco's outer rounds; this cluster runs {self.client.mode}.")
         self.local.count_samples(n)
 
-    def push_pull_step(self, skip: bool) -> int:
-        """The step of sync, async and ssp (:mod:`ps_worker.consistency`): push every gradient (and
+    def _push_pull_step(self, skip: bool) -> int:
+        """The step of sync, async and ssp (easgd's and diloco's: :meth:`LocalSteps.step
+        <ps_worker.local_sgd.LocalSteps.step>`): push every gradient (and
         this rank's buffers) and pull the weights in one PushPull per shard, or finish the one that
         began during backward (``overlap``). ``skip``: AMP found inf, push a skip (zeros).
 

@@ -30,7 +30,6 @@ from ps_common.errors import PSError
 from ps_common.frames import PARTITION_OVERHEAD_BYTES
 from ps_proto.v1 import ps_pb2
 from ps_worker.errors import error_from_rpc
-from ps_worker.transport.retry import retry_call
 
 if TYPE_CHECKING:
     from ps_worker.client import PSClient
@@ -127,7 +126,7 @@ def _pull(client: PSClient, k: int, into: dict[tuple[str, int], dict[str, torch.
             raise error_from_rpc(transport.servers[k], exc) from None
         return version, values
 
-    version, values = retry_call(once, transport.retry_deadline, f"PullOptimizerState from shard {k}", codes=RETRY)
+    version, values = transport.policy.call(once, f"PullOptimizerState from shard {k}", codes=RETRY)
     for v in values:
         dtype = torch_dtype(dtype_from_proto(v.dtype))
         t = torch.frombuffer(bytearray(v.data), dtype=dtype) if v.data else torch.empty(0, dtype=dtype)
@@ -308,7 +307,7 @@ def _stage(client: PSClient, k: int, values: list[ps_pb2.OptimizerStateValue]) -
             raise error_from_rpc(transport.servers[k], exc) from None
         return answer.stage
 
-    return retry_call(once, transport.retry_deadline, f"PushOptimizerState to shard {k}", codes=RETRY)
+    return transport.policy.call(once, f"PushOptimizerState to shard {k}", codes=RETRY)
 
 
 def _commit(client: PSClient, k: int, stage: int) -> None:

@@ -36,9 +36,6 @@ from ps_worker.transport.retry import RETRYABLE, backoff_delays
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-MAX_RECOVERIES = 3
-"""Recoveries (rejoin, re-init, resync) one call may go through before its error is raised."""
-
 WARN_UNREACHABLE_AFTER = 2.0
 """Seconds a shard may stay unreachable at Join before a warning names its address."""
 
@@ -271,23 +268,25 @@ class Session:
     # ------------------------------------------------------------------ heartbeats
     # ------------------------------------------------------------------ recovery
     def with_recovery(self, k: int, fn: Callable[[], T], what: str, repush: bool = True, round: int | None = None) -> T:
-        """``fn`` with retries of transient errors, again while the ranks it waits for are alive
-        (:attr:`waits`), and at most :data:`MAX_RECOVERIES` recoveries from refusals that name a
-        fixable cause (see :meth:`recover`; ``repush=False`` when ``fn`` pushes again itself, as
+        """``fn`` under the transport's one retry policy (:class:`~ps_worker.transport.retry.CallPolicy`):
+        transient errors retried, called again while the ranks it waits for are alive (:attr:`waits`),
+        and at most :data:`~ps_worker.transport.retry.MAX_RECOVERIES` recoveries from refusals that name
+        a fixable cause (see :meth:`recover`; ``repush=False`` when ``fn`` pushes again itself, as
         PushPull does; ``round``: sync, the round ``fn`` pushes).
 
         Raises:
-            ShardError: the typed error of the last failure (:func:`~ps_worker.errors.error_from_rpc`).
+            ShardError: the typed error of the last failure (:func:`~ps_worker.errors.error_from_rpc`),
+                its ``deadline`` naming the deadline that ended the call (None: a refusal).
         """
         address = self.transport.servers[k]
-        for attempt in range(MAX_RECOVERIES + 1):
-            try:
-                return self.waits.call(lambda: self.transport.call(fn, what), address)
-            except grpc.RpcError as exc:
-                err = error_from_rpc(address, exc, waits=not what.startswith("Push "))
-                if attempt == MAX_RECOVERIES or not self.recover(k, err, repush, round):
-                    raise err from exc
-        raise AssertionError("unreachable")  # pragma: no cover
+        return self.transport.policy.call(
+            fn,
+            what,
+            address=address,
+            waits=self.waits,
+            error=lambda exc: error_from_rpc(address, exc, waits=not what.startswith("Push ")),
+            recover=lambda err: isinstance(err, PSError) and self.recover(k, err, repush, round),
+        )
 
     def recover(self, k: int, err: PSError, repush: bool = True, round: int | None = None) -> bool:
         """Bring shard ``k`` and this session back in step after a refusal; True when the call

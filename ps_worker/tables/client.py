@@ -32,7 +32,6 @@ from ps_worker.errors import error_from_rpc
 from ps_worker.tables.prefetch import Ahead
 from ps_worker.tables.redo import TableRedo
 from ps_worker.tables.seed import Seeds, send_seeds
-from ps_worker.transport.retry import retry_call
 
 if TYPE_CHECKING:
     from ps_worker.session import Session
@@ -142,8 +141,8 @@ class TableClient:
             except grpc.RpcError as exc:
                 raise error_from_rpc(address, exc, waits=method == "PullRows") from None
 
-        return self.session.waits.call(
-            lambda: retry_call(once, self.transport.retry_deadline, f"{method} to shard {k}", codes=RETRY), address
+        return self.transport.policy.call(
+            once, f"{method} to shard {k}", address=address, codes=RETRY, waits=self.session.waits
         )
 
     def _call(self, k: int, method: str, request: Any) -> Any:

@@ -1,4 +1,4 @@
-"""The worker's data calls to every shard: Init, Push, Pull and Exchange (PushPull: :mod:`.pushpull`).
+"""The worker's data calls to every shard: Init, Push and Pull (PushPull: :mod:`.pushpull`; Exchange: :mod:`.exchange`).
 
 :class:`ShardCalls` joins the parts of a client: it stages tensors (:mod:`ps_worker.staging`),
 encodes them (:mod:`ps_worker.transport.encoding`), sends them to every shard in parallel with retries
@@ -12,7 +12,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import grpc
 import torch
@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 startup = logging.getLogger("ps_worker.startup")
+R = TypeVar("R")
 
 
 def is_stale(exc: BaseException) -> bool:
@@ -42,6 +43,23 @@ def is_stale(exc: BaseException) -> bool:
     :class:`~ps_common.errors.StalePushError`, :class:`~ps_common.errors.ReplayedPushError`,
     :class:`~ps_common.errors.UpdateRefusedError` or :class:`~ps_common.errors.NonFiniteUpdateError`."""
     return isinstance(exc, grpc.RpcError) and exc.code() == grpc.StatusCode.ABORTED
+
+
+@dataclasses.dataclass
+class Pushed:
+    """One push of this rank, as it goes on the wire (whichever call carries it: Push or PushPull)."""
+
+    outs: Sequence[list[frames.OutPartition]]
+    """Per shard, its partitions (a PushPull's are made as its frames are sent)."""
+    round: int | None
+    """sync: the round it is stamped for (every shard, every attempt); None: the session's clock."""
+    hyperparameters: list[dict[str, float]]
+    skip: bool = False
+    """AMP found inf: the shards skip the step (a push again carries it too)."""
+    hold: bool = False
+    """sync: the round is held for clipping (``ps_worker.clipping``); such a push is never redone."""
+    samples: int | None = None
+    """diloco: the samples the outer gradient stands for (None: not counted)."""
 
 
 class ShardCalls:
@@ -67,16 +85,10 @@ class ShardCalls:
         :attr:`params`' keys, the version they are of) — diloco: theta_global at the outer round
         the ranks are in (:meth:`~ps_worker.local_sgd.LocalSteps.global_values`); None: the model's
         values at version 0 (sync redoes the rounds the shard lost)."""
-        self.last_push: Sequence[list[frames.OutPartition]] | None = None
-        """Per shard, the last push as it went on the wire (pushed again after a PushLost)."""
-        self.last_round: int | None = None
-        """sync: the round :attr:`last_push` was stamped for."""
+        self.last: Pushed | None = None
+        """The last push (pushed again to a shard that lost it: :meth:`_repush`)."""
         self.last_hyperparameters: list[dict[str, float]] = []
-        """The hyperparameters of the last push (a repush carries them)."""
-        self.skipping = False
-        """A push with skip is being answered (a repush meanwhile carries the skip)."""
-        self.holding = False
-        """The last push held its round for clipping (a repush carries it too)."""
+        """The hyperparameters of the last push (a push given none carries them)."""
         session.repush = self._repush
         session.redo = self.push_again
 
@@ -198,34 +210,55 @@ class ShardCalls:
         clipping (``ps_worker.clipping``): each answer waits for the round and carries its
         ``clip`` norm."""
         codec = self.require_codec()
-        if hyperparameters is not None:
-            self.last_hyperparameters = [dict(h) for h in hyperparameters]
-        hyper = self.last_hyperparameters
         flats = self.staging.stage(codec.plan, grads)
         outs = [codec.out_partitions(k, flats, compress=True) for k in range(self.transport.num_shards)]
-        round_ = self.session.push_round()  # sync: one round for every shard and retry
-        self.last_push, self.last_round, self.holding = outs, round_, hold
+        push = Pushed(outs, self.session.push_round(), self.hyperparameters(hyperparameters), skip, hold)
         sent = [0] * self.transport.num_shards
 
         def one(k: int) -> ps_pb2.PushResponse:
-            reply, sent[k] = self.push_shard(k, outs[k], round_, hyper, skip, hold)
+            reply, sent[k] = self.push_shard(k, outs[k], push.round, push.hyperparameters, skip, hold)
             return reply
 
+        try:
+            with tracing.span("push", rank=self.session.rank, clock=push.round, shards=self.transport.num_shards):
+                return self.send(push, one, lambda reply: reply, "push_duration")
+        finally:
+            self.session.pushed_bytes += sum(sent)
+
+    def hyperparameters(self, given: Sequence[Mapping[str, float]] | None) -> list[dict[str, float]]:
+        """What a push carries: ``given`` (kept for the pushes given none), or the last push's."""
+        if given is not None:
+            self.last_hyperparameters = [dict(h) for h in given]
+        return self.last_hyperparameters
+
+    def send(
+        self, push: Pushed, one: Callable[[int], R], answer: Callable[[R], ps_pb2.PushResponse], histogram: str
+    ) -> list[R]:
+        """The one way a push goes out, for :meth:`push` (``PSClient.push``, clipping) and
+        :class:`~ps_worker.transport.pushpull.PendingPushPull` (a step): ``one(k)`` calls shard ``k``
+        (recovering; it is :attr:`last` meanwhile, pushed again to a shard that lost it), every shard
+        in parallel; then the redo log keeps it (sync, unless held for clipping:
+        :mod:`ps_worker.redo`), the session accounts the answers (``answer(result)``) and
+        ``metrics.<histogram>`` the seconds.
+
+        Raises:
+            grpc.RpcError: as ``one``; a push refused as too stale is counted first (``refused_pushes``).
+        """
+        self.last = push
         start = time.perf_counter()
         try:
-            with tracing.span("push", rank=self.session.rank, clock=round_, shards=self.transport.num_shards):
-                replies = self.transport.each_shard(one)
+            results = self.transport.each_shard(one)
         except grpc.RpcError as exc:
             if is_stale(exc):  # too stale: the step is done, its gradient refused
                 self.session.push_refused()
             raise
-        finally:
-            self.session.pushed_bytes += sum(sent)
-        self.observe("push_duration", start)
-        if round_ is not None and not hold:  # a round held for its clip coefficient is not redone
-            self.session.redo_log.record(round_, outs, hyper, skip)
-        self.session.account_push(replies)
-        return replies
+        finally:  # from here the gradients may change (zero_grad, the next step): keep the push as sent
+            push.outs = [push.outs[k] for k in range(len(push.outs))]
+        self.observe(histogram, start)
+        if push.round is not None and not push.hold:  # a round held for its clip coefficient is not redone
+            self.session.redo_log.record(push.round, push.outs, push.hyperparameters, push.skip, push.samples)
+        self.session.account_push([answer(r) for r in results])
+        return results
 
     def push_shard(
         self,
@@ -271,22 +304,19 @@ class ShardCalls:
         return result
 
     def _repush(self, k: int) -> None:
-        """After a PushLost: push the last gradient to shard ``k`` again, for the round it was
-        computed for (sync: only when shard ``k`` takes this rank's push in that round now; else
-        the gradient is dropped there, and the next step pushes the shard's round)."""
-        if self.last_push is None:
+        """After a PushLost: push the last push to shard ``k`` again, for the round it was computed
+        for (sync: only when shard ``k`` takes this rank's push in that round now; else the gradient
+        is dropped there, and the next step pushes the shard's round)."""
+        push = self.last
+        if push is None:
             return
-        round_ = self.last_round
-        if round_ is not None and self.session.versions[k] != round_:
+        if push.round is not None and self.session.versions[k] != push.round:
             log.info(
                 "rank %d: shard %s is at round %d now; the gradient of round %d is not pushed again",
-                self.session.rank,
-                self.transport.servers[k],
-                self.session.versions[k],
-                round_,
+                *(self.session.rank, self.transport.servers[k], self.session.versions[k], push.round),
             )
             return
-        self.push_shard(k, self.last_push[k], round_, self.last_hyperparameters, self.skipping, self.holding)
+        self.push_shard(k, push.outs[k], push.round, push.hyperparameters, push.skip, push.hold, push.samples)
 
     def push_again(self, k: int, reply: ps_pb2.JoinResponse, round: int | None, lost: bool) -> bool:
         """After shard ``k`` restarted from an older checkpoint (``reply``: its Join answer), push it the
@@ -371,34 +401,3 @@ class ShardCalls:
         """Copy staged values to the device and adopt the shards' ``versions``; returns the lowest."""
         self.staging.unstage(device_out, flats)
         return self.session.adopt_versions(versions)
-
-    # ------------------------------------------------------------------ exchange
-    def exchange(self, params: Mapping[str, torch.Tensor]) -> int:
-        """See :meth:`ps_worker.client.PSClient.exchange`."""
-        t, s, codec = self.transport, self.session, self.require_codec()
-        flats = self.staging.stage(codec.plan, params)
-        diffs: dict[str, torch.Tensor] = {spec.key: torch.zeros_like(flats[spec.key]) for spec in codec.plan.specs}
-
-        def one(k: int) -> tuple[int, int, int]:
-            msgs = codec.exchange_messages(k, s.rank, s.incarnation, s.exchanges, flats, s.relayed(k)[0], s.sessions[k])
-
-            def attempt() -> tuple[int, int, int]:
-                replies = t.exchange_calls[k](iter(msgs), timeout=t.timeout, metadata=t.call_metadata())
-                version, received, _ = codec.decode(k, replies, diffs, t.servers[k], t.received)
-                return version, sum(len(m) for m in msgs), received
-
-            return s.with_recovery(k, attempt, f"Exchange {t.servers[k]}")
-
-        start = time.perf_counter()
-        with tracing.span("exchange", rank=s.rank, shards=t.num_shards):
-            results = t.each_shard(one)
-        self.observe("push_pull_duration", start)
-        s.exchanges += 1
-        s.pushed_bytes += sum(r[1] for r in results)
-        s.pulled_bytes += sum(r[2] for r in results)
-        with torch.no_grad():
-            for key, p in params.items():
-                p.sub_(diffs[key].view(p.shape).to(p.device, non_blocking=True))
-        s.versions = [r[0] for r in results]
-        s.version = min(s.versions)
-        return s.version

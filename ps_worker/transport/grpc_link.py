@@ -23,7 +23,7 @@ from ps_common.dataconn import DATA_PATHS
 from ps_common.wire import message_size
 from ps_proto.v1 import ps_pb2, ps_pb2_grpc
 from ps_worker.transport.data_link import DataConnection, DataLinkError, host_of
-from ps_worker.transport.retry import retry_call
+from ps_worker.transport.retry import CallPolicy
 
 if TYPE_CHECKING:
     from ps_worker.metrics import WorkerMetrics
@@ -50,7 +50,7 @@ class Transport:
             :data:`ps_common.frames.MESSAGE_OVERHEAD_BYTES`).
         token: bearer token for ParameterService, or None.
         timeout: per-RPC deadline, seconds.
-        retry_deadline: seconds to keep retrying transient failures (:func:`ps_worker.transport.retry.retry_call`).
+        retry_deadline: seconds to keep retrying transient failures (:attr:`policy`).
         tls_ca, tls_cert, tls_key: PEM files (see :func:`ps_common.channels.channel`).
         metrics: where sent bytes are counted, or None.
 
@@ -89,6 +89,8 @@ class Transport:
         self._sequence = itertools.count(1)
         self.timeout = timeout
         self.retry_deadline = retry_deadline
+        self.policy = CallPolicy(retry_deadline)
+        """How every call to the shards is retried, waits and recovers (:mod:`ps_worker.transport.retry`)."""
         self.metrics = metrics
         self.metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {token}"),) if token else ()
         self.max_message_bytes = limit = partition_bytes + frames.MESSAGE_OVERHEAD_BYTES
@@ -233,8 +235,8 @@ class Transport:
         return self.metadata + tracing.headers()
 
     def call(self, fn: Callable[[], T], what: str) -> T:
-        """``fn`` with retries of transient failures for up to ``retry_deadline`` seconds."""
-        return retry_call(fn, self.retry_deadline, what)
+        """``fn`` with retries of transient failures for up to ``retry_deadline`` seconds (:attr:`policy`)."""
+        return self.policy.call(fn, what)
 
     def sent(self, msg: Any) -> Any:
         """Count ``msg`` (a protobuf message or a frame) in ``ps_worker_sent_bytes_total``; returns it."""

@@ -12,7 +12,6 @@ import dataclasses
 import logging
 import math
 import threading
-import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import overload
 
@@ -22,7 +21,7 @@ import torch
 from ps_common import frames, tracing
 from ps_common.channels import is_loopback
 from ps_common.codec import torch_dtype
-from ps_worker.transport.calls import ShardCalls, is_stale
+from ps_worker.transport.calls import Pushed, ShardCalls, is_stale
 from ps_worker.transport.encoding import Stamp, WireCodec
 from ps_worker.transport.frame_sender import SendOrder, keep_in_order
 from ps_worker.transport.link import Answer, Link, choose_link
@@ -65,9 +64,7 @@ class PendingPushPull:
         self.session = path.session
         self.transport = t = path.transport
         self.out_tensors = out
-        if hyperparameters is not None:
-            path.last_hyperparameters = [dict(h) for h in hyperparameters]
-        self.hyperparameters = path.last_hyperparameters
+        self.hyperparameters = path.hyperparameters(hyperparameters)
         self.skip = skip
         self.samples = samples
         self.flats, self.device_out = path.staging.pull_targets(codec.plan, out, codec.keys)
@@ -218,10 +215,8 @@ class PendingPushPull:
         for spec in self.codec.plan.specs:
             if spec.key not in self._grads and (self.codec.keys is None or spec.key in self.codec.keys):
                 self.ready(spec.key, torch.zeros(math.prod(spec.shape), dtype=torch_dtype(spec.dtype)))
-        self.path.last_push = _LastPush(self)  # made as the frames are sent; whole once they are
-        self.path.last_round = self.round
-        self.path.skipping = self.skip  # a repush while this push is answered carries its skip
-        self.path.holding = False
+        # made as the frames are sent, kept as sent (a PushLost meanwhile or later pushes it again)
+        push = Pushed(_LastPush(self), self.round, self.hyperparameters, self.skip, samples=self.samples)
         self.order = self._send_order()
         begun = list(self._begun.values())
         for link in begun:  # every frame is built: the streams may end
@@ -240,34 +235,24 @@ class PendingPushPull:
                 k, lambda: choose_link(self, k).attempt(), f"PushPull {t.servers[k]}", repush=False, round=self.round
             )
 
-        start = time.perf_counter()
         try:
-            results = t.each_shard(one)
+            results = self.path.send(push, one, lambda r: r[0], "push_pull_duration")
         except grpc.RpcError as exc:
             if not is_stale(exc):
                 raise
-            s.push_refused()  # too stale: the step is done, its gradient refused
             log.info("rank %d: push refused as too stale (%s); pulling", s.rank, exc.details())
             return self.path.pull(self.out_tensors)
         finally:
-            self.path.skipping = False
             for link in begun:
                 link.end()
-            # from here the gradients may change (zero_grad, the next step's staging): keep the
-            # push as it went on the wire, for a repush after a PushLost
-            self.path.last_push = [_LastPush(self)[k] for k in range(t.num_shards)]
-        self.path.observe("push_pull_duration", start)
-        if self.round is not None:  # sync: kept until every shard has the round on disk
-            s.redo_log.record(self.round, self.path.last_push, self.hyperparameters, self.skip, self.samples)
         s.pushed_bytes += sum(r[2] for r in results)
         s.pulled_bytes += sum(r[3] for r in results)
-        s.account_push([r[0] for r in results])
         return self.path.finish_pull([r[1] for r in results], self.device_out, self.flats)
 
 
 class _LastPush(Sequence[list[frames.OutPartition]]):
     """Per shard, a push's partitions as they go on the wire, each made on first use (the same
-    objects the push sends: :meth:`PendingPushPull._out`)."""
+    objects the push sends: :meth:`PendingPushPull.out`)."""
 
     def __init__(self, pending: PendingPushPull) -> None:
         self.pending = pending

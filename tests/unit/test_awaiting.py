@@ -140,3 +140,11 @@ def test_wait_timeout_zero_or_none_means_no_bound(given, bound) -> None:
 def test_a_negative_wait_timeout_is_refused(bad) -> None:
     with pytest.raises(ValueError, match="wait_timeout must be >= 0"):
         PeerWaits(0, wait_timeout=bad)
+
+
+def test_giving_up_names_wait_timeout_as_the_deadline() -> None:
+    clock = Clock()
+    fn, _ = calls(clock, failures=100)
+    with pytest.raises(AwaitingRanksError) as caught:
+        PeerWaits(1, wait_timeout=25.0, now=clock).call(fn, "h:1")
+    assert caught.value.deadline == "wait_timeout"

@@ -21,6 +21,7 @@ from ps_worker.staging import HostStaging
 from ps_worker.transport.calls import ShardCalls
 from ps_worker.transport.encoding import WireCodec
 from ps_worker.transport.pushpull import PendingPushPull
+from ps_worker.transport.retry import CallPolicy
 
 PARAMS = {"w": torch.zeros(4), "b": torch.zeros(2)}
 PLAN = make_plan(model_specs(list(PARAMS.items())), 1)
@@ -74,6 +75,8 @@ class FakeTransport:
 
     def each_shard(self, fn: Callable[[int], Any]) -> list[Any]:
         return [fn(0)]
+
+    policy = CallPolicy(0.0)  # no time to retry in: a transient failure is raised
 
     def call(self, fn: Callable[[], Any], what: str) -> Any:
         return fn()

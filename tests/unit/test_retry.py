@@ -1,13 +1,24 @@
-"""retry_call: transient codes (a busy shard's RESOURCE_EXHAUSTED too) are retried with jittered backoff until the
-deadline, others raise at once."""
+"""CallPolicy, retry_call: transient codes (a busy shard's RESOURCE_EXHAUSTED too) are retried with jittered backoff
+until the deadline, others raise at once; the error names the deadline that ended the call."""
 
 from __future__ import annotations
+
+import time
 
 import grpc
 import pytest
 
 from ps_common.errors import StatusError
-from ps_worker.transport.retry import backoff_delays, is_transient, retry_call
+from ps_worker.awaiting import PeerWaits
+from ps_worker.transport.retry import (
+    MAX_RECOVERIES,
+    RETRY_DEADLINE,
+    TIMEOUT,
+    CallPolicy,
+    backoff_delays,
+    is_transient,
+    retry_call,
+)
 
 
 class Failure(StatusError):
@@ -118,3 +129,45 @@ def test_a_shard_holding_its_most_waiting_calls_is_busy_not_refusing() -> None:
         return "ok"
 
     assert retry_call(fn, 60.0, "test", sleep=slept.append) == "ok" and len(slept) == 2
+
+
+def test_the_error_names_the_deadline_that_ended_the_call() -> None:
+    fn, _ = flaky([grpc.StatusCode.UNAVAILABLE] * 100)
+    with pytest.raises(Failure) as unreachable:
+        retry_call(fn, 0.0, "test", sleep=lambda s: None)
+    assert unreachable.value.deadline == RETRY_DEADLINE  # transient failures until --retry-deadline
+    fn, _ = flaky([grpc.StatusCode.DEADLINE_EXCEEDED])
+    with pytest.raises(Failure) as slow:
+        retry_call(fn, 0.0, "test", sleep=lambda s: None)
+    assert slow.value.deadline == TIMEOUT  # the one attempt ran out of its per-RPC --timeout
+    fn, _ = flaky([grpc.StatusCode.DEADLINE_EXCEEDED] * 100)
+    policy = CallPolicy(0.5, sleep=lambda s: time.sleep(0.05))
+    with pytest.raises(Failure) as retried:
+        policy.call(fn, "test")
+    assert retried.value.deadline == RETRY_DEADLINE  # retried, each attempt's deadline, until --retry-deadline
+    fn, _ = flaky([grpc.StatusCode.INVALID_ARGUMENT])
+    with pytest.raises(Failure) as refused:
+        retry_call(fn, 60.0, "test")
+    assert refused.value.deadline is None  # a refusal: no deadline
+
+
+def test_the_policy_waits_and_recovers_in_one_loop_each_bounded() -> None:
+    waits = PeerWaits(1, wait_timeout=0.0)  # no bound while alive
+    awaiting = [
+        Failure(grpc.StatusCode.DEADLINE_EXCEEDED, "waiting for round 4: ranks [0] are alive;", "AWAITING_RANKS")
+    ]
+    fn, calls = flaky([grpc.StatusCode.UNAVAILABLE])
+    answers = iter(awaiting)
+
+    def waiting() -> str:
+        for exc in answers:
+            raise exc
+        return fn()
+
+    assert CallPolicy(60.0, sleep=lambda s: None).call(waiting, "test", address="h:1", waits=waits) == "ok"
+    assert waits.reissued == 1 and len(calls) == 2
+    recovered: list[grpc.RpcError] = []
+    fn, calls = flaky([grpc.StatusCode.FAILED_PRECONDITION] * 100)
+    with pytest.raises(Failure) as caught:
+        CallPolicy(60.0).call(fn, "test", recover=lambda err: recovered.append(err) or True)
+    assert len(recovered) == MAX_RECOVERIES and len(calls) == MAX_RECOVERIES + 1 and caught.value.deadline is None

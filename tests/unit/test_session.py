@@ -12,6 +12,7 @@ from ps_common import errors
 from ps_common.errors import Reason
 from ps_proto.v1 import ps_pb2
 from ps_worker.session import Session
+from ps_worker.transport.retry import CallPolicy
 
 
 class Refusal(grpc.RpcError):
@@ -67,6 +68,8 @@ class FakeTransport:
 
     def each_shard(self, fn: Callable[[int], Any]) -> list[Any]:
         return [fn(k) for k in range(self.num_shards)]
+
+    policy = CallPolicy(0.0)  # no time to retry in: a transient failure is raised
 
     def call(self, fn: Callable[[], Any], what: str) -> Any:
         return fn()
