@@ -107,15 +107,12 @@ class TableClient:
         """table -> (distinct ids, rows) pulled ahead by ``ps_worker.tables.modules.prefetch`` for the next forward."""
         self.ahead = Ahead(self)
         """The next batch's rows pulled while this step runs (``ps_worker.tables.prefetch``)."""
-        self.redo = TableRedo(transport.num_shards, session.redo_log.max_bytes)
-        """sync: this rank's PushRows of the last table rounds, pushed again to a shard that lost them."""
-        self.calls: Counter[str] = Counter()
-        """Calls made, by method (InitTables, PullRows, PushRows)."""
+        self.redo: TableRedo | None = None  # sync: the PushRows of the last table rounds (table_redo())
+        self.calls: Counter[str] = Counter()  # by method (InitTables, PullRows, PushRows)
         self.weights: dict[str, weakref.ref[torch.Tensor]] = {}
         """Table name -> the weight its module held before ``attach_tables`` removed it (a user
         optimizer built before ``client.init`` still holds it: ``ps_worker.torch_optim``)."""
-        self.closed = False
-        """True once :meth:`close` ran (the client's channels are closed)."""
+        self.closed = False  # True once close() ran (the client's channels are closed)
         self.matrices: list[str] = []
         """Tables whose module held a weight: ``model.state_dict()`` and ``client.state_dict()`` hold
         them (``ps_worker.tables.state``)."""
@@ -131,8 +128,7 @@ class TableClient:
         self.ahead.close()
 
     def _send(self, k: int, method: str, request: Any) -> Any:
-        """``method`` to shard ``k``: retried while transient, called again while the ranks a sync
-        table round waits for are alive (``session.waits``)."""
+        """``method`` to shard ``k`` (the transport's retry policy; a sync table round's waits, too)."""
         stub, address = self.transport.stubs[k], self.transport.servers[k]
 
         def once() -> Any:
@@ -177,6 +173,12 @@ class TableClient:
             self.metrics.received_bytes.inc(got)
         return reply
 
+    def table_redo(self) -> TableRedo:
+        """:attr:`redo`, made within the session's ``redo_bytes`` at the first call."""
+        if self.redo is None:
+            self.redo = TableRedo(self.transport.num_shards, self.session.redo_log.max_bytes)
+        return self.redo
+
     def _rejoin(self, k: int, exc: PSError) -> None:
         """Join shard ``k`` again, its lost dense rounds pushed again first (up to the round this rank
         pushes next), as every rank does: none waits for a table round while another waits for a
@@ -185,12 +187,12 @@ class TableClient:
 
     def _push_again(self, k: int, end: int) -> None:
         """Push shard ``k`` this rank's table rounds from its table version up to ``end`` again, each
-        read back closed before the next (a sync table round takes only its own round's pushes)."""
+        closed before the next (a sync table round takes only its own round's pushes)."""
         address, s = self.transport.servers[k], self.session
         self._rejoin(k, NotJoinedError(f"shard {k} restarted behind this rank's table rounds"))
         probe = ps_pb2.PullRowsRequest(rank=s.rank, incarnation=s.incarnation)
         start = int(self._send(k, "PullRows", probe).version)  # no ids: the shard's table version
-        entries = self.redo.rounds(k, start, end, address)
+        entries = self.table_redo().rounds(k, start, end, address)
         log.warning(
             "rank %d: shard %s lost table rounds %d..%d; pushing them again", self.session.rank, address, start, end - 1
         )
@@ -409,7 +411,7 @@ class TableClient:
             )
             reply = self._call(k, "PushRows", request)
             if every_shard:
-                self.redo.record(k, request)
+                self.table_redo().record(k, request)
             return reply
 
         replies = (each_shard or self.transport.each_shard)(push_shard)
