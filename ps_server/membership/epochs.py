@@ -243,8 +243,8 @@ class Epochs:
                 m.state = state
             m.counted = counted
             m.since = int(entry.since_version)
-            if entry.until_version != m.until:
-                m.until, m.until_incarnation = int(entry.until_version), m.incarnation
+            if entry.until_version != m.until:  # the pushes of the incarnation decided about
+                m.until, m.until_incarnation = int(entry.until_version), int(entry.incarnation)
         self.record = record
         return True
 

@@ -67,11 +67,14 @@ def follow(host: ShardCore, membership: Membership, reason: str) -> None:
         if closed:
             why = f"it took rank {m.rank}'s push of it, which never reached shard 0 before shard 0 stopped counting it"
             lose(host, min(closed), why)
+        elif m.incarnation > m.until_incarnation:  # a new process joined here before the record came
+            check_replaced(host, m)
 
 
 def check_replaced(host: ShardCore, member: Member) -> None:
-    """A new process joined as ``member``'s rank: a round below its ``until`` still waiting for the
-    old process's push here is lost (shard 0 took that push; no process can bring it now)."""
+    """A new process joined as ``member``'s rank (or has joined, before shard 0's record came): a
+    round below its ``until`` still waiting for the old process's push here is lost (shard 0 took
+    that push; no process can bring it now)."""
     rounds = host.rounds
     if host.policy.holds_pushes and rounds.round < member.until and member.rank not in rounds.pending:
         why = (

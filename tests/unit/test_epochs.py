@@ -253,6 +253,18 @@ def test_a_process_restarted_mid_push_counts_where_shard_0_took_it_on_every_shar
     assert shards[0].lost_round == ""
 
 
+def test_a_process_restarted_mid_push_that_joins_a_follower_before_the_record_loses_the_round_there() -> None:
+    shards = cluster(num_workers=2)
+    push_round(shards, [0, 1], 0)
+    push_round(shards[:1], [1], 1)  # rank 1's old process pushed round 1 to shard 0 only, then died
+    shards[0].join(1, 2, 2)  # the new process: shard 0 counts the old one's push of round 1
+    push_round(shards, [0], 1)
+    shards[1].join(1, 2, 2)  # it joins shard 1 before shard 0's record reaches it
+    assert shards[1].lost_round == ""
+    relay(shards)  # the record: round 1 counts the old process's push, which shard 1 never got
+    assert "cannot close round 1" in shards[1].lost_round
+
+
 def test_a_process_restarted_between_rounds_goes_on_at_the_same_round_on_every_shard() -> None:
     shards = cluster(num_workers=2)
     push_round(shards, [0, 1], 0)
