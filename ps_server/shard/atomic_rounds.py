@@ -58,7 +58,7 @@ def follow(host: ShardCore, membership: Membership, reason: str) -> None:
         closed = [
             c
             for (inc, c), r in m.history.items()
-            if inc == m.incarnation
+            if inc == m.incarnation == m.until_incarnation  # shard 0 decided about this process's pushes
             and c < rounds.round
             and not r.dropped
             and m.rank < membership.size(c)
