@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
@@ -59,13 +60,13 @@ class Session:
         settings: the mode and its parameters, as the shards announced them at Join.
         recoveries: how often each :class:`~ps_common.errors.Reason` was recovered from.
         staleness: histogram of the staleness of this rank's applied pushes (async, ssp).
-        reinit: rank 0's way to write shard ``k``'s values again (set by the client).
-        repush: pushes the last gradient to shard ``k`` again (set by the client).
+        reinit, repush: rank 0 writes shard ``k``'s values again; the last gradient pushed again (the client's).
         redo_log, redo: sync, this rank's pushes of the rounds a shard could lose (:mod:`ps_worker.redo`),
             and what pushes them again after its restart (set by the client; see :meth:`recover`).
         epochs: the membership records as this worker knows them (:class:`~ps_worker.relay.EpochRelay`).
         on_resize: called with a membership record that changes the worker count.
         waits: calls waiting for other ranks, called again while those are alive.
+        recovering: held by a recovery (:meth:`recover`): one at a time, a table call's included.
     """
 
     def __init__(
@@ -97,6 +98,7 @@ class Session:
         self.reinit: Callable[[int], None] | None = None
         self.repush: Callable[[int], None] | None = None
         self.redo_log = RedoLog(n, redo_bytes)
+        self.recovering = threading.RLock()
         self.redo: Callable[[int, ps_pb2.JoinResponse, int | None, bool], bool] | None = None
         self.epochs = EpochRelay(n, self._resized)
         self.on_resize: Callable[[ps_pb2.MembershipEpoch], None] | None = None
@@ -292,25 +294,24 @@ class Session:
         """Bring shard ``k`` and this session back in step after a refusal; True when the call
         should be made again.
 
-        - :class:`~ps_common.errors.NotJoinedError` (evicted after a partition, or the shard restarted): Join again.
-        - :class:`~ps_common.errors.NotInitializedError` (the shard restarted with no checkpoint): rank 0
-          writes its current values again (first writer wins); other ranks wait for that. Then Join.
-        - :class:`~ps_common.errors.FutureRoundError` (the shard restarted from an older checkpoint): adopt its round.
-        - :class:`~ps_common.errors.PushLostError` (the shard restarted and lost an acknowledged push of an
-          open round): adopt its round and push the last gradient again.
-        - sync, after any of these: a shard restarted from an older checkpoint gets the rounds it lost
-          pushed again from the redo log (:attr:`redo`, :func:`ps_worker.redo.push_again`).
+        - NotJoinedError (evicted after a partition, or the shard restarted): Join again.
+        - NotInitializedError (the shard restarted empty): rank 0 writes its values again, the others wait.
+        - FutureRoundError (the shard restarted from an older checkpoint): adopt its round.
+        - PushLostError (it lost an acknowledged push of an open round): push the last gradient again.
+        - sync, then: a shard restarted from an older checkpoint gets its lost rounds (:attr:`redo`).
 
-        Args:
-            round: sync, the round the call being recovered pushes (its gradient was computed for
-                it); None for a call that pushes nothing.
+        Args: round: sync, the round the recovered call pushes (its gradient's); None: none.
 
         Raises:
-            StalePush: the mode refuses the rejoin's round (sync: the step's gradient is dropped; see
-                :meth:`WorkerMode.after_rejoin <ps_worker.consistency.WorkerMode.after_rejoin>`).
+            StalePush: the mode refuses the rejoin's round (sync: the step's gradient is dropped:
+                ``WorkerMode.after_rejoin``).
         """
         if not isinstance(err, RECOVERABLE):
             return False
+        with self.recovering:  # one at a time (a table call's and the step's: ps_worker.tables.client)
+            return self._recover(k, err, repush, round)
+
+    def _recover(self, k: int, err: PSError, repush: bool, round: int | None) -> bool:
         address = self.transport.servers[k]
         log.warning("rank %d: shard %s refused (%s: %s); recovering", self.rank, address, err.reason, err.details())
         self.recoveries[str(err.reason)] += 1

@@ -181,9 +181,10 @@ class TableClient:
 
     def _rejoin(self, k: int, exc: PSError) -> None:
         """Join shard ``k`` again, its lost dense rounds pushed again first (up to the round this rank
-        pushes next), as every rank does: none waits for a table round while another waits for a
-        dense one (``ps_worker.transport.calls.ShardCalls.push_again``)."""
-        self.session.recover(k, exc, False, self.session.push_round())
+        pushes next), as every rank does: none waits for a table round while another waits for a dense one."""
+        s = self.session
+        with s.recovering:  # after a recovery of the step's in progress: the round it leaves
+            s.recover(k, exc, False, s.push_round())
 
     def _push_again(self, k: int, end: int) -> None:
         """Push shard ``k`` this rank's table rounds from its table version up to ``end`` again, each
