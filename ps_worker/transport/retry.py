@@ -52,6 +52,10 @@ def is_transient(exc: grpc.RpcError, codes: Collection[grpc.StatusCode] = RETRYA
     transient: the wait for alive ranks is called again by :class:`ps_worker.awaiting.PeerWaits`,
     which bounds it with ``wait_timeout`` instead of the retry deadline."""
     code = exc.code() if hasattr(exc, "code") else None
+    if code is grpc.StatusCode.CANCELLED and grpc.StatusCode.UNAVAILABLE in codes:
+        # the shard cancelled it (a call in flight when the shard stopped, past its grace): as UNAVAILABLE;
+        # a call this process cancelled itself ("Locally cancelled") is not made again
+        return "locally cancelled" not in _details(exc).lower()
     if code not in codes:
         return False
     if code is grpc.StatusCode.DEADLINE_EXCEEDED:
