@@ -29,8 +29,8 @@ from ps_common.tables import TableSpec, shard_of
 from ps_common.wire import table_spec_from_proto, table_spec_to_proto
 from ps_proto.v1 import ps_pb2
 from ps_worker.errors import error_from_rpc
+from ps_worker.redo import LostRoundsError
 from ps_worker.tables.prefetch import Ahead
-from ps_worker.tables.redo import TableRedo
 from ps_worker.tables.seed import Seeds, send_seeds
 
 if TYPE_CHECKING:
@@ -107,7 +107,6 @@ class TableClient:
         """table -> (distinct ids, rows) pulled ahead by ``ps_worker.tables.modules.prefetch`` for the next forward."""
         self.ahead = Ahead(self)
         """The next batch's rows pulled while this step runs (``ps_worker.tables.prefetch``)."""
-        self.redo: TableRedo | None = None  # sync: the PushRows of the last table rounds (table_redo())
         self.calls: Counter[str] = Counter()  # by method (InitTables, PullRows, PushRows)
         self.weights: dict[str, weakref.ref[torch.Tensor]] = {}
         """Table name -> the weight its module held before ``attach_tables`` removed it (a user
@@ -147,7 +146,7 @@ class TableClient:
         VERSION_AHEAD on a PullRows) gets them pushed again from :attr:`redo`, then the call is made again.
 
         Raises:
-            LostRoundsError: such a round is no longer in :attr:`redo`. ShardError: any other refusal.
+            LostRoundsError: a shard restarted behind this rank's table rounds. ShardError: any other refusal.
         """
         self.calls[method] += 1
         sent = request.ByteSize()
@@ -173,12 +172,6 @@ class TableClient:
             self.metrics.received_bytes.inc(got)
         return reply
 
-    def table_redo(self) -> TableRedo:
-        """:attr:`redo`, made within the session's ``redo_bytes`` at the first call."""
-        if self.redo is None:
-            self.redo = TableRedo(self.transport.num_shards, self.session.redo_log.max_bytes)
-        return self.redo
-
     def _rejoin(self, k: int, exc: PSError) -> None:
         """Join shard ``k`` again, its lost dense rounds pushed again first (up to the round this rank
         pushes next), as every rank does: none waits for a table round while another waits for a dense one."""
@@ -187,21 +180,12 @@ class TableClient:
             s.recover(k, exc, False, s.push_round())
 
     def _push_again(self, k: int, end: int) -> None:
-        """Push shard ``k`` this rank's table rounds from its table version up to ``end`` again, each
-        closed before the next (a sync table round takes only its own round's pushes)."""
-        address, s = self.transport.servers[k], self.session
-        self._rejoin(k, NotJoinedError(f"shard {k} restarted behind this rank's table rounds"))
-        probe = ps_pb2.PullRowsRequest(rank=s.rank, incarnation=s.incarnation)
-        start = int(self._send(k, "PullRows", probe).version)  # no ids: the shard's table version
-        entries = self.table_redo().rounds(k, start, end, address)
-        log.warning(
-            "rank %d: shard %s lost table rounds %d..%d; pushing them again", self.session.rank, address, start, end - 1
+        """A shard restarted behind table rounds it had answered: named, never waited on (table rounds
+        are not kept to be pushed again; the dense rounds are, ``ps_worker.redo``)."""
+        raise LostRoundsError(
+            f"{self.transport.servers[k]}: shard {k} restarted behind table rounds this rank pushed (up to "
+            f"{end - 1}); table rounds are not pushed again: restart the job from the shards' checkpoints."
         )
-        for request in entries:  # each round closed (every rank pushes it again) before the next is taken
-            request.session = self.session.sessions[k]
-            self._send(k, "PushRows", request)
-            probe.min_version = request.clock + 1
-            self._send(k, "PullRows", probe)
 
     # ------------------------------------------------------------------ declare
     def declare(self) -> None:
@@ -410,10 +394,7 @@ class TableClient:
                 session=self.session.sessions[k],
                 hyperparameters=hyper,
             )
-            reply = self._call(k, "PushRows", request)
-            if every_shard:
-                self.table_redo().record(k, request)
-            return reply
+            return self._call(k, "PushRows", request)
 
         replies = (each_shard or self.transport.each_shard)(push_shard)
         self.clock = clock + 1
