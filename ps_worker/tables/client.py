@@ -141,51 +141,37 @@ class TableClient:
         )
 
     def _call(self, k: int, method: str, request: Any) -> Any:
-        """:meth:`_send`, counted, after bringing a restarted shard back in step: Join again on
-        NOT_JOINED; sync, a shard behind the table rounds it answered (FUTURE_ROUND on a PushRows,
-        VERSION_AHEAD on a PullRows) gets them pushed again from :attr:`redo`, then the call is made again.
+        """:meth:`_send`, counted; on NOT_JOINED (the shard restarted) Join again, once, and call again.
 
         Raises:
-            LostRoundsError: a shard restarted behind this rank's table rounds. ShardError: any other refusal.
+            LostRoundsError: sync, the shard restarted behind table rounds this rank pushed (FUTURE_ROUND on
+                a PushRows, VERSION_AHEAD on a PullRows): they are not pushed again. ShardError: any other refusal.
         """
         self.calls[method] += 1
         sent = request.ByteSize()
         self.sent_bytes += sent
         if self.metrics is not None:
             self.metrics.sent_bytes.inc(sent)
-        for attempt in range(3):
+        try:
             try:
                 reply = self._send(k, method, request)
-                break
-            except (NotJoinedError, FutureRoundError, VersionAheadError) as exc:
-                if attempt == 2:
-                    raise
-                if isinstance(exc, NotJoinedError):
-                    self._rejoin(k, exc)
-                else:
-                    self._push_again(k, request.clock if method == "PushRows" else (self.clock or 0))
+            except NotJoinedError as exc:
+                s = self.session
+                with s.recovering:  # after a recovery of the step's in progress: the round it leaves
+                    s.recover(k, exc, False, s.push_round())  # the lost dense rounds are pushed again
                 if method == "PushRows":
-                    request.session = self.session.sessions[k]
+                    request.session = s.sessions[k]
+                reply = self._send(k, method, request)
+        except (FutureRoundError, VersionAheadError) as exc:
+            raise LostRoundsError(
+                f"{self.transport.servers[k]}: shard {k} restarted behind table rounds this rank pushed; table "
+                f"rounds are not pushed again: restart the job from the shards' checkpoints. ({exc.details()})"
+            ) from None
         got = reply.ByteSize()
         self.received_bytes += got
         if self.metrics is not None:
             self.metrics.received_bytes.inc(got)
         return reply
-
-    def _rejoin(self, k: int, exc: PSError) -> None:
-        """Join shard ``k`` again, its lost dense rounds pushed again first (up to the round this rank
-        pushes next), as every rank does: none waits for a table round while another waits for a dense one."""
-        s = self.session
-        with s.recovering:  # after a recovery of the step's in progress: the round it leaves
-            s.recover(k, exc, False, s.push_round())
-
-    def _push_again(self, k: int, end: int) -> None:
-        """A shard restarted behind table rounds it had answered: named, never waited on (table rounds
-        are not kept to be pushed again; the dense rounds are, ``ps_worker.redo``)."""
-        raise LostRoundsError(
-            f"{self.transport.servers[k]}: shard {k} restarted behind table rounds this rank pushed (up to "
-            f"{end - 1}); table rounds are not pushed again: restart the job from the shards' checkpoints."
-        )
 
     # ------------------------------------------------------------------ declare
     def declare(self) -> None:
