@@ -195,7 +195,8 @@ class SyncPolicy(ConsistencyPolicy):
 
         Raises:
             UpdateRefusedError: the refusal of the round it waits for. PushLostError: as above.
-            VersionAheadError: ``min_version`` > the open round + 1.
+            VersionAheadError: ``min_version`` > the open round + 1, for a rank counted before
+                ``min_version``.
         """
         rank = member.rank
         if shard.lost_round and min_version > shard.version:
@@ -216,7 +217,10 @@ class SyncPolicy(ConsistencyPolicy):
                 f"push round {round_} again, then pull."
             )
         reachable = max(shard.version, round_) + 1  # what the open round makes
-        if min_version > reachable:
+        # beyond it: rounds this rank pushes (a wait no push of its could end), unless it counts only
+        # from the version it waits for (rejoined: the other ranks' rounds make it, a shard that
+        # restarted behind them included)
+        if min_version > reachable and not (joined and member.counted and member.since >= min_version):
             raise VersionAheadError(
                 f"A pull of version {min_version} waits for nothing shard {shard.shard_index} can make: it holds "
                 f"version {shard.version} and its open round {round_} makes {reachable}. Pull at most version "

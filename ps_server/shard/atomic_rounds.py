@@ -37,12 +37,43 @@ def stop_counting(member: Member, rounds: SyncRounds, sync: bool) -> None:
         member.until_incarnation = member.incarnation
 
 
-def follow(host: ShardCore, membership: Membership, reason: str) -> None:
-    """A follower, after adopting shard 0's record (``reason``: its words): drop the open round's
-    held push of a rank the record does not count in it (the rank's waiting call is told
-    NOT_JOINED), and lose the round when a closed round took a push the record does not count."""
+def count_from_open_round(host: ShardCore, membership: Membership) -> list[int]:
+    """Shard 0, deciding: when no rank counts in the open round ``R`` any more (its ranks left or
+    stopped) while some are counted from a later round (they joined while ``R`` still had a rank to
+    push it), nobody would ever push ``R`` and they would wait for version ``R + 1`` for ever. They
+    count from ``R`` instead: no shard can have closed it (it holds no push), and its result is the
+    one they wait for. Their waiting calls are told NOT_JOINED (:func:`tell_counted_from`). Returns
+    their ranks."""
+    rounds = host.rounds
+    if not host.policy.holds_pushes or rounds.pending or membership.counted_in(rounds.round):
+        return []
+    moved = [m for m in membership.members if m.counted and m.since > rounds.round]
+    for m in moved:
+        m.since = rounds.round
+    tell_counted_from(host, moved)
+    return [m.rank for m in moved]
+
+
+def tell_counted_from(host: ShardCore, members: list[Member]) -> None:
+    """``members`` count from an earlier round than they joined at (:func:`count_from_open_round`):
+    a call of theirs waiting for a later version is told NOT_JOINED; joining again, each is told the
+    round it counts from and pulls its result (a Join takes the refusal back)."""
+    for m in members:
+        if m.rank not in host.rounds.pending:
+            host.refusals[m.rank] = NotJoinedError(  # type: ignore[assignment]
+                f"Rank {m.rank} counts from round {m.since} now: no other rank is counted in round {m.since} any "
+                f"more (they left or stopped); join again, then pull version {m.since}."
+            )
+
+
+def follow(host: ShardCore, membership: Membership, reason: str, earlier: list[Member]) -> None:
+    """A follower, after adopting shard 0's record (``reason``: its words; ``earlier``: ranks it
+    counts from an earlier round than before): drop the open round's held push of a rank the record
+    does not count in it (the rank's waiting call is told NOT_JOINED), lose the round when a closed
+    round took a push the record does not count, and tell ``earlier`` (:func:`tell_counted_from`)."""
     if not host.policy.holds_pushes or host.lost_round:
         return
+    tell_counted_from(host, earlier)
     rounds = host.rounds
     expected = set(membership.counted_in(rounds.round))
     for m in membership.members:

@@ -136,9 +136,10 @@ class ShardMembers:
         member.session = secrets.randbits(64) or 1
         self.membership.joins.start()
         restarted = incarnation != member.incarnation
+        if restarted or isinstance(shard.refusals.get(rank), NotJoinedError):  # a Join answers NOT_JOINED
+            shard.refusals.pop(rank, None)
         if restarted:  # a new process: its clocks start over
             member.high_water = -1
-            shard.refusals.pop(rank, None)
             atomic_rounds.check_replaced(shard, member)
         if restarted or member.state is not WorkerState.LIVE:
             log.info("shard %d: rank %d joined (incarnation %d)", shard.shard_index, rank, incarnation)
@@ -258,6 +259,8 @@ class ShardMembers:
     def decide(self, reason: str) -> None:
         """Shard 0: stamp the membership as it is now with the next epoch. Caller holds the lock."""
         shard = self._host
+        if moved := atomic_rounds.count_from_open_round(shard, self.membership):
+            reason += f"; ranks {moved} count from round {shard.rounds.round}: no other rank is counted in it"
         record = self.epochs.decide(self.membership, shard.version, reason)
         log.info("shard %d: membership epoch %d: %s", shard.shard_index, record.epoch, reason)
 
@@ -276,10 +279,12 @@ class ShardMembers:
         if record.epoch <= self.epochs.epoch:
             return False
         self.epochs.check(record)  # signed by shard 0, within bounds: else refused, nothing changes
+        since = {m.rank: m.since for m in self.membership.members if m.counted}
         self.epochs.adopt(record, self.membership)
         self.sync_count()
         log.info("shard %d: follows membership epoch %d (%s)", shard.shard_index, record.epoch, record.reason)
-        atomic_rounds.follow(self._host, self.membership, self.epochs.record.reason)
+        earlier = [m for m in self.membership.members if m.counted and m.since < since.get(m.rank, m.since)]
+        atomic_rounds.follow(self._host, self.membership, self.epochs.record.reason, earlier)
         shard.apply_due()
         shard.advance()
         return True

@@ -65,6 +65,8 @@ def test_rank_paused_mid_round_rejoins_and_both_ranks_end_on_one_model(tmp_path:
         cluster.reap()
         finals = cluster.finals()
         assert [f.returncode for f in finals] == [0, 0], [p.files[1].name for p in cluster.workers if p]
+        # no process failed and was started again: each rank's one process went on to the end
+        assert cluster.restarts == [0, 0], [(i.rank, i.returncode) for i in cluster.incarnations]
         done = [f.done or {} for f in finals]
         at = versions(cluster)
         assert len(at) == 2 and at[0] == at[1] == STEPS, f"shards at versions {at}"

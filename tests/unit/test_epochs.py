@@ -4,6 +4,8 @@ version on both."""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 
@@ -432,3 +434,52 @@ def test_a_round_a_follower_closed_with_a_push_shard_0_never_took_is_named_not_a
         shards[1].push(PushStamp(0, 1, 2), 2, PLAN.digest, wire(1, 1.0))
     with pytest.raises(PreconditionError, match="cannot close round 1"):
         shards[1].pull(0, 1, 3, PLAN.digest, timeout=1.0)
+
+
+def test_ranks_counted_from_a_round_after_one_nobody_pushes_count_from_it_on_every_shard() -> None:
+    """Rank 1 rejoins while rank 0 may still push the open round 2 (so it counts from round 3);
+    rank 0 then leaves without pushing round 2 (its job was done). Nobody would push round 2 and
+    rank 1 would wait for version 3 for ever: it counts from round 2 on every shard, its waiting
+    read is told so, and its next Join says so."""
+    shards = cluster(num_workers=2)
+    push_round(shards, [0, 1], 0)
+    shards[0].evict(1)
+    relay(shards)
+    push_round(shards, [0], 1)  # round 1 without rank 1
+    assert shards[0].join(1, 2, 1).clock == 3  # rank 0 is live: rank 1 counts from the next round
+    relay(shards)
+    assert shards[1].join(1, 2, 1).clock == 3
+    shards[0].leave(0, 1)
+    with pytest.raises(NotJoinedError, match="counts from round 2 now"):
+        shards[0].pull(1, 1, 3, PLAN.digest, timeout=1.0)
+    relay(shards)
+    with pytest.raises(NotJoinedError, match="counts from round 2 now"):
+        shards[1].pull(1, 1, 3, PLAN.digest, timeout=1.0)
+    for s in shards:
+        assert s.join(1, 2, 1).clock == 2 and s.members[1].since == 2
+        assert s.pull(1, 1, 2, PLAN.digest, timeout=1.0)[0] == 2  # at once: no refusal left behind
+    push_round(shards, [1], 2)
+    assert [s.version for s in shards] == [3, 3]
+
+
+def test_a_rank_counted_from_a_later_round_waits_on_a_shard_restarted_behind_it() -> None:
+    """Rank 1 rejoins counting from round 5 while shard 1 restarted at version 1: its read of
+    version 5 there waits for the rounds rank 0 pushes again (no OUT_OF_RANGE), and ends with them."""
+    shards = cluster(num_workers=2)
+    push_round(shards, [0, 1], 0)
+    old = shards[1].export_state()  # shard 1's newest checkpoint: version 1
+    shards[0].evict(1)
+    relay(shards)
+    for c in range(1, 4):
+        push_round(shards, [0], c)
+    assert shards[0].join(1, 2, 1).clock == 5  # rank 0 is live: from the next round
+    shards[1] = Shard(1, 2, ModeSettings("sync", num_workers=2), lease_timeout=5.0, now=FakeClock())
+    shards[1].restore(old)  # killed and restarted behind
+    relay(shards)
+    shards[1].join(0, 2, 1)
+    assert shards[1].join(1, 2, 1).clock == 5
+    with ThreadPoolExecutor(1) as pool:  # it waits for rounds 1..4, which need no push of rank 1
+        read = pool.submit(shards[1].pull, 1, 1, 5, PLAN.digest, timeout=10.0)
+        for c in range(1, 5):
+            shards[1].push(PushStamp(0, 1, c), c, PLAN.digest, wire(1, 1.0))
+        assert read.result(timeout=10)[0] == 5
