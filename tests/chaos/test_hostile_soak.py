@@ -34,7 +34,7 @@ TOKEN = "soak-worker-token"
 ADMIN_TOKEN = "soak-admin-token"
 CLIENTS = 64
 """Hostile clients, each a thread with a connection of its own."""
-STEPS = 500
+STEPS = 250
 """Steps per rank of the job."""
 SLOW_MS = 80.0
 """Rank 0 sleeps this long before each push (the job's pace; it changes no bit of the result)."""
