@@ -28,6 +28,12 @@ from ps_server.policy.rounds import SyncRounds
 log = logging.getLogger(__name__)
 
 
+class CountedFromRoundError(NotJoinedError):
+    """NOT_JOINED, told to a rank counted from an earlier round than it joined at
+    (:func:`count_from_open_round`): its next Join answers it (a Join takes it back; other
+    NOT_JOINED refusals stay for the call they were meant for)."""
+
+
 def stop_counting(member: Member, rounds: SyncRounds, sync: bool) -> None:
     """Shard 0: the cluster stops counting ``member``; with ``sync`` rounds, its pushes count in the
     rounds below ``member.until``: shard 0's open round, plus one when ``rounds`` holds its push."""
@@ -60,7 +66,7 @@ def tell_counted_from(host: ShardCore, members: list[Member]) -> None:
     round it counts from and pulls its result (a Join takes the refusal back)."""
     for m in members:
         if m.rank not in host.rounds.pending:
-            host.refusals[m.rank] = NotJoinedError(  # type: ignore[assignment]
+            host.refusals[m.rank] = CountedFromRoundError(  # type: ignore[assignment]
                 f"Rank {m.rank} counts from round {m.since} now: no other rank is counted in round {m.since} any "
                 f"more (they left or stopped); join again, then pull version {m.since}."
             )

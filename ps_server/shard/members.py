@@ -136,7 +136,7 @@ class ShardMembers:
         member.session = secrets.randbits(64) or 1
         self.membership.joins.start()
         restarted = incarnation != member.incarnation
-        if restarted or isinstance(shard.refusals.get(rank), NotJoinedError):  # a Join answers NOT_JOINED
+        if restarted or isinstance(shard.refusals.get(rank), atomic_rounds.CountedFromRoundError):
             shard.refusals.pop(rank, None)
         if restarted:  # a new process: its clocks start over
             member.high_water = -1
