@@ -73,15 +73,23 @@ def test_killed_worker_is_evicted_and_the_other_finishes(tmp_path) -> None:
 
 @pytest.mark.slow
 def test_restarted_worker_rejoins_and_is_counted(tmp_path) -> None:
-    s = launch(tmp_path, "--steps", "120", "--fault", "kill-worker:1@step=30,restart")
+    try:
+        s = launch(tmp_path, "--steps", "120", "--fault", "kill-worker:1@step=30,restart")
+    except AssertionError as exc:
+        # the kill landed after rank 1's push of a round reached shard 0, which closed the round with
+        # it, and before it reached shard 1: no process can bring that push now, and the shards
+        # cannot close that round alike (docs/faults.md#rounds-atomic-across-shards). Named, never a
+        # fork or a hang; any other failure fails the test.
+        lost = "cannot close round" in str(exc) and "the process that made it is gone" in str(exc)
+        if not lost:
+            raise
+        pytest.xfail("rank 1 was killed between its push to shard 0 and to shard 1: the named lost round")
     view = s["shards_view"]
     assert s["restarted"] == ["worker-1"]
     assert view["clocks"] == [120, 120] and view["worker_states"] == ["left", "left"]
     assert len(s["params_sha256_per_rank"]) == 2  # both ranks finished and reported
-    # Not asserted: equal final parameters across ranks. Each shard evicts the dead rank on its own
-    # lease clock, so one shard may close a round alone that the other does not, and a rank can end
-    # one round newer on one shard (README, "Known limitation"; fault-free runs are bitwise equal,
-    # tests/e2e/test_launch.py).
+    # rounds are atomic across shards: both ranks end on one model
+    assert len(set(s["params_sha256_per_rank"])) == 1, s["params_sha256_per_rank"]
 
 
 @pytest.mark.slow
