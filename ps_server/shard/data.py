@@ -7,9 +7,11 @@ push does (:meth:`~ps_server.policy.base.ConsistencyPolicy.accept`), when a read
 (``check_read``/``can_read``/``blocked``/``after_read``) and how an exchange applies. A read hands
 the caller's ``encode`` a :class:`~ps_server.shard.views.Snapshot` under the lock.
 
-A push or an exchange runs in two steps under the lock, with the decoding of its tensors between
-them (:class:`~ps_server.shard.data_calls.DataCalls` takes the lock for each): ``admit_*`` checks and finds a
-repeated stamp's answer, ``apply_*`` checks again and applies.
+A push is matched to the plan before the lock (the plan is fixed once set) and checked and applied in
+one hold of it (:meth:`DataPath.push`); an exchange runs in two steps under the lock, with the
+decoding of its tensors between them (:class:`~ps_server.shard.data_calls.DataCalls` takes the lock
+for each): ``admit_exchange`` checks and finds a repeated stamp's answer, ``apply_exchange`` checks
+again and applies.
 """
 
 from __future__ import annotations
@@ -145,30 +147,13 @@ class DataPath:
         return False, self._host.version, plan.digest
 
     # ----------------------------------------------------------------- pushes
-    def admit_push(self, stamp: PushStamp, digest: str, hyper: Any) -> tuple[Plan, Member, PushResult | None]:
-        """A push's checks before its gradients are decoded: (plan, member, the original answer when
-        ``stamp`` was pushed already, else None). The policy applies (async, ssp), holds (sync) or refuses it.
-
-        Raises:
-            InvalidRequestError, NotInitializedError, PlanMismatchError, PreconditionError,
-            StalePushError (a replayed clock), HyperparametersDisagreeError (bad ``hyper``).
-        """
-        host = self._host
-        plan = self.check_plan(digest)
-        member = host.membership.get(stamp.rank, stamp.incarnation)
+    def repeated(self, member: Member, stamp: PushStamp) -> PushResult | None:
+        """The original answer when ``member`` pushed ``stamp`` already (idempotence), else None."""
         seen = member.history.get((stamp.incarnation, stamp.clock))
-        if seen is not None:
-            return plan, member, PushResult(seen.version, seen.staleness, True, seen.dropped, host.mode)
-        host.membership.check_live(member, stamp.incarnation, stamp.clock)
-        self.check_replay(member, stamp)
-        if hyper:
-            assert host.store is not None
-            host.store.check_hyperparameters(hyper)
-        return plan, member, None
+        return None if seen is None else PushResult(seen.version, seen.staleness, True, seen.dropped, self._host.mode)
 
-    def apply_push(
+    def push(
         self,
-        member: Member,
         stamp: PushStamp,
         grad_version: int,
         grads: Sequence[torch.Tensor],
@@ -176,7 +161,9 @@ class DataPath:
         skip: bool,
         stream: Any,
     ) -> tuple[PushResult, bool]:
-        """Check the push again (the lock was released while it was decoded); hand it to the policy.
+        """A push whose partitions were matched to the plan (:func:`~ps_server.core.partitions.match_partitions`):
+        checked once (repeat, liveness, shutdown, replay, counted, hyperparameters), then handed to the policy,
+        which applies (async, ssp), holds (sync) or refuses it; a repeated ``stamp`` is answered as the first time.
 
         Args:
             grad_version: the version the gradients were computed on (async staleness).
@@ -196,16 +183,21 @@ class DataPath:
         Raises:
             NotJoinedError, PreconditionError: not joined, counted out, easgd mode, a lost round.
             StalePushError: sync round closed (no quorum), async staleness above the bound, or a replayed
-            clock. UpdateRefusedError: the update (or its round) was refused. ShuttingDownError: closing.
+            clock. HyperparametersDisagreeError: bad ``hyper``. UpdateRefusedError: the update (or its
+            round) was refused. ShuttingDownError: closing.
         """
         host = self._host
-        host.membership.check_live(member, stamp.incarnation, stamp.clock)
-        seen = member.history.get((stamp.incarnation, stamp.clock))
+        member = host.membership.get(stamp.rank, stamp.incarnation)
+        seen = self.repeated(member, stamp)
         if seen is not None:
-            return PushResult(seen.version, seen.staleness, True, seen.dropped, host.mode), False
+            return seen, False
+        host.membership.check_live(member, stamp.incarnation, stamp.clock)
         host.waits.check_open()  # ShuttingDownError: nothing is applied after the final checkpoint
         self.check_replay(member, stamp)
         self.check_counted(member, stamp)
+        if hyper:
+            assert host.store is not None
+            host.store.check_hyperparameters(hyper)
         policy = host.policy
         result = policy.accept(host, member, stamp, grad_version, grads, hyper, skip)
         held = policy.holds_pushes and not result.dropped
@@ -310,10 +302,8 @@ class DataPath:
         rank: int,
         incarnation: int,
         min_version: int,
-        digest: str,
         deadline: float | None,
         timeout: float | None,
-        wire_dtype: str,
         encode: Callable[[Snapshot], T],
     ) -> tuple[int, T]:
         """A Pull: wait until this rank may read (the policy decides), then ``encode`` the parameters.
@@ -324,18 +314,16 @@ class DataPath:
 
         Args:
             deadline: the shard's clock (seconds) to wait until; ``timeout``, for the message.
-            wire_dtype: checked here (a float narrower than every parameter, or ""); the encoder
-                converts.
             encode: called with the :class:`Snapshot` of the version read; its result is returned.
 
         Raises:
             AwaitingRanksError: not readable by the call's deadline, and the ranks it waits for are
                 alive (the worker calls again). WaitTimeoutError: not readable in time.
             ShuttingDownError: closing. UpdateRefusedError: sync, the round waited for was refused. PushLostError.
-            NotInitializedError, PlanMismatchError, InvalidRequestError, PreconditionError.
+            InvalidRequestError, PreconditionError. The caller checked the plan and the wire dtype
+            (:meth:`check_plan`, :meth:`check_wire_dtype`).
         """
         host = self._host
-        self.check_wire_dtype(self.check_plan(digest), wire_dtype)
         member = host.membership.get(rank, incarnation)
         joined = member.state is WorkerState.LIVE and member.incarnation == incarnation
         if joined:

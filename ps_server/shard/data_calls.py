@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from ps_common import tracing
+from ps_common.errors import PSError
 from ps_common.fragments import fragments_in_force, owned_slots
 from ps_common.optimizer import OptimizerSpec
 from ps_common.partition import WirePartition
@@ -105,19 +106,38 @@ class DataCalls:
         stream: RoundStream | None = None,
     ) -> PushResult:
         """Accept the gradients of ``stamp`` (a repeat is answered as the first time); the policy
-        applies, holds or refuses it. Arguments and errors: :meth:`DataPath.admit_push`,
-        :meth:`DataPath.apply_push`; answered once durable with ``durable_acks``."""
-        with self._cond:
-            plan, member, seen = self._host.data.admit_push(stamp, digest, hyper)
-            if seen is not None:
-                return seen
-        grads = match_partitions(plan, self._host.shard_index, partitions, "gradient", expected=self.slots(plan, stamp))
-        with self._cond:
-            result, durable = self._host.data.apply_push(member, stamp, grad_version, grads, hyper, skip, stream)
-            applied = self._host.version
+        applies, holds or refuses it; answered once durable with ``durable_acks``. Arguments and
+        errors: :meth:`check_plan`, :meth:`DataPath.push`."""
+        plan = self._host.data.check_plan(digest)
+        result, durable = self._push(stamp, grad_version, plan, partitions, hyper, skip, stream)
         if durable:  # applied: answered once durable (a held push is answered held)
-            self.wait_durable(applied, None)
+            self.wait_durable(result.version, None)
         return result
+
+    def _push(
+        self,
+        stamp: PushStamp,
+        grad_version: int,
+        plan: Plan,
+        partitions: Sequence[WirePartition],
+        hyper: Hyperparameters,
+        skip: bool,
+        stream: RoundStream | None,
+    ) -> tuple[PushResult, bool]:
+        """Match ``partitions`` to ``plan`` (checked by the caller) without the lock, then
+        :meth:`DataPath.push` in one hold of it. A repeated push whose partitions no longer match
+        (a diloco fragment count changed since) is still answered as the first time."""
+        data, index = self._host.data, self._host.shard_index
+        try:
+            grads = match_partitions(plan, index, partitions, "gradient", expected=self.slots(plan, stamp))
+        except PSError:
+            with self._cond:
+                seen = data.repeated(self._host.membership.get(stamp.rank, stamp.incarnation), stamp)
+            if seen is None:
+                raise
+            return seen, False
+        with self._cond:
+            return data.push(stamp, grad_version, grads, hyper, skip, stream)
 
     def slots(self, plan: Plan, stamp: PushStamp) -> tuple[int, ...] | None:
         """The partitions (indices into the shard's) a push of ``stamp`` carries: diloco with F > 1
@@ -129,6 +149,18 @@ class DataCalls:
         if self._host.durable_acks:
             with self._cond:
                 self._host.data.wait_durable(version, deadline)
+
+    def check_plan(self, digest: str, wire_dtype: str = "") -> Plan:
+        """The plan a request of ``digest`` and ``wire_dtype`` (a float narrower than every
+        parameter, or "") is read against; no lock (the plan is fixed once set).
+
+        Raises:
+            NotInitializedError, PlanMismatchError, InvalidRequestError: :meth:`DataPath.check_plan`,
+            :meth:`DataPath.check_wire_dtype`.
+        """
+        plan = self._host.data.check_plan(digest)
+        self._host.data.check_wire_dtype(plan, wire_dtype)
+        return plan
 
     def pull(
         self,
@@ -142,10 +174,11 @@ class DataCalls:
     ) -> tuple[int, Any]:
         """Wait until this rank may read, then return (version, ``encode(snapshot)``), ``encode``
         called under the lock; ``timeout`` in seconds (None: until the shard closes). Arguments and
-        errors: :meth:`DataPath.read`."""
+        errors: :meth:`check_plan`, :meth:`DataPath.read`."""
+        self.check_plan(digest, wire_dtype)
         deadline = None if timeout is None else self._host.now() + timeout
         with self._cond:
-            return self._host.data.read(rank, incarnation, min_version, digest, deadline, timeout, wire_dtype, encode)
+            return self._host.data.read(rank, incarnation, min_version, deadline, timeout, encode)
 
     def push_pull(
         self,
@@ -162,30 +195,31 @@ class DataCalls:
         stream: RoundStream | None = None,
     ) -> tuple[PushResult, int, Any]:
         """:meth:`push`, then :meth:`pull` of the version it lands in (sync: ``clock + 1``; the
-        others: no minimum). ``check`` is called under the lock with the plan before the push
-        (PushPullOnce: the answer must fit in one message). Returns (push result, version,
-        ``encode(snapshot)``); sync: the result says whether the round was skipped.
+        others: no minimum): the plan checked once, the lock held once for the push and once for the
+        read. ``check`` is called with the plan before the push (PushPullOnce: the answer must fit in
+        one message). Returns (push result, version, ``encode(snapshot)``); sync: the result says
+        whether the round was skipped. With ``durable_acks`` answered once the version read is durable.
 
         Raises:
             Everything :meth:`push`, :meth:`pull` and ``check`` raise; a refused push pulls nothing.
         """
-        start = self._host.now()
-        with self._cond:
-            plan = self._host.data.check_plan(digest)
-            self._host.data.check_wire_dtype(plan, wire_dtype)
-            if check is not None:
-                check(plan)
+        host = self._host
+        start = host.now()
+        plan = self.check_plan(digest, wire_dtype)
+        if check is not None:
+            check(plan)
         with tracing.span("push", rank=stamp.rank, clock=stamp.clock, partitions=len(partitions)):
-            result = self.push(stamp, grad_version, digest, partitions, hyper, skip, stream)
+            result, _ = self._push(stamp, grad_version, plan, partitions, hyper, skip, stream)
         policy = POLICIES[result.mode]  # the mode that took the push
-        remaining = None if timeout is None else max(0.0, timeout - (self._host.now() - start))
+        deadline = None if timeout is None else start + timeout
+        remaining = None if timeout is None else max(0.0, timeout - (host.now() - start))
         min_version = policy.read_after_push(stamp.clock)
         with tracing.span("pull", rank=stamp.rank, min_version=min_version, mode=result.mode):  # waits, then encodes
-            version, out = self.pull(stamp.rank, stamp.incarnation, min_version, digest, remaining, wire_dtype, encode)
-        self.wait_durable(version, None if timeout is None else start + timeout)
-        if policy.holds_pushes and not result.dropped:
             with self._cond:
-                result = dataclasses.replace(result, skipped=stamp.clock in self._host.skipped_rounds)
+                version, out = host.data.read(stamp.rank, stamp.incarnation, min_version, deadline, remaining, encode)
+                if policy.holds_pushes and not result.dropped:
+                    result = dataclasses.replace(result, skipped=stamp.clock in host.skipped_rounds)
+        self.wait_durable(version, deadline)  # covers the push's own version: the version read is not older
         return result, version, out
 
     def exchange(
