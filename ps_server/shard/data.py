@@ -69,13 +69,13 @@ class DataPath:
         self.store_epoch = 0
 
     # ----------------------------------------------------------------- plans
-    def check_plan(self, digest: str) -> Plan:
-        """The plan, when the shard is initialized and ``digest`` is its digest (reads one attribute:
-        no lock needed).
+    def check_plan(self, digest: str, wire_dtype: str = "") -> Plan:
+        """The plan, when the shard is initialized, ``digest`` is its digest and ``wire_dtype`` fits
+        it (:meth:`check_wire_dtype`); reads one attribute: no lock needed (the plan is fixed once set).
 
         Raises:
-            NotInitializedError: not initialized yet. InvalidRequestError: an empty digest.
-            PlanMismatchError: another digest.
+            NotInitializedError: not initialized yet. InvalidRequestError: an empty digest, a wire
+            dtype wider than a parameter. PlanMismatchError: another digest.
         """
         host = self._host
         plan = host.plan
@@ -93,6 +93,7 @@ class DataPath:
                 f"Plan digest {quote(digest[:12], 12)} does not match this shard's {plan.digest[:12]}; "
                 "every worker must build the same model with the same num_shards and partition_bytes."
             )
+        self.check_wire_dtype(plan, wire_dtype)
         return plan
 
     @staticmethod
@@ -321,7 +322,7 @@ class DataPath:
                 alive (the worker calls again). WaitTimeoutError: not readable in time.
             ShuttingDownError: closing. UpdateRefusedError: sync, the round waited for was refused. PushLostError.
             InvalidRequestError, PreconditionError. The caller checked the plan and the wire dtype
-            (:meth:`check_plan`, :meth:`check_wire_dtype`).
+            (:meth:`check_plan`).
         """
         host = self._host
         member = host.membership.get(rank, incarnation)

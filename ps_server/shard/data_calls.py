@@ -107,7 +107,7 @@ class DataCalls:
     ) -> PushResult:
         """Accept the gradients of ``stamp`` (a repeat is answered as the first time); the policy
         applies, holds or refuses it; answered once durable with ``durable_acks``. Arguments and
-        errors: :meth:`check_plan`, :meth:`DataPath.push`."""
+        errors: :meth:`DataPath.check_plan`, :meth:`DataPath.push`."""
         plan = self._host.data.check_plan(digest)
         result, durable = self._push(stamp, grad_version, plan, partitions, hyper, skip, stream)
         if durable:  # applied: answered once durable (a held push is answered held)
@@ -150,18 +150,6 @@ class DataCalls:
             with self._cond:
                 self._host.data.wait_durable(version, deadline)
 
-    def check_plan(self, digest: str, wire_dtype: str = "") -> Plan:
-        """The plan a request of ``digest`` and ``wire_dtype`` (a float narrower than every
-        parameter, or "") is read against; no lock (the plan is fixed once set).
-
-        Raises:
-            NotInitializedError, PlanMismatchError, InvalidRequestError: :meth:`DataPath.check_plan`,
-            :meth:`DataPath.check_wire_dtype`.
-        """
-        plan = self._host.data.check_plan(digest)
-        self._host.data.check_wire_dtype(plan, wire_dtype)
-        return plan
-
     def pull(
         self,
         rank: int,
@@ -174,8 +162,8 @@ class DataCalls:
     ) -> tuple[int, Any]:
         """Wait until this rank may read, then return (version, ``encode(snapshot)``), ``encode``
         called under the lock; ``timeout`` in seconds (None: until the shard closes). Arguments and
-        errors: :meth:`check_plan`, :meth:`DataPath.read`."""
-        self.check_plan(digest, wire_dtype)
+        errors: :meth:`DataPath.check_plan`, :meth:`DataPath.read`."""
+        self._host.data.check_plan(digest, wire_dtype)
         deadline = None if timeout is None else self._host.now() + timeout
         with self._cond:
             return self._host.data.read(rank, incarnation, min_version, deadline, timeout, encode)
@@ -205,7 +193,7 @@ class DataCalls:
         """
         host = self._host
         start = host.now()
-        plan = self.check_plan(digest, wire_dtype)
+        plan = host.data.check_plan(digest, wire_dtype)
         if check is not None:
             check(plan)
         with tracing.span("push", rank=stamp.rank, clock=stamp.clock, partitions=len(partitions)):
