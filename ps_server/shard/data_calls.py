@@ -186,7 +186,10 @@ class DataCalls:
         others: no minimum): the plan checked once, the lock held once for the push and once for the
         read. ``check`` is called with the plan before the push (PushPullOnce: the answer must fit in
         one message). Returns (push result, version, ``encode(snapshot)``); sync: the result says
-        whether the round was skipped. With ``durable_acks`` answered once the version read is durable.
+        whether the round was skipped. With ``durable_acks`` an applied push waits until its version
+        is durable before the read (the read then carries the pushes applied meanwhile: async SGD
+        with a checkpoint per version converges on them), and the answer waits until the version
+        read is durable.
 
         Raises:
             Everything :meth:`push`, :meth:`pull` and ``check`` raise; a refused push pulls nothing.
@@ -197,9 +200,11 @@ class DataCalls:
         if check is not None:
             check(plan)
         with tracing.span("push", rank=stamp.rank, clock=stamp.clock, partitions=len(partitions)):
-            result, _ = self._push(stamp, grad_version, plan, partitions, hyper, skip, stream)
+            result, durable = self._push(stamp, grad_version, plan, partitions, hyper, skip, stream)
         policy = POLICIES[result.mode]  # the mode that took the push
         deadline = None if timeout is None else start + timeout
+        if durable:  # before the read, so that the answer carries what was applied during the wait
+            self.wait_durable(result.version, deadline)
         remaining = None if timeout is None else max(0.0, timeout - (host.now() - start))
         min_version = policy.read_after_push(stamp.clock)
         with tracing.span("pull", rank=stamp.rank, min_version=min_version, mode=result.mode):  # waits, then encodes
@@ -207,7 +212,7 @@ class DataCalls:
                 version, out = host.data.read(stamp.rank, stamp.incarnation, min_version, deadline, remaining, encode)
                 if policy.holds_pushes and not result.dropped:
                     result = dataclasses.replace(result, skipped=stamp.clock in host.skipped_rounds)
-        self.wait_durable(version, deadline)  # covers the push's own version: the version read is not older
+        self.wait_durable(version, deadline)  # the version read, newer than the push's
         return result, version, out
 
     def exchange(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -348,3 +349,36 @@ def test_a_learning_rate_beyond_the_dtype_is_refused(shard: Shard) -> None:
     with pytest.raises(InvalidRequestError, match="float32"):
         shard.update_config(learning_rate=1e308)
     assert shard.learning_rate() == 0.5
+
+
+def test_an_async_push_pull_with_durable_acks_reads_after_its_push_is_durable() -> None:
+    """With ``--durable-acks`` a PushPull waits until its push's version is checkpointed and only
+    then reads: the answer carries the pushes applied during that wait (async SGD with a checkpoint
+    per version converges on them; a read before the wait hands every rank weights a wait older)."""
+    s = Shard(0, 1, ModeSettings("async", num_workers=2))
+    s.durable_acks = True
+    for rank in (0, 1):
+        s.join(rank, 2, 1)
+    s.init(SPECS, 1, 16, PLAN.digest, SGD, wire(1.0))
+    answers: dict[int, int] = {}
+
+    def push_pull(rank: int) -> None:
+        encode = FrameCache().encoder()
+        _, answers[rank], _ = s.push_pull(PushStamp(rank, 1, 0), 0, PLAN.digest, wire(1.0), 10.0, encode)
+
+    def until(version: int) -> None:
+        deadline = time.monotonic() + 10.0
+        while s.version < version:
+            assert time.monotonic() < deadline, f"version {version} not reached"
+            time.sleep(0.005)
+
+    threads = [threading.Thread(target=push_pull, args=(rank,), daemon=True) for rank in (0, 1)]
+    threads[0].start()
+    until(1)  # rank 0's push applied; its answer waits for version 1 on disk
+    threads[1].start()
+    until(2)
+    s.checkpointed(2)
+    for t in threads:
+        t.join(timeout=10.0)
+        assert not t.is_alive()
+    assert answers == {0: 2, 1: 2}
