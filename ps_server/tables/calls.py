@@ -71,20 +71,6 @@ class TableHost(Protocol):
         """Raise unless ``rank`` is live in ``session`` (takes the shard's lock itself)."""
 
 
-class Block(Protocol):
-    """A row block of a request (``ps.v1.RowBlock``): little-endian int64 ids and, in a push,
-    ``len(ids)`` float32 rows of the table's dim."""
-
-    @property
-    def table(self) -> str: ...
-    @property
-    def ids(self) -> bytes: ...
-    @property
-    def dtype(self) -> int: ...
-    @property
-    def data(self) -> bytes: ...
-
-
 def decode_ids(raw: bytes, table: str) -> torch.Tensor:
     """int64 [n] of little-endian ``raw``.
 
@@ -98,7 +84,7 @@ def decode_ids(raw: bytes, table: str) -> torch.Tensor:
     return torch.from_numpy(np.frombuffer(raw, dtype="<i8").astype(np.int64))
 
 
-def check_size(blocks: Sequence[Block], max_message_bytes: int, store: TableStore, pull: bool) -> None:
+def check_size(blocks: Sequence[ps_pb2.RowBlock], max_message_bytes: int, store: TableStore, pull: bool) -> None:
     """Refuse a request whose ids, or whose answer's rows (a pull), exceed one message.
 
     Raises:
@@ -114,7 +100,7 @@ def check_size(blocks: Sequence[Block], max_message_bytes: int, store: TableStor
         )
 
 
-def grads_of(store: TableStore, block: Block, ids: torch.Tensor, repeated: bool) -> RowGrads:
+def grads_of(store: TableStore, block: ps_pb2.RowBlock, ids: torch.Tensor, repeated: bool) -> RowGrads:
     """The row gradients of one block, its length and dtype checked against the table's dim.
 
     Raises:
@@ -137,7 +123,7 @@ def grads_of(store: TableStore, block: Block, ids: torch.Tensor, repeated: bool)
 
 
 def read_rows(
-    lock: AbstractContextManager[object], store: TableStore, blocks: Sequence[Block], num_shards: int
+    lock: AbstractContextManager[object], store: TableStore, blocks: Sequence[ps_pb2.RowBlock], num_shards: int
 ) -> Rows:
     """The read of a checked PullRows at the table version now: ids decoded and sorted before the
     lock, then read a chunk per hold of ``lock`` (the shard's; not held by the caller). Pushes apply
@@ -162,7 +148,7 @@ def read_rows(
     return read.version, read.result()
 
 
-def decode_push(blocks: Iterable[Block]) -> list[torch.Tensor]:
+def decode_push(blocks: Iterable[ps_pb2.RowBlock]) -> list[torch.Tensor]:
     """Every block's ids (int64 [n]), decoded before the lock is taken.
 
     Raises:
@@ -195,7 +181,7 @@ class TableCalls:
         incarnation: int,
         specs: Sequence[TableSpec],
         remaining: float | None,
-        rows: Sequence[Block] = (),
+        rows: Sequence[ps_pb2.RowBlock] = (),
     ) -> tuple[bool, int, int, list[TableSpec]]:
         """InitTables (takes the lock): rank 0 (joined and live) declares the tables and stores the
         ``rows`` it seeds (``ps_server.tables.seed``); another rank waits for rank 0's declaration,
@@ -253,7 +239,7 @@ class TableCalls:
         self,
         rank: int,
         incarnation: int,
-        blocks: Sequence[Block],
+        blocks: Sequence[ps_pb2.RowBlock],
         min_version: int,
         remaining: float | None,
         reader: Callable[[ReadRows], Any],
@@ -265,7 +251,7 @@ class TableCalls:
         return reader(lambda: read_rows(self._cond, self._host.tables, blocks, self._host.num_shards))
 
     def check_pull(
-        self, rank: int, incarnation: int, blocks: Sequence[Block], min_version: int, remaining: float | None
+        self, rank: int, incarnation: int, blocks: Sequence[ps_pb2.RowBlock], min_version: int, remaining: float | None
     ) -> None:
         """A PullRows' checks, then its wait for table version ``min_version`` (lock held).
 
@@ -327,7 +313,7 @@ class TableCalls:
         incarnation: int,
         session: int,
         clock: int,
-        blocks: Sequence[Block],
+        blocks: Sequence[ps_pb2.RowBlock],
         hyper: Mapping[str, float] | None = None,
     ) -> tuple[int, bool]:
         """PushRows: ``rank``'s session checked (``host.check_session``, which takes the lock) and
@@ -343,7 +329,7 @@ class TableCalls:
         rank: int,
         incarnation: int,
         clock: int,
-        blocks: Sequence[Block],
+        blocks: Sequence[ps_pb2.RowBlock],
         ids: Sequence[torch.Tensor],
         hyper: Mapping[str, float] | None = None,
     ) -> tuple[int, bool]:

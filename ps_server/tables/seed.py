@@ -14,7 +14,7 @@ seeded before with other values is refused (two model files, or two rank 0s, see
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -27,20 +27,7 @@ if TYPE_CHECKING:
     from ps_server.tables.table import Table
 
 
-class SeedBlock(Protocol):
-    """A ``ps.v1.RowBlock`` of seed rows: int64 ids and ``len(ids)`` float32 rows of the table's dim."""
-
-    @property
-    def table(self) -> str: ...
-    @property
-    def ids(self) -> bytes: ...
-    @property
-    def dtype(self) -> int: ...
-    @property
-    def data(self) -> bytes: ...
-
-
-def _decode(table: Table, block: SeedBlock) -> tuple[torch.Tensor, torch.Tensor]:
+def _decode(table: Table, block: ps_pb2.RowBlock) -> tuple[torch.Tensor, torch.Tensor]:
     """(ids int64 [n], rows float32 [n, dim]) of one block, every check made.
 
     Raises:
@@ -65,7 +52,7 @@ def _decode(table: Table, block: SeedBlock) -> tuple[torch.Tensor, torch.Tensor]
     return ids, rows
 
 
-def seed_rows(store: TableStore, blocks: Sequence[SeedBlock]) -> int:
+def seed_rows(store: TableStore, blocks: Sequence[ps_pb2.RowBlock]) -> int:
     """Store every row of ``blocks`` (one block per table) exactly, all checked before any is
     written (lock held).
 
