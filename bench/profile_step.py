@@ -91,8 +91,8 @@ def main() -> int:
             samples = timed(step, args.steps, 0)
             cpu1 = [cpu_seconds(os.getpid()), *(cpu_seconds(c.proc.pid) for c in shards)]
         per_step = [(b - a) / args.steps * 1000 for a, b in zip(cpu0, cpu1, strict=True)]
-        print(f"median step {statistics.median(samples) * 1000:.1f} ms over {len(samples)} steps", flush=True)
-        print(f"CPU ms per step: worker {per_step[0]:.0f}, shards {', '.join(f'{x:.0f}' for x in per_step[1:])}")
+        print(f"median step {statistics.median(samples) * 1000:.3f} ms over {len(samples)} steps", flush=True)
+        print(f"CPU ms per step: worker {per_step[0]:.3f}, shards {', '.join(f'{x:.3f}' for x in per_step[1:])}")
     finally:
         for s in spies:  # py-spy writes its profile on Ctrl-C
             s.send_signal(signal.SIGINT)

@@ -229,7 +229,7 @@ def start_server(config: ServerConfig, shard: Shard | None = None) -> ShardServe
     served = shard
     shard.tables.max_rows = config.max_table_rows
     shard.tables.max_bytes = config.max_table_bytes
-    metrics.registry.register(TableCollector(shard))
+    metrics.registry.register(TableCollector(shard.table_metrics))
     shard.durable_acks = config.durable_acks and checkpointer is not None
     shard.stream_rounds = config.stream_rounds
     if checkpointer is not None:

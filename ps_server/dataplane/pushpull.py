@@ -33,7 +33,7 @@ from ps_server.shard import round_stream
 from ps_server.shard.views import Snapshot
 
 if TYPE_CHECKING:
-    from ps_server.shard.counters import PushObserver
+    from ps_server.shard.counters import ShardCounters
     from ps_server.shard.shard import Shard
 
 
@@ -43,7 +43,7 @@ class DataPushPull:
     Args:
         shard: the shard served. data: its data connections (None: refuses every such call with
             DataPathError, and the worker sends the partitions on the stream).
-        observer: told every accepted push.
+        counters: where every accepted push is counted.
         adopt: follows the membership record a request relays (the servicer's).
         told: stamps an answer with the membership record the caller should learn (the servicer's).
     """
@@ -52,13 +52,13 @@ class DataPushPull:
         self,
         shard: Shard,
         data: DataPlane | None,
-        observer: PushObserver,
+        counters: ShardCounters,
         adopt: Callable[[Any], None],
         told: Callable[[Any, int], Any],
     ) -> None:
         self.shard = shard
         self.data = data
-        self.observer = observer
+        self.counters = counters
         self._adopt = adopt
         self._told = told
         self._slots: dict[tuple[int, int, str], list[torch.Tensor]] = {}
@@ -135,7 +135,7 @@ class DataPushPull:
                     data.send_records(rank, incarnation, sequence, [dataconn.marker(sequence, dataconn.ABORT, 0)], 1.0)
                 except DataPathError:
                     pass  # no connection: the worker's receive fails with it
-        self.observer.pushed(result)
+        self.counters.pushed(result)
         if live and self.shard.values_key() != (version, epoch):
             # the parameters were sent from their own memory and a round closed meanwhile (a
             # quorum round, an eviction): the values may mix two versions. The call fails and the

@@ -9,7 +9,7 @@ and the serialized size of every request and response message (into the shard's
 calls the shard did not count itself (any ``ps-reason`` outside
 :data:`~ps_server.shard.counters.SHARD_REASONS`: bad input, the token check, limits, deadlines), by status
 code, and from ``Pull`` it records the time to the first partition (the wait for its version).
-Accepted pushes reach the counters from the servicer (its push observer), not through here.
+Accepted pushes reach the counters from the servicer (``ShardCounters.pushed``), not through here.
 
 Outermost, it also sees the refusals of the token check (``UNAUTHENTICATED``,
 ``PERMISSION_DENIED``) and of the stream limits (``RESOURCE_EXHAUSTED``). Its wrappers keep what

@@ -1,6 +1,6 @@
 """The data-path servicer of a shard (``ps.v1.ParameterService``): decode, call
 :class:`~ps_server.shard.shard.Shard`, encode. Reads are encoded through the shard's
-:class:`~ps_server.service.frame_cache.FrameCache`; every accepted push is told to the push observer
+:class:`~ps_server.service.frame_cache.FrameCache`; every accepted push is counted (``ShardCounters.pushed``)
 (the shard's counters by default), the numbers GetStatus and Prometheus report.
 
 Domain errors become status codes through their class's ``status`` (``ps_common.errors``, one table
@@ -43,7 +43,7 @@ from ps_server.service.rpc import (
     wire_dtype,
 )
 from ps_server.service.tables import TableRpcs
-from ps_server.shard.counters import PushObserver, ShardCounters
+from ps_server.shard.counters import ShardCounters
 from ps_server.shard.shard import Shard
 from ps_server.tables.reads import TableReads
 
@@ -92,8 +92,8 @@ class ParameterServicer:
 
     Args:
         shard: the shard served.
-        counters: where refused requests are counted (``rejected_requests``).
-        observer: told every accepted push (Push, PushPull); ``counters`` by default.
+        counters: where refused requests (``rejected_requests``) and accepted pushes (Push, PushPull)
+            are counted.
         rank_tokens: per-rank credentials (``--rank-tokens``): every request stamped with a rank
             its caller may not act as is refused (WRONG_RANK) before anything changes
             (:func:`ps_server.service.rank_tokens.check_caller`).
@@ -105,7 +105,6 @@ class ParameterServicer:
         self,
         shard: Shard,
         counters: ShardCounters,
-        observer: PushObserver | None = None,
         data: DataPlane | None = None,
         rank_tokens: RankTokens | None = None,
         table_reads: TableReads | None = None,
@@ -113,13 +112,12 @@ class ParameterServicer:
         self.shard = shard
         self.rank_tokens = rank_tokens
         self.counters = counters
-        self.observer: PushObserver = observer or counters
         self.frames = FrameCache()
         self.tables = TableRpcs(shard, counters, rank_tokens, table_reads)
         """InitTables, PullRows and PushRows (``ps_server.service.tables``)."""
         self.optimizer_state = OptimizerStateRpcs(shard, counters, rank_tokens)
         """PullOptimizerState, PushOptimizerState, CommitOptimizerState (``ps_server.service.optimizer_state``)."""
-        self.data_push_pull = DataPushPull(shard, data, self.observer, self._adopt, self._told)
+        self.data_push_pull = DataPushPull(shard, data, counters, self._adopt, self._told)
         """PushPull whose partitions come on a data connection (``ps_server.dataplane.pushpull``)."""
 
     @property
@@ -227,7 +225,7 @@ class ParameterServicer:
             hyperparameters_from_proto(h),
             h.skip,
         )
-        self.observer.pushed(r)
+        self.counters.pushed(r)
         answer = push_response(r, self.shard.redo_from)
         if h.hold_for_clip and not r.dropped:
             round_, sum_squares = self.shard.wait_clip_norm(h.rank, h.clock, deadline(context))
@@ -283,7 +281,7 @@ class ParameterServicer:
             hyper=hyperparameters_from_proto(header),
             skip=header.skip,
         )
-        self.observer.pushed(result)
+        self.counters.pushed(result)
         answer = self._told(push_response(result, self.shard.redo_from), header.membership_epoch)
         # A response of one message stays one; otherwise a large first frame is not copied to
         # prepend the answer: the answer goes alone, with the version

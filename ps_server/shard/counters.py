@@ -11,7 +11,7 @@ Who counts what, each event once:
   ``--max-staleness``, a push for a closed sync round), ``replayed``, ``late`` (dropped by a quorum
   round), ``non_finite_update``/``update_failed``/``hyperparameters_disagree`` (once per rank of a
   refused round), and the reports ``round_timeout`` and ``join_timeout``;
-- the servicer tells :meth:`ShardCounters.pushed` every accepted push (its push observer);
+- the servicer tells :meth:`ShardCounters.pushed` every accepted push;
 - the metrics interceptor counts bytes by method, and the refusals of push calls the shard did not
   count (:data:`SHARD_REASONS`), by status code (``invalid_argument``, ``unauthenticated``, ...).
 """
@@ -21,7 +21,6 @@ from __future__ import annotations
 import threading
 from collections import Counter
 from dataclasses import dataclass
-from typing import Protocol
 
 from ps_common.errors import Reason
 from ps_server.membership.ranks import PushResult
@@ -45,12 +44,6 @@ SHARD_REASONS = frozenset(
     )
 )
 """``ps-reason`` of the refusals the shard counts itself; the interceptor counts the others."""
-
-
-class PushObserver(Protocol):
-    """Told every push a servicer accepted (Push, PushPull), with its answer."""
-
-    def pushed(self, result: PushResult) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -100,7 +93,7 @@ class ShardCounters:
             self._rejected_pushes[reason] += count
 
     def pushed(self, result: PushResult) -> None:
-        """The push observer: count an accepted push by mode and its staleness (a duplicate once)."""
+        """Count an accepted push by mode and its staleness (a duplicate once)."""
         if result.duplicate:
             return
         with self._lock:

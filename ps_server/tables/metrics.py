@@ -13,8 +13,7 @@ closed).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Protocol
+from collections.abc import Callable, Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -49,14 +48,6 @@ def table_rows(store: TableStore) -> tuple[list[TableRow], int]:
     return rows, store.version
 
 
-class TableSource(Protocol):
-    """Where the collector reads the tables (``ps_server.shard.shard.Shard``, under its lock)."""
-
-    def table_metrics(self) -> tuple[list[TableRow], int]:
-        """:func:`table_rows` of the shard's tables, read under its lock."""
-        ...
-
-
 def table_status(store: TableStore) -> tuple[ps_pb2.TableStatus, ...]:
     """One TableStatus per table (caller holds the shard's lock)."""
     return tuple(
@@ -88,17 +79,18 @@ class TableCollector(Collector):
     """The ``ps_table_*`` metrics of one shard, read at scrape time.
 
     Args:
-        shard: the shard (its :meth:`TableSource.table_metrics`).
+        read: :func:`table_rows` of the shard's tables and their version, read under the shard's lock
+            (``Shard.table_metrics``).
     """
 
-    def __init__(self, shard: TableSource) -> None:
-        self._shard = shard
+    def __init__(self, read: Callable[[], tuple[list[TableRow], int]]) -> None:
+        self._read = read
 
     def describe(self) -> list[GaugeMetricFamily]:
         return []  # read at scrape time only (tables appear after InitTables)
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        rows, version = self._shard.table_metrics()
+        rows, version = self._read()
         families: list[GaugeMetricFamily | CounterMetricFamily] = [
             GaugeMetricFamily("ps_table_rows", "Rows of each embedding table this shard holds.", labels=["table"]),
             GaugeMetricFamily(

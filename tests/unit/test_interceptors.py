@@ -67,7 +67,7 @@ def test_unary_unary_records_duration_code_and_bytes() -> None:
 
 
 def test_stream_unary_push_counts_pushes_staleness_and_refusals() -> None:
-    """Accepted pushes reach the counters from the servicer's push observer (as ParameterServicer
+    """Accepted pushes reach the counters from the servicer's ShardCounters.pushed (as ParameterServicer
     tells them); the interceptor adds the bytes and the refusals by status code."""
     m = ServerMetrics(CollectorRegistry())
     results = iter([PushResult(4, staleness=3, mode="async"), PushResult(4, duplicate=True, mode="async")])
@@ -76,7 +76,7 @@ def test_stream_unary_push_counts_pushes_staleness_and_refusals() -> None:
         for _ in requests:
             pass
         result = next(results)
-        m.counters.pushed(result)  # the servicer's push observer
+        m.counters.pushed(result)  # as the servicer counts it
         return push_response(result)
 
     handler, m = wrap(grpc.stream_unary_rpc_method_handler(push), "/ps.v1.ParameterService/Push", m)
