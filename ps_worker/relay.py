@@ -11,15 +11,12 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import Protocol
+from typing import TYPE_CHECKING
 
 from ps_proto.v1 import ps_pb2
 
-
-class ResizeRounds(Protocol):
-    """Whether a resize waits for its round (:meth:`ps_worker.consistency.WorkerMode.resize_pending`)."""
-
-    def resize_pending(self, step: int, resize_version: int) -> bool: ...
+if TYPE_CHECKING:
+    from ps_worker.consistency import WorkerMode
 
 
 class EpochRelay:
@@ -68,7 +65,7 @@ class EpochRelay:
         if behind:
             self.wake.set()
 
-    def in_cluster(self, rank: int, clock: int, mode: ResizeRounds) -> bool:
+    def in_cluster(self, rank: int, clock: int, mode: WorkerMode) -> bool:
         """Whether ``rank`` pushes step ``clock``: a resize to fewer workers ends ranks beyond the
         new count at its version (sync: its round; other modes: at once)."""
         record = self.membership

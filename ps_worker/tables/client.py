@@ -31,7 +31,7 @@ from ps_proto.v1 import ps_pb2
 from ps_worker.errors import error_from_rpc
 from ps_worker.redo import LostRoundsError
 from ps_worker.tables.prefetch import Ahead
-from ps_worker.tables.seed import Seeds, send_seeds
+from ps_worker.tables.seed import Seeds, shard_requests
 
 if TYPE_CHECKING:
     from ps_worker.session import Session
@@ -191,8 +191,35 @@ class TableClient:
         self.clock = max(r.clock for r in replies)
         if self.seeds and self.session.rank == 0:  # other ranks' seeds are ignored
             names = ", ".join(self.seeds)
-            log.info("seeded %d rows of tables %s", send_seeds(self, request, self._seed_call), names)
+            log.info("seeded %d rows of tables %s", self._send_seeds(request), names)
         self.seeds = {}
+
+    def _send_seeds(self, request: ps_pb2.InitTablesRequest) -> int:
+        """Rank 0: send :attr:`seeds` to every shard, one InitTables per chunk (the declaration
+        ``request`` with the chunk's rows). Returns the rows sent.
+
+        Raises:
+            ValueError: rows of a table that are not float32 [len(ids), dim] (before any call).
+            ShardError: a refusal (RESOURCE_EXHAUSTED: beyond a table's limits; INVALID_ARGUMENT: rows
+                of another table shape). A shard whose tables have trained already (a restarted
+                rank 0: FAILED_PRECONDITION) keeps its rows; the rest of its chunks are not sent.
+        """
+        seeds, budget = self.seeds, self.max_message_bytes - FRAMING_BYTES
+        for name, (ids, rows) in seeds.items():
+            if rows.shape != (ids.numel(), self.specs[name].dim) or rows.dtype != torch.float32:
+                raise ValueError(f"Rows of table {name!r} must be float32 [{ids.numel()}, {self.specs[name].dim}].")
+
+        def send(k: int) -> int:
+            sent = 0
+            for blocks in shard_requests(self.specs, seeds, self.num_shards, k, budget):
+                chunk = ps_pb2.InitTablesRequest(rank=request.rank, incarnation=request.incarnation, rows=blocks)
+                chunk.tables.extend(request.tables)
+                if self._seed_call(k, chunk) is None:
+                    return sent
+                sent += sum(len(b.ids) // 8 for b in blocks)
+            return sent
+
+        return sum(self.transport.each_shard(send))
 
     def _seed_call(self, k: int, request: ps_pb2.InitTablesRequest) -> ps_pb2.InitTablesResponse | None:
         """One InitTables with seed rows; None where the shard's tables trained already (its rows stay)."""

@@ -10,8 +10,7 @@ Pure torch: no grpc.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
-from typing import Any, Protocol
+from collections.abc import Iterator, Mapping
 
 import torch
 
@@ -20,9 +19,6 @@ from ps_proto.v1 import ps_pb2
 
 Seeds = Mapping[str, tuple[torch.Tensor, torch.Tensor]]
 """Table name -> (row ids int64 [n], distinct; rows float32 [n, dim])."""
-
-FRAMING_BYTES = 64 * 1024
-"""Bytes of a message kept for everything but ids and rows (as the shard's ``tables.calls``)."""
 
 INITIAL_CHECK_ROWS = 1 << 18
 """Rows compared with their initial values at a time (bounds the memory of the comparison)."""
@@ -124,46 +120,3 @@ def seed_blocks(
         KeyError, ValueError: as :func:`shard_requests`.
     """
     return [list(shard_requests(specs, seeds, num_shards, k, budget)) for k in range(num_shards)]
-
-
-class SeedHost(Protocol):
-    """What :func:`send_seeds` uses of the table client (``ps_worker.tables.client.TableClient``)."""
-
-    specs: dict[str, TableSpec]
-    seeds: Seeds
-    max_message_bytes: int
-    transport: Any
-
-    @property
-    def num_shards(self) -> int: ...
-
-
-def send_seeds(tables: SeedHost, request: ps_pb2.InitTablesRequest, call: Callable[[int, Any], Any]) -> int:
-    """Rank 0: send ``tables.seeds`` to every shard, one InitTables ``call(k, request)``
-    per chunk (the declaration ``request`` with the chunk's rows), then forget them.
-
-    Returns:
-        Rows sent.
-
-    Raises:
-        ShardError: a refusal (RESOURCE_EXHAUSTED: beyond a table's limits; INVALID_ARGUMENT: rows
-            of another table shape). A shard whose tables have trained already (a restarted
-            rank 0: FAILED_PRECONDITION) keeps its rows; the rest of its chunks are not sent.
-    """
-    seeds, budget = tables.seeds, tables.max_message_bytes - FRAMING_BYTES
-    tables.seeds = {}
-    for name, (ids, rows) in seeds.items():  # refused before any call (ValueError, KeyError)
-        if rows.shape != (ids.numel(), tables.specs[name].dim) or rows.dtype != torch.float32:
-            raise ValueError(f"Rows of table {name!r} must be float32 [{ids.numel()}, {tables.specs[name].dim}].")
-
-    def send(k: int) -> int:
-        sent = 0
-        for blocks in shard_requests(tables.specs, seeds, tables.num_shards, k, budget):
-            chunk = ps_pb2.InitTablesRequest(rank=request.rank, incarnation=request.incarnation, rows=blocks)
-            chunk.tables.extend(request.tables)
-            if call(k, chunk) is None:
-                return sent
-            sent += sum(len(b.ids) // 8 for b in blocks)
-        return sent
-
-    return sum(tables.transport.each_shard(send))
