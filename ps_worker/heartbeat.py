@@ -19,7 +19,7 @@ from ps_worker.redo import RedoLog
 from ps_worker.relay import EpochRelay
 from ps_worker.transport.grpc_link import LEAVE_SECONDS, Transport
 
-log = logging.getLogger("ps_worker.session")
+log = logging.getLogger(__name__)
 
 
 class Member(Protocol):

@@ -20,7 +20,7 @@ from ps_proto.v1 import ps_pb2
 from ps_server.membership.ranks import PushResult, PushStamp, WorkerState
 from ps_server.shard.waits import serving
 
-log = logging.getLogger("ps_server.service.parameters")
+log = logging.getLogger(__name__)
 
 WORKER_STATES = {
     WorkerState.PENDING: ps_pb2.WORKER_STATE_PENDING,
