@@ -186,21 +186,5 @@ def _ended(exc: E, deadline: str | None) -> E:
     return exc
 
 
-def retry_call(
-    fn: Callable[[], T],
-    deadline: float,
-    what: str,
-    codes: Collection[grpc.StatusCode] = RETRYABLE,
-    sleep: Callable[[float], None] = time.sleep,
-) -> T:
-    """``fn`` with retries of ``codes`` for up to ``deadline`` seconds: :meth:`CallPolicy.call`,
-    without waits or recoveries.
-
-    Raises:
-        grpc.RpcError: a non-retryable code, or the last error once the deadline has passed.
-    """
-    return CallPolicy(deadline, sleep).call(fn, what, codes=codes)
-
-
 def _details(exc: grpc.RpcError) -> str:
     return (exc.details() if hasattr(exc, "details") else str(exc)) or ""

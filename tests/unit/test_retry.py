@@ -1,4 +1,4 @@
-"""CallPolicy, retry_call: transient codes (a busy shard's RESOURCE_EXHAUSTED too) are retried with jittered backoff
+"""CallPolicy: transient codes (a busy shard's RESOURCE_EXHAUSTED too) are retried with jittered backoff
 until the deadline, others raise at once; the error names the deadline that ended the call."""
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from ps_worker.transport.retry import (
     CallPolicy,
     backoff_delays,
     is_transient,
-    retry_call,
 )
 
 
@@ -43,7 +42,7 @@ def flaky(codes: list[grpc.StatusCode]):
 def test_transient_codes_are_retried_with_growing_sleeps() -> None:
     fn, calls = flaky([grpc.StatusCode.UNAVAILABLE] * 3 + [grpc.StatusCode.DEADLINE_EXCEEDED])
     slept: list[float] = []
-    assert retry_call(fn, 60.0, "test", sleep=slept.append) == "ok"
+    assert CallPolicy(60.0, sleep=slept.append).call(fn, "test") == "ok"
     assert len(calls) == 5 and len(slept) == 4
     assert all(0 <= s <= min(2.0, 0.05 * 2**i) for i, s in enumerate(slept))
 
@@ -51,14 +50,14 @@ def test_transient_codes_are_retried_with_growing_sleeps() -> None:
 def test_other_codes_raise_at_once() -> None:
     fn, calls = flaky([grpc.StatusCode.INVALID_ARGUMENT])
     with pytest.raises(Failure):
-        retry_call(fn, 60.0, "test", sleep=lambda s: pytest.fail("slept"))
+        CallPolicy(60.0, sleep=lambda s: pytest.fail("slept")).call(fn, "test")
     assert len(calls) == 1
 
 
 def test_the_deadline_ends_retries() -> None:
     fn, calls = flaky([grpc.StatusCode.UNAVAILABLE] * 100)
     with pytest.raises(Failure):
-        retry_call(fn, 0.0, "test", sleep=lambda s: None)
+        CallPolicy(0.0, sleep=lambda s: None).call(fn, "test")
     assert len(calls) == 1  # the first backoff would already pass a deadline of 0 s
 
 
@@ -80,7 +79,7 @@ def test_a_busy_shard_is_retried_with_backoff() -> None:
         return "ok"
 
     slept: list[float] = []
-    assert retry_call(fn, 60.0, "test", sleep=slept.append) == "ok"
+    assert CallPolicy(60.0, sleep=slept.append).call(fn, "test") == "ok"
     assert len(calls) == 5 and len(slept) == 4
     assert all(0 <= s <= min(2.0, 0.05 * 2**i) for i, s in enumerate(slept))
 
@@ -103,7 +102,7 @@ def test_a_limit_on_the_request_itself_raises_at_once(failure: Failure) -> None:
         raise failure
 
     with pytest.raises(Failure):
-        retry_call(fn, 60.0, "test", sleep=lambda s: pytest.fail("slept"))
+        CallPolicy(60.0, sleep=lambda s: pytest.fail("slept")).call(fn, "test")
     assert len(calls) == 1
 
 
@@ -128,17 +127,17 @@ def test_a_shard_holding_its_most_waiting_calls_is_busy_not_refusing() -> None:
             raise failures.pop(0)
         return "ok"
 
-    assert retry_call(fn, 60.0, "test", sleep=slept.append) == "ok" and len(slept) == 2
+    assert CallPolicy(60.0, sleep=slept.append).call(fn, "test") == "ok" and len(slept) == 2
 
 
 def test_the_error_names_the_deadline_that_ended_the_call() -> None:
     fn, _ = flaky([grpc.StatusCode.UNAVAILABLE] * 100)
     with pytest.raises(Failure) as unreachable:
-        retry_call(fn, 0.0, "test", sleep=lambda s: None)
+        CallPolicy(0.0, sleep=lambda s: None).call(fn, "test")
     assert unreachable.value.deadline == RETRY_DEADLINE  # transient failures until --retry-deadline
     fn, _ = flaky([grpc.StatusCode.DEADLINE_EXCEEDED])
     with pytest.raises(Failure) as slow:
-        retry_call(fn, 0.0, "test", sleep=lambda s: None)
+        CallPolicy(0.0, sleep=lambda s: None).call(fn, "test")
     assert slow.value.deadline == TIMEOUT  # the one attempt ran out of its per-RPC --timeout
     fn, _ = flaky([grpc.StatusCode.DEADLINE_EXCEEDED] * 100)
     policy = CallPolicy(0.5, sleep=lambda s: time.sleep(0.05))
@@ -147,7 +146,7 @@ def test_the_error_names_the_deadline_that_ended_the_call() -> None:
     assert retried.value.deadline == RETRY_DEADLINE  # retried, each attempt's deadline, until --retry-deadline
     fn, _ = flaky([grpc.StatusCode.INVALID_ARGUMENT])
     with pytest.raises(Failure) as refused:
-        retry_call(fn, 60.0, "test")
+        CallPolicy(60.0).call(fn, "test")
     assert refused.value.deadline is None  # a refusal: no deadline
 
 
