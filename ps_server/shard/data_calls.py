@@ -210,8 +210,8 @@ class DataCalls:
         with tracing.span("pull", rank=stamp.rank, min_version=min_version, mode=result.mode):  # waits, then encodes
             with self._cond:
                 version, out = host.data.read(stamp.rank, stamp.incarnation, min_version, deadline, remaining, encode)
-                if policy.holds_pushes and not result.dropped:
-                    result = dataclasses.replace(result, skipped=stamp.clock in host.skipped_rounds)
+                if policy.holds_pushes and not result.dropped and stamp.clock in host.skipped_rounds:
+                    result = dataclasses.replace(result, skipped=True)
         self.wait_durable(version, deadline)  # the version read, newer than the push's
         return result, version, out
 
