@@ -232,15 +232,25 @@ def iter_fields(buf: memoryview, start: int = 0, end: int | None = None) -> Iter
     end = len(buf) if end is None else end
     pos = start
     while pos < end:
-        key, pos = _read_varint(buf, pos, end)
+        key = buf[pos]  # one-byte varints (field numbers below 16, small values) read inline
+        if key < 0x80:
+            pos += 1
+        else:
+            key, pos = _read_varint(buf, pos, end)
         field, wire_type = key >> 3, key & 7
         if field == 0:
             raise InvalidRequestError("Malformed message: field number 0; send a valid ps.v1 message.")
         value: int | memoryview
         if wire_type == VARINT:
-            value, pos = _read_varint(buf, pos, end)
+            if pos < end and buf[pos] < 0x80:
+                value, pos = buf[pos], pos + 1
+            else:
+                value, pos = _read_varint(buf, pos, end)
         elif wire_type == LEN:
-            n, pos = _read_varint(buf, pos, end)
+            if pos < end and buf[pos] < 0x80:
+                n, pos = buf[pos], pos + 1
+            else:
+                n, pos = _read_varint(buf, pos, end)
             if pos + n > end:
                 raise InvalidRequestError("Malformed message: a field runs past the end; send a valid ps.v1 message.")
             value, pos = buf[pos : pos + n], pos + n

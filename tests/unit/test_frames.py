@@ -6,7 +6,7 @@ import hypothesis.strategies as st
 import numpy as np
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import example, given
 
 from ps_common import frames
 from ps_common.codec import DTYPES
@@ -103,6 +103,54 @@ def test_field_order_and_unknown_fields_follow_protobuf() -> None:
 def test_malformed_frames_are_invalid_argument(raw: bytes) -> None:
     with pytest.raises(InvalidRequestError):
         frames.read(raw)
+
+
+def _fields_byte_by_byte(buf: memoryview) -> list[tuple[int, int, int | bytes]]:
+    """The protobuf encoding rules read plainly, every varint through ``_read_varint``: what
+    :func:`frames.iter_fields` (one-byte varints read inline) must agree with."""
+    out: list[tuple[int, int, int | bytes]] = []
+    pos, end = 0, len(buf)
+    while pos < end:
+        key, pos = frames._read_varint(buf, pos, end)
+        field, wire_type = key >> 3, key & 7
+        if field == 0 or wire_type not in (0, 1, 2, 5):
+            raise InvalidRequestError("malformed")
+        value: int | bytes
+        if wire_type == 0:
+            value, pos = frames._read_varint(buf, pos, end)
+        else:
+            if wire_type == 2:
+                n, pos = frames._read_varint(buf, pos, end)
+            else:
+                n = 8 if wire_type == 1 else 4
+            if pos + n > end:
+                raise InvalidRequestError("malformed")
+            raw = bytes(buf[pos : pos + n])
+            value, pos = (raw if wire_type == 2 else int.from_bytes(raw, "little")), pos + n
+        out.append((field, wire_type, value))
+    return out
+
+
+EDGE_BYTES = st.sampled_from([0x00, 0x01, 0x02, 0x08, 0x09, 0x0A, 0x0D, 0x10, 0x12, 0x7F, 0x80, 0x81, 0xFF])
+"""Tags of each wire type, the one-byte varint limit (0x7F, 0x80) and continuation bytes."""
+
+
+@given(st.lists(st.one_of(EDGE_BYTES, st.integers(0, 0xFF)), max_size=24).map(bytes))
+@example(b"\x08\x7f\x08\x80\x01")  # varints of one byte and of two
+@example(b"\x08\x80")  # a varint cut after its continuation byte
+@example(b"\x80\x01\x05")  # field 16: a two-byte tag
+@example(b"\x12\x80\x01" + bytes(128))  # a length of two bytes
+def test_fields_are_read_as_the_encoding_rules_read_them(raw: bytes) -> None:
+    """Any bytes: the same fields, or the same refusal, as a plain varint-by-varint reader."""
+    try:
+        expected: list[tuple[int, int, int | bytes]] | None = _fields_byte_by_byte(memoryview(raw))
+    except InvalidRequestError:
+        expected = None
+    try:
+        got = [(f, w, bytes(v) if isinstance(v, memoryview) else v) for f, w, v in frames.iter_fields(memoryview(raw))]
+    except InvalidRequestError:
+        got = None
+    assert got == expected
 
 
 def test_pack_fills_messages_in_order_up_to_the_budget() -> None:
