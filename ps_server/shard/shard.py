@@ -136,6 +136,10 @@ class Shard:
         self.cluster = ShardMembers(
             self, shard_index, settings, lease_timeout, now, join_timeout, record_key, cluster_id
         )
+        self.membership: Membership = self.cluster.membership
+        """The shard's ranks (owned by :class:`ShardMembers`; the same object for the shard's life)."""
+        self.epochs: Epochs = self.cluster.epochs
+        """Shard 0's membership records (owned by :class:`ShardMembers`, as :attr:`membership`)."""
         self.relay = MembershipRelay(self, self.cluster, self._cond)
         self.config = ConfigChanges(self, self.cluster)
         self.data = DataPath(self)
@@ -172,16 +176,6 @@ class Shard:
         return POLICIES[self.settings.mode]
 
     @property
-    def membership(self) -> Membership:
-        """The shard's ranks (:class:`ShardMembers`)."""
-        return self.cluster.membership
-
-    @property
-    def epochs(self) -> Epochs:
-        """Shard 0's membership records (:class:`ShardMembers`)."""
-        return self.cluster.epochs
-
-    @property
     def pending_mode(self) -> str:
         """The mode switched to at the next round boundary (:class:`ConfigChanges`)."""
         return self.config.pending_mode
@@ -195,11 +189,11 @@ class Shard:
     @property
     def num_workers(self) -> int:
         """The cluster's worker count in force (``--num-workers`` until a resize)."""
-        return self.cluster.membership.num_workers
+        return self.membership.num_workers
 
     @property
     def members(self) -> list[Member]:
-        return self.cluster.membership.members
+        return self.membership.members
 
     def now(self) -> float:
         """The shard's monotonic clock, in seconds."""
