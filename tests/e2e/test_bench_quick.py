@@ -42,3 +42,30 @@ def test_quick_bench_measures_every_system(tmp_path) -> None:
     plain = next(q for q in report["ratios"] if "started plainly" in q["name"])
     assert math.isfinite(plain["value"]) and plain["value"] > 0
     assert "GLIBC_TUNABLES=" in out.stdout
+
+
+def _step_calls(data_path: str) -> tuple[float, float]:
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "step_calls.py"), "--steps", "30", "--warmup", "10"]
+        + ["--data-path", data_path],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    (line,) = [x for x in out.stdout.splitlines() if x.startswith("Python function calls per step")]
+    worker, shards = (float(x.split()[-1]) for x in line.split(":", 1)[1].split(","))
+    return worker, shards
+
+
+@pytest.mark.timeout(300)
+def test_step_calls_counts_each_side_of_a_step_the_same_every_run() -> None:
+    """``bench/step_calls.py`` charges the shard's threads (its data connection's too) to the shard
+    and gives about the same counts on a second run; gRPC's server-side Python shows on the shard."""
+    first, again = _step_calls("tcp"), _step_calls("tcp")
+    assert first[0] > 50 and first[1] > 100, first  # both sides run Python every step
+    # heartbeats and the lease reaper run on time, not per step: a few calls of 30 steps
+    assert all(abs(a - b) <= 0.1 * a for a, b in zip(first, again, strict=True)), (first, again)
+    grpc = _step_calls("grpc")
+    assert grpc[1] > first[1], (grpc, first)  # interceptors and the servicer's stream reading
