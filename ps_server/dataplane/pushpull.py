@@ -45,7 +45,6 @@ class DataPushPull:
             DataPathError, and the worker sends the partitions on the stream).
         counters: where every accepted push is counted.
         adopt: follows the membership record a request relays (the servicer's).
-        told: stamps an answer with the membership record the caller should learn (the servicer's).
     """
 
     def __init__(
@@ -54,13 +53,11 @@ class DataPushPull:
         data: DataPlane | None,
         counters: ShardCounters,
         adopt: Callable[[Any], None],
-        told: Callable[[Any, int], Any],
     ) -> None:
         self.shard = shard
         self.data = data
         self.counters = counters
         self._adopt = adopt
-        self._told = told
         self._slots: dict[tuple[int, int, str], list[torch.Tensor]] = {}
         """(version, store epoch, wire dtype) -> a version's values on the wire, shared by the ranks that
         read it; entries of other versions are dropped when a new version is encoded (at most one per
@@ -93,7 +90,7 @@ class DataPushPull:
         rank, incarnation, sequence = header.rank, header.incarnation, header.data_sequence
         stamp = push_stamp(header)
         hyper = hyperparameters_from_proto(header)
-        told = False  # the worker has the answer's end (values, or an ABORT) on its connection
+        ended = False  # the worker has the answer's end (values, or an ABORT) on its connection
         stream: round_stream.RoundStream | None = None
         try:
             setting = self.shard.stream_rounds
@@ -106,7 +103,7 @@ class DataPushPull:
                 intake = Intake(plan, self.shard.shard_index, "gradient")
                 taken = data.take(rank, incarnation, sequence, deadline(context), context.is_active)
                 parts = [intake.add(p) for p in taken]
-            result, version, (epoch, slots, live) = self.shard.push_pull(
+            result, version, (epoch, slots, live), told = self.shard.push_pull(
                 stamp,
                 header.version,
                 header.plan_digest,
@@ -117,6 +114,7 @@ class DataPushPull:
                 hyper=hyper,
                 skip=header.skip,
                 stream=stream,
+                request_epoch=header.membership_epoch,
             )
             if stream is not None and stream.committed and stream.round + 1 == version:
                 data.send_records(rank, incarnation, sequence, [dataconn.end(sequence, len(slots))], 5.0)
@@ -126,11 +124,11 @@ class DataPushPull:
                     data.send_records(rank, incarnation, sequence, [dataconn.marker(sequence, dataconn.ABORT, 1)], 5.0)
                     slots = wire_slots(slots, torch_dtype(dtype) if dtype else None, copy=False)
                 data.send(rank, incarnation, sequence, slots, context.time_remaining())
-            told = True
+            ended = True
         finally:
-            if stream is not None and not told:
+            if stream is not None and not ended:
                 self.shard.leave_stream(stream, rank, f"rank {rank}'s streamed call failed")
-            if not told:
+            if not ended:
                 try:
                     data.send_records(rank, incarnation, sequence, [dataconn.marker(sequence, dataconn.ABORT, 0)], 1.0)
                 except DataPathError:
@@ -141,7 +139,7 @@ class DataPushPull:
             # quorum round, an eviction): the values may mix two versions. The call fails and the
             # worker pushes the same stamp again on gRPC, answered as a duplicate with one version.
             raise DataPathError(f"Version {version} moved on while it was sent; pull it again.")
-        answer = self._told(push_response(result, self.shard.redo_from), header.membership_epoch)
+        answer = push_response(result, self.shard.redo_from, told)
         yield (
             frames.bytes_field(fields.PUSH_ANSWER, answer.SerializeToString())
             + frames.uint_field(fields.VERSION, version)

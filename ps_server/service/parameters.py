@@ -117,7 +117,7 @@ class ParameterServicer:
         """InitTables, PullRows and PushRows (``ps_server.service.tables``)."""
         self.optimizer_state = OptimizerStateRpcs(shard, counters, rank_tokens)
         """PullOptimizerState, PushOptimizerState, CommitOptimizerState (``ps_server.service.optimizer_state``)."""
-        self.data_push_pull = DataPushPull(shard, data, counters, self._adopt, self._told)
+        self.data_push_pull = DataPushPull(shard, data, counters, self._adopt)
         """PushPull whose partitions come on a data connection (``ps_server.dataplane.pushpull``)."""
 
     @property
@@ -269,7 +269,7 @@ class ParameterServicer:
         dtype = wire_dtype(first.ints.get(fields.WIRE_DTYPE, 0))
         index = self.shard.shard_index
         fragment = (fragments_in_force(self.shard.settings), header.clock)  # diloco: the round's fragment
-        result, version, out = self.shard.push_pull(
+        result, version, out, told = self.shard.push_pull(
             push_stamp(header),
             header.version,
             header.plan_digest,
@@ -280,9 +280,10 @@ class ParameterServicer:
             check=(lambda plan: self.frames.check_single(plan, index, dtype, fragment)) if single else None,
             hyper=hyperparameters_from_proto(header),
             skip=header.skip,
+            request_epoch=header.membership_epoch,
         )
         self.counters.pushed(result)
-        answer = self._told(push_response(result, self.shard.redo_from), header.membership_epoch)
+        answer = push_response(result, self.shard.redo_from, told)
         # A response of one message stays one; otherwise a large first frame is not copied to
         # prepend the answer: the answer goes alone, with the version
         lead = frames.bytes_field(fields.PUSH_ANSWER, answer.SerializeToString())

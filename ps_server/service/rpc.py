@@ -119,8 +119,14 @@ def parse(cls: type[Any], raw: bytes) -> Any:
         raise errors.InvalidRequestError(f"Malformed {cls.__name__}; send a valid ps.v1 message.") from None
 
 
-def push_response(r: PushResult, checkpointed: int | None = None) -> ps_pb2.PushResponse:
-    """The PushResponse of a push result; ``checkpointed``: the shard's ``redo_from``."""
+def push_response(
+    r: PushResult,
+    checkpointed: int | None = None,
+    told: tuple[int, ps_pb2.MembershipEpoch | None] = (0, None),
+) -> ps_pb2.PushResponse:
+    """The PushResponse of a push result; ``checkpointed``: the shard's ``redo_from``; ``told``: the
+    shard's membership epoch and the record the requester should learn (``DataCalls.push_pull``)."""
+    epoch, record = told
     return ps_pb2.PushResponse(
         version=r.version,
         duplicate=r.duplicate,
@@ -129,6 +135,8 @@ def push_response(r: PushResult, checkpointed: int | None = None) -> ps_pb2.Push
         mode=NAME_TO_MODE[r.mode],
         skipped=r.skipped,
         checkpointed_version=checkpointed,
+        membership_epoch=epoch,
+        membership=record,
     )
 
 

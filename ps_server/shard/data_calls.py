@@ -22,7 +22,9 @@ from ps_common.fragments import fragments_in_force, owned_slots
 from ps_common.optimizer import OptimizerSpec
 from ps_common.partition import WirePartition
 from ps_common.plan import ParameterSpec, Plan
+from ps_proto.v1 import ps_pb2
 from ps_server.core.partitions import match_partitions
+from ps_server.membership.epochs import Epochs
 from ps_server.membership.ranks import PushResult, PushStamp
 from ps_server.policy import POLICIES
 from ps_server.policy.sync import Hyperparameters, SyncRounds
@@ -39,6 +41,7 @@ class CallsHost(DataHost, Protocol):
 
     durable_acks: bool
     data: DataPath
+    epochs: Epochs
 
     def install(self, plan: Plan, store: ParameterStore) -> None:
         """Take ``plan`` and ``store`` (lock held)."""
@@ -181,15 +184,17 @@ class DataCalls:
         hyper: Hyperparameters = (),
         skip: bool = False,
         stream: RoundStream | None = None,
-    ) -> tuple[PushResult, int, Any]:
+        request_epoch: int = 0,
+    ) -> tuple[PushResult, int, Any, tuple[int, ps_pb2.MembershipEpoch | None]]:
         """:meth:`push`, then :meth:`pull` of the version it lands in (sync: ``clock + 1``; the
         others: no minimum): the plan checked once, the lock held once for the push and once for the
-        read. ``check`` is called with the plan before the push (PushPullOnce: the answer must fit in
-        one message). Returns (push result, version, ``encode(snapshot)``); sync: the result says
-        whether the round was skipped. With ``durable_acks`` an applied push waits until its version
-        is durable before the read (the read then carries the pushes applied meanwhile: async SGD
-        with a checkpoint per version converges on them), and the answer waits until the version
-        read is durable.
+        read, which also reads what the answer tells (the shard's membership epoch, and its record
+        when ``request_epoch``, the requester's, is older). ``check`` is called with the plan before
+        the push (PushPullOnce: the answer must fit in one message). Returns (push result, version,
+        ``encode(snapshot)``, (epoch, record or None)); sync: the result says whether the round was
+        skipped. With ``durable_acks`` an applied push waits until its version is durable before the
+        read (the read then carries the pushes applied meanwhile: async SGD with a checkpoint per
+        version converges on them), and the answer waits until the version read is durable.
 
         Raises:
             Everything :meth:`push`, :meth:`pull` and ``check`` raise; a refused push pulls nothing.
@@ -212,8 +217,9 @@ class DataCalls:
                 version, out = host.data.read(stamp.rank, stamp.incarnation, min_version, deadline, remaining, encode)
                 if policy.holds_pushes and not result.dropped and stamp.clock in host.skipped_rounds:
                     result = dataclasses.replace(result, skipped=True)
+                told = host.epochs.epoch, host.epochs.for_request(request_epoch)
         self.wait_durable(version, deadline)  # the version read, newer than the push's
-        return result, version, out
+        return result, version, out, told
 
     def exchange(
         self,
