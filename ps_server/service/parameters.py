@@ -1,7 +1,7 @@
 """The data-path servicer of a shard (``ps.v1.ParameterService``): decode, call
 :class:`~ps_server.shard.shard.Shard`, encode. Reads are encoded through the shard's
-:class:`~ps_server.service.frame_cache.FrameCache`; every accepted push is counted (``ShardCounters.pushed``)
-(the shard's counters by default), the numbers GetStatus and Prometheus report.
+:class:`~ps_server.service.frame_cache.FrameCache`; every accepted push is counted in the shard's
+counters (``ShardCounters.pushed``), the numbers GetStatus and Prometheus report.
 
 Domain errors become status codes through their class's ``status`` (``ps_common.errors``, one table
 for both sides; :mod:`ps_server.service.rpc`).
