@@ -1,23 +1,20 @@
 """Hand-built ps.v1 messages that carry partitions: one copy of each payload, zero-copy reads.
 
 The data RPCs (Push, Pull, PushPull, Exchange) are registered with pass-through (de)serializers on
-both sides, so gRPC hands over and takes ``bytes``. This module writes and reads those bytes with
-the protobuf encoding rules (https://protobuf.dev/programming-guides/encoding/): they are the same
-bytes ``SerializeToString`` would produce and ``FromString`` accepts (``tests/unit/test_frames.py``
-checks both ways), so grpcurl and any protobuf client interoperate. What it saves, per partition:
-
-- sending: the payload is copied once, from the tensor into the message (``bytes.join`` over a
-  memoryview of the tensor), instead of tensor → ``bytes`` → protobuf field → serialized message;
-- receiving: the payload is viewed in place (``torch.frombuffer`` over a memoryview of the received
-  message) instead of parse → ``bytes`` field → tensor.
-
-Messages with partitions all put them in field 2 (``PushRequest.partition``,
-``PullResponse.partition``, ``PushPullRequest.partitions``, ``ExchangeRequest.partition`` …) and
-their ``version`` (where they have one) in field 1, so one builder serves them all.
+both sides, so gRPC hands over and takes ``bytes``, which this module writes and reads with the
+protobuf encoding rules (https://protobuf.dev/programming-guides/encoding/): the bytes
+``SerializeToString`` would produce and ``FromString`` accepts (``tests/unit/test_frames.py`` checks
+both ways), so grpcurl and any protobuf client interoperate. Per partition, sending copies the
+payload once, from the tensor into the message (``bytes.join`` over a memoryview of the tensor), not
+tensor → ``bytes`` → protobuf field → message; receiving views it in place (``torch.frombuffer``
+over the received message), not parse → ``bytes`` field → tensor. Every message with partitions has
+them in field 2 (``PushRequest.partition``, ``PullResponse.partition``, ``PushPullRequest.partitions``
+…) and its ``version`` (if any) in field 1, so one builder serves them all.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -62,6 +59,10 @@ def varint(n: int) -> bytes:
     """Base-128 varint of a non-negative integer."""
     if n < 0x80:
         return _SMALL[n]
+    if n < 0x4000:  # two bytes (below 16 KiB), three (below 2 MiB): one call
+        return bytes((n & 0x7F | 0x80, n >> 7))
+    if n < 0x200000:
+        return bytes((n & 0x7F | 0x80, n >> 7 & 0x7F | 0x80, n >> 14))
     out = bytearray()
     while n > 0x7F:
         out.append((n & 0x7F) | 0x80)
@@ -114,48 +115,51 @@ _DTYPE_FIELD = {d.torch: _TAG_DTYPE + varint(d.proto) for d in DTYPES.values()}
 """The dtype field of each wire dtype, encoded."""
 
 
-def _partition_chunks(p: OutPartition, field: int) -> list[bytes | memoryview]:
+_TAG_PARTITION = bytes([PARTITION_FIELD << 3 | LEN])
+
+
+@functools.lru_cache(maxsize=4096)  # a plan's partitions, each encoded once per job (more: the least used go)
+def _head(key: str, offset: int, length: int, dtype: torch.dtype) -> bytes:
+    """A partition's fields before its values (key, offset, length, dtype), encoded."""
+    raw = key.encode()
+    key_field = _TAG_KEY + varint(len(raw)) + raw if raw else b""
+    offset_field = _TAG_OFFSET + varint(offset) if offset else b""
+    return key_field + offset_field + (_TAG_LENGTH + varint(length) if length else b"") + _DTYPE_FIELD[dtype]
+
+
+def _partition_chunks(p: OutPartition) -> list[bytes | memoryview]:
+    """One partition (field 2 of the message) as buffers: its fields, and its tensors' own memory."""
+    head = _head(p.key, p.offset, p.length, p.values.dtype)
     data = _buffer(p.values)
-    key = p.key.encode()
-    head = b"".join(
-        (
-            _TAG_KEY + varint(len(key)) + key if key else b"",
-            _TAG_OFFSET + varint(p.offset) if p.offset else b"",
-            _TAG_LENGTH + varint(p.length) if p.length else b"",
-            _DTYPE_FIELD[p.values.dtype],
-        )
-    )
-    chunks: list[bytes | memoryview] = [head]
+    chunks: list[bytes | memoryview] = [b"", head]
     size = len(head)
-    if len(data):
+    if data:
         lead = _TAG_DATA + varint(len(data))
-        chunks += [lead, data]
+        chunks += (lead, data)
         size += len(lead) + len(data)
     if p.indices is not None and p.indices.numel():
         idx = _buffer(p.indices)
         lead = _TAG_INDICES + varint(len(idx))
-        chunks += [lead, idx]
+        chunks += (lead, idx)
         size += len(lead) + len(idx)
-    return [tag(field, LEN) + varint(size), *chunks]
+    chunks[0] = _TAG_PARTITION + varint(size)
+    return chunks
 
 
-def build_chunks(parts: Iterable[OutPartition], prefix: bytes = b"", suffix: bytes = b"") -> list[bytes | memoryview]:
+def build_chunks(parts: Iterable[OutPartition], prefix: bytes = b"") -> list[bytes | memoryview]:
     """The message :func:`build` makes, as the buffers it joins: the encoded fields, and the
     bytes of each partition's tensors themselves (views, no copy), for a scatter-gather send
     (:func:`ps_common.dataconn.send_all`). The tensors must not change until it is sent."""
     chunks: list[bytes | memoryview] = [prefix]
     for p in parts:
-        chunks += _partition_chunks(p, PARTITION_FIELD)
-    chunks.append(suffix)
+        chunks += _partition_chunks(p)
     return chunks
 
 
-def build(parts: Iterable[OutPartition], prefix: bytes = b"", suffix: bytes = b"") -> bytes:
-    """One message: ``prefix`` (already encoded fields), the partitions in field 2, ``suffix``.
-
-    The only copy of each payload is the final ``bytes.join``.
-    """
-    return b"".join(build_chunks(parts, prefix, suffix))
+def build(parts: Iterable[OutPartition], prefix: bytes = b"") -> bytes:
+    """One message: ``prefix`` (already encoded fields), then the partitions in field 2; the only
+    copy of each payload is the final ``bytes.join``."""
+    return b"".join(build_chunks(parts, prefix))
 
 
 def pack(sizes: Sequence[tuple[int, int]], budget: int) -> list[list[int]]:

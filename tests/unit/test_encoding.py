@@ -110,7 +110,8 @@ def test_decode_copies_each_partition_into_place_and_returns_the_answer() -> Non
             frames.OutPartition(p.key, p.offset, p.length, source[p.key][p.offset : p.offset + p.length])
             for p in plan.owned_by(k)
         ]
-        replies = [frames.build(outs[:1], frames.uint_field(1, 5), frames.bytes_field(3, answer.SerializeToString()))]
+        answer_field = frames.bytes_field(3, answer.SerializeToString())  # after the partitions
+        replies = [frames.build(outs[:1], frames.uint_field(1, 5)) + answer_field]
         replies += [frames.build([o], frames.uint_field(1, 5)) for o in outs[1:]]
         sizes: list[int] = []
         version, received, got = codec.decode(k, replies, into, "h:1", sizes.append)
