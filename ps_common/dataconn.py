@@ -49,7 +49,7 @@ import select
 import socket
 import struct
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the flags import DATA_PATHS from here before torch may be imported
@@ -115,29 +115,37 @@ def send_all(sock: socket.socket, buffers: Sequence[bytes | memoryview], deadlin
         DataConnectionError: the deadline passed with bytes still to send.
         OSError: the connection broke.
     """
-    views = [memoryview(b).cast("B") for b in buffers if len(b)]
-    total = sum(len(v) for v in views)
+    views = _bytes_of(buffers)
+    total = left = sum(map(len, views))
     poll = select.poll()
     poll.register(sock, select.POLLOUT)
     i = 0
-    while i < len(views):
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise DataConnectionError(f"timed out with {sum(len(v) for v in views[i:])} bytes left to send")
-        if not poll.poll(min(left, 60.0) * 1000):
+    while left:
+        wait = deadline - time.monotonic()
+        if wait <= 0:
+            raise DataConnectionError(f"timed out with {left} bytes left to send")
+        if not poll.poll(min(wait, 60.0) * 1000):
             continue
         try:
             sent = sock.sendmsg(views[i : i + IOV_MAX], [], socket.MSG_DONTWAIT)
         except BlockingIOError:
             continue
-        while sent:
-            if sent >= len(views[i]):
+        left -= sent
+        if left:  # sent in part: skip the buffers sent whole, keep the rest of the one cut
+            while sent >= len(views[i]):
                 sent -= len(views[i])
                 i += 1
-            else:
-                views[i] = views[i][sent:]
-                sent = 0
+            if sent:
+                views[i] = memoryview(views[i])[sent:]  # not a copy of bytes
     return total
+
+
+def _bytes_of(buffers: Iterable[bytes | memoryview]) -> list[bytes | memoryview]:
+    """The non-empty ``buffers``, each one whose ``len()`` is its byte count (a memoryview of wider
+    items or of several dimensions is cast to bytes; the producers here already give bytes)."""
+    return [
+        b if b.__class__ is not memoryview or (b.ndim == 1 and b.itemsize == 1) else b.cast("B") for b in buffers if b
+    ]
 
 
 def recv_exact(sock: socket.socket, into: memoryview, deadline: float | None = None) -> None:
@@ -216,21 +224,21 @@ without joining them: :func:`ps_common.frames.build_chunks`)."""
 
 
 def _chunks(body: Body) -> list[bytes | memoryview]:
-    return [body] if isinstance(body, bytes | bytearray | memoryview) else list(body)
+    return _bytes_of([body] if isinstance(body, bytes | bytearray | memoryview) else body)
 
 
 def call(sequence: int, request: Body, timeout: float | None) -> list[bytes | memoryview]:
     """Call ``sequence``: its record (``timeout`` seconds, None for none) and ``request``."""
     ms = 0 if timeout is None else min(MAX_CALL_MS, max(1, math.ceil(timeout * 1000)))
     chunks = _chunks(request)
-    return [RECORD.pack(sequence, CALL, ms, sum(memoryview(c).nbytes for c in chunks)), *chunks]
+    return [RECORD.pack(sequence, CALL, ms, sum(map(len, chunks))), *chunks]
 
 
 def answer(sequence: int, code: int, body: Body) -> list[bytes | memoryview]:
     """The answer of call ``sequence``: status ``code`` (a ``grpc.StatusCode`` value; 0 for OK) and
     ``body`` (the response message, or :func:`refusal`)."""
     chunks = _chunks(body)
-    return [RECORD.pack(sequence, CALL, code, sum(memoryview(c).nbytes for c in chunks)), *chunks]
+    return [RECORD.pack(sequence, CALL, code, sum(map(len, chunks))), *chunks]
 
 
 UNZEROED_BYTES = 128 * 1024

@@ -59,8 +59,8 @@ WAIT_ENDED = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVA
 def _size(message: Any) -> int:
     if isinstance(message, bytes | memoryview):  # a hand-built frame (ps_common.frames)
         return memoryview(message).nbytes
-    if isinstance(message, list):  # a data connection's answer as its buffers (ps_common.dataconn.Body)
-        return sum(_size(m) for m in message)
+    if isinstance(message, list):  # a data connection's answer: bytes and byte views (frames.build_chunks)
+        return sum(map(len, message))
     return message_size(message) if hasattr(message, "DESCRIPTOR") else 0
 
 

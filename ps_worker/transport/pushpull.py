@@ -145,7 +145,7 @@ class PendingPushPull:
         partitions' own memory, not joined), counted as sent."""
         (g,) = self.groups[k]
         chunks = frames.build_chunks([self.out(k, i) for i in g], self.head(k))
-        n = sum(memoryview(c).nbytes for c in chunks)
+        n = sum(map(len, chunks))  # bytes and byte views (frames.build_chunks)
         self.sent[k] += n
         if self.transport.metrics is not None:
             self.transport.metrics.sent_bytes.inc(n)

@@ -211,3 +211,24 @@ def test_sending_to_a_peer_that_stops_reading_is_bounded(start_cluster) -> None:
     assert time.monotonic() - start < 5
     for s in (out, peer, listener):
         s.close()
+
+
+def test_send_all_and_call_records_count_bytes_whatever_the_views_item_size() -> None:
+    """A memoryview of float32 items (4 bytes each) or of two dimensions is sent and counted in bytes,
+    and a call's record announces the bytes of its body, not its items."""
+    a, b = socket.socketpair()
+    try:
+        values = torch.arange(6, dtype=torch.float32)
+        floats = memoryview(values.numpy())  # format "f": len() is 6 items, 24 bytes
+        grid = memoryview(torch.arange(6, dtype=torch.uint8).numpy().reshape(2, 3))  # len() is 2 rows
+        buffers = dataconn.call(7, [b"ab", floats, grid, b""], timeout=1.0)
+        sent = dataconn.send_all(a, buffers, time.monotonic() + 5)
+        assert sent == dataconn.RECORD.size + 2 + 24 + 6
+        sequence, slot, _, nbytes = dataconn.recv_struct(b, dataconn.RECORD, time.monotonic() + 5)
+        assert (sequence, slot, nbytes) == (7, dataconn.CALL, 32)
+        body = bytearray(nbytes)
+        dataconn.recv_exact(b, memoryview(body), time.monotonic() + 5)
+        assert bytes(body) == b"ab" + values.numpy().tobytes() + bytes(range(6))
+    finally:
+        a.close()
+        b.close()
