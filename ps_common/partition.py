@@ -20,11 +20,8 @@ class WirePartition:
     data: bytes | memoryview
     indices: bytes | memoryview = b""
     finite: bool = False
-    """Already checked to hold no NaN or infinity (as each message arrived, overlapping the rest of
-    the stream); :func:`match_partitions` then skips the check."""
-    slot: int = -1
-    """Its position among the shard's partitions, when an :class:`Intake` admitted it (every check
-    of :meth:`Intake.slot` passed); :func:`match_partitions` then does not repeat them."""
+    """Already checked to hold no NaN or infinity, as its record arrived on a data connection
+    (overlapping the rest of the frame); the shard's ``Intake`` then skips that check."""
     bound: float = math.inf
     """An upper bound of its values' magnitudes, found by the finiteness check (the L2 norm of a
     float32 partition); ``inf`` when unknown. Lets the optimizer step skip its own read."""

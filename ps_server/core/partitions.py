@@ -76,8 +76,9 @@ class Intake:
     at its first bad frame, and never holds more than about the plan's share of this shard.
 
     Each partition must name a slice this shard owns, once, in an allowed dtype, with exactly the
-    bytes its length needs; dense values are checked to be finite here. :meth:`charge` counts the
-    request's bytes against :attr:`budget`.
+    bytes its length needs; its values are read once, here: checked finite, widened to the
+    parameter's dtype, kept for :meth:`matched`. :meth:`charge` counts the request's bytes against
+    :attr:`budget`.
 
     Args:
         plan: the cluster's plan.
@@ -87,7 +88,7 @@ class Intake:
     """
 
     def __init__(self, plan: Plan, shard_index: int, what: str, sparse_ok: bool | None = None) -> None:
-        self.shard_index = shard_index
+        self.plan, self.shard_index = plan, shard_index
         self.owned: Sequence[PartitionSlice] = plan.owned_by(shard_index)
         self.index = plan.index_of(shard_index)
         self.dtypes = plan.dtypes
@@ -97,6 +98,10 @@ class Intake:
         self.budget = plan.request_bytes(shard_index, self.sparse_ok)
         """Most bytes a well-formed request to this shard takes (see :meth:`Plan.request_bytes`)."""
         self.received = 0
+        self.values: list[torch.Tensor | None] = [None] * len(self.owned)
+        """Per owned partition (plan order), its checked values in the parameter's dtype; None: not received."""
+        self.bound = 0.0
+        """The largest magnitude bound of the values received (:attr:`Bounded.max_abs`)."""
 
     def charge(self, nbytes: int) -> None:
         """Count ``nbytes`` more of the request (before they are parsed).
@@ -151,35 +156,64 @@ class Intake:
         self.seen[i] = 1
         return i
 
-    def readmit(self, part: WirePartition) -> int:
-        """:meth:`slot`, without repeating its checks for a partition another :class:`Intake` of
-        this shard's plan admitted (``part.slot`` names its slice)."""
-        i = part.slot
-        if 0 <= i < len(self.owned) and not self.seen[i]:
-            p = self.owned[i]
-            if (p.key, p.offset, p.length) == (part.key, part.offset, part.length):
-                self.seen[i] = 1
-                return i
-        return self.slot(part)
-
     def add(self, part: WirePartition) -> WirePartition:
-        """:meth:`slot`, then check a dense partition's values are finite (while the rest of the
-        stream is in flight); returns ``part`` marked as checked (``finite``, ``slot``).
+        """:meth:`slot`, then read the values (while the rest of the stream is in flight): dense ones
+        checked finite (unless ``part.finite``: checked as its record arrived) and widened to the
+        parameter's dtype, sparse ones made dense (:func:`densify`). Returns ``part``.
 
         Raises:
-            UnknownKeyError, InvalidRequestError: as :meth:`slot`; NaN or infinity.
+            UnknownKeyError, InvalidRequestError: as :meth:`slot`; NaN or infinity; a bad sparse partition.
         """
         i = self.slot(part)
-        bound = part.bound
-        if not len(part.indices) and not part.finite:  # sparse values are checked when densified
+        param_dtype = self.dtypes[part.key]
+        if len(part.indices):
+            self.values[i] = densify(part, torch_dtype(param_dtype), self.what)
+            self.bound = math.inf
+            return part
+        tensor = decode(part.data, part.dtype, part.length)
+        if part.finite:
+            bound = part.bound
+        else:
             bound = check_finite(
-                decode(part.data, part.dtype, part.length),
-                f"{self.what.capitalize()} {part.key}[{part.offset}:{part.offset + part.length}]",
+                tensor, f"{self.what.capitalize()} {part.key}[{part.offset}:{part.offset + part.length}]"
             )
-        sparse = len(part.indices)  # every field, in order (dataclasses.replace costs more)
-        return WirePartition(
-            part.key, part.offset, part.length, part.dtype, part.data, part.indices, not sparse, i, bound
-        )
+        if bound > self.bound:
+            self.bound = bound
+        # a narrower wire dtype is widened here, so sums and optimizer steps run in the parameter's dtype
+        self.values[i] = tensor if part.dtype == param_dtype else tensor.to(torch_dtype(param_dtype))
+        return part
+
+    def matched(self, expected: Sequence[int] | None = None) -> Bounded:
+        """The request's values, once every partition is in: see :func:`match_partitions`.
+
+        Raises:
+            InvalidRequestError: a partition missing, or one outside ``expected``.
+        """
+        owned, seen = self.owned, self.seen
+        if expected is None:
+            if all(seen):
+                return Bounded(self.values, self.bound)  # type: ignore[arg-type]  # every one received
+            missing = self.missing()
+            raise InvalidRequestError(
+                f"The request misses {len(missing)} of this shard's {len(owned)} partitions "
+                f"({', '.join(missing[:4])}{'…' if len(missing) > 4 else ''}); "
+                f"send every partition the plan gives shard {self.shard_index}."
+            )
+        wanted = set(expected)
+        for i, p in enumerate(owned):
+            if seen[i] and i not in wanted:
+                raise InvalidRequestError(
+                    f"Partition {p.key}[{p.offset}:] is not in the fragment this outer round carries; send only the "
+                    "partitions of fragment (round mod --fragments) (ps_common.fragments). Nothing was applied."
+                )
+        missing = [f"{owned[i].key}[{owned[i].offset}:]" for i in sorted(wanted) if not seen[i]]
+        if missing:
+            raise InvalidRequestError(
+                f"The request misses {len(missing)} of the {len(wanted)} partitions of shard {self.shard_index} in "
+                f"the fragment this outer round carries ({', '.join(missing[:4])}{'…' if len(missing) > 4 else ''}); "
+                "send every partition of fragment (round mod --fragments) (ps_common.fragments)."
+            )
+        return Bounded((t for t in self.values if t is not None), self.bound)
 
     def missing(self) -> list[str]:
         """The shard's partitions not received yet, as ``key[offset:]``."""
@@ -201,6 +235,16 @@ def max_abs_of(tensors: Sequence[torch.Tensor]) -> float:
     return tensors.max_abs if isinstance(tensors, Bounded) else math.inf
 
 
+class Admitted(list[WirePartition]):
+    """A request's partitions as its :class:`Intake` admitted them (a request stream read by
+    ``ps_server.service.request_streams``), with that intake: :func:`match_partitions` takes its
+    values as they were read and checked, and reads none of them again."""
+
+    def __init__(self, intake: Intake, parts: Iterable[WirePartition]) -> None:
+        super().__init__(parts)
+        self.intake = intake
+
+
 def match_partitions(
     plan: Plan,
     shard_index: int,
@@ -214,8 +258,9 @@ def match_partitions(
     Args:
         plan: the cluster's plan.
         shard_index: this shard.
-        received: partitions in any order.
-        what: "gradient" or "value", for messages.
+        received: partitions in any order; an :class:`Admitted` request's are taken as its intake
+            read them (not read again).
+        what: "gradient", "value" or "parameter", for messages.
         sparse_ok: accept top-k sparse partitions (default: for gradients only).
         expected: the indices (into the shard's partitions, ascending) the request must carry, and no
             others (a diloco round of one fragment, :func:`ps_common.fragments.owned_slots`); None: all.
@@ -223,52 +268,17 @@ def match_partitions(
     Returns:
         1-D tensors of the parameters' dtypes, one per expected partition in plan order: read-only
         views of the received bytes when the wire dtype is the parameter's, widened copies of
-        narrower wire dtypes, dense copies of sparse partitions; with the largest of the
-        partitions' bounds (:attr:`WirePartition.bound`, found when their finiteness was checked).
+        narrower wire dtypes, dense copies of sparse partitions; with the largest magnitude bound
+        their finiteness checks found (``inf`` with a sparse one).
 
     Raises:
         UnknownKeyError: a key that is not a parameter, or a slice this shard does not own.
         InvalidRequestError: wrong dtype or byte length, a partition sent twice, a missing
             partition, or NaN/infinity.
     """
-    intake = Intake(plan, shard_index, what, sparse_ok)
-    owned = intake.owned
-    out: list[torch.Tensor | None] = [None] * len(owned)
-    wanted = None if expected is None else set(expected)
-    bound = 0.0
-    for part in received:
-        i = intake.readmit(part)
-        if wanted is not None and i not in wanted:
-            raise InvalidRequestError(
-                f"Partition {part.key}[{part.offset}:] is not in the fragment this outer round carries; send "
-                "only the partitions of fragment (round mod --fragments) (ps_common.fragments). Nothing was applied."
-            )
-        param_dtype = intake.dtypes[part.key]
-        if len(part.indices):
-            out[i] = densify(part, torch_dtype(param_dtype), what)
-            bound = math.inf
-            continue
-        tensor = decode(part.data, part.dtype, part.length)
-        if part.finite:
-            bound = max(bound, part.bound)
-        else:
-            where = f"{what.capitalize()} {part.key}[{part.offset}:{part.offset + part.length}]"
-            bound = max(bound, check_finite(tensor, where))
-        # a narrower wire dtype is widened here, so sums and optimizer steps run in the parameter's dtype
-        out[i] = tensor if part.dtype == param_dtype else tensor.to(torch_dtype(param_dtype))
-    missing = intake.missing()
-    if wanted is not None:
-        missing = [f"{owned[i].key}[{owned[i].offset}:]" for i in sorted(wanted) if not intake.seen[i]]
-    if missing and wanted is not None:
-        raise InvalidRequestError(
-            f"The request misses {len(missing)} of the {len(wanted)} partitions of shard {shard_index} in the "
-            f"fragment this outer round carries ({', '.join(missing[:4])}{'…' if len(missing) > 4 else ''}); "
-            "send every partition of fragment (round mod --fragments) (ps_common.fragments)."
-        )
-    if missing:
-        raise InvalidRequestError(
-            f"The request misses {len(missing)} of this shard's {len(owned)} partitions "
-            f"({', '.join(missing[:4])}{'…' if len(missing) > 4 else ''}); "
-            f"send every partition the plan gives shard {shard_index}."
-        )
-    return Bounded((t for t in out if t is not None), bound)
+    intake = received.intake if isinstance(received, Admitted) else None
+    if intake is None or intake.plan is not plan or intake.what != what or sparse_ok is not None:
+        intake = Intake(plan, shard_index, what, sparse_ok)
+        for part in received:
+            intake.add(part)
+    return intake.matched(expected)

@@ -24,7 +24,7 @@ from ps_common.fragments import fragments_in_force, owned_slots
 from ps_common.partition import WirePartition
 from ps_common.plan import Plan
 from ps_common.wire import hyperparameters_from_proto
-from ps_server.core.partitions import Intake
+from ps_server.core.partitions import Admitted, Intake
 from ps_server.dataplane.connections import POLL_SECONDS, DataPlane, wire_slots
 from ps_server.membership.ranks import PushStamp
 from ps_server.service.request_streams import Request
@@ -102,7 +102,7 @@ class DataPushPull:
             else:
                 intake = Intake(plan, self.shard.shard_index, "gradient")
                 taken = data.take(rank, incarnation, sequence, deadline(context), context.is_active)
-                parts = [intake.add(p) for p in taken]
+                parts = Admitted(intake, [intake.add(p) for p in taken])
             result, version, (epoch, slots, live), told = self.shard.push_pull(
                 stamp,
                 header.version,

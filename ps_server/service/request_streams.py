@@ -16,16 +16,16 @@ from typing import Any
 from ps_common import fields, frames
 from ps_common.errors import InvalidRequestError
 from ps_common.partition import WirePartition
-from ps_server.core.partitions import Intake
+from ps_server.core.partitions import Admitted, Intake
 
 
 @dataclass
 class Request:
-    """A read request stream: its parsed ``header``, its checked partitions, and its first message
-    (whose other fields, e.g. PushPull's ``wire_dtype``, are in ``first.ints``)."""
+    """A read request stream: its parsed ``header``, its partitions as its intake checked and read
+    them, and its first message (whose other fields, e.g. PushPull's ``wire_dtype``, are in ``first.ints``)."""
 
     header: Any
-    parts: list[WirePartition]
+    parts: Admitted
     first: frames.Message
 
 
@@ -64,7 +64,8 @@ def read_request(
         reader.feed(raw)
     if reader.first is None:
         raise InvalidRequestError(f"The {what} stream was empty; send a header, then partitions.")
-    return Request(reader.header, reader.parts, reader.first)
+    assert reader.intake is not None  # the first message opened it
+    return Request(reader.header, Admitted(reader.intake, reader.parts), reader.first)
 
 
 class _Reader:

@@ -3,7 +3,7 @@ shard's limits before it is built; a request's partitions checked against it as 
 
 from __future__ import annotations
 
-import dataclasses
+import math
 import time
 
 import pytest
@@ -19,7 +19,7 @@ from ps_common.partition import WirePartition
 from ps_common.plan import DEFAULT_PARTITION_BYTES, ParameterSpec, make_plan, plan_digest, plan_for_digest
 from ps_common.text import quote, shown
 from ps_server.core.limits import Limits
-from ps_server.core.partitions import Intake, match_partitions
+from ps_server.core.partitions import Admitted, Intake, match_partitions
 from ps_server.shard.shard import Shard
 
 SPECS = (
@@ -239,12 +239,15 @@ def test_intake_refuses_the_first_bad_partition() -> None:
     ]
     for part, error, message in bad:
         intake = Intake(plan, 0, "gradient")
-        assert intake.add(wire(owned[0])).finite
+        intake.add(wire(owned[0]))
+        assert intake.values[0] is not None and intake.bound == math.sqrt(owned[0].length)  # ones: their L2 norm
         with pytest.raises(error, match=message):
             intake.add(part)
     sparse = wire(owned[1], data=b"\0" * 4, indices=b"\0" * 4)
-    admitted = Intake(plan, 0, "gradient").add(sparse)
-    assert (admitted.slot, admitted.finite) == (1, False)  # its values are checked when densified
+    intake = Intake(plan, 0, "gradient")
+    intake.add(sparse)
+    dense = intake.values[1]
+    assert dense is not None and dense.shape == (owned[1].length,) and intake.bound == math.inf  # made dense
     with pytest.raises(InvalidRequestError, match="dense"):
         Intake(plan, 0, "parameter").add(sparse)
     intake = Intake(plan, 0, "gradient")
@@ -255,18 +258,24 @@ def test_intake_refuses_the_first_bad_partition() -> None:
         intake.charge(1)
 
 
-def test_match_partitions_does_not_repeat_an_intakes_checks_but_still_finds_repeats() -> None:
+def test_match_partitions_takes_an_admitted_requests_values_as_its_intake_read_them() -> None:
     plan = make_plan(SPECS, 1, 4096)
     owned = plan.owned_by(0)
     intake = Intake(plan, 0, "gradient")
-    admitted = [intake.add(wire(p)) for p in owned]
-    assert [p.slot for p in admitted] == list(range(len(owned)))
-    assert len(match_partitions(plan, 0, admitted, "gradient")) == len(owned)
+    admitted = Admitted(intake, [intake.add(wire(p)) for p in owned])
+    got = match_partitions(plan, 0, admitted, "gradient")
+    assert all(t is v for t, v in zip(got, intake.values, strict=True))  # not read again
+    again = match_partitions(plan, 0, list(admitted), "gradient")  # a plain list is read
+    assert all(torch.equal(a, b) and a is not b for a, b in zip(again, got, strict=True))
+    other = make_plan(SPECS, 1, 4096)  # the same plan, another object (a shard that restarted): read again
+    assert all(t is not v for t, v in zip(match_partitions(other, 0, admitted, "gradient"), got, strict=True))
     with pytest.raises(InvalidRequestError, match="sent twice"):
         match_partitions(plan, 0, [*admitted, admitted[0]], "gradient")
-    forged = dataclasses.replace(wire(owned[1], key="nope"), slot=1)  # a slot that names another slice
-    with pytest.raises(UnknownKeyError):
-        match_partitions(plan, 0, [admitted[0], forged], "gradient")
+    with pytest.raises(InvalidRequestError, match="not in the fragment"):
+        match_partitions(plan, 0, admitted, "gradient", expected=[0])
+    partial = Intake(plan, 0, "gradient")
+    with pytest.raises(InvalidRequestError, match="misses 1 of"):
+        match_partitions(plan, 0, Admitted(partial, [partial.add(wire(p)) for p in owned[:-1]]), "gradient")
 
 
 def test_a_shard_refuses_a_client_that_packs_otherwise_with_plan_mismatch() -> None:
