@@ -18,7 +18,7 @@ from ps_common.text import shown
 from ps_common.wire import NAME_TO_MODE
 from ps_proto.v1 import ps_pb2
 from ps_server.membership.ranks import PushResult, PushStamp, WorkerState
-from ps_server.shard.waits import serving
+from ps_server.shard.waits import Call
 
 log = logging.getLogger(__name__)
 
@@ -50,12 +50,12 @@ def refuse(servicer: Any, name: str, exc: errors.PSError, context: grpc.Servicer
 
 def maps_errors(method: F) -> F:
     """Unary or client-streaming method: a domain error becomes ``context.abort`` with its code; its
-    waits end with the call (:func:`ps_server.shard.waits.serving`)."""
+    waits end with the call (:class:`ps_server.shard.waits.Call`)."""
 
     @functools.wraps(method)
     def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
         try:
-            with serving(context.is_active, context.time_remaining):
+            with Call(context.is_active, context.time_remaining):
                 return method(self, request, context)
         except errors.PSError as exc:
             refuse(self, method.__name__, exc, context)
@@ -69,7 +69,7 @@ def maps_stream_errors(method: F) -> F:
     @functools.wraps(method)
     def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
         try:
-            with serving(context.is_active, context.time_remaining):
+            with Call(context.is_active, context.time_remaining):
                 yield from method(self, request, context)
         except errors.PSError as exc:
             refuse(self, method.__name__, exc, context)

@@ -15,7 +15,7 @@ and Join would then wait behind it (``DEADLINE_EXCEEDED``). So:
   ``RESOURCE_EXHAUSTED``, the trailing ``ps-reason: TOO_MANY_WAITS`` (workers retry it with backoff)
   and a message naming the flag. The pool has a few threads beyond ``limit`` that answer refusals.
 - Each call's waits end when the call is cancelled or its deadline passes
-  (:func:`ps_server.shard.waits.serving`), and its slot is freed when its handler ends or the call ends,
+  (:class:`ps_server.shard.waits.Call`), and its slot is freed when its handler ends or the call ends,
   whichever comes first.
 - A request stream (Init, Push, PushPull, Exchange) must send its first message within
   ``first_message_seconds`` (min(10 s, the lease timeout)), or the call is cancelled and its slot

@@ -4,7 +4,7 @@ the wait serves. A wait for other ranks that reaches the end of its call while t
 in :class:`~ps_common.errors.AwaitingRanksError` (the worker calls again: the per-RPC deadline bounds
 a call, not a slow peer; docs/architecture.md#12-membership).
 
-The call: the service layer runs each request inside :func:`serving` with two callables of its call
+The call: the service layer runs each request inside a :class:`Call` of two callables of its call
 (grpc's ``context.is_active`` and ``context.time_remaining``, or a data connection's), and every
 wait below re-checks them at least every :data:`WAKE_SECONDS`: a cancelled call, or one whose
 deadline passed, ends its wait there and gives its thread back, whatever deadline the shard was
@@ -13,12 +13,10 @@ given. The callables are plain functions, so this module knows nothing of gRPC.
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import math
 import threading
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
 
 from ps_common.errors import (
     AwaitingRanksError,
@@ -35,49 +33,46 @@ WAKE_SECONDS = 0.25
 thread is back within about this long)."""
 
 
-@dataclass(frozen=True)
 class Call:
-    """The call a wait serves.
+    """The call a wait serves; ``with Call(active, remaining):`` runs its body as that call, so the
+    waits in it end with the call.
 
-    Attributes:
-        active: False once the call was cancelled, its deadline passed, or its connection closed.
-        remaining: seconds left before the call's deadline (None: no deadline).
+    Args:
+        active: whether the call is still wanted (False once it was cancelled, its deadline passed,
+            or its connection closed; grpc's ``context.is_active``).
+        remaining: seconds left before its deadline, None without one; values above 1e9 (grpc's
+            answer for no deadline) count as None (grpc's ``context.time_remaining``).
     """
 
-    active: Callable[[], bool]
-    remaining: Callable[[], float | None]
+    __slots__ = ("active", "_remaining", "_token")
+
+    def __init__(self, active: Callable[[], bool], remaining: Callable[[], float | None]) -> None:
+        self.active = active
+        self._remaining = remaining
+        self._token: contextvars.Token[Call | None] | None = None
+
+    def remaining(self) -> float | None:
+        """Seconds left before the call's deadline, at least 0; None: no deadline."""
+        value = self._remaining()
+        return None if value is None or not math.isfinite(value) or value > 1e9 else max(0.0, value)
+
+    def __enter__(self) -> Call:
+        self._token = _CALL.set(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            if self._token is not None:
+                _CALL.reset(self._token)
+        except ValueError:  # a generator closed from another context: that context ends with it
+            pass
 
 
 _CALL: contextvars.ContextVar[Call | None] = contextvars.ContextVar("ps_server_call", default=None)
 
 
-@contextlib.contextmanager
-def serving(active: Callable[[], bool], remaining: Callable[[], float | None]) -> Iterator[Call]:
-    """Run the body as the call ``(active, remaining)``: the waits in it end with the call.
-
-    Args:
-        active: whether the call is still wanted (grpc's ``context.is_active``).
-        remaining: seconds left before its deadline, None without one; values above 1e9 (grpc's
-            answer for no deadline) count as None.
-    """
-
-    def left() -> float | None:
-        value = remaining()
-        return None if value is None or not math.isfinite(value) or value > 1e9 else max(0.0, value)
-
-    call = Call(active, left)
-    previous = _CALL.set(call)
-    try:
-        yield call
-    finally:
-        try:
-            _CALL.reset(previous)
-        except ValueError:  # a generator closed from another context: that context ends with it
-            pass
-
-
 def current_call() -> Call | None:
-    """The call the running code serves (None outside :func:`serving`: waits end only on their
+    """The call the running code serves (None outside a :class:`Call`: waits end only on their
     deadline or the shard's close)."""
     return _CALL.get()
 
@@ -115,7 +110,7 @@ class Waits:
 
     def until(self, ready: Callable[[], bool], deadline: float | None, describe: Callable[[], str]) -> None:
         """Wait until ``ready()``, at most until ``deadline`` and while the call served (see
-        :func:`serving`) is active and within its own deadline.
+        :class:`Call`) is active and within its own deadline.
 
         Args:
             deadline: on the shard's clock (seconds); None waits until the shard closes or the call ends.

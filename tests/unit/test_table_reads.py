@@ -10,7 +10,7 @@ from concurrent import futures
 import pytest
 
 from ps_common.errors import ShuttingDownError, WaitTimeoutError
-from ps_server.shard.waits import serving
+from ps_server.shard.waits import Call
 from ps_server.tables.reads import NICE, TableReads, lower_priority
 
 
@@ -54,7 +54,7 @@ def test_a_read_queued_behind_another_is_dropped_when_its_deadline_passes(reads)
     blocker = busy(reads, release)
     end = time.monotonic() + 0.3
     try:
-        with serving(lambda: True, lambda: end - time.monotonic()), pytest.raises(WaitTimeoutError, match="Shard 3"):
+        with Call(lambda: True, lambda: end - time.monotonic()), pytest.raises(WaitTimeoutError, match="Shard 3"):
             reads.run(lambda: ran.append("late"))
     finally:
         release.set()
@@ -70,7 +70,7 @@ def test_a_cancelled_call_leaves_the_queue(reads) -> None:
     blocker = busy(reads, release)
     threading.Timer(0.3, active.clear).start()  # the client cancels while its read is queued
     try:
-        with serving(active.is_set, lambda: None), pytest.raises(ShuttingDownError, match="cancelled"):
+        with Call(active.is_set, lambda: None), pytest.raises(ShuttingDownError, match="cancelled"):
             reads.run(lambda: None)
     finally:
         release.set()

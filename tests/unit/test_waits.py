@@ -16,7 +16,7 @@ from ps_common.errors import (
 )
 from ps_server.membership.ranks import Membership, WorkerState
 from ps_server.policy.types import Awaited
-from ps_server.shard.waits import WAKE_SECONDS, Waits, current_call, serving
+from ps_server.shard.waits import WAKE_SECONDS, Call, Waits, current_call
 
 
 class Clock:
@@ -83,7 +83,7 @@ def test_a_wait_ends_when_its_call_is_cancelled() -> None:
     cond = StepCondition(clock)
     waits = Waits(cond, clock, 3)
     checks = iter([True, True, False])
-    with cond, serving(lambda: next(checks), lambda: None):
+    with cond, Call(lambda: next(checks), lambda: None):
         with pytest.raises(WaitTimeoutError, match="The call ended .* round 7 waits"):
             waits.until(lambda: False, None, lambda: "round 7 waits for ranks [1]")
     assert cond.waits == 2 and clock.t == 2 * WAKE_SECONDS  # never slept longer than WAKE_SECONDS
@@ -93,7 +93,7 @@ def test_a_wait_ends_at_its_calls_deadline_even_when_the_shard_gave_none() -> No
     clock = Clock()
     cond = StepCondition(clock)
     waits = Waits(cond, clock, 3)
-    with cond, serving(lambda: True, lambda: 0.6):
+    with cond, Call(lambda: True, lambda: 0.6):
         with pytest.raises(WaitTimeoutError, match="not durable"):
             waits.until(lambda: False, None, lambda: "not durable")
         assert clock.t == pytest.approx(0.6)
@@ -102,11 +102,11 @@ def test_a_wait_ends_at_its_calls_deadline_even_when_the_shard_gave_none() -> No
         assert clock.t == pytest.approx(0.7)
 
 
-def test_serving_scopes_the_call_and_no_deadline_reads_as_none() -> None:
+def test_a_call_scopes_the_waits_and_no_deadline_reads_as_none() -> None:
     assert current_call() is None
-    with serving(lambda: True, lambda: 1e30) as outer:  # grpc's "no deadline"
+    with Call(lambda: True, lambda: 1e30) as outer:  # grpc's "no deadline"
         assert current_call() is outer and outer.remaining() is None
-        with serving(lambda: False, lambda: -3.0) as inner:
+        with Call(lambda: False, lambda: -3.0) as inner:
             assert current_call() is inner and inner.remaining() == 0.0 and not inner.active()
         assert current_call() is outer
     assert current_call() is None
