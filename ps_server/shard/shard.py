@@ -327,6 +327,8 @@ class Shard:
                 :class:`~ps_server.membership.ranks.JoinDeadline`), and it is still not ready then.
             ShuttingDownError: closing. WaitTimeoutError: ``deadline`` passed.
         """
+        if ready():  # nothing to wait for (most reads): no deadline to work out
+            return
         quorum = lambda: self.policy.quorum(self.settings)  # noqa: E731
         self.waits.for_ranks(ready, deadline, describe, self.membership, self.cluster.report_missing, quorum, awaited)
 

@@ -53,6 +53,7 @@ class ParameterStore:
             else optimizer.build([torch.zeros(1)])
         )
         self._dtypes = list(dtypes.values())
+        self._limit: float | None = None  # a quarter of the largest value of the trained dtypes (_sgd_stays_finite)
         # per group, the hyperparameters pushes last set (see set_hyperparameters)
         self._pushed: list[dict[str, float]] = [{} for _ in self.optimizer.param_groups]
         self._backup: dict[tuple[int, str], torch.Tensor] = {}
@@ -175,8 +176,7 @@ class ParameterStore:
                 t.grad = None if g is None else g.to(t.dtype)
             for group in self.optimizer.param_groups:
                 group["lr"] = group["lr"] * lr_scale
-            with torch.no_grad():
-                self.optimizer.step()
+            self.optimizer.step()  # the tensors need no grad: the step records no graph
         except Exception as exc:  # torch raises RuntimeError, ValueError, OverflowError...
             if bounds is not None:  # a step proven finite failed otherwise: state unknown, measure again
                 self._bounds = None
@@ -289,11 +289,10 @@ class ParameterStore:
     def _plain_sgd(self) -> bool:
         """True for torch.optim.SGD's single-tensor path (one group, not maximizing)."""
         groups = self.optimizer.param_groups
-        return (
-            isinstance(self.optimizer, torch.optim.SGD)
-            and len(groups) == 1
-            and not any(groups[0].get(k) for k in ("maximize", "foreach", "fused", "differentiable"))
-        )
+        if len(groups) != 1 or not isinstance(self.optimizer, torch.optim.SGD):
+            return False
+        g = groups[0]
+        return not (g.get("maximize") or g.get("foreach") or g.get("fused") or g.get("differentiable"))
 
     def _sgd_stays_finite(
         self, grads: Sequence[torch.Tensor], lr_scale: float, known: float = math.inf
@@ -315,7 +314,9 @@ class ParameterStore:
             (P', B') for the step's result, or None: a non-finite gradient, or bounds too close
             to the dtype's range (the step is then copied and checked).
         """
-        limit = min(torch.finfo(t.dtype).max for t in self.trained) / 4
+        limit = self._limit
+        if limit is None:
+            limit = self._limit = min(torch.finfo(t.dtype).max for t in self.trained) / 4
         g_max = known if math.isfinite(known) else _max_abs(grads)
         if self._bounds is None:
             self._bounds = (_max_abs(self.trained), _max_abs(self._state_tensors()))
@@ -325,7 +326,10 @@ class ParameterStore:
         grad = g_max + wd * p_max
         buf = 0.0
         if momentum != 0:
-            started = all("momentum_buffer" in self.optimizer.state.get(t, {}) for t in self.trained)
+            state = self.optimizer.state
+            started = True
+            for t in self.trained:
+                started = started and "momentum_buffer" in state.get(t, ())
             buf = momentum * b_max + abs(1 - group["dampening"]) * grad if started else grad
             update = grad + momentum * buf if group["nesterov"] else buf
         else:
@@ -333,7 +337,7 @@ class ParameterStore:
         new_p = p_max + lr * update
         scalars = (lr, wd, momentum, abs(1 - group["dampening"]))  # torch converts them to the dtype
         values = (*scalars, g_max, grad, momentum * b_max, buf, update, lr * update, new_p)
-        bounded = all(0 <= v < limit for v in values)
+        bounded = math.isfinite(sum(values)) and min(values) >= 0 and max(values) < limit  # no inf, no NaN
         return (new_p, buf) if bounded else None
 
     def _state_tensors(self) -> Iterable[torch.Tensor]:
