@@ -88,8 +88,9 @@ class RedoLog:
         """Shard ``k`` reported its newest checkpoint (``version``; None: it loses no answered
         round): forget the rounds every shard has on disk."""
         with self._lock:
-            self.keep_from[k] = version
-            self._prune()
+            if self.keep_from[k] != version:  # unchanged: nothing more to forget (record prunes what it adds)
+                self.keep_from[k] = version
+                self._prune()
 
     def learn(self, k: int, answer: ps_pb2.JoinResponse | ps_pb2.HeartbeatResponse | ps_pb2.PushResponse) -> None:
         """:meth:`checkpointed` as shard ``k``'s Join, Heartbeat or push answer says."""

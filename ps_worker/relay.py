@@ -59,7 +59,7 @@ class EpochRelay:
                     resized = record
                 self.membership = record
             self.shard_epochs[k] = max(epoch, record.epoch if record is not None else 0)
-            behind = any(e < self.membership.epoch for e in self.shard_epochs)
+            behind = min(self.shard_epochs) < self.membership.epoch
         if resized is not None:
             self._resized(resized)
         if behind:
