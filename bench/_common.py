@@ -74,9 +74,10 @@ class Child:
         argv: the command (``sys.executable`` first).
         env: its environment.
         log_dir: where its stderr goes (``NAME.log``).
+        cwd: its working directory (the repository; another checkout's for ``run.py --before``).
     """
 
-    def __init__(self, name: str, argv: Sequence[str], env: Mapping[str, str], log_dir: Path) -> None:
+    def __init__(self, name: str, argv: Sequence[str], env: Mapping[str, str], log_dir: Path, cwd: Path = ROOT) -> None:
         self.name = name
         self.log_path = log_dir / f"{name}.log"
         self._log: IO[str] = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
@@ -87,7 +88,7 @@ class Child:
             stderr=self._log,
             text=True,
             env=dict(env),
-            cwd=ROOT,
+            cwd=cwd,
             preexec_fn=_die_with_parent,
             start_new_session=True,
         )

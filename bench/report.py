@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from _common import GLIBC_TUNABLES, describe
-from systems import Size
+from systems import BEFORE, Size
 
 
 @dataclass
@@ -29,6 +29,8 @@ class Series:
     rounds: list[list[float]] = field(default_factory=list)
     cpu: list[float] = field(default_factory=list)
     """CPU seconds per step of all the system's processes, one value per round."""
+    cpu_sides: dict[str, list[float]] = field(default_factory=dict)
+    """The same, of each side apart (grpc-ps: ``workers``, ``shards``)."""
 
     @property
     def samples(self) -> list[float]:
@@ -206,6 +208,10 @@ def ratios(results: Sequence[Series]) -> list[Ratio]:
                 lambda v: v >= 1.5,
             )
         )
+    for r in results:  # another checkout's twin, against this one's: the speed-up of the change
+        twin = find(results, r.size.label, r.system + BEFORE, r.series) if r.rank == 0 else None
+        if twin is not None:
+            out.append(ratio(f"{r.system}: before / now (speed-up), {r.size.label}", twin, r, "(info)", lambda v: True))
     return [r for r in out if r is not None]
 
 
@@ -214,7 +220,7 @@ def table(
 ) -> str:
     """The printed report: one row per (size, system, series), then the targets."""
     lines = []
-    head = f"{'size':<6} {'system':<26} {'series':<13} {'median ms':>10} {'min–max ms':>19} {'GB/s':>6} {'CPU ms':>7}"
+    head = f"{'size':<6} {'system':<32} {'series':<13} {'median ms':>10} {'min–max ms':>19} {'GB/s':>6} {'CPU ms':>7}"
     head += f" {'n':>4}"
     lines += [head, "-" * len(head)]
     for r in results:
@@ -224,13 +230,20 @@ def table(
         gbs = r.size.nbytes / d["median"] / 1e9
         span = f"{d['min'] * 1000:.3f}–{d['max'] * 1000:.2f}"
         median, n, cpu = d["median"] * 1000, d["n"], statistics.median(r.cpu) * 1000
-        row = f"{r.size.label:<6} {r.system:<26} {r.series:<13} {median:>10.3f} {span:>19} {gbs:>6.2f} {cpu:>7.1f}"
+        row = f"{r.size.label:<6} {r.system:<32} {r.series:<13} {median:>10.3f} {span:>19} {gbs:>6.2f} {cpu:>7.1f}"
         lines.append(f"{row} {n:>4}")
     lines.append("")
     lines.append("GB/s = payload bytes / median step (a step moves the payload up and down: push+pull, round trip).")
     lines.append("CPU ms = CPU time (user + system, all threads) of all the system's processes per step, median of")
     lines.append("the rounds; it does not depend on how much of the machine other processes take.")
     lines.append("")
+    split = [r for r in results if r.rank == 0 and r.cpu_sides]
+    if split:
+        lines.append(f"{'size':<6} {'system':<32} {'CPU ms: workers':>16} {'shards':>8}  (per step, all of each side)")
+        for r in split:
+            w, s = (statistics.median(r.cpu_sides[k]) * 1000 for k in ("workers", "shards"))
+            lines.append(f"{r.size.label:<6} {r.system:<32} {w:>16.2f} {s:>8.2f}")
+        lines.append("")
     lines.append(f"{'target':<62} {'value':>7} {'per-round':>13} {'goal':>9}  met")
     for q in found:
         lo, hi = q.paired
@@ -276,6 +289,7 @@ def to_json(results: Sequence[Series], found: Sequence[Ratio], args: argparse.Na
                 **describe(r.samples),
                 "rounds": r.rounds,
                 "cpu_seconds_per_step": r.cpu,
+                "cpu_seconds_per_step_by_side": r.cpu_sides,
             }
             for r in results
         ],

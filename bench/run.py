@@ -43,13 +43,15 @@ def measure(args: argparse.Namespace, log_dir: Path) -> tuple[list[Series], dict
     env = child_env(args.threads)
     sizes = [QUICK_SIZE] if args.quick else [SIZES[s] for s in args.sizes.split(",")]
     plans = {
-        size.label: systems_for(size, args.quick, args.partitions, args.systems, args.grid, args.wire_dtypes)
+        size.label: systems_for(
+            size, args.quick, args.partitions, args.systems, args.grid, args.wire_dtypes, args.before is not None
+        )
         for size in sizes
     }
     systems: dict[str, System] = {}
     for plan in plans.values():
         for spec in plan:
-            systems.setdefault(spec[0], build(*spec))
+            systems.setdefault(spec[0], build(*spec, before=args.before))
     results: dict[tuple[str, str, str, int], Series] = {}
     timings: dict[str, float] = {}
     started = time.perf_counter()
@@ -90,7 +92,10 @@ def measure(args: argparse.Namespace, log_dir: Path) -> tuple[list[Series], dict
                             key = (size.label, s.key, name, rank)
                             series = results.setdefault(key, Series(size, s.key, s.family, name, rank))
                             series.rounds.append(values)
-                            series.cpu.append(cpu)
+                            series.cpu.append(cpu["all"])
+                            for side, seconds in cpu.items():
+                                if side != "all":
+                                    series.cpu_sides.setdefault(side, []).append(seconds)
                 print(f"bench: {size.label} round {rnd + 1}/{args.rounds} done", flush=True)
             for s in active:
                 s.finish(size)
@@ -126,6 +131,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="grpc-ps wire dtypes, comma-separated (float32, bfloat16, float16); each is its own system",
     )
     p.add_argument("--log-dir", default="", help="children's logs (default: a temporary directory)")
+    p.add_argument(
+        "--before",
+        default="",
+        help="another checkout of grpc-ps (e.g. `git worktree add /tmp/before <commit>`): each grpc-ps "
+        "configuration also runs its code, as 'KEY before', in the same rounds",
+    )
     args = p.parse_args(argv)
     args.rounds = args.rounds or (3 if args.quick else 5)
     args.partitions = [int(x) for x in args.partitions.split(",")]
@@ -141,6 +152,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error(f"--systems takes some of {', '.join(FAMILIES)}, got {args.systems}.")
     if not 1 <= args.rounds <= 100:
         p.error(f"--rounds must be in 1..100, got {args.rounds}.")
+    args.before = Path(args.before).resolve() if args.before else None
+    if args.before is not None and not (args.before / "bench" / "grpc_ps.py").is_file():
+        p.error(f"--before must be a checkout of grpc-ps (with bench/grpc_ps.py), got {str(args.before)!r}.")
     bad = [s for s in args.sizes.split(",") if s not in SIZES]
     if bad:
         p.error(f"Unknown size {bad[0]!r}; expected some of {', '.join(SIZES)}.")

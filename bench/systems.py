@@ -5,13 +5,14 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from _common import BENCH, Child, ask_all, cpu_seconds, free_port, shard_argv, stop_all
+from _common import ROOT, Child, ask_all, cpu_seconds, free_port, shard_argv, stop_all
 
 PY = sys.executable
 STARTUP_TIMEOUT = 300.0
@@ -59,8 +60,11 @@ class System:
     def children(self) -> list[Child]:
         return [*self.passive, *self.drivers]
 
-    def spawn(self, name: str, script: str, *args: str, env: dict[str, str], log_dir: Path, driver: bool) -> Child:
-        child = Child(name, [PY, str(BENCH / script), *args], env, log_dir)
+    def spawn(
+        self, name: str, script: str, *args: str, env: dict[str, str], log_dir: Path, driver: bool, root: Path = ROOT
+    ) -> Child:
+        """Start ``root``'s ``bench/SCRIPT`` (``root``: this repository, or the checkout of ``--before``)."""
+        child = Child(name, [PY, str(root / "bench" / script), *args], env, log_dir, cwd=root)
         (self.drivers if driver else self.passive).append(child)
         return child
 
@@ -78,16 +82,21 @@ class System:
     def setup(self, size: Size) -> None:
         ask_all(self.children, "setup", SETUP_TIMEOUT, bytes=size.nbytes)
 
-    def run(self, size: Size) -> tuple[list[dict[str, list[float]]], float]:
-        """One round: each driver's ``{series: [seconds, ...]}``, and the CPU seconds all of this
-        system's processes spent per step (warm-up included; user + system, all threads)."""
+    def sides(self) -> dict[str, list[Child]]:
+        """The processes whose CPU time is also given apart (none; grpc-ps: its workers and its shards)."""
+        return {}
+
+    def run(self, size: Size) -> tuple[list[dict[str, list[float]]], dict[str, float]]:
+        """One round: each driver's ``{series: [seconds, ...]}``, and the CPU seconds per step (warm-up
+        included; user + system, all threads) of all this system's processes (``"all"``) and of
+        each of its :meth:`sides`."""
         timeout = (size.warmup + size.iters) * STEP_TIMEOUT + 30
-        pids = [c.proc.pid for c in self.children]
-        before = sum(cpu_seconds(p) for p in pids)
+        groups = {"all": self.children, **self.sides()}
+        before = {g: sum(cpu_seconds(c.proc.pid) for c in cs) for g, cs in groups.items()}
         answers = ask_all(self.drivers, "run", timeout, iters=size.iters, warmup=size.warmup)
-        cpu = sum(cpu_seconds(p) for p in pids) - before
+        after = {g: sum(cpu_seconds(c.proc.pid) for c in cs) for g, cs in groups.items()}
         steps = (size.warmup + size.iters) * len(answers[0]["samples"])
-        return [r["samples"] for r in answers], cpu / steps
+        return [r["samples"] for r in answers], {g: (after[g] - before[g]) / steps for g in groups}
 
     def finish(self, size: Size) -> None:
         """Release what ``setup`` built (between sizes)."""
@@ -207,8 +216,11 @@ class GrpcPS(System):
         wire_dtype: str = "float32",
         plain: bool = False,
         data_path: str = "tcp",
+        tree: Path | None = None,
     ) -> None:
         super().__init__(key)
+        self.tree = tree or ROOT
+        """The source its processes run: this repository, or another checkout (``run.py --before``)."""
         self.workers, self.shards, self.partition_bytes = workers, shards, partition_bytes
         self.wire_dtype = wire_dtype
         self.data_path = data_path
@@ -225,11 +237,13 @@ class GrpcPS(System):
     def start(self, env: dict[str, str], log_dir: Path) -> None:
         if self.plain:
             env = {k: v for k, v in env.items() if k != "GLIBC_TUNABLES"}
+        if self.tree != ROOT:  # the other checkout's packages, before this one's (installed or not)
+            env = {**env, "PYTHONPATH": os.pathsep.join((str(self.tree), env.get("PYTHONPATH", "")))}
         self.env, self.log_dir = env, log_dir
         tag = self.key.replace(" ", "").replace("×", "x")
         for r in range(self.workers):
             args = ("--rank", str(r), "--workers", str(self.workers), *(("--plain",) if self.plain else ()))
-            self.spawn(f"{tag}-worker{r}", "grpc_ps.py", *args, env=env, log_dir=log_dir, driver=True)
+            self.spawn(f"{tag}-worker{r}", "grpc_ps.py", *args, env=env, log_dir=log_dir, driver=True, root=self.tree)
 
     def wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -242,7 +256,7 @@ class GrpcPS(System):
             argv = shard_argv(k, self.shards, self.workers)
             if self.plain:  # the console script, as a user types it
                 argv = [str(Path(PY).with_name("ps-server")), *argv[3:]]
-            self.shard_procs.append(Child(f"{tag}-{size.label}-shard{k}", argv, self.env, self.log_dir))
+            self.shard_procs.append(Child(f"{tag}-{size.label}-shard{k}", argv, self.env, self.log_dir, cwd=self.tree))
 
     def setup(self, size: Size) -> None:
         deadline = time.monotonic() + STARTUP_TIMEOUT
@@ -266,6 +280,9 @@ class GrpcPS(System):
         stop_all(self.shard_procs, grace=0.0)
         self.shard_procs = []
 
+    def sides(self) -> dict[str, list[Child]]:
+        return {"workers": self.drivers, "shards": self.shard_procs}
+
     def processes_to_prepare(self) -> int:
         return self.shards
 
@@ -287,20 +304,19 @@ def systems_for(
     families: Sequence[str] = FAMILIES,
     grid: Sequence[tuple[int, int]] = GRID,
     wire_dtypes: Sequence[str] = ("float32",),
+    before: bool = False,
 ) -> list[tuple[str, str, int, int, int, str]]:
     """(key, family, workers, shards, partition_bytes, wire dtype) measured at ``size``, of
-    ``families`` only."""
+    ``families`` only; ``before``: each grpc-ps configuration (but the plain start) twice, the
+    second as ``KEY before`` (:data:`BEFORE`), to run another checkout's code."""
     out: list[tuple[str, str, int, int, int, str]] = [
         ("memcpy", "memcpy", 1, 0, 0, "float32"),
         ("loopback TCP", "tcp", 1, 0, 0, "float32"),
     ]
     out.append(("grpc echo", "echo", 1, 0, partitions[-1], "float32"))
     out += [("gloo all_reduce 2 ranks", "gloo", 2, 0, 0, "float32"), ("rpc PS 1w", "rpc", 1, 1, 0, "float32")]
-    if size.model == "digits":
-        grid = [(1, 1)]
-    else:
-        out.append(("rpc PS 2w", "rpc", 2, 1, 0, "float32"))
-        grid = [(1, 1), (2, 2)] if quick else grid
+    out.append(("rpc PS 2w", "rpc", 2, 1, 0, "float32"))
+    grid = [(1, 1), (2, 2)] if quick else grid
     for wire in wire_dtypes:
         for w, s in grid:
             for pb in partitions:
@@ -311,10 +327,26 @@ def systems_for(
     if (1, 1) in grid and size.model == "flat":
         out.append(("grpc-ps 1w×1s plain", "grpc-ps", 1, 1, partitions[-1], "plain"))
         out.append(("native PS prototype 1w", "native", 1, 1, partitions[-1], "float32"))
+    if before:
+        out += [(key + BEFORE, *rest) for key, *rest in out if rest[0] == "grpc-ps" and rest[-1] != "plain"]
     return [spec for spec in out if spec[1] in families]
 
 
-def build(key: str, family: str, workers: int, shards: int, partition_bytes: int, wire_dtype: str) -> System:
+BEFORE = " before"
+"""The suffix of a configuration's twin that runs the checkout of ``run.py --before``."""
+
+
+def build(
+    key: str,
+    family: str,
+    workers: int,
+    shards: int,
+    partition_bytes: int,
+    wire_dtype: str,
+    before: Path | None = None,
+) -> System:
+    """The system of one :func:`systems_for` entry; ``before``: the checkout its ``BEFORE`` twins run."""
+    tree = before if key.endswith(BEFORE) else None
     if family == "memcpy":
         return Memcpy(key)
     if family == "tcp":
@@ -330,5 +362,5 @@ def build(key: str, family: str, workers: int, shards: int, partition_bytes: int
     if wire_dtype == "plain":
         return GrpcPS(key, workers, shards, partition_bytes, "float32", plain=True)
     if wire_dtype == "grpc-only":
-        return GrpcPS(key, workers, shards, partition_bytes, "float32", data_path="grpc")
-    return GrpcPS(key, workers, shards, partition_bytes, wire_dtype)
+        return GrpcPS(key, workers, shards, partition_bytes, "float32", data_path="grpc", tree=tree)
+    return GrpcPS(key, workers, shards, partition_bytes, wire_dtype, tree=tree)

@@ -18,9 +18,15 @@ FAMILIES = {"memcpy", "tcp", "echo", "gloo", "rpc", "grpc-ps", "native"}
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_quick_bench_measures_every_system(tmp_path) -> None:
+    """Also ``--before``: each grpc-ps configuration runs a second checkout's code (a clone of this
+    commit here) in the same rounds, with the speed-up and each side's CPU time (float32 on the
+    wire only: the twins take the time bf16's configurations took)."""
     out_json = tmp_path / "bench.json"
+    before = tmp_path / "before"
+    subprocess.run(["git", "clone", "-q", str(ROOT), str(before)], check=True, timeout=120)
     out = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "run.py"), "--quick", "--json", str(out_json)],
+        [sys.executable, str(ROOT / "bench" / "run.py"), "--quick", "--json", str(out_json), "--before", str(before)]
+        + ["--wire-dtypes", "float32"],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -38,10 +44,21 @@ def test_quick_bench_measures_every_system(tmp_path) -> None:
         assert math.isfinite(r["median"]) and r["median"] > 0, r["system"]
     systems = {r["system"] for r in results}
     assert {"grpc-ps 1w×1s", "grpc-ps 2w×2s", "rpc PS 1w", "rpc PS 2w", "grpc echo", "grpc-ps 1w×1s plain"} <= systems
-    assert {q["name"][:3] for q in report["ratios"]} == {"(1)", "(2)", "(4)"}
+    assert {q["name"][:3] for q in report["ratios"] if "before / now" not in q["name"]} == {"(1)", "(2)", "(4)"}
     plain = next(q for q in report["ratios"] if "started plainly" in q["name"])
     assert math.isfinite(plain["value"]) and plain["value"] > 0
     assert "GLIBC_TUNABLES=" in out.stdout
+    assert {"grpc-ps 1w×1s before", "grpc-ps 2w×2s before"} <= systems and "grpc-ps 1w×1s plain before" not in systems
+    speedups = [q for q in report["ratios"] if "before / now" in q["name"]]
+    assert any(q["name"].startswith("grpc-ps 2w×2s: before / now") for q in speedups), speedups
+    assert all(math.isfinite(q["value"]) and q["value"] > 0 for q in speedups)
+    for r in results:
+        sides = r["cpu_seconds_per_step_by_side"]
+        if r["family"] == "grpc-ps":  # each side ran Python every step: no side's CPU time is zero
+            assert set(sides) == {"workers", "shards"} and all(v > 0 for vs in sides.values() for v in vs), r
+        else:
+            assert sides == {}, r
+    assert "CPU ms: workers" in out.stdout
 
 
 def _step_calls(data_path: str) -> tuple[float, float]:
