@@ -1,7 +1,8 @@
 """The partition plan: a deterministic map partition -> shard (docs/architecture.md#6-partition-plan).
 
 Every parameter is flattened and cut into partitions of at most :func:`piece_bytes` (the smaller of
-``partition_bytes`` and 1/:data:`BALANCE_PIECES` of a shard's fair share); walking parameters in
+``partition_bytes`` and 1/:data:`BALANCE_PIECES` of a shard's fair share, but not below
+:data:`MIN_PIECE_BYTES`); walking parameters in
 declaration order, each partition goes to the shard holding the fewest bytes so far (ties to the
 lowest shard index). Greedy least-load placement ends with the fullest shard at most one piece above
 the mean (Graham, "Bounds on multiprocessing timing anomalies", SIAM J. Appl. Math. 1969), so the
@@ -28,14 +29,23 @@ DEFAULT_PARTITION_BYTES = 4 * 1024 * 1024
 
 MAX_PARTITION_BYTES = 64 * 1024 * 1024
 
-CUT_VERSION = 2
+CUT_VERSION = 3
 """Version of the rule that cuts parameters into partitions; the plan digest covers it (from version
 2 on). 1: pieces of ``partition_bytes``. 2: pieces of :func:`piece_bytes`, balanced across shards.
-Checkpoints and shards of version 1 are followed by :func:`plan_for_digest`."""
+3: as 2, no piece below :data:`MIN_PIECE_BYTES`. Checkpoints and shards of versions 1 and 2 are
+followed by :func:`plan_for_digest`."""
 
 BALANCE_PIECES = 16
 """Cut version 2 cuts a parameter into pieces of at most 1/16 of a shard's fair share of the model's
 bytes, so the fullest shard holds at most about 1/16 above the mean."""
+
+MIN_PIECE_BYTES = 64 * 1024
+"""Cut version 3 cuts no piece smaller than this (64 KiB; ``partition_bytes`` when that is smaller):
+each partition costs its own work on both sides every step (its fields, its checks, its share of the
+optimizer step: tens of microseconds of Python), which a 64 KiB piece's bytes outweigh and a 1 KiB
+piece's do not. A model smaller than ``BALANCE_PIECES * num_shards * MIN_PIECE_BYTES`` is then
+balanced to within one piece, not 1/16 (bench/README.md "The cost of a step": the digits MLP on two
+shards was cut into 35 pieces of 1.2 KB)."""
 
 
 @dataclass(frozen=True)
@@ -161,11 +171,13 @@ def plan_digest(
 def piece_bytes(specs: Sequence[ParameterSpec], num_shards: int, partition_bytes: int, cut: int = CUT_VERSION) -> int:
     """Largest payload of one partition, in bytes: ``partition_bytes`` (cut 1), or the smaller of it and
     ``ceil(total bytes / (BALANCE_PIECES * num_shards))`` (cut 2, more than one shard; at least 1:
-    one element). Raises InvalidRequestError for an unsupported dtype."""
+    one element), that one at least :data:`MIN_PIECE_BYTES` (cut 3). Raises InvalidRequestError for
+    an unsupported dtype."""
     if cut < 2 or num_shards <= 1:
         return partition_bytes
     total = sum(s.numel * itemsize(s.dtype) for s in specs)
-    return max(1, min(partition_bytes, -(-total // (BALANCE_PIECES * max(1, num_shards)))))
+    balanced = -(-total // (BALANCE_PIECES * max(1, num_shards)))
+    return max(1, min(partition_bytes, max(balanced, MIN_PIECE_BYTES) if cut >= 3 else balanced))
 
 
 def make_plan(
@@ -197,8 +209,8 @@ def make_plan(
         raise InvalidRequestError(f"partition_bytes must be in [1, {MAX_PARTITION_BYTES}], got {partition_bytes}.")
     if not specs:
         raise InvalidRequestError("The model has no parameters; nothing to serve.")
-    if cut not in (1, CUT_VERSION):
-        raise InvalidRequestError(f"Unknown plan cut version {cut}; this release knows 1 and {CUT_VERSION}.")
+    if not 1 <= cut <= CUT_VERSION:
+        raise InvalidRequestError(f"Unknown plan cut version {cut}; this release knows 1 to {CUT_VERSION}.")
     seen: set[str] = set()
     for spec in specs:
         if not spec.key:
@@ -233,10 +245,10 @@ def make_plan(
 
 
 def plan_for_digest(specs: Sequence[ParameterSpec], num_shards: int, partition_bytes: int, digest: str) -> Plan:
-    """The plan of these inputs whose digest is ``digest``: this release's cut, or cut 1 (plans of
-    earlier releases, with or without the packing version in their digest), so that a shard or a
-    checkpoint of an earlier release is followed instead of refused. When both cuts give the same
-    partitions (one shard, or small parameters) the plan of this release is returned, with its digest.
+    """The plan of these inputs whose digest is ``digest``: this release's cut, or cut 2 or 1 (plans
+    of earlier releases; cut 1's with or without the packing version in its digest), so that a shard
+    or a checkpoint of an earlier release is followed instead of refused. When an earlier cut gives
+    the same partitions (one shard, or large pieces) the plan of this release is returned, with its digest.
 
     Raises:
         InvalidRequestError: no known rule gives ``digest`` (another release's plan algorithm), or
@@ -245,11 +257,13 @@ def plan_for_digest(specs: Sequence[ParameterSpec], num_shards: int, partition_b
     plan = make_plan(specs, num_shards, partition_bytes)
     if digest == plan.digest:
         return plan
-    if digest in (
-        plan_digest(specs, num_shards, partition_bytes, cut=1),
-        plan_digest(specs, num_shards, partition_bytes, packing=0, cut=1),
-    ):
-        earlier = make_plan(specs, num_shards, partition_bytes, cut=1)
+    earlier_cuts = {
+        plan_digest(specs, num_shards, partition_bytes, cut=2): 2,
+        plan_digest(specs, num_shards, partition_bytes, cut=1): 1,
+        plan_digest(specs, num_shards, partition_bytes, packing=0, cut=1): 1,
+    }
+    if digest in earlier_cuts:
+        earlier = make_plan(specs, num_shards, partition_bytes, cut=earlier_cuts[digest])
         return plan if earlier.partitions == plan.partitions else earlier  # the same layout: today's digest
     raise InvalidRequestError(
         f"Plan digest {quote(digest[:12], 12)} does not match its specs under any plan rule this release "

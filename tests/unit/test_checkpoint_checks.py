@@ -78,11 +78,11 @@ def other_groups(states: list[dict]) -> None:
     [
         (
             cut_short,
-            r"Shard 1's checkpoint: parameter 'fc.weight' elements \[\d+, \d+\) holds a tensor of shape \[15\]",
+            r"Shard 1's checkpoint: parameter 'fc.weight' elements \[\d+, \d+\) holds a tensor of shape \[63\]",
         ),
         (nan_value, r"Shard 1's checkpoint: parameter 'fc.weight' elements \[\d+, \d+\) holds NaN"),
         (other_dtype, r"Shard 0's checkpoint: parameter 'fc.weight' .* is torch.float64, but the parameter is"),
-        (short_moment, r"Shard 0's checkpoint: the optimizer state 'exp_avg' of parameter 'fc.weight' .* 14 values"),
+        (short_moment, r"Shard 0's checkpoint: the optimizer state 'exp_avg' of parameter 'fc.weight' .* 62 values"),
         (inf_moment, r"Shard 1's checkpoint: the optimizer state 'exp_avg_sq' .* NaN or infinite"),
         (one_tensor_less, r"Shard 1's checkpoint holds \d+ parameter tensors, but the plan gives it \d+ partitions"),
         (no_mode, r"Shard 1's checkpoint's mode is nothing; a shard writes a str"),

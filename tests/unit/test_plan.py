@@ -16,7 +16,16 @@ from ps_common.frames import MESSAGE_OVERHEAD_BYTES, PACKING_VERSION, PARTITION_
 from ps_common.modes import ModeSettings
 from ps_common.optimizer import OptimizerSpec
 from ps_common.partition import WirePartition
-from ps_common.plan import DEFAULT_PARTITION_BYTES, ParameterSpec, make_plan, plan_digest, plan_for_digest
+from ps_common.plan import (
+    BALANCE_PIECES,
+    DEFAULT_PARTITION_BYTES,
+    MIN_PIECE_BYTES,
+    ParameterSpec,
+    make_plan,
+    piece_bytes,
+    plan_digest,
+    plan_for_digest,
+)
 from ps_common.text import quote, shown
 from ps_server.core.limits import Limits
 from ps_server.core.partitions import Admitted, Intake, match_partitions
@@ -79,10 +88,23 @@ def test_one_shard_keeps_whole_partitions() -> None:
         [(30000, 1024), (1024,), (1024, 10), (10,), (1000, 50)],  # about 123 MB
     ],
 )
-def test_bytes_per_shard_are_within_10_percent_of_each_other(shapes, shards) -> None:
-    plan = make_plan([ParameterSpec(f"p{i}", s, "float32") for i, s in enumerate(shapes)], shards)
-    loads = plan.shard_bytes()
-    assert max(loads) <= 1.1 * sum(loads) / shards, loads
+def test_bytes_per_shard_are_within_one_piece_and_large_models_within_10_percent(shapes, shards) -> None:
+    specs = [ParameterSpec(f"p{i}", s, "float32") for i, s in enumerate(shapes)]
+    plan = make_plan(specs, shards)
+    loads, piece = plan.shard_bytes(), piece_bytes(specs, shards, DEFAULT_PARTITION_BYTES)
+    assert max(loads) <= sum(loads) / shards + piece, loads  # Graham's bound: one piece above the mean
+    if sum(loads) >= BALANCE_PIECES * shards * MIN_PIECE_BYTES:  # pieces of 1/16 of a share
+        assert max(loads) <= 1.1 * sum(loads) / shards, loads
+
+
+def test_no_piece_is_cut_below_64_kib() -> None:
+    digits = [ParameterSpec("0.weight", (128, 64), "float32"), ParameterSpec("0.bias", (128,), "float32")]
+    digits += [ParameterSpec("2.weight", (10, 128), "float32"), ParameterSpec("2.bias", (10,), "float32")]
+    assert len(make_plan(digits, 2).partitions) == 4  # each parameter whole (35 pieces of 1.2 KB by cut 2)
+    assert len(make_plan(digits, 2, cut=2).partitions) == 35
+    big = [ParameterSpec("w", (1 << 18,), "float32")]  # 1 MiB on 2 shards: 64 KiB pieces, not 32 KiB
+    assert [p.length for p in make_plan(big, 2).partitions] == [MIN_PIECE_BYTES // 4] * 16
+    assert [p.length for p in make_plan(big, 2, 1024).partitions] == [256] * 1024  # partition_bytes still bounds
 
 
 def test_a_plan_of_the_earlier_cut_is_followed_by_its_digest() -> None:
@@ -95,6 +117,10 @@ def test_a_plan_of_the_earlier_cut_is_followed_by_its_digest() -> None:
     assert plan_for_digest(specs, 1, DEFAULT_PARTITION_BYTES, one.digest) == make_plan(specs, 1)
     legacy = plan_digest(specs, 2, DEFAULT_PARTITION_BYTES, packing=0, cut=1)
     assert plan_for_digest(specs, 2, DEFAULT_PARTITION_BYTES, legacy).partitions == old.partitions
+    small = [ParameterSpec("w", (64, 64), "float32")]  # 16 KiB: cut 2 cut it into 1 KiB pieces
+    second = make_plan(small, 2, cut=2)
+    assert second.partitions != make_plan(small, 2).partitions
+    assert plan_for_digest(small, 2, DEFAULT_PARTITION_BYTES, second.digest) == second
     assert plan_for_digest(specs, 2, DEFAULT_PARTITION_BYTES, make_plan(specs, 2).digest) == make_plan(specs, 2)
     with pytest.raises(InvalidRequestError, match="any plan rule"):
         plan_for_digest(specs, 2, DEFAULT_PARTITION_BYTES, "0" * 64)
