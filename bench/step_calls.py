@@ -1,12 +1,13 @@
 """Count the Python function calls of a sync step, worker and shard: a figure load does not bend.
 
-    python bench/step_calls.py --mb 0.04 --steps 2000
+    python bench/step_calls.py --mb 0.04 --steps 2000 [--modules]
 
 Runs ``--shards`` real shard servers (``ps_server.server.start_server``: gRPC, data connections,
 the shard's own threads) in this process, and one worker (``PSClient``) in its main thread; a
 profile hook (``threading.setprofile``) counts, per thread, every Python function call ("call"
 events) and every call of a built-in ("c_call" events) while ``--steps`` steps of a flat float32
-model of ``--mb`` MB run after a warm-up. A shard's threads are those started while the shards
+model of ``--mb`` MB run after a warm-up (``--modules``: also which of the library's modules ran
+Python on each side). A shard's threads are those started while the shards
 start (gRPC's own) or named ``shard*`` (``ps_server.threads.OwnedThreads``: pools started lazily,
 data connections); the others are the worker's. Prints the counts per step.
 
@@ -34,6 +35,10 @@ from ps_server.config import ServerConfig  # noqa: E402
 from ps_server.server import start_server  # noqa: E402
 from ps_worker import PSClient  # noqa: E402
 
+ROOT = str(Path(__file__).resolve().parents[1]) + "/"
+PACKAGES = tuple(ROOT + p + "/" for p in ("ps_common", "ps_server", "ps_worker"))
+"""Where the library's modules live (``--modules`` counts those a step runs)."""
+
 SHARD_THREADS = ("shard", "lease-reaper")
 """Prefixes of the names of a shard server's own threads (``ps_server.threads.OwnedThreads``)."""
 
@@ -49,6 +54,8 @@ class CallCounter:
         """By thread object: a thread's ident is reused once it ends."""
         self.calls: Counter[str] = Counter()
         self.c_calls: Counter[str] = Counter()
+        self.modules: dict[str, set[str]] = {"worker": set(), "shards": set()}
+        """Per side, the files of this repository's packages whose Python ran (``--modules``)."""
 
     def __call__(self, frame: object, event: str, arg: object) -> None:
         thread = threading.current_thread()
@@ -60,6 +67,9 @@ class CallCounter:
             return
         if event == "call":
             self.calls[side] += 1
+            name = frame.f_code.co_filename  # type: ignore[attr-defined]
+            if name.startswith(PACKAGES):
+                self.modules[side].add(name[len(ROOT) :])
         elif event == "c_call":
             self.c_calls[side] += 1
 
@@ -71,6 +81,7 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=200, help="steps run before counting")
     p.add_argument("--shards", type=int, default=1)
     p.add_argument("--data-path", choices=("tcp", "grpc"), default="tcp", help="PSClient data_path")
+    p.add_argument("--modules", action="store_true", help="also list the library's modules each side's step runs")
     args = p.parse_args()
     if args.steps < 1 or args.warmup < 0 or args.shards < 1 or args.mb <= 0:
         p.error("--steps and --shards must be >= 1, --warmup >= 0, --mb > 0")
@@ -117,6 +128,9 @@ def main() -> int:
     print(f"{args.mb:g} MB, {args.shards} shard(s), data path {args.data_path}, {args.steps} steps")
     print(f"Python function calls per step: worker {worker:.1f}, shards {shards:.1f}")
     print(f"built-in calls per step:        worker {worker_c:.1f}, shards {shards_c:.1f}")
+    if args.modules:
+        for side, names in counter.modules.items():
+            print(f"modules run per step by the {side}: {len(names)}: {' '.join(sorted(names))}")
     return 0
 
 

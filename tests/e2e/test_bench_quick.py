@@ -64,7 +64,7 @@ def test_quick_bench_measures_every_system(tmp_path) -> None:
 def _step_calls(data_path: str) -> tuple[float, float]:
     out = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "step_calls.py"), "--steps", "30", "--warmup", "10"]
-        + ["--data-path", data_path],
+        + ["--data-path", data_path, "--modules"],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -73,6 +73,10 @@ def _step_calls(data_path: str) -> tuple[float, float]:
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     (line,) = [x for x in out.stdout.splitlines() if x.startswith("Python function calls per step")]
     worker, shards = (float(x.split()[-1]) for x in line.split(":", 1)[1].split(","))
+    lines = [x.split(":") for x in out.stdout.splitlines() if x.startswith("modules run per step by the")]
+    modules = {side.split()[-1]: names.split() for side, _, names in lines}
+    assert "ps_worker/client.py" in modules["worker"] and "ps_server/shard/data_calls.py" in modules["shards"]
+    assert not any(m.startswith("ps_server/") for m in modules["worker"]), modules  # the sides apart
     return worker, shards
 
 
