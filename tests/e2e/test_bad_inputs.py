@@ -62,7 +62,7 @@ def test_a_crafted_checkpoint_is_one_line_for_the_shard_and_for_reshard(tmp_path
         text=True,
         timeout=120,
     )
-    one_line(reshard, 1, "Shard 1's checkpoint: parameter 'fc.weight' elements", "holds a tensor of shape [15]")
+    one_line(reshard, 1, "Shard 1's checkpoint: parameter 'fc.weight' elements", "holds a tensor of shape [63]")
     assert not (tmp_path / "out").exists()
     shard = subprocess.run(
         [*SERVER, "--shard-index", "1", "--num-shards", "2", "--checkpoint-dir", str(tmp_path)],
