@@ -224,8 +224,6 @@ class Transport:
         """Run ``fn(shard_index)`` for every shard in parallel: shard 0 in the calling thread (a
         hand-off to a pool thread is a third of a small step's time), the others in the pool; once
         all are done, re-raise the first error in shard order."""
-        if self.num_shards == 1:
-            return [fn(0)]
         pending = [tracing.run_in_context(self._pool, fn, k) for k in range(1, self.num_shards)]
         try:
             first = fn(0)
