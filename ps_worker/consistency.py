@@ -100,6 +100,11 @@ class WorkerMode:
         """The optimizer rank 0's Init sets on the shards, given the one ``client.init`` was given."""
         return given
 
+    def unlike_ddp(self, optimizer: OptimizerSpec, settings: ModeSettings) -> str | None:
+        """What this mode's step does that DDP's does not, with ``optimizer`` in force on the shards
+        (rank 0 logs it as a warning at start); None: nothing to say."""
+        return None
+
     def push_clock(self, session: Progress, k: int) -> int:
         """The ``clock`` a push to shard ``k`` is stamped with: the step count."""
         return session.clock
@@ -154,10 +159,32 @@ class WorkerMode:
         """After the last step: make ``model`` the model the job trained (nothing to do but in easgd)."""
 
 
+def unaveraged(mode: str, optimizer: OptimizerSpec, settings: ModeSettings) -> str | None:
+    """async and ssp: each rank's push is its own optimizer step, not 1/N of an averaged one as
+    under DDP, so N ranks move the parameters about N times as far per sample at the same lr, and
+    the gradients' staleness acts as extra momentum (Mitliagkas, Zhang, Hadjis, Re 2016,
+    "Asynchrony begets momentum"). None with one rank, or in async with ``--staleness-lr inverse``."""
+    n = settings.num_workers
+    if n < 2 or (mode == "async" and settings.staleness_lr == "inverse"):
+        return None
+    lr = optimizer.kwargs["lr"]
+    momentum = f" (momentum {optimizer.kwargs['momentum']:g})" if "momentum" in optimizer.kwargs else ""
+    return (
+        f"{mode}: each of the {n} ranks' pushes is its own optimizer step at lr {lr:g}{momentum}; DDP "
+        f"takes one step of their averaged gradient. At DDP's lr the parameters move {n}x as far per sample and stale "
+        "gradients add momentum (Mitliagkas et al. 2016), which can diverge: use DDP's lr divided by "
+        f"{n} (the linear scaling rule, Goyal et al. 2017)"
+        + (" or start the shards with --staleness-lr inverse" if mode == "async" else "")
+    )
+
+
 class Asynchronous(WorkerMode):
     """ASP: each push is one optimizer step on the shards at once; pulls never wait."""
 
     name = "async"
+
+    def unlike_ddp(self, optimizer: OptimizerSpec, settings: ModeSettings) -> str | None:
+        return unaveraged(self.name, optimizer, settings)
 
 
 class StaleSynchronous(WorkerMode):
@@ -165,6 +192,9 @@ class StaleSynchronous(WorkerMode):
     worker's clock is >= c - s (Ho et al. 2013)."""
 
     name = "ssp"
+
+    def unlike_ddp(self, optimizer: OptimizerSpec, settings: ModeSettings) -> str | None:
+        return unaveraged(self.name, optimizer, settings)
 
 
 class Synchronous(WorkerMode):

@@ -120,6 +120,9 @@ class ShardCalls:
             optimizer = optimizer_from_proto(replies[0].optimizer)
         self.params = dict(named)
         self.session.optimizer = optimizer
+        unlike_ddp = self.session.worker.unlike_ddp(optimizer, self.session.settings)
+        if unlike_ddp and self.session.rank == 0:
+            log.warning("%s", unlike_ddp)
 
         def write(k: int) -> None:  # rank 0: the model's values, with the spec in force
             assert self.session.optimizer is not None

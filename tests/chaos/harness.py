@@ -481,6 +481,8 @@ class ClusterSpec:
     """The workers' ``--data-path``: ``tcp`` (data connections) or ``grpc``."""
     mode: str = "sync"
     """The shards' ``--mode`` (the workers follow it)."""
+    lr: float | None = None
+    """The workers' ``--lr`` (None: the workload's default, 0.1)."""
 
 
 class Cluster:
@@ -586,7 +588,7 @@ class Cluster:
         argv += ["--num-workers", str(self.spec.num_workers), "--steps", str(self.spec.steps)]
         argv += ["--incarnation", str(inc), "--events", "--json", "--no-progress", "--metrics-port", "-1"]
         argv += ["--retry-deadline", str(self.spec.retry_deadline), "--timeout", str(self.spec.worker_timeout)]
-        argv += ["--data-path", self.spec.data_path]
+        argv += ["--data-path", self.spec.data_path] + (["--lr", f"{self.spec.lr:g}"] if self.spec.lr else [])
         argv += ["--slow-rank", str(r), "--slow-ms", str(self.spec.slow_ms or SLOW_MS), "--log-level", "INFO", "digits"]
         ns = self.net.worker_ns[r] if self.net.enabled else None
         p = self._spawn(f"worker-{r}", ns, argv, on_line)
