@@ -159,13 +159,14 @@ class WorkerMode:
         """After the last step: make ``model`` the model the job trained (nothing to do but in easgd)."""
 
 
-def unaveraged(mode: str, optimizer: OptimizerSpec, settings: ModeSettings) -> str | None:
+def unaveraged(mode: str, optimizer: OptimizerSpec, settings: ModeSettings, staleness_lr: bool) -> str | None:
     """async and ssp: each rank's push is its own optimizer step, not 1/N of an averaged one as
     under DDP, so N ranks move the parameters about N times as far per sample at the same lr, and
     the gradients' staleness acts as extra momentum (Mitliagkas, Zhang, Hadjis, Re 2016,
-    "Asynchrony begets momentum"). None with one rank, or in async with ``--staleness-lr inverse``."""
+    "Asynchrony begets momentum"). ``staleness_lr``: the mode follows ``--staleness-lr`` (async).
+    None with one rank, or with ``--staleness-lr inverse`` in force."""
     n = settings.num_workers
-    if n < 2 or (mode == "async" and settings.staleness_lr == "inverse"):
+    if n < 2 or (staleness_lr and settings.staleness_lr == "inverse"):
         return None
     lr = optimizer.kwargs["lr"]
     momentum = f" (momentum {optimizer.kwargs['momentum']:g})" if "momentum" in optimizer.kwargs else ""
@@ -174,7 +175,7 @@ def unaveraged(mode: str, optimizer: OptimizerSpec, settings: ModeSettings) -> s
         f"takes one step of their averaged gradient. At DDP's lr the parameters move {n}x as far per sample and stale "
         "gradients add momentum (Mitliagkas et al. 2016), which can diverge: use DDP's lr divided by "
         f"{n} (the linear scaling rule, Goyal et al. 2017)"
-        + (" or start the shards with --staleness-lr inverse" if mode == "async" else "")
+        + (" or start the shards with --staleness-lr inverse" if staleness_lr else "")
     )
 
 
@@ -184,7 +185,7 @@ class Asynchronous(WorkerMode):
     name = "async"
 
     def unlike_ddp(self, optimizer: OptimizerSpec, settings: ModeSettings) -> str | None:
-        return unaveraged(self.name, optimizer, settings)
+        return unaveraged(self.name, optimizer, settings, staleness_lr=True)
 
 
 class StaleSynchronous(WorkerMode):
@@ -194,7 +195,7 @@ class StaleSynchronous(WorkerMode):
     name = "ssp"
 
     def unlike_ddp(self, optimizer: OptimizerSpec, settings: ModeSettings) -> str | None:
-        return unaveraged(self.name, optimizer, settings)
+        return unaveraged(self.name, optimizer, settings, staleness_lr=False)
 
 
 class Synchronous(WorkerMode):
