@@ -76,22 +76,32 @@ def promql(text: str) -> str:
     return text
 
 
+QUERY_ATTEMPTS = 3
+"""Tries of one range query while Prometheus does not answer (busy: a timeout, or 503) before a panel is
+drawn empty; 10 s each, 0.5 s apart."""
+
+
 def query_range(base: str, query: str, start: float, end: float, step: float) -> list[dict[str, Any]]:
-    """The ``matrix`` result of a range query (Unix seconds); [] while Prometheus does not answer.
+    """The ``matrix`` result of a range query (Unix seconds); [] when Prometheus did not answer in
+    :data:`QUERY_ATTEMPTS` tries (the panel is drawn empty).
 
     Raises:
         RuntimeError: Prometheus refused the query (HTTP 400/422), with its reason.
     """
     args = {"query": query, "start": f"{start:.3f}", "end": f"{end:.3f}", "step": f"{step:g}"}
-    try:
-        with urllib.request.urlopen(f"{base}/api/v1/query_range?" + urllib.parse.urlencode(args), timeout=10) as r:
-            return json.load(r)["data"]["result"]
-    except urllib.error.HTTPError as exc:
-        if exc.code == 503:
-            return []
-        raise RuntimeError(f"{query}: HTTP {exc.code}: {exc.read().decode(errors='replace')[:300]}") from exc
-    except OSError:
-        return []
+    for attempt in range(QUERY_ATTEMPTS):
+        if attempt:
+            time.sleep(0.5)  # Prometheus was busy: let it catch up, a bounded number of times
+        try:
+            with urllib.request.urlopen(f"{base}/api/v1/query_range?" + urllib.parse.urlencode(args), timeout=10) as r:
+                return json.load(r)["data"]["result"]
+        except urllib.error.HTTPError as exc:
+            if exc.code != 503:
+                raise RuntimeError(f"{query}: HTTP {exc.code}: {exc.read().decode(errors='replace')[:300]}") from exc
+        except OSError:
+            pass
+    print(f"render_watch: no answer from Prometheus to {query!r} in {QUERY_ATTEMPTS} tries", file=sys.stderr)
+    return []
 
 
 def legend(fmt: str, metric: dict[str, str]) -> str:
