@@ -135,6 +135,11 @@ def render_dashboard(base: str, start: float, end: float, out: Path, d: dict[str
 
     rows = max(at(p["gridPos"]["y"]) + p["gridPos"]["h"] for p in panels)
     step = max(1.0, (end - start) / 300)
+    # Prometheus evaluates a range query at start, start + step, ... <= end: the grid is laid from
+    # ``end`` back, so its last point is ``end`` itself and the picture ends on what an instant
+    # query showed then (a grid laid from ``start`` can end up to a step earlier, before a rate's
+    # second sample: an empty panel for a job of a few seconds).
+    first = end - ((end - start) // step) * step
     fig = plt.figure(figsize=(18, rows * 0.2), facecolor="#111217")
     grid = fig.add_gridspec(rows, 24, hspace=2.5, wspace=1.2, left=0.04, right=0.99, top=0.985, bottom=0.01)
     drawn: dict[str, int] = {}
@@ -149,7 +154,7 @@ def render_dashboard(base: str, start: float, end: float, out: Path, d: dict[str
         ax = fig.add_subplot(grid[top : at(g["y"]) + g["h"], g["x"] : g["x"] + g["w"]], facecolor="#181b1f")
         count = 0
         for t in p.get("targets", []):
-            for series in query_range(base, promql(t["expr"]), start, end, step):
+            for series in query_range(base, promql(t["expr"]), first, end, step):
                 points = [(float(ts) - start, float(v)) for ts, v in series["values"] if math.isfinite(float(v))]
                 if not points:
                     continue
