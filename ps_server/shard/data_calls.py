@@ -1,11 +1,11 @@
 """A shard's Init, Push, Pull, PushPull and Exchange as calls: the phases in which each takes the shard's
 lock around :class:`~ps_server.shard.data.DataPath`, whose methods assume it held.
 
-Each call checks under the lock, matches the request's partitions to the plan without it (the
-work that needs no shared state: :func:`~ps_server.core.partitions.match_partitions`), then applies
-under it; an answer with ``durable_acks`` waits for its checkpoint under the lock
-(:meth:`DataPath.wait_durable`). The shard (``ps_server.shard.shard.Shard``) serves them as its own
-``init``, ``push``, ``pull``, ``push_pull`` and ``exchange``.
+Each call matches the request's partitions to the plan without the lock (the work that needs no
+shared state: :func:`~ps_server.core.partitions.match_partitions`), then checks and applies under
+it; a PushPull reads its answer in the same hold. An answer with ``durable_acks`` waits for its
+checkpoint under the lock (:meth:`DataPath.wait_durable`). The shard (``ps_server.shard.shard.Shard``)
+serves them as its own ``init``, ``push``, ``pull``, ``push_pull`` and ``exchange``.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from ps_common.optimizer import OptimizerSpec
 from ps_common.partition import WirePartition
 from ps_common.plan import ParameterSpec, Plan
 from ps_proto.v1 import ps_pb2
-from ps_server.core.partitions import match_partitions
+from ps_server.core.partitions import Bounded, match_partitions
 from ps_server.membership.epochs import Epochs
 from ps_server.membership.ranks import PushResult, PushStamp
 from ps_server.policy import POLICIES
@@ -128,19 +128,39 @@ class DataCalls:
         stream: RoundStream | None,
     ) -> tuple[PushResult, bool]:
         """Match ``partitions`` to ``plan`` (checked by the caller) without the lock, then
-        :meth:`DataPath.push` in one hold of it. A repeated push whose partitions no longer match
-        (a diloco fragment count changed since) is still answered as the first time."""
-        data, index = self._host.data, self._host.shard_index
-        try:
-            grads = match_partitions(plan, index, partitions, "gradient", expected=self.slots(plan, stamp))
-        except PSError:
-            with self._cond:
-                seen = data.repeated(self._host.membership.get(stamp.rank, stamp.incarnation), stamp)
-            if seen is None:
-                raise
-            return seen, False
+        :meth:`_admit` in one hold of it."""
+        matched = self._match(plan, stamp, partitions)
         with self._cond:
-            return data.push(stamp, grad_version, grads, hyper, skip, stream)
+            return self._admit(stamp, grad_version, matched, hyper, skip, stream)
+
+    def _match(self, plan: Plan, stamp: PushStamp, partitions: Sequence[WirePartition]) -> Bounded | PSError:
+        """The push's gradients matched to ``plan`` (no lock: :func:`match_partitions`), or why not."""
+        try:
+            return match_partitions(
+                plan, self._host.shard_index, partitions, "gradient", expected=self.slots(plan, stamp)
+            )
+        except PSError as exc:
+            return exc
+
+    def _admit(
+        self,
+        stamp: PushStamp,
+        grad_version: int,
+        matched: Bounded | PSError,
+        hyper: Hyperparameters,
+        skip: bool,
+        stream: RoundStream | None,
+    ) -> tuple[PushResult, bool]:
+        """:meth:`DataPath.push` of the matched gradients (lock held). Partitions that did not match
+        (``matched`` is the refusal) are still answered as the first time for a repeated push (a
+        diloco fragment count changed since); otherwise refused. Returns (result, wait until durable)."""
+        data = self._host.data
+        if isinstance(matched, PSError):
+            seen = data.repeated(self._host.membership.get(stamp.rank, stamp.incarnation), stamp)
+            if seen is None:
+                raise matched
+            return seen, False
+        return data.push(stamp, grad_version, matched, hyper, skip, stream)
 
     def slots(self, plan: Plan, stamp: PushStamp) -> tuple[int, ...] | None:
         """The partitions (indices into the shard's) a push of ``stamp`` carries: diloco with F > 1
@@ -186,15 +206,15 @@ class DataCalls:
         stream: RoundStream | None = None,
         request_epoch: int = 0,
     ) -> tuple[PushResult, int, Any, tuple[int, ps_pb2.MembershipEpoch | None]]:
-        """:meth:`push`, then :meth:`pull` of the version it lands in (sync: ``clock + 1``; the
-        others: no minimum): the plan checked once, the lock held once for the push and once for the
-        read, which also reads what the answer tells (the shard's membership epoch, and its record
-        when ``request_epoch``, the requester's, is older). ``check`` is called with the plan before
-        the push (PushPullOnce: the answer must fit in one message). Returns (push result, version,
-        ``encode(snapshot)``, (epoch, record or None)); sync: the result says whether the round was
-        skipped. With ``durable_acks`` an applied push waits until its version is durable before the
-        read (the read then carries the pushes applied meanwhile: async SGD with a checkpoint per
-        version converges on them), and the answer waits until the version read is durable.
+        """:meth:`push`, then :meth:`pull` of the version it lands in (sync: ``clock + 1``; the others: no minimum): the
+        plan checked once, the partitions matched without the lock, then the lock held once for the push and the
+        read, which also reads what the answer tells (the shard's membership epoch, and its record when
+        ``request_epoch``, the requester's, is older). ``check`` is called with the plan before the push
+        (PushPullOnce: the answer must fit in one message). Returns (push result, version, ``encode(snapshot)``,
+        (epoch, record or None)); sync: the result says whether the round was skipped. With ``durable_acks`` an
+        applied push waits until its version is durable before the read (the read then carries the pushes
+        applied meanwhile: async SGD with a checkpoint per version converges on them), and the answer waits
+        until the version read is durable.
 
         Raises:
             Everything :meth:`push`, :meth:`pull` and ``check`` raise; a refused push pulls nothing.
@@ -204,21 +224,23 @@ class DataCalls:
         plan = host.data.check_plan(digest, wire_dtype)
         if check is not None:
             check(plan)
-        with tracing.span("push", rank=stamp.rank, clock=stamp.clock, partitions=len(partitions)):
-            result, durable = self._push(stamp, grad_version, plan, partitions, hyper, skip, stream)
-        policy = POLICIES[result.mode]  # the mode that took the push
+        matched = self._match(plan, stamp, partitions)
         deadline = None if timeout is None else start + timeout
-        if durable:  # before the read, so that the answer carries what was applied during the wait
-            self.wait_durable(result.version, deadline)
-        remaining = None if timeout is None else max(0.0, timeout - (host.now() - start))
-        min_version = policy.read_after_push(stamp.clock)
-        with tracing.span("pull", rank=stamp.rank, min_version=min_version, mode=result.mode):  # waits, then encodes
-            with self._cond:
+        with self._cond:  # one hold: the push, then the read (a sync read waits in it, the lock released)
+            with tracing.span("push", rank=stamp.rank, clock=stamp.clock, partitions=len(partitions)):
+                result, durable = self._admit(stamp, grad_version, matched, hyper, skip, stream)
+            policy = POLICIES[result.mode]  # the mode that took the push
+            if durable and host.durable_acks:  # before the read: the answer carries what was applied meanwhile
+                host.data.wait_durable(result.version, deadline)
+            remaining = None if timeout is None else max(0.0, timeout - (host.now() - start))
+            min_version = policy.read_after_push(stamp.clock)
+            with tracing.span("pull", rank=stamp.rank, min_version=min_version, mode=result.mode):  # waits, encodes
                 version, out = host.data.read(stamp.rank, stamp.incarnation, min_version, deadline, remaining, encode)
-                if policy.holds_pushes and not result.dropped and stamp.clock in host.skipped_rounds:
-                    result = dataclasses.replace(result, skipped=True)
-                told = host.epochs.epoch, host.epochs.for_request(request_epoch)
-        self.wait_durable(version, deadline)  # the version read, newer than the push's
+            if policy.holds_pushes and not result.dropped and stamp.clock in host.skipped_rounds:
+                result = dataclasses.replace(result, skipped=True)
+            told = host.epochs.epoch, host.epochs.for_request(request_epoch)
+            if host.durable_acks:  # the version read, newer than the push's
+                host.data.wait_durable(version, deadline)
         return result, version, out, told
 
     def exchange(

@@ -163,7 +163,8 @@ class ShardMembers:
         members = self.membership.members
         if not session or not 0 <= rank < len(members):
             return False
-        return members[rank].session == session and members[rank].incarnation == incarnation
+        member = members[rank]
+        return member.session == session and member.incarnation == incarnation
 
     def is_live(self, rank: int, incarnation: int) -> bool:
         """Whether ``rank`` is joined and live here under ``incarnation`` (False for a rank out of

@@ -212,11 +212,19 @@ class Shard:
 
     def check_request(self, digest: str, rank: int, incarnation: int, session: int, what: str) -> Plan:
         """A push-type request's header (``what``): :meth:`DataPath.check_plan` of ``digest``, then
-        ``rank``'s session (:meth:`ShardMembers.check_session`). Returns the plan."""
-        with self._cond:
-            plan = self.data.check_plan(digest)
-            self.cluster.check_session(rank, incarnation, session, what)
-            return plan
+        ``rank``'s session (:meth:`ShardMembers.check_session`). Returns the plan.
+
+        Without the lock when the session is the rank's current one (:meth:`ShardMembers.session_is`
+        reads the member list and one member's fields, each read atomic): it was current at an
+        instant of this call, which is what the check under the lock finds when it runs then (the
+        push's own hold checks liveness and replay again). Anything else is checked under the lock
+        and refused there with its reason, so a step takes the lock once, for its push and its read
+        (:meth:`DataCalls.push_pull`)."""
+        plan = self.data.check_plan(digest)  # the plan is fixed once set
+        if not self.cluster.session_is(rank, incarnation, session):
+            with self._cond:
+                self.cluster.check_session(rank, incarnation, session, what)
+        return plan
 
     # ----------------------------------------------------------------- membership (ShardMembers)
     def join(self, rank: int, num_workers: int, incarnation: int, epoch: int = 0) -> JoinInfo:
