@@ -86,7 +86,7 @@ class DataPushPull:
             )
         self._adopt(header)
         dtype = wire_dtype(first.ints.get(fields.WIRE_DTYPE, 0))
-        plan = self.shard.check_plan(header.plan_digest)
+        plan = req.plan  # the header's, checked (ps_server.service.request_streams)
         rank, incarnation, sequence = header.rank, header.incarnation, header.data_sequence
         stamp = push_stamp(header)
         hyper = hyperparameters_from_proto(header)
@@ -106,7 +106,7 @@ class DataPushPull:
             result, version, (epoch, slots, live), told = self.shard.push_pull(
                 stamp,
                 header.version,
-                header.plan_digest,
+                plan,
                 parts,
                 deadline(context),
                 self._slot_encoder(dtype, stream is not None, (fragments_in_force(self.shard.settings), header.clock)),

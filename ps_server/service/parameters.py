@@ -272,7 +272,7 @@ class ParameterServicer:
         result, version, out, told = self.shard.push_pull(
             push_stamp(header),
             header.version,
-            header.plan_digest,
+            req.plan,
             parts,
             deadline(context),
             self.frames.encoder(dtype, packed=True, fragment=fragment),

@@ -16,6 +16,7 @@ from typing import Any
 from ps_common import fields, frames
 from ps_common.errors import InvalidRequestError
 from ps_common.partition import WirePartition
+from ps_common.plan import Plan
 from ps_server.core.partitions import Admitted, Intake
 
 
@@ -27,6 +28,11 @@ class Request:
     header: Any
     parts: Admitted
     first: frames.Message
+
+    @property
+    def plan(self) -> Plan:
+        """The plan the header was checked against (``open_``'s :class:`Intake`): passed on, not checked again."""
+        return self.parts.intake.plan
 
 
 def read_request(

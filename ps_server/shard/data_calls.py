@@ -195,7 +195,7 @@ class DataCalls:
         self,
         stamp: PushStamp,
         grad_version: int,
-        digest: str,
+        plan: Plan,
         partitions: Sequence[WirePartition],
         timeout: float | None,
         encode: Callable[[Snapshot], Any],
@@ -206,10 +206,11 @@ class DataCalls:
         stream: RoundStream | None = None,
         request_epoch: int = 0,
     ) -> tuple[PushResult, int, Any, tuple[int, ps_pb2.MembershipEpoch | None]]:
-        """:meth:`push`, then :meth:`pull` of the version it lands in (sync: ``clock + 1``; the others: no minimum): the
-        plan checked once, the partitions matched without the lock, then the lock held once for the push and the
-        read, which also reads what the answer tells (the shard's membership epoch, and its record when
-        ``request_epoch``, the requester's, is older). ``check`` is called with the plan before the push
+        """:meth:`push`, then :meth:`pull` of the version it lands in (sync: ``clock + 1``; the others: no minimum):
+        ``plan`` is the one the request's header was checked against (:meth:`DataPath.check_plan`: not compared
+        again), the wire dtype checked against it, the partitions matched without the lock, then the lock held once
+        for the push and the read, which also reads what the answer tells (the shard's membership epoch, and its
+        record when ``request_epoch``, the requester's, is older). ``check`` is called with the plan before the push
         (PushPullOnce: the answer must fit in one message). Returns (push result, version, ``encode(snapshot)``,
         (epoch, record or None)); sync: the result says whether the round was skipped. With ``durable_acks`` an
         applied push waits until its version is durable before the read (the read then carries the pushes
@@ -221,7 +222,7 @@ class DataCalls:
         """
         host = self._host
         start = host.now()
-        plan = host.data.check_plan(digest, wire_dtype)
+        host.data.check_wire_dtype(plan, wire_dtype)
         if check is not None:
             check(plan)
         matched = self._match(plan, stamp, partitions)

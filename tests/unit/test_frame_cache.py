@@ -73,7 +73,7 @@ def test_push_pull_once_needs_one_message(shard: Shard) -> None:
     assert len(cache.groups(PLAN, 0, "")) == 2 and len(cache.groups(PLAN, 0, "float16")) == 1
     with pytest.raises(InvalidRequestError, match="call PushPull \\(a stream\\) instead of PushPullOnce"):
         shard.push_pull(
-            PushStamp(0, 1, 0), 0, PLAN.digest, wire(1.0), 1.0, cache.encoder("", True), "",
+            PushStamp(0, 1, 0), 0, PLAN, wire(1.0), 1.0, cache.encoder("", True), "",
             check=lambda plan: cache.check_single(plan, 0, ""),
         )  # fmt: skip
     assert shard.version == 0  # refused before the push

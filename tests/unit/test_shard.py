@@ -364,7 +364,7 @@ def test_an_async_push_pull_with_durable_acks_reads_after_its_push_is_durable() 
 
     def push_pull(rank: int) -> None:
         encode = FrameCache().encoder()
-        _, answers[rank], _, _ = s.push_pull(PushStamp(rank, 1, 0), 0, PLAN.digest, wire(1.0), 10.0, encode)
+        _, answers[rank], _, _ = s.push_pull(PushStamp(rank, 1, 0), 0, PLAN, wire(1.0), 10.0, encode)
 
     def until(version: int) -> None:
         deadline = time.monotonic() + 10.0

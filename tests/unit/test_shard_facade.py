@@ -78,7 +78,7 @@ def test_a_steps_header_check_push_and_read_take_the_lock_once(mode: str) -> Non
     shard._cond.__class__ = CountingCondition  # type: ignore[assignment]
     grads = [WirePartition("w", 0, 4, "float32", encode(torch.ones(4)))]
     assert shard.check_request(plan.digest, 0, 1, session, "PushPull") is shard.plan
-    _, version, out, _ = shard.push_pull(PushStamp(0, 1, 0), 0, plan.digest, grads, 10.0, clone_tensors)
+    _, version, out, _ = shard.push_pull(PushStamp(0, 1, 0), 0, plan, grads, 10.0, clone_tensors)
     assert shard._cond.entered == 1  # type: ignore[attr-defined]
     assert version == 1 and [t.tolist() for t in out] == [[-0.5] * 4]
     with pytest.raises(NotJoinedError, match="not its current one"):
