@@ -27,16 +27,13 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from typing import TypeVar
 
 import grpc
 
 from ps_common.errors import AwaitingRanksError, parse_awaiting
 from ps_worker.errors import error_from_rpc
-from ps_worker.transport.retry import CallPolicy
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 DEFAULT_WAIT_TIMEOUT = 1800.0
 """Seconds a wait for alive ranks may last in all (gloo's default timeout is 30 minutes)."""
@@ -91,19 +88,6 @@ class PeerWaits:
         self._waiting: dict[int, _Wait] = {}  # the calls in flight
         self._ticked = now is time.monotonic
         self.reissued = 0
-
-    def call(self, fn: Callable[[], T], address: str) -> T:
-        """``fn()``, called again each time it fails with ``AWAITING_RANKS``, until it returns or
-        fails otherwise, or :attr:`wait_timeout` seconds passed since this call began.
-
-        Args:
-            fn: one call to the shard at ``address``, safe to repeat.
-
-        Raises:
-            AwaitingRanks: still waiting for alive ranks after ``wait_timeout`` (names them).
-            grpc.RpcError: any other failure of ``fn``, as it raised it.
-        """
-        return CallPolicy(0.0).call(fn, address, address=address, codes=(), waits=self)
 
     def begin(self, address: str) -> _Wait:
         """A call to the shard at ``address`` that may wait begins (its progress lines from now on)."""

@@ -102,7 +102,7 @@ class Session:
         self.redo: Callable[[int, ps_pb2.JoinResponse, int | None, bool], bool] | None = None
         self.epochs = EpochRelay(n, self._resized)
         self.on_resize: Callable[[ps_pb2.MembershipEpoch], None] | None = None
-        self.heartbeat = Heartbeat(self)
+        self.heartbeat = Heartbeat(transport, rank, incarnation, self.epochs, self.redo_log)
         self.waits = PeerWaits(rank)
 
     @property
@@ -221,7 +221,7 @@ class Session:
         self.mode = self.settings.mode
         self.lease_timeout = self.config.lease_timeout_seconds or 10.0
         self.worker.adopt_join(self, replies)
-        self.heartbeat.start()
+        self.heartbeat.start(self.lease_timeout)
         logging.getLogger("ps_worker.startup").debug("start-up: joined %d shards (rank %d)", t.num_shards, self.rank)
         return replies
 

@@ -9,11 +9,12 @@ import logging
 import random
 import time
 from collections.abc import Callable, Collection
-from typing import Any, Protocol, TypeVar
+from typing import TypeVar
 
 import grpc
 
 from ps_common.errors import REASON_KEY, Reason, reason_of  # noqa: F401 - REASON_KEY re-exported
+from ps_worker.awaiting import PeerWaits
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -76,22 +77,6 @@ MAX_RECOVERIES = 3
 """Recoveries (rejoin, re-init, resync) one call may go through before its error is raised."""
 
 
-class Waits(Protocol):
-    """Calls again a call the shard answered with ``AWAITING_RANKS`` (:class:`ps_worker.awaiting.PeerWaits`)."""
-
-    def begin(self, address: str) -> Any:
-        """A wait on the shard at ``address`` begins (its handle)."""
-        ...
-
-    def awaiting(self, exc: grpc.RpcError, wait: Any) -> None:
-        """The shard answered ``AWAITING_RANKS``: return to call again, or raise past the bound."""
-        ...
-
-    def end(self, wait: Any) -> None:
-        """The wait is over."""
-        ...
-
-
 class CallPolicy:
     """The one retry policy of a worker's calls to the shards: every call's attempts, waits and
     recoveries go through :meth:`call`, and the error it raises names the deadline that ended the
@@ -115,7 +100,7 @@ class CallPolicy:
         *,
         address: str = "",
         codes: Collection[grpc.StatusCode] = RETRYABLE,
-        waits: Waits | None = None,
+        waits: PeerWaits | None = None,
         error: Callable[[grpc.RpcError], grpc.RpcError] | None = None,
         recover: Callable[[grpc.RpcError], bool] | None = None,
     ) -> T:

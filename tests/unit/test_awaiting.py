@@ -11,7 +11,7 @@ import pytest
 
 from ps_common.errors import AwaitingRanksError, RoundTimeoutError, WaitTimeoutError, awaiting_message
 from ps_worker.awaiting import TICKER, PeerWaits, wait_bound
-from ps_worker.transport.retry import is_transient
+from ps_worker.transport.retry import CallPolicy, is_transient
 from tests.unit.test_worker_errors import FakeRpcError
 
 AWAITING = FakeRpcError(
@@ -19,6 +19,11 @@ AWAITING = FakeRpcError(
     "Shard 0 is " + awaiting_message("round 42", [0, 2], "are alive but have not pushed"),
     "AWAITING_RANKS",
 )
+
+
+def call(waits: PeerWaits, fn, address: str):
+    """``fn`` called again while the shard at ``address`` answers AWAITING_RANKS (no other retry)."""
+    return CallPolicy(0.0).call(fn, address, address=address, codes=(), waits=waits)
 
 
 class Clock:
@@ -48,7 +53,7 @@ def test_a_wait_for_alive_ranks_is_called_again_and_logged_every_progress_second
     waits = PeerWaits(1, wait_timeout=None, progress_seconds=30.0, now=clock)
     fn, made = calls(clock, failures=7)
     with caplog.at_level(logging.WARNING, logger="ps_worker.awaiting"):
-        assert waits.call(fn, "h:1") == "answer"
+        assert call(waits, fn, "h:1") == "answer"
     assert len(made) == 8 and waits.reissued == 7
     lines = [r.getMessage() for r in caplog.records]
     assert lines == [
@@ -76,7 +81,7 @@ def test_a_wait_is_logged_every_progress_seconds_before_the_shard_answers(caplog
         return "answer"
 
     with caplog.at_level(logging.WARNING, logger="ps_worker.awaiting"):
-        assert waits.call(fn, "h:1") == "answer"
+        assert call(waits, fn, "h:1") == "answer"
     lines = [r.getMessage() for r in caplog.records]
     assert lines == [
         "rank 1: waiting for shard h:1 (30 s); it names the ranks it waits for at the call's deadline",
@@ -100,7 +105,7 @@ def test_the_progress_thread_writes_the_line_of_a_call_still_in_flight(caplog) -
     logger = logging.getLogger("ps_worker.awaiting")
     logger.addHandler(handler)
     try:
-        assert waits.call(lambda: written.wait(timeout=10.0), "h:2") is True  # blocks until the line
+        assert call(waits, lambda: written.wait(timeout=10.0), "h:2") is True  # blocks until the line
     finally:
         logger.removeHandler(handler)
     assert TICKER._thread is not None and TICKER._thread.daemon
@@ -111,7 +116,7 @@ def test_the_wait_gives_up_after_wait_timeout_naming_the_ranks() -> None:
     waits = PeerWaits(1, wait_timeout=25.0, now=clock)
     fn, made = calls(clock, failures=100)
     with pytest.raises(AwaitingRanksError) as caught:
-        waits.call(fn, "h:1")
+        call(waits, fn, "h:1")
     err = caught.value
     assert len(made) == 3 and clock.t == 30.0  # ends at the first answer past the bound
     assert isinstance(err, WaitTimeoutError) and isinstance(err, RoundTimeoutError) and isinstance(err, TimeoutError)
@@ -126,7 +131,7 @@ def test_other_failures_pass_through_and_awaiting_is_not_retried_as_transient() 
         raise other
 
     with pytest.raises(FakeRpcError) as caught:
-        PeerWaits(0).call(fn, "h:1")
+        call(PeerWaits(0), fn, "h:1")
     assert caught.value is other
     assert is_transient(other) and not is_transient(AWAITING)
 
@@ -146,5 +151,5 @@ def test_giving_up_names_wait_timeout_as_the_deadline() -> None:
     clock = Clock()
     fn, _ = calls(clock, failures=100)
     with pytest.raises(AwaitingRanksError) as caught:
-        PeerWaits(1, wait_timeout=25.0, now=clock).call(fn, "h:1")
+        call(PeerWaits(1, wait_timeout=25.0, now=clock), fn, "h:1")
     assert caught.value.deadline == "wait_timeout"

@@ -85,7 +85,7 @@ def joined(version: int = 4) -> tuple[Session, FakeTransport]:
     t = FakeTransport(version=version)
     s = Session(t, rank=1, num_workers=2, incarnation=9)  # type: ignore[arg-type]
     s.plan_digest = "d"
-    s.heartbeat.start = lambda: None  # type: ignore[method-assign]  # no thread here
+    s.heartbeat.start = lambda lease_timeout: None  # type: ignore[method-assign]  # no thread here
     s.join()
     return s, t
 
@@ -168,8 +168,7 @@ def test_push_answers_move_the_clock_and_a_live_mode_switch() -> None:
 def test_close_leaves_and_joins_the_heartbeat() -> None:
     t = FakeTransport()
     s = Session(t, rank=0, num_workers=2, incarnation=1)  # type: ignore[arg-type]
-    s.lease_timeout = 1e-3
-    s.heartbeat.start()
+    s.heartbeat.start(1e-3)
     s.close()
     assert t.closed and s.heartbeat.thread is not None and not s.heartbeat.thread.is_alive()
 
