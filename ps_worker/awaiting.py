@@ -161,7 +161,7 @@ class PeerWaits:
 
 
 class _Wait:
-    """One call of :meth:`PeerWaits.call` in flight: its shard, start (seconds) and, once the
+    """One waiting call in flight (:meth:`PeerWaits.begin`): its shard, start (seconds) and, once the
     shard answered AWAITING_RANKS, what it waits for (what, ranks, state)."""
 
     __slots__ = ("address", "start", "named")
