@@ -7,7 +7,9 @@ a few megabytes declare gigabytes (a 4.2 MB ``.pt`` inflated to 4.3 GB on every 
 check). :func:`check_zip` reads the archive's directory (no entry is read) and refuses one that
 declares more than :func:`inflated_bound` of the file's size and of what the loader expects.
 safetensors files hold their tensors raw: :func:`safetensors_header` reads the header alone, so a
-caller checks the declared keys, dtypes and shapes before loading.
+caller checks the declared keys, dtypes and shapes before loading. :func:`torch_load` loads a file
+that passed, and keeps torch's warnings about a file that does not load out of the one line that
+refuses it.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+import warnings
 import zipfile
 from typing import Any
 
@@ -58,6 +61,24 @@ def check_zip(path: str | os.PathLike[str], expected_bytes: int = 0) -> str | No
             "or the model; torch.save writes its entries uncompressed): refused before loading"
         )
     return None
+
+
+def torch_load(path: str | os.PathLike[str]) -> Any:
+    """``torch.load(path, map_location="cpu", weights_only=True)``, its warnings issued only when the
+    file loads: one that does not (random bytes, a crafted pickle) makes torch warn first (its pickle
+    protocol, say) and then raise, and the caller refuses it in one line that says why.
+
+    Raises:
+        What ``torch.load`` raises (the caller words it).
+    """
+    import torch
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    for w in caught:
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    return state
 
 
 def safetensors_header(path: str | os.PathLike[str]) -> dict[str, Any]:

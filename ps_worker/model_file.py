@@ -66,7 +66,7 @@ def load_model_file(path: str, model: torch.nn.Module | None = None) -> dict[str
     if problem:
         raise ModelFileError(f"{path}: {problem}.")
     try:
-        state: Any = torch.load(path, map_location="cpu", weights_only=True)
+        state: Any = bounded_load.torch_load(path)
     except MemoryError:
         raise ModelFileError(f"{path}: too large to load in this process's memory.") from None
     except Exception as exc:  # a torn archive, a bad pickle, a global weights_only refuses: all mean unusable

@@ -73,7 +73,7 @@ def read(path: Path, shard_index: int, version: int) -> tuple[dict[str, Any], st
     if problem:
         return {}, problem
     try:
-        env = torch.load(path, weights_only=True, map_location="cpu")
+        env = bounded_load.torch_load(path)
     except MemoryError:
         raise
     except Exception as exc:  # torn zip, bad pickle, disallowed global, I/O error: all mean unusable

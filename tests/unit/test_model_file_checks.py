@@ -5,6 +5,7 @@ malformed file, never a traceback."""
 from __future__ import annotations
 
 import os
+import warnings
 import zipfile
 from pathlib import Path
 
@@ -100,12 +101,18 @@ def test_a_broken_or_bombed_file_is_one_line(tmp_path: Path) -> None:
         "empty.pt": b"",
         "random.pt": os.urandom(4096),
         "torn.pt": good[: len(good) // 2],
+        "protocol.pt": b"\x80\x49" + os.urandom(4094),  # torch warns about the pickle protocol, then refuses
     }
     for name, data in cases.items():
         (tmp_path / name).write_bytes(data)
-        with pytest.raises(ModelFileError, match=rf"^{tmp_path / name}: does not load with torch.load") as refused:
+        with (
+            warnings.catch_warnings(record=True) as warned,
+            pytest.raises(ModelFileError, match=rf"^{tmp_path / name}: does not load with torch.load") as refused,
+        ):
+            warnings.simplefilter("always")
             init_from(Model(), str(tmp_path / name))
         assert "\n" not in str(refused.value)
+        assert not warned, [str(w.message) for w in warned]  # the refusal is the one line
     torch.save({"w": torch.zeros(4 << 20)}, tmp_path / "plain")
     with (
         zipfile.ZipFile(tmp_path / "plain") as z,
