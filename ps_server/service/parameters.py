@@ -220,7 +220,7 @@ class ParameterServicer:
         r = self.shard.push(
             push_stamp(h),
             h.version,
-            h.plan_digest,
+            req.plan,  # the header's, checked (ps_server.service.request_streams)
             req.parts,
             hyperparameters_from_proto(h),
             h.skip,

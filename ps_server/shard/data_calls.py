@@ -102,16 +102,16 @@ class DataCalls:
         self,
         stamp: PushStamp,
         grad_version: int,
-        digest: str,
+        plan: Plan,
         partitions: Sequence[WirePartition],
         hyper: Hyperparameters = (),
         skip: bool = False,
         stream: RoundStream | None = None,
     ) -> PushResult:
         """Accept the gradients of ``stamp`` (a repeat is answered as the first time); the policy
-        applies, holds or refuses it; answered once durable with ``durable_acks``. Arguments and
-        errors: :meth:`DataPath.check_plan`, :meth:`DataPath.push`."""
-        plan = self._host.data.check_plan(digest)
+        applies, holds or refuses it; answered once durable with ``durable_acks``. ``plan``: the one
+        the request's header was checked against (:meth:`DataPath.check_plan`, not checked again).
+        Errors: :meth:`DataPath.push`."""
         result, durable = self._push(stamp, grad_version, plan, partitions, hyper, skip, stream)
         if durable:  # applied: answered once durable (a held push is answered held)
             self.wait_durable(result.version, None)

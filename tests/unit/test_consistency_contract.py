@@ -87,10 +87,10 @@ def test_a_push_is_applied_held_or_refused(mode: str) -> None:
     _, at_once, held, _ = EXPECTED[mode]
     if mode == "easgd":
         with pytest.raises(PreconditionError, match="call Exchange"):
-            shard.push(PushStamp(0, 1, 0), 0, PLAN.digest, wire(1.0))
+            shard.push(PushStamp(0, 1, 0), 0, PLAN, wire(1.0))
         assert shard.version == 0 and torch.equal(w(shard), torch.zeros(3))
         return
-    result = shard.push(PushStamp(0, 1, 0), 0, PLAN.digest, wire(1.0))
+    result = shard.push(PushStamp(0, 1, 0), 0, PLAN, wire(1.0))
     assert result.mode == mode and not result.duplicate
     assert shard.version == (1 if at_once else 0)
     assert (0 in shard.rounds.pending) is held
@@ -105,8 +105,8 @@ def test_a_repeated_stamp_is_answered_once(mode: str) -> None:
         assert again[0] == first[0] and all(torch.equal(a, b) for a, b in zip(again[1], first[1], strict=True))
         assert shard.version == 1
         return
-    first = shard.push(PushStamp(0, 1, 0), 0, PLAN.digest, wire(1.0))
-    again = shard.push(PushStamp(0, 1, 0), 0, PLAN.digest, wire(1.0))
+    first = shard.push(PushStamp(0, 1, 0), 0, PLAN, wire(1.0))
+    again = shard.push(PushStamp(0, 1, 0), 0, PLAN, wire(1.0))
     assert again.duplicate and again.version == first.version and shard.members[0].pushes == 1
 
 
@@ -162,9 +162,9 @@ def test_a_push_applies_with_the_policy_s_learning_rate_scale(stale_mode: str) -
     """async ``--staleness-lr inverse``: lr / max(1, tau) (Zhang et al. 2016); ssp: the full lr,
     whatever the staleness (its bound is on reads)."""
     shard = make_shard(stale_mode, n=1, staleness_lr="inverse")  # ssp: not its rule
-    shard.push(PushStamp(0, 1, 0), 0, PLAN.digest, wire(1.0))  # w = -1
-    shard.push(PushStamp(0, 1, 1), 1, PLAN.digest, wire(1.0))  # w = -2, version 2
-    result = shard.push(PushStamp(0, 1, 2), 0, PLAN.digest, wire(1.0))  # computed on version 0: tau = 2
+    shard.push(PushStamp(0, 1, 0), 0, PLAN, wire(1.0))  # w = -1
+    shard.push(PushStamp(0, 1, 1), 1, PLAN, wire(1.0))  # w = -2, version 2
+    result = shard.push(PushStamp(0, 1, 2), 0, PLAN, wire(1.0))  # computed on version 0: tau = 2
     assert result.staleness == 2
     expected = -2.5 if stale_mode == "async" else -3.0
     assert torch.equal(w(shard), torch.full((3,), expected))
@@ -172,9 +172,9 @@ def test_a_push_applies_with_the_policy_s_learning_rate_scale(stale_mode: str) -
 
 def test_async_refuses_a_push_beyond_max_staleness_and_counts_it() -> None:
     shard = make_shard("async", n=1, max_staleness=0)
-    shard.push(PushStamp(0, 1, 0), 0, PLAN.digest, wire(1.0))
+    shard.push(PushStamp(0, 1, 0), 0, PLAN, wire(1.0))
     with pytest.raises(StalePushError, match="--max-staleness 0"):
-        shard.push(PushStamp(0, 1, 1), 0, PLAN.digest, wire(1.0))
+        shard.push(PushStamp(0, 1, 1), 0, PLAN, wire(1.0))
     assert shard.version == 1 and shard.status().rejected_pushes == {"stale": 1}
 
 
@@ -182,7 +182,7 @@ def test_async_staleness_is_versions_and_ssp_staleness_is_the_clock_gap() -> Non
     asynchronous, ssp = make_shard("async"), make_shard("ssp", staleness=5)
     for shard in (asynchronous, ssp):
         for clock in range(3):
-            shard.push(PushStamp(0, 1, clock), clock, PLAN.digest, wire(0.0))
+            shard.push(PushStamp(0, 1, clock), clock, PLAN, wire(0.0))
     assert asynchronous.policy.staleness(asynchronous, asynchronous.members[1], 0) == 3  # versions behind
     assert ssp.policy.staleness(ssp, ssp.members[0], 0) == 3  # rank 0 is 3 clocks ahead of rank 1
     assert ssp.policy.staleness(ssp, ssp.members[1], 0) == 0
@@ -194,10 +194,10 @@ def test_async_staleness_is_versions_and_ssp_staleness_is_the_clock_gap() -> Non
 def test_ssp_blocks_a_reader_more_than_s_clocks_ahead() -> None:
     shard = make_shard("ssp", staleness=1)
     for clock in range(2):
-        shard.push(PushStamp(0, 1, clock), clock, PLAN.digest, wire(0.0))
+        shard.push(PushStamp(0, 1, clock), clock, PLAN, wire(0.0))
     with pytest.raises(WaitTimeoutError, match="Rank 0 at clock 2 may read once every live rank reaches clock 1"):
         shard.pull(0, 1, 0, PLAN.digest, timeout=0.0)
-    shard.push(PushStamp(1, 1, 0), 0, PLAN.digest, wire(0.0))
+    shard.push(PushStamp(1, 1, 0), 0, PLAN, wire(0.0))
     assert shard.pull(0, 1, 0, PLAN.digest, timeout=0.0)[0] == 3
     assert shard.status().max_clock_gap == 1
 
@@ -208,7 +208,7 @@ def test_ssp_a_restarted_rank_resumes_at_the_slowest_live_clock() -> None:
     shard = make_shard("ssp", n=3, staleness=10)
     for rank, clocks in ((0, 6), (1, 2), (2, 4)):
         for clock in range(clocks):
-            shard.push(PushStamp(rank, 1, clock), shard.version, PLAN.digest, wire(0.0))
+            shard.push(PushStamp(rank, 1, clock), shard.version, PLAN, wire(0.0))
     assert [m.clock for m in shard.members] == [6, 2, 4]
     assert shard.join(2, 3, 2).clock == 2
     assert shard.members[2].clock == 2
@@ -219,28 +219,28 @@ def test_ssp_a_restarted_rank_resumes_at_the_slowest_live_clock() -> None:
 
 def test_sync_holds_pushes_until_the_round_is_complete_then_reads_its_version() -> None:
     shard = make_shard("sync")
-    shard.push(PushStamp(0, 1, 0), 0, PLAN.digest, wire(1.0))
+    shard.push(PushStamp(0, 1, 0), 0, PLAN, wire(1.0))
     with pytest.raises(WaitTimeoutError, match="round waits for ranks \\[1\\]"):
         shard.pull(0, 1, 1, PLAN.digest, timeout=0.0)
-    shard.push(PushStamp(1, 1, 0), 0, PLAN.digest, wire(3.0))
+    shard.push(PushStamp(1, 1, 0), 0, PLAN, wire(3.0))
     assert shard.version == 1 and torch.equal(w(shard), torch.full((3,), -2.0))  # mean of 1 and 3, lr 1
 
 
 def test_sync_a_joining_rank_pushes_the_open_round() -> None:
     shard = make_shard("sync")
     for r in range(2):
-        shard.push(PushStamp(r, 1, 0), 0, PLAN.digest, wire(1.0))
+        shard.push(PushStamp(r, 1, 0), 0, PLAN, wire(1.0))
     assert shard.join(1, 2, 2).clock == 2  # a restarted process: from shard 0's next round, on every shard
 
 
 def test_a_mode_switch_swaps_the_policy_at_the_round_boundary() -> None:
     shard = make_shard("sync")
-    shard.push(PushStamp(0, 1, 0), 0, PLAN.digest, wire(1.0))
+    shard.push(PushStamp(0, 1, 0), 0, PLAN, wire(1.0))
     shard.update_config(mode="async")
     assert shard.policy is POLICIES["sync"] and shard.status().pending_mode == "async"
-    shard.push(PushStamp(1, 1, 0), 0, PLAN.digest, wire(1.0))  # closes round 0: the switch happens
+    shard.push(PushStamp(1, 1, 0), 0, PLAN, wire(1.0))  # closes round 0: the switch happens
     assert shard.policy is POLICIES["async"] and shard.status().pending_mode == ""
-    assert shard.push(PushStamp(0, 1, 1), 1, PLAN.digest, wire(1.0)).version == 2  # applied at once
+    assert shard.push(PushStamp(0, 1, 1), 1, PLAN, wire(1.0)).version == 2  # applied at once
 
 
 # ---------------------------------------------------------------- every policy: embedding tables and ranks
@@ -357,12 +357,12 @@ def test_diloco_weighs_a_zero_count_as_nothing_and_a_round_of_zero_counts_as_no_
     of 0 is a weight of 0, distinct from no count at all (the field unset: the plain mean)."""
     shard = make_shard("diloco")  # w = 0, SGD lr 1: w -= the round's outer gradient
     w = lambda: shard.store.tensors[0].clone()  # noqa: E731
-    shard.push(PushStamp(0, 1, 0, 3), 0, PLAN.digest, wire(1.0))
-    shard.push(PushStamp(1, 1, 0, 0), 0, PLAN.digest, wire(5.0))
+    shard.push(PushStamp(0, 1, 0, 3), 0, PLAN, wire(1.0))
+    shard.push(PushStamp(1, 1, 0, 0), 0, PLAN, wire(5.0))
     assert torch.equal(w(), torch.full((3,), -1.0))  # rank 1 weighs 0
-    shard.push(PushStamp(0, 1, 1, 0), 1, PLAN.digest, wire(1.0))
-    shard.push(PushStamp(1, 1, 1, 0), 1, PLAN.digest, wire(5.0))
+    shard.push(PushStamp(0, 1, 1, 0), 1, PLAN, wire(1.0))
+    shard.push(PushStamp(1, 1, 1, 0), 1, PLAN, wire(5.0))
     assert shard.version == 2 and torch.equal(w(), torch.full((3,), -1.0))  # no samples anywhere: no update
-    shard.push(PushStamp(0, 1, 2), 2, PLAN.digest, wire(1.0))
-    shard.push(PushStamp(1, 1, 2), 2, PLAN.digest, wire(5.0))
+    shard.push(PushStamp(0, 1, 2), 2, PLAN, wire(1.0))
+    shard.push(PushStamp(1, 1, 2), 2, PLAN, wire(5.0))
     assert torch.equal(w(), torch.full((3,), -4.0))  # nobody counts: the plain mean, 3

@@ -78,7 +78,7 @@ def test_getstatus_and_prometheus_read_the_same_numbers_after_a_mix_of_refusals(
     shard.init(PLAN.specs, 1, PLAN.partition_bytes, PLAN.digest, OptimizerSpec("sgd", {"lr": 1.0}), wire(0.0))
 
     def push(rank: int, clock: int, grad_version: int, x: float = 1.0) -> None:
-        shard.counters.pushed(shard.push(PushStamp(rank, 1, clock), grad_version, PLAN.digest, wire(x)))
+        shard.counters.pushed(shard.push(PushStamp(rank, 1, clock), grad_version, PLAN, wire(x)))
 
     for clock in range(3):
         push(0, clock, clock)  # versions 1..3, staleness 0

@@ -46,7 +46,7 @@ def cluster(num_workers: int = 3, mode: str = "sync", clock: FakeClock | None = 
 def push_round(shards: list[Shard], ranks: list[int], clock: int) -> None:
     for s in shards:
         for r in ranks:
-            s.push(PushStamp(r, 1, clock), clock, PLAN.digest, wire(s.shard_index, 1.0))
+            s.push(PushStamp(r, 1, clock), clock, PLAN, wire(s.shard_index, 1.0))
 
 
 def relay(shards: list[Shard]) -> None:
@@ -73,7 +73,7 @@ def test_only_shard_0_evicts_and_shard_1_closes_the_same_round_once_told() -> No
     assert shards[1].members[2].state is WorkerState.EVICTED and not shards[1].members[2].counted
     assert shards[1].epochs.epoch == shards[0].epochs.epoch > 0
     with pytest.raises(NotJoinedError):  # its pushes are refused on shard 1 too, until it rejoins
-        shards[1].push(PushStamp(2, 1, 2), 2, PLAN.digest, wire(1, 1.0))
+        shards[1].push(PushStamp(2, 1, 2), 2, PLAN, wire(1, 1.0))
 
 
 def test_a_rejoin_is_decided_by_shard_0_and_followed_by_shard_1() -> None:
@@ -120,9 +120,9 @@ def test_a_config_change_applies_at_the_same_version_on_every_shard() -> None:
     shards[0].update_config(learning_rate=0.125, at_version=3)  # explicit
     relay(shards)
     for s in shards:
-        s.push(PushStamp(0, 1, 1), 1, PLAN.digest, wire(s.shard_index, 0.0))
+        s.push(PushStamp(0, 1, 1), 1, PLAN, wire(s.shard_index, 0.0))
         assert s.version == 2 and s.learning_rate() == 0.25
-        s.push(PushStamp(0, 1, 2), 2, PLAN.digest, wire(s.shard_index, 0.0))
+        s.push(PushStamp(0, 1, 2), 2, PLAN, wire(s.shard_index, 0.0))
         assert s.version == 3 and s.learning_rate() == 0.125
 
 
@@ -146,7 +146,7 @@ def test_a_resize_holds_from_its_round_on_every_shard() -> None:
     assert [s.status().round_waiting_for for s in shards] == [(2,), (2,)]
     for s in shards:
         assert s.join(2, 2, 1).clock == 2  # it starts at the resize's round
-        s.push(PushStamp(2, 1, 2), 2, PLAN.digest, wire(s.shard_index, 1.0))
+        s.push(PushStamp(2, 1, 2), 2, PLAN, wire(s.shard_index, 1.0))
     assert [s.version for s in shards] == [3, 3] and [s.num_workers for s in shards] == [3, 3]
     # shrink to one: rank 1 and 2 push the rounds before it, none from it
     shards[0].resize(1, at_version=4)
@@ -155,7 +155,7 @@ def test_a_resize_holds_from_its_round_on_every_shard() -> None:
     assert [s.version for s in shards] == [4, 4]
     for s in shards:
         with pytest.raises(NotJoinedError, match="resized to num_workers=1"):
-            s.push(PushStamp(1, 1, 4), 4, PLAN.digest, wire(s.shard_index, 1.0))
+            s.push(PushStamp(1, 1, 4), 4, PLAN, wire(s.shard_index, 1.0))
         assert s.pull(1, 1, 4, PLAN.digest, timeout=1.0)[0] == 4  # it still reads its last round's result
     push_round(shards, [0], 4)
     assert [s.version for s in shards] == [5, 5]
@@ -238,7 +238,7 @@ def test_a_process_restarted_mid_round_starts_at_the_same_round_on_every_shard()
     # shard 1 closed round 1 with rank 1's push, which shard 0 never took: it says so and takes no push
     assert "cannot close round 1" in shards[1].lost_round
     with pytest.raises(PreconditionError, match="cannot close round 1 with the ranks shard 0 closed it with"):
-        shards[1].push(PushStamp(0, 1, 2), 2, PLAN.digest, wire(1, 1.0))
+        shards[1].push(PushStamp(0, 1, 2), 2, PLAN, wire(1, 1.0))
 
 
 def test_a_process_restarted_mid_push_counts_where_shard_0_took_it_on_every_shard() -> None:
@@ -277,7 +277,7 @@ def test_a_process_restarted_between_rounds_goes_on_at_the_same_round_on_every_s
     assert shards[1].version == 2 and shards[1].join(1, 2, 2).clock == 2  # the same round on shard 1
     push_round(shards, [0], 2)
     for s in shards:
-        s.push(PushStamp(1, 2, 2), 2, PLAN.digest, wire(s.shard_index, 1.0))
+        s.push(PushStamp(1, 2, 2), 2, PLAN, wire(s.shard_index, 1.0))
     assert [s.version for s in shards] == [3, 3]
     restored = Shard(0, 2, ModeSettings("sync", num_workers=2))
     restored.restore(shards[0].export_state())  # a whole job resumed: its first joins are no restarts
@@ -390,25 +390,25 @@ def test_a_rank_evicted_after_its_push_reached_shard_0_only_counts_in_that_round
     clock = FakeClock()
     shards = cluster(clock=clock)
     push_round(shards, [0, 1, 2], 0)
-    shards[0].push(PushStamp(2, 1, 1), 1, PLAN.digest, wire(0, 4.0))  # reached shard 0, then SIGSTOP
+    shards[0].push(PushStamp(2, 1, 1), 1, PLAN, wire(0, 4.0))  # reached shard 0, then SIGSTOP
     push_round(shards, [0, 1], 1)
     assert lapse(shards, clock, silent=2) == [2]
     assert shards[0].version == 2 and shards[0].members[2].until == 2  # shard 0 closed round 1 with rank 2
     relay(shards)
     assert shards[1].version == 1 and shards[1].status().round_waiting_for == (2,)  # the same ranks here
-    shards[1].push(PushStamp(2, 1, 1), 1, PLAN.digest, wire(1, 4.0))  # resumed: its push lands, evicted
+    shards[1].push(PushStamp(2, 1, 1), 1, PLAN, wire(1, 4.0))  # resumed: its push lands, evicted
     assert [s.version for s in shards] == [2, 2]
     assert first_value(shards[0]) == first_value(shards[1]) == 1.0 - 0.5 - 0.5 * (1 + 1 + 4) / 3
     for s in shards:  # its next round is no longer counted: it rejoins (shard 0 first)
         with pytest.raises(NotJoinedError):
-            s.push(PushStamp(2, 1, 2), 2, PLAN.digest, wire(s.shard_index, 1.0))
+            s.push(PushStamp(2, 1, 2), 2, PLAN, wire(s.shard_index, 1.0))
 
 
 def test_a_rank_evicted_before_its_push_reached_shard_0_counts_in_that_round_on_no_shard() -> None:
     clock = FakeClock()
     shards = cluster(clock=clock)
     push_round(shards, [0, 1, 2], 0)
-    shards[1].push(PushStamp(2, 1, 1), 1, PLAN.digest, wire(1, 4.0))  # reached shard 1 only, then SIGSTOP
+    shards[1].push(PushStamp(2, 1, 1), 1, PLAN, wire(1, 4.0))  # reached shard 1 only, then SIGSTOP
     push_round(shards[:1], [0, 1], 1)
     assert lapse(shards, clock, silent=2) == [2]
     assert shards[0].version == 2 and shards[0].members[2].until == 1  # round 1 closed without rank 2
@@ -431,7 +431,7 @@ def test_a_round_a_follower_closed_with_a_push_shard_0_never_took_is_named_not_a
     relay(shards)  # shard 1 closed round 1 with rank 2, shard 0 without: it says so, never silently
     assert "cannot close round 1" in shards[1].lost_round
     with pytest.raises(PreconditionError, match="restart the job from its newest checkpoints"):
-        shards[1].push(PushStamp(0, 1, 2), 2, PLAN.digest, wire(1, 1.0))
+        shards[1].push(PushStamp(0, 1, 2), 2, PLAN, wire(1, 1.0))
     with pytest.raises(PreconditionError, match="cannot close round 1"):
         shards[1].pull(0, 1, 3, PLAN.digest, timeout=1.0)
 
@@ -481,5 +481,5 @@ def test_a_rank_counted_from_a_later_round_waits_on_a_shard_restarted_behind_it(
     with ThreadPoolExecutor(1) as pool:  # it waits for rounds 1..4, which need no push of rank 1
         read = pool.submit(shards[1].pull, 1, 1, 5, PLAN.digest, timeout=10.0)
         for c in range(1, 5):
-            shards[1].push(PushStamp(0, 1, c), c, PLAN.digest, wire(1, 1.0))
+            shards[1].push(PushStamp(0, 1, c), c, PLAN, wire(1, 1.0))
         assert read.result(timeout=10)[0] == 5

@@ -55,7 +55,7 @@ def test_one_copy_per_version_and_only_the_newest_kept(shard: Shard) -> None:
     assert shard.pull(0, 1, 0, PLAN.digest, 1.0, "", cache.encoder("", packed=True))[1] is first  # shared
     unpacked = shard.pull(0, 1, 0, PLAN.digest, 1.0, "", cache.encoder())[1]
     assert unpacked is not first and len(unpacked) > len(first)
-    shard.push(PushStamp(0, 1, 0), 0, PLAN.digest, wire(1.0))
+    shard.push(PushStamp(0, 1, 0), 0, PLAN, wire(1.0))
     second = shard.pull(0, 1, 0, PLAN.digest, 1.0, "", encoder)[1]
     assert second is not first and frames.read(second[0]).ints[1] == 1
     assert all(key[0] == 1 for key in cache._frames)  # version 0 is gone

@@ -105,7 +105,7 @@ def test_ssp_gap_never_exceeds_s_under_random_schedules(s: int, n: int, schedule
             assert clocks[r] - min(clocks) <= s
             pulled[r], reads = True, reads + 1
         else:
-            shard.push(PushStamp(r, 1, shard.members[r].clock), shard.version, plan.digest, wire(torch.ones(3)))
+            shard.push(PushStamp(r, 1, shard.members[r].clock), shard.version, plan, wire(torch.ones(3)))
             pulled[r] = False
     assert shard.status().max_clock_gap <= s
     # liveness: the slowest worker can always read
@@ -194,9 +194,9 @@ def test_quorum_closes_on_the_first_k_pushes() -> None:
 
 def test_late_push_under_quorum_is_dropped_and_counted() -> None:
     shard, plan, wire = shard_for("sync", 2, sync_quorum=1)
-    shard.push(PushStamp(0, 1, 0), 0, plan.digest, wire(torch.ones(3)))
+    shard.push(PushStamp(0, 1, 0), 0, plan, wire(torch.ones(3)))
     assert shard.version == 1
-    late = shard.push(PushStamp(1, 1, 0), 0, plan.digest, wire(torch.ones(3)))
+    late = shard.push(PushStamp(1, 1, 0), 0, plan, wire(torch.ones(3)))
     assert late.dropped and shard.version == 1 and shard.status().rejected_pushes == {"late": 1}
 
 
@@ -223,16 +223,16 @@ def test_default_moving_rate_is_09_over_n() -> None:
 
 def test_update_config_changes_lr_and_mode_at_the_next_round() -> None:
     shard, plan, wire = shard_for("sync", 2)
-    shard.push(PushStamp(0, 1, 0), 0, plan.digest, wire(torch.ones(3)))  # round 0 open
+    shard.push(PushStamp(0, 1, 0), 0, plan, wire(torch.ones(3)))  # round 0 open
     shard.update_config(mode="async", learning_rate=0.5, sync_quorum=0)  # scheduled at version 1
     status = shard.status()
     assert status.learning_rate == 0.1 and status.mode == "sync" and status.pending_mode == "async"
     assert [(c.version, c.update.learning_rate) for c in status.membership.config_changes] == [(1, 0.5)]
-    shard.push(PushStamp(1, 1, 0), 0, plan.digest, wire(torch.ones(3)))  # closes round 0 with lr 0.1
+    shard.push(PushStamp(1, 1, 0), 0, plan, wire(torch.ones(3)))  # closes round 0 with lr 0.1
     assert shard.version == 1 and shard.mode == "async" and not shard.status().pending_mode
     assert shard.learning_rate() == 0.5 and [c.version for c in shard.status().applied_changes] == [1]
     assert torch.allclose(shard.store.tensors[0], torch.full((3,), -0.1))
-    result = shard.push(PushStamp(0, 1, 1), 1, plan.digest, wire(torch.ones(3)))  # async: applied at once
+    result = shard.push(PushStamp(0, 1, 1), 1, plan, wire(torch.ones(3)))  # async: applied at once
     assert result.mode == "async" and shard.version == 2
 
 

@@ -69,7 +69,7 @@ def offer(shard: Shard, stream: round_stream.RoundStream, rank: int, clock: int,
 
 
 def push(shard: Shard, rank: int, clock: int, stream=None, hyper=()) -> None:
-    shard.push(PushStamp(rank, 1, clock), clock, PLAN.digest, wire(grads(rank, clock)), hyper, stream=stream)
+    shard.push(PushStamp(rank, 1, clock), clock, PLAN, wire(grads(rank, clock)), hyper, stream=stream)
 
 
 def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
@@ -187,9 +187,9 @@ def test_a_slot_that_would_overflow_ends_the_stream_and_the_round_is_refused_who
         round_stream.offer(shard, s, 0, 1, big)
         round_stream.offer(shard, s, 1, 1, big)
     assert s.ended and same(values(shard), start)
-    shard.push(PushStamp(0, 1, 0), 0, PLAN.digest, wire(grads(0, 0)), stream=s)
+    shard.push(PushStamp(0, 1, 0), 0, PLAN, wire(grads(0, 0)), stream=s)
     with pytest.raises(NonFiniteUpdateError):
-        shard.push(PushStamp(1, 1, 0), 0, PLAN.digest, wire([grads(1, 0)[0], big, grads(1, 0)[2]]), stream=s)
+        shard.push(PushStamp(1, 1, 0), 0, PLAN, wire([grads(1, 0)[0], big, grads(1, 0)[2]]), stream=s)
     assert shard.version == 0 and same(values(shard), start)
 
 

@@ -76,41 +76,41 @@ def shard(clock: FakeClock) -> Shard:
     return s
 
 
-def test_push_before_init_is_refused_and_changes_nothing(clock: FakeClock) -> None:
+def test_a_push_header_before_init_is_refused_and_changes_nothing(clock: FakeClock) -> None:
     s = Shard(0, 1, ModeSettings("sync", num_workers=2), now=clock)
     s.join(0, 2, 1)
     with pytest.raises(NotInitializedError, match="rank 0 must call Init"):
-        s.push(PushStamp(0, 1, 0), 0, PLAN.digest, wire(1.0))
+        s.check_plan(PLAN.digest)  # a push's header, before its partitions are read
     assert s.status().version == 0 and s.status().workers[0].pushes == 0
 
 
 def test_sync_round_applies_the_rank_ordered_mean(shard: Shard) -> None:
-    shard.push(PushStamp(1, 1, 0), 0, PLAN.digest, wire(3.0))
+    shard.push(PushStamp(1, 1, 0), 0, PLAN, wire(3.0))
     assert shard.version == 0 and shard.status().round_ranks == (1,)
-    shard.push(PushStamp(0, 1, 0), 0, PLAN.digest, wire(1.0))
+    shard.push(PushStamp(0, 1, 0), 0, PLAN, wire(1.0))
     assert shard.version == 1
     assert torch.equal(values(shard), torch.full((8,), 1.0 - 0.5 * 2.0))
 
 
 def test_duplicate_push_is_answered_once_and_applied_once(shard: Shard) -> None:
-    first = shard.push(PushStamp(0, 1, 0), 0, PLAN.digest, wire(1.0))
-    again = shard.push(PushStamp(0, 1, 0), 0, PLAN.digest, wire(1.0))
+    first = shard.push(PushStamp(0, 1, 0), 0, PLAN, wire(1.0))
+    again = shard.push(PushStamp(0, 1, 0), 0, PLAN, wire(1.0))
     assert again.duplicate and not first.duplicate and again.version == first.version
     assert shard.status().workers[0].pushes == 1
-    shard.push(PushStamp(1, 1, 0), 0, PLAN.digest, wire(1.0))
+    shard.push(PushStamp(1, 1, 0), 0, PLAN, wire(1.0))
     assert shard.version == 1
-    late_dup = shard.push(PushStamp(0, 1, 0), 0, PLAN.digest, wire(1.0))
+    late_dup = shard.push(PushStamp(0, 1, 0), 0, PLAN, wire(1.0))
     assert late_dup.duplicate and shard.version == 1
 
 
 @pytest.mark.parametrize(
     ("call", "error", "message"),
     [
-        (lambda s: s.push(PushStamp(2, 1, 0), 0, PLAN.digest, wire(1.0)), InvalidRequestError, "out of range"),
-        (lambda s: s.push(PushStamp(0, 1, 0), 0, "f" * 64, wire(1.0)), PlanMismatchError, "does not match"),
-        (lambda s: s.push(PushStamp(0, 1, 0), 0, PLAN.digest, wire(float("nan"))), InvalidRequestError, "NaN"),
-        (lambda s: s.push(PushStamp(0, 1, 3), 0, PLAN.digest, wire(1.0)), PreconditionError, "pull version 3"),
-        (lambda s: s.push(PushStamp(0, 0, 0), 0, PLAN.digest, wire(1.0)), PreconditionError, "superseded"),
+        (lambda s: s.push(PushStamp(2, 1, 0), 0, PLAN, wire(1.0)), InvalidRequestError, "out of range"),
+        (lambda s: s.check_plan("f" * 64), PlanMismatchError, "does not match"),
+        (lambda s: s.push(PushStamp(0, 1, 0), 0, PLAN, wire(float("nan"))), InvalidRequestError, "NaN"),
+        (lambda s: s.push(PushStamp(0, 1, 3), 0, PLAN, wire(1.0)), PreconditionError, "pull version 3"),
+        (lambda s: s.push(PushStamp(0, 0, 0), 0, PLAN, wire(1.0)), PreconditionError, "superseded"),
         (lambda s: s.join(0, 3, 1), InvalidRequestError, "num_workers=2"),
         (lambda s: s.init(SPECS[:1], 1, 16, make_plan(SPECS[:1], 1, 16).digest, SGD, []), PlanMismatchError, "match"),
     ],
@@ -136,17 +136,17 @@ def test_a_shard_initialized_at_a_version_takes_that_round_next(clock: FakeClock
     s.join(0, 2, 1)
     s.join(1, 2, 1)
     assert s.init(SPECS, 1, 16, PLAN.digest, SGD, wire(1.0), version=9) == (True, 9, PLAN.digest)
-    s.push(PushStamp(0, 1, 9), 9, PLAN.digest, wire(1.0))
-    s.push(PushStamp(1, 1, 9), 9, PLAN.digest, wire(1.0))
+    s.push(PushStamp(0, 1, 9), 9, PLAN, wire(1.0))
+    s.push(PushStamp(1, 1, 9), 9, PLAN, wire(1.0))
     assert s.version == 10 and s.join(0, 2, 1).clock == 10
 
 
 def test_stale_round_push_is_aborted(shard: Shard) -> None:
-    shard.push(PushStamp(0, 1, 0), 0, PLAN.digest, wire(1.0))
-    shard.push(PushStamp(1, 1, 0), 0, PLAN.digest, wire(1.0))
+    shard.push(PushStamp(0, 1, 0), 0, PLAN, wire(1.0))
+    shard.push(PushStamp(1, 1, 0), 0, PLAN, wire(1.0))
     with pytest.raises(StalePushError, match="counts from round 2"):
         shard.join(0, 2, 2)  # a restarted rank 0 replays clock 0 under a new incarnation
-        shard.push(PushStamp(0, 2, 0), 0, PLAN.digest, wire(2.0))
+        shard.push(PushStamp(0, 2, 0), 0, PLAN, wire(2.0))
 
 
 def test_pull_for_a_round_without_its_push_is_push_lost(shard: Shard) -> None:
@@ -155,7 +155,7 @@ def test_pull_for_a_round_without_its_push_is_push_lost(shard: Shard) -> None:
 
     with pytest.raises(PushLostError, match="push round 0 again"):
         shard.pull(0, 1, 1, PLAN.digest, timeout=1.0)
-    shard.push(PushStamp(0, 1, 0), 0, PLAN.digest, wire(1.0))
+    shard.push(PushStamp(0, 1, 0), 0, PLAN, wire(1.0))
     with pytest.raises(PushLostError):
         shard.pull(0, 1, 3, PLAN.digest, timeout=1.0)  # beyond the open round: also unreachable
 
@@ -175,19 +175,19 @@ def test_a_pull_beyond_the_open_round_waits_for_nothing(shard: Shard) -> None:
 
 
 def test_pull_waits_for_the_round_and_times_out_naming_the_laggard(shard: Shard) -> None:
-    shard.push(PushStamp(0, 1, 0), 0, PLAN.digest, wire(1.0))
+    shard.push(PushStamp(0, 1, 0), 0, PLAN, wire(1.0))
     with pytest.raises(WaitTimeoutError, match=r"ranks \[1\]"):
         shard.pull(0, 1, 1, PLAN.digest, timeout=0.0)
     got: list[int] = []
     waiter = threading.Thread(target=lambda: got.append(shard.pull(0, 1, 1, PLAN.digest, timeout=10.0)[0]))
     waiter.start()
-    shard.push(PushStamp(1, 1, 0), 0, PLAN.digest, wire(1.0))
+    shard.push(PushStamp(1, 1, 0), 0, PLAN, wire(1.0))
     waiter.join(timeout=10.0)
     assert got == [1]
 
 
 def test_lapsed_lease_evicts_and_the_round_goes_on(shard: Shard, clock: FakeClock) -> None:
-    shard.push(PushStamp(0, 1, 0), 0, PLAN.digest, wire(1.0))
+    shard.push(PushStamp(0, 1, 0), 0, PLAN, wire(1.0))
     assert tick(shard, clock, 5) == []
     shard.heartbeat(0, 1)
     assert tick(shard, clock, 5) == []
@@ -195,16 +195,16 @@ def test_lapsed_lease_evicts_and_the_round_goes_on(shard: Shard, clock: FakeCloc
     assert shard.version == 1
     assert [w.state for w in shard.status().workers] == [WorkerState.LIVE, WorkerState.EVICTED]
     with pytest.raises(PreconditionError, match="call Join again"):
-        shard.push(PushStamp(1, 1, 0), 0, PLAN.digest, wire(1.0))
+        shard.push(PushStamp(1, 1, 0), 0, PLAN, wire(1.0))
     shard.join(1, 2, 2)  # comes back with a higher incarnation: counted again from the next round
     assert shard.status().workers[1].clock == 2
-    shard.push(PushStamp(0, 1, 1), 1, PLAN.digest, wire(1.0))  # round 1 goes on without it
+    shard.push(PushStamp(0, 1, 1), 1, PLAN, wire(1.0))  # round 1 goes on without it
     assert shard.version == 2
     with pytest.raises(StalePushError, match="counts from round 2"):
-        shard.push(PushStamp(1, 2, 1), 1, PLAN.digest, wire(1.0))
-    shard.push(PushStamp(0, 1, 2), 2, PLAN.digest, wire(1.0))
+        shard.push(PushStamp(1, 2, 1), 1, PLAN, wire(1.0))
+    shard.push(PushStamp(0, 1, 2), 2, PLAN, wire(1.0))
     assert shard.version == 2
-    shard.push(PushStamp(1, 2, 2), 2, PLAN.digest, wire(1.0))
+    shard.push(PushStamp(1, 2, 2), 2, PLAN, wire(1.0))
     assert shard.version == 3
 
 
@@ -213,7 +213,7 @@ def test_close_wakes_waiters(shard: Shard) -> None:
 
     errors: list[Exception] = []
 
-    shard.push(PushStamp(0, 1, 0), 0, PLAN.digest, wire(1.0))  # round 0 waits for rank 1
+    shard.push(PushStamp(0, 1, 0), 0, PLAN, wire(1.0))  # round 0 waits for rank 1
 
     def wait() -> None:
         try:
@@ -234,11 +234,11 @@ def test_a_closed_shard_takes_no_push_even_one_that_completes_a_round(shard: Sha
     answered and then lost with the restart."""
     from ps_common.errors import ShuttingDownError
 
-    shard.push(PushStamp(0, 1, 0), 0, PLAN.digest, wire(1.0))  # round 0 waits for rank 1
+    shard.push(PushStamp(0, 1, 0), 0, PLAN, wire(1.0))  # round 0 waits for rank 1
     before = values(shard).clone()
     shard.close()
     with pytest.raises(ShuttingDownError, match="shutting down"):
-        shard.push(PushStamp(1, 1, 0), 0, PLAN.digest, wire(3.0))
+        shard.push(PushStamp(1, 1, 0), 0, PLAN, wire(3.0))
     assert shard.version == 0 and torch.equal(values(shard), before)
     assert 1 not in shard.rounds.pending  # not held either
 
@@ -255,21 +255,21 @@ def test_the_shards_own_pause_evicts_nobody(shard: Shard, clock: FakeClock) -> N
 
 
 def test_a_round_that_would_make_parameters_non_finite_is_refused_as_a_whole(shard: Shard) -> None:
-    shard.push(PushStamp(0, 1, 0), 0, PLAN.digest, wire(3e38))
+    shard.push(PushStamp(0, 1, 0), 0, PLAN, wire(3e38))
     with pytest.raises(NonFiniteUpdateError, match="round 0 \\(ranks \\[0, 1\\]\\)"):
-        shard.push(PushStamp(1, 1, 0), 0, PLAN.digest, wire(3e38))  # the sum overflows float32
+        shard.push(PushStamp(1, 1, 0), 0, PLAN, wire(3e38))  # the sum overflows float32
     with pytest.raises(NonFiniteUpdateError, match="unchanged"):  # the other rank learns it from its pull
         shard.pull(0, 1, 1, PLAN.digest, timeout=1.0)
     assert shard.version == 0 and shard.status().round_ranks == ()
     assert shard.status().rejected_pushes == {"non_finite_update": 2}
     assert torch.equal(values(shard), torch.ones(8))
-    shard.push(PushStamp(0, 1, 0), 0, PLAN.digest, wire(1.0))  # the same stamps push round 0 again
-    assert not shard.push(PushStamp(1, 1, 0), 0, PLAN.digest, wire(1.0)).duplicate
+    shard.push(PushStamp(0, 1, 0), 0, PLAN, wire(1.0))  # the same stamps push round 0 again
+    assert not shard.push(PushStamp(1, 1, 0), 0, PLAN, wire(1.0)).duplicate
     assert shard.version == 1 and torch.equal(values(shard), torch.full((8,), 0.5))
 
 
 def test_a_refused_round_reaches_a_waiting_pull(shard: Shard) -> None:
-    shard.push(PushStamp(0, 1, 0), 0, PLAN.digest, wire(3e38))
+    shard.push(PushStamp(0, 1, 0), 0, PLAN, wire(3e38))
     errors: list[BaseException] = []
 
     def wait() -> None:
@@ -281,7 +281,7 @@ def test_a_refused_round_reaches_a_waiting_pull(shard: Shard) -> None:
     waiter = threading.Thread(target=wait)
     waiter.start()
     with pytest.raises(NonFiniteUpdateError):
-        shard.push(PushStamp(1, 1, 0), 0, PLAN.digest, wire(3e38))
+        shard.push(PushStamp(1, 1, 0), 0, PLAN, wire(3e38))
     waiter.join(10.0)
     assert not waiter.is_alive() and len(errors) == 1 and isinstance(errors[0], NonFiniteUpdateError)
 
@@ -296,35 +296,35 @@ def async_shard(clock: FakeClock) -> Shard:
 def test_a_replay_beyond_the_window_is_refused_and_the_mark_survives_a_checkpoint(clock: FakeClock) -> None:
     s = async_shard(clock)
     for c in range(70):
-        s.push(PushStamp(0, 1, c), c, PLAN.digest, wire(0.001))
-    assert s.push(PushStamp(0, 1, 69), 0, PLAN.digest, wire(0.001)).duplicate
+        s.push(PushStamp(0, 1, c), c, PLAN, wire(0.001))
+    assert s.push(PushStamp(0, 1, 69), 0, PLAN, wire(0.001)).duplicate
     with pytest.raises(ReplayedPushError, match="clock 3 is a replay"):
-        s.push(PushStamp(0, 1, 3), 0, PLAN.digest, wire(0.001))
+        s.push(PushStamp(0, 1, 3), 0, PLAN, wire(0.001))
     assert s.version == 70 and s.status().rejected_pushes == {"replayed": 1}
     saved = s.export_state()
 
     restarted = Shard(0, 1, ModeSettings("async", num_workers=1), now=clock)
     restarted.restore(saved)
     with pytest.raises(ReplayedPushError):
-        restarted.push(PushStamp(0, 1, 3), 0, PLAN.digest, wire(0.001))
-    assert restarted.push(PushStamp(0, 1, 69), 0, PLAN.digest, wire(0.001)).duplicate
-    restarted.push(PushStamp(0, 1, 70), 70, PLAN.digest, wire(0.001))
+        restarted.push(PushStamp(0, 1, 3), 0, PLAN, wire(0.001))
+    assert restarted.push(PushStamp(0, 1, 69), 0, PLAN, wire(0.001)).duplicate
+    restarted.push(PushStamp(0, 1, 70), 70, PLAN, wire(0.001))
     assert restarted.version == 71
     restarted.join(0, 1, 2)  # a new incarnation starts its clocks over
-    restarted.push(PushStamp(0, 2, 0), 71, PLAN.digest, wire(0.001))
+    restarted.push(PushStamp(0, 2, 0), 71, PLAN, wire(0.001))
     assert restarted.version == 72
 
 
 def test_a_checkpoint_without_marks_still_loads(clock: FakeClock) -> None:
     s = async_shard(clock)
-    s.push(PushStamp(0, 1, 0), 0, PLAN.digest, wire(0.001))
+    s.push(PushStamp(0, 1, 0), 0, PLAN, wire(0.001))
     saved = s.export_state()
     for member in saved["members"]:  # as written before high-water marks existed
         del member["high_water"], member["history"]
     restarted = Shard(0, 1, ModeSettings("async", num_workers=1), now=clock)
     restarted.restore(saved)
     assert restarted.version == 1 and restarted.members[0].high_water == -1
-    restarted.push(PushStamp(0, 1, 1), 1, PLAN.digest, wire(0.001))
+    restarted.push(PushStamp(0, 1, 1), 1, PLAN, wire(0.001))
     assert restarted.version == 2
 
 
@@ -332,7 +332,7 @@ def test_a_checkpoint_of_the_release_before_the_packing_version_loads_and_a_forg
     clock: FakeClock,
 ) -> None:
     s = async_shard(clock)
-    s.push(PushStamp(0, 1, 0), 0, PLAN.digest, wire(0.001))
+    s.push(PushStamp(0, 1, 0), 0, PLAN, wire(0.001))
     saved = s.export_state()
     saved["plan"]["digest"] = plan_digest(
         SPECS, 1, 16, packing=0, cut=1

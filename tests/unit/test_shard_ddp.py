@@ -84,21 +84,21 @@ def test_store_per_group_step_buffers_and_refused_step_keeps_hyperparameters() -
 def test_sync_round_uses_the_agreed_lr_refuses_disagreement_and_skips_on_any_skip() -> None:
     s = shard()
     hyper = [{"lr": 0.1}, {"lr": 0.1}]
-    s.push(PushStamp(0, 1, 0), 0, PLAN.digest, wire({"w": 1.0, "b": 1.0, "m": 5.0}), hyper)
-    s.push(PushStamp(1, 1, 0), 0, PLAN.digest, wire({"w": 3.0, "b": 3.0, "m": 9.0}), hyper)
+    s.push(PushStamp(0, 1, 0), 0, PLAN, wire({"w": 1.0, "b": 1.0, "m": 5.0}), hyper)
+    s.push(PushStamp(1, 1, 0), 0, PLAN, wire({"w": 3.0, "b": 3.0, "m": 9.0}), hyper)
     v = values(s)
     assert v["w"] == pytest.approx(1 - 0.1 * (2.0 + 0.1))  # lr 0.1 (not the spec's 0.5), decay 0.1
     assert v["b"] == pytest.approx(1 - 0.1 * 2.0)
     assert v["m"] == 5.0  # rank 0's buffer, not the mean
     assert s.learning_rate() == pytest.approx(0.1)
     # disagreement: the round is refused as a whole, both ranks are told, nothing changed
-    s.push(PushStamp(0, 1, 1), 1, PLAN.digest, wire({"w": 1.0, "b": 1.0, "m": 6.0}), hyper)
+    s.push(PushStamp(0, 1, 1), 1, PLAN, wire({"w": 1.0, "b": 1.0, "m": 6.0}), hyper)
     with pytest.raises(HyperparametersDisagreeError, match="different hyperparameters"):
-        s.push(PushStamp(1, 1, 1), 1, PLAN.digest, wire({"w": 1.0, "b": 1.0, "m": 6.0}), [{"lr": 0.2}, {"lr": 0.1}])
+        s.push(PushStamp(1, 1, 1), 1, PLAN, wire({"w": 1.0, "b": 1.0, "m": 6.0}), [{"lr": 0.2}, {"lr": 0.1}])
     assert s.version == 1 and values(s) == v
     # a skip from any rank: the round closes, the step is skipped, rank 0's buffers still arrive
-    s.push(PushStamp(0, 1, 1), 1, PLAN.digest, wire({"w": 1.0, "b": 1.0, "m": 6.0}), hyper)
-    s.push(PushStamp(1, 1, 1), 1, PLAN.digest, wire({"w": 0.0, "b": 0.0, "m": 0.0}), hyper, skip=True)
+    s.push(PushStamp(0, 1, 1), 1, PLAN, wire({"w": 1.0, "b": 1.0, "m": 6.0}), hyper)
+    s.push(PushStamp(1, 1, 1), 1, PLAN, wire({"w": 0.0, "b": 0.0, "m": 0.0}), hyper, skip=True)
     assert s.version == 2 and 1 in s.skipped_rounds
     after = values(s)
     assert after["w"] == v["w"] and after["b"] == v["b"] and after["m"] == 6.0
@@ -107,22 +107,22 @@ def test_sync_round_uses_the_agreed_lr_refuses_disagreement_and_skips_on_any_ski
 def test_update_config_lr_holds_until_a_push_changes_it() -> None:
     s = shard(num_workers=1, mode="async")
     s.update_config(learning_rate=0.01, at_version=0)  # from this version on
-    s.push(PushStamp(0, 1, 0), 0, PLAN.digest, wire({"w": 1.0, "b": 0.0, "m": 0.0}))
+    s.push(PushStamp(0, 1, 0), 0, PLAN, wire({"w": 1.0, "b": 0.0, "m": 0.0}))
     assert values(s)["w"] == pytest.approx(1 - 0.01 * (1.0 + 0.1))
-    s.push(PushStamp(0, 1, 1), 1, PLAN.digest, wire({"w": 0.0, "b": 0.0, "m": 0.0}), [{"lr": 0.3}, {"lr": 0.3}])
+    s.push(PushStamp(0, 1, 1), 1, PLAN, wire({"w": 0.0, "b": 0.0, "m": 0.0}), [{"lr": 0.3}, {"lr": 0.3}])
     assert s.learning_rate() == pytest.approx(0.3)
     # the latest change wins: the operator's lr holds while the pushed lr stays the same...
     s.update_config(learning_rate=0.02)
-    s.push(PushStamp(0, 1, 2), 2, PLAN.digest, wire({"w": 0.0, "b": 0.0, "m": 0.0}), [{"lr": 0.3}, {"lr": 0.3}])
+    s.push(PushStamp(0, 1, 2), 2, PLAN, wire({"w": 0.0, "b": 0.0, "m": 0.0}), [{"lr": 0.3}, {"lr": 0.3}])
     assert s.learning_rate() == pytest.approx(0.02)
     # ...until the worker's schedule changes it
-    s.push(PushStamp(0, 1, 3), 3, PLAN.digest, wire({"w": 0.0, "b": 0.0, "m": 0.0}), [{"lr": 0.4}, {"lr": 0.3}])
+    s.push(PushStamp(0, 1, 3), 3, PLAN, wire({"w": 0.0, "b": 0.0, "m": 0.0}), [{"lr": 0.4}, {"lr": 0.3}])
     assert [g["lr"] for g in s.store.optimizer.param_groups] == [0.4, 0.02]  # type: ignore[union-attr]
 
 
 def test_checkpoint_keeps_groups_buffers_and_scheduled_lr_and_old_checkpoints_load() -> None:
     s = shard(num_workers=1)
-    s.push(PushStamp(0, 1, 0), 0, PLAN.digest, wire({"w": 1.0, "b": 1.0, "m": 4.0}), [{"lr": 0.2}, {"lr": 0.05}])
+    s.push(PushStamp(0, 1, 0), 0, PLAN, wire({"w": 1.0, "b": 1.0, "m": 4.0}), [{"lr": 0.2}, {"lr": 0.05}])
     state = s.export_state()
     buf = io.BytesIO()
     torch.save(state, buf)
@@ -150,7 +150,7 @@ def test_checkpoint_keeps_groups_buffers_and_scheduled_lr_and_old_checkpoints_lo
 
 def test_async_buffers_come_from_rank_0_only_even_when_it_skips() -> None:
     s = shard(num_workers=2, mode="async")
-    s.push(PushStamp(1, 1, 0), 0, PLAN.digest, wire({"w": 0.0, "b": 0.0, "m": 9.0}))
+    s.push(PushStamp(1, 1, 0), 0, PLAN, wire({"w": 0.0, "b": 0.0, "m": 9.0}))
     assert values(s)["m"] == 0.0  # rank 1's buffers are not kept
-    s.push(PushStamp(0, 1, 0), 1, PLAN.digest, wire({"w": 0.0, "b": 0.0, "m": 4.0}), skip=True)
+    s.push(PushStamp(0, 1, 0), 1, PLAN, wire({"w": 0.0, "b": 0.0, "m": 4.0}), skip=True)
     assert values(s)["m"] == 4.0 and s.version == 2  # a skipped push still brings rank 0's buffers (a version)
