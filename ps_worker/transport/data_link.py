@@ -121,8 +121,9 @@ class DataConnection:
 
     def send_slot(self, sequence: int, slot: int, values: torch.Tensor) -> int:
         """Send partition ``slot`` of frame ``sequence`` alone (1-D CPU tensor in its wire dtype,
-        sent from its memory): during backward as its gradient is ready, in any order, or one by
-        one from :class:`~ps_worker.transport.frame_sender.FrameSender`. Returns bytes sent.
+        sent from its memory), from a :class:`~ps_worker.transport.frame_sender.FrameSender`'s
+        thread: in slot order, or in the order the gradients are ready during backward. Returns
+        bytes sent.
 
         Raises:
             DataLinkError: the connection broke (it is closed).

@@ -36,37 +36,57 @@ emulated 1 Gbit/s links, 2 workers x 4 shards of 25 MB step in about 235 ms (ben
 
 class SendOrder:
     """The order in which the frames of one PushPull go out: slot 0 of every shard, then slot 1 of
-    every shard, and so on (shards in index order, each with its own partition count).
+    every shard, and so on (shards in index order, each with its own partition count); or, for
+    frames begun during backward, the order in which the partitions' gradients are ready
+    (:meth:`add`).
 
     Args:
         counts: shard -> its partitions in this push; shards that send no frame (their push goes
-            on gRPC, or went out during backward) have none, and take no turns.
+            on gRPC, or is begun during backward) have none, and take no turns. None: no turns
+            until :meth:`add`.
     """
 
-    def __init__(self, counts: dict[int, int]) -> None:
-        longest = max(counts.values(), default=0)
-        order = [(k, i) for i in range(longest) for k in sorted(counts) if i < counts[k]]
-        self._position = {turn: j for j, turn in enumerate(order)}
+    def __init__(self, counts: dict[int, int] | None = None) -> None:
+        self._position: dict[tuple[int, int], int] = {}
+        self._taken: dict[int, int] = {}
         self._next = 0
         self._done: set[int] = set()
+        self._gone: set[int] = set()
         self._cond = threading.Condition()
+        longest = max(counts.values(), default=0) if counts else 0
+        for i in range(longest):
+            for k in sorted(counts or {}):
+                if i < counts[k]:  # type: ignore[index]
+                    self.add(k)
+
+    def add(self, k: int) -> None:
+        """Shard ``k``'s next partition takes the next turn (a frame begun during backward: its
+        gradient is ready); a shard that gave up has its turn passed at once."""
+        with self._cond:
+            i = self._taken.get(k, 0)
+            self._taken[k] = i + 1
+            j = self._position[(k, i)] = len(self._position)
+        if k in self._gone:
+            self._finish([j])
 
     def wait(self, k: int, i: int, timeout: float) -> None:
-        """Until every partition before shard ``k``'s slot ``i`` was sent, or for ``timeout``
-        seconds at most (then it goes on out of order)."""
-        j = self._position.get((k, i))
-        if j is None:
-            return
+        """Until every partition before shard ``k``'s ``i``-th was sent, or for ``timeout`` seconds
+        at most (then it goes on out of order)."""
         with self._cond:
-            self._cond.wait_for(lambda: self._next >= j, timeout=timeout)
+            j = self._position.get((k, i))
+            if j is not None:
+                self._cond.wait_for(lambda: self._next >= j, timeout=timeout)
 
     def sent(self, k: int, i: int) -> None:
-        """Shard ``k``'s slot ``i`` is sent (or will not be): the turn passes on."""
+        """Shard ``k``'s ``i``-th partition is sent (or will not be): the turn passes on."""
         self._finish([self._position.get((k, i))])
 
     def give_up(self, k: int) -> None:
         """Shard ``k`` sends nothing more in this order (its frame ended, or failed)."""
-        self._finish([j for (shard, _), j in self._position.items() if shard == k])
+        with self._cond:
+            self._gone.add(k)
+            turns = [j for (shard, _), j in self._position.items() if shard == k]
+        self._finish(turns)
 
     def _finish(self, turns: Sequence[int | None]) -> None:
         with self._cond:
@@ -77,23 +97,22 @@ class SendOrder:
 
 
 class FrameSender:
-    """A push frame (or, when its partitions went out during backward, its end record) sent on a
-    thread of its own while the caller receives the answer on the same connection.
+    """A push frame sent on a thread of its own, then its end record, while the caller receives
+    the answer on the same connection (a frame begun during backward: from its start, while
+    backward goes on).
 
     Args:
         conn: shard ``k``'s data connection.
         sequence: the frame's number.
         count: the frame's partitions.
-        values: partition i -> its values as they go on the wire (1-D CPU tensor), called on the
-            sending thread just before partition i is sent (a cast is made there, overlapping the
-            sending of the partitions before it).
-        sent_before: >= 0: the partitions went out during backward (that many bytes); only the
-            end record is sent.
+        values: the i-th partition sent -> (its slot on the wire: its position among all the
+            shard's partitions, as a diloco round of one fragment sends some; its values as they
+            go on the wire, a 1-D CPU tensor), called on the sending thread just before it is sent
+            (a cast is made there, overlapping the sending of the partitions before it; a frame
+            begun during backward waits there for the next gradient ready).
         order: the push's order across shards (None: send at once); this sender takes its turns in
             it and gives up the rest when it ends.
         k: the shard's index in ``order``.
-        slots: partition i's slot on the wire (its position among all the shard's partitions; a
-            diloco round of one fragment sends some); None: i.
     """
 
     def __init__(
@@ -101,30 +120,23 @@ class FrameSender:
         conn: DataConnection,
         sequence: int,
         count: int,
-        values: Callable[[int], torch.Tensor],
-        sent_before: int,
+        values: Callable[[int], tuple[int, torch.Tensor]],
         order: SendOrder | None = None,
         k: int = 0,
-        slots: Sequence[int] | None = None,
     ) -> None:
         self.sent = 0
         self.error: DataLinkError | None = None
-        self._thread: threading.Thread | None = None
-        if sent_before >= 0:  # only the end record is left: no thread
-            if order is not None:
-                order.give_up(k)
-            self.sent = sent_before + conn.send_end(sequence, count)
-            return
 
         def send() -> None:
             deadline = time.monotonic() + conn.timeout
             try:
                 sent = 0
                 for i in range(count):
+                    slot, tensor = values(i)
                     if order is not None:
                         order.wait(k, i, max(0.0, deadline - time.monotonic()))
                     try:
-                        sent += conn.send_slot(sequence, i if slots is None else slots[i], values(i))
+                        sent += conn.send_slot(sequence, slot, tensor)
                     finally:
                         if order is not None:
                             order.sent(k, i)
@@ -147,8 +159,7 @@ class FrameSender:
         Raises:
             DataLinkError: the send failed (unless ``quiet``).
         """
-        if self._thread is not None:
-            self._thread.join()
+        self._thread.join()
         if self.error is not None and not quiet:
             raise self.error
         return self.sent

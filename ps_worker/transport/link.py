@@ -15,7 +15,9 @@ shard, which applies a stamp at most once, answers the same push as usual.
 
 from __future__ import annotations
 
+import queue
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any, Protocol
 
@@ -178,23 +180,48 @@ class DataLink:
         self.sequence: int | None = None
         """The frame number of a begun push's partitions."""
         self._slots: dict[str, list[int]] = {}
+        self._ready: queue.SimpleQueue[tuple[int, torch.Tensor] | None] = queue.SimpleQueue()
+        self._sending: FrameSender | None = None
+        self._until = 0.0
 
     def begin(self) -> None:
-        self.sequence = self.push.transport.next_sequence()
-        for i, part in enumerate(self.push.codec.owned[self.k]):
+        """Begin the frame during backward: its partitions go out on a thread of their own as
+        their gradients are ready (:meth:`ready`), so that backward never waits for the link, and
+        the answer's values are received from :meth:`attempt` on, while the rest still goes up."""
+        p, k = self.push, self.k
+        self.sequence = p.transport.next_sequence()
+        for i, part in enumerate(p.codec.owned[k]):
             self._slots.setdefault(part.key, []).append(i)
+        self._until = time.monotonic() + self.conn.timeout
+        self._sending = FrameSender(self.conn, self.sequence, len(p.codec.owned[k]), self._next_ready, p.order, k)
+
+    def _next_ready(self, i: int) -> tuple[int, torch.Tensor]:
+        """The begun frame's i-th partition to send, once its gradient is ready (on the sending thread).
+
+        Raises:
+            TimeoutError: none within the push's timeout. ConnectionAbortedError: the push was cancelled.
+        """
+        try:
+            ready = self._ready.get(timeout=max(0.0, self._until - time.monotonic()))
+        except queue.Empty:
+            raise TimeoutError(f"partition {i} of frame {self.sequence} was not ready in time") from None
+        if ready is None:
+            raise ConnectionAbortedError(f"frame {self.sequence} was cancelled")
+        return ready
 
     def ready(self, key: str) -> bool:
-        """Send the partitions of ``key`` as slots of the begun frame."""
-        p, k = self.push, self.k
-        if self.sequence is None:
+        """Queue the partitions of ``key`` for the begun frame's sending thread; False when it failed
+        (the connection is closed: the push goes on gRPC)."""
+        p, k, sending = self.push, self.k, self._sending
+        if sending is None:
             return True
+        if sending.error is not None:
+            p.transport.data_failed(k, sending.error.details())
+            return False
         for i in self._slots.get(key, ()):
-            try:
-                p.sent[k] += self.conn.send_slot(self.sequence, p.codec.slots[k][i], p.out_locked(k, i).values)
-            except DataLinkError as exc:
-                p.transport.data_failed(k, exc.details())
-                return False
+            if p.order is not None:
+                p.order.add(k)
+            self._ready.put((p.codec.slots[k][i], p.out_locked(k, i).values))
         return True
 
     def end(self) -> None:
@@ -203,13 +230,14 @@ class DataLink:
     def cancel(self) -> None:
         """A frame begun on the connection is dropped with it; the next push connects again."""
         if self.sequence is not None:
+            self._ready.put(None)
             self.push.transport.drop_data(self.k)
 
     def attempt(self) -> Answer:
         p, t, k = self.push, self.push.transport, self.k
         begun, self.sequence = self.sequence, None
         if begun is not None:
-            return self._frame(begun, p.sent[k])
+            return self._frame(begun, self._sending)
         p.sent[k] = 0
         if not p.once(k):
             return self._frame(t.next_sequence())
@@ -237,10 +265,10 @@ class DataLink:
             t.data_failed(self.k, exc.details())
             raise
 
-    def _frame(self, sequence: int, sent_before: int = -1) -> Answer:
+    def _frame(self, sequence: int, sending: FrameSender | None = None) -> Answer:
         """One PushPull with the partitions as frame ``sequence``: the call with the header alone,
-        then the frame (from the gradients' memory, on a thread of its own; ``sent_before`` >= 0:
-        its partitions went out during backward and only its end is sent here) while the answer's
+        then the frame (from the gradients' memory, on a thread of its own; ``sending``: the frame
+        begun during backward, on its way) while the answer's
         values come back on the connection into the weights (a streamed round's speculative values
         too: a round put back sends its own values after them, which overwrite them), then the
         call's answer (version, push's answer).
@@ -260,11 +288,12 @@ class DataLink:
                 targets.append((flat, wire if wire is not None and flat.dtype != wire else flat.dtype))
             # the frame goes out beside the receive: a streamed round answers each partition while
             # the later ones are still on their way (both directions of the link busy at once)
-            sending: FrameSender | None = None
             try:
-                sending = FrameSender(
-                    conn, sequence, len(owned), lambda i: p.out(k, i).values, sent_before, p.order, k, p.codec.slots[k]
-                )
+                if sending is None:
+                    slots = p.codec.slots[k]
+                    sending = FrameSender(
+                        conn, sequence, len(owned), lambda i: (slots[i], p.out(k, i).values), p.order, k
+                    )
                 received = conn.receive(
                     sequence, targets, t.timeout, lambda: replies.done() and replies.code() is not grpc.StatusCode.OK
                 )

@@ -84,11 +84,11 @@ class PendingPushPull:
         self.span = tracing.start("push_pull", rank=self.session.rank, clock=self.round, shards=t.num_shards)
         """This push's span (tracing on), from here to the end of :meth:`finish` or :meth:`cancel`."""
         if stream:
+            self._begun = {k: choose_link(self, k) for k in range(t.num_shards) if not self.once(k)}
+            self.order = self._send_order(self._begun, begun=True)
             with tracing.current(self.span, end=False):  # the calls begun now carry its traceparent
-                for k in range(t.num_shards):
-                    if not self.once(k):
-                        self._begun[k] = link = choose_link(self, k)
-                        link.begin()
+                for link in self._begun.values():
+                    link.begin()
 
     # -------------------------------------------------------------- what goes on the wire
     def once(self, k: int) -> bool:
@@ -178,24 +178,19 @@ class PendingPushPull:
         self._begun.clear()
         tracing.end(self.span)
 
-    def _send_order(self) -> SendOrder | None:
+    def _send_order(self, links: Mapping[int, Link], begun: bool = False) -> SendOrder | None:
         """The order of this push's frames across shards (:mod:`ps_worker.transport.frame_sender`), when two
-        or more shards on other hosts take one on their data connections (not sent during
-        backward); their connections then queue little, so that the order holds on the wire."""
-        counts: dict[int, int] = {}
-        conns = []
-        for k in range(self.transport.num_shards):
-            if k in self._begun or self.once(k):
-                continue
-            conn = choose_link(self, k).frame_connection()
-            if conn is not None and not is_loopback(conn.host):  # on one machine: nothing to gain
-                counts[k] = len(self.codec.owned[k])
-                conns.append(conn)
-        if len(counts) < 2:
+        or more of ``links`` (shard -> its link) send a frame on data connections to other hosts:
+        their connections then queue little, so that the order holds on the wire. ``begun``: the
+        frames begin during backward and take their turns as their gradients are ready."""
+        conns = {k: link.frame_connection() for k, link in links.items()}
+        # on one machine: nothing to gain
+        conns = {k: c for k, c in conns.items() if c is not None and not is_loopback(c.host)}
+        if len(conns) < 2:
             return None
-        for conn in conns:
+        for conn in conns.values():
             keep_in_order(conn)
-        return SendOrder(counts)
+        return SendOrder(None if begun else {k: len(self.codec.owned[k]) for k in conns})
 
     def finish(self) -> int:
         """Send what is left (zeros for parameters without a gradient), wait for every shard,
@@ -217,7 +212,8 @@ class PendingPushPull:
                 self.ready(spec.key, torch.zeros(math.prod(spec.shape), dtype=torch_dtype(spec.dtype)))
         # made as the frames are sent, kept as sent (a PushLost meanwhile or later pushes it again)
         push = Pushed(_LastPush(self), self.round, self.hyperparameters, self.skip, samples=self.samples)
-        self.order = self._send_order()
+        if not self._begun and self.order is None:
+            self.order = self._send_order({k: choose_link(self, k) for k in range(t.num_shards) if not self.once(k)})
         begun = list(self._begun.values())
         for link in begun:  # every frame is built: the streams may end
             link.end()

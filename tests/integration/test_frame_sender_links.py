@@ -49,12 +49,12 @@ def test_a_connection_closed_while_its_frame_is_sent_fails_the_sender_with_a_lin
         conn = DataConnection("127.0.0.1", shard.port, 0, 1, timeout=TIMEOUT)
         slots = [torch.zeros(1 << 10) for _ in range(4)]
 
-        def values(i: int) -> torch.Tensor:
+        def values(i: int) -> tuple[int, torch.Tensor]:
             if i == 2:
                 conn.close()  # between two partitions, as the call's receive does when the shard goes away
-            return slots[i]
+            return i, slots[i]
 
-        sending = FrameSender(conn, 1, len(slots), values, -1)
+        sending = FrameSender(conn, 1, len(slots), values)
         with pytest.raises(DataLinkError):
             sending.join()
     finally:
@@ -66,10 +66,10 @@ def test_a_partition_that_cannot_be_made_closes_the_connection_and_fails_the_sen
     try:
         conn = DataConnection("127.0.0.1", shard.port, 0, 1, timeout=TIMEOUT)
 
-        def values(i: int) -> torch.Tensor:
+        def values(i: int) -> tuple[int, torch.Tensor]:
             raise RuntimeError("cast failed")
 
-        sending = FrameSender(conn, 1, 2, values, -1)
+        sending = FrameSender(conn, 1, 2, values)
         with pytest.raises(DataLinkError, match="cast failed"):
             sending.join()
         assert conn.closed  # the receive of the same call fails at once instead of waiting

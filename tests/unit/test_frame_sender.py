@@ -41,7 +41,7 @@ def senders(counts: dict[int, int], order: SendOrder | None, fail: dict[int, int
     conns = {k: FakeConnection(k, log, lock, (fail or {}).get(k, -1)) for k in counts}
     # started in reverse shard order: without the order, shard 2 would go first
     started = [
-        FrameSender(conns[k], 7, n, lambda i: torch.zeros(4), -1, order, k)  # type: ignore[arg-type]
+        FrameSender(conns[k], 7, n, lambda i: (i, torch.zeros(4)), order, k)  # type: ignore[arg-type]
         for k, n in sorted(counts.items(), reverse=True)
     ]
     return started, conns, log
@@ -92,3 +92,33 @@ def test_without_an_order_each_frame_goes_at_once() -> None:
     for s in started:
         s.join()
     assert sorted(log) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+
+
+def test_frames_begun_during_backward_go_out_in_the_order_their_gradients_are_ready() -> None:
+    # a push begun during backward: shard 1's slot 1 is ready first, then shard 0's slot 0, then
+    # shard 1's slot 0 (backward's order, not the slots')
+    order = SendOrder()
+    ready = {0: [0], 1: [1, 0]}
+    for k in (1, 0, 1):
+        order.add(k)
+    log: list[tuple[int, int]] = []
+    lock = threading.Lock()
+    conns = {k: FakeConnection(k, log, lock) for k in (0, 1)}
+    # shard 0's sender starts first: without the order, its partition would go first
+    started = [
+        FrameSender(conns[k], 7, len(ready[k]), lambda i, k=k: (ready[k][i], torch.zeros(4)), order, k)  # type: ignore[arg-type]
+        for k in (0, 1)
+    ]
+    assert [s.join() for s in started] == [16 + 24, 2 * 16 + 24]
+    assert log == [(1, 1), (0, 0), (1, 0)]
+
+
+def test_a_turn_added_for_a_shard_that_gave_up_holds_nobody() -> None:
+    order = SendOrder()
+    order.add(0)
+    order.give_up(0)  # its frame failed during backward
+    order.add(0)  # a later gradient of the same shard: passed at once
+    order.add(1)
+    start = time.monotonic()
+    order.wait(1, 0, timeout=TIMEOUT)
+    assert time.monotonic() - start < TIMEOUT / 2
