@@ -53,10 +53,10 @@ class SendOrder:
         self._done: set[int] = set()
         self._gone: set[int] = set()
         self._cond = threading.Condition()
-        longest = max(counts.values(), default=0) if counts else 0
-        for i in range(longest):
-            for k in sorted(counts or {}):
-                if i < counts[k]:  # type: ignore[index]
+        counts = counts or {}
+        for i in range(max(counts.values(), default=0)):
+            for k in sorted(counts):
+                if i < counts[k]:
                     self.add(k)
 
     def add(self, k: int) -> None:

@@ -288,12 +288,10 @@ class DataLink:
                 targets.append((flat, wire if wire is not None and flat.dtype != wire else flat.dtype))
             # the frame goes out beside the receive: a streamed round answers each partition while
             # the later ones are still on their way (both directions of the link busy at once)
+            if sending is None:
+                slots = p.codec.slots[k]
+                sending = FrameSender(conn, sequence, len(owned), lambda i: (slots[i], p.out(k, i).values), p.order, k)
             try:
-                if sending is None:
-                    slots = p.codec.slots[k]
-                    sending = FrameSender(
-                        conn, sequence, len(owned), lambda i: (slots[i], p.out(k, i).values), p.order, k
-                    )
                 received = conn.receive(
                     sequence, targets, t.timeout, lambda: replies.done() and replies.code() is not grpc.StatusCode.OK
                 )
@@ -301,10 +299,7 @@ class DataLink:
             except DataLinkError as exc:
                 replies.cancel()  # the shard applies nothing of a cancelled call
                 conn.close()
-                if sending is not None:
-                    sending.join(quiet=True)
-                elif p.order is not None:
-                    p.order.give_up(k)
+                sending.join(quiet=True)
                 t.data_failed(k, exc.details())
                 raise
             try:
